@@ -1,0 +1,1 @@
+"""Pipeline-parallel planning (pure) and execution (per rank)."""

@@ -1,0 +1,63 @@
+"""What every schedule generator is: a pure function of (placement, micro-batches) plus its rules.
+
+A generator is a small dataclass so that Hydra can build it from `conf/scheduler/<name>.yaml`
+(`_target_` + option fields). It declares which placement `placement=auto` should give it, checks
+its own requirements, and returns compute actions per rank; sends and receives come from
+`pipeline.lowering`, never from the generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pipeline.errors import ConfigError
+from pipeline.ir import Action
+
+
+@dataclass
+class ScheduleGenerator:
+    """Base class: subclasses set the class variables and implement `compute_actions`."""
+
+    name: ClassVar[str] = "base"
+    #: placement kind `placement=auto` resolves to ("linear", "interleaved" or "v").
+    default_placement: ClassVar[str] = "linear"
+    #: placement kinds the generator can run on ("explicit" = any list).
+    supported_placements: ClassVar[tuple[str, ...]] = ("linear",)
+    #: whether the backward is split into I and W actions.
+    split_backward: ClassVar[bool] = False
+    #: False for forward-only schedules.
+    training: ClassVar[bool] = True
+
+    def stages_per_rank(self) -> int:
+        return 1
+
+    def check(self, pp: int, microbatches: int, placement: list[int]) -> None:
+        """Raise ConfigError if this schedule cannot run with these settings."""
+        from pipeline.placement import classify
+
+        kind = classify(placement) if pp > 1 else "linear"
+        if kind not in self.supported_placements and "explicit" not in self.supported_placements:
+            raise ConfigError(
+                "placement",
+                f"scheduler {self.name!r} cannot run on a {kind} placement {placement}; "
+                f"it supports: {', '.join(self.supported_placements)} (placement=auto picks "
+                f"{self.default_placement!r})",
+            )
+        if len(placement) != pp * self.stages_per_rank() and "explicit" not in self.supported_placements:
+            raise ConfigError(
+                "placement",
+                f"scheduler {self.name!r} needs {self.stages_per_rank()} stage(s) per rank, "
+                f"i.e. {pp * self.stages_per_rank()} stages for pp={pp}, but the placement has {len(placement)}",
+            )
+
+    def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
+        raise NotImplementedError
+
+
+def require_microbatches_at_least(name: str, microbatches: int, minimum: int, why: str) -> None:
+    if microbatches < minimum:
+        raise ConfigError(
+            "microbatches",
+            f"scheduler {name!r} needs microbatches >= {minimum} ({why}); got {microbatches}",
+        )
