@@ -1,0 +1,1 @@
+"""Turning a composed config into running ranks: validation, spawning/joining, per-rank workers."""

@@ -1,0 +1,62 @@
+"""What `python train.py` does once Hydra has composed the config."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from launcher.spawn import RankFailed, spawn_ranks
+from launcher.validate import prepare
+from launcher.worker import RankJob, joined_rank_env, rank_main
+from pipeline.errors import ConfigError
+
+
+def resolve(cfg: DictConfig) -> dict:
+    """A plain dict with every interpolation resolved: spawned ranks cannot resolve ${hydra:...}."""
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+
+
+def run(cfg: DictConfig, run_dir: Path) -> dict:
+    """Validate, plan, then spawn ranks (or join as one); returns rank 0's metrics."""
+    resolved = resolve(cfg)
+    prepared = prepare(resolved)
+    plan = prepared.plan
+    run_dir.mkdir(parents=True, exist_ok=True)
+    job = RankJob(resolved, plan, str(run_dir))
+    if joined_rank_env():
+        is_rank0 = os.environ.get("RANK") == "0"
+        if is_rank0:
+            plan.write(run_dir / "plan.json")
+            print(plan.stage_table(), flush=True)
+        result = rank_main(job)
+        return result.get("metrics", {})
+    plan.write(run_dir / "plan.json")
+    print(plan.stage_table(), flush=True)
+    print(f"schedule {plan.schedule.name}: pp={plan.pp} dp={plan.dp} microbatches={plan.microbatches}", flush=True)
+    results = spawn_ranks(job, plan.pp * plan.dp, run_dir / "logs")
+    metrics = results[0]["metrics"]
+    print(
+        f"done: median step {metrics['step_time_s'] * 1e3:.1f} ms, {metrics['tokens_per_s']:.0f} tokens/s, "
+        f"final loss {metrics['losses'][-1]:.4f}; metrics in {run_dir / 'metrics.json'}",
+        flush=True,
+    )
+    return metrics
+
+
+def run_safely(cfg: DictConfig, run_dir: Path, multirun: bool) -> dict | None:
+    """Report bad config and failed ranks as one clear message; in a multirun, record the failure
+    in the job's own metrics.json and carry on so the sweep's summary still happens."""
+    try:
+        return run(cfg, run_dir)
+    except (ConfigError, RankFailed) as err:
+        kind = "config error" if isinstance(err, ConfigError) else "a rank failed"
+        print(f"error ({kind}): {err}", file=sys.stderr, flush=True)
+        if multirun:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "metrics.json").write_text(json.dumps({"status": "failed", "error": str(err)}, indent=1))
+            return None
+        sys.exit(2 if isinstance(err, ConfigError) else 1)

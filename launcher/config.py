@@ -1,0 +1,53 @@
+"""The typed schema of the primary config, registered in Hydra's ConfigStore.
+
+Top-level numbers (`pp`, `dp`, ...) are plain int keys, not config groups: Hydra cannot select a
+group option by a number on the command line. Group contents stay open (`Any`) because each
+option carries its own fields and `_target_`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class TrainConfig:
+    model: Any = MISSING
+    data: Any = MISSING
+    scheduler: Any = MISSING
+    partitioner: Any = MISSING
+    placement: Any = MISSING
+    optimizer: Any = MISSING
+    logger: Any = MISSING
+    #: pipeline-parallel degree: ranks per pipeline.
+    pp: int = 2
+    #: data-parallel degree: number of pipeline replicas.
+    dp: int = 1
+    #: micro-batches per step in each replica.
+    microbatches: int = 4
+    #: the global batch (sequences per optimizer step), the same whatever pp and dp are.
+    batch_size: int = 16
+    steps: int = 10
+    #: steps excluded from timing (the first ones pay for allocation and warm caches).
+    warmup_steps: int = 2
+    seed: int = 0
+    #: auto | cpu | cuda
+    device: str = "auto"
+    #: none | full (keep only stage inputs in the forward, recompute in the backward)
+    remat: str = "none"
+    #: train | plan (dry run: plan, simulate, draw; no ranks)
+    mode: str = "train"
+    #: print a line every this many steps on rank 0.
+    log_every: int = 1
+    #: seconds any collective or P2P wait may take before the job fails.
+    timeout_s: int = 120
+    #: CPU threads per rank; 0 = cores / local ranks, at least 1.
+    threads: int = 0
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)

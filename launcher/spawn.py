@@ -1,0 +1,63 @@
+"""Start pp x dp local ranks with torch elastic and return what each rank returned.
+
+elastic_launch picks a free rendezvous port (so parallel sweeps never collide), writes one log
+file per rank, and when one rank raises it stops the others and raises ChildFailedError.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from launcher.worker import RankJob, rank_main
+
+
+class RankFailed(RuntimeError):
+    """A rank raised; the message holds that rank's traceback."""
+
+
+def failure_report(err: ChildFailedError) -> str:
+    parts = []
+    for local_rank, failure in sorted(err.failures.items()):
+        message = failure.message
+        if isinstance(message, dict):
+            message = message.get("message", message)
+            message = message.get("message", message) if isinstance(message, dict) else message
+            extra = failure.message.get("message", {}) if isinstance(failure.message, dict) else {}
+            trace = extra.get("extraInfo", {}).get("py_callstack") if isinstance(extra, dict) else None
+            if trace:
+                message = trace
+        parts.append(f"--- rank {local_rank} failed (exit code {failure.exitcode}) ---\n{message}")
+    return "\n".join(parts)
+
+
+def spawn_ranks(job: RankJob, nprocs: int, log_dir: Path, echo_rank0: bool = True) -> dict[int, Any]:
+    """Run `rank_main(job)` on `nprocs` local processes; raise RankFailed with the traceback."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    logs = DefaultLogsSpecs(
+        log_dir=str(log_dir),
+        redirects=Std.ALL,
+        tee={0: Std.ALL} if echo_rank0 else Std.NONE,
+    )
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nprocs,
+        run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        start_method="spawn",
+        monitor_interval=0.1,
+        logs_specs=logs,
+        log_line_prefix_template="[rank${rank}]:",
+    )
+    try:
+        return elastic_launch(config, rank_main)(job)
+    except ChildFailedError as err:
+        raise RankFailed(failure_report(err)) from None

@@ -1,0 +1,1 @@
+"""Model definitions selectable from conf/model/."""

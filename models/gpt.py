@@ -1,0 +1,96 @@
+"""A small GPT-style decoder: embeddings, pre-LayerNorm causal blocks, final norm and LM head."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+from torch import nn
+
+from models.base import ModelSpec, causal_lm_loss
+
+
+class Embedding(nn.Module):
+    """Token embedding plus a learned positional embedding."""
+
+    def __init__(self, vocab_size: int, dim: int, seq_len: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab_size, dim)
+        self.positions = nn.Embedding(seq_len, dim)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.tokens(tokens) + self.positions(pos)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"model.dim={dim} must be divisible by model.heads={heads}")
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class DecoderBlock(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, dim: int, heads: int, mlp_ratio: int = 4, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = CausalSelfAttention(dim, heads, dropout)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class LMHead(nn.Module):
+    """Final LayerNorm and a bias-free projection to the vocabulary."""
+
+    def __init__(self, dim: int, vocab_size: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.proj = nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(x))
+
+
+def gpt(
+    vocab_size: int = 256,
+    dim: int = 64,
+    layers: int = 8,
+    heads: int = 4,
+    seq_len: int = 32,
+    mlp_ratio: int = 4,
+    dropout: float = 0.0,
+    name: str = "gpt",
+) -> ModelSpec:
+    """Blocks: `embed`, `layer0` .. `layer{layers-1}`, `head`."""
+    if layers < 1:
+        raise ValueError(f"model.layers must be >= 1, got {layers}")
+    blocks = [("embed", partial(Embedding, vocab_size, dim, seq_len))]
+    blocks += [(f"layer{i}", partial(DecoderBlock, dim, heads, mlp_ratio, dropout)) for i in range(layers)]
+    blocks.append(("head", partial(LMHead, dim, vocab_size)))
+    return ModelSpec(
+        name=name,
+        blocks=blocks,
+        loss_fn=causal_lm_loss,
+        input_shape=(seq_len,),
+        target_shape=(seq_len,),
+        meta={"vocab_size": vocab_size, "seq_len": seq_len, "dim": dim, "flops_scale": math.prod((dim, dim))},
+    )

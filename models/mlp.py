@@ -1,0 +1,37 @@
+"""A token-wise residual MLP language model: the smallest model that still pipelines."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+
+from models.base import ModelSpec, causal_lm_loss
+from models.gpt import Embedding, LMHead
+
+
+class ResidualMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+def mlp(vocab_size: int = 256, dim: int = 64, hidden: int = 256, layers: int = 6, seq_len: int = 32) -> ModelSpec:
+    """Blocks: `embed`, `layer0` .. `layer{layers-1}`, `head`."""
+    blocks = [("embed", partial(Embedding, vocab_size, dim, seq_len))]
+    blocks += [(f"layer{i}", partial(ResidualMLP, dim, hidden)) for i in range(layers)]
+    blocks.append(("head", partial(LMHead, dim, vocab_size)))
+    return ModelSpec(
+        name="mlp",
+        blocks=blocks,
+        loss_fn=causal_lm_loss,
+        input_shape=(seq_len,),
+        target_shape=(seq_len,),
+        meta={"vocab_size": vocab_size, "seq_len": seq_len, "dim": dim},
+    )

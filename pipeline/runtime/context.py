@@ -1,0 +1,70 @@
+"""Where this rank sits: its global rank, its (dp, pp) coordinates, device and process groups."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass
+class RankContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    pp: int
+    dp: int
+    device: torch.device
+    mesh: DeviceMesh | None = None
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank % self.pp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.pp
+
+    def global_rank(self, pp_rank: int, dp_rank: int | None = None) -> int:
+        """Global rank of a pipeline rank in this (or another) replica: dp-major layout."""
+        return (self.dp_rank if dp_rank is None else dp_rank) * self.pp + pp_rank
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh["dp"].get_group() if self.mesh is not None and self.dp > 1 else None
+
+
+def select_device(requested: str, local_rank: int) -> torch.device:
+    """`auto` takes this rank's GPU when CUDA is available, else the CPU."""
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("device=cuda was asked for but torch.cuda.is_available() is False")
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def cpu_threads(requested: int, local_world_size: int) -> int:
+    """Cores shared fairly between the ranks of this machine, at least one each."""
+    if requested > 0:
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_world_size))
+
+
+def env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def make_mesh(ctx: RankContext) -> DeviceMesh:
+    return init_device_mesh(ctx.device.type, (ctx.dp, ctx.pp), mesh_dim_names=("dp", "pp"))

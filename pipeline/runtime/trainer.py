@@ -1,0 +1,164 @@
+"""The per-rank training loop: build this rank's stages, run the schedule each step, sync, step.
+
+Everything here runs inside one rank with a process group already initialised.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from torch import nn
+
+from models.base import ModelSpec
+from pipeline.plan import Plan, dtype_of
+from pipeline.runtime.context import RankContext
+from pipeline.runtime.dp import allreduce_gradients
+from pipeline.runtime.executor import Executor, StageSlot
+from pipeline.runtime.memory import peak_memory_bytes, reset_peak
+from pipeline.stages import Stage
+
+
+def build_slots(spec: ModelSpec, plan: Plan, ctx: RankContext, seed: int) -> dict[int, StageSlot]:
+    """Materialise only this rank's stages; neighbours on other ranks become P2P peers."""
+    placement = plan.schedule.placement
+    slots: dict[int, StageSlot] = {}
+    last = len(plan.stages) - 1
+    for sp in plan.stages_of(ctx.pp_rank):
+        module = Stage(sp.index, spec.build_blocks(sp.blocks, seed, ctx.device))
+        prev = plan.stages[sp.index - 1] if sp.index > 0 else None
+        prev_peer = ctx.global_rank(prev.rank) if prev is not None and prev.rank != ctx.pp_rank else None
+        nxt = plan.stages[sp.index + 1] if sp.index < last else None
+        next_peer = ctx.global_rank(nxt.rank) if nxt is not None and nxt.rank != ctx.pp_rank else None
+        slots[sp.index] = StageSlot(
+            index=sp.index,
+            module=module,
+            is_first=sp.index == 0,
+            is_last=sp.index == last,
+            input_shape=tuple(prev.output_shape) if prev else None,
+            input_dtype=dtype_of(prev.output_dtype) if prev else None,
+            output_shape=tuple(sp.output_shape),
+            output_dtype=dtype_of(sp.output_dtype),
+            prev_peer=prev_peer,
+            next_peer=next_peer,
+        )
+    assert placement.count(ctx.pp_rank) == len(slots)
+    return slots
+
+
+def replica_microbatches(
+    tensor: torch.Tensor, dp_rank: int, dp: int, microbatches: int, device: torch.device
+) -> list[torch.Tensor]:
+    """This replica's contiguous share of the global batch, cut into equal micro-batches."""
+    share = tensor.chunk(dp)[dp_rank]
+    return [mb.to(device, non_blocking=True) for mb in share.chunk(microbatches)]
+
+
+def stage_state(slots: dict[int, StageSlot], what: str) -> dict[str, torch.Tensor]:
+    """Parameters or gradients of this rank's stages, keyed by their name in the full model."""
+    out = {}
+    for slot in slots.values():
+        for name, p in slot.module.blocks.named_parameters():
+            t = p.grad if what == "grad" else p
+            if t is not None:
+                out[name] = t.detach().cpu().clone()
+    return out
+
+
+def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, capture_state: bool = False) -> dict:
+    """Run `cfg["steps"]` steps; rank 0 prints progress and writes metrics.json into run_dir."""
+    spec: ModelSpec = instantiate(cfg["model"])
+    data = instantiate(cfg["data"])
+    schedule = plan.schedule
+    slots = build_slots(spec, plan, ctx, cfg["seed"])
+    modules: list[nn.Module] = [s.module for s in slots.values()]
+    params = [p for m in modules for p in m.parameters()]
+    optimizer = instantiate(cfg["optimizer"])(params) if schedule.training else None
+    executor = Executor(
+        schedule, ctx.pp_rank, slots, spec.loss_fn, ctx.device,
+        loss_scale=float(plan.microbatches * plan.dp), remat=cfg.get("remat", "none") == "full",
+    )
+    has_first = any(s.is_first for s in slots.values())
+    has_last = any(s.is_last for s in slots.values())
+    tokens_per_step = cfg["batch_size"] * (spec.input_shape[0] if spec.input_shape else 1)
+    losses: list[float] = []
+    step_times: list[float] = []
+    busy: list[float] = []
+    captured: dict = {}
+    last_events: list[dict] = []
+    reset_peak(ctx.device)
+    for m in modules:
+        m.train(schedule.training)
+
+    for step in range(cfg["steps"]):
+        inputs, targets = data.batch(step, cfg["batch_size"])
+        in_mbs = replica_microbatches(inputs, ctx.dp_rank, ctx.dp, plan.microbatches, ctx.device) if has_first else None
+        tgt_mbs = replica_microbatches(targets, ctx.dp_rank, ctx.dp, plan.microbatches, ctx.device) if has_last else None
+        start = time.perf_counter()
+        loss_sum, events, _ = executor.run_step(in_mbs, tgt_mbs)
+        if schedule.training:
+            if ctx.dp > 1:
+                allreduce_gradients(modules, ctx.dp_group)
+            if capture_state and step == 0:
+                captured["grads_step0"] = stage_state(slots, "grad")
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(loss_sum)  # only last-stage ranks hold a non-zero share
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        elapsed = time.perf_counter() - start
+        loss = float(loss_sum)
+        losses.append(loss)
+        step_times.append(elapsed)
+        busy.append(sum(e["end_s"] - e["start_s"] for e in events))
+        last_events = events
+        if ctx.rank == 0 and (step % cfg.get("log_every", 1) == 0 or step == cfg["steps"] - 1):
+            print(
+                f"step {step:>4} | loss {loss:.4f} | step time {elapsed * 1e3:8.1f} ms | "
+                f"{tokens_per_step / elapsed:10.0f} tokens/s",
+                flush=True,
+            )
+
+    warm = cfg.get("warmup_steps", 0)
+    timed = step_times[warm:] if len(step_times) > warm else step_times
+    timed_busy = busy[warm:] if len(busy) > warm else busy
+    median_step = statistics.median(timed)
+    rank_info = {
+        "rank": ctx.rank,
+        "pp_rank": ctx.pp_rank,
+        "dp_rank": ctx.dp_rank,
+        "stages": sorted(slots),
+        "blocks": {s: plan.stages[s].blocks for s in sorted(slots)},
+        "peak_memory_bytes": peak_memory_bytes(ctx.device),
+        "busy_s": statistics.median(timed_busy),
+        "bubble": max(0.0, 1.0 - statistics.median(timed_busy) / median_step),
+        "device": str(ctx.device),
+    }
+    gathered: list[dict] | None = [None] * ctx.world_size if ctx.rank == 0 else None
+    dist.gather_object(rank_info, gathered, dst=0)
+    result: dict = {"losses": losses, "rank_info": rank_info}
+    if capture_state:
+        captured["params_final"] = stage_state(slots, "param")
+        result["state"] = captured
+    if ctx.rank == 0:
+        metrics = {
+            "config": cfg,
+            "losses": losses,
+            "step_time_s": median_step,
+            "step_times_s": step_times,
+            "tokens_per_s": tokens_per_step / median_step,
+            "ranks": gathered,
+            "schedule": schedule.name,
+            "plan": {"stages": [s.__dict__ for s in plan.stages]},
+        }
+        result["metrics"] = metrics
+        result["events"] = last_events
+        if run_dir is not None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=1, default=str))
+    return result

@@ -1,0 +1,25 @@
+"""Entry point: `python train.py scheduler=zbv pp=4 dp=2` (see README.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from launcher.app import run_safely
+from launcher.config import register_configs
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    hydra_cfg = HydraConfig.get()
+    run_safely(cfg, Path(hydra_cfg.runtime.output_dir), multirun=hydra_cfg.mode == RunMode.MULTIRUN)
+
+
+if __name__ == "__main__":
+    main()
