@@ -1,0 +1,251 @@
+"""Trace a model into a torch.fx GraphModule plus a networkx cost graph.
+
+Why: the partitioners reason about a plain DAG (nodes with costs, edges with bytes), while the stage
+builder needs the fx graph to cut real code. Both come from one trace so node names line up.
+
+The cost graph holds only compute nodes (call_module / call_function / call_method). Placeholders are
+model inputs that any stage can read from the data loader, and get_attr nodes (parameters, buffers,
+constants) are replicated into whichever stage reads them, so neither is something to place or send.
+Their parameter names are folded into the consumer's `params` attribute, which is how tied weights show
+up: one canonical parameter name listed by nodes in two stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+import torch
+from torch import fx, nn
+from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+
+from pipeline.errors import ConfigError
+
+COMPUTE_OPS = ("call_module", "call_function", "call_method")
+
+
+class TraceError(ConfigError):
+    """Neither torch.fx nor torch.export could capture the model; manual split points still work."""
+
+    def __init__(self, module_name: str, fx_error: BaseException, export_error: BaseException | None) -> None:
+        detail = f"torch.fx failed with {type(fx_error).__name__}: {fx_error}"
+        if export_error is not None:
+            detail += f"; torch.export failed with {type(export_error).__name__}: {export_error}"
+        super().__init__(
+            "partitioner",
+            f"cannot trace model {module_name!r} ({detail}). Automatic partitioning needs a traceable "
+            "model: mark the untraceable submodules as leaf_modules, or use `partitioner=manual` with "
+            "explicit split points on a sequential model.",
+        )
+
+
+@dataclass
+class TracedModel:
+    """One trace of a model: the fx GraphModule and the cost graph derived from it.
+
+    `input_names` are the placeholder targets in call order; `output_node` is the fx output node's
+    name. `out_spec` is set for torch.export traces, whose graphs return a flat tuple.
+    """
+
+    gm: fx.GraphModule
+    graph: nx.DiGraph
+    input_names: list[str]
+    output_node: str
+    method: str = "fx"
+    out_spec: Any = None
+    param_aliases: dict[str, str] = field(default_factory=dict)
+
+    def topological_order(self) -> list[str]:
+        """Compute nodes in fx program order (always a topological order of the DAG)."""
+        return [n for n in self.graph.nodes]
+
+
+class LeafTracer(fx.Tracer):
+    """An fx tracer that keeps the user-named submodules (and anything inside them) opaque."""
+
+    def __init__(self, leaf_modules: Iterable[str] = ()) -> None:
+        super().__init__()
+        self.leaf_names = set(leaf_modules)
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name in self.leaf_names:
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+
+def _check_leaf_names(module: nn.Module, leaf_modules: Iterable[str]) -> list[str]:
+    names = list(leaf_modules)
+    valid = {n for n, _ in module.named_modules() if n}
+    unknown = [n for n in names if n not in valid]
+    if unknown:
+        raise ConfigError(
+            "model.leaf_modules",
+            f"unknown submodule(s) {unknown}; valid names include {sorted(valid)[:50]}",
+        )
+    return names
+
+
+def _as_tuple(example_inputs: Any) -> tuple[Any, ...]:
+    if isinstance(example_inputs, tuple):
+        return example_inputs
+    if isinstance(example_inputs, list):
+        return tuple(example_inputs)
+    return (example_inputs,)
+
+
+def _fx_trace(module: nn.Module, leaf_modules: Sequence[str]) -> fx.GraphModule:
+    tracer = LeafTracer(leaf_modules)
+    graph = tracer.trace(module)
+    name = module.__class__.__name__
+    return fx.GraphModule(tracer.root, graph, name)
+
+
+def _export_trace(module: nn.Module, args: tuple[Any, ...]) -> tuple[fx.GraphModule, Any]:
+    ep = torch.export.export(module, args, strict=False)
+    gm = ep.module(check_guards=False)
+    for node in list(gm.graph.nodes):  # guard-check stubs have no users and nothing to place
+        if node.op == "call_module" and node.target.startswith("_guards") and not node.users:
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    return gm, getattr(gm, "_out_spec", None)
+
+
+def meta_bytes(meta: Any) -> int:
+    """Bytes of every tensor in a ShapeProp `tensor_meta` value (which may be nested)."""
+    if isinstance(meta, TensorMetadata):
+        numel = 1
+        for d in meta.shape:
+            numel *= int(d)
+        return numel * torch.empty((), dtype=meta.dtype).element_size()
+    if isinstance(meta, (list, tuple)):
+        return sum(meta_bytes(m) for m in meta)
+    if isinstance(meta, dict):
+        return sum(meta_bytes(m) for m in meta.values())
+    return 0
+
+
+def _meta_shape(meta: Any) -> Any:
+    if isinstance(meta, TensorMetadata):
+        return [list(map(int, meta.shape)), str(meta.dtype).replace("torch.", "")]
+    if isinstance(meta, (list, tuple)):
+        return [_meta_shape(m) for m in meta]
+    if isinstance(meta, dict):
+        return {k: _meta_shape(v) for k, v in meta.items()}
+    return None
+
+
+def canonical_param_names(module: nn.Module) -> tuple[dict[int, str], dict[str, str]]:
+    """Map each parameter/buffer object to its first qualified name, and every alias to that name."""
+    by_id: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, t in [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]:
+        canon = by_id.setdefault(id(t), name)
+        if canon != name:
+            aliases[name] = canon
+    return by_id, aliases
+
+
+def _node_params(gm: fx.GraphModule, node: fx.Node, by_id: dict[int, str]) -> list[str]:
+    """Canonical names of the parameters a compute node reads (its module's, or via get_attr inputs)."""
+    found: list[str] = []
+    if node.op == "call_module":
+        sub = gm.get_submodule(node.target)
+        found += [by_id[id(p)] for p in sub.parameters() if id(p) in by_id]
+    for inp in node.all_input_nodes:
+        if inp.op == "get_attr":
+            obj = _fetch_attr(gm, inp.target)
+            if isinstance(obj, nn.Parameter) and id(obj) in by_id:
+                found.append(by_id[id(obj)])
+    return list(dict.fromkeys(found))
+
+
+def _fetch_attr(gm: nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _target_str(node: fx.Node) -> str:
+    t = node.target
+    if isinstance(t, str):
+        return t
+    return getattr(t, "__qualname__", None) or getattr(t, "__name__", None) or str(t)
+
+
+def build_cost_graph(gm: fx.GraphModule) -> nx.DiGraph:
+    """The DAG of compute nodes, annotated with what tracing and shape propagation know."""
+    by_id, _ = canonical_param_names(gm)
+    g = nx.DiGraph()
+    param_sizes: dict[str, int] = {}
+    for p_name, p in gm.named_parameters():
+        param_sizes[by_id.get(id(p), p_name)] = p.numel() * p.element_size()
+    order = 0
+    for node in gm.graph.nodes:
+        if node.op not in COMPUTE_OPS:
+            continue
+        meta = node.meta.get("tensor_meta")
+        params = _node_params(gm, node, by_id)
+        g.add_node(
+            node.name,
+            op=node.op,
+            target=_target_str(node),
+            module=node.target if node.op == "call_module" else None,
+            params=params,
+            param_bytes=sum(param_sizes.get(p, 0) for p in params),
+            shape=_meta_shape(meta),
+            output_bytes=meta_bytes(meta),
+            reads_inputs=[i.name for i in node.all_input_nodes if i.op == "placeholder"],
+            order=order,
+        )
+        order += 1
+        for inp in node.all_input_nodes:
+            if inp.op in COMPUTE_OPS:
+                g.add_edge(inp.name, node.name)
+    for u, v in g.edges:
+        g.edges[u, v]["bytes"] = g.nodes[u]["output_bytes"]
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    g.graph["param_sizes"] = param_sizes
+    g.graph["outputs"] = [n.name for n in out.all_input_nodes if n.op in COMPUTE_OPS]
+    g.graph["inputs"] = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    return g
+
+
+def trace_model(
+    module: nn.Module,
+    example_inputs: Any,
+    leaf_modules: Iterable[str] = (),
+    name: str | None = None,
+) -> TracedModel:
+    """Trace with torch.fx (user leaves kept whole), fall back to torch.export, then propagate shapes.
+
+    `example_inputs` is one tensor or a tuple of positional inputs; small real tensors are enough
+    (shape propagation runs the model once on them).
+    """
+    leaves = _check_leaf_names(module, leaf_modules)
+    args = _as_tuple(example_inputs)
+    label = name or module.__class__.__name__
+    method, out_spec = "fx", None
+    try:
+        gm = _fx_trace(module, leaves)
+    except Exception as fx_error:  # noqa: BLE001 - any tracing failure means "try the next tracer"
+        try:
+            gm, out_spec = _export_trace(module, args)
+            method = "export"
+        except Exception as export_error:  # noqa: BLE001
+            raise TraceError(label, fx_error, export_error) from export_error
+    with torch.no_grad():
+        ShapeProp(gm).propagate(*args)
+    graph = build_cost_graph(gm)
+    if graph.number_of_nodes() == 0:
+        raise ConfigError("model", f"traced model {label!r} has no compute nodes to partition")
+    _, aliases = canonical_param_names(gm)
+    inputs = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    output = next(n.name for n in gm.graph.nodes if n.op == "output")
+    return TracedModel(gm, graph, inputs, output, method, out_spec, aliases)

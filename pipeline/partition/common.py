@@ -1,0 +1,257 @@
+"""What every partitioner returns, and the one cost model all of them are judged by.
+
+Why one `evaluate`: uniform, balanced, MILP and manual splits are only comparable if the same function
+prices them. A stage's time is the forward + backward time of its nodes plus the time to send every
+value it produces to each later stage that reads it (a skip from stage 0 to stage 3 is one direct
+send, counted once per distinct consumer stage). A stage's memory is its parameters (a tied parameter
+counted once per stage that holds it) plus its activations times the micro-batches it keeps in flight.
+
+Cost-graph contract (what `pipeline.graph` produces): a networkx DiGraph whose nodes carry
+`forward_s`, `backward_s`, `activation_bytes`, `output_bytes` and optionally `params` (canonical
+parameter names; sizes in `graph.graph["param_sizes"]`) or `param_bytes`, and `order` (a topological
+position). Missing numbers count as zero.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import networkx as nx
+
+from pipeline.errors import ConfigError
+
+DEFAULT_BANDWIDTH = 10e9  # bytes/s; a placeholder until the launcher passes a measured link speed
+MEMORY_KEY = "memory.cap_bytes"
+STAGES_KEY = "pp"
+
+
+@dataclass
+class Partition:
+    """A node -> stage assignment and what it costs, stage by stage."""
+
+    assignment: dict[str, int]
+    num_stages: int
+    stage_compute_s: list[float]
+    stage_comm_bytes: list[int]
+    stage_comm_s: list[float]
+    stage_time_s: list[float]
+    stage_param_bytes: list[int]
+    stage_activation_bytes: list[int]
+    stage_memory_bytes: list[int]
+    bottleneck_s: float
+    lower_bound_s: float
+    method: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def stages(self) -> list[list[str]]:
+        """Node names of each stage, in assignment (insertion) order."""
+        out: list[list[str]] = [[] for _ in range(self.num_stages)]
+        for node, s in self.assignment.items():
+            out[s].append(node)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable view, for plan.json."""
+        return asdict(self)
+
+
+def node_cost(graph: nx.DiGraph, node: str) -> float:
+    """Forward plus backward seconds of one node."""
+    d = graph.nodes[node]
+    return float(d.get("forward_s", 0.0)) + float(d.get("backward_s", 0.0))
+
+
+def topo_order(graph: nx.DiGraph) -> list[str]:
+    """The graph's own program order when nodes carry `order`, else a deterministic topological sort."""
+    nodes = list(graph.nodes)
+    if nodes and all("order" in graph.nodes[n] for n in nodes):
+        ordered = sorted(nodes, key=lambda n: graph.nodes[n]["order"])
+        pos = {n: i for i, n in enumerate(ordered)}
+        if all(pos[u] < pos[v] for u, v in graph.edges):
+            return ordered
+    index = {n: i for i, n in enumerate(nodes)}
+    return list(nx.lexicographical_topological_sort(graph, key=lambda n: index[n]))
+
+
+def in_flight_list(in_flight: int | Sequence[int], num_stages: int) -> list[int]:
+    """Micro-batches of activations each stage holds at peak (one int for all, or one per stage)."""
+    if isinstance(in_flight, int):
+        return [in_flight] * num_stages
+    vals = list(in_flight)
+    if len(vals) != num_stages:
+        raise ConfigError("memory.in_flight", f"needs {num_stages} values (one per stage), got {len(vals)}")
+    return vals
+
+
+def _node_params(graph: nx.DiGraph, node: str) -> dict[str, int]:
+    d = graph.nodes[node]
+    sizes = graph.graph.get("param_sizes", {})
+    names = d.get("params")
+    if names:
+        return {p: int(sizes.get(p, 0)) for p in names}
+    pb = int(d.get("param_bytes", 0))
+    return {f"<{node}>": pb} if pb else {}
+
+
+def lower_bound(graph: nx.DiGraph, num_stages: int) -> float:
+    """No split can beat the average stage or the slowest single node."""
+    costs = [node_cost(graph, n) for n in graph.nodes]
+    return max(sum(costs) / num_stages, max(costs, default=0.0))
+
+
+def check_stages(graph: nx.DiGraph, num_stages: int) -> None:
+    """Every stage needs at least one node."""
+    n = graph.number_of_nodes()
+    if num_stages < 1 or num_stages > n:
+        raise ConfigError(STAGES_KEY, f"needs 1 <= stages <= {n} (nodes in the cost graph), got {num_stages}")
+
+
+def validate_assignment(graph: nx.DiGraph, assignment: Mapping[str, int], num_stages: int) -> None:
+    """Raise ValueError unless every node is in a stage 0..k-1, no stage is empty, and no edge goes back."""
+    missing = [n for n in graph.nodes if n not in assignment]
+    if missing:
+        raise ValueError(f"assignment misses {len(missing)} node(s), e.g. {missing[:5]}")
+    bad = {n: s for n, s in assignment.items() if not 0 <= s < num_stages}
+    if bad:
+        raise ValueError(f"stage indices outside 0..{num_stages - 1}: {dict(list(bad.items())[:5])}")
+    used = set(assignment.values())
+    if len(used) != num_stages:
+        raise ValueError(f"stages {sorted(set(range(num_stages)) - used)} are empty")
+    back = [(u, v) for u, v in graph.edges if assignment[u] > assignment[v]]
+    if back:
+        u, v = back[0]
+        raise ValueError(f"edge {u} -> {v} goes from stage {assignment[u]} back to stage {assignment[v]}")
+
+
+def evaluate(
+    graph: nx.DiGraph,
+    assignment: Mapping[str, int],
+    num_stages: int,
+    bandwidth: float = DEFAULT_BANDWIDTH,
+    in_flight: int | Sequence[int] = 1,
+    method: str = "",
+    validate: bool = True,
+) -> Partition:
+    """Price any assignment with the shared cost model (see the module docstring)."""
+    if validate:
+        validate_assignment(graph, assignment, num_stages)
+    k = num_stages
+    compute = [0.0] * k
+    act = [0] * k
+    params: list[dict[str, int]] = [{} for _ in range(k)]
+    comm = [0] * k
+    for n in graph.nodes:
+        s = assignment[n]
+        d = graph.nodes[n]
+        compute[s] += node_cost(graph, n)
+        act[s] += int(d.get("activation_bytes", 0))
+        params[s].update(_node_params(graph, n))
+        later = {assignment[v] for v in graph.successors(n) if assignment[v] > s}
+        comm[s] += int(d.get("output_bytes", 0)) * len(later)
+    flights = in_flight_list(in_flight, k)
+    comm_s = [b / bandwidth if bandwidth and bandwidth != float("inf") else 0.0 for b in comm]
+    times = [c + t for c, t in zip(compute, comm_s, strict=True)]
+    pbytes = [sum(p.values()) for p in params]
+    mem = [p + a * f for p, a, f in zip(pbytes, act, flights, strict=True)]
+    return Partition(
+        assignment=dict(assignment),
+        num_stages=k,
+        stage_compute_s=compute,
+        stage_comm_bytes=comm,
+        stage_comm_s=comm_s,
+        stage_time_s=times,
+        stage_param_bytes=pbytes,
+        stage_activation_bytes=act,
+        stage_memory_bytes=mem,
+        bottleneck_s=max(times),
+        lower_bound_s=lower_bound(graph, k),
+        method=method,
+    )
+
+
+def memory_error(min_cap: float, cap: float, detail: str = "") -> ConfigError:
+    """The error for a cap no split can meet; it states the smallest cap that would fit."""
+    extra = f" {detail}" if detail else ""
+    return ConfigError(
+        MEMORY_KEY,
+        f"no split fits in {int(cap)} bytes per stage; the smallest cap that fits is {int(min_cap)} bytes "
+        f"({min_cap / 2**20:.2f} MiB).{extra} Raise `{MEMORY_KEY}`, use more stages, or recompute activations.",
+    )
+
+
+def assignment_from_order(order: Sequence[str], starts: Sequence[int]) -> dict[str, int]:
+    """Contiguous stages of `order`; `starts[s]` is the position where stage s begins (starts[0] == 0)."""
+    out: dict[str, int] = {}
+    bounds = [*starts, len(order)]
+    for s in range(len(starts)):
+        for n in order[bounds[s] : bounds[s + 1]]:
+            out[n] = s
+    return out
+
+
+def synthetic_dag(
+    num_nodes: int,
+    width: int = 8,
+    skip_prob: float = 0.1,
+    max_skip: int = 6,
+    seed: int = 0,
+) -> nx.DiGraph:
+    """A random layered DAG with skips and lognormal costs: a stand-in for big traced models.
+
+    Layers of about `width` nodes; each node reads one or two nodes of the previous layer and, with
+    probability `skip_prob`, one node up to `max_skip` layers back.
+    """
+    rng = random.Random(seed)
+    g = nx.DiGraph()
+    layers: list[list[str]] = []
+    count = 0
+    while count < num_nodes:
+        w = min(max(1, int(rng.gauss(width, width / 3))), num_nodes - count)
+        layer = []
+        for _ in range(w):
+            name = f"n{count}"
+            fwd = rng.lognormvariate(-9.0, 1.0)
+            g.add_node(
+                name,
+                forward_s=fwd,
+                backward_s=fwd * rng.uniform(1.0, 3.0),
+                activation_bytes=rng.randint(1, 64) * 4096,
+                output_bytes=rng.randint(1, 16) * 4096,
+                param_bytes=rng.choice([0, 0, 4096, 65536, 262144]),
+                order=count,
+            )
+            if layers:
+                prev = layers[-1]
+                for src in rng.sample(prev, min(len(prev), rng.choice([1, 1, 2]))):
+                    g.add_edge(src, name)
+                if len(layers) > 1 and rng.random() < skip_prob:
+                    back = layers[-rng.randint(2, min(max_skip, len(layers)))]
+                    g.add_edge(rng.choice(back), name)
+            layer.append(name)
+            count += 1
+        layers.append(layer)
+    return g
+
+
+def chain(
+    costs: Sequence[float], output_bytes: int | Sequence[int] = 0, activation_bytes: int = 0
+) -> nx.DiGraph:
+    """A chain cost graph from per-node seconds (backward counted as zero): handy in tests and docs."""
+    g = nx.DiGraph()
+    outs = [output_bytes] * len(costs) if isinstance(output_bytes, int) else list(output_bytes)
+    for i, c in enumerate(costs):
+        g.add_node(
+            f"b{i}",
+            forward_s=float(c),
+            backward_s=0.0,
+            output_bytes=outs[i],
+            activation_bytes=activation_bytes,
+            param_bytes=0,
+            order=i,
+        )
+        if i:
+            g.add_edge(f"b{i - 1}", f"b{i}")
+    return g
