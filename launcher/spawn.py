@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
@@ -36,8 +37,14 @@ def failure_report(err: ChildFailedError) -> str:
     return "\n".join(parts)
 
 
-def spawn_ranks(job: RankJob, nprocs: int, log_dir: Path, echo_rank0: bool = True) -> dict[int, Any]:
-    """Run `rank_main(job)` on `nprocs` local processes; raise RankFailed with the traceback."""
+def spawn_ranks(
+    job: RankJob | list[RankJob],
+    nprocs: int,
+    log_dir: Path,
+    echo_rank0: bool = True,
+    entry: Callable[..., Any] = rank_main,
+) -> dict[int, Any]:
+    """Run `entry(job)` on `nprocs` local processes; raise RankFailed with the traceback."""
     log_dir.mkdir(parents=True, exist_ok=True)
     logs = DefaultLogsSpecs(
         log_dir=str(log_dir),
@@ -58,6 +65,6 @@ def spawn_ranks(job: RankJob, nprocs: int, log_dir: Path, echo_rank0: bool = Tru
         log_line_prefix_template="[rank${rank}]:",
     )
     try:
-        return elastic_launch(config, rank_main)(job)
+        return elastic_launch(config, entry)(job)
     except ChildFailedError as err:
         raise RankFailed(failure_report(err)) from None

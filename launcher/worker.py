@@ -26,24 +26,40 @@ class RankJob:
 
 
 def rank_main(job: RankJob) -> dict:
-    """Run one rank; the process group is always destroyed, so a multirun can start the next job."""
+    """Run one rank of one job."""
+    return rank_main_many([job])[0]
+
+
+def rank_main_many(jobs: list[RankJob]) -> list[dict]:
+    """Run several jobs of the same world size in one process group, one after the other (the
+    test suite uses this to check many schedules without paying for a spawn each). The process
+    group is always destroyed, so a sequential multirun can start the next job cleanly."""
     rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
     local_rank, local_world = env_int("LOCAL_RANK", 0), env_int("LOCAL_WORLD_SIZE", world)
-    cfg, plan = job.cfg, job.plan
-    if world != plan.pp * plan.dp:
-        raise RuntimeError(f"WORLD_SIZE={world} but pp x dp = {plan.pp} x {plan.dp} = {plan.pp * plan.dp}")
-    device = select_device(cfg["device"], local_rank)
+    first = jobs[0]
+    for job in jobs:
+        if world != job.plan.pp * job.plan.dp:
+            raise RuntimeError(
+                f"WORLD_SIZE={world} but pp x dp = {job.plan.pp} x {job.plan.dp} = {job.plan.pp * job.plan.dp}"
+            )
+    device = select_device(first.cfg["device"], local_rank)
     if device.type == "cpu":
-        torch.set_num_threads(cpu_threads(cfg.get("threads", 0), local_world))
+        torch.set_num_threads(cpu_threads(first.cfg.get("threads", 0), local_world))
     dist.init_process_group(
-        backend_for(device), rank=rank, world_size=world, timeout=timedelta(seconds=cfg.get("timeout_s", 120)),
+        backend_for(device),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=first.cfg.get("timeout_s", 120)),
         device_id=device if device.type == "cuda" else None,
     )
     try:
-        ctx = RankContext(rank, world, local_rank, local_world, plan.pp, plan.dp, device)
-        ctx.mesh = make_mesh(ctx)
-        run_dir = Path(job.run_dir) if job.run_dir else None
-        return train_rank(cfg, plan, ctx, run_dir, capture_state=job.capture_state)
+        results = []
+        for job in jobs:
+            ctx = RankContext(rank, world, local_rank, local_world, job.plan.pp, job.plan.dp, device)
+            ctx.mesh = make_mesh(ctx)
+            run_dir = Path(job.run_dir) if job.run_dir else None
+            results.append(train_rank(job.cfg, job.plan, ctx, run_dir, capture_state=job.capture_state))
+        return results
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

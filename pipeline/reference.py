@@ -1,0 +1,45 @@
+"""Plain single-process training on the same data: the yardstick every pipeline must match.
+
+Gradient accumulation over exactly the micro-batches the pipeline sees (dp replicas x
+micro-batches each), each loss divided by their count, then one optimizer step.
+"""
+
+from __future__ import annotations
+
+import torch
+from hydra.utils import instantiate
+
+from models.base import ModelSpec
+
+
+def reference_run(cfg: dict, capture_state: bool = True) -> dict:
+    spec: ModelSpec = instantiate(cfg["model"])
+    data = instantiate(cfg["data"])
+    model = spec.build_full(cfg["seed"])
+    optimizer = instantiate(cfg["optimizer"])(list(model.parameters()))
+    dp, m, batch = cfg["dp"], cfg["microbatches"], cfg["batch_size"]
+    losses: list[float] = []
+    out: dict = {}
+    for step in range(cfg["steps"]):
+        inputs, targets = data.batch(step, batch)
+        total = 0.0
+        for x_share, y_share in zip(inputs.chunk(dp), targets.chunk(dp), strict=True):
+            for x, y in zip(x_share.chunk(m), y_share.chunk(m), strict=True):
+                loss = spec.loss_fn(model(x), y) / (dp * m)
+                loss.backward()
+                total += float(loss.detach())
+        losses.append(total)
+        if capture_state and step == 0:
+            out["grads_step0"] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    out["losses"] = losses
+    if capture_state:
+        out["params_final"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+@torch.no_grad()
+def reference_forward(cfg: dict, inputs: torch.Tensor) -> torch.Tensor:
+    spec: ModelSpec = instantiate(cfg["model"])
+    return spec.build_full(cfg["seed"])(inputs)

@@ -1,0 +1,67 @@
+"""Shared helpers: compose configs like the CLI does, run real multi-rank jobs, compare with the
+single-process reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+
+from launcher.config import register_configs
+from launcher.spawn import spawn_ranks
+from launcher.validate import prepare
+from launcher.worker import RankJob, rank_main_many
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+# Small and fast, but with every moving part: 8 blocks, several micro-batches, two steps of SGD.
+FAST = [
+    "model.dim=32", "model.layers=6", "model.seq_len=8", "model.vocab_size=64",
+    "batch_size=16", "steps=3", "warmup_steps=0", "optimizer=sgd", "timeout_s=60", "threads=1",
+]
+
+
+def compose_cfg(overrides: list[str]) -> dict:
+    """Compose conf/train.yaml with overrides and resolve it, exactly as train.py would."""
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+        cfg = compose(config_name="train", overrides=overrides)
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def group_options(group: str) -> list[str]:
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+        return GlobalHydra.instance().config_loader().get_group_options(group)
+
+
+def run_jobs(cfgs: list[dict], log_dir: Path) -> list[list[dict]]:
+    """Run configs of the same world size in one spawn; returns per config the list of rank results."""
+    jobs = [RankJob(cfg, prepare(cfg).plan, None, capture_state=True) for cfg in cfgs]
+    world = jobs[0].plan.pp * jobs[0].plan.dp
+    per_rank = spawn_ranks(jobs, world, log_dir, echo_rank0=False, entry=rank_main_many)
+    return [[per_rank[r][i] for r in range(world)] for i in range(len(jobs))]
+
+
+def merge_state(rank_results: list[dict], key: str, dp_rank: int = 0) -> dict[str, torch.Tensor]:
+    """Stitch one replica's per-stage tensors back into one name -> tensor map."""
+    merged: dict[str, torch.Tensor] = {}
+    for res in rank_results:
+        if res["rank_info"]["dp_rank"] == dp_rank:
+            merged.update(res["state"][key])
+    return merged
+
+
+def assert_state_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], what: str) -> None:
+    assert set(got) == set(ref), f"{what}: parameter names differ: {sorted(set(got) ^ set(ref))}"
+    for name, r in ref.items():
+        g = got[name]
+        rel = float((g - r).norm() / r.norm().clamp_min(1e-12))
+        assert rel <= 1e-5, f"{what}: {name} differs from the single-process reference by {rel:.2e} (relative)"
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6 * float(r.abs().max()) + 1e-9, msg=f"{what}: {name}")
