@@ -40,11 +40,15 @@ def lower(schedule: Schedule, edges: Iterable[tuple[int, int]] | None = None) ->
         producers[dst].append(src)
         consumers[src].append(dst)
 
+    # Precomputed once per stage: lowering big schedules (pp=64, hundreds of micro-batches) stays fast.
+    has_remote_in = [any(placement[p] != placement[s] for p in producers[s]) for s in range(schedule.num_stages)]
+    has_remote_out = [any(placement[c] != placement[s] for c in consumers[s]) for s in range(schedule.num_stages)]
+
     def remote_in(stage: int) -> bool:
-        return any(placement[p] != placement[stage] for p in producers[stage])
+        return has_remote_in[stage]
 
     def remote_out(stage: int) -> bool:
-        return any(placement[c] != placement[stage] for c in consumers[stage])
+        return has_remote_out[stage]
 
     lowered: list[list[Action]] = []
     for acts in schedule.actions:

@@ -24,6 +24,17 @@ def v_shape(pp: int) -> list[int]:
     return list(range(pp)) + list(reversed(range(pp)))
 
 
+def wave(pp: int, waves: int) -> list[int]:
+    """Zig-zag over the ranks `waves` times: down 0..p-1, back up p-1..0, down again, ...
+
+    Each rank holds 2 * waves stages; `wave(pp, 1)` is the V placement. Used by Hanayo.
+    """
+    out: list[int] = []
+    for _ in range(waves):
+        out.extend(v_shape(pp))
+    return out
+
+
 def from_kind(kind: str, pp: int, stages_per_rank: int = 1) -> list[int]:
     """Build a placement of the named kind (not `auto` or `explicit`)."""
     if kind == "linear":
@@ -33,6 +44,13 @@ def from_kind(kind: str, pp: int, stages_per_rank: int = 1) -> list[int]:
     if kind == "interleaved":
         return interleaved(pp, stages_per_rank)
     if kind == "v":
+        if stages_per_rank > 2:
+            if stages_per_rank % 2:
+                raise ConfigError(
+                    "placement",
+                    f"a v (zig-zag) placement holds an even number of stages per rank, got {stages_per_rank}",
+                )
+            return wave(pp, stages_per_rank // 2)
         return v_shape(pp)
     raise ConfigError("placement", f"unknown placement kind {kind!r}; valid: {', '.join(PLACEMENT_KINDS)}")
 
@@ -66,5 +84,7 @@ def classify(placement: Sequence[int]) -> str:
     if len(placement) % pp == 0 and placement == interleaved(pp, len(placement) // pp):
         return "interleaved"
     if placement == v_shape(pp):
+        return "v"
+    if len(placement) % (2 * pp) == 0 and placement == wave(pp, len(placement) // (2 * pp)):
         return "v"
     return "explicit"

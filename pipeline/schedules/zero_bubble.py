@@ -1,0 +1,235 @@
+"""Zero-bubble schedules (Qi et al., "Zero Bubble Pipeline Parallelism"): ZB-H1 and ZB-H2.
+
+The backward is split into I (gradient of the stage input: on the critical path) and W (gradient
+of the weights: can wait). Deferring W fills the bubbles 1F1B leaves in its warm-up and cool-down.
+
+Both schedules here come out of `list_schedule`, a greedy list scheduler that plays the pipeline
+forward in time with unit costs (F = I = W = 1, B = 2) and lets every free rank pick the next ready
+action by a fixed priority, under a per-rank cap on micro-batches in flight:
+
+1. a backward (I or B) whose inputs are there, earliest micro-batch first;
+2. otherwise a forward, if the rank holds fewer than `cap[r]` (stage, micro-batch) pairs;
+3. otherwise the oldest pending W.
+
+The cap is the memory knob: 2p - 1 gives ZB-H2. ZB-H1 is written out directly (`zb_h1_programs`),
+since a greedy rule does not find its tight cool-down. Because the order is taken from a complete (deadlock-free) play-through, every generated
+program is deadlock-free under any costs: the dependencies are the same, only the timing differs.
+The same scheduler, with other placements and caps, serves ZBV and Hanayo.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pipeline.errors import ConfigError
+from pipeline.ir import Action, B, F, I, W
+from pipeline.schedules.base import ScheduleGenerator, require_microbatches_at_least
+
+
+def list_schedule(
+    placement: Sequence[int],
+    microbatches: int,
+    *,
+    split_backward: bool,
+    cap: Sequence[int],
+    cap_unbackwarded: Sequence[int] | None = None,
+    max_deferred_w: Sequence[int] | None = None,
+    forward_priority: str = "deepest",
+    backward_priority: str = "earliest",
+    forward_first: bool = False,
+    costs: tuple[int, int, int] = (1, 1, 1),
+) -> list[list[Action]]:
+    """Per-rank programs from a greedy unit-cost play-through (see the module docstring).
+
+    `forward_priority`: "deepest" runs the forward of the highest ready stage first (finishes a
+    micro-batch sooner, so its memory frees sooner); "earliest" runs the lowest micro-batch first.
+    `backward_priority`: which ready backward goes first: "earliest" micro-batch, "deepest" or
+    "shallowest" stage. `forward_first` tries a forward before any backward (used by ZBV).
+    `cap_unbackwarded` bounds forwarded-but-not-I/B pairs separately; `max_deferred_w` forces a W
+    before any forward once more W are pending.
+    `costs` are the (F, I, W) durations used for the play-through; B costs I + W.
+    Raises ConfigError("microbatches", ...) if the caps leave the pipeline stuck.
+    """
+    num_stages = len(placement)
+    pp = max(placement) + 1
+    m = microbatches
+    cf, ci, cw = costs
+    cb = ci + cw
+    stages_of = [[s for s in range(num_stages) if placement[s] == r] for r in range(pp)]
+    if forward_priority == "deepest":
+        f_order = [sorted(st, reverse=True) for st in stages_of]
+    elif forward_priority == "earliest":
+        f_order = [list(st) for st in stages_of]
+    else:
+        raise ValueError(f"forward_priority must be 'deepest' or 'earliest', got {forward_priority!r}")
+    bkeys = {
+        "earliest": lambda s, mb: (mb, -s),
+        "deepest": lambda s, mb: (-s, mb),
+        "shallowest": lambda s, mb: (s, mb),
+    }
+    bkey = bkeys[backward_priority]
+    inf = float("inf")
+    f_end = [[inf] * m for _ in range(num_stages)]  # finish time of F(s, mb)
+    g_end = [[inf] * m for _ in range(num_stages)]  # finish time of B/I(s, mb)
+    next_f = [0] * num_stages
+    next_b = [0] * num_stages
+    pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(pp)]
+    inflight = [0] * pp
+    waiting_b = [0] * pp  # forwarded but not yet I/B: what 1F1B's warm-up bounds
+    cap_b = list(cap_unbackwarded) if cap_unbackwarded is not None else list(cap)
+    max_w = list(max_deferred_w) if max_deferred_w is not None else [num_stages * m] * pp
+    programs: list[list[Action]] = [[] for _ in range(pp)]
+    releases: list[list[tuple[int, int]]] = [[] for _ in range(pp)]  # (time, rank-local frees)
+    remaining = num_stages * m * (3 if split_backward else 2)
+
+    def pick_f(r: int, t: int) -> tuple[Action, int] | None:
+        if inflight[r] < cap[r] and waiting_b[r] < cap_b[r]:
+            for s in f_order[r]:
+                mb = next_f[s]
+                if mb < m and (s == 0 or f_end[s - 1][mb] <= t):
+                    next_f[s] += 1
+                    f_end[s][mb] = t + cf
+                    inflight[r] += 1
+                    waiting_b[r] += 1
+                    return F(s, mb), cf
+        return None
+
+    def pick(r: int, t: int) -> tuple[Action, int] | None:
+        if forward_first:
+            got = pick_f(r, t)
+            if got is not None:
+                return got
+        best: tuple[int, int] | None = None
+        for s in stages_of[r]:
+            mb = next_b[s]
+            if mb < next_f[s] and f_end[s][mb] <= t and (s + 1 == num_stages or g_end[s + 1][mb] <= t):
+                if best is None or bkey(s, mb) < bkey(*best):
+                    best = (s, mb)
+        if best is not None:
+            s, mb = best
+            next_b[s] += 1
+            waiting_b[r] -= 1
+            if split_backward:
+                g_end[s][mb] = t + ci
+                pending_w[r].append((s, mb))
+                return I(s, mb), ci
+            g_end[s][mb] = t + cb
+            releases[r].append((t + cb, 1))
+            return B(s, mb), cb
+        if pending_w[r] and len(pending_w[r]) > max_w[r]:
+            s, mb = pending_w[r].popleft()
+            releases[r].append((t + cw, 1))
+            return W(s, mb), cw
+        got = pick_f(r, t)
+        if got is not None:
+            return got
+        if pending_w[r]:
+            s, mb = pending_w[r].popleft()
+            releases[r].append((t + cw, 1))
+            return W(s, mb), cw
+        return None
+
+    busy: list[tuple[int, int]] = []  # heap of (free time, rank)
+    idle = set(range(pp))
+    t = 0
+    while remaining:
+        for r in sorted(idle):
+            rel = releases[r]
+            if rel:
+                inflight[r] -= sum(n for when, n in rel if when <= t)
+                releases[r] = [x for x in rel if x[0] > t]
+            got = pick(r, t)
+            if got is not None:
+                act, dur = got
+                programs[r].append(act)
+                remaining -= 1
+                idle.discard(r)
+                heapq.heappush(busy, (t + dur, r))
+        if not remaining:
+            break
+        if not busy:
+            stuck = ", ".join(f"rank {r} after {len(programs[r])} actions" for r in sorted(idle))
+            raise ConfigError(
+                "microbatches",
+                f"the in-flight caps {list(cap)} leave the pipeline stuck ({stuck}); "
+                f"raise the cap or change microbatches",
+            )
+        t = busy[0][0]
+        while busy and busy[0][0] == t:
+            idle.add(heapq.heappop(busy)[1])
+    return programs
+
+
+def _linear_check(gen: ScheduleGenerator, pp: int, microbatches: int, placement: list[int]) -> None:
+    ScheduleGenerator.check(gen, pp, microbatches, placement)
+    if list(placement) != list(range(pp)):
+        raise ConfigError(
+            "placement",
+            f"scheduler {gen.name!r} needs one stage per rank in order (placement=linear or auto), "
+            f"got {placement}",
+        )
+
+
+def zb_h1_programs(pp: int, microbatches: int) -> list[list[Action]]:
+    """ZB-H1 order: 1F1B with B split into I and W, rank r running W(j) only after I(j + r).
+
+    Deferring r weight gradients on rank r is exactly what lets the input-gradient chain of the
+    last micro-batches run back to back in the cool-down; with F = I = W the step takes
+    3m + p - 1 units (1F1B: 3m + 3(p - 1)), so the idle time per rank is a third of 1F1B's.
+    Rank r holds at most p - r micro-batches awaiting I (1F1B's bound) plus r awaiting W.
+    """
+    m = microbatches
+    programs: list[list[Action]] = []
+    for r in range(pp):
+        warmup = min(pp - 1 - r, m)
+        acts: list[Action] = [F(r, j) for j in range(warmup)]
+
+        def backward(j: int, r: int = r, acts: list[Action] = acts) -> None:
+            acts.append(I(r, j))
+            if j - r >= 0:
+                acts.append(W(r, j - r))
+
+        for k in range(m - warmup):
+            acts.append(F(r, warmup + k))
+            backward(k)
+        for k in range(m - warmup, m):
+            backward(k)
+        acts.extend(W(r, j) for j in range(max(0, m - r), m))
+        programs.append(acts)
+    return programs
+
+
+@dataclass
+class ZBH1(ScheduleGenerator):
+    """ZB-H1: 1F1B's peak memory, a third of its bubble when F = I = W; any microbatches >= 1."""
+
+    name: ClassVar[str] = "zb_h1"
+    split_backward: ClassVar[bool] = True
+
+    def check(self, pp: int, microbatches: int, placement: list[int]) -> None:
+        _linear_check(self, pp, microbatches, placement)
+        require_microbatches_at_least(self.name, microbatches, 1, "it needs at least one micro-batch")
+
+    def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
+        return zb_h1_programs(len(placement), microbatches)
+
+
+@dataclass
+class ZBH2(ScheduleGenerator):
+    """ZB-H2: at most 2p-1 micro-batches per rank; with F = I = W and m >= p no idle time beyond the
+    unavoidable fill of the first micro-batch (a parallelogram: rank r busy from r to 3m + r)."""
+
+    name: ClassVar[str] = "zb_h2"
+    split_backward: ClassVar[bool] = True
+
+    def check(self, pp: int, microbatches: int, placement: list[int]) -> None:
+        _linear_check(self, pp, microbatches, placement)
+        require_microbatches_at_least(self.name, microbatches, 1, "it needs at least one micro-batch")
+
+    def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
+        pp = len(placement)
+        return list_schedule(placement, microbatches, split_backward=True, cap=[2 * pp - 1] * pp)
