@@ -1,0 +1,198 @@
+"""Cut a traced model into one fx GraphModule per stage, plus the dataflow between stages.
+
+Why explicit named values: with skip connections a value can travel from stage 0 straight to stage 3,
+and a stage can take and return any number of tensors. Each stage therefore takes keyword arguments
+named after the fx values it reads and returns a dict of the values other stages (or the model
+output) need, and `SplitModel.io` says who produces and who consumes each of them. The executor only
+has to route names.
+
+Parameters stay under their full-model qualified names (fx copies referenced submodules and
+attributes by path), so `pipeline.init.init_by_name` and state-dict comparisons line up. A parameter
+read by several stages (tied weights) is copied into each and listed in `shared_params`; whoever runs
+the stages must sum its gradients across those stages (and keep the copies equal).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from pipeline.graph.trace import COMPUTE_OPS, TracedModel
+from pipeline.partition.common import validate_assignment
+
+
+@dataclass
+class StageIO:
+    """What one stage reads and writes.
+
+    `inputs[value]` is the producing stage, or None for a model input; `outputs[value]` lists the
+    later stages that read it (empty when it is only a model output).
+    """
+
+    index: int
+    inputs: dict[str, int | None]
+    outputs: dict[str, list[int]]
+    params: list[str]  # qualified names inside this stage's module (aliases of tied params included)
+
+
+@dataclass(frozen=True)
+class ValueRef:
+    """A placeholder for a named value inside `SplitModel.output_structure`."""
+
+    name: str
+
+
+@dataclass
+class SplitModel:
+    """Stage modules and the description needed to run them in any process layout."""
+
+    stages: list[fx.GraphModule]
+    io: list[StageIO]
+    input_names: list[str]
+    model_outputs: dict[str, int | None]  # value -> producing stage (None: a model input passed through)
+    output_structure: Any
+    shared_params: dict[str, list[int]]
+    param_aliases: dict[str, str] = field(default_factory=dict)
+    out_spec: Any = None
+
+    def canonical(self, name: str) -> str:
+        """The full model's own name for a (possibly aliased, i.e. tied) parameter name."""
+        return self.param_aliases.get(name, name)
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-serialisable view of the dataflow, for plan.json and for humans."""
+        return {
+            "inputs": list(self.input_names),
+            "model_outputs": dict(self.model_outputs),
+            "shared_params": {k: list(v) for k, v in self.shared_params.items()},
+            "stages": [
+                {
+                    "index": io.index,
+                    "inputs": dict(io.inputs),
+                    "outputs": dict(io.outputs),
+                    "params": list(io.params),
+                }
+                for io in self.io
+            ],
+        }
+
+
+def _structure(arg: Any) -> Any:
+    return fx.node.map_arg(arg, lambda n: ValueRef(n.name))
+
+
+def _rebuild(structure: Any, env: Mapping[str, Any]) -> Any:
+    if isinstance(structure, ValueRef):
+        return env[structure.name]
+    if isinstance(structure, tuple):
+        return tuple(_rebuild(s, env) for s in structure)
+    if isinstance(structure, list):
+        return [_rebuild(s, env) for s in structure]
+    if isinstance(structure, dict):
+        return {k: _rebuild(v, env) for k, v in structure.items()}
+    return structure
+
+
+def split_model(
+    traced: TracedModel, assignment: Mapping[str, int], num_stages: int | None = None
+) -> SplitModel:
+    """Build the stage GraphModules for a node -> stage assignment over `traced.graph`'s nodes."""
+    k = num_stages if num_stages is not None else max(assignment.values()) + 1
+    validate_assignment(traced.graph, assignment, k)
+    gm = traced.gm
+    nodes = list(gm.graph.nodes)
+    out_node = next(n for n in nodes if n.op == "output")
+    stage_of: dict[str, int | None] = {}
+    for n in nodes:
+        if n.op in COMPUTE_OPS:
+            stage_of[n.name] = assignment[n.name]
+        elif n.op == "placeholder":
+            stage_of[n.name] = None
+
+    inputs: list[dict[str, int | None]] = [{} for _ in range(k)]
+    outputs: list[dict[str, list[int]]] = [{} for _ in range(k)]
+    for n in nodes:
+        if n.op not in COMPUTE_OPS:
+            continue
+        s = assignment[n.name]
+        for i in n.all_input_nodes:
+            if i.op == "get_attr":
+                continue
+            src = stage_of[i.name]
+            if src is None:
+                inputs[s][i.name] = None
+            elif src != s:
+                inputs[s][i.name] = src
+                consumers = outputs[src].setdefault(i.name, [])
+                if s not in consumers:
+                    consumers.append(s)
+    model_outputs: dict[str, int | None] = {}
+    for i in out_node.all_input_nodes:
+        if i.op == "get_attr":
+            raise NotImplementedError(f"model returns attribute {i.target!r} directly; wrap it in an op")
+        src = stage_of[i.name]
+        model_outputs[i.name] = src
+        if src is not None:
+            outputs[src].setdefault(i.name, [])
+
+    position = {n.name: idx for idx, n in enumerate(nodes)}
+    stages: list[fx.GraphModule] = []
+    ios: list[StageIO] = []
+    for s in range(k):
+        g = fx.Graph()
+        env: dict[str, fx.Node] = {}
+        for name in sorted(inputs[s], key=position.__getitem__):
+            env[name] = g.placeholder(name)
+        for n in nodes:
+            if n.op not in COMPUTE_OPS or assignment[n.name] != s:
+                continue
+            for i in n.all_input_nodes:
+                if i.op == "get_attr" and i.name not in env:
+                    env[i.name] = g.node_copy(i)
+            env[n.name] = g.node_copy(n, lambda x, env=env: env[x.name])
+        g.output({name: env[name] for name in sorted(outputs[s], key=position.__getitem__)})
+        stage = fx.GraphModule(gm, g, f"Stage{s}")
+        stages.append(stage)
+        inputs[s] = {name: inputs[s][name] for name in sorted(inputs[s], key=position.__getitem__)}
+        outputs[s] = {name: sorted(outputs[s][name]) for name in sorted(outputs[s], key=position.__getitem__)}
+        names = [name for name, _ in stage.named_parameters(remove_duplicate=False)]
+        ios.append(StageIO(s, inputs[s], outputs[s], names))
+
+    holders: dict[str, set[int]] = {}
+    for s, io in enumerate(ios):
+        for name in io.params:
+            holders.setdefault(traced.param_aliases.get(name, name), set()).add(s)
+    shared = {p: sorted(st) for p, st in holders.items() if len(st) > 1}
+    return SplitModel(
+        stages=stages,
+        io=ios,
+        input_names=[n.name for n in nodes if n.op == "placeholder"],
+        model_outputs=model_outputs,
+        output_structure=_structure(out_node.args[0]),
+        shared_params=shared,
+        param_aliases=dict(traced.param_aliases),
+        out_spec=traced.out_spec,
+    )
+
+
+def run_stages(split: SplitModel, *args: Any, stages: Sequence[torch.nn.Module] | None = None) -> Any:
+    """Run every stage in order in this process, routing values by name; returns the model's output.
+
+    `stages` may replace `split.stages` (e.g. deep copies, so each holds its own tied-weight copy).
+    """
+    mods = list(stages) if stages is not None else split.stages
+    if len(args) != len(split.input_names):
+        raise TypeError(f"model takes {len(split.input_names)} inputs {split.input_names}, got {len(args)}")
+    env: dict[str, Any] = dict(zip(split.input_names, args, strict=True))
+    for io, mod in zip(split.io, mods, strict=True):
+        produced = mod(**{name: env[name] for name in io.inputs})
+        env.update(produced)
+    result = _rebuild(split.output_structure, env)
+    if split.out_spec is not None:
+        result = pytree.tree_unflatten(list(result), split.out_spec)
+    return result

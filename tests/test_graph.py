@@ -1,0 +1,153 @@
+"""Tracing and profiling: graphs, shapes, tied weights, fallbacks, the profile cache."""
+
+from __future__ import annotations
+
+import networkx as nx
+import pytest
+import torch
+from torch import nn
+
+from models.gpt import gpt
+from models.resnet import resnet
+from models.unet import unet
+from pipeline.errors import ConfigError
+from pipeline.graph import TraceError, chain_graph, profile_blocks, profile_graph, trace_model
+from pipeline.partition import balanced, manual, milp_partition, uniform, validate_assignment
+
+
+def tied_gpt(layers: int = 2) -> tuple[nn.Module, torch.Tensor]:
+    """A gpt whose LM head reuses the token embedding matrix."""
+    model = gpt(layers=layers, dim=32, heads=2, seq_len=16, vocab_size=64).build_full(0)
+    model.head.proj.weight = model.embed.tokens.weight
+    return model, torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def test_trace_gpt_fine_and_blocks() -> None:
+    model = gpt(layers=2, dim=32, heads=2, seq_len=16, vocab_size=64).build_full(0)
+    x = torch.randint(0, 64, (2, 16))
+    fine = trace_model(model, x)
+    assert nx.is_directed_acyclic_graph(fine.graph)
+    assert fine.method == "fx" and fine.input_names == ["input"]
+    assert fine.graph.nodes["embed_tokens"]["module"] == "embed.tokens"
+    assert fine.graph.nodes["embed_tokens"]["params"] == ["embed.tokens.weight"]
+    head = fine.graph.graph["outputs"][0]
+    assert fine.graph.nodes[head]["shape"] == [[2, 16, 64], "float32"]
+    assert fine.graph.nodes[head]["output_bytes"] == 2 * 16 * 64 * 4
+    coarse = trace_model(model, x, leaf_modules=["embed", "layer0", "layer1", "head"])
+    assert list(coarse.graph.nodes) == ["embed", "layer0", "layer1", "head"]
+    assert coarse.graph.number_of_edges() == 3
+
+
+def test_bad_leaf_name() -> None:
+    model = gpt(layers=1).build_full(0)
+    with pytest.raises(ConfigError, match="leaf_modules"):
+        trace_model(model, torch.zeros(1, 32, dtype=torch.long), leaf_modules=["nope"])
+
+
+def test_tied_weight_used_by_two_nodes() -> None:
+    model, x = tied_gpt()
+    traced = trace_model(model, x)
+    users = [n for n, d in traced.graph.nodes(data=True) if "embed.tokens.weight" in d["params"]]
+    assert users == ["embed_tokens", "head_proj"]
+    assert traced.param_aliases == {"head.proj.weight": "embed.tokens.weight"}
+
+
+@pytest.mark.parametrize("spec", [unet(), resnet()], ids=["unet", "resnet"])
+def test_trace_graph_models(spec) -> None:
+    model = spec.build_full(0)
+    x, _ = spec.example_batch(2)
+    fine = trace_model(model, x)
+    coarse = trace_model(model, x, spec.leaf_modules)
+    assert fine.graph.number_of_nodes() > coarse.graph.number_of_nodes() >= len(spec.leaf_modules)
+    assert nx.is_directed_acyclic_graph(coarse.graph)
+    if spec.name == "unet":  # long skip: first encoder feeds the last concat
+        assert any(v.startswith("cat") for v in coarse.graph.successors("encoders_0"))
+
+
+class ShapeBranch(nn.Module):
+    """Python control flow on a shape: fx cannot trace it, torch.export specialises it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 1:
+            return self.lin(x).relu() * 2
+        return self.lin(x)
+
+
+class DataBranch(nn.Module):
+    """Control flow on tensor values: neither tracer can capture it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return self.lin(x)
+        return x
+
+
+def test_export_fallback() -> None:
+    model, x = ShapeBranch(), torch.randn(3, 4)
+    traced = trace_model(model, x)
+    assert traced.method == "export"
+    assert all(d["op"] == "call_function" for _, d in traced.graph.nodes(data=True))
+    assert any("lin.weight" in d["params"] for _, d in traced.graph.nodes(data=True))
+
+
+def test_untraceable_model_points_to_manual() -> None:
+    with pytest.raises(TraceError, match="partitioner=manual") as info:
+        trace_model(DataBranch(), torch.randn(3, 4))
+    assert "DataBranch" in str(info.value)
+
+
+def test_profile_fields(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PIPELAUNCH_CACHE", str(tmp_path))
+    spec = unet()
+    model = spec.build_full(0)
+    x, _ = spec.example_batch(2)
+    traced = trace_model(model, x, spec.leaf_modules)
+    config = {"name": "unet", "channels": 8}
+    profile_graph(traced, x, repeats=2, model_config=config)
+    assert traced.graph.graph["profile_cached"] is False
+    for name, d in traced.graph.nodes(data=True):
+        assert d["forward_s"] > 0 and d["output_bytes"] > 0, name
+        if d["params"]:
+            assert d["backward_s"] > 0 and d["param_bytes"] > 0 and d["activation_bytes"] > 0, name
+    assert traced.graph.nodes["encoders_0"]["param_bytes"] == sum(
+        p.numel() * 4 for p in model.encoders[0].parameters()
+    )
+    first = {n: dict(d) for n, d in traced.graph.nodes(data=True)}
+    again = trace_model(model, x, spec.leaf_modules)
+    profile_graph(again, x, repeats=2, model_config=config)
+    assert again.graph.graph["profile_cached"] is True
+    assert {n: d["forward_s"] for n, d in again.graph.nodes(data=True)} == {
+        n: d["forward_s"] for n, d in first.items()
+    }
+    other = trace_model(model, x, spec.leaf_modules)
+    profile_graph(other, x, repeats=1, model_config={**config, "channels": 16})
+    assert other.graph.graph["profile_cached"] is False
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_profile_blocks_chain_works_with_every_partitioner(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PIPELAUNCH_CACHE", str(tmp_path))
+    spec = gpt(layers=4, dim=32, heads=2, seq_len=16, vocab_size=64)
+    blocks = profile_blocks(spec, micro_batch_size=2, seed=0, repeats=2)
+    assert [b.name for b in blocks] == spec.block_names
+    for b in blocks:
+        assert b.forward_s > 0 and b.backward_s > 0 and b.param_bytes > 0 and b.activation_bytes > 0
+        assert b.output_bytes > 0
+    assert profile_blocks(spec, micro_batch_size=2, seed=0, repeats=2) == blocks  # cached
+    g = chain_graph(blocks)
+    for part in (
+        uniform(g, 3),
+        balanced(g, 3),
+        milp_partition(g, 3, time_limit=5),
+        manual(g, 3, ["layer1", "layer3"]),
+    ):
+        validate_assignment(g, part.assignment, 3)
+        assert part.bottleneck_s >= part.lower_bound_s * (1 - 1e-9)

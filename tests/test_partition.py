@@ -1,0 +1,186 @@
+"""Partitioners: validity, optimality against brute force, MILP quality and speed, errors."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+import networkx as nx
+import pytest
+
+from pipeline.errors import ConfigError
+from pipeline.partition import (
+    balanced,
+    coarsen,
+    evaluate,
+    manual,
+    milp_partition,
+    min_memory_cap,
+    uniform,
+    validate_assignment,
+)
+from pipeline.partition.common import assignment_from_order, chain, synthetic_dag
+
+
+def gpt_like_chain(layers: int = 8) -> nx.DiGraph:
+    """Fine-grained op costs of a transformer: embedding, per-layer ops, an expensive LM head."""
+    ops = [1.0, 3.0, 2.0, 1.0, 0.1, 1.0, 4.0, 0.5, 4.0, 0.1]
+    costs = [2.0] + ops * layers + [1.0, 6.0]
+    return chain([c * 1e-3 for c in costs], output_bytes=64 * 1024, activation_bytes=256 * 1024)
+
+
+def brute_force(g: nx.DiGraph, k: int, bandwidth: float, cap: float | None = None, in_flight=1) -> float:
+    order = list(g.nodes)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, len(order)), k - 1):
+        p = evaluate(g, assignment_from_order(order, [0, *cuts]), k, bandwidth, in_flight)
+        if cap is None or max(p.stage_memory_bytes) <= cap:
+            best = min(best, p.bottleneck_s)
+    return best
+
+
+def test_uniform_counts() -> None:
+    g = chain([1.0] * 10)
+    p = uniform(g, 4)
+    assert [len(s) for s in p.stages()] == [3, 3, 2, 2]
+    assert p.lower_bound_s == pytest.approx(2.5)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_balanced_is_optimal_on_small_chains(seed: int) -> None:
+    rng = random.Random(seed)
+    n = rng.randint(3, 9)
+    k = rng.randint(1, min(4, n))
+    g = chain([rng.random() for _ in range(n)], [rng.randint(0, 2 * 10**8) for _ in range(n)])
+    for v in g.nodes:
+        g.nodes[v]["activation_bytes"] = rng.randint(1, 100)
+        g.nodes[v]["param_bytes"] = rng.randint(0, 100)
+    flights = [k - s for s in range(k)]
+    assert balanced(g, k, bandwidth=1e9).bottleneck_s == pytest.approx(brute_force(g, k, 1e9))
+    cap = min_memory_cap(g, k, flights) * rng.uniform(1.0, 1.5)
+    p = balanced(g, k, bandwidth=1e9, memory_cap=cap, in_flight=flights)
+    assert max(p.stage_memory_bytes) <= cap
+    assert p.bottleneck_s == pytest.approx(brute_force(g, k, 1e9, cap, flights))
+
+
+@pytest.mark.parametrize("name", ["uniform", "balanced", "milp"])
+def test_every_partitioner_gives_a_valid_pipeline_on_a_dag(name: str) -> None:
+    g = synthetic_dag(400, seed=5)
+    fn = {"uniform": uniform, "balanced": balanced, "milp": milp_partition}[name]
+    p = fn(g, 4)
+    validate_assignment(g, p.assignment, 4)
+    assert all(p.assignment[u] <= p.assignment[v] for u, v in g.edges)
+    assert p.bottleneck_s >= p.lower_bound_s * (1 - 1e-9)
+
+
+def test_validate_rejects_backward_edge() -> None:
+    g = chain([1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="back to stage"):
+        validate_assignment(g, {"b0": 1, "b1": 0, "b2": 1}, 2)
+
+
+def test_milp_close_to_lower_bound_on_gpt_like_chain() -> None:
+    g = gpt_like_chain()
+    p = milp_partition(g, 4, bandwidth=float("inf"))
+    assert p.bottleneck_s <= 1.05 * p.lower_bound_s
+    assert p.bottleneck_s <= balanced(g, 4, bandwidth=float("inf")).bottleneck_s * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_milp_never_worse_than_balanced(seed: int) -> None:
+    g = synthetic_dag(600, seed=seed, skip_prob=0.3)
+    m = milp_partition(g, 4, bandwidth=1e8, time_limit=5)
+    b = balanced(g, 4, bandwidth=1e8)
+    assert m.bottleneck_s <= b.bottleneck_s * (1 + 1e-6)
+
+
+def test_milp_beats_a_bad_order() -> None:
+    """Two parallel branches listed one after the other: only a non-contiguous split balances them."""
+    g = nx.DiGraph()
+    g.add_node("src", forward_s=0.0, order=0)
+    for i, branch in enumerate("ab"):
+        prev = "src"
+        for j in range(4):
+            name = f"{branch}{j}"
+            g.add_node(name, forward_s=1.0 if branch == "a" else 0.25, order=1 + 4 * i + j)
+            g.add_edge(prev, name)
+            prev = name
+        g.add_edge(prev, "sink")
+    g.add_node("sink", forward_s=0.0, order=9)
+    order = ["src", "a0", "a1", "a2", "a3", "b0", "b1", "b2", "b3", "sink"]
+    b = balanced(g, 2, bandwidth=float("inf"), order=order)
+    m = milp_partition(g, 2, bandwidth=float("inf"), order=order)
+    assert m.bottleneck_s == pytest.approx(2.5)  # a0, a1 + two b's vs a2, a3 + two b's
+    assert b.bottleneck_s == pytest.approx(3.0)
+
+
+def test_milp_2000_nodes_under_10s() -> None:
+    g = synthetic_dag(2000, seed=11)
+    t0 = time.perf_counter()
+    p = milp_partition(g, 4)
+    assert time.perf_counter() - t0 < 10.0
+    validate_assignment(g, p.assignment, 4)
+    assert p.bottleneck_s <= 1.05 * p.lower_bound_s
+
+
+def test_coarsen_keeps_a_dag() -> None:
+    g = synthetic_dag(1500, seed=2, skip_prob=0.5)
+    c = coarsen(g, 100)
+    assert len(c.groups) <= 100
+    assert nx.is_directed_acyclic_graph(c.graph)
+    assert sorted(n for grp in c.groups for n in grp) == sorted(g.nodes)
+
+
+def test_milp_falls_back_with_warning() -> None:
+    g = synthetic_dag(300, seed=3)
+    with pytest.warns(RuntimeWarning, match="balanced"):
+        p = milp_partition(g, 4, time_limit=0.0)
+    assert p.method == "milp->balanced"
+    validate_assignment(g, p.assignment, 4)
+
+
+@pytest.mark.parametrize("fn", [balanced, milp_partition], ids=["balanced", "milp"])
+def test_impossible_memory_cap_states_smallest_cap(fn) -> None:
+    g = gpt_like_chain(2)
+    smallest = min_memory_cap(g, 4, in_flight=[4, 3, 2, 1])
+    with pytest.raises(ConfigError, match="memory.cap_bytes") as info:
+        fn(g, 4, memory_cap=smallest - 1, in_flight=[4, 3, 2, 1])
+    assert f"smallest cap that fits is {int(smallest)} bytes" in str(info.value)
+    p = fn(g, 4, memory_cap=smallest, in_flight=[4, 3, 2, 1])
+    assert max(p.stage_memory_bytes) <= smallest
+
+
+def test_tied_params_counted_once_per_stage() -> None:
+    g = chain([1.0] * 4)
+    g.graph["param_sizes"] = {"w": 100, "v": 10}
+    for n, ps in zip(g.nodes, [["w"], ["v"], [], ["w"]], strict=True):
+        g.nodes[n]["params"] = ps
+    p = evaluate(g, {"b0": 0, "b1": 0, "b2": 1, "b3": 1}, 2)
+    assert p.stage_param_bytes == [110, 100]
+    q = evaluate(g, {"b0": 0, "b1": 0, "b2": 0, "b3": 0}, 1)
+    assert q.stage_param_bytes == [110]
+
+
+def test_skip_is_charged_once_per_consumer_stage() -> None:
+    g = chain([1.0] * 4, output_bytes=1000)
+    g.add_edge("b0", "b3")
+    p = evaluate(g, {"b0": 0, "b1": 1, "b2": 2, "b3": 3}, 4, bandwidth=1000.0)
+    assert p.stage_comm_bytes == [2000, 1000, 1000, 0]
+    assert p.stage_time_s == [3.0, 2.0, 2.0, 1.0]
+
+
+def test_manual_split_points() -> None:
+    g = chain([1.0] * 6)
+    for i, n in enumerate(g.nodes):
+        g.nodes[n]["module"] = f"blocks.{i}.mlp"
+    p = manual(g, 3, ["b2", "blocks.4"])
+    assert [len(s) for s in p.stages()] == [2, 2, 2]
+    with pytest.raises(ConfigError, match="partitioner.split_points") as info:
+        manual(g, 3, ["b2", "blocks.9"])
+    msg = str(info.value)
+    assert "'blocks.9'" in msg and "b0" in msg and "blocks.4.mlp" in msg
+    with pytest.raises(ConfigError, match="need 2 split points"):
+        manual(g, 3, ["b2"])
+    with pytest.raises(ConfigError, match="empty"):
+        manual(g, 3, ["b4", "b2"])
