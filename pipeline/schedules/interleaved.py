@@ -34,7 +34,7 @@ class Interleaved1F1B(ScheduleGenerator):
 
     name: ClassVar[str] = "interleaved_1f1b"
     default_placement: ClassVar[str] = "interleaved"
-    supported_placements: ClassVar[tuple[str, ...]] = ("interleaved", "linear")
+    supported_placements: ClassVar[tuple[str, ...]] = ("interleaved",)
     stages_per_rank: int = 2  # type: ignore[assignment]  # a field here, a method on the base
 
     def __post_init__(self) -> None:

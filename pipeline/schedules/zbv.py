@@ -34,7 +34,6 @@ class ZBV(ScheduleGenerator):
         return 2
 
     def check(self, pp: int, microbatches: int, placement: list[int]) -> None:
-        super().check(pp, microbatches, placement)
         if list(placement) != v_shape(pp):
             raise ConfigError(
                 "placement",

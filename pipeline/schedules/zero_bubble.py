@@ -220,8 +220,9 @@ class ZBH1(ScheduleGenerator):
 
 @dataclass
 class ZBH2(ScheduleGenerator):
-    """ZB-H2: at most 2p-1 micro-batches per rank; with F = I = W and m >= p no idle time beyond the
-    unavoidable fill of the first micro-batch (a parallelogram: rank r busy from r to 3m + r)."""
+    """ZB-H2: at most 2p-1 micro-batches per rank; with F = I = W the makespan is the lower bound
+    3m + p - 1 from m >= p, and from m >= 2p - 1 each rank is busy without a gap from r to 3m + r
+    (the parallelogram whose ends ZB's post-validation overlaps with the optimizer step)."""
 
     name: ClassVar[str] = "zb_h2"
     split_backward: ClassVar[bool] = True

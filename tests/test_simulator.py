@@ -1,0 +1,116 @@
+"""The simulator: validation errors, deadlock reports, costs, transfers, memory, speed."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from pipeline.ir import B, F, I, Schedule, W
+from pipeline.lowering import lower
+from pipeline.placement import linear, v_shape
+from pipeline.schedules import build_schedule
+from pipeline.schedules.gpipe import GPipe
+from pipeline.schedules.one_f_one_b import OneFOneB
+from pipeline.schedules.zbv import ZBV
+from pipeline.simulate import CostModel, ScheduleError, simulate, validate
+
+
+def two_stage(actions) -> Schedule:
+    return Schedule("handmade", 2, 2, [0, 1], actions)
+
+
+def test_missing_backward_is_named() -> None:
+    sched = two_stage([[F(0, 0), F(0, 1), B(0, 0)], [F(1, 0), B(1, 0), F(1, 1), B(1, 1)]])
+    with pytest.raises(ScheduleError, match=r"stage 0 mb 1 has B x0"):
+        validate(sched)
+
+
+def test_wrong_rank_and_duplicates_are_named() -> None:
+    sched = two_stage([[F(0, 0), F(0, 1), F(1, 0), B(0, 0), B(0, 1)], [F(1, 1), B(1, 0), B(1, 1)]])
+    with pytest.raises(ScheduleError, match=r"1F0 runs on rank 0 but stage 1 lives on rank 1"):
+        simulate(sched, CostModel.uniform(2))
+
+
+def test_deadlock_lists_stuck_actions() -> None:
+    # Rank 0 wants the backward of mb 0 before forwarding mb 1; rank 1 runs mb 1 first.
+    sched = two_stage([[F(0, 0), B(0, 0), F(0, 1), B(0, 1)], [F(1, 1), B(1, 1), F(1, 0), B(1, 0)]])
+    with pytest.raises(ScheduleError) as info:
+        simulate(sched, CostModel.uniform(2))
+    msg = str(info.value)
+    assert "deadlock" in msg
+    assert "rank 0: stuck at 0B0" in msg and "1B/I0 (rank 1)" in msg
+    assert "rank 1: stuck at 1F1" in msg and "0F1 (rank 0)" in msg
+
+
+def test_w_before_i_on_same_rank_deadlocks() -> None:
+    sched = Schedule("w-first", 1, 1, [0], [[F(0, 0), W(0, 0), I(0, 0)]])
+    with pytest.raises(ScheduleError, match=r"stuck at 0W0.*waiting for 0I0"):
+        simulate(sched, CostModel.uniform(1))
+
+
+def test_lowered_and_unlowered_agree() -> None:
+    sched = build_schedule(ZBV(), v_shape(3), 7)
+    cost = CostModel.uniform(6, output_bytes=1e6, latency_s=0.1, bandwidth_bytes_per_s=1e7)
+    a, b = simulate(sched, cost), simulate(lower(sched), cost)
+    assert a.makespan_s == b.makespan_s and a.events == b.events
+
+
+def test_transfer_costs_delay_cross_rank_dependencies() -> None:
+    sched = build_schedule(GPipe(), linear(2), 1)
+    free = simulate(sched, CostModel.uniform(2))
+    slow = simulate(sched, CostModel.uniform(2, output_bytes=100.0, latency_s=0.5, bandwidth_bytes_per_s=100.0))
+    # One forward hop and one backward hop, each 0.5 + 100/100 s.
+    assert slow.makespan_s == pytest.approx(free.makespan_s + 3.0)
+    same_rank = Schedule("one-rank", 2, 1, [0, 0], [[F(0, 0), F(1, 0), B(1, 0), B(0, 0)]])
+    r = simulate(same_rank, CostModel.uniform(2, output_bytes=100.0, latency_s=0.5, bandwidth_bytes_per_s=100.0))
+    assert r.makespan_s == pytest.approx(6.0)
+
+
+def test_uneven_costs_and_events() -> None:
+    cost = CostModel(forward_s=[1.0, 2.0], backward_input_s=[1.0, 2.0], backward_weight_s=[0.5, 1.0])
+    res = simulate(build_schedule(OneFOneB(), linear(2), 4), cost)
+    assert res.busy_s == pytest.approx([4 * 2.5, 4 * 5.0])
+    assert res.makespan_s >= 1.0 + 4 * 5.0 + 1.5
+    assert all(0 <= b < 1 for b in res.bubble)
+    first = res.events[0]
+    assert set(first) == {"rank", "action", "kind", "stage", "mb", "start_s", "end_s"}
+    assert first["action"] == "0F0" and first["kind"] == "F" and first["start_s"] == 0.0
+    for rank in range(2):
+        evs = [e for e in res.events if e["rank"] == rank]
+        assert all(x["end_s"] <= y["start_s"] + 1e-12 for x, y in zip(evs, evs[1:], strict=False))
+
+
+def test_split_backward_memory_half_freed_by_i() -> None:
+    sched = Schedule("split", 1, 1, [0], [[F(0, 0), I(0, 0), W(0, 0)]])
+    res = simulate(sched, CostModel.uniform(1, activation_bytes=8.0))
+    assert res.peak_activation_bytes == [8.0] and res.peak_activation_microbatches == [1]
+
+
+def test_remat_memory_accounting() -> None:
+    cost = CostModel.uniform(2, activation_bytes=10.0, input_bytes=1.0)
+    gp = simulate(build_schedule(GPipe(), linear(2), 4), cost)
+    rm = simulate(build_schedule(GPipe(), linear(2), 4, remat="full"), cost)
+    assert gp.peak_activation_bytes[0] == pytest.approx(40.0)
+    # 4 kept inputs, plus one rematerialised micro-batch at a time.
+    assert rm.peak_activation_bytes[0] == pytest.approx(4 * 1.0 + 10.0)
+
+
+def test_uniform_and_resplit() -> None:
+    cost = CostModel.uniform(4, f=2.0, i=1.0, w=1.0, output_bytes=5.0)
+    two = cost.resplit(2)
+    assert two.forward_s == pytest.approx([4.0, 4.0]) and two.output_bytes == [5.0, 5.0]
+    eight = cost.resplit(8)
+    assert sum(eight.forward_s) == pytest.approx(8.0)
+    assert cost.recompute_s == cost.forward_s
+    assert math.isinf(cost.bandwidth_bytes_per_s)
+
+
+def test_large_schedule_is_fast() -> None:
+    t0 = time.perf_counter()
+    sched = build_schedule(ZBV(), v_shape(64), 128)
+    res = simulate(sched, CostModel.uniform(128))
+    elapsed = time.perf_counter() - t0
+    assert res.makespan_s == pytest.approx(6 * 128 + 63)
+    assert elapsed < 2.0, f"pp=64, m=128 zbv took {elapsed:.2f}s"

@@ -1,0 +1,43 @@
+"""Timeline PNG and Chrome trace export from simulated (and 'measured') events."""
+
+from __future__ import annotations
+
+import json
+
+from pipeline.placement import linear, v_shape
+from pipeline.schedules import build_schedule
+from pipeline.schedules.one_f_one_b import OneFOneB
+from pipeline.schedules.zbv import ZBV
+from pipeline.simulate import CostModel, simulate
+from pipeline.timeline import draw_timeline, write_chrome_trace
+
+
+def _events():
+    sched = build_schedule(ZBV(), v_shape(4), 8)
+    return simulate(sched, CostModel.uniform(8)).events
+
+
+def test_png_single_and_compared(tmp_path) -> None:
+    events = _events()
+    measured = [dict(e, start_s=e["start_s"] * 1.1 + 50.0, end_s=e["end_s"] * 1.1 + 50.0) for e in events]
+    measured.append({"rank": 1, "action": "0RECV_F3", "kind": "RECV_F", "start_s": 55.0, "end_s": 55.5})
+    one = draw_timeline(tmp_path / "one.png", events, title="zbv")
+    two = draw_timeline(tmp_path / "two.png", measured, events, title="measured vs simulated")
+    for path in (one, two):
+        data = open(path, "rb").read()
+        assert data.startswith(b"\x89PNG") and len(data) > 5000
+
+
+def test_chrome_trace(tmp_path) -> None:
+    res = simulate(build_schedule(OneFOneB(), linear(3), 4), CostModel.uniform(3, f=0.001))
+    path = write_chrome_trace(tmp_path / "trace.json", res.events)
+    with open(path) as fh:
+        trace = json.load(fh)
+    evs = trace["traceEvents"]
+    names = [e for e in evs if e["ph"] == "M"]
+    assert sorted(e["args"]["name"] for e in names) == ["rank 0", "rank 1", "rank 2"]
+    slices = [e for e in evs if e["ph"] == "X"]
+    assert len(slices) == len(res.events)
+    first = min(slices, key=lambda e: (e["tid"], e["ts"]))
+    assert first["name"] == "0F0" and first["pid"] == 0 and first["tid"] == 0
+    assert first["dur"] == 1000.0  # 1 ms in microseconds
