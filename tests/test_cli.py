@@ -1,0 +1,94 @@
+"""`python train.py ...` end to end, as a user types it (subprocesses, real ranks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.harness import FAST, ROOT
+
+
+def train(args: list[str], run_dir: Path | None, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "train.py", *args]
+    if run_dir is not None:
+        cmd.append(f"hydra.run.dir={run_dir}")
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env or os.environ.copy())
+
+
+def metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+@pytest.mark.timeout(300)
+def test_losses_agree_across_pp_and_dp(tmp_path) -> None:
+    runs = {}
+    for name, extra in {"pp1": ["pp=1"], "pp2": ["pp=2"], "pp4dp2": ["pp=4", "dp=2"]}.items():
+        proc = train([*FAST, "microbatches=4", *extra], tmp_path / name)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = metrics(tmp_path / name)
+    base = runs["pp1"]["losses"]
+    assert len(base) == 3
+    for name, m in runs.items():
+        assert m["losses"] == pytest.approx(base, rel=1e-5), name
+    m = runs["pp4dp2"]
+    assert len(m["ranks"]) == 8
+    assert all(r["peak_memory_bytes"] > 0 for r in m["ranks"])
+    assert sorted(s for r in m["ranks"] if r["dp_rank"] == 0 for s in r["stages"]) == [0, 1, 2, 3]
+    assert m["step_time_s"] > 0 and m["tokens_per_s"] > 0
+    assert m["config"]["pp"] == 4 and (tmp_path / "pp4dp2" / "plan.json").exists()
+
+
+@pytest.mark.timeout(300)
+def test_default_command_prints_step_lines(tmp_path) -> None:
+    proc = train(["steps=3"], tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    step_lines = [line for line in proc.stdout.splitlines() if "| loss" in line]
+    assert len(step_lines) == 3, proc.stdout
+    assert all("tokens/s" in line and "step time" in line for line in step_lines)
+
+
+@pytest.mark.timeout(120)
+def test_failing_rank_stops_the_job_with_its_traceback(tmp_path) -> None:
+    start = time.monotonic()
+    proc = train(
+        [*FAST, "pp=4", "microbatches=4", "model._target_=tests.faulty.faulty_gpt", "+model.fail_block=layer5",
+         "timeout_s=600"],
+        tmp_path / "run",
+        timeout=100,
+    )
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "deliberate failure injected by tests.faulty" in proc.stderr
+    assert "Traceback" in proc.stderr or "File " in proc.stderr
+    assert elapsed < 60, f"job took {elapsed:.0f}s to stop"  # 30 s for the ranks + interpreter start-up
+    leftover = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.strip()
+    assert leftover == "", f"processes left behind: {leftover}"
+
+
+@pytest.mark.timeout(300)
+def test_multirun_gives_each_job_its_own_port_and_results(tmp_path) -> None:
+    sweep = tmp_path / "sweep"
+    proc = train(["-m", "scheduler=gpipe,1f1b", *FAST, f"hydra.sweep.dir={sweep}"], None)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = sorted(sweep.glob("*/metrics.json"))
+    assert len(found) == 2, list(sweep.rglob("*"))
+    schedules = {json.loads(p.read_text())["schedule"] for p in found}
+    assert schedules == {"gpipe", "1f1b"}
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_ranks_join_instead_of_spawning(tmp_path) -> None:
+    run_dir = tmp_path / "tr"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           "train.py", *FAST, "pp=2", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = metrics(run_dir)
+    assert len(m["ranks"]) == 2 and len(m["losses"]) == 3
+    assert not (run_dir / "logs").exists()  # nothing was spawned: the two processes were the ranks
