@@ -7,8 +7,8 @@ file per rank, and when one rank raises it stops the others and raises ChildFail
 from __future__ import annotations
 
 import uuid
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std

@@ -48,7 +48,8 @@ def _build(cfg: dict, key: str):
 
 
 def check_scalars(cfg: dict) -> None:
-    pp, dp = _positive(cfg, "pp"), _positive(cfg, "dp")
+    _positive(cfg, "pp")
+    dp = _positive(cfg, "dp")
     m, batch = _positive(cfg, "microbatches"), _positive(cfg, "batch_size")
     _positive(cfg, "steps")
     _positive(cfg, "warmup_steps", 0)

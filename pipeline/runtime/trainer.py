@@ -100,7 +100,9 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
         in_mbs = replica_microbatches(inputs, ctx.dp_rank, ctx.dp, plan.microbatches, ctx.device) if has_first else None
         tgt_mbs = replica_microbatches(targets, ctx.dp_rank, ctx.dp, plan.microbatches, ctx.device) if has_last else None
         start = time.perf_counter()
-        loss_sum, events, _ = executor.run_step(in_mbs, tgt_mbs)
+        loss_sum, events, outputs = executor.run_step(in_mbs, tgt_mbs)
+        if capture_state and step == 0 and outputs:
+            captured["outputs"] = torch.cat([outputs[mb].cpu() for mb in sorted(outputs)])
         if schedule.training:
             if ctx.dp > 1:
                 allreduce_gradients(modules, ctx.dp_group)
@@ -145,6 +147,8 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
     if capture_state:
         captured["params_final"] = stage_state(slots, "param")
         result["state"] = captured
+        if "outputs" in captured:
+            result["outputs"] = captured["outputs"]
     if ctx.rank == 0:
         metrics = {
             "config": cfg,
