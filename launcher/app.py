@@ -10,9 +10,11 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.spawn import RankFailed, spawn_ranks
-from launcher.validate import prepare
+from launcher.validate import Prepared, prepare
 from launcher.worker import RankJob, joined_rank_env, rank_main
 from pipeline.errors import ConfigError
+from pipeline.predict import format_choice, format_prediction
+from pipeline.timeline import draw_timeline
 
 
 def resolve(cfg: DictConfig) -> dict:
@@ -26,6 +28,12 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     prepared = prepare(resolved)
     plan = prepared.plan
     run_dir.mkdir(parents=True, exist_ok=True)
+    if prepared.choice is not None:
+        print(f"scheduler=auto chose {prepared.generator.name}: the fastest simulated schedule on this "
+              f"model's measured block profile\n{format_choice(prepared.choice)}", flush=True)
+        resolved["scheduler_chosen"] = prepared.generator.name
+    if resolved["mode"] == "plan":
+        return dry_run(prepared, run_dir)
     job = RankJob(resolved, plan, str(run_dir))
     if joined_rank_env():
         is_rank0 = os.environ.get("RANK") == "0"
@@ -45,6 +53,21 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         flush=True,
     )
     return metrics
+
+
+def dry_run(prepared: Prepared, run_dir: Path) -> dict:
+    """mode=plan: the stage table, the schedule grid and the simulated step, without any rank."""
+    plan, pred = prepared.plan, prepared.prediction
+    plan.write(run_dir / "plan.json")
+    print(plan.stage_table())
+    print(f"\nschedule {plan.schedule.name} (compute actions per pipeline rank):\n{plan.schedule.grid()}\n")
+    print(format_prediction(pred), flush=True)
+    draw_timeline(run_dir / "timeline.png", pred.result.events, title=f"simulated {plan.schedule.name} pp={plan.pp}")
+    summary = {"mode": "plan", "schedule": plan.schedule.name, **pred.result.summary(),
+               "bubble_per_rank": pred.result.bubble, "peak_activation_bytes_per_rank": pred.result.peak_activation_bytes}
+    (run_dir / "prediction.json").write_text(json.dumps(summary, indent=1))
+    print(f"wrote {run_dir / 'plan.json'}, {run_dir / 'prediction.json'} and {run_dir / 'timeline.png'}")
+    return summary
 
 
 def run_safely(cfg: DictConfig, run_dir: Path, multirun: bool) -> dict | None:

@@ -47,6 +47,9 @@ class TrainConfig:
     timeout_s: int = 120
     #: CPU threads per rank; 0 = cores / local ranks, at least 1.
     threads: int = 0
+    #: link model for the simulator's predictions (seconds per message, bytes per second).
+    link_latency_s: float = 5e-5
+    link_bandwidth: float = 1e9
 
 
 def register_configs() -> None:

@@ -16,7 +16,10 @@ from models.base import ModelSpec
 from pipeline.errors import ConfigError
 from pipeline.placement import PLACEMENT_KINDS
 from pipeline.plan import Plan, build_plan
+from pipeline.predict import Prediction, choose_schedule, measure_blocks, predict
+from pipeline.runtime.context import cpu_threads
 from pipeline.schedules import REMAT_CHOICES
+from pipeline.schedules.auto import AutoSchedule
 from pipeline.schedules.base import ScheduleGenerator
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -28,6 +31,9 @@ class Prepared:
     spec: ModelSpec
     generator: ScheduleGenerator
     plan: Plan
+    prediction: Prediction | None = None
+    #: scheduler=auto: every candidate simulated on the profile, fastest first.
+    choice: list[dict] | None = None
 
 
 def _positive(cfg: dict, key: str, minimum: int = 1) -> int:
@@ -72,8 +78,11 @@ def check_scalars(cfg: dict) -> None:
         raise ConfigError("placement", f"got kind {kind!r}; valid: {', '.join(PLACEMENT_KINDS)}")
 
 
-def prepare(cfg: dict) -> Prepared:
-    """Validate `cfg` (a resolved plain dict) and build the Plan."""
+def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
+    """Validate `cfg` (a resolved plain dict) and build the Plan.
+
+    With a profile (always for scheduler=auto and mode=plan), the model's blocks are measured
+    on this machine and the plan is simulated; auto keeps the fastest valid schedule."""
     check_scalars(cfg)
     spec = _build(cfg, "model")
     generator = _build(cfg, "scheduler")
@@ -81,15 +90,32 @@ def prepare(cfg: dict) -> Prepared:
     model_vocab = spec.meta.get("vocab_size")
     if data_vocab is not None and model_vocab is not None and data_vocab > model_vocab:
         raise ConfigError("data.vocab_size", f"{data_vocab} exceeds model.vocab_size={model_vocab}")
-    plan = build_plan(
-        spec,
-        generator,
-        pp=cfg["pp"],
-        dp=cfg["dp"],
-        microbatches=cfg["microbatches"],
-        batch_size=cfg["batch_size"],
-        placement_cfg=dict(cfg["placement"]),
-        partitioner_cfg=dict(cfg["partitioner"]),
-        remat=cfg["remat"],
-    )
-    return Prepared(spec, generator, plan)
+
+    def build(gen: ScheduleGenerator) -> Plan:
+        return build_plan(
+            spec,
+            gen,
+            pp=cfg["pp"],
+            dp=cfg["dp"],
+            microbatches=cfg["microbatches"],
+            batch_size=cfg["batch_size"],
+            placement_cfg=dict(cfg["placement"]),
+            partitioner_cfg=dict(cfg["partitioner"]),
+            remat=cfg["remat"],
+        )
+
+    auto = isinstance(generator, AutoSchedule)
+    if profile is None:
+        profile = auto or cfg["mode"] == "plan"
+    if not profile:
+        return Prepared(spec, generator, build(generator))
+    mbs = cfg["batch_size"] // (cfg["dp"] * cfg["microbatches"])
+    threads = cpu_threads(cfg.get("threads", 0), cfg["pp"] * cfg["dp"])
+    blocks = measure_blocks(spec, cfg["model"], mbs, cfg["seed"], threads)
+    link = (cfg.get("link_latency_s", 5e-5), cfg.get("link_bandwidth", 1e9))
+    if auto:
+        kind = cfg["placement"].get("kind")
+        generator, prediction, rows = choose_schedule(build, cfg["pp"], cfg["microbatches"], kind, blocks, *link)
+        return Prepared(spec, generator, prediction.plan, prediction, rows)
+    plan = build(generator)
+    return Prepared(spec, generator, plan, predict(plan, blocks, *link))

@@ -83,7 +83,10 @@ class Executor:
         self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None
     ) -> tuple[torch.Tensor, list[dict], dict[int, torch.Tensor]]:
         """Run this rank's program once. Returns (sum of scaled micro-batch losses held by this
-        rank, timing events, outputs of the last stage per micro-batch when not training)."""
+        rank, timing events, outputs of the last stage per micro-batch when not training).
+
+        Event times are raw `time.perf_counter()` values: CLOCK_MONOTONIC is shared by all
+        processes of a machine, so ranks' events line up once the earliest start is subtracted."""
         self._inputs, self._targets = inputs, targets
         self._state: dict[tuple[int, int], MicroBatchState] = {}
         self._local_fwd: dict[tuple[int, int], torch.Tensor] = {}
@@ -92,7 +95,6 @@ class Executor:
         loss_sum = torch.zeros((), device=self.device)
         events: list[dict] = []
         next_recv = 0
-        t0 = time.perf_counter()
         for pos, action in enumerate(self.actions):
             # keep `lookahead` receives posted ahead of where the program is
             while next_recv < len(self._recv_positions) and self._recv_positions[next_recv] <= pos + self._window():
@@ -107,7 +109,7 @@ class Executor:
                     torch.cuda.synchronize(self.device)
                 end = time.perf_counter()
                 events.append({"rank": self.pp_rank, "action": str(action), "kind": action.kind.value,
-                               "stage": action.stage, "mb": action.mb, "start_s": start - t0, "end_s": end - t0})
+                               "stage": action.stage, "mb": action.mb, "start_s": start, "end_s": end})
         self.p2p.wait_sends()
         self._state.clear()
         return loss_sum, events, self._outputs

@@ -5,7 +5,6 @@ Everything here runs inside one rank with a process group already initialised.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ from torch import nn
 
 from models.base import ModelSpec
 from pipeline.plan import Plan, dtype_of
+from pipeline.report import add_predictions, write_run_artifacts
 from pipeline.runtime.context import RankContext
 from pipeline.runtime.dp import allreduce_gradients
 from pipeline.runtime.executor import Executor, StageSlot
@@ -89,6 +89,7 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
     losses: list[float] = []
     step_times: list[float] = []
     busy: list[float] = []
+    schedule_times: list[float] = []
     captured: dict = {}
     last_events: list[dict] = []
     reset_peak(ctx.device)
@@ -101,6 +102,7 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
         tgt_mbs = replica_microbatches(targets, ctx.dp_rank, ctx.dp, plan.microbatches, ctx.device) if has_last else None
         start = time.perf_counter()
         loss_sum, events, outputs = executor.run_step(in_mbs, tgt_mbs)
+        schedule_times.append(time.perf_counter() - start)
         if capture_state and step == 0 and outputs:
             captured["outputs"] = torch.cat([outputs[mb].cpu() for mb in sorted(outputs)])
         if schedule.training:
@@ -140,6 +142,7 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
         "busy_s": statistics.median(timed_busy),
         "bubble": max(0.0, 1.0 - statistics.median(timed_busy) / median_step),
         "device": str(ctx.device),
+        "events": last_events if ctx.dp_rank == 0 else [],
     }
     gathered: list[dict] | None = [None] * ctx.world_size if ctx.rank == 0 else None
     dist.gather_object(rank_info, gathered, dst=0)
@@ -160,9 +163,17 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
             "schedule": schedule.name,
             "plan": {"stages": [s.__dict__ for s in plan.stages]},
         }
+        all_events = sorted((e for info in gathered for e in info.pop("events")), key=lambda e: e["start_s"])
+        t0 = all_events[0]["start_s"] if all_events else 0.0
+        for e in all_events:
+            e["start_s"], e["end_s"] = e["start_s"] - t0, e["end_s"] - t0
+        overhead = statistics.median(t - s for t, s in zip(step_times[warm:] or step_times,
+                                                           schedule_times[warm:] or schedule_times, strict=True))
+        simulated = add_predictions(metrics, plan, all_events, cfg, overhead)
         result["metrics"] = metrics
-        result["events"] = last_events
+        result["events"] = all_events
         if run_dir is not None:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=1, default=str))
+            write_run_artifacts(run_dir, metrics, all_events, simulated)
+    else:
+        rank_info.pop("events")
     return result

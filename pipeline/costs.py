@@ -1,0 +1,79 @@
+"""Cost models for the simulator, from a block profile (before a run) or from a run's own events.
+
+Both give per-stage F, I, W and recompute times plus activation and transfer bytes, so the same
+simulator predicts a run before it starts and explains it afterwards.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+
+from pipeline.graph.profile import BlockCost
+from pipeline.plan import Plan
+from pipeline.simulate import CostModel
+
+#: share of a measured backward that is weight-gradient work when only B was timed.
+DEFAULT_WEIGHT_SHARE = 0.5
+
+
+def _nbytes(shape: Sequence[int], dtype: str) -> int:
+    import torch
+
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def cost_model_from_blocks(
+    plan: Plan, blocks: Sequence[BlockCost], latency_s: float, bandwidth: float
+) -> CostModel:
+    """Sum each stage's block costs; the backward is split I/W by DEFAULT_WEIGHT_SHARE."""
+    by_name = {b.name: b for b in blocks}
+    fwd, bwd_i, bwd_w, act, inp, out = [], [], [], [], [], []
+    for i, stage in enumerate(plan.stages):
+        costs = [by_name[name] for name in stage.blocks]
+        f = sum(c.forward_s for c in costs)
+        b = sum(c.backward_s for c in costs)
+        fwd.append(f)
+        bwd_w.append(b * DEFAULT_WEIGHT_SHARE)
+        bwd_i.append(b - bwd_w[-1])
+        act.append(float(sum(c.activation_bytes for c in costs)))
+        prev = plan.stages[i - 1] if i else None
+        inp.append(float(_nbytes(prev.output_shape, prev.output_dtype)) if prev else 0.0)
+        out.append(float(_nbytes(stage.output_shape, stage.output_dtype)))
+    return CostModel(fwd, bwd_i, bwd_w, None, act, inp, out, latency_s, bandwidth)
+
+
+def cost_model_from_events(
+    plan: Plan, events: Sequence[dict], latency_s: float, bandwidth: float, fallback: CostModel | None = None
+) -> CostModel:
+    """Median measured duration of each (stage, kind) in this run; B splits into I/W when only B ran."""
+    durations: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for e in events:
+        durations[(e["stage"], e["kind"])].append(e["end_s"] - e["start_s"])
+
+    def med(stage: int, kind: str) -> float | None:
+        values = durations.get((stage, kind))
+        return statistics.median(values) if values else None
+
+    n = len(plan.stages)
+    fwd, bwd_i, bwd_w, rec = [], [], [], []
+    for s in range(n):
+        f = med(s, "F") or (fallback.forward_s[s] if fallback else 0.0)
+        i, w, b = med(s, "I"), med(s, "W"), med(s, "B")
+        if i is None or w is None:
+            total = b if b is not None else (fallback.backward_input_s[s] + fallback.backward_weight_s[s] if fallback else 0.0)
+            w = total * DEFAULT_WEIGHT_SHARE
+            i = total - w
+        r = med(s, "R") or f
+        fwd.append(f)
+        bwd_i.append(i)
+        bwd_w.append(w)
+        rec.append(r)
+    act = fallback.activation_bytes if fallback else None
+    inp = [0.0] + [float(_nbytes(p.output_shape, p.output_dtype)) for p in plan.stages[:-1]]
+    out = [float(_nbytes(p.output_shape, p.output_dtype)) for p in plan.stages]
+    return CostModel(fwd, bwd_i, bwd_w, rec, act, inp, out, latency_s, bandwidth)

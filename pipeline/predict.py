@@ -1,0 +1,107 @@
+"""Predict a run before it starts: profile the blocks, simulate the plan, or pick the schedule.
+
+`scheduler=auto` simulates every schedule valid for the given pp, micro-batches and placement on
+the measured block profile and keeps the fastest; `mode=plan` prints the same prediction without
+starting any rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from models.base import ModelSpec
+from pipeline.costs import cost_model_from_blocks
+from pipeline.errors import ConfigError
+from pipeline.graph.profile import BlockCost, profile_blocks
+from pipeline.plan import Plan
+from pipeline.schedules.base import ScheduleGenerator
+from pipeline.schedules.registry import valid_generators
+from pipeline.simulate import CostModel, SimResult, simulate
+
+
+@dataclass
+class Prediction:
+    plan: Plan
+    cost: CostModel
+    result: SimResult
+
+
+def measure_blocks(spec: ModelSpec, model_cfg: dict, micro_batch_size: int, seed: int, threads: int) -> list[BlockCost]:
+    """Profile every block at the per-rank thread count the ranks will use (cached on disk)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return profile_blocks(spec, micro_batch_size, seed=seed, device="cpu", model_config=model_cfg)
+    finally:
+        torch.set_num_threads(before)
+
+
+def predict(plan: Plan, blocks: Sequence[BlockCost], latency_s: float, bandwidth: float) -> Prediction:
+    cost = cost_model_from_blocks(plan, blocks, latency_s, bandwidth)
+    return Prediction(plan, cost, simulate(plan.schedule, cost))
+
+
+def choose_schedule(
+    build: Callable[[ScheduleGenerator], Plan],
+    pp: int,
+    microbatches: int,
+    placement_kind: str | None,
+    blocks: Sequence[BlockCost],
+    latency_s: float,
+    bandwidth: float,
+) -> tuple[ScheduleGenerator, Prediction, list[dict]]:
+    """Simulate each valid training schedule on the profile; return the fastest and the table."""
+    rows, best = [], None
+    for gen in valid_generators(pp, microbatches, placement_kind):
+        if not gen.training:
+            continue
+        try:
+            pred = predict(build(gen), blocks, latency_s, bandwidth)
+        except ConfigError as err:  # e.g. more stages than blocks for 2-stage-per-rank schedules
+            rows.append({"name": gen.name, "skipped": str(err)})
+            continue
+        row = {
+            "name": gen.name,
+            "makespan_s": pred.result.makespan_s,
+            "bubble": pred.result.mean_bubble,
+            "peak_activation_bytes": max(pred.result.peak_activation_bytes),
+        }
+        rows.append(row)
+        key = (row["makespan_s"], row["peak_activation_bytes"])
+        if best is None or key < best[0]:
+            best = (key, gen, pred)
+    if best is None:
+        raise ConfigError("scheduler", f"scheduler=auto found no schedule that runs pp={pp}, microbatches={microbatches}")
+    for row in rows:
+        row["chosen"] = row["name"] == best[1].name
+    rows.sort(key=lambda r: r.get("makespan_s", float("inf")))
+    return best[1], best[2], rows
+
+
+def format_choice(rows: Sequence[dict]) -> str:
+    lines = [f"{'schedule':<18} {'predicted step':>14} {'bubble':>7} {'peak act MB':>11}"]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"{r['name']:<18} skipped: {r['skipped']}")
+            continue
+        mark = "  <- chosen" if r["chosen"] else ""
+        lines.append(
+            f"{r['name']:<18} {r['makespan_s'] * 1e3:>11.1f} ms {r['bubble']:>7.1%} "
+            f"{r['peak_activation_bytes'] / 2**20:>11.1f}{mark}"
+        )
+    return "\n".join(lines)
+
+
+def format_prediction(pred: Prediction) -> str:
+    res = pred.result
+    lines = [f"simulated step: {res.makespan_s * 1e3:.1f} ms (lower bound {res.lower_bound_s * 1e3:.1f} ms)"]
+    lines.append(f"{'rank':>4} {'busy ms':>9} {'bubble':>7} {'peak act MB':>11} {'peak mbs':>8}")
+    for r in range(len(res.busy_s)):
+        lines.append(
+            f"{r:>4} {res.busy_s[r] * 1e3:>9.1f} {res.bubble[r]:>7.1%} "
+            f"{res.peak_activation_bytes[r] / 2**20:>11.2f} {res.peak_activation_microbatches[r]:>8}"
+        )
+    return "\n".join(lines)
