@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 from models.base import ModelSpec
 from pipeline.errors import ConfigError
 from pipeline.placement import PLACEMENT_KINDS
-from pipeline.plan import Plan, build_plan
+from pipeline.plan import PROFILED_PARTITIONERS, Plan, build_plan
 from pipeline.predict import Prediction, choose_schedule, measure_blocks, predict
 from pipeline.runtime.context import cpu_threads
 from pipeline.schedules import REMAT_CHOICES
@@ -91,6 +91,16 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
     if data_vocab is not None and model_vocab is not None and data_vocab > model_vocab:
         raise ConfigError("data.vocab_size", f"{data_vocab} exceeds model.vocab_size={model_vocab}")
 
+    blocks = None
+    auto = isinstance(generator, AutoSchedule)
+    if profile is None:
+        profile = auto or cfg["mode"] == "plan" or cfg["partitioner"].get("name") in PROFILED_PARTITIONERS
+    if profile:
+        mbs = cfg["batch_size"] // (cfg["dp"] * cfg["microbatches"])
+        threads = cpu_threads(cfg.get("threads", 0), cfg["pp"] * cfg["dp"])
+        blocks = measure_blocks(spec, cfg["model"], mbs, cfg["seed"], threads)
+    link = (cfg.get("link_latency_s", 5e-5), cfg.get("link_bandwidth", 1e9))
+
     def build(gen: ScheduleGenerator) -> Plan:
         return build_plan(
             spec,
@@ -102,17 +112,12 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
             placement_cfg=dict(cfg["placement"]),
             partitioner_cfg=dict(cfg["partitioner"]),
             remat=cfg["remat"],
+            block_costs=blocks,
+            bandwidth=link[1],
         )
 
-    auto = isinstance(generator, AutoSchedule)
-    if profile is None:
-        profile = auto or cfg["mode"] == "plan"
-    if not profile:
+    if blocks is None:
         return Prepared(spec, generator, build(generator))
-    mbs = cfg["batch_size"] // (cfg["dp"] * cfg["microbatches"])
-    threads = cpu_threads(cfg.get("threads", 0), cfg["pp"] * cfg["dp"])
-    blocks = measure_blocks(spec, cfg["model"], mbs, cfg["seed"], threads)
-    link = (cfg.get("link_latency_s", 5e-5), cfg.get("link_bandwidth", 1e9))
     if auto:
         kind = cfg["placement"].get("kind")
         generator, prediction, rows = choose_schedule(build, cfg["pp"], cfg["microbatches"], kind, blocks, *link)

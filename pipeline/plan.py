@@ -7,6 +7,7 @@ the run directory, and handed to every rank; planning is pure, execution is not.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -14,8 +15,10 @@ import torch
 
 from models.base import ModelSpec
 from pipeline.errors import ConfigError
+from pipeline.graph.profile import BlockCost, chain_graph
 from pipeline.ir import Schedule
 from pipeline.lowering import lower
+from pipeline.partition import PARTITIONERS, Partition, evaluate
 from pipeline.placement import check_explicit, from_kind
 from pipeline.schedules import build_schedule
 from pipeline.schedules.base import ScheduleGenerator
@@ -53,10 +56,40 @@ class Plan:
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_dict(), indent=1))
 
-    def stage_table(self) -> str:
-        lines = [f"{'stage':>5} {'rank':>4}  blocks"]
+    def stage_rows(self) -> list[dict]:
+        """One dict per stage for metrics.json: placement, blocks and, with a profile, its costs."""
+        part = self.meta.get("partition") or {}
+        rows = []
         for s in self.stages:
-            lines.append(f"{s.index:>5} {s.rank:>4}  {', '.join(s.blocks)}")
+            row = {"stage": s.index, "rank": s.rank, "blocks": list(s.blocks), "output_shape": s.output_shape}
+            for key in ("stage_compute_s", "stage_time_s", "stage_param_bytes", "stage_activation_bytes",
+                        "stage_comm_bytes"):
+                if key in part:
+                    row[key.removeprefix("stage_")] = part[key][s.index]
+            rows.append(row)
+        return rows
+
+    def stage_table(self) -> str:
+        """Per stage: rank and blocks; with a profile also time, parameter, activation, send bytes."""
+        part = self.meta.get("partition")
+        if part is None:
+            lines = [f"{'stage':>5} {'rank':>4}  blocks"]
+            lines += [f"{s.index:>5} {s.rank:>4}  {', '.join(s.blocks)}" for s in self.stages]
+            return "\n".join(lines)
+        mib = 2**20
+        lines = [f"{'stage':>5} {'rank':>4} {'F+B ms':>8} {'+comm ms':>8} {'params MB':>9} {'act MB':>7} {'send MB':>7}  blocks"]
+        for s in self.stages:
+            i = s.index
+            lines.append(
+                f"{i:>5} {s.rank:>4} {part['stage_compute_s'][i] * 1e3:>8.2f} {part['stage_time_s'][i] * 1e3:>8.2f} "
+                f"{part['stage_param_bytes'][i] / mib:>9.2f} {part['stage_activation_bytes'][i] / mib:>7.2f} "
+                f"{part['stage_comm_bytes'][i] / mib:>7.2f}  {', '.join(s.blocks)}"
+            )
+        lines.append(
+            f"partition ({self.meta['partitioner']}): bottleneck {part['bottleneck_s'] * 1e3:.2f} ms, lower bound "
+            f"max(total / stages, slowest block) {part['lower_bound_s'] * 1e3:.2f} ms "
+            f"({part['bottleneck_s'] / part['lower_bound_s']:.2f}x)"
+        )
         return "\n".join(lines)
 
 
@@ -72,13 +105,41 @@ def resolve_placement(placement_cfg: dict, generator: ScheduleGenerator, pp: int
     return from_kind(kind, pp, generator.stages_per_rank())
 
 
-def partition_blocks(partitioner_cfg: dict, spec: ModelSpec, num_stages: int) -> list[list[str]]:
+PARTITIONER_NAMES = ("uniform", "manual", "balanced", "milp")
+PROFILED_PARTITIONERS = ("balanced", "milp")
+
+
+def partition_blocks(
+    partitioner_cfg: dict,
+    spec: ModelSpec,
+    num_stages: int,
+    block_costs: Sequence[BlockCost] | None = None,
+    bandwidth: float = 1e9,
+) -> tuple[list[list[str]], Partition | None]:
+    """Cut the model's block chain into stages; with a profile, also say what the cut costs."""
     name = partitioner_cfg.get("name", "uniform")
+    if name not in PARTITIONER_NAMES:
+        raise ConfigError("partitioner", f"unknown partitioner {name!r}; valid: {', '.join(PARTITIONER_NAMES)}")
+    if name in PROFILED_PARTITIONERS and block_costs is None:
+        raise ConfigError("partitioner", f"partitioner={name} needs a block profile (the launcher measures one)")
     if name == "uniform":
-        return split_uniform(spec.block_names, num_stages)
-    if name == "manual":
-        return split_manual(spec.block_names, list(partitioner_cfg.get("split_points") or []), num_stages)
-    raise ConfigError("partitioner", f"unknown partitioner {name!r}; valid: uniform, manual")
+        blocks = split_uniform(spec.block_names, num_stages)
+    elif name == "manual":
+        blocks = split_manual(spec.block_names, list(partitioner_cfg.get("split_points") or []), num_stages)
+    else:
+        split_uniform(spec.block_names, num_stages)  # same "more stages than blocks" error for every partitioner
+        graph = chain_graph(block_costs)
+        options = {"bandwidth": bandwidth, "memory_cap": partitioner_cfg.get("memory_cap_bytes"),
+                   "in_flight": [num_stages - s for s in range(num_stages)]}
+        if name == "milp":
+            options["time_limit"] = float(partitioner_cfg.get("time_limit_s", 5.0))
+        part = PARTITIONERS[name](graph, num_stages, **options)
+        return part.stages(), part
+    if block_costs is None:
+        return blocks, None
+    graph = chain_graph(block_costs)
+    assignment = {b: s for s, names in enumerate(blocks) for b in names}
+    return blocks, evaluate(graph, assignment, num_stages, bandwidth=bandwidth, in_flight=1)
 
 
 def build_plan(
@@ -92,18 +153,31 @@ def build_plan(
     placement_cfg: dict,
     partitioner_cfg: dict,
     remat: str = "none",
+    block_costs: Sequence[BlockCost] | None = None,
+    bandwidth: float = 1e9,
 ) -> Plan:
-    """Place, partition and schedule: a pure function of the config and the model description."""
+    """Place, partition and schedule: a pure function of the config, the model and its profile."""
     placement = resolve_placement(placement_cfg, generator, pp)
     schedule = lower(build_schedule(generator, placement, microbatches, remat))
-    blocks = partition_blocks(partitioner_cfg, spec, len(placement))
+    blocks, partition = partition_blocks(partitioner_cfg, spec, len(placement), block_costs, bandwidth)
     mbs = batch_size // (dp * microbatches)
     shapes = stage_boundary_shapes(spec, blocks, mbs)
     stages = [
         StagePlan(i, placement[i], blocks[i], list(shape), str(dtype).removeprefix("torch."))
         for i, (shape, dtype) in enumerate(shapes)
     ]
-    return Plan(pp, dp, microbatches, mbs, spec.name, stages, schedule, meta={"remat": remat})
+    meta: dict = {"remat": remat, "partitioner": partitioner_cfg.get("name", "uniform")}
+    if partition is not None:
+        meta["partition"] = {
+            "bottleneck_s": partition.bottleneck_s,
+            "lower_bound_s": partition.lower_bound_s,
+            "stage_time_s": partition.stage_time_s,
+            "stage_compute_s": partition.stage_compute_s,
+            "stage_param_bytes": partition.stage_param_bytes,
+            "stage_activation_bytes": partition.stage_activation_bytes,
+            "stage_comm_bytes": partition.stage_comm_bytes,
+        }
+    return Plan(pp, dp, microbatches, mbs, spec.name, stages, schedule, meta=meta)
 
 
 def dtype_of(name: str) -> torch.dtype:

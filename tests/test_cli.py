@@ -92,3 +92,11 @@ def test_torchrun_ranks_join_instead_of_spawning(tmp_path) -> None:
     m = metrics(run_dir)
     assert len(m["ranks"]) == 2 and len(m["losses"]) == 3
     assert not (run_dir / "logs").exists()  # nothing was spawned: the two processes were the ranks
+
+
+@pytest.mark.timeout(300)
+def test_wandb_logger_writes_an_offline_run(tmp_path) -> None:
+    env = {**os.environ, "WANDB_SILENT": "true"}
+    proc = train([*FAST, "logger=wandb", "steps=2"], tmp_path / "run", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))

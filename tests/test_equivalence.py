@@ -51,6 +51,23 @@ def test_gradients_and_weights_match_single_process(world: int, tmp_path) -> Non
             assert_state_close(merge_state(ranks, "params_final", d), ref["params_final"], f"{what} replica {d} weights")
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("pp", [2, 4])
+def test_profiled_partitioners_match_single_process(pp: int, tmp_path) -> None:
+    parts = ["partitioner=balanced", "partitioner=milp", "partitioner=manual"]
+    splits = {2: "[layer3]", 4: "[layer1,layer3,layer5]"}
+    cfgs = []
+    for part in parts:
+        extra = [f"partitioner.split_points={splits[pp]}"] if part.endswith("manual") else []
+        cfgs.append(compose_cfg([*FAST, part, *extra, "scheduler=1f1b", f"pp={pp}", "microbatches=4"]))
+    results = run_jobs(cfgs, tmp_path / "logs")
+    for part, cfg, ranks in zip(parts, cfgs, results, strict=True):
+        ref = reference_run(cfg)
+        assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5), part
+        assert_state_close(merge_state(ranks, "grads_step0"), ref["grads_step0"], f"{part} pp={pp} grads")
+        assert_state_close(merge_state(ranks, "params_final"), ref["params_final"], f"{part} pp={pp} weights")
+
+
 def test_every_training_schedule_is_covered() -> None:
     covered = {what.split()[0] for world in (2, 4, 8) for _, what in _cases(world)}
     assert covered == set(TRAINING)

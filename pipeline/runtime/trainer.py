@@ -21,6 +21,7 @@ from pipeline.runtime.context import RankContext
 from pipeline.runtime.dp import allreduce_gradients
 from pipeline.runtime.executor import Executor, StageSlot
 from pipeline.runtime.memory import peak_memory_bytes, reset_peak
+from pipeline.runtime.tracking import Tracker
 from pipeline.stages import Stage
 
 
@@ -95,6 +96,7 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
     reset_peak(ctx.device)
     for m in modules:
         m.train(schedule.training)
+    tracker = Tracker(cfg, run_dir) if ctx.rank == 0 else None
 
     for step in range(cfg["steps"]):
         inputs, targets = data.batch(step, cfg["batch_size"])
@@ -121,6 +123,8 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
         step_times.append(elapsed)
         busy.append(sum(e["end_s"] - e["start_s"] for e in events))
         last_events = events
+        if tracker is not None:
+            tracker.log_step(step, {"loss": loss, "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed})
         if ctx.rank == 0 and (step % cfg.get("log_every", 1) == 0 or step == cfg["steps"] - 1):
             print(
                 f"step {step:>4} | loss {loss:.4f} | step time {elapsed * 1e3:8.1f} ms | "
@@ -161,7 +165,8 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
             "tokens_per_s": tokens_per_step / median_step,
             "ranks": gathered,
             "schedule": schedule.name,
-            "plan": {"stages": [s.__dict__ for s in plan.stages]},
+            "stages": plan.stage_rows(),
+            "partition": plan.meta.get("partition"),
         }
         all_events = sorted((e for info in gathered for e in info.pop("events")), key=lambda e: e["start_s"])
         t0 = all_events[0]["start_s"] if all_events else 0.0
@@ -174,6 +179,7 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
         result["events"] = all_events
         if run_dir is not None:
             write_run_artifacts(run_dir, metrics, all_events, simulated)
+        tracker.finish({k: metrics[k] for k in ("step_time_s", "tokens_per_s", "predicted_step_time_s") if k in metrics})
     else:
         rank_info.pop("events")
     return result
