@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.spawn import RankFailed, spawn_ranks
 from launcher.validate import Prepared, prepare
-from launcher.worker import RankJob, joined_rank_env, rank_main
+from launcher.worker import RankJob, export_submitit_env, joined_rank_env, rank_main
 from pipeline.errors import ConfigError
 from pipeline.predict import format_choice, format_prediction
 from pipeline.timeline import draw_timeline
@@ -35,6 +35,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     if resolved["mode"] == "plan":
         return dry_run(prepared, run_dir)
     job = RankJob(resolved, plan, str(run_dir))
+    export_submitit_env()
     if joined_rank_env():
         is_rank0 = os.environ.get("RANK") == "0"
         if is_rank0:

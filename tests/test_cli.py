@@ -100,3 +100,16 @@ def test_wandb_logger_writes_an_offline_run(tmp_path) -> None:
     proc = train([*FAST, "logger=wandb", "steps=2"], tmp_path / "run", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_submitit_local_tasks_join_as_ranks(tmp_path) -> None:
+    """The SLURM path, run locally: hydra-submitit-launcher starts 2 tasks, each becomes one rank."""
+    sweep = tmp_path / "sub"
+    proc = train(["-m", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2",
+                  "hydra.launcher.timeout_min=5", *FAST, "pp=2", f"hydra.sweep.dir={sweep}"], None, timeout=380)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = list(sweep.glob("*/metrics.json"))
+    assert len(found) == 1
+    assert len(json.loads(found[0].read_text())["ranks"]) == 2
