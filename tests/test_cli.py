@@ -113,3 +113,30 @@ def test_submitit_local_tasks_join_as_ranks(tmp_path) -> None:
     found = list(sweep.glob("*/metrics.json"))
     assert len(found) == 1
     assert len(json.loads(found[0].read_text())["ranks"]) == 2
+
+
+@pytest.mark.timeout(300)
+def test_zbv_pp4_dp2_runs_exactly_as_typed(tmp_path) -> None:
+    proc = train(["scheduler=zbv", "pp=4", "dp=2"], tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = metrics(tmp_path / "run")
+    assert len(m["ranks"]) == 8 and len(m["stages"]) == 8 and m["schedule"] == "zbv"
+    assert "predicted_step_time_s" in m and all("predicted_bubble" in r and "bubble" in r for r in m["ranks"])
+    assert (tmp_path / "run" / "trace.json").exists() and (tmp_path / "run" / "timeline.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(300)
+def test_plan_mode_is_a_dry_run(tmp_path) -> None:
+    proc = train(["mode=plan", "scheduler=zbv", "pp=4"], tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "simulated step" in proc.stdout and "rank 3:" in proc.stdout
+    assert (tmp_path / "run" / "timeline.png").exists() and not (tmp_path / "run" / "logs").exists()
+
+
+@pytest.mark.timeout(300)
+def test_auto_scheduler_says_what_it_chose(tmp_path) -> None:
+    proc = train([*FAST, "scheduler=auto", "pp=2", "microbatches=4"], tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "scheduler=auto chose" in proc.stdout and "<- chosen" in proc.stdout
+    m = metrics(tmp_path / "run")
+    assert m["schedule"] == m["config"]["scheduler_chosen"] != "auto"
