@@ -1,0 +1,193 @@
+"""Our pipeline runtime against torch.distributed.pipelining and single-process training.
+
+Workload (every configuration alike): model=gpt_bench (8 pre-LN blocks, dim 256, seq 128, vocab
+4096), synthetic tokens, global batch 32 x 128 tokens in 8 micro-batches, SGD, CPU, one thread per
+rank. Configurations:
+
+* ours: `python train.py ... pp=2 threads=1 scheduler=<s>` as a subprocess; tokens/s from
+  metrics.json (median step time over the steps after warm-up, measured on rank 0).
+* torch: torch.distributed.pipelining with the matching schedule class, the SAME stages and
+  placement as our plan (built by our own planner, checked against our run's plan.json), gloo,
+  two spawned ranks, SGD step and a loss all-reduce inside the timed step, as our trainer does.
+* single: one process, gradient accumulation over the 8 micro-batches + SGD, 1 and 2 threads.
+
+Rounds are interleaved (each round runs every configuration once, in an order rotated by one per
+round) so that machine noise hits all configurations alike; the table shows the median over
+rounds. Run: `python bench/compare_torch_pipelining.py [--rounds 3 --steps 12 --warmup 3]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _torch_pp import (  # noqa: E402
+    ROOT,
+    TORCH_SCHEDULES,
+    BenchConfig,
+    PipelineJob,
+    run_single_process,
+    run_torch_pipeline,
+)
+
+DEFAULT_SCHEDULES = ["1f1b", "zbv", "gpipe"]
+
+
+@dataclass(frozen=True)
+class Config:
+    """One row of the table: `kind` is ours, torch or single; `arg` the schedule or thread count."""
+
+    kind: str
+    arg: str
+
+    @property
+    def label(self) -> str:
+        if self.kind == "single":
+            return f"single process, {self.arg} thread{'s' if self.arg != '1' else ''}"
+        return f"{self.kind} {self.arg} (pp=2)"
+
+
+def our_plan(schedule: str, cfg: BenchConfig) -> tuple[list[int], list[list[str]]]:
+    """Placement and stage blocks exactly as `train.py` plans them (Hydra compose + our planner)."""
+    from hydra import compose, initialize_config_dir
+
+    from launcher.app import resolve
+    from launcher.config import register_configs
+    from launcher.validate import prepare
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        composed = compose("train", overrides=[*workload_overrides(cfg), f"scheduler={schedule}"])
+    plan = prepare(resolve(composed)).plan
+    return list(plan.schedule.placement), [list(s.blocks) for s in plan.stages]
+
+
+def workload_overrides(cfg: BenchConfig) -> list[str]:
+    return [
+        "model=gpt_bench", "data=synthetic", f"batch_size={cfg.batch_size}", f"microbatches={cfg.microbatches}",
+        "pp=2", "dp=1", "threads=1", "optimizer=sgd", f"optimizer.lr={cfg.lr}", f"seed={cfg.seed}",
+    ]
+
+
+def run_ours(schedule: str, cfg: BenchConfig, run_dir: Path) -> dict:
+    """One `train.py` run; returns its metrics.json (and the plan it wrote)."""
+    cmd = [
+        sys.executable, "train.py", *workload_overrides(cfg), f"scheduler={schedule}", f"steps={cfg.steps}",
+        f"warmup_steps={cfg.warmup}", "logger=console", f"hydra.run.dir={run_dir}",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
+        raise RuntimeError(f"train.py scheduler={schedule} failed ({proc.returncode}):\n{tail}")
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    metrics["plan_json"] = json.loads((run_dir / "plan.json").read_text())
+    return metrics
+
+
+def measure(config: Config, cfg: BenchConfig, plans: dict, tmp: Path, round_no: int) -> tuple[float, float]:
+    """(tokens/s, final loss) of one run of one configuration."""
+    if config.kind == "ours":
+        metrics = run_ours(config.arg, cfg, tmp / f"ours_{config.arg}_r{round_no}")
+        placement, blocks = plans[config.arg]
+        written = metrics["plan_json"]
+        if [s["blocks"] for s in written["stages"]] != blocks or [s["rank"] for s in written["stages"]] != placement:
+            print(f"  warning: plan.json of ours {config.arg} differs from the plan given to torch", flush=True)
+        return float(metrics["tokens_per_s"]), float(metrics["losses"][-1])
+    if config.kind == "torch":
+        placement, blocks = plans[config.arg]
+        result = run_torch_pipeline(PipelineJob(config.arg, placement, blocks, cfg))
+    else:
+        result = run_single_process(int(config.arg), cfg)
+    return cfg.tokens_per_step / result["step_time_s"], float(result["final_loss"])
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a and b else "—"
+
+
+def table(configs: list[Config], tps: dict[Config, list[float]], losses: dict[Config, float]) -> str:
+    """The markdown table: median tokens/s over rounds, ours/torch and ours/single-2-threads."""
+    med = {c: statistics.median(v) if v else None for c, v in tps.items()}
+    single2 = med.get(Config("single", "2"))
+    ours = [c for c in configs if c.kind == "ours" and med[c]]
+    best = max(ours, key=lambda c: med[c]) if ours else None
+    lines = [
+        "| configuration | tokens/s (median) | runs (tokens/s) | final loss | ours / torch | vs single 2 threads |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    for c in configs:
+        runs = ", ".join(f"{x:.0f}" for x in tps[c]) or "failed"
+        vs_torch = ratio(med[c], med.get(Config("torch", c.arg))) if c.kind == "ours" else ""
+        vs_single = ratio(med[c], single2) if c.kind != "single" or c.arg != "2" else "1.00"
+        loss = f"{losses[c]:.4f}" if c in losses else "—"
+        value = f"{med[c]:.0f}" if med[c] else "—"
+        lines.append(f"| {c.label} | {value} | {runs} | {loss} | {vs_torch} | {vs_single} |")
+    if best is not None:
+        lines.append("")
+        lines.append(f"best ours: {best.arg}, {med[best]:.0f} tokens/s = {ratio(med[best], single2)} x single "
+                     f"process with 2 threads")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows the median")
+    parser.add_argument("--steps", type=int, default=12, help="training steps per run, warm-up included")
+    parser.add_argument("--warmup", type=int, default=3, help="steps excluded from the median step time")
+    parser.add_argument("--schedules", nargs="+", default=DEFAULT_SCHEDULES,
+                        help=f"our schedulers (conf/scheduler/); torch peers exist for {', '.join(TORCH_SCHEDULES)}")
+    parser.add_argument("--no-single", action="store_true", help="skip the single-process baselines")
+    args = parser.parse_args()
+    if args.steps <= args.warmup:
+        parser.error("--steps must exceed --warmup")
+    unknown = [s for s in args.schedules if not (ROOT / "conf" / "scheduler" / f"{s}.yaml").exists()]
+    if unknown:
+        parser.error(f"no conf/scheduler/ entry for {unknown}")
+
+    cfg = BenchConfig(steps=args.steps, warmup=args.warmup)
+    plans = {s: our_plan(s, cfg) for s in args.schedules}
+    configs = [Config("ours", s) for s in args.schedules]
+    configs += [Config("torch", s) for s in args.schedules if s in TORCH_SCHEDULES]
+    if not args.no_single:
+        configs += [Config("single", "1"), Config("single", "2")]
+    # Pair each of our schedules with its torch peer so a noisy minute hits both alike.
+    order = sorted(configs, key=lambda c: (args.schedules.index(c.arg) if c.kind != "single" else 99, c.kind))
+    tps: dict[Config, list[float]] = {c: [] for c in configs}
+    losses: dict[Config, float] = {}
+    print(f"{platform.node()} | {platform.processor() or platform.machine()} | torch "
+          f"{__import__('torch').__version__} | {time.strftime('%Y-%m-%d %H:%M')} | rounds={args.rounds} "
+          f"steps={args.steps} warmup={args.warmup}", flush=True)
+    for s in args.schedules:
+        placement, blocks = plans[s]
+        print(f"  {s}: placement {placement}, stages {blocks}", flush=True)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench_pp_") as tmp:
+        for r in range(args.rounds):
+            shift = r % len(order)
+            for c in order[shift:] + order[:shift]:
+                t0 = time.perf_counter()
+                try:
+                    value, loss = measure(c, cfg, plans, Path(tmp), r)
+                except Exception as err:  # noqa: BLE001 - one failing configuration must not lose the table
+                    print(f"round {r + 1}: {c.label}: FAILED: {err}", flush=True)
+                    continue
+                tps[c].append(value)
+                losses[c] = loss
+                print(f"round {r + 1}: {c.label:<28} {value:8.0f} tokens/s  loss {loss:.4f}  "
+                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    print(f"\ntotal {time.perf_counter() - started:.0f} s\n")
+    print(table(order, tps, losses))
+
+
+if __name__ == "__main__":
+    main()
