@@ -19,14 +19,14 @@ from tests.harness import FAST, assert_state_close, compose_cfg, merge_state, ru
 TRAINING = [name for name, cls in GENERATORS.items() if cls.training]
 
 
-def _cases(world: int) -> list[tuple[dict, str]]:
+def _cases(world: int, remats: tuple[str, ...] = ("none", "full")) -> list[tuple[dict, str]]:
     out = []
     for sched in TRAINING:
         for pp in (1, 2, 4):
             for dp in (1, 2):
                 if pp * dp != world or (pp == 1 and sched not in ("gpipe", "1f1b")):
                     continue
-                for remat in ("none", "full"):
+                for remat in remats:
                     cfg = compose_cfg([*FAST, f"scheduler={sched}", f"pp={pp}", f"dp={dp}", "microbatches=4",
                                        f"remat={remat}"])
                     try:
@@ -37,10 +37,20 @@ def _cases(world: int) -> list[tuple[dict, str]]:
     return out
 
 
+WORLDS = [
+    pytest.param(1, ("none", "full"), id="world1"),
+    pytest.param(2, ("none", "full"), id="world2"),
+    pytest.param(4, ("none", "full"), id="world4"),
+    pytest.param(8, ("none",), id="world8"),
+    # 8 ranks x every schedule with remat is the longest spawn: on demand (`pytest -m slow`)
+    pytest.param(8, ("full",), id="world8-remat", marks=pytest.mark.slow),
+]
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world", [1, 2, 4, 8])
-def test_gradients_and_weights_match_single_process(world: int, tmp_path) -> None:
-    cases = _cases(world)
+@pytest.mark.parametrize(("world", "remats"), WORLDS)
+def test_gradients_and_weights_match_single_process(world: int, remats: tuple[str, ...], tmp_path) -> None:
+    cases = _cases(world, remats)
     assert cases
     results = run_jobs([cfg for cfg, _ in cases], tmp_path / "logs")
     for (cfg, what), ranks in zip(cases, results, strict=True):
@@ -52,7 +62,7 @@ def test_gradients_and_weights_match_single_process(world: int, tmp_path) -> Non
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("pp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_profiled_partitioners_match_single_process(pp: int, tmp_path) -> None:
     parts = ["partitioner=balanced", "partitioner=milp", "partitioner=manual"]
     splits = {2: "[layer3]", 4: "[layer1,layer3,layer5]"}
