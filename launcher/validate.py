@@ -13,7 +13,10 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 
 from models.base import ModelSpec
+from models.graph_spec import GraphModelSpec
 from pipeline.errors import ConfigError
+from pipeline.graph.profile import profile_graph
+from pipeline.graphplan import build_graph_plan, example_input, trace
 from pipeline.placement import PLACEMENT_KINDS
 from pipeline.plan import PROFILED_PARTITIONERS, Plan, build_plan
 from pipeline.predict import Prediction, choose_schedule, measure_blocks, predict
@@ -88,18 +91,25 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
     generator = _build(cfg, "scheduler")
     data_vocab = (cfg.get("data") or {}).get("vocab_size")
     model_vocab = spec.meta.get("vocab_size")
+    data_kind = (cfg.get("data") or {}).get("kind", "tokens")
+    model_kind = "tokens" if spec.input_dtype == torch.long else "images"
+    if data_kind != model_kind:
+        raise ConfigError("data", f"model={spec.name} takes {model_kind} but the data gives {data_kind}; use "
+                                  f"data={'synthetic or text' if model_kind == 'tokens' else 'images'}")
     if data_vocab is not None and model_vocab is not None and data_vocab > model_vocab:
         raise ConfigError("data.vocab_size", f"{data_vocab} exceeds model.vocab_size={model_vocab}")
 
     blocks = None
     auto = isinstance(generator, AutoSchedule)
+    link = (cfg.get("link_latency_s", 5e-5), cfg.get("link_bandwidth", 1e9))
+    if isinstance(spec, GraphModelSpec):
+        return _prepare_graph(cfg, spec, generator, auto, link)
     if profile is None:
         profile = auto or cfg["mode"] == "plan" or cfg["partitioner"].get("name") in PROFILED_PARTITIONERS
     if profile:
         mbs = cfg["batch_size"] // (cfg["dp"] * cfg["microbatches"])
         threads = cpu_threads(cfg.get("threads", 0), cfg["pp"] * cfg["dp"])
         blocks = measure_blocks(spec, cfg["model"], mbs, cfg["seed"], threads)
-    link = (cfg.get("link_latency_s", 5e-5), cfg.get("link_bandwidth", 1e9))
 
     def build(gen: ScheduleGenerator) -> Plan:
         return build_plan(
@@ -124,3 +134,30 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
         return Prepared(spec, generator, prediction.plan, prediction, rows)
     plan = build(generator)
     return Prepared(spec, generator, plan, predict(plan, blocks, *link))
+
+
+def _prepare_graph(cfg: dict, spec: GraphModelSpec, generator: ScheduleGenerator, auto: bool, link) -> Prepared:
+    """Traced models: trace and profile once (cached), then partition the graph for each candidate."""
+    mbs = cfg["batch_size"] // (cfg["dp"] * cfg["microbatches"])
+    traced = trace(spec, cfg["seed"], mbs)
+    threads = cpu_threads(cfg.get("threads", 0), cfg["pp"] * cfg["dp"])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        profile_graph(traced, (example_input(spec, mbs),), model_config=cfg["model"])
+    finally:
+        torch.set_num_threads(before)
+
+    def build(gen: ScheduleGenerator) -> Plan:
+        return build_graph_plan(
+            spec, gen, cfg["model"], pp=cfg["pp"], dp=cfg["dp"], microbatches=cfg["microbatches"],
+            batch_size=cfg["batch_size"], seed=cfg["seed"], placement_cfg=dict(cfg["placement"]),
+            partitioner_cfg=dict(cfg["partitioner"]), remat=cfg["remat"], bandwidth=link[1], traced=traced,
+        )
+
+    if auto:
+        kind = cfg["placement"].get("kind")
+        generator, prediction, rows = choose_schedule(build, cfg["pp"], cfg["microbatches"], kind, None, *link)
+        return Prepared(spec, generator, prediction.plan, prediction, rows)
+    plan = build(generator)
+    return Prepared(spec, generator, plan, predict(plan, None, *link))

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import math
+from collections import OrderedDict
 from functools import partial
 
 import torch
 from torch import nn
 
 from models.base import ModelSpec, causal_lm_loss
+from models.graph_spec import GraphModelSpec
 
 
 class Embedding(nn.Module):
@@ -79,18 +80,50 @@ def gpt(
     mlp_ratio: int = 4,
     dropout: float = 0.0,
     name: str = "gpt",
-) -> ModelSpec:
-    """Blocks: `embed`, `layer0` .. `layer{layers-1}`, `head`."""
+    tie_embeddings: bool = False,
+) -> ModelSpec | GraphModelSpec:
+    """Blocks: `embed`, `layer0` .. `layer{layers-1}`, `head`.
+
+    With `tie_embeddings` the LM head's projection *is* the token embedding matrix; the model is
+    then planned as a traced graph (blocks as leaves) so the stages holding the embedding and the
+    head each get a copy and their gradients are summed."""
     if layers < 1:
         raise ValueError(f"model.layers must be >= 1, got {layers}")
     blocks = [("embed", partial(Embedding, vocab_size, dim, seq_len))]
     blocks += [(f"layer{i}", partial(DecoderBlock, dim, heads, mlp_ratio, dropout)) for i in range(layers)]
     blocks.append(("head", partial(LMHead, dim, vocab_size)))
+    meta = {"vocab_size": vocab_size, "seq_len": seq_len, "dim": dim}
+    if tie_embeddings:
+        return GraphModelSpec(
+            name=name,
+            build=partial(_tied_model, blocks),
+            loss_fn=causal_lm_loss,
+            input_shape=(seq_len,),
+            input_dtype=torch.long,
+            target_shape=(seq_len,),
+            target_dtype=torch.long,
+            leaf_modules=[n for n, _ in blocks],
+            meta=meta,
+        )
     return ModelSpec(
         name=name,
         blocks=blocks,
         loss_fn=causal_lm_loss,
         input_shape=(seq_len,),
         target_shape=(seq_len,),
-        meta={"vocab_size": vocab_size, "seq_len": seq_len, "dim": dim, "flops_scale": math.prod((dim, dim))},
+        meta=meta,
     )
+
+
+class TiedGPT(nn.Sequential):
+    """The blocks in order, with the head's projection tied to the token embedding. Name-seeded
+    re-initialisation works in place on the one shared tensor, so the tie survives it."""
+
+    def tie(self) -> None:
+        self.head.proj.weight = self.embed.tokens.weight
+
+
+def _tied_model(blocks) -> nn.Module:
+    model = TiedGPT(OrderedDict((n, f()) for n, f in blocks))
+    model.tie()
+    return model

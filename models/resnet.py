@@ -64,6 +64,7 @@ def resnet(
     image_size: int = 32,
     in_channels: int = 3,
     name: str = "resnet",
+    task: str = "classification",
 ) -> GraphModelSpec:
     """Classifier spec; leaf modules are the stem, each residual block and the head."""
     widths = tuple(widths)
@@ -81,5 +82,5 @@ def resnet(
         target_shape=(),
         target_dtype=torch.long,
         leaf_modules=leaves,
-        meta={"widths": list(widths), "depth": depth, "num_classes": num_classes},
+        meta={"widths": list(widths), "depth": depth, "num_classes": num_classes, "task": task},
     )

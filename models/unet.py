@@ -13,13 +13,16 @@ from models.graph_spec import GraphModelSpec
 
 
 class ConvBlock(nn.Module):
-    """Two 3x3 convolutions with GroupNorm and SiLU (GroupNorm: no batch statistics across micro-batches)."""
+    """Two 3x3 convolutions with GroupNorm and SiLU (GroupNorm: no batch statistics across micro-batches).
+
+    The convolutions have no bias: the norm right after removes any per-channel shift, so a bias
+    would only add a parameter whose true gradient is zero (and whose computed one is noise)."""
 
     def __init__(self, c_in: int, c_out: int, groups: int = 4) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(c_in, c_out, 3, padding=1)
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, padding=1, bias=False)
         self.norm1 = nn.GroupNorm(min(groups, c_out), c_out)
-        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
         self.norm2 = nn.GroupNorm(min(groups, c_out), c_out)
         self.act = nn.SiLU()
 
@@ -72,6 +75,7 @@ def unet(
     in_channels: int = 3,
     out_channels: int = 3,
     name: str = "unet",
+    task: str = "regression",
 ) -> GraphModelSpec:
     """Image-to-image regression (MSE). Leaf modules are the conv blocks, ups and head."""
     if image_size % 2**levels:
@@ -91,5 +95,5 @@ def unet(
         target_shape=(out_channels, image_size, image_size),
         target_dtype=torch.float32,
         leaf_modules=leaves,
-        meta={"channels": channels, "levels": levels, "image_size": image_size},
+        meta={"channels": channels, "levels": levels, "image_size": image_size, "task": task},
     )

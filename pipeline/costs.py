@@ -18,22 +18,13 @@ from pipeline.simulate import CostModel
 DEFAULT_WEIGHT_SHARE = 0.5
 
 
-def _nbytes(shape: Sequence[int], dtype: str) -> int:
-    import torch
-
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n * torch.empty((), dtype=getattr(torch, dtype)).element_size()
-
-
 def cost_model_from_blocks(
     plan: Plan, blocks: Sequence[BlockCost], latency_s: float, bandwidth: float
 ) -> CostModel:
     """Sum each stage's block costs; the backward is split I/W by DEFAULT_WEIGHT_SHARE."""
     by_name = {b.name: b for b in blocks}
     fwd, bwd_i, bwd_w, act, inp, out = [], [], [], [], [], []
-    for i, stage in enumerate(plan.stages):
+    for stage in plan.stages:
         costs = [by_name[name] for name in stage.blocks]
         f = sum(c.forward_s for c in costs)
         b = sum(c.backward_s for c in costs)
@@ -41,9 +32,8 @@ def cost_model_from_blocks(
         bwd_w.append(b * DEFAULT_WEIGHT_SHARE)
         bwd_i.append(b - bwd_w[-1])
         act.append(float(sum(c.activation_bytes for c in costs)))
-        prev = plan.stages[i - 1] if i else None
-        inp.append(float(_nbytes(prev.output_shape, prev.output_dtype)) if prev else 0.0)
-        out.append(float(_nbytes(stage.output_shape, stage.output_dtype)))
+        inp.append(float(stage.recv_bytes))
+        out.append(float(stage.send_bytes))
     return CostModel(fwd, bwd_i, bwd_w, None, act, inp, out, latency_s, bandwidth)
 
 
@@ -74,6 +64,18 @@ def cost_model_from_events(
         bwd_w.append(w)
         rec.append(r)
     act = fallback.activation_bytes if fallback else None
-    inp = [0.0] + [float(_nbytes(p.output_shape, p.output_dtype)) for p in plan.stages[:-1]]
-    out = [float(_nbytes(p.output_shape, p.output_dtype)) for p in plan.stages]
+    inp = [float(p.recv_bytes) for p in plan.stages]
+    out = [float(p.send_bytes) for p in plan.stages]
     return CostModel(fwd, bwd_i, bwd_w, rec, act, inp, out, latency_s, bandwidth)
+
+
+def cost_model_from_plan(plan: Plan, latency_s: float, bandwidth: float) -> CostModel:
+    """Graph-path plans carry per-stage forward/backward sums of their profiled nodes."""
+    fwd = list(plan.meta["stage_forward_s"])
+    bwd = list(plan.meta["stage_backward_s"])
+    w = [b * DEFAULT_WEIGHT_SHARE for b in bwd]
+    act = [float(a) for a in plan.meta["partition"]["stage_activation_bytes"]]
+    return CostModel(
+        fwd, [b - x for b, x in zip(bwd, w, strict=True)], w, None, act,
+        [float(s.recv_bytes) for s in plan.stages], [float(s.send_bytes) for s in plan.stages], latency_s, bandwidth,
+    )

@@ -27,11 +27,37 @@ from pipeline.stages import split_manual, split_uniform, stage_boundary_shapes
 
 @dataclass
 class StagePlan:
+    """One stage: where it runs, what it holds, and the named values it reads and writes.
+
+    `inputs[name]` is the producing stage (None: the model input from the data); `outputs[name]`
+    lists the later stages that read it. `values[name]` = [shape, dtype] of one micro-batch, for
+    every value crossing a stage boundary. `loss_value` names the model output the loss is taken
+    on (last stage only).
+    """
+
     index: int
     rank: int  # pipeline rank (0..pp-1) within each data-parallel replica
-    blocks: list[str]
-    output_shape: list[int]
-    output_dtype: str
+    blocks: list[str]  # block names (sequential models) or graph node names (traced models)
+    inputs: dict[str, int | None]
+    outputs: dict[str, list[int]]
+    values: dict[str, list]
+    loss_value: str | None = None
+
+    def value_bytes(self, name: str) -> int:
+        shape, dtype = self.values[name]
+        n = 1
+        for d in shape:
+            n *= int(d)
+        return n * torch.empty((), dtype=dtype_of(dtype)).element_size()
+
+    @property
+    def send_bytes(self) -> int:
+        """Bytes this stage sends per micro-batch (one message per consuming stage)."""
+        return sum(self.value_bytes(n) * len(c) for n, c in self.outputs.items())
+
+    @property
+    def recv_bytes(self) -> int:
+        return sum(self.value_bytes(n) for n, p in self.inputs.items() if p is not None)
 
 
 @dataclass
@@ -48,6 +74,15 @@ class Plan:
     def stages_of(self, pp_rank: int) -> list[StagePlan]:
         return [s for s in self.stages if s.rank == pp_rank]
 
+    def edges(self) -> list[tuple[int, int, str]]:
+        """Every (producer stage, consumer stage, value) crossing a stage boundary, in a fixed
+        order: its position is the edge id both ends of a message derive their tag from."""
+        return sorted((p, s.index, name) for s in self.stages for name, p in s.inputs.items() if p is not None)
+
+    @property
+    def graph_path(self) -> bool:
+        return "assignment" in self.meta
+
     def to_dict(self) -> dict:
         data = {k: v for k, v in asdict(self).items() if k != "schedule"}
         data["schedule"] = self.schedule.to_dict()
@@ -61,7 +96,8 @@ class Plan:
         part = self.meta.get("partition") or {}
         rows = []
         for s in self.stages:
-            row = {"stage": s.index, "rank": s.rank, "blocks": list(s.blocks), "output_shape": s.output_shape}
+            row = {"stage": s.index, "rank": s.rank, "blocks": list(s.blocks), "send_bytes": s.send_bytes,
+                   "receives_from": sorted({p for p in s.inputs.values() if p is not None})}
             for key in ("stage_compute_s", "stage_time_s", "stage_param_bytes", "stage_activation_bytes",
                         "stage_comm_bytes"):
                 if key in part:
@@ -158,27 +194,55 @@ def build_plan(
 ) -> Plan:
     """Place, partition and schedule: a pure function of the config, the model and its profile."""
     placement = resolve_placement(placement_cfg, generator, pp)
-    schedule = lower(build_schedule(generator, placement, microbatches, remat))
+    schedule = build_schedule(generator, placement, microbatches, remat)
     blocks, partition = partition_blocks(partitioner_cfg, spec, len(placement), block_costs, bandwidth)
     mbs = batch_size // (dp * microbatches)
     shapes = stage_boundary_shapes(spec, blocks, mbs)
-    stages = [
-        StagePlan(i, placement[i], blocks[i], list(shape), str(dtype).removeprefix("torch."))
-        for i, (shape, dtype) in enumerate(shapes)
-    ]
+    stages = chain_stages(placement, blocks, shapes)
+    schedule = lower(schedule, [(p, s.index) for s in stages for p in s.inputs.values() if p is not None])
     meta: dict = {"remat": remat, "partitioner": partitioner_cfg.get("name", "uniform")}
     if partition is not None:
-        meta["partition"] = {
-            "bottleneck_s": partition.bottleneck_s,
-            "lower_bound_s": partition.lower_bound_s,
-            "stage_time_s": partition.stage_time_s,
-            "stage_compute_s": partition.stage_compute_s,
-            "stage_param_bytes": partition.stage_param_bytes,
-            "stage_activation_bytes": partition.stage_activation_bytes,
-            "stage_comm_bytes": partition.stage_comm_bytes,
-        }
+        meta["partition"] = partition_summary(partition)
     return Plan(pp, dp, microbatches, mbs, spec.name, stages, schedule, meta=meta)
+
+
+def partition_summary(partition: Partition) -> dict:
+    return {
+        "bottleneck_s": partition.bottleneck_s,
+        "lower_bound_s": partition.lower_bound_s,
+        "stage_time_s": partition.stage_time_s,
+        "stage_compute_s": partition.stage_compute_s,
+        "stage_param_bytes": partition.stage_param_bytes,
+        "stage_activation_bytes": partition.stage_activation_bytes,
+        "stage_comm_bytes": partition.stage_comm_bytes,
+    }
 
 
 def dtype_of(name: str) -> torch.dtype:
     return getattr(torch, name)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def chain_stages(
+    placement: Sequence[int], blocks: Sequence[Sequence[str]], shapes: Sequence[tuple[tuple[int, ...], torch.dtype]]
+) -> list[StagePlan]:
+    """Stages of a sequential model: stage s reads `act{s-1}` and writes `act{s}`; the last
+    stage's output (`output`) is what the loss is taken on."""
+    last = len(blocks) - 1
+    stages = []
+    for i, (shape, dtype) in enumerate(shapes):
+        out = "output" if i == last else f"act{i}"
+        stages.append(StagePlan(
+            index=i,
+            rank=placement[i],
+            blocks=list(blocks[i]),
+            inputs={"input": None} if i == 0 else {f"act{i - 1}": i - 1},
+            outputs={} if i == last else {out: [i + 1]},
+            values={out: [list(shape), dtype_name(dtype)]} | ({} if i == 0 else {f"act{i - 1}": [
+                list(shapes[i - 1][0]), dtype_name(shapes[i - 1][1])]}),
+            loss_value="output" if i == last else None,
+        ))
+    return stages

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from models.base import ModelSpec
-from pipeline.costs import cost_model_from_blocks
+from pipeline.costs import cost_model_from_blocks, cost_model_from_plan
 from pipeline.errors import ConfigError
 from pipeline.graph.profile import BlockCost, profile_blocks
 from pipeline.plan import Plan
@@ -39,8 +39,11 @@ def measure_blocks(spec: ModelSpec, model_cfg: dict, micro_batch_size: int, seed
         torch.set_num_threads(before)
 
 
-def predict(plan: Plan, blocks: Sequence[BlockCost], latency_s: float, bandwidth: float) -> Prediction:
-    cost = cost_model_from_blocks(plan, blocks, latency_s, bandwidth)
+def predict(plan: Plan, blocks: Sequence[BlockCost] | None, latency_s: float, bandwidth: float) -> Prediction:
+    if blocks is None:  # graph path: the plan carries its profiled stage costs
+        cost = cost_model_from_plan(plan, latency_s, bandwidth)
+    else:
+        cost = cost_model_from_blocks(plan, blocks, latency_s, bandwidth)
     return Prediction(plan, cost, simulate(plan.schedule, cost))
 
 
@@ -49,7 +52,7 @@ def choose_schedule(
     pp: int,
     microbatches: int,
     placement_kind: str | None,
-    blocks: Sequence[BlockCost],
+    blocks: Sequence[BlockCost] | None,
     latency_s: float,
     bandwidth: float,
 ) -> tuple[ScheduleGenerator, Prediction, list[dict]]:

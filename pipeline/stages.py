@@ -74,13 +74,20 @@ def stage_boundary_shapes(
     return shapes
 
 
-class Stage(nn.Module):
-    """One pipeline stage: a contiguous run of the model's blocks, named as in the full model."""
+class BlockStage(nn.Module):
+    """One stage of a sequential model: a contiguous run of blocks, named as in the full model,
+    reading one named value and writing one (the executor routes values by name)."""
 
-    def __init__(self, index: int, blocks: nn.Sequential) -> None:
+    def __init__(self, index: int, blocks: nn.Sequential, input_name: str, output_name: str) -> None:
         super().__init__()
         self.index = index
         self.blocks = blocks
+        self.input_name = input_name
+        self.output_name = output_name
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.blocks(x)
+    def forward(self, **values: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {self.output_name: self.blocks(values[self.input_name])}
+
+    def named_model_parameters(self):
+        """Parameters under their names in the full model."""
+        return self.blocks.named_parameters()

@@ -14,6 +14,9 @@ NEEDS = {
     ("placement", "interleaved"): ["scheduler=interleaved_1f1b"],
     ("placement", "v"): ["scheduler=zbv"],
     ("model", "gpt_bench"): ["batch_size=8"],
+    ("model", "unet"): ["data=images"],
+    ("model", "resnet"): ["data=images"],
+    ("data", "images"): ["model=unet"],
 }
 
 
@@ -23,7 +26,7 @@ def test_every_group_option_composes_and_plans(group: str) -> None:
     assert options, group
     for option in options:
         overrides = [*FAST, "pp=2", "microbatches=4", f"{group}={option}", *NEEDS.get((group, option), [])]
-        if group == "model":
+        if group == "model" or option == "images":
             overrides = [o for o in overrides if not o.startswith("model.")]
         cfg = compose_cfg(overrides)
         prepared = prepare(cfg, profile=False if option not in ("auto", "balanced", "milp") else None)
@@ -37,3 +40,10 @@ def test_text_data_reads_the_standard_library() -> None:
     x, y = data.batch(0, 4)
     assert x.shape == (4, 8) and int(x.max()) < 256
     assert (x[:, 1:] == y[:, :-1]).all()
+
+
+def test_data_must_match_the_model() -> None:
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="data=images"):
+        prepare(compose_cfg(["model=unet", "data=synthetic", "+model.vocab_size=8", "+model.seq_len=8"]))

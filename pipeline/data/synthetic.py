@@ -17,6 +17,7 @@ class SyntheticTokens:
     vocab_size: int
     seq_len: int
     seed: int = 0
+    kind: str = "tokens"  # what the model must take (checked before spawning)
     structure: float = 0.75
 
     def __post_init__(self) -> None:

@@ -29,6 +29,7 @@ class TextBytes:
     paths: list[str] | None = None
     max_bytes: int = 8_000_000
     seed: int = 0
+    kind: str = "tokens"  # what the model must take (checked before spawning)
     vocab_size: int = 256
 
     def __post_init__(self) -> None:

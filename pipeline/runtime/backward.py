@@ -10,6 +10,7 @@ work is done once and only the weight-gradient work is deferred.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -24,20 +25,21 @@ class WeightGradStash:
     params: list[nn.Parameter]
     #: one restart per branch node: (edges into the node, their gradients, parameters below it)
     restarts: list[tuple[list[GradientEdge], list[torch.Tensor], list[nn.Parameter]]] = field(default_factory=list)
-    # Fallback (first stage, or parameters reachable from two branches): backward from the root.
-    root: torch.Tensor | None = None
-    root_grad: torch.Tensor | None = None
+    # Fallback (no differentiable stage input, or parameters reachable from two branches):
+    # a plain backward from the roots towards the parameters.
+    roots: list[torch.Tensor] = field(default_factory=list)
+    root_grads: list[torch.Tensor | None] = field(default_factory=list)
 
 
 def _children(node) -> list:
     return [child for child, _ in node.next_functions if child is not None]
 
 
-def _classify(root_fn, x: torch.Tensor, params_by_id: dict[int, nn.Parameter]):
-    """Walk the graph once: which nodes lie on a path to x, and which parameters each reaches."""
+def _classify(root_fns: Sequence, leaf_ids: set[int], params_by_id: dict[int, nn.Parameter]):
+    """Walk the graph once: which nodes lie on a path to a stage input, which parameters each reaches."""
     on_input: dict = {}
     reach: dict = {}
-    stack = [(root_fn, False)]
+    stack = [(fn, False) for fn in root_fns]
     while stack:
         node, expanded = stack.pop()
         if not expanded:
@@ -45,7 +47,7 @@ def _classify(root_fn, x: torch.Tensor, params_by_id: dict[int, nn.Parameter]):
                 continue
             var = getattr(node, "variable", None)
             if var is not None:  # AccumulateGrad of a leaf tensor
-                on_input[node] = var is x
+                on_input[node] = id(var) in leaf_ids
                 reach[node] = frozenset({id(var)}) if id(var) in params_by_id else frozenset()
                 continue
             on_input[node] = False  # provisional; marks the node as visited
@@ -59,15 +61,24 @@ def _classify(root_fn, x: torch.Tensor, params_by_id: dict[int, nn.Parameter]):
 
 
 def backward_input(
-    root: torch.Tensor, root_grad: torch.Tensor | None, x: torch.Tensor | None, module: nn.Module
-) -> tuple[torch.Tensor | None, WeightGradStash]:
-    """Compute dL/dx now; return it and the stash for `backward_weight`."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    if x is None or root.grad_fn is None:
-        return None, WeightGradStash(params, root=root, root_grad=root_grad)
+    roots: Sequence[torch.Tensor],
+    root_grads: Sequence[torch.Tensor | None],
+    leaves: dict[str, torch.Tensor],
+    params: Sequence[nn.Parameter],
+) -> tuple[dict[str, torch.Tensor | None], WeightGradStash]:
+    """Compute the gradients of the stage inputs now; return them and the stash for W."""
+    params = list(params)
+    roots, root_grads = list(roots), list(root_grads)
+    fallback = WeightGradStash(params, roots=roots, root_grads=root_grads)
+    if not roots:
+        return {}, WeightGradStash(params)
+    names = list(leaves)
+    xs = [leaves[n] for n in names]
+    if not xs or any(r.grad_fn is None for r in roots):
+        return {}, fallback
     params_by_id = {id(p): p for p in params}
-    on_input, reach = _classify(root.grad_fn, x, params_by_id)
-    # A branch node lies on the input path and has children that reach parameters off that path:
+    on_input, reach = _classify([r.grad_fn for r in roots], {id(x) for x in xs}, params_by_id)
+    # A branch node lies on an input path and has children that reach parameters off that path:
     # the weight gradient forks from the input gradient there.
     branches: dict = {}
     for node, on in on_input.items():
@@ -77,11 +88,12 @@ def backward_input(
         if below:
             branches[node] = below
     all_below = [pid for below in branches.values() for pid in below]
-    if len(all_below) != len(set(all_below)) or set(all_below) != set(params_by_id):
-        # A parameter reached from two branches (or only through the input path) would be counted
-        # twice or missed by per-branch restarts: defer the plain full backward instead.
-        (dx,) = torch.autograd.grad(root, x, root_grad, retain_graph=True)
-        return dx, WeightGradStash(params, root=root, root_grad=root_grad)
+    reached = set().union(*reach.values()) if reach else set()
+    if len(all_below) != len(set(all_below)) or set(all_below) != (reached & set(params_by_id)):
+        # A parameter reached from two branches (or only off every input path) would be counted
+        # twice or missed by per-branch restarts: defer a plain backward instead.
+        grads = torch.autograd.grad(roots, xs, root_grads, retain_graph=True, allow_unused=True)
+        return dict(zip(names, grads, strict=True)), fallback
     captured: dict = {}
 
     def capture(node):
@@ -89,20 +101,20 @@ def backward_input(
 
     handles = [n.register_prehook(capture(n)) for n in branches]
     try:
-        (dx,) = torch.autograd.grad(root, x, root_grad, retain_graph=True)
+        grads = torch.autograd.grad(roots, xs, root_grads, retain_graph=True, allow_unused=True)
     finally:
         for h in handles:
             h.remove()
     stash = WeightGradStash(params)
-    for node, grads in captured.items():
-        edges = [GradientEdge(node, nr) for nr, g in enumerate(grads) if g is not None]
+    for node, node_grads in captured.items():
+        edges = [GradientEdge(node, nr) for nr, g in enumerate(node_grads) if g is not None]
         stash.restarts.append(
-            (edges, [g for g in grads if g is not None], [params_by_id[pid] for pid in branches[node]])
+            (edges, [g for g in node_grads if g is not None], [params_by_id[pid] for pid in branches[node]])
         )
-    return dx, stash
+    return dict(zip(names, grads, strict=True)), stash
 
 
-def _accumulate(params: list[nn.Parameter], grads) -> None:
+def _accumulate(params: Sequence[nn.Parameter], grads) -> None:
     with torch.no_grad():
         for p, g in zip(params, grads, strict=True):
             if g is None:
@@ -115,9 +127,13 @@ def _accumulate(params: list[nn.Parameter], grads) -> None:
 
 def backward_weight(stash: WeightGradStash) -> None:
     """Accumulate the deferred parameter gradients into `.grad`, then drop the graph."""
-    if stash.root is not None:
-        if stash.params:
-            torch.autograd.backward(stash.root, stash.root_grad, inputs=stash.params)
+    if stash.roots:
+        live = [p for p in stash.params]
+        if live:
+            grads = torch.autograd.grad(stash.roots, live, stash.root_grads, allow_unused=True)
+            _accumulate(live, grads)
+        stash.roots.clear()
+        stash.root_grads.clear()
         return
     for edges, grads, params in stash.restarts:
         _accumulate(params, torch.autograd.grad(edges, params, grads, allow_unused=True))

@@ -1,65 +1,68 @@
 """Point-to-point transfers between pipeline ranks, with tags that make every message unique.
 
-Receives are posted ahead of time (a small look-ahead window over the rank's program) so that a
-transfer overlaps the compute before it; sends are asynchronous and awaited at the end of a step.
+A message carries one named value of one micro-batch along one stage-graph edge, in one
+direction; its tag is derived from (edge id, micro-batch, direction), computed identically on
+both ends from the Plan. Receives are posted ahead of time (a look-ahead window over the rank's
+program) so transfers overlap compute; sends are asynchronous and awaited at the end of a step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from pipeline.ir import Action, Kind
+FORWARD, BACKWARD = 0, 1
 
 
-def message_tag(action: Action, num_microbatches: int) -> int:
-    """Same tag on both ends: a RECV_F of stage s matches the SEND_F of stage s-1, and so on."""
-    if action.kind in (Kind.SEND_F, Kind.RECV_B):
-        boundary, direction = action.stage, 0 if action.kind is Kind.SEND_F else 1
-    else:  # RECV_F of stage s receives from boundary s-1; SEND_B of stage s sends to boundary s-1
-        boundary, direction = action.stage - 1, 0 if action.kind is Kind.RECV_F else 1
-    return (boundary * num_microbatches + action.mb) * 2 + direction
+def message_tag(edge_id: int, mb: int, direction: int, num_microbatches: int) -> int:
+    return (edge_id * num_microbatches + mb) * 2 + direction
 
 
 @dataclass
-class PendingRecv:
-    work: dist.Work | None
-    tensor: torch.Tensor
+class RecvSpec:
+    """One tensor to receive: under which key it is handed back, from whom, what it looks like."""
+
+    key: Hashable
+    peer: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    tag: int
 
 
 class P2P:
     """Sends and receives for one rank's program, addressed by global rank."""
 
-    def __init__(self, num_microbatches: int, lookahead: int = 2) -> None:
-        self.num_microbatches = num_microbatches
-        self.lookahead = lookahead
-        self._recvs: dict[Action, PendingRecv] = {}
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._posted: dict[Hashable, list[tuple[Hashable, dist.Work, torch.Tensor]]] = {}
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
 
-    def post_recv(self, action: Action, peer: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        if action in self._recvs:
+    def post(self, group_key: Hashable, specs: list[RecvSpec]) -> None:
+        """Post the receives of one RECV action (all its tensors) unless already posted."""
+        if group_key in self._posted:
             return
-        buf = torch.empty(shape, dtype=dtype, device=device)
-        work = dist.irecv(buf, src=peer, tag=message_tag(action, self.num_microbatches))
-        self._recvs[action] = PendingRecv(work, buf)
+        posted = []
+        for spec in specs:
+            buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+            posted.append((spec.key, dist.irecv(buf, src=spec.peer, tag=spec.tag), buf))
+        self._posted[group_key] = posted
 
-    def take_recv(self, action: Action) -> torch.Tensor:
-        pending = self._recvs.pop(action)
-        if pending.work is not None:
-            pending.work.wait()
-        return pending.tensor
+    def take(self, group_key: Hashable) -> dict[Hashable, torch.Tensor]:
+        """Wait for the receives of one RECV action and return its tensors by key."""
+        out = {}
+        for key, work, buf in self._posted.pop(group_key):
+            work.wait()
+            out[key] = buf
+        return out
 
-    def send(self, action: Action, peer: int, tensor: torch.Tensor) -> None:
+    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         tensor = tensor.detach().contiguous()
-        work = dist.isend(tensor, dst=peer, tag=message_tag(action, self.num_microbatches))
-        self._sends.append((work, tensor))
+        self._sends.append((dist.isend(tensor, dst=peer, tag=tag), tensor))
 
     def wait_sends(self) -> None:
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
-
-    def has_pending(self) -> bool:
-        return bool(self._recvs)

@@ -1,8 +1,10 @@
 """Runs one rank's list of actions for one step: the only place pipeline compute happens.
 
-Each stage's forward is its own autograd graph: inputs that come from another stage (remote or
-on this rank) are fresh leaves with requires_grad, so a backward action produces exactly the
-gradient to hand to the previous stage. The loss of the last stage is divided by
+Stages exchange *named values*: a stage reads some values (from the data, from earlier stages on
+this rank, or received from other ranks) and produces values for later stages, which may be
+several stages further down (skip connections). Each stage's forward is its own autograd graph:
+every value it reads from another stage becomes a fresh leaf with requires_grad, so its backward
+yields exactly the gradients to hand back to the producers. The last stage divides the loss by
 (micro-batches x data-parallel replicas), so summing gradients over micro-batches and replicas
 gives the gradient of the global-batch mean loss, as single-process accumulation does.
 """
@@ -18,40 +20,39 @@ from torch import nn
 
 from pipeline.ir import Action, Kind, Schedule
 from pipeline.runtime.backward import WeightGradStash, backward_input, backward_weight
-from pipeline.runtime.comm import P2P
+from pipeline.runtime.comm import BACKWARD, FORWARD, P2P, RecvSpec, message_tag
 
 
 @dataclass
 class StageSlot:
-    """A stage held by this rank and who its neighbours are (global ranks, None if none/local)."""
+    """A stage held by this rank, with everything needed to route its values."""
 
     index: int
-    module: nn.Module
-    is_first: bool
-    is_last: bool
-    input_shape: tuple[int, ...] | None  # shape of what the previous stage sends
-    input_dtype: torch.dtype | None
-    output_shape: tuple[int, ...]
-    output_dtype: torch.dtype
-    prev_peer: int | None  # global rank holding stage index-1, if on another rank
-    next_peer: int | None  # global rank holding stage index+1, if on another rank
+    module: nn.Module  # forward(**inputs) -> dict of outputs
+    inputs: dict[str, int | None]  # value -> producing stage (None: model input)
+    outputs: dict[str, list[int]]  # value -> consuming stages
+    values: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    loss_value: str | None
+    peer_of: dict[int, int | None]  # neighbouring stage -> its global rank, None when on this rank
+    edge_id: dict[tuple[int, int, str], int] = field(default_factory=dict)
+
+    @property
+    def is_last(self) -> bool:
+        return self.loss_value is not None
+
+    def grad_flows(self, name: str) -> bool:
+        """Gradients travel back along a value only if it is floating point (static, both ends agree)."""
+        return self.values[name][1].is_floating_point
 
 
 @dataclass
 class MicroBatchState:
     """What a (stage, micro-batch) keeps between its forward and its backward."""
 
-    inputs: torch.Tensor | None = None
-    output: torch.Tensor | None = None  # with graph (None under remat until R runs)
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[str, torch.Tensor] | None = None  # with graph (None under remat until R runs)
     loss: torch.Tensor | None = None
     stash: WeightGradStash | None = None
-
-
-@dataclass
-class StepRecord:
-    """Per-action timings of one step, relative to the step's start."""
-
-    events: list[dict] = field(default_factory=list)
 
 
 class Executor:
@@ -65,67 +66,86 @@ class Executor:
         loss_scale: float,
         remat: bool = False,
         record_timings: bool = True,
+        lookahead: int = 4,
     ) -> None:
         self.actions = schedule.actions[pp_rank]
         self.training = schedule.training
+        self.m = schedule.num_microbatches
         self.slots = slots
         self.loss_fn = loss_fn
         self.device = device
         self.loss_scale = loss_scale
         self.remat = remat
         self.record_timings = record_timings
-        self.p2p = P2P(schedule.num_microbatches)
         self.pp_rank = pp_rank
+        self.p2p = P2P(device)
+        self.lookahead = lookahead
         self._recv_positions = [i for i, a in enumerate(self.actions) if a.kind in (Kind.RECV_F, Kind.RECV_B)]
+        self._params = {s: [p for p in slot.module.parameters() if p.requires_grad] for s, slot in slots.items()}
 
     # ---- one step -------------------------------------------------------------------------
     def run_step(
         self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None
     ) -> tuple[torch.Tensor, list[dict], dict[int, torch.Tensor]]:
         """Run this rank's program once. Returns (sum of scaled micro-batch losses held by this
-        rank, timing events, outputs of the last stage per micro-batch when not training).
+        rank, timing events, model outputs per micro-batch when not training).
 
         Event times are raw `time.perf_counter()` values: CLOCK_MONOTONIC is shared by all
         processes of a machine, so ranks' events line up once the earliest start is subtracted."""
         self._inputs, self._targets = inputs, targets
         self._state: dict[tuple[int, int], MicroBatchState] = {}
-        self._local_fwd: dict[tuple[int, int], torch.Tensor] = {}
-        self._local_bwd: dict[tuple[int, int], torch.Tensor] = {}
+        self._fwd_box: dict[tuple[int, int, str], torch.Tensor] = {}  # (consumer, mb, value)
+        self._bwd_box: dict[tuple[int, int, str, int], torch.Tensor] = {}  # (producer, mb, value, consumer)
+        self._grads_out: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # input grads awaiting SEND_B
         self._outputs: dict[int, torch.Tensor] = {}
         loss_sum = torch.zeros((), device=self.device)
         events: list[dict] = []
-        next_recv = 0
+        next_recv, n_recv = 0, len(self._recv_positions)
+        timed = self.record_timings
         for pos, action in enumerate(self.actions):
-            # keep `lookahead` receives posted ahead of where the program is
-            while next_recv < len(self._recv_positions) and self._recv_positions[next_recv] <= pos + self._window():
+            while next_recv < n_recv and self._recv_positions[next_recv] <= pos + self.lookahead:
                 self._post(self.actions[self._recv_positions[next_recv]])
                 next_recv += 1
-            start = time.perf_counter() if self.record_timings else 0.0
+            start = time.perf_counter() if timed else 0.0
             loss = self._dispatch(action)
             if loss is not None:
-                loss_sum = loss_sum + loss
-            if self.record_timings and action.is_compute:
+                loss_sum += loss
+            if timed and action.kind not in (Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B):
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                end = time.perf_counter()
                 events.append({"rank": self.pp_rank, "action": str(action), "kind": action.kind.value,
-                               "stage": action.stage, "mb": action.mb, "start_s": start, "end_s": end})
+                               "stage": action.stage, "mb": action.mb, "start_s": start,
+                               "end_s": time.perf_counter()})
         self.p2p.wait_sends()
         self._state.clear()
         return loss_sum, events, self._outputs
 
-    def _window(self) -> int:
-        return 2 * self.p2p.lookahead + 1
+    # ---- communication --------------------------------------------------------------------
+    def _tag(self, slot: StageSlot, producer: int, consumer: int, name: str, mb: int, direction: int) -> int:
+        return message_tag(slot.edge_id[(producer, consumer, name)], mb, direction, self.m)
 
     def _post(self, action: Action) -> None:
         slot = self.slots[action.stage]
+        s, mb = action.stage, action.mb
+        specs = []
         if action.kind is Kind.RECV_F:
-            self.p2p.post_recv(action, slot.prev_peer, slot.input_shape, slot.input_dtype, self.device)
+            for name, prod in slot.inputs.items():
+                if prod is not None and slot.peer_of[prod] is not None:
+                    shape, dtype = slot.values[name]
+                    specs.append(RecvSpec(name, slot.peer_of[prod], shape, dtype, self._tag(slot, prod, s, name, mb, FORWARD)))
         else:
-            self.p2p.post_recv(action, slot.next_peer, slot.output_shape, slot.output_dtype, self.device)
+            for name, consumers in slot.outputs.items():
+                if not slot.grad_flows(name):
+                    continue
+                for c in consumers:
+                    if slot.peer_of[c] is not None:
+                        shape, dtype = slot.values[name]
+                        specs.append(RecvSpec((name, c), slot.peer_of[c], shape, dtype,
+                                              self._tag(slot, s, c, name, mb, BACKWARD)))
+        self.p2p.post(action, specs)
 
     def _dispatch(self, action: Action) -> torch.Tensor | None:
-        kind = action.kind
+        kind, s, mb = action.kind, action.stage, action.mb
         if kind is Kind.F:
             return self._forward(action)
         if kind is Kind.B:
@@ -133,97 +153,126 @@ class Executor:
         elif kind is Kind.I:
             self._backward(action, full=False)
         elif kind is Kind.W:
-            self._weight(action)
+            backward_weight(self._state.pop((s, mb)).stash)
         elif kind is Kind.R:
             self._recompute(action)
         elif kind is Kind.RECV_F:
-            self._local_fwd[(action.stage, action.mb)] = self.p2p.take_recv(action)
+            for name, t in self.p2p.take(action).items():
+                self._fwd_box[(s, mb, name)] = t
         elif kind is Kind.RECV_B:
-            self._local_bwd[(action.stage, action.mb)] = self.p2p.take_recv(action)
+            for (name, c), t in self.p2p.take(action).items():
+                self._bwd_box[(s, mb, name, c)] = t
         elif kind is Kind.SEND_F:
-            state = self._state[(action.stage, action.mb)]
-            self.p2p.send(action, self.slots[action.stage].next_peer, state.output)
-            if not self.training:
-                del self._state[(action.stage, action.mb)]
-            elif self.remat:
-                state.output = None
+            self._send_forward(action)
         elif kind is Kind.SEND_B:
-            grad = self._local_bwd.pop(("in", action.stage, action.mb))
-            self.p2p.send(action, self.slots[action.stage].prev_peer, grad)
+            slot = self.slots[s]
+            for name, grad in self._grads_out.pop((s, mb)).items():
+                prod = slot.inputs[name]
+                self.p2p.send(grad, slot.peer_of[prod], self._tag(slot, prod, s, name, mb, BACKWARD))
         return None
 
+    def _send_forward(self, action: Action) -> None:
+        s, mb = action.stage, action.mb
+        slot = self.slots[s]
+        state = self._state[(s, mb)]
+        for name, consumers in slot.outputs.items():
+            for c in consumers:
+                if slot.peer_of[c] is not None:
+                    self.p2p.send(state.outputs[name], slot.peer_of[c], self._tag(slot, s, c, name, mb, FORWARD))
+        if not self.training:
+            del self._state[(s, mb)]
+        elif self.remat:
+            state.outputs = None
+
     # ---- compute actions ------------------------------------------------------------------
-    def _stage_input(self, slot: StageSlot, mb: int) -> torch.Tensor:
-        if slot.is_first:
-            assert self._inputs is not None, "first stage needs input micro-batches"
-            return self._inputs[mb]
-        x = self._local_fwd.pop((slot.index, mb))
-        if self.training and x.is_floating_point():
-            x = x.detach().requires_grad_(True)
-        return x
+    def _gather_inputs(self, slot: StageSlot, mb: int) -> dict[str, torch.Tensor]:
+        kw = {}
+        for name, prod in slot.inputs.items():
+            if prod is None:
+                assert self._inputs is not None, f"stage {slot.index} reads the model input"
+                kw[name] = self._inputs[mb]
+                continue
+            x = self._fwd_box.pop((slot.index, mb, name))
+            if self.training and x.is_floating_point():
+                x = x.detach().requires_grad_(True)
+            kw[name] = x
+        return kw
+
+    def _run(self, slot: StageSlot, kw: dict[str, torch.Tensor], mb: int, state: MicroBatchState) -> torch.Tensor | None:
+        outs = slot.module(**kw)
+        loss = None
+        if slot.loss_value is not None and self._targets is not None:
+            loss = self.loss_fn(outs[slot.loss_value], self._targets[mb]) / self.loss_scale
+        state.outputs, state.loss = outs, loss
+        return loss
 
     def _forward(self, action: Action) -> torch.Tensor | None:
-        slot = self.slots[action.stage]
-        x = self._stage_input(slot, action.mb)
+        s, mb = action.stage, action.mb
+        slot = self.slots[s]
+        kw = self._gather_inputs(slot, mb)
+        state = MicroBatchState(inputs=kw)
         keep_graph = self.training and not self.remat
         with torch.set_grad_enabled(keep_graph):
-            out = slot.module(x)
-        state = MicroBatchState(inputs=x if self.training else None, output=out)
-        self._state[(action.stage, action.mb)] = state
-        loss = None
-        if slot.is_last:
-            if self._targets is not None:
-                with torch.set_grad_enabled(keep_graph):
-                    scaled = self.loss_fn(out, self._targets[action.mb]) / self.loss_scale
-                state.loss = scaled if keep_graph else None
-                loss = scaled.detach()
-            if not self.training:
-                self._outputs[action.mb] = out.detach()
-            state.output = None if not keep_graph else out
-        elif slot.next_peer is None:  # next stage lives on this rank: hand over in memory
-            self._local_fwd[(action.stage + 1, action.mb)] = out.detach()
-            if not keep_graph:
-                state.output = None
-        if not self.training and (slot.is_last or slot.next_peer is None):
-            del self._state[(action.stage, action.mb)]
-        return loss
+            loss = self._run(slot, kw, mb, state)
+        outs = state.outputs
+        if slot.loss_value is not None and not self.training:
+            self._outputs[mb] = outs[slot.loss_value].detach()
+        has_remote = False
+        for name, consumers in slot.outputs.items():
+            for c in consumers:
+                if slot.peer_of[c] is None:  # consumer on this rank: hand over in memory
+                    self._fwd_box[(c, mb, name)] = outs[name].detach()
+                else:
+                    has_remote = True
+        if not keep_graph and not has_remote:
+            state.outputs = state.loss = None
+        if self.training or has_remote:
+            self._state[(s, mb)] = state
+        return None if loss is None else loss.detach()
 
     def _recompute(self, action: Action) -> None:
         slot = self.slots[action.stage]
         state = self._state[(action.stage, action.mb)]
         with torch.enable_grad():
-            state.output = slot.module(state.inputs)
-            if slot.is_last and self._targets is not None:
-                state.loss = self.loss_fn(state.output, self._targets[action.mb]) / self.loss_scale
-
-    def _roots(self, slot: StageSlot, action: Action, state: MicroBatchState) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if slot.is_last:
-            return state.loss, None
-        return state.output, self._local_bwd.pop((action.stage, action.mb))
+            self._run(slot, state.inputs, action.mb, state)
 
     def _backward(self, action: Action, full: bool) -> None:
-        slot = self.slots[action.stage]
-        key = (action.stage, action.mb)
-        state = self._state[key]
-        root, grad = self._roots(slot, action, state)
-        x = state.inputs
-        needs_input_grad = isinstance(x, torch.Tensor) and x.requires_grad
+        s, mb = action.stage, action.mb
+        slot = self.slots[s]
+        state = self._state[(s, mb)]
+        roots, grads = [], []
+        if state.loss is not None:
+            roots.append(state.loss)
+            grads.append(None)
+        for name, consumers in slot.outputs.items():
+            if not slot.grad_flows(name):
+                continue
+            total = None
+            for c in consumers:
+                g = self._bwd_box.pop((s, mb, name, c))
+                total = g if total is None else total + g
+            out = state.outputs[name]
+            if total is not None and out.requires_grad:
+                roots.append(out)
+                grads.append(total)
+        leaves = {n: x for n, x in state.inputs.items() if slot.inputs[n] is not None and x.requires_grad}
         if full:
-            torch.autograd.backward(root, grad)
-            input_grad = x.grad if needs_input_grad else None
-            del self._state[key]
+            if roots:
+                torch.autograd.backward(roots, [g for g in grads], inputs=None)
+            input_grads = {n: x.grad for n, x in leaves.items()}
+            del self._state[(s, mb)]
         else:
-            input_grad, state.stash = backward_input(root, grad, x if needs_input_grad else None, slot.module)
-            state.output = state.loss = None
-        if input_grad is not None:
-            self._hand_back(slot, action.mb, input_grad)
-
-    def _hand_back(self, slot: StageSlot, mb: int, input_grad: torch.Tensor) -> None:
-        if slot.prev_peer is None:  # previous stage on this rank
-            self._local_bwd[(slot.index - 1, mb)] = input_grad
-        else:
-            self._local_bwd[("in", slot.index, mb)] = input_grad
-
-    def _weight(self, action: Action) -> None:
-        state = self._state.pop((action.stage, action.mb))
-        backward_weight(state.stash)
+            input_grads, state.stash = backward_input(roots, grads, leaves, self._params[s])
+            state.outputs = state.loss = None
+        remote: dict[str, torch.Tensor] = {}
+        for name, x in leaves.items():
+            g = input_grads.get(name)
+            if g is None:
+                g = torch.zeros_like(x)
+            prod = slot.inputs[name]
+            if slot.peer_of[prod] is None:
+                self._bwd_box[(prod, mb, name, s)] = g
+            else:
+                remote[name] = g
+        if remote:
+            self._grads_out[(s, mb)] = remote

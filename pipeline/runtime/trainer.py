@@ -18,37 +18,47 @@ from models.base import ModelSpec
 from pipeline.plan import Plan, dtype_of
 from pipeline.report import add_predictions, write_run_artifacts
 from pipeline.runtime.context import RankContext
-from pipeline.runtime.dp import allreduce_gradients
+from pipeline.runtime.dp import SharedGrads, allreduce_gradients
 from pipeline.runtime.executor import Executor, StageSlot
 from pipeline.runtime.memory import peak_memory_bytes, reset_peak
 from pipeline.runtime.tracking import Tracker
-from pipeline.stages import Stage
+from pipeline.stages import BlockStage
 
 
-def build_slots(spec: ModelSpec, plan: Plan, ctx: RankContext, seed: int) -> dict[int, StageSlot]:
-    """Materialise only this rank's stages; neighbours on other ranks become P2P peers."""
-    placement = plan.schedule.placement
-    slots: dict[int, StageSlot] = {}
-    last = len(plan.stages) - 1
+def build_stage_modules(spec, plan: Plan, ctx: RankContext, seed: int) -> dict[int, nn.Module]:
+    """Materialise only this rank's stages (sequential models); see pipeline.graphplan for traced ones."""
+    if plan.graph_path:
+        from pipeline.graphplan import build_graph_stages
+
+        return build_graph_stages(spec, plan, ctx.pp_rank, seed, ctx.device)
+    modules = {}
     for sp in plan.stages_of(ctx.pp_rank):
-        module = Stage(sp.index, spec.build_blocks(sp.blocks, seed, ctx.device))
-        prev = plan.stages[sp.index - 1] if sp.index > 0 else None
-        prev_peer = ctx.global_rank(prev.rank) if prev is not None and prev.rank != ctx.pp_rank else None
-        nxt = plan.stages[sp.index + 1] if sp.index < last else None
-        next_peer = ctx.global_rank(nxt.rank) if nxt is not None and nxt.rank != ctx.pp_rank else None
+        (in_name,) = sp.inputs
+        out_name = sp.loss_value or next(iter(sp.outputs))
+        modules[sp.index] = BlockStage(sp.index, spec.build_blocks(sp.blocks, seed, ctx.device), in_name, out_name)
+    return modules
+
+
+def build_slots(spec, plan: Plan, ctx: RankContext, seed: int) -> dict[int, StageSlot]:
+    """This rank's stages, each knowing the global rank of every stage it exchanges values with."""
+    modules = build_stage_modules(spec, plan, ctx, seed)
+    edge_id = {edge: i for i, edge in enumerate(plan.edges())}
+    slots: dict[int, StageSlot] = {}
+    for sp in plan.stages_of(ctx.pp_rank):
+        neighbours = {p for p in sp.inputs.values() if p is not None} | {c for cs in sp.outputs.values() for c in cs}
+        peer_of = {
+            n: None if plan.stages[n].rank == ctx.pp_rank else ctx.global_rank(plan.stages[n].rank) for n in neighbours
+        }
         slots[sp.index] = StageSlot(
             index=sp.index,
-            module=module,
-            is_first=sp.index == 0,
-            is_last=sp.index == last,
-            input_shape=tuple(prev.output_shape) if prev else None,
-            input_dtype=dtype_of(prev.output_dtype) if prev else None,
-            output_shape=tuple(sp.output_shape),
-            output_dtype=dtype_of(sp.output_dtype),
-            prev_peer=prev_peer,
-            next_peer=next_peer,
+            module=modules[sp.index],
+            inputs=dict(sp.inputs),
+            outputs={k: list(v) for k, v in sp.outputs.items()},
+            values={k: (tuple(shape), dtype_of(dtype)) for k, (shape, dtype) in sp.values.items()},
+            loss_value=sp.loss_value,
+            peer_of=peer_of,
+            edge_id=edge_id,
         )
-    assert placement.count(ctx.pp_rank) == len(slots)
     return slots
 
 
@@ -64,7 +74,7 @@ def stage_state(slots: dict[int, StageSlot], what: str) -> dict[str, torch.Tenso
     """Parameters or gradients of this rank's stages, keyed by their name in the full model."""
     out = {}
     for slot in slots.values():
-        for name, p in slot.module.blocks.named_parameters():
+        for name, p in slot.module.named_model_parameters():
             t = p.grad if what == "grad" else p
             if t is not None:
                 out[name] = t.detach().cpu().clone()
@@ -78,15 +88,17 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
     schedule = plan.schedule
     slots = build_slots(spec, plan, ctx, cfg["seed"])
     modules: list[nn.Module] = [s.module for s in slots.values()]
-    params = [p for m in modules for p in m.parameters()]
+    params = list({id(p): p for m in modules for p in m.parameters()}.values())  # stages may share a tensor
+    shared = SharedGrads(plan, ctx, slots)
     optimizer = instantiate(cfg["optimizer"])(params) if schedule.training else None
     executor = Executor(
         schedule, ctx.pp_rank, slots, spec.loss_fn, ctx.device,
         loss_scale=float(plan.microbatches * plan.dp), remat=cfg.get("remat", "none") == "full",
     )
-    has_first = any(s.is_first for s in slots.values())
+    has_first = any(p is None for s in slots.values() for p in s.inputs.values())
     has_last = any(s.is_last for s in slots.values())
-    tokens_per_step = cfg["batch_size"] * (spec.input_shape[0] if spec.input_shape else 1)
+    # tokens for language models; samples for image models
+    tokens_per_step = cfg["batch_size"] * (spec.input_shape[0] if spec.input_dtype == torch.long else 1)
     losses: list[float] = []
     step_times: list[float] = []
     busy: list[float] = []
@@ -108,6 +120,7 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
         if capture_state and step == 0 and outputs:
             captured["outputs"] = torch.cat([outputs[mb].cpu() for mb in sorted(outputs)])
         if schedule.training:
+            shared.sum_across_stages()
             if ctx.dp > 1:
                 allreduce_gradients(modules, ctx.dp_group)
             if capture_state and step == 0:
