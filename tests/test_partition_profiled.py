@@ -1,0 +1,31 @@
+"""Partition quality on measured costs: gpt_bench traced to operator level and profiled on this
+machine, cut into 4 stages. balanced and milp must land within 5% of the lower bound
+max(total / stages, slowest node); uniform is reported for comparison."""
+
+from __future__ import annotations
+
+import torch
+
+from models.gpt import gpt
+from pipeline.graph.profile import profile_graph
+from pipeline.graph.trace import trace_model
+from pipeline.partition import balanced, milp_partition, uniform
+
+
+def test_balanced_and_milp_near_lower_bound_on_profiled_gpt_bench(capsys) -> None:
+    spec = gpt(vocab_size=4096, dim=256, layers=8, heads=4, seq_len=128, name="gpt_bench")
+    tokens = torch.randint(0, 4096, (4, 128))
+    traced = trace_model(spec.build_full(0), tokens)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        profile_graph(traced, (tokens,), model_config={"name": "gpt_bench", "micro_batch": 4, "threads": 1})
+    finally:
+        torch.set_num_threads(threads)
+    results = {f.__name__: f(traced.graph, 4) for f in (uniform, balanced, milp_partition)}
+    with capsys.disabled():
+        for name, p in results.items():
+            print(f"\n{name:>15}: bottleneck {p.bottleneck_s * 1e3:.2f} ms = {p.bottleneck_s / p.lower_bound_s:.3f} x bound")
+    for name in ("balanced", "milp_partition"):
+        assert results[name].bottleneck_s <= 1.05 * results[name].lower_bound_s, name
+    assert results["balanced"].bottleneck_s <= results["uniform"].bottleneck_s
