@@ -52,6 +52,8 @@ class BenchConfig:
     seed: int = 0
     steps: int = 12
     warmup: int = 3
+    #: our partitioner; torch gets the very same stage split
+    partitioner: str = "uniform"
 
     def spec(self) -> ModelSpec:
         return gpt(vocab_size=self.vocab_size, dim=self.dim, layers=self.layers, heads=self.heads,

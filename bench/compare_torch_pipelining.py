@@ -76,6 +76,7 @@ def workload_overrides(cfg: BenchConfig) -> list[str]:
     return [
         "model=gpt_bench", "data=synthetic", f"batch_size={cfg.batch_size}", f"microbatches={cfg.microbatches}",
         "pp=2", "dp=1", "threads=1", "optimizer=sgd", f"optimizer.lr={cfg.lr}", f"seed={cfg.seed}",
+        f"partitioner={cfg.partitioner}",
     ]
 
 
@@ -147,6 +148,8 @@ def main() -> None:
     parser.add_argument("--schedules", nargs="+", default=DEFAULT_SCHEDULES,
                         help=f"our schedulers (conf/scheduler/); torch peers exist for {', '.join(TORCH_SCHEDULES)}")
     parser.add_argument("--no-single", action="store_true", help="skip the single-process baselines")
+    parser.add_argument("--partitioner", default="uniform",
+                        help="our partitioner (uniform, balanced, milp); torch runs the very same stage split")
     args = parser.parse_args()
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
@@ -154,7 +157,7 @@ def main() -> None:
     if unknown:
         parser.error(f"no conf/scheduler/ entry for {unknown}")
 
-    cfg = BenchConfig(steps=args.steps, warmup=args.warmup)
+    cfg = BenchConfig(steps=args.steps, warmup=args.warmup, partitioner=args.partitioner)
     plans = {s: our_plan(s, cfg) for s in args.schedules}
     configs = [Config("ours", s) for s in args.schedules]
     configs += [Config("torch", s) for s in args.schedules if s in TORCH_SCHEDULES]
