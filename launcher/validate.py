@@ -19,7 +19,7 @@ from pipeline.graph.profile import profile_graph
 from pipeline.graphplan import build_graph_plan, example_input, trace
 from pipeline.placement import PLACEMENT_KINDS
 from pipeline.plan import PROFILED_PARTITIONERS, Plan, build_plan
-from pipeline.predict import Prediction, choose_schedule, measure_blocks, predict
+from pipeline.predict import Prediction, choose_schedule, measure_blocks, predict, profiling_threads
 from pipeline.runtime.context import cpu_threads
 from pipeline.schedules import REMAT_CHOICES
 from pipeline.schedules.auto import AutoSchedule
@@ -128,6 +128,11 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
 
     if blocks is None:
         return Prepared(spec, generator, build(generator))
+    return _plan_and_predict(cfg, spec, generator, build, auto, blocks, link)
+
+
+def _plan_and_predict(cfg: dict, spec, generator, build, auto: bool, blocks, link) -> Prepared:
+    """With a profile: let auto pick the fastest simulated schedule, or simulate the chosen one."""
     if auto:
         kind = cfg["placement"].get("kind")
         generator, prediction, rows = choose_schedule(build, cfg["pp"], cfg["microbatches"], kind, blocks, *link)
@@ -140,13 +145,8 @@ def _prepare_graph(cfg: dict, spec: GraphModelSpec, generator: ScheduleGenerator
     """Traced models: trace and profile once (cached), then partition the graph for each candidate."""
     mbs = cfg["batch_size"] // (cfg["dp"] * cfg["microbatches"])
     traced = trace(spec, cfg["seed"], mbs)
-    threads = cpu_threads(cfg.get("threads", 0), cfg["pp"] * cfg["dp"])
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with profiling_threads(cpu_threads(cfg.get("threads", 0), cfg["pp"] * cfg["dp"])):
         profile_graph(traced, (example_input(spec, mbs),), model_config=cfg["model"])
-    finally:
-        torch.set_num_threads(before)
 
     def build(gen: ScheduleGenerator) -> Plan:
         return build_graph_plan(
@@ -155,9 +155,4 @@ def _prepare_graph(cfg: dict, spec: GraphModelSpec, generator: ScheduleGenerator
             partitioner_cfg=dict(cfg["partitioner"]), remat=cfg["remat"], bandwidth=link[1], traced=traced,
         )
 
-    if auto:
-        kind = cfg["placement"].get("kind")
-        generator, prediction, rows = choose_schedule(build, cfg["pp"], cfg["microbatches"], kind, None, *link)
-        return Prepared(spec, generator, prediction.plan, prediction, rows)
-    plan = build(generator)
-    return Prepared(spec, generator, plan, predict(plan, None, *link))
+    return _plan_and_predict(cfg, spec, generator, build, auto, None, link)

@@ -7,7 +7,8 @@ starting any rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -29,14 +30,21 @@ class Prediction:
     result: SimResult
 
 
-def measure_blocks(spec: ModelSpec, model_cfg: dict, micro_batch_size: int, seed: int, threads: int) -> list[BlockCost]:
-    """Profile every block at the per-rank thread count the ranks will use (cached on disk)."""
+@contextmanager
+def profiling_threads(threads: int) -> Iterator[None]:
+    """Profile at the thread count each rank will train with, then restore the launcher's."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return profile_blocks(spec, micro_batch_size, seed=seed, device="cpu", model_config=model_cfg)
+        yield
     finally:
         torch.set_num_threads(before)
+
+
+def measure_blocks(spec: ModelSpec, model_cfg: dict, micro_batch_size: int, seed: int, threads: int) -> list[BlockCost]:
+    """Profile every block at the per-rank thread count the ranks will use (cached on disk)."""
+    with profiling_threads(threads):
+        return profile_blocks(spec, micro_batch_size, seed=seed, device="cpu", model_config=model_cfg)
 
 
 def predict(plan: Plan, blocks: Sequence[BlockCost] | None, latency_s: float, bandwidth: float) -> Prediction:

@@ -36,16 +36,20 @@ def _cfgs(pp: int) -> list[tuple[str, dict]]:
     return out
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("pp", [2, 4])
-def test_graph_models_match_single_process(pp: int, tmp_path) -> None:
-    cases = _cfgs(pp)
-    results = run_jobs([cfg for _, cfg in cases], tmp_path / "logs")
+def _assert_all_match_single_process(cases: list[tuple[str, dict]], results: list[list[dict]]) -> None:
     for (what, cfg), ranks in zip(cases, results, strict=True):
         ref = reference_run(cfg)
         assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
         assert_state_close(merge_state(ranks, "grads_step0"), ref["grads_step0"], f"{what} grads")
         assert_state_close(merge_state(ranks, "params_final"), ref["params_final"], f"{what} weights")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("pp", [2, 4])
+def test_graph_models_match_single_process(pp: int, tmp_path) -> None:
+    cases = _cfgs(pp)
+    results = run_jobs([cfg for _, cfg in cases], tmp_path / "logs")
+    _assert_all_match_single_process(cases, results)
 
 
 @pytest.mark.timeout(300)
@@ -58,8 +62,4 @@ def test_tied_weights_on_one_rank_and_skips_with_zero_bubble(tmp_path) -> None:
         ("unet zb_h1 remat", compose_cfg([*MODELS["unet"], "scheduler=zb_h1", "pp=2", "remat=full"])),
     ]
     results = run_jobs([cfg for _, cfg in cases], tmp_path / "logs")
-    for (what, cfg), ranks in zip(cases, results, strict=True):
-        ref = reference_run(cfg)
-        assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
-        assert_state_close(merge_state(ranks, "grads_step0"), ref["grads_step0"], f"{what} grads")
-        assert_state_close(merge_state(ranks, "params_final"), ref["params_final"], f"{what} weights")
+    _assert_all_match_single_process(cases, results)
