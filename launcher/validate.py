@@ -105,7 +105,8 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
     if isinstance(spec, GraphModelSpec):
         return _prepare_graph(cfg, spec, generator, auto, link)
     if profile is None:
-        profile = auto or cfg["mode"] == "plan" or cfg["partitioner"].get("name") in PROFILED_PARTITIONERS
+        profile = (auto or cfg["mode"] == "plan" or cfg["partitioner"].get("name") in PROFILED_PARTITIONERS
+                   or getattr(generator, "cost_aware", False))
     if profile:
         mbs = cfg["batch_size"] // (cfg["dp"] * cfg["microbatches"])
         threads = cpu_threads(cfg.get("threads", 0), cfg["pp"] * cfg["dp"])

@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from pipeline.graph.profile import BlockCost
-from pipeline.plan import Plan
+from pipeline.plan import Plan, split_backward_cost
 from pipeline.simulate import CostModel
 
 #: share of a measured backward that is weight-gradient work when only B was timed.
@@ -23,17 +23,17 @@ def cost_model_from_blocks(
 ) -> CostModel:
     """Sum each stage's block costs; the backward is split I/W by DEFAULT_WEIGHT_SHARE."""
     by_name = {b.name: b for b in blocks}
-    fwd, bwd_i, bwd_w, act, inp, out = [], [], [], [], [], []
+    fwd, bwd_i, act, inp, out = [], [], [], [], []
     for stage in plan.stages:
         costs = [by_name[name] for name in stage.blocks]
         f = sum(c.forward_s for c in costs)
         b = sum(c.backward_s for c in costs)
         fwd.append(f)
-        bwd_w.append(b * DEFAULT_WEIGHT_SHARE)
-        bwd_i.append(b - bwd_w[-1])
+        bwd_i.append(b)  # split below, stage 0 included
         act.append(float(sum(c.activation_bytes for c in costs)))
         inp.append(float(stage.recv_bytes))
         out.append(float(stage.send_bytes))
+    bwd_i, bwd_w = split_backward_cost(bwd_i, DEFAULT_WEIGHT_SHARE)
     return CostModel(fwd, bwd_i, bwd_w, None, act, inp, out, latency_s, bandwidth)
 
 
@@ -72,10 +72,9 @@ def cost_model_from_events(
 def cost_model_from_plan(plan: Plan, latency_s: float, bandwidth: float) -> CostModel:
     """Graph-path plans carry per-stage forward/backward sums of their profiled nodes."""
     fwd = list(plan.meta["stage_forward_s"])
-    bwd = list(plan.meta["stage_backward_s"])
-    w = [b * DEFAULT_WEIGHT_SHARE for b in bwd]
+    bwd_i, bwd_w = split_backward_cost(plan.meta["stage_backward_s"], DEFAULT_WEIGHT_SHARE)
     act = [float(a) for a in plan.meta["partition"]["stage_activation_bytes"]]
     return CostModel(
-        fwd, [b - x for b, x in zip(bwd, w, strict=True)], w, None, act,
+        fwd, bwd_i, bwd_w, None, act,
         [float(s.recv_bytes) for s in plan.stages], [float(s.send_bytes) for s in plan.stages], latency_s, bandwidth,
     )

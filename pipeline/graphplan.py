@@ -20,7 +20,14 @@ from pipeline.graph.split import split_model
 from pipeline.graph.trace import TracedModel, trace_model
 from pipeline.lowering import lower
 from pipeline.partition import PARTITIONERS, Partition
-from pipeline.plan import Plan, StagePlan, dtype_name, partition_summary, resolve_placement
+from pipeline.plan import (
+    Plan,
+    StagePlan,
+    dtype_name,
+    partition_summary,
+    resolve_placement,
+    split_backward_cost,
+)
 from pipeline.schedules import build_schedule
 from pipeline.schedules.base import ScheduleGenerator
 
@@ -102,13 +109,20 @@ def build_graph_plan(
 ) -> Plan:
     """Trace, profile (cached), partition and split a graph model; schedule it on the placement."""
     placement = resolve_placement(placement_cfg, generator, pp)
-    schedule = build_schedule(generator, placement, microbatches, remat)
+    generator.check(pp, microbatches, list(placement))
     mbs = batch_size // (dp * microbatches)
     if traced is None:
         traced = trace(spec, seed, mbs)
         profile_graph(traced, (example_input(spec, mbs),), model_config=model_cfg)
     k = len(placement)
     part = partition_graph(partitioner_cfg, traced, k, bandwidth)
+    forward = [0.0] * k
+    backward = [0.0] * k
+    for node, s in part.assignment.items():
+        forward[s] += traced.graph.nodes[node].get("forward_s", 0.0)
+        backward[s] += traced.graph.nodes[node].get("backward_s", 0.0)
+    generator.use_stage_costs(forward, *split_backward_cost(backward))
+    schedule = build_schedule(generator, placement, microbatches, remat)
     split = split_model(traced, part.assignment, k)
     outputs = [v for v, s in split.model_outputs.items()]
     if len(outputs) != 1 or split.model_outputs[outputs[0]] != k - 1:
@@ -138,8 +152,8 @@ def build_graph_plan(
         "partitioner": partitioner_cfg.get("name", "uniform"),
         "partition": partition_summary(part),
         "assignment": dict(part.assignment),
-        "stage_forward_s": [sum(traced.graph.nodes[n].get("forward_s", 0.0) for n in st.blocks) for st in stages],
-        "stage_backward_s": [sum(traced.graph.nodes[n].get("backward_s", 0.0) for n in st.blocks) for st in stages],
+        "stage_forward_s": forward,
+        "stage_backward_s": backward,
         "shared_params": {k_: list(v) for k_, v in split.shared_params.items()},
     }
     return Plan(pp, dp, microbatches, mbs, spec.name, stages, schedule, meta=meta)

@@ -194,8 +194,14 @@ def build_plan(
 ) -> Plan:
     """Place, partition and schedule: a pure function of the config, the model and its profile."""
     placement = resolve_placement(placement_cfg, generator, pp)
-    schedule = build_schedule(generator, placement, microbatches, remat)
+    generator.check(pp, microbatches, list(placement))  # schedule rules first: clearer than a split error
     blocks, partition = partition_blocks(partitioner_cfg, spec, len(placement), block_costs, bandwidth)
+    if block_costs is not None:
+        by_name = {b.name: b for b in block_costs}
+        forward = [sum(by_name[n].forward_s for n in names) for names in blocks]
+        backward = [sum(by_name[n].backward_s for n in names) for names in blocks]
+        generator.use_stage_costs(forward, *split_backward_cost(backward))
+    schedule = build_schedule(generator, placement, microbatches, remat)
     mbs = batch_size // (dp * microbatches)
     shapes = stage_boundary_shapes(spec, blocks, mbs)
     stages = chain_stages(placement, blocks, shapes)
@@ -204,6 +210,16 @@ def build_plan(
     if partition is not None:
         meta["partition"] = partition_summary(partition)
     return Plan(pp, dp, microbatches, mbs, spec.name, stages, schedule, meta=meta)
+
+
+def split_backward_cost(backward_s: Sequence[float], weight_share: float = 0.5) -> tuple[list[float], list[float]]:
+    """(I, W) per stage from measured backward times. Stage 0 reads only the data, so it has no
+    input gradient: its I is free and its W is the whole backward."""
+    w = [b * weight_share for b in backward_s]
+    i = [b - x for b, x in zip(backward_s, w, strict=True)]
+    if backward_s:
+        i[0], w[0] = 0.0, float(backward_s[0])
+    return i, w
 
 
 def partition_summary(partition: Partition) -> dict:

@@ -46,4 +46,4 @@ def test_data_must_match_the_model() -> None:
     from pipeline.errors import ConfigError
 
     with pytest.raises(ConfigError, match="data=images"):
-        prepare(compose_cfg(["model=unet", "data=synthetic", "+model.vocab_size=8", "+model.seq_len=8"]))
+        prepare(compose_cfg(["model=unet", "data=synthetic", "data.vocab_size=8", "data.seq_len=8"]))

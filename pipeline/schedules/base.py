@@ -32,6 +32,29 @@ class ScheduleGenerator:
     def stages_per_rank(self) -> int:
         return 1
 
+    def use_stage_costs(
+        self, forward_s: list[float], backward_input_s: list[float], backward_weight_s: list[float]
+    ) -> None:
+        """Hand a measured per-stage profile to generators that order actions by a simulated
+        play-through (`cost_aware` ones); others ignore it."""
+        self._stage_costs = (list(forward_s), list(backward_input_s), list(backward_weight_s))
+
+    def play_through(self, play, *args, **kwargs):
+        """Run a list-scheduling play-through on the measured costs when cost-aware; if real costs
+        would leave the greedy stuck under the memory cap, keep the unit-cost order (always valid)."""
+        costs = self.play_costs()
+        if costs != (1, 1, 1):
+            try:
+                return play(*args, costs=costs, reserve_deeper=True, **kwargs)
+            except ConfigError:
+                pass
+        return play(*args, **kwargs)
+
+    def play_costs(self) -> tuple:
+        """(F, I, W) for the play-through: the measured per-stage costs when cost-aware, else units."""
+        costs = getattr(self, "_stage_costs", None)
+        return costs if costs is not None and getattr(self, "cost_aware", False) else (1, 1, 1)
+
     def check(self, pp: int, microbatches: int, placement: list[int]) -> None:
         """Raise ConfigError if this schedule cannot run with these settings."""
         from pipeline.placement import classify

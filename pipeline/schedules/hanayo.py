@@ -31,6 +31,8 @@ class Hanayo(ScheduleGenerator):
     supported_placements: ClassVar[tuple[str, ...]] = ("v",)
 
     waves: int = 1
+    #: order actions by a play-through on the measured per-stage costs (else unit costs)
+    cost_aware: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.waves, int) or self.waves < 1:
@@ -51,5 +53,5 @@ class Hanayo(ScheduleGenerator):
 
     def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
         pp = max(placement) + 1
-        return list_schedule(placement, microbatches, split_backward=False,
-                             cap=[2 * self.waves * pp] * pp, forward_first=True)
+        return self.play_through(list_schedule, placement, microbatches, split_backward=False,
+                                 cap=[2 * self.waves * pp] * pp, forward_first=True)

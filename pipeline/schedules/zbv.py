@@ -29,6 +29,8 @@ class ZBV(ScheduleGenerator):
     default_placement: ClassVar[str] = "v"
     supported_placements: ClassVar[tuple[str, ...]] = ("v",)
     split_backward: ClassVar[bool] = True
+    #: order actions by a play-through on the measured per-stage costs (else F = I = W units)
+    cost_aware: bool = True
 
     def stages_per_rank(self) -> int:
         return 2
@@ -44,5 +46,5 @@ class ZBV(ScheduleGenerator):
 
     def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
         pp = max(placement) + 1
-        return list_schedule(placement, microbatches, split_backward=True, cap=[2 * pp] * pp,
-                             forward_first=True)
+        return self.play_through(list_schedule, placement, microbatches, split_backward=True,
+                                 cap=[2 * pp] * pp, forward_first=True)

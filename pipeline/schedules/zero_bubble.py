@@ -41,7 +41,8 @@ def list_schedule(
     forward_priority: str = "deepest",
     backward_priority: str = "earliest",
     forward_first: bool = False,
-    costs: tuple[int, int, int] = (1, 1, 1),
+    costs: tuple[float | Sequence[float], float | Sequence[float], float | Sequence[float]] = (1, 1, 1),
+    reserve_deeper: bool = False,
 ) -> list[list[Action]]:
     """Per-rank programs from a greedy unit-cost play-through (see the module docstring).
 
@@ -51,14 +52,18 @@ def list_schedule(
     "shallowest" stage. `forward_first` tries a forward before any backward (used by ZBV).
     `cap_unbackwarded` bounds forwarded-but-not-I/B pairs separately; `max_deferred_w` forces a W
     before any forward once more W are pending.
-    `costs` are the (F, I, W) durations used for the play-through; B costs I + W.
+    `costs` are the (F, I, W) durations used for the play-through, each one number or one per
+    stage (a measured profile: the play-through then orders actions for the real, uneven stages);
+    B costs I + W. `reserve_deeper` keeps one in-flight slot free for each deeper stage of the
+    rank that still has forwards to run: with uneven real costs a fast shallow stage could
+    otherwise fill the cap before the deeper stage's first input arrives.
     Raises ConfigError("microbatches", ...) if the caps leave the pipeline stuck.
     """
     num_stages = len(placement)
     pp = max(placement) + 1
     m = microbatches
-    cf, ci, cw = costs
-    cb = ci + cw
+    cf, ci, cw = (list(c) if isinstance(c, Sequence) else [c] * num_stages for c in costs)
+    cb = [i + w for i, w in zip(ci, cw, strict=True)]
     stages_of = [[s for s in range(num_stages) if placement[s] == r] for r in range(pp)]
     if forward_priority == "deepest":
         f_order = [sorted(st, reverse=True) for st in stages_of]
@@ -86,16 +91,21 @@ def list_schedule(
     releases: list[list[tuple[int, int]]] = [[] for _ in range(pp)]  # (time, rank-local frees)
     remaining = num_stages * m * (3 if split_backward else 2)
 
+    def reserved(r: int, s: int) -> int:
+        if not reserve_deeper:
+            return 0
+        return sum(1 for d in stages_of[r] if d > s and next_f[d] < m and next_f[d] <= next_f[s])
+
     def pick_f(r: int, t: int) -> tuple[Action, int] | None:
         if inflight[r] < cap[r] and waiting_b[r] < cap_b[r]:
             for s in f_order[r]:
                 mb = next_f[s]
-                if mb < m and (s == 0 or f_end[s - 1][mb] <= t):
+                if mb < m and (s == 0 or f_end[s - 1][mb] <= t) and inflight[r] + reserved(r, s) < cap[r]:
                     next_f[s] += 1
-                    f_end[s][mb] = t + cf
+                    f_end[s][mb] = t + cf[s]
                     inflight[r] += 1
                     waiting_b[r] += 1
-                    return F(s, mb), cf
+                    return F(s, mb), cf[s]
         return None
 
     def pick(r: int, t: int) -> tuple[Action, int] | None:
@@ -114,23 +124,23 @@ def list_schedule(
             next_b[s] += 1
             waiting_b[r] -= 1
             if split_backward:
-                g_end[s][mb] = t + ci
+                g_end[s][mb] = t + ci[s]
                 pending_w[r].append((s, mb))
-                return I(s, mb), ci
-            g_end[s][mb] = t + cb
-            releases[r].append((t + cb, 1))
-            return B(s, mb), cb
+                return I(s, mb), ci[s]
+            g_end[s][mb] = t + cb[s]
+            releases[r].append((t + cb[s], 1))
+            return B(s, mb), cb[s]
         if pending_w[r] and len(pending_w[r]) > max_w[r]:
             s, mb = pending_w[r].popleft()
-            releases[r].append((t + cw, 1))
-            return W(s, mb), cw
+            releases[r].append((t + cw[s], 1))
+            return W(s, mb), cw[s]
         got = pick_f(r, t)
         if got is not None:
             return got
         if pending_w[r]:
             s, mb = pending_w[r].popleft()
-            releases[r].append((t + cw, 1))
-            return W(s, mb), cw
+            releases[r].append((t + cw[s], 1))
+            return W(s, mb), cw[s]
         return None
 
     busy: list[tuple[int, int]] = []  # heap of (free time, rank)
@@ -226,6 +236,8 @@ class ZBH2(ScheduleGenerator):
 
     name: ClassVar[str] = "zb_h2"
     split_backward: ClassVar[bool] = True
+    #: order actions by a play-through on the measured per-stage costs (else F = I = W units)
+    cost_aware: bool = True
 
     def check(self, pp: int, microbatches: int, placement: list[int]) -> None:
         _linear_check(self, pp, microbatches, placement)
@@ -233,4 +245,5 @@ class ZBH2(ScheduleGenerator):
 
     def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
         pp = len(placement)
-        return list_schedule(placement, microbatches, split_backward=True, cap=[2 * pp - 1] * pp)
+        return self.play_through(list_schedule, placement, microbatches, split_backward=True,
+                                 cap=[2 * pp - 1] * pp)
