@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -25,6 +24,9 @@ def resolve(cfg: DictConfig) -> dict:
 def run(cfg: DictConfig, run_dir: Path) -> dict:
     """Validate, plan, then spawn ranks (or join as one); returns rank 0's metrics."""
     resolved = resolve(cfg)
+    export_submitit_env()
+    if joined_rank_env() and resolved["mode"] == "train":
+        return join(resolved, run_dir)
     prepared = prepare(resolved)
     plan = prepared.plan
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -35,14 +37,6 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     if resolved["mode"] == "plan":
         return dry_run(prepared, run_dir)
     job = RankJob(resolved, plan, str(run_dir))
-    export_submitit_env()
-    if joined_rank_env():
-        is_rank0 = os.environ.get("RANK") == "0"
-        if is_rank0:
-            plan.write(run_dir / "plan.json")
-            print(plan.stage_table(), flush=True)
-        result = rank_main(job)
-        return result.get("metrics", {})
     plan.write(run_dir / "plan.json")
     print(plan.stage_table(), flush=True)
     print(f"schedule {plan.schedule.name}: pp={plan.pp} dp={plan.dp} microbatches={plan.microbatches}", flush=True)
@@ -54,6 +48,17 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         flush=True,
     )
     return metrics
+
+
+def join(resolved: dict, run_dir: Path) -> dict:
+    """This process is one rank started by torchrun or SLURM. Every rank validates the config
+    (cheap, deterministic, no profile); the Plan itself is built by rank 0 inside the process group
+    and broadcast, since a profiled plan (auto, balanced, milp, cost-aware orders) depends on
+    timings and every rank must run the very same one."""
+    prepare(resolved, profile=False)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    result = rank_main(RankJob(resolved, None, str(run_dir)))
+    return result.get("metrics", {})
 
 
 def dry_run(prepared: Prepared, run_dir: Path) -> dict:

@@ -20,7 +20,7 @@ class RankJob:
     """Everything a rank needs, picklable: the resolved config, the plan and where to write."""
 
     cfg: dict
-    plan: Plan
+    plan: Plan | None  # None: rank 0 plans inside the process group and broadcasts (joined ranks)
     run_dir: str | None
     capture_state: bool = False
 
@@ -38,10 +38,9 @@ def rank_main_many(jobs: list[RankJob]) -> list[dict]:
     local_rank, local_world = env_int("LOCAL_RANK", 0), env_int("LOCAL_WORLD_SIZE", world)
     first = jobs[0]
     for job in jobs:
-        if world != job.plan.pp * job.plan.dp:
-            raise RuntimeError(
-                f"WORLD_SIZE={world} but pp x dp = {job.plan.pp} x {job.plan.dp} = {job.plan.pp * job.plan.dp}"
-            )
+        pp, dp = job.cfg["pp"], job.cfg["dp"]
+        if world != pp * dp:
+            raise RuntimeError(f"WORLD_SIZE={world} but pp x dp = {pp} x {dp} = {pp * dp}; start pp x dp ranks")
     device = select_device(first.cfg["device"], local_rank)
     if device.type == "cpu":
         torch.set_num_threads(cpu_threads(first.cfg.get("threads", 0), local_world))
@@ -55,6 +54,8 @@ def rank_main_many(jobs: list[RankJob]) -> list[dict]:
     try:
         results = []
         for job in jobs:
+            if job.plan is None:
+                job.plan = plan_on_rank0(job, rank)
             ctx = RankContext(rank, world, local_rank, local_world, job.plan.pp, job.plan.dp, device)
             ctx.mesh = make_mesh(ctx)
             run_dir = Path(job.run_dir) if job.run_dir else None
@@ -78,6 +79,22 @@ def export_submitit_env() -> bool:
 
     TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
     return True
+
+
+def plan_on_rank0(job: RankJob, rank: int) -> Plan:
+    """Rank 0 validates, profiles and plans; every rank receives that exact Plan."""
+    holder: list = [None]
+    if rank == 0:
+        from launcher.validate import prepare
+
+        plan = prepare(job.cfg).plan
+        if job.run_dir:
+            Path(job.run_dir).mkdir(parents=True, exist_ok=True)
+            plan.write(Path(job.run_dir) / "plan.json")
+        print(plan.stage_table(), flush=True)
+        holder[0] = plan
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
 
 
 def joined_rank_env() -> bool:
