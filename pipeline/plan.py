@@ -102,6 +102,9 @@ class Plan:
                         "stage_comm_bytes"):
                 if key in part:
                     row[key.removeprefix("stage_")] = part[key][s.index]
+            for key in ("stage_forward_s", "stage_backward_s"):
+                if key in self.meta:
+                    row[key.removeprefix("stage_")] = self.meta[key][s.index]
             rows.append(row)
         return rows
 
@@ -113,11 +116,14 @@ class Plan:
             lines += [f"{s.index:>5} {s.rank:>4}  {', '.join(s.blocks)}" for s in self.stages]
             return "\n".join(lines)
         mib = 2**20
-        lines = [f"{'stage':>5} {'rank':>4} {'F+B ms':>8} {'+comm ms':>8} {'params MB':>9} {'act MB':>7} {'send MB':>7}  blocks"]
+        fwd = self.meta.get("stage_forward_s") or [float("nan")] * len(self.stages)
+        bwd = self.meta.get("stage_backward_s") or [float("nan")] * len(self.stages)
+        lines = [f"{'stage':>5} {'rank':>4} {'F ms':>7} {'B ms':>7} {'+comm ms':>8} {'params MB':>9} {'act MB':>7} "
+                 f"{'send MB':>7}  blocks"]
         for s in self.stages:
             i = s.index
             lines.append(
-                f"{i:>5} {s.rank:>4} {part['stage_compute_s'][i] * 1e3:>8.2f} {part['stage_time_s'][i] * 1e3:>8.2f} "
+                f"{i:>5} {s.rank:>4} {fwd[i] * 1e3:>7.2f} {bwd[i] * 1e3:>7.2f} {part['stage_time_s'][i] * 1e3:>8.2f} "
                 f"{part['stage_param_bytes'][i] / mib:>9.2f} {part['stage_activation_bytes'][i] / mib:>7.2f} "
                 f"{part['stage_comm_bytes'][i] / mib:>7.2f}  {', '.join(s.blocks)}"
             )
@@ -209,6 +215,8 @@ def build_plan(
     meta: dict = {"remat": remat, "partitioner": partitioner_cfg.get("name", "uniform")}
     if partition is not None:
         meta["partition"] = partition_summary(partition)
+    if block_costs is not None:
+        meta["stage_forward_s"], meta["stage_backward_s"] = forward, backward
     return Plan(pp, dp, microbatches, mbs, spec.name, stages, schedule, meta=meta)
 
 
