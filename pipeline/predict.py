@@ -17,7 +17,9 @@ from models.base import ModelSpec
 from pipeline.costs import cost_model_from_blocks, cost_model_from_plan
 from pipeline.errors import ConfigError
 from pipeline.graph.profile import BlockCost, profile_blocks
+from pipeline.placement import classify
 from pipeline.plan import Plan
+from pipeline.schedules.auto import pick_fastest
 from pipeline.schedules.base import ScheduleGenerator
 from pipeline.schedules.registry import valid_generators
 from pipeline.simulate import CostModel, SimResult, simulate
@@ -64,32 +66,26 @@ def choose_schedule(
     latency_s: float,
     bandwidth: float,
 ) -> tuple[ScheduleGenerator, Prediction, list[dict]]:
-    """Simulate each valid training schedule on the profile; return the fastest and the table."""
-    rows, best = [], None
-    for gen in valid_generators(pp, microbatches, placement_kind):
-        if not gen.training:
-            continue
-        try:
-            pred = predict(build(gen), blocks, latency_s, bandwidth)
-        except ConfigError as err:  # e.g. more stages than blocks for 2-stage-per-rank schedules
-            rows.append({"name": gen.name, "skipped": str(err)})
-            continue
-        row = {
-            "name": gen.name,
-            "makespan_s": pred.result.makespan_s,
-            "bubble": pred.result.mean_bubble,
-            "peak_activation_bytes": max(pred.result.peak_activation_bytes),
-        }
-        rows.append(row)
-        key = (row["makespan_s"], row["peak_activation_bytes"])
-        if best is None or key < best[0]:
-            best = (key, gen, pred)
-    if best is None:
-        raise ConfigError("scheduler", f"scheduler=auto found no schedule that runs pp={pp}, microbatches={microbatches}")
-    for row in rows:
-        row["chosen"] = row["name"] == best[1].name
-    rows.sort(key=lambda r: r.get("makespan_s", float("inf")))
-    return best[1], best[2], rows
+    """Plan and simulate each valid training schedule on the profile; return the fastest and the table."""
+    skipped: list[dict] = []
+
+    def candidates():
+        for gen in valid_generators(pp, microbatches, placement_kind):
+            if not gen.training:
+                continue
+            try:
+                pred = predict(build(gen), blocks, latency_s, bandwidth)
+            except ConfigError as err:  # e.g. more stages than blocks for 2-stage-per-rank schedules
+                skipped.append({"name": gen.name, "skipped": str(err)})
+                continue
+            yield gen, classify(pred.plan.schedule.placement), pred
+
+    try:
+        winner, prediction, rows = pick_fastest(candidates(), pp, microbatches, placement_kind)
+    except ConfigError:
+        raise ConfigError("scheduler", f"scheduler=auto found no schedule that runs pp={pp}, "
+                                       f"microbatches={microbatches}: {skipped}") from None
+    return winner, prediction, rows + skipped
 
 
 def format_choice(rows: Sequence[dict]) -> str:

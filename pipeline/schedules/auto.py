@@ -36,42 +36,24 @@ class AutoSchedule(ScheduleGenerator):
 
         `cost_model` is a `pipeline.simulate.CostModel`; it is re-split to each candidate's stage
         count (`CostModel.resplit`), so one profile compares 1F1B (p stages) with ZBV (2p stages).
-        Ties on makespan go to the lower peak activation memory.
+        Ties on makespan go to the lower peak activation memory. (The launcher uses
+        `pipeline.predict.choose_schedule`, which re-partitions the measured profile per candidate
+        instead; both rank candidates with `pick_fastest`.)
         """
         from pipeline.schedules import build_schedule
         from pipeline.schedules.registry import placement_for, valid_generators
         from pipeline.simulate import CostModel, simulate
 
         assert isinstance(cost_model, CostModel)
-        rows: list[dict] = []
-        best: tuple[float, float, int] | None = None
-        winner: ScheduleGenerator | None = None
-        for gen in valid_generators(pp, microbatches, placement_kind):
-            if not gen.training:
-                continue
-            placement = placement_for(gen, pp, placement_kind)
-            schedule = build_schedule(gen, placement, microbatches)
-            result = simulate(schedule, cost_model.resplit(len(placement)))
-            row = {
-                "name": gen.name,
-                "placement": classify(placement),
-                "makespan_s": result.makespan_s,
-                "bubble": result.mean_bubble,
-                "peak_activation_bytes": max(result.peak_activation_bytes),
-            }
-            rows.append(row)
-            key = (result.makespan_s, row["peak_activation_bytes"], len(rows))
-            if best is None or key < best:
-                best, winner = key, gen
-        if winner is None:
-            raise ConfigError(
-                "scheduler",
-                f"no schedule can run pp={pp}, microbatches={microbatches}"
-                + (f" on a {placement_kind} placement" if placement_kind else ""),
-            )
-        rows.sort(key=lambda r: (r["makespan_s"], r["peak_activation_bytes"]))
-        for row in rows:
-            row["chosen"] = row["name"] == winner.name
+
+        def candidates():
+            for gen in valid_generators(pp, microbatches, placement_kind):
+                if gen.training:
+                    placement = placement_for(gen, pp, placement_kind)
+                    schedule = build_schedule(gen, placement, microbatches)
+                    yield gen, classify(placement), simulate(schedule, cost_model.resplit(len(placement)))
+
+        winner, _, rows = pick_fastest(candidates(), pp, microbatches, placement_kind)
         self.chosen = winner
         return winner, rows
 
@@ -91,3 +73,34 @@ class AutoSchedule(ScheduleGenerator):
         kind = classify(placement) if pp > 1 else "linear"
         gen, _ = self.choose(pp, microbatches, CostModel.uniform(len(placement)), kind)
         return gen.compute_actions(placement, microbatches)
+
+
+def pick_fastest(candidates, pp: int, microbatches: int, placement_kind: str | None = None):
+    """Rank simulated candidates `(generator, placement label, SimResult or payload with .result)`:
+    return (fastest generator, its payload, rows sorted by makespan with the winner marked).
+    Ties on makespan go to the lower peak activation memory."""
+    rows: list[dict] = []
+    best = None
+    for gen, label, payload in candidates:
+        result = getattr(payload, "result", payload)
+        row = {
+            "name": gen.name,
+            "placement": label,
+            "makespan_s": result.makespan_s,
+            "bubble": result.mean_bubble,
+            "peak_activation_bytes": max(result.peak_activation_bytes),
+        }
+        rows.append(row)
+        key = (row["makespan_s"], row["peak_activation_bytes"], len(rows))
+        if best is None or key < best[0]:
+            best = (key, gen, payload)
+    if best is None:
+        raise ConfigError(
+            "scheduler",
+            f"no schedule can run pp={pp}, microbatches={microbatches}"
+            + (f" on a {placement_kind} placement" if placement_kind else ""),
+        )
+    rows.sort(key=lambda r: (r["makespan_s"], r["peak_activation_bytes"]))
+    for row in rows:
+        row["chosen"] = row["name"] == best[1].name
+    return best[1], best[2], rows
