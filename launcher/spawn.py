@@ -23,17 +23,17 @@ class RankFailed(RuntimeError):
 
 
 def failure_report(err: ChildFailedError) -> str:
+    """Each failed rank's traceback, from the error file torch elastic records for it."""
     parts = []
     for local_rank, failure in sorted(err.failures.items()):
-        message = failure.message
-        if isinstance(message, dict):
-            message = message.get("message", message)
-            message = message.get("message", message) if isinstance(message, dict) else message
-            extra = failure.message.get("message", {}) if isinstance(failure.message, dict) else {}
-            trace = extra.get("extraInfo", {}).get("py_callstack") if isinstance(extra, dict) else None
-            if trace:
-                message = trace
-        parts.append(f"--- rank {local_rank} failed (exit code {failure.exitcode}) ---\n{message}")
+        text = failure.message
+        if isinstance(text, dict):  # {"message": {"message": ..., "extraInfo": {"py_callstack": ...}}}
+            inner = text.get("message", {})
+            if isinstance(inner, dict):
+                text = inner.get("extraInfo", {}).get("py_callstack") or inner.get("message") or str(text)
+            else:
+                text = str(inner)
+        parts.append(f"--- rank {local_rank} failed (exit code {failure.exitcode}) ---\n{text}")
     return "\n".join(parts)
 
 

@@ -62,8 +62,6 @@ def stage_boundary_shapes(
     Receivers allocate buffers from these, so no shape metadata travels with activations.
     """
     x = torch.empty((micro_batch_size, *spec.input_shape), dtype=spec.input_dtype, device="meta")
-    if spec.input_dtype == torch.long:
-        x = torch.zeros((micro_batch_size, *spec.input_shape), dtype=torch.long, device="meta")
     factories = dict(spec.blocks)
     shapes = []
     with torch.device("meta"), torch.no_grad():
