@@ -42,8 +42,7 @@ WORLDS = [
     pytest.param(2, ("none", "full"), id="world2"),
     pytest.param(4, ("none", "full"), id="world4"),
     pytest.param(8, ("none",), id="world8"),
-    # 8 ranks x every schedule with remat is the longest spawn: on demand (`pytest -m slow`)
-    pytest.param(8, ("full",), id="world8-remat", marks=pytest.mark.slow),
+    pytest.param(8, ("full",), id="world8-remat"),
 ]
 
 
@@ -62,7 +61,7 @@ def test_gradients_and_weights_match_single_process(world: int, remats: tuple[st
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("pp", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("pp", [2, 4])
 def test_profiled_partitioners_match_single_process(pp: int, tmp_path) -> None:
     parts = ["partitioner=balanced", "partitioner=milp", "partitioner=manual"]
     splits = {2: "[layer3]", 4: "[layer1,layer3,layer5]"}
