@@ -80,6 +80,20 @@ def test_multirun_gives_each_job_its_own_port_and_results(tmp_path) -> None:
     assert len(found) == 2, list(sweep.rglob("*"))
     schedules = {json.loads(p.read_text())["schedule"] for p in found}
     assert schedules == {"gpipe", "1f1b"}
+    rows = json.loads((sweep / "summary.json").read_text())
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    assert "**best**" in (sweep / "summary.md").read_text()
+    assert (sweep / "summary.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(300)
+def test_sweep_with_a_failing_job_still_ends_with_a_report(tmp_path) -> None:
+    sweep = tmp_path / "sweep"
+    proc = train(["-m", "pp=2,4", "microbatches=2", "batch_size=8", *FAST[:4], "steps=2", f"hydra.sweep.dir={sweep}"], None)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((sweep / "summary.json").read_text())
+    assert [r["status"] for r in rows] == ["ok", "failed"]
+    assert "microbatches" in rows[1]["error"]
 
 
 @pytest.mark.timeout(300)

@@ -47,3 +47,19 @@ def test_data_must_match_the_model() -> None:
 
     with pytest.raises(ConfigError, match="data=images"):
         prepare(compose_cfg(["model=unet", "data=synthetic", "data.vocab_size=8", "data.seq_len=8"]))
+
+
+def test_sweep_config_holds_a_benchmark_matrix() -> None:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from launcher.config import register_configs
+    from tests.harness import CONF
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+        cfg = compose(config_name="train", overrides=["+sweep=schedules"], return_hydra_config=True)
+    params = cfg.hydra.sweeper.params
+    assert "zbv" in params.scheduler and "balanced" in params.partitioner
+    assert cfg.hydra.callbacks.sweep_report._target_ == "launcher.sweep_report.SweepReport"
