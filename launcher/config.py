@@ -23,6 +23,7 @@ class TrainConfig:
     placement: Any = MISSING
     optimizer: Any = MISSING
     logger: Any = MISSING
+    memory: Any = MISSING
     #: pipeline-parallel degree: ranks per pipeline.
     pp: int = 2
     #: data-parallel degree: number of pipeline replicas.

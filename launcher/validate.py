@@ -56,6 +56,16 @@ def _build(cfg: dict, key: str):
         raise ConfigError(key, f"could not build {cfg[key].get('_target_')}: {cause}") from exc
 
 
+def memory_cap(cfg: dict) -> float | None:
+    """The per-device budget in bytes (memory.cap_bytes), or None for no budget."""
+    cap = (cfg.get("memory") or {}).get("cap_bytes")
+    if cap is None:
+        return None
+    if not isinstance(cap, (int, float)) or cap <= 0:
+        raise ConfigError("memory.cap_bytes", f"must be a positive number of bytes or null, got {cap!r}")
+    return float(cap)
+
+
 def check_scalars(cfg: dict) -> None:
     _positive(cfg, "pp")
     dp = _positive(cfg, "dp")
@@ -106,7 +116,7 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
         return _prepare_graph(cfg, spec, generator, auto, link)
     if profile is None:
         profile = (auto or cfg["mode"] == "plan" or cfg["partitioner"].get("name") in PROFILED_PARTITIONERS
-                   or getattr(generator, "cost_aware", False))
+                   or getattr(generator, "cost_aware", False) or memory_cap(cfg) is not None)
     if profile:
         mbs = cfg["batch_size"] // (cfg["dp"] * cfg["microbatches"])
         threads = cpu_threads(cfg.get("threads", 0), cfg["pp"] * cfg["dp"])
@@ -121,7 +131,7 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
             microbatches=cfg["microbatches"],
             batch_size=cfg["batch_size"],
             placement_cfg=dict(cfg["placement"]),
-            partitioner_cfg=dict(cfg["partitioner"]),
+            partitioner_cfg=dict(cfg["partitioner"]) | {"memory_cap_bytes": memory_cap(cfg)},
             remat=cfg["remat"],
             block_costs=blocks,
             bandwidth=link[1],
@@ -153,7 +163,8 @@ def _prepare_graph(cfg: dict, spec: GraphModelSpec, generator: ScheduleGenerator
         return build_graph_plan(
             spec, gen, cfg["model"], pp=cfg["pp"], dp=cfg["dp"], microbatches=cfg["microbatches"],
             batch_size=cfg["batch_size"], seed=cfg["seed"], placement_cfg=dict(cfg["placement"]),
-            partitioner_cfg=dict(cfg["partitioner"]), remat=cfg["remat"], bandwidth=link[1], traced=traced,
+            partitioner_cfg=dict(cfg["partitioner"]) | {"memory_cap_bytes": memory_cap(cfg)}, remat=cfg["remat"],
+            bandwidth=link[1], traced=traced,
         )
 
     return _plan_and_predict(cfg, spec, generator, build, auto, None, link)

@@ -23,6 +23,7 @@ from pipeline.partition import PARTITIONERS, Partition
 from pipeline.plan import (
     Plan,
     StagePlan,
+    check_memory,
     dtype_name,
     partition_summary,
     resolve_placement,
@@ -72,14 +73,17 @@ def partition_graph(
             f"{num_stages} pipeline stages need at least {num_stages} graph nodes, but the traced model has "
             f"{graph.number_of_nodes()}; lower pp or trace it finer (fewer leaf modules)",
         )
-    options: dict = {"bandwidth": bandwidth, "in_flight": [num_stages - s for s in range(num_stages)]}
+    in_flight = [num_stages - s for s in range(num_stages)]
+    options: dict = {"bandwidth": bandwidth, "in_flight": in_flight}
     if name == "manual":
         options["split_points"] = list(partitioner_cfg.get("split_points") or [])
     if name in ("balanced", "milp"):
         options["memory_cap"] = partitioner_cfg.get("memory_cap_bytes")
     if name == "milp":
         options["time_limit"] = float(partitioner_cfg.get("time_limit_s", 5.0))
-    return PARTITIONERS[name](graph, num_stages, **options)
+    part = PARTITIONERS[name](graph, num_stages, **options)
+    check_memory(part, partitioner_cfg.get("memory_cap_bytes"), graph, num_stages, in_flight, name)
+    return part
 
 
 def _value_meta(traced: TracedModel, name: str) -> list:

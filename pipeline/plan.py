@@ -18,7 +18,8 @@ from pipeline.errors import ConfigError
 from pipeline.graph.profile import BlockCost, chain_graph
 from pipeline.ir import Schedule
 from pipeline.lowering import lower
-from pipeline.partition import PARTITIONERS, Partition, evaluate
+from pipeline.partition import PARTITIONERS, Partition, evaluate, min_memory_cap
+from pipeline.partition.common import memory_error
 from pipeline.placement import check_explicit, from_kind
 from pipeline.schedules import build_schedule
 from pipeline.schedules.base import ScheduleGenerator
@@ -181,7 +182,28 @@ def partition_blocks(
         return blocks, None
     graph = chain_graph(block_costs)
     assignment = {b: s for s, names in enumerate(blocks) for b in names}
-    return blocks, evaluate(graph, assignment, num_stages, bandwidth=bandwidth, in_flight=1)
+    in_flight = [num_stages - s for s in range(num_stages)]
+    part = evaluate(graph, assignment, num_stages, bandwidth=bandwidth, in_flight=in_flight)
+    check_memory(part, partitioner_cfg.get("memory_cap_bytes"), graph, num_stages, in_flight, name)
+    return blocks, part
+
+
+def check_memory(part: Partition, cap: float | None, graph, num_stages: int, in_flight, name: str) -> None:
+    """A fixed split (uniform, manual) over the budget: name the stage, and the smallest budget a
+    contiguous split can meet (balanced/milp search within the budget themselves)."""
+    if cap is None or max(part.stage_memory_bytes) <= cap:
+        return
+    worst = max(range(num_stages), key=lambda s: part.stage_memory_bytes[s])
+    smallest = min_memory_cap(graph, num_stages, in_flight)
+    detail = (f"partitioner={name} puts {part.stage_memory_bytes[worst] / 2**20:.1f} MiB on stage {worst}"
+              f" (parameters + activations of its in-flight micro-batches).")
+    if smallest > cap:
+        raise memory_error(smallest, cap, detail)
+    raise ConfigError(
+        "memory.cap_bytes",
+        f"{int(cap)} bytes per stage is exceeded: {detail} A split within it exists (the smallest cap any "
+        f"split meets is {int(smallest)} bytes): use partitioner=balanced or partitioner=milp.",
+    )
 
 
 def build_plan(
@@ -239,6 +261,7 @@ def partition_summary(partition: Partition) -> dict:
         "stage_param_bytes": partition.stage_param_bytes,
         "stage_activation_bytes": partition.stage_activation_bytes,
         "stage_comm_bytes": partition.stage_comm_bytes,
+        "stage_memory_bytes": partition.stage_memory_bytes,
     }
 
 

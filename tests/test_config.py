@@ -7,7 +7,7 @@ import pytest
 from launcher.validate import prepare
 from tests.harness import FAST, compose_cfg, group_options
 
-GROUPS = ["model", "data", "scheduler", "partitioner", "placement", "optimizer", "logger"]
+GROUPS = ["model", "data", "scheduler", "partitioner", "placement", "optimizer", "logger", "memory"]
 NEEDS = {
     ("partitioner", "manual"): ["partitioner.split_points=[layer3]"],
     ("placement", "explicit"): ["scheduler=gpipe", "placement.ranks=[0,1,1,0]"],

@@ -63,3 +63,24 @@ def test_typed_schema_rejects_non_integer_pp(tmp_path) -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode != 0 and "pp" in proc.stderr
+
+
+def test_impossible_memory_budget_states_the_smallest_cap() -> None:
+    err = _error(["memory=budget", "memory.cap_bytes=1000", "partitioner=balanced", "pp=2"])
+    assert err.key == "memory.cap_bytes"
+    assert "the smallest cap that fits is" in str(err)
+
+
+def test_fixed_split_over_budget_points_to_a_split_that_fits() -> None:
+    base = [*FAST, "pp=4", "scheduler=gpipe", "microbatches=4", "memory=budget"]
+    uniform = prepare(compose_cfg([*base, "memory.cap_bytes=1e12"])).plan.meta["partition"]
+    peak = max(uniform["stage_memory_bytes"])
+    with pytest.raises(ConfigError) as info:  # learn the smallest cap any split meets
+        prepare(compose_cfg([*base, "memory.cap_bytes=1000", "partitioner=balanced"]))
+    smallest = int(str(info.value).split("the smallest cap that fits is ")[1].split()[0])
+    assert smallest < peak, "uniform is not the tightest split here"
+    cap = (smallest + peak) // 2
+    err = _error([*base[len(FAST):], f"memory.cap_bytes={cap}"])
+    assert err.key == "memory.cap_bytes" and "use partitioner=balanced" in str(err)
+    fitted = prepare(compose_cfg([*base, f"memory.cap_bytes={cap}", "partitioner=balanced"])).plan
+    assert max(fitted.meta["partition"]["stage_memory_bytes"]) <= cap
