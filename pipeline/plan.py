@@ -20,6 +20,7 @@ from pipeline.ir import Schedule
 from pipeline.lowering import lower
 from pipeline.partition import PARTITIONERS, Partition, evaluate, min_memory_cap
 from pipeline.partition.common import memory_error
+from pipeline.partition.rank_balance import rank_balanced_starts
 from pipeline.placement import check_explicit, from_kind
 from pipeline.schedules import build_schedule
 from pipeline.schedules.base import ScheduleGenerator
@@ -155,11 +156,15 @@ PROFILED_PARTITIONERS = ("balanced", "milp")
 def partition_blocks(
     partitioner_cfg: dict,
     spec: ModelSpec,
-    num_stages: int,
+    placement: Sequence[int],
     block_costs: Sequence[BlockCost] | None = None,
     bandwidth: float = 1e9,
 ) -> tuple[list[list[str]], Partition | None]:
-    """Cut the model's block chain into stages; with a profile, also say what the cut costs."""
+    """Cut the model's block chain into stages; with a profile, also say what the cut costs.
+
+    balanced and milp minimise the slowest stage; when a rank holds several stages the split is
+    then re-balanced so that the busiest rank, not just the slowest stage, is as light as it can be."""
+    num_stages = len(placement)
     name = partitioner_cfg.get("name", "uniform")
     if name not in PARTITIONER_NAMES:
         raise ConfigError("partitioner", f"unknown partitioner {name!r}; valid: {', '.join(PARTITIONER_NAMES)}")
@@ -177,7 +182,19 @@ def partition_blocks(
         if name == "milp":
             options["time_limit"] = float(partitioner_cfg.get("time_limit_s", 5.0))
         part = PARTITIONERS[name](graph, num_stages, **options)
-        return part.stages(), part
+        if len(set(placement)) == num_stages:
+            return part.stages(), part
+        names = [b.name for b in block_costs]
+        starts = [names.index(stage[0]) for stage in part.stages()]
+        costs = [b.forward_s + b.backward_s for b in block_costs]
+        starts = rank_balanced_starts(costs, starts, placement)
+        blocks = [names[a:b] for a, b in zip(starts, [*starts[1:], len(names)], strict=True)]
+        rebalanced = evaluate(graph, {b: s for s, st in enumerate(blocks) for b in st}, num_stages,
+                              bandwidth=bandwidth, in_flight=options["in_flight"], method=f"{name}+ranks")
+        cap = options["memory_cap"]
+        if cap is not None and max(rebalanced.stage_memory_bytes) > cap:
+            return part.stages(), part  # the stage-balanced split is the one within budget
+        return blocks, rebalanced
     if block_costs is None:
         return blocks, None
     graph = chain_graph(block_costs)
@@ -223,7 +240,7 @@ def build_plan(
     """Place, partition and schedule: a pure function of the config, the model and its profile."""
     placement = resolve_placement(placement_cfg, generator, pp)
     generator.check(pp, microbatches, list(placement))  # schedule rules first: clearer than a split error
-    blocks, partition = partition_blocks(partitioner_cfg, spec, len(placement), block_costs, bandwidth)
+    blocks, partition = partition_blocks(partitioner_cfg, spec, placement, block_costs, bandwidth)
     if block_costs is not None:
         by_name = {b.name: b for b in block_costs}
         forward = [sum(by_name[n].forward_s for n in names) for names in blocks]
