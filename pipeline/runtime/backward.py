@@ -128,10 +128,9 @@ def _accumulate(params: Sequence[nn.Parameter], grads) -> None:
 def backward_weight(stash: WeightGradStash) -> None:
     """Accumulate the deferred parameter gradients into `.grad`, then drop the graph."""
     if stash.roots:
-        live = [p for p in stash.params]
-        if live:
-            grads = torch.autograd.grad(stash.roots, live, stash.root_grads, allow_unused=True)
-            _accumulate(live, grads)
+        if stash.params:
+            grads = torch.autograd.grad(stash.roots, stash.params, stash.root_grads, allow_unused=True)
+            _accumulate(stash.params, grads)
         stash.roots.clear()
         stash.root_grads.clear()
         return

@@ -258,7 +258,7 @@ class Executor:
         leaves = {n: x for n, x in state.inputs.items() if slot.inputs[n] is not None and x.requires_grad}
         if full:
             if roots:
-                torch.autograd.backward(roots, [g for g in grads], inputs=None)
+                torch.autograd.backward(roots, grads)
             input_grads = {n: x.grad for n, x in leaves.items()}
             del self._state[(s, mb)]
         else:

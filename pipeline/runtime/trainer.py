@@ -111,9 +111,13 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
     tracker = Tracker(cfg, run_dir) if ctx.rank == 0 else None
 
     for step in range(cfg["steps"]):
-        inputs, targets = data.batch(step, cfg["batch_size"])
-        in_mbs = replica_microbatches(inputs, ctx.dp_rank, ctx.dp, plan.microbatches, ctx.device) if has_first else None
-        tgt_mbs = replica_microbatches(targets, ctx.dp_rank, ctx.dp, plan.microbatches, ctx.device) if has_last else None
+        in_mbs = tgt_mbs = None
+        if has_first or has_last:  # middle stages never touch the data
+            inputs, targets = data.batch(step, cfg["batch_size"])
+            if has_first:
+                in_mbs = replica_microbatches(inputs, ctx.dp_rank, ctx.dp, plan.microbatches, ctx.device)
+            if has_last:
+                tgt_mbs = replica_microbatches(targets, ctx.dp_rank, ctx.dp, plan.microbatches, ctx.device)
         start = time.perf_counter()
         loss_sum, events, outputs = executor.run_step(in_mbs, tgt_mbs)
         schedule_times.append(time.perf_counter() - start)
@@ -146,9 +150,8 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
             )
 
     warm = cfg.get("warmup_steps", 0)
-    timed = step_times[warm:] if len(step_times) > warm else step_times
-    timed_busy = busy[warm:] if len(busy) > warm else busy
-    median_step = statistics.median(timed)
+    median_step = _median_after_warmup(step_times, warm)
+    median_busy = _median_after_warmup(busy, warm)
     rank_info = {
         "rank": ctx.rank,
         "pp_rank": ctx.pp_rank,
@@ -156,8 +159,8 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
         "stages": sorted(slots),
         "blocks": {s: plan.stages[s].blocks for s in sorted(slots)},
         "peak_memory_bytes": peak_memory_bytes(ctx.device),
-        "busy_s": statistics.median(timed_busy),
-        "bubble": max(0.0, 1.0 - statistics.median(timed_busy) / median_step),
+        "busy_s": median_busy,
+        "bubble": max(0.0, 1.0 - median_busy / median_step),
         "device": str(ctx.device),
         "events": last_events if ctx.dp_rank == 0 else [],
     }
@@ -181,18 +184,26 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
             "stages": plan.stage_rows(),
             "partition": plan.meta.get("partition"),
         }
-        all_events = sorted((e for info in gathered for e in info.pop("events")), key=lambda e: e["start_s"])
-        t0 = all_events[0]["start_s"] if all_events else 0.0
-        for e in all_events:
-            e["start_s"], e["end_s"] = e["start_s"] - t0, e["end_s"] - t0
-        overhead = statistics.median(t - s for t, s in zip(step_times[warm:] or step_times,
-                                                           schedule_times[warm:] or schedule_times, strict=True))
-        simulated = add_predictions(metrics, plan, all_events, cfg, overhead)
-        result["metrics"] = metrics
-        result["events"] = all_events
-        if run_dir is not None:
-            write_run_artifacts(run_dir, metrics, all_events, simulated)
+        overhead = _median_after_warmup([t - s for t, s in zip(step_times, schedule_times, strict=True)], warm)
+        result["metrics"], result["events"] = metrics, _report(metrics, plan, cfg, overhead, run_dir)
         tracker.finish({k: metrics[k] for k in ("step_time_s", "tokens_per_s", "predicted_step_time_s") if k in metrics})
     else:
         rank_info.pop("events")
     return result
+
+
+def _median_after_warmup(values: list[float], warmup: int) -> float:
+    """Median over the steps after warm-up (all steps when there are no more than that)."""
+    return statistics.median(values[warmup:] if len(values) > warmup else values)
+
+
+def _report(metrics: dict, plan: Plan, cfg: dict, overhead_s: float, run_dir: Path | None) -> list[dict]:
+    """Rank 0: put every rank's last-step events on one clock, add predictions, write artifacts."""
+    events = sorted((e for info in metrics["ranks"] for e in info.pop("events")), key=lambda e: e["start_s"])
+    t0 = events[0]["start_s"] if events else 0.0
+    for e in events:
+        e["start_s"], e["end_s"] = e["start_s"] - t0, e["end_s"] - t0
+    simulated = add_predictions(metrics, plan, events, cfg, overhead_s)
+    if run_dir is not None:
+        write_run_artifacts(run_dir, metrics, events, simulated)
+    return events
