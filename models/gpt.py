@@ -10,6 +10,10 @@ from torch import nn
 
 from models.base import ModelSpec, causal_lm_loss
 from models.graph_spec import GraphModelSpec
+from pipeline.errors import ConfigError
+
+#: where a planner may cut the model: between blocks, or between any two traced operators
+GRANULARITIES = ("block", "op")
 
 
 class Embedding(nn.Module):
@@ -81,28 +85,38 @@ def gpt(
     dropout: float = 0.0,
     name: str = "gpt",
     tie_embeddings: bool = False,
+    granularity: str = "block",
 ) -> ModelSpec | GraphModelSpec:
     """Blocks: `embed`, `layer0` .. `layer{layers-1}`, `head`.
 
     With `tie_embeddings` the LM head's projection *is* the token embedding matrix; the model is
     then planned as a traced graph (blocks as leaves) so the stages holding the embedding and the
-    head each get a copy and their gradients are summed."""
+    head each get a copy and their gradients are summed.
+
+    `granularity="op"` plans the model as a traced graph down to single operators, so a stage
+    boundary may fall inside a decoder block (between attention and MLP, say). Why: with 8 blocks
+    and a head that costs more than a block, block-sized cuts cannot balance 2 or 4 stages; at
+    operator level the partitioners get within a few percent of the bound. Same weights, same
+    arithmetic as `granularity="block"`."""
     if layers < 1:
         raise ValueError(f"model.layers must be >= 1, got {layers}")
+    if granularity not in GRANULARITIES:
+        raise ConfigError("model.granularity", f"must be one of {', '.join(GRANULARITIES)}, got {granularity!r} "
+                                               "(block: cut between decoder blocks; op: cut between any operators)")
     blocks = [("embed", partial(Embedding, vocab_size, dim, seq_len))]
     blocks += [(f"layer{i}", partial(DecoderBlock, dim, heads, mlp_ratio, dropout)) for i in range(layers)]
     blocks.append(("head", partial(LMHead, dim, vocab_size)))
     meta = {"vocab_size": vocab_size, "seq_len": seq_len, "dim": dim}
-    if tie_embeddings:
+    if tie_embeddings or granularity == "op":
         return GraphModelSpec(
             name=name,
-            build=partial(_tied_model, blocks),
+            build=partial(_tied_model if tie_embeddings else _sequential_model, blocks),
             loss_fn=causal_lm_loss,
             input_shape=(seq_len,),
             input_dtype=torch.long,
             target_shape=(seq_len,),
             target_dtype=torch.long,
-            leaf_modules=[n for n, _ in blocks],
+            leaf_modules=[n for n, _ in blocks] if granularity == "block" else [],
             meta=meta,
         )
     return ModelSpec(
@@ -121,6 +135,10 @@ class TiedGPT(nn.Sequential):
 
     def tie(self) -> None:
         self.head.proj.weight = self.embed.tokens.weight
+
+
+def _sequential_model(blocks) -> nn.Module:
+    return nn.Sequential(OrderedDict((n, f()) for n, f in blocks))
 
 
 def _tied_model(blocks) -> nn.Module:

@@ -15,11 +15,12 @@ from torch import nn
 
 from models.graph_spec import GraphModelSpec
 from pipeline.errors import ConfigError
+from pipeline.graph.atomic import contract_unsendable
 from pipeline.graph.profile import profile_graph
 from pipeline.graph.split import split_model
 from pipeline.graph.trace import TracedModel, trace_model
 from pipeline.lowering import lower
-from pipeline.partition import PARTITIONERS, Partition
+from pipeline.partition import PARTITIONERS, Partition, evaluate
 from pipeline.plan import (
     Plan,
     StagePlan,
@@ -81,7 +82,13 @@ def partition_graph(
         options["memory_cap"] = partitioner_cfg.get("memory_cap_bytes")
     if name == "milp":
         options["time_limit"] = float(partitioner_cfg.get("time_limit_s", 5.0))
-    part = PARTITIONERS[name](graph, num_stages, **options)
+    contraction = contract_unsendable(graph)
+    if contraction is None:
+        part = PARTITIONERS[name](graph, num_stages, **options)
+    else:  # cut only where single tensors cross; price the expanded split on the real graph
+        coarse = PARTITIONERS[name](contraction.graph, num_stages, **options)
+        part = evaluate(graph, contraction.expand(coarse.assignment), num_stages, bandwidth, in_flight, coarse.method)
+        part.info = dict(coarse.info)
     check_memory(part, partitioner_cfg.get("memory_cap_bytes"), graph, num_stages, in_flight, name)
     return part
 

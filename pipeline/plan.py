@@ -115,7 +115,7 @@ class Plan:
         part = self.meta.get("partition")
         if part is None:
             lines = [f"{'stage':>5} {'rank':>4}  blocks"]
-            lines += [f"{s.index:>5} {s.rank:>4}  {', '.join(s.blocks)}" for s in self.stages]
+            lines += [f"{s.index:>5} {s.rank:>4}  {block_summary(s.blocks)}" for s in self.stages]
             return "\n".join(lines)
         mib = 2**20
         fwd = self.meta.get("stage_forward_s") or [float("nan")] * len(self.stages)
@@ -127,7 +127,7 @@ class Plan:
             lines.append(
                 f"{i:>5} {s.rank:>4} {fwd[i] * 1e3:>7.2f} {bwd[i] * 1e3:>7.2f} {part['stage_time_s'][i] * 1e3:>8.2f} "
                 f"{part['stage_param_bytes'][i] / mib:>9.2f} {part['stage_activation_bytes'][i] / mib:>7.2f} "
-                f"{part['stage_comm_bytes'][i] / mib:>7.2f}  {', '.join(s.blocks)}"
+                f"{part['stage_comm_bytes'][i] / mib:>7.2f}  {block_summary(s.blocks)}"
             )
         lines.append(
             f"partition ({self.meta['partitioner']}): bottleneck {part['bottleneck_s'] * 1e3:.2f} ms, lower bound "
@@ -135,6 +135,14 @@ class Plan:
             f"({part['bottleneck_s'] / part['lower_bound_s']:.2f}x)"
         )
         return "\n".join(lines)
+
+
+def block_summary(blocks: list[str], keep: int = 8) -> str:
+    """A stage's blocks for a table row: all of them, or the ends and a count when there are many
+    (an operator-level stage holds hundreds of nodes)."""
+    if len(blocks) <= keep:
+        return ", ".join(blocks)
+    return f"{', '.join(blocks[:3])} ... {', '.join(blocks[-3:])} ({len(blocks)} nodes)"
 
 
 def resolve_placement(placement_cfg: dict, generator: ScheduleGenerator, pp: int) -> list[int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from launcher.validate import prepare
 from pipeline.reference import reference_run
 from tests.harness import assert_state_close, compose_cfg, merge_state, run_jobs
 
@@ -48,6 +49,34 @@ def _assert_all_match_single_process(cases: list[tuple[str, dict]], results: lis
 @pytest.mark.parametrize("pp", [2, 4])
 def test_graph_models_match_single_process(pp: int, tmp_path) -> None:
     cases = _cfgs(pp)
+    results = run_jobs([cfg for _, cfg in cases], tmp_path / "logs")
+    _assert_all_match_single_process(cases, results)
+
+
+GPT_OP = ["model.dim=32", "model.layers=3", "model.seq_len=8", "model.vocab_size=64", "model.granularity=op",
+          "batch_size=16", "steps=3", "warmup_steps=0", "optimizer=sgd", "timeout_s=60", "threads=1", "microbatches=4"]
+
+
+def _layers_cut(cfg: dict) -> set[str]:
+    """Decoder blocks whose operators ended up in more than one stage."""
+    stages = prepare(cfg).plan.stages
+    owners: dict[str, set[int]] = {}
+    for s in stages:
+        for node in s.blocks:
+            if node.startswith("layer"):
+                owners.setdefault(node.split("_")[0], set()).add(s.index)
+    return {layer for layer, where in owners.items() if len(where) > 1}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("pp", [2, 4])
+def test_operator_level_gpt_cut_inside_blocks(pp: int, tmp_path) -> None:
+    """model.granularity=op: stage boundaries fall inside decoder blocks (so several values, the
+    residual stream among them, cross one boundary), under split and fused backwards."""
+    cases = [(f"gpt op {part} {sched} pp={pp}", compose_cfg([*GPT_OP, f"partitioner={part}", f"scheduler={sched}",
+                                                            f"pp={pp}"]))
+             for part, sched in (("uniform", "1f1b"), ("balanced", "zbv"), ("milp", "zb_h1"))]
+    assert any(_layers_cut(cfg) for _, cfg in cases), "no split fell inside a decoder block"
     results = run_jobs([cfg for _, cfg in cases], tmp_path / "logs")
     _assert_all_match_single_process(cases, results)
 

@@ -201,6 +201,7 @@ def build_cost_graph(gm: fx.GraphModule) -> nx.DiGraph:
             param_bytes=sum(param_sizes.get(p, 0) for p in params),
             shape=_meta_shape(meta),
             output_bytes=meta_bytes(meta),
+            single_tensor=isinstance(meta, TensorMetadata),
             reads_inputs=[i.name for i in node.all_input_nodes if i.op == "placeholder"],
             order=order,
         )
