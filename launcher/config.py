@@ -48,6 +48,8 @@ class TrainConfig:
     timeout_s: int = 120
     #: CPU threads per rank; 0 = cores / local ranks, at least 1.
     threads: int = 0
+    #: retain (keep freed host memory for reuse: no page faults on every new activation) | system
+    host_allocator: str = "retain"
     #: link model for the simulator's predictions (seconds per message, bytes per second).
     link_latency_s: float = 5e-5
     link_bandwidth: float = 1e9

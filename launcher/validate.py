@@ -21,6 +21,7 @@ from pipeline.placement import PLACEMENT_KINDS
 from pipeline.plan import PROFILED_PARTITIONERS, Plan, build_plan
 from pipeline.predict import Prediction, choose_schedule, measure_blocks, predict, profiling_threads
 from pipeline.runtime.context import cpu_threads
+from pipeline.runtime.host_allocator import HOST_ALLOCATOR_CHOICES
 from pipeline.schedules import REMAT_CHOICES
 from pipeline.schedules.auto import AutoSchedule
 from pipeline.schedules.base import ScheduleGenerator
@@ -86,6 +87,10 @@ def check_scalars(cfg: dict) -> None:
         raise ConfigError("remat", f"got {cfg.get('remat')!r}; valid: {', '.join(REMAT_CHOICES)}")
     if cfg.get("mode") not in MODES:
         raise ConfigError("mode", f"got {cfg.get('mode')!r}; valid: {', '.join(MODES)}")
+    if cfg.get("host_allocator", "retain") not in HOST_ALLOCATOR_CHOICES:
+        raise ConfigError("host_allocator", f"got {cfg.get('host_allocator')!r}; valid: "
+                                            f"{', '.join(HOST_ALLOCATOR_CHOICES)} (retain keeps freed host memory "
+                                            "for reuse, system leaves malloc as it is)")
     kind = (cfg.get("placement") or {}).get("kind")
     if kind not in PLACEMENT_KINDS:
         raise ConfigError("placement", f"got kind {kind!r}; valid: {', '.join(PLACEMENT_KINDS)}")
