@@ -54,6 +54,8 @@ class Config:
     def label(self) -> str:
         if self.kind == "single":
             return f"single process, {self.arg} thread{'s' if self.arg != '1' else ''}"
+        if self.kind == "ours-op":
+            return f"ours {self.arg}, operator-level split (pp=2)"
         return f"{self.kind} {self.arg} (pp=2)"
 
 
@@ -80,11 +82,13 @@ def workload_overrides(cfg: BenchConfig) -> list[str]:
     ]
 
 
-def run_ours(schedule: str, cfg: BenchConfig, run_dir: Path) -> dict:
+def run_ours(schedule: str, cfg: BenchConfig, run_dir: Path, extra: tuple[str, ...] = ()) -> dict:
     """One `train.py` run; returns its metrics.json (and the plan it wrote)."""
+    groups = {e.split("=")[0] for e in extra}
+    workload = [o for o in workload_overrides(cfg) if o.split("=")[0] not in groups]
     cmd = [
-        sys.executable, "train.py", *workload_overrides(cfg), f"scheduler={schedule}", f"steps={cfg.steps}",
-        f"warmup_steps={cfg.warmup}", "logger=console", f"hydra.run.dir={run_dir}",
+        sys.executable, "train.py", *workload, f"scheduler={schedule}", f"steps={cfg.steps}",
+        f"warmup_steps={cfg.warmup}", "logger=console", f"hydra.run.dir={run_dir}", *extra,
     ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
@@ -95,36 +99,56 @@ def run_ours(schedule: str, cfg: BenchConfig, run_dir: Path) -> dict:
     return metrics
 
 
-def measure(config: Config, cfg: BenchConfig, plans: dict, tmp: Path, round_no: int) -> tuple[float, float]:
-    """(tokens/s, final loss) of one run of one configuration."""
-    if config.kind == "ours":
-        metrics = run_ours(config.arg, cfg, tmp / f"ours_{config.arg}_r{round_no}")
-        placement, blocks = plans[config.arg]
+@dataclass
+class Measured:
+    tokens_per_s: float
+    final_loss: float
+    #: tokens/s of a zero-overhead run of this schedule and split at the action times measured in the run
+    #: (our simulator on the run's own per-stage costs, plus the measured optimizer step)
+    bound: float | None = None
+
+
+#: our best configuration has no torch peer: stages cut between operators, not blocks
+OP_LEVEL = ("model.granularity=op", "partitioner=balanced")
+
+
+def measure(config: Config, cfg: BenchConfig, plans: dict, tmp: Path, round_no: int) -> Measured:
+    """tokens/s, final loss and (ours) the simulated bound of one run of one configuration."""
+    if config.kind in ("ours", "ours-op"):
+        extra = OP_LEVEL if config.kind == "ours-op" else ()
+        metrics = run_ours(config.arg, cfg, tmp / f"{config.kind}_{config.arg}_r{round_no}", extra)
         written = metrics["plan_json"]
-        if [s["blocks"] for s in written["stages"]] != blocks or [s["rank"] for s in written["stages"]] != placement:
-            print(f"  warning: plan.json of ours {config.arg} differs from the plan given to torch", flush=True)
-        return float(metrics["tokens_per_s"]), float(metrics["losses"][-1])
+        if config.kind == "ours":
+            placement, blocks = plans[config.arg]
+            if [s["blocks"] for s in written["stages"]] != blocks or [s["rank"] for s in written["stages"]] != placement:
+                print(f"  warning: plan.json of ours {config.arg} differs from the plan given to torch", flush=True)
+        bound = cfg.tokens_per_step / metrics["predicted_step_time_s"] if metrics.get("predicted_step_time_s") else None
+        return Measured(float(metrics["tokens_per_s"]), float(metrics["losses"][-1]), bound)
     if config.kind == "torch":
         placement, blocks = plans[config.arg]
         result = run_torch_pipeline(PipelineJob(config.arg, placement, blocks, cfg))
     else:
         result = run_single_process(int(config.arg), cfg)
-    return cfg.tokens_per_step / result["step_time_s"], float(result["final_loss"])
+    return Measured(cfg.tokens_per_step / result["step_time_s"], float(result["final_loss"]))
 
 
 def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}" if a and b else "—"
 
 
-def table(configs: list[Config], tps: dict[Config, list[float]], losses: dict[Config, float]) -> str:
-    """The markdown table: median tokens/s over rounds, ours/torch and ours/single-2-threads."""
+def table(configs: list[Config], tps: dict[Config, list[float]], losses: dict[Config, float],
+          bounds: dict[Config, list[float]]) -> str:
+    """The markdown table: median tokens/s over rounds, ours/torch, ours/single-2-threads, and how
+    close each pipeline run comes to the simulated zero-overhead bound of its schedule and split."""
     med = {c: statistics.median(v) if v else None for c, v in tps.items()}
+    bound = {c: statistics.median(v) for c, v in bounds.items() if v}
     single2 = med.get(Config("single", "2"))
-    ours = [c for c in configs if c.kind == "ours" and med[c]]
+    ours = [c for c in configs if c.kind in ("ours", "ours-op") and med[c]]
     best = max(ours, key=lambda c: med[c]) if ours else None
     lines = [
-        "| configuration | tokens/s (median) | runs (tokens/s) | final loss | ours / torch | vs single 2 threads |",
-        "|---|---:|---|---:|---:|---:|",
+        "| configuration | tokens/s (median) | runs (tokens/s) | final loss | ours / torch | vs single 2 threads "
+        "| zero-overhead bound | share of bound |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for c in configs:
         runs = ", ".join(f"{x:.0f}" for x in tps[c]) or "failed"
@@ -132,10 +156,14 @@ def table(configs: list[Config], tps: dict[Config, list[float]], losses: dict[Co
         vs_single = ratio(med[c], single2) if c.kind != "single" or c.arg != "2" else "1.00"
         loss = f"{losses[c]:.4f}" if c in losses else "—"
         value = f"{med[c]:.0f}" if med[c] else "—"
-        lines.append(f"| {c.label} | {value} | {runs} | {loss} | {vs_torch} | {vs_single} |")
+        # torch runs the same schedule and split as ours, so our run's bound is its bound too
+        b = bound.get(Config("ours", c.arg) if c.kind == "torch" else c)
+        b_text = f"{b:.0f}" if b and c.kind != "single" else ""
+        share = ratio(med[c], b) if b and c.kind != "single" else ""
+        lines.append(f"| {c.label} | {value} | {runs} | {loss} | {vs_torch} | {vs_single} | {b_text} | {share} |")
     if best is not None:
         lines.append("")
-        lines.append(f"best ours: {best.arg}, {med[best]:.0f} tokens/s = {ratio(med[best], single2)} x single "
+        lines.append(f"best ours: {best.label}, {med[best]:.0f} tokens/s = {ratio(med[best], single2)} x single "
                      f"process with 2 threads")
     return "\n".join(lines)
 
@@ -150,6 +178,9 @@ def main() -> None:
     parser.add_argument("--no-single", action="store_true", help="skip the single-process baselines")
     parser.add_argument("--partitioner", default="uniform",
                         help="our partitioner (uniform, balanced, milp); torch runs the very same stage split")
+    parser.add_argument("--op-level", nargs="*", default=["zbv"],
+                        help="our schedules also run with an operator-level balanced split (model.granularity=op); "
+                             "torch has no peer for these")
     args = parser.parse_args()
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
@@ -161,11 +192,14 @@ def main() -> None:
     plans = {s: our_plan(s, cfg) for s in args.schedules}
     configs = [Config("ours", s) for s in args.schedules]
     configs += [Config("torch", s) for s in args.schedules if s in TORCH_SCHEDULES]
+    configs += [Config("ours-op", s) for s in args.op_level]
     if not args.no_single:
         configs += [Config("single", "1"), Config("single", "2")]
     # Pair each of our schedules with its torch peer so a noisy minute hits both alike.
-    order = sorted(configs, key=lambda c: (args.schedules.index(c.arg) if c.kind != "single" else 99, c.kind))
+    order = sorted(configs, key=lambda c: (args.schedules.index(c.arg) if c.kind in ("ours", "torch") else 99,
+                                           c.kind != "single", c.kind))
     tps: dict[Config, list[float]] = {c: [] for c in configs}
+    bounds: dict[Config, list[float]] = {c: [] for c in configs}
     losses: dict[Config, float] = {}
     print(f"{platform.node()} | {platform.processor() or platform.machine()} | torch "
           f"{__import__('torch').__version__} | {time.strftime('%Y-%m-%d %H:%M')} | rounds={args.rounds} "
@@ -180,16 +214,19 @@ def main() -> None:
             for c in order[shift:] + order[:shift]:
                 t0 = time.perf_counter()
                 try:
-                    value, loss = measure(c, cfg, plans, Path(tmp), r)
+                    got = measure(c, cfg, plans, Path(tmp), r)
                 except Exception as err:  # noqa: BLE001 - one failing configuration must not lose the table
                     print(f"round {r + 1}: {c.label}: FAILED: {err}", flush=True)
                     continue
+                value, loss = got.tokens_per_s, got.final_loss
                 tps[c].append(value)
                 losses[c] = loss
+                if got.bound:
+                    bounds[c].append(got.bound)
                 print(f"round {r + 1}: {c.label:<28} {value:8.0f} tokens/s  loss {loss:.4f}  "
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)
     print(f"\ntotal {time.perf_counter() - started:.0f} s\n")
-    print(table(order, tps, losses))
+    print(table(order, tps, losses, bounds))
 
 
 if __name__ == "__main__":
