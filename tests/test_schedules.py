@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.errors import ConfigError
-from pipeline.ir import Kind
+from pipeline.ir import Action, Kind
 from pipeline.placement import classify, from_kind, interleaved, linear, v_shape, wave
 from pipeline.schedules import build_schedule
 from pipeline.schedules.auto import AutoSchedule
@@ -195,3 +195,34 @@ def test_auto_picks_fastest_and_reports_all() -> None:
     assert all(row["placement"] == "linear" for row in table)
     sched = build_schedule(chooser, linear(4), 8)
     simulate(sched, CostModel.uniform(4))
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_zbv_runs_each_w_right_after_its_i_until_the_cool_down(pp: int) -> None:
+    """At unit costs the eager-W order loses nothing, so ZBV keeps it: each W follows its I while
+    the rank still has forwards (the W reuses what its I just touched); only the cool-down defers W."""
+    from pipeline.schedules.zbv import ZBV
+
+    for acts in ZBV().compute_actions(v_shape(pp), 4 * pp):
+        last_f = max(i for i, a in enumerate(acts) if a.kind is Kind.F)
+        for i, a in enumerate(acts[:last_f]):
+            if a.kind is Kind.I:
+                assert acts[i + 1] == Action(a.stage, Kind.W, a.mb), acts
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_play_through_keeps_eager_w_only_when_the_simulator_finds_it_no_slower(pp: int) -> None:
+    from pipeline.schedules.base import _makespan
+    from pipeline.schedules.zbv import ZBV
+    from pipeline.schedules.zero_bubble import list_schedule
+
+    m, placement = 4 * pp, v_shape(pp)
+    f = ([1.0, 2.0, 1.5, 3.0] * pp)[: 2 * pp]
+    costs = (f, f, [c / 2 for c in f])
+    gen = ZBV()
+    gen.use_stage_costs(*costs)
+    chosen = _makespan(gen.compute_actions(placement, m), placement, m, costs)
+    for eager in (False, True):
+        other = list_schedule(placement, m, split_backward=True, cap=[2 * pp] * pp, forward_first=True,
+                              costs=costs, reserve_deeper=True, eager_w=eager)
+        assert chosen <= _makespan(other, placement, m, costs) + 1e-9

@@ -43,6 +43,7 @@ def list_schedule(
     forward_first: bool = False,
     costs: tuple[float | Sequence[float], float | Sequence[float], float | Sequence[float]] = (1, 1, 1),
     reserve_deeper: bool = False,
+    eager_w: bool = False,
 ) -> list[list[Action]]:
     """Per-rank programs from a greedy unit-cost play-through (see the module docstring).
 
@@ -57,6 +58,9 @@ def list_schedule(
     B costs I + W. `reserve_deeper` keeps one in-flight slot free for each deeper stage of the
     rank that still has forwards to run: with uneven real costs a fast shallow stage could
     otherwise fill the cap before the deeper stage's first input arrives.
+    `eager_w` runs each W right after its I while the rank still has forwards to issue (its
+    activations and gradients are still in cache, and freed sooner); in the cool-down W is
+    deferred as usual to fill the bubbles.
     Raises ConfigError("microbatches", ...) if the caps leave the pipeline stuck.
     """
     num_stages = len(placement)
@@ -88,6 +92,7 @@ def list_schedule(
     cap_b = list(cap_unbackwarded) if cap_unbackwarded is not None else list(cap)
     max_w = list(max_deferred_w) if max_deferred_w is not None else [num_stages * m] * pp
     programs: list[list[Action]] = [[] for _ in range(pp)]
+    just_i: list[tuple[int, int] | None] = [None] * pp  # eager_w: the I whose W runs next
     releases: list[list[tuple[int, int]]] = [[] for _ in range(pp)]  # (time, rank-local frees)
     remaining = num_stages * m * (3 if split_backward else 2)
 
@@ -108,7 +113,16 @@ def list_schedule(
                     return F(s, mb), cf[s]
         return None
 
+    def forwards_left(r: int) -> bool:
+        return any(next_f[s] < m for s in stages_of[r])
+
     def pick(r: int, t: int) -> tuple[Action, int] | None:
+        if eager_w and just_i[r] is not None:
+            s, mb = just_i[r]
+            just_i[r] = None
+            pending_w[r].remove((s, mb))
+            releases[r].append((t + cw[s], 1))
+            return W(s, mb), cw[s]
         if forward_first:
             got = pick_f(r, t)
             if got is not None:
@@ -126,6 +140,8 @@ def list_schedule(
             if split_backward:
                 g_end[s][mb] = t + ci[s]
                 pending_w[r].append((s, mb))
+                if eager_w and forwards_left(r):
+                    just_i[r] = (s, mb)
                 return I(s, mb), ci[s]
             g_end[s][mb] = t + cb[s]
             releases[r].append((t + cb[s], 1))
