@@ -114,26 +114,17 @@ def backward_input(
     return dict(zip(names, grads, strict=True)), stash
 
 
-def _accumulate(params: Sequence[nn.Parameter], grads) -> None:
-    with torch.no_grad():
-        for p, g in zip(params, grads, strict=True):
-            if g is None:
-                continue
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad.add_(g)
-
-
 def backward_weight(stash: WeightGradStash) -> None:
-    """Accumulate the deferred parameter gradients into `.grad`, then drop the graph."""
+    """Accumulate the deferred parameter gradients into `.grad`, then drop the graph.
+
+    `autograd.backward(..., inputs=params)` lets AccumulateGrad add straight into `.grad` (no
+    separate gradient tensors to allocate and add)."""
     if stash.roots:
         if stash.params:
-            grads = torch.autograd.grad(stash.roots, stash.params, stash.root_grads, allow_unused=True)
-            _accumulate(stash.params, grads)
+            torch.autograd.backward(stash.roots, stash.root_grads, inputs=stash.params)
         stash.roots.clear()
         stash.root_grads.clear()
         return
     for edges, grads, params in stash.restarts:
-        _accumulate(params, torch.autograd.grad(edges, params, grads, allow_unused=True))
+        torch.autograd.backward(edges, grads, inputs=params)
     stash.restarts.clear()
