@@ -45,7 +45,8 @@ class ScheduleGenerator:
 
         With a split backward, the order that runs each W right after its I (`eager_w`) is kept
         when the simulator, on the same costs, finds it no slower: the W then reuses what its I
-        just touched while it is still in cache, and frees the micro-batch's memory sooner."""
+        just touched while it is still in cache, and frees the micro-batch's memory sooner. With
+        `fuse_backward`, I/W pairs whose split buys nothing then run as one B (schedules/fuse.py)."""
         costs = self.play_costs()
         variants = [{"eager_w": True}, {}] if kwargs.get("split_backward") else [{}]
         best: tuple[float, list[list[Action]]] | None = None
@@ -53,10 +54,14 @@ class ScheduleGenerator:
             programs = self._play_once(play, placement, microbatches, costs, **kwargs, **extra)
             if len(variants) == 1:
                 return programs
-            span = _makespan(programs, placement, microbatches, costs)
+            span = makespan(programs, placement, microbatches, costs)
             if best is None or span < best[0] * (1 - 1e-9):
                 best = (span, programs)
         assert best is not None
+        if getattr(self, "fuse_backward", False):
+            from pipeline.schedules.fuse import fuse_slack_backwards
+
+            return fuse_slack_backwards(best[1], placement, microbatches, costs)
         return best[1]
 
     @staticmethod
@@ -104,7 +109,7 @@ def require_microbatches_at_least(name: str, microbatches: int, minimum: int, wh
         )
 
 
-def _makespan(programs: list[list[Action]], placement: list[int], microbatches: int, costs: tuple) -> float:
+def makespan(programs: list[list[Action]], placement: list[int], microbatches: int, costs: tuple) -> float:
     """Simulated step time of compute-only programs under (F, I, W) costs (numbers or per stage)."""
     from pipeline.simulate import CostModel, simulate  # the simulator imports schedules' IR only
 

@@ -31,6 +31,8 @@ class ZBV(ScheduleGenerator):
     split_backward: ClassVar[bool] = True
     #: order actions by a play-through on the measured per-stage costs (else F = I = W units)
     cost_aware: bool = True
+    #: run an I and its W as one fused B wherever the simulated step does not grow (schedules/fuse.py)
+    fuse_backward: bool = True
 
     def stages_per_rank(self) -> int:
         return 2

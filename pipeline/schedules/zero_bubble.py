@@ -254,6 +254,8 @@ class ZBH2(ScheduleGenerator):
     split_backward: ClassVar[bool] = True
     #: order actions by a play-through on the measured per-stage costs (else F = I = W units)
     cost_aware: bool = True
+    #: run an I and its W as one fused B wherever the simulated step does not grow (schedules/fuse.py)
+    fuse_backward: bool = True
 
     def check(self, pp: int, microbatches: int, placement: list[int]) -> None:
         _linear_check(self, pp, microbatches, placement)

@@ -1,0 +1,53 @@
+"""Fusing I and W back into B where the split buys nothing: never a longer simulated step, every
+(stage, micro-batch) still gets exactly one backward, and the steady state of ZBV runs fused."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.ir import Kind, Schedule
+from pipeline.placement import v_shape
+from pipeline.schedules.base import makespan
+from pipeline.schedules.fuse import MAX_WORK, count_fused, fuse_slack_backwards
+from pipeline.schedules.zbv import ZBV
+from pipeline.schedules.zero_bubble import ZBH2
+from pipeline.simulate import validate
+
+UNEVEN = [1.0, 2.0, 1.5, 3.0, 1.2, 2.5, 0.8, 1.7]
+
+
+def _costs(stages: int, uneven: bool) -> tuple:
+    f = UNEVEN[:stages] if uneven else [1.0] * stages
+    return f, f, [c / 2 for c in f] if uneven else f
+
+
+@pytest.mark.parametrize("uneven", [False, True])
+@pytest.mark.parametrize(("gen", "pp", "m"), [(ZBV, 2, 8), (ZBV, 4, 8), (ZBV, 3, 13), (ZBH2, 4, 8), (ZBH2, 2, 5)])
+def test_fusing_never_lengthens_the_step(gen, pp: int, m: int, uneven: bool) -> None:
+    placement = v_shape(pp) if gen is ZBV else list(range(pp))
+    costs = _costs(len(placement), uneven)
+    split, fused = gen(fuse_backward=False), gen()
+    for g in (split, fused):
+        g.use_stage_costs(*costs)
+    before = split.compute_actions(placement, m)
+    after = fused.compute_actions(placement, m)
+    schedule = Schedule(gen.name, len(placement), m, placement, after)
+    validate(schedule)  # one F and one backward (B, or I and W) per (stage, micro-batch), right ranks
+    assert makespan(after, placement, m, costs) <= makespan(before, placement, m, costs) * (1 + 1e-9)
+    assert sum(len(a) for a in after) == sum(len(a) for a in before) - count_fused(schedule)
+
+
+def test_zbv_steady_state_runs_fused_and_the_edges_stay_split() -> None:
+    actions = ZBV().compute_actions(v_shape(2), 8)
+    schedule = Schedule("zbv", 4, 8, v_shape(2), actions)
+    assert count_fused(schedule) >= 8 * 4 // 2  # most of the 32 backwards
+    kinds = {a.kind for acts in actions for a in acts}
+    assert Kind.I in kinds and Kind.W in kinds  # the cool-down keeps deferred W
+
+
+def test_large_schedules_are_left_alone() -> None:
+    pp, m = 32, 64
+    split = ZBV(fuse_backward=False).compute_actions(v_shape(pp), m)
+    pairs = sum(1 for acts in split for a in acts if a.kind is Kind.I)
+    assert pairs * sum(len(a) for a in split) > MAX_WORK
+    assert fuse_slack_backwards(split, v_shape(pp), m, (1, 1, 1)) == split
