@@ -12,19 +12,27 @@ from pipeline.errors import ConfigError
 from tests.harness import compose_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
-# A step's worth of activations: 32 tensors of 1 MiB alive together, then all freed (as at the end of
-# a backward); 20 such steps after 3 warm-up ones. Prints whether malloc was tuned and the page faults.
+# Five split backwards (I then W, as zero-bubble schedules run them) of two gpt_bench-sized decoder
+# blocks, after three warm-up ones. Prints whether malloc was tuned and the minor page faults.
 PROBE = """
 import resource, sys, torch
+from pipeline.runtime.backward import backward_input, backward_weight
 from pipeline.runtime.host_allocator import configure_host_allocator
 print(configure_host_allocator(sys.argv[1]))
+torch.set_num_threads(1)
+from models.gpt import DecoderBlock
+torch.manual_seed(0)
+stage = torch.nn.Sequential(DecoderBlock(256, 4), DecoderBlock(256, 4))
+params = list(stage.parameters())
+grad = torch.randn(4, 128, 256)
 def step():
-    live = [torch.ones(2**18) for _ in range(32)]
-    del live
+    x = torch.randn(4, 128, 256, requires_grad=True)
+    _, stash = backward_input([stage(x)], [grad], {"x": x}, params)
+    backward_weight(stash)
 for _ in range(3):
     step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(20):
+for _ in range(5):
     step()
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
@@ -41,8 +49,10 @@ def test_retain_stops_page_faults_on_reallocation() -> None:
     tuned, retained = _faults("retain")
     untouched, system = _faults("system")
     assert tuned and not untouched
-    assert system > 20 * 4096  # glibc's default trims the freed heap: each step faults most of its 8192 pages
-    assert retained < 0.05 * system
+    # glibc's defaults hand freed activation memory back and fault it in again (thousands of pages
+    # per split backward here); retained memory is reused
+    assert system > 5 * 1000, system
+    assert retained < 0.2 * system, (retained, system)
 
 
 def test_bad_host_allocator_is_named() -> None:

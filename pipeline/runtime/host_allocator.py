@@ -4,7 +4,7 @@ Why: glibc serves large blocks with mmap and returns them on free (or trims the 
 tensor of the same size page-faults its memory back in, page by page. A CPU training step allocates
 and frees the same activation-sized buffers hundreds of times, and the split backward of zero-bubble
 schedules keeps more of them alive at once: one split backward of three gpt_bench blocks took about
-5,400 minor page faults with glibc's defaults and none with this setting. Raising the mmap threshold
+3,000-5,500 minor page faults with glibc's defaults and almost none with this setting. Raising the mmap threshold
 to its ceiling and the trim threshold far above it makes freed blocks reusable; the peak resident
 memory is the same, it is just kept. glibc only (mallopt); elsewhere it is a no-op.
 """
