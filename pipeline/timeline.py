@@ -47,18 +47,22 @@ def _draw_panel(ax: plt.Axes, events: Sequence[dict], title: str, t0: float) -> 
     end = max((float(e["end_s"]) - t0 for e in events), default=1.0) or 1.0
     # A label needs roughly this much time-width to be readable at the figure's size.
     min_label_width = end / 90
+    # One collection per (rank, kind), not one bar per action: a pp=64 plan has ~50k actions.
+    bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
     for e in events:
         start, stop = float(e["start_s"]) - t0, float(e["end_s"]) - t0
         kind = str(e["kind"])
         row = int(e["rank"])
-        if kind in _COMM:
-            ax.barh(row + 0.38, stop - start, left=start, height=0.1, color=COMM_COLOR, linewidth=0)
-            continue
-        ax.barh(row, stop - start, left=start, height=0.72, color=COLORS.get(kind, "#333333"),
-                edgecolor="white", linewidth=0.4)
+        bars.setdefault((row, kind), []).append((start, stop - start))
         mb = _mb_of(e)
-        if mb is not None and stop - start >= min_label_width * len(str(mb)):
+        if kind not in _COMM and mb is not None and stop - start >= min_label_width * len(str(mb)):
             ax.text((start + stop) / 2, row, str(mb), ha="center", va="center", fontsize=7, color="white")
+    for (row, kind), spans in bars.items():
+        if kind in _COMM:
+            ax.broken_barh(spans, (row + 0.33, 0.1), facecolors=COMM_COLOR, linewidth=0)
+        else:
+            ax.broken_barh(spans, (row - 0.36, 0.72), facecolors=COLORS.get(kind, "#333333"), edgecolors="white",
+                           linewidth=0.4)
     ax.set_yticks(ranks)
     ax.set_yticklabels([f"rank {r}" for r in ranks])
     ax.set_ylim(max(ranks) + 0.6, min(ranks) - 0.6)  # rank 0 on top
