@@ -8,10 +8,16 @@ import pytest
 from pipeline.ir import Kind, Schedule
 from pipeline.placement import v_shape
 from pipeline.schedules.base import makespan
-from pipeline.schedules.fuse import MAX_WORK, count_fused, fuse_slack_backwards
+from pipeline.schedules.fuse import MAX_WORK, fuse_slack_backwards
 from pipeline.schedules.zbv import ZBV
 from pipeline.schedules.zero_bubble import ZBH2
 from pipeline.simulate import validate
+
+
+def count_fused(schedule: Schedule) -> int:
+    """How many backwards of a split-backward schedule run fused (as B)."""
+    return sum(1 for acts in schedule.actions for a in acts if a.kind is Kind.B)
+
 
 UNEVEN = [1.0, 2.0, 1.5, 3.0, 1.2, 2.5, 0.8, 1.7]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import networkx as nx
+from networkx.utils import UnionFind
 
 from pipeline.partition.common import topo_order
 
@@ -34,54 +35,29 @@ class Contraction:
         return {m: stage for unit, stage in assignment.items() for m in self.members[unit]}
 
 
-class _Groups:
-    """Union-find over node names."""
-
-    def __init__(self, nodes) -> None:
-        self.parent = {n: n for n in nodes}
-
-    def find(self, n: str) -> str:
-        while self.parent[n] != n:
-            self.parent[n] = self.parent[self.parent[n]]
-            n = self.parent[n]
-        return n
-
-    def union(self, a: str, b: str) -> bool:
-        ra, rb = self.find(a), self.find(b)
-        if ra == rb:
-            return False
-        self.parent[rb] = ra
-        return True
-
-    def sets(self) -> dict[str, set[str]]:
-        out: dict[str, set[str]] = {}
-        for n in self.parent:
-            out.setdefault(self.find(n), set()).add(n)
-        return out
-
-
 def contract_unsendable(graph: nx.DiGraph) -> Contraction | None:
     """The contracted graph, or None when every node's output can be sent as it is."""
     unsendable = [n for n in graph.nodes if not sends_as_tensor(graph, n) and graph.out_degree(n)]
     if not unsendable:
         return None
-    groups = _Groups(graph.nodes)
+    groups = UnionFind(graph.nodes)
     for n in unsendable:
-        for succ in graph.successors(n):
-            groups.union(n, succ)
+        groups.union(n, *graph.successors(n))
     changed = True
     while changed:  # convex closure: whatever lies between two members of a unit joins it
         changed = False
-        for members in groups.sets().values():
+        for members in list(groups.to_sets()):
             if len(members) < 2:
                 continue
             below = set().union(*(nx.descendants(graph, m) for m in members))
             above = set().union(*(nx.ancestors(graph, m) for m in members))
-            for n in (below & above) - members:
-                changed |= groups.union(next(iter(members)), n)
+            between = (below & above) - members
+            if between:
+                groups.union(next(iter(members)), *between)
+                changed = True
     order = topo_order(graph)
     pos = {n: i for i, n in enumerate(order)}
-    units = sorted((sorted(ms, key=pos.__getitem__) for ms in groups.sets().values()), key=lambda ms: pos[ms[0]])
+    units = sorted((sorted(ms, key=pos.__getitem__) for ms in groups.to_sets()), key=lambda ms: pos[ms[0]])
     unit_of = {m: ms[0] for ms in units for m in ms}
     q = nx.DiGraph(**graph.graph)
     for ms in units:

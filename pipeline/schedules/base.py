@@ -48,21 +48,18 @@ class ScheduleGenerator:
         just touched while it is still in cache, and frees the micro-batch's memory sooner. With
         `fuse_backward`, I/W pairs whose split buys nothing then run as one B (schedules/fuse.py)."""
         costs = self.play_costs()
-        variants = [{"eager_w": True}, {}] if kwargs.get("split_backward") else [{}]
-        best: tuple[float, list[list[Action]]] | None = None
-        for extra in variants:
-            programs = self._play_once(play, placement, microbatches, costs, **kwargs, **extra)
-            if len(variants) == 1:
-                return programs
-            span = makespan(programs, placement, microbatches, costs)
-            if best is None or span < best[0] * (1 - 1e-9):
-                best = (span, programs)
-        assert best is not None
+        if not kwargs.get("split_backward"):
+            return self._play_once(play, placement, microbatches, costs, **kwargs)
+        eager = self._play_once(play, placement, microbatches, costs, eager_w=True, **kwargs)
+        deferred = self._play_once(play, placement, microbatches, costs, **kwargs)
+        slower = makespan(eager, placement, microbatches, costs) > (
+            makespan(deferred, placement, microbatches, costs) * (1 + 1e-9))
+        programs = deferred if slower else eager
         if getattr(self, "fuse_backward", False):
             from pipeline.schedules.fuse import fuse_slack_backwards
 
-            return fuse_slack_backwards(best[1], placement, microbatches, costs)
-        return best[1]
+            programs = fuse_slack_backwards(programs, placement, microbatches, costs)
+        return programs
 
     @staticmethod
     def _play_once(play, placement, microbatches, costs, **kwargs) -> list[list[Action]]:

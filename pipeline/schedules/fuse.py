@@ -16,11 +16,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeline.ir import Action, Kind, Schedule
+from pipeline.ir import Action, Kind
 
 #: above this many (pair x action) simulations the pass is skipped: it stays well under a second
 #: for the schedules people train with, and plan mode must answer for pp=64 in seconds
 MAX_WORK = 400_000
+
+
+def _is_pair(acts: list[Action], i: int) -> bool:
+    """acts[i] is an I immediately followed by its own W."""
+    a = acts[i]
+    return a.kind is Kind.I and i + 1 < len(acts) and acts[i + 1] == Action(a.stage, Kind.W, a.mb)
 
 
 def fuse_slack_backwards(
@@ -29,28 +35,20 @@ def fuse_slack_backwards(
     """Programs with I/W pairs fused into B wherever the simulated step does not grow."""
     from pipeline.schedules.base import makespan
 
-    pairs = [(r, i) for r, acts in enumerate(programs) for i, a in enumerate(acts[:-1])
-             if a.kind is Kind.I and acts[i + 1] == Action(a.stage, Kind.W, a.mb)]
-    actions = sum(len(acts) for acts in programs)
-    if not pairs or len(pairs) * actions > MAX_WORK:
+    pairs = sum(_is_pair(acts, i) for acts in programs for i in range(len(acts)))
+    if not pairs or pairs * sum(len(acts) for acts in programs) > MAX_WORK:
         return programs
     programs = [list(acts) for acts in programs]
     best = makespan(programs, placement, microbatches, costs)
-    for r in range(len(programs)):
+    for r, acts in enumerate(programs):
         i = 0
-        while i < len(programs[r]) - 1:
-            a = programs[r][i]
-            if a.kind is Kind.I and programs[r][i + 1] == Action(a.stage, Kind.W, a.mb):
-                trial = list(programs[r])
-                trial[i : i + 2] = [Action(a.stage, Kind.B, a.mb)]
-                candidate = programs[:r] + [trial] + programs[r + 1 :]
-                span = makespan(candidate, placement, microbatches, costs)
+        while i < len(acts):  # the list shrinks as pairs fuse
+            if _is_pair(acts, i):
+                a = acts[i]
+                trial = acts[:i] + [Action(a.stage, Kind.B, a.mb)] + acts[i + 2 :]
+                span = makespan(programs[:r] + [trial] + programs[r + 1 :], placement, microbatches, costs)
                 if span <= best * (1 + 1e-9):
-                    programs[r], best = trial, min(best, span)
+                    programs[r] = acts = trial
+                    best = min(best, span)
             i += 1
     return programs
-
-
-def count_fused(schedule: Schedule) -> int:
-    """How many backwards of a split-backward schedule run fused (as B)."""
-    return sum(1 for acts in schedule.actions for a in acts if a.kind is Kind.B)
