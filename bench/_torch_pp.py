@@ -24,9 +24,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from launcher.spawn import environment  # noqa: E402
 from models.base import ModelSpec, causal_lm_loss  # noqa: E402
 from models.gpt import gpt  # noqa: E402
 from pipeline.data.synthetic import SyntheticTokens  # noqa: E402
+from pipeline.runtime.cpu_affinity import bind_rank_to_cores  # noqa: E402
+from pipeline.runtime.host_allocator import configure_host_allocator, rank_environment  # noqa: E402
 
 #: our scheduler name -> the torch.distributed.pipelining class with the same schedule.
 TORCH_SCHEDULES: dict[str, str] = {
@@ -54,6 +57,13 @@ class BenchConfig:
     warmup: int = 3
     #: our partitioner; torch gets the very same stage split
     partitioner: str = "uniform"
+    #: which runs get our launcher's process setup (malloc retention, huge pages, one core per rank):
+    #: "ours" (its defaults), "all" (torch ranks and the single process too), "none" (switched off)
+    host_setup: str = "ours"
+
+    @property
+    def peers_get_host_setup(self) -> bool:
+        return self.host_setup == "all"
 
     def spec(self) -> ModelSpec:
         return gpt(vocab_size=self.vocab_size, dim=self.dim, layers=self.layers, heads=self.heads,
@@ -93,8 +103,10 @@ def _torch_rank(rank: int, job: PipelineJob, port: int, out: mp.SimpleQueue) -> 
     """One rank of a torch.distributed.pipelining run; rank 0 reports step times."""
     import torch.distributed.pipelining as tpp
 
-    torch.set_num_threads(1)
     world = max(job.placement) + 1
+    if job.bench.peers_get_host_setup:
+        _apply_host_setup(rank, world, threads=1)
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     try:
@@ -131,12 +143,25 @@ def _torch_rank(rank: int, job: PipelineJob, port: int, out: mp.SimpleQueue) -> 
         dist.destroy_process_group()
 
 
+def _apply_host_setup(local_rank: int, local_world: int, threads: int) -> None:
+    """What our launcher does to each rank process before training (huge pages come from the
+    environment the process was spawned with, see `_peer_environment`)."""
+    configure_host_allocator("retain")
+    bind_rank_to_cores("auto", local_rank, local_world, threads)
+
+
+def _peer_environment(cfg: BenchConfig) -> dict[str, str]:
+    return rank_environment(True) if cfg.peers_get_host_setup else {}
+
+
 def run_torch_pipeline(job: PipelineJob) -> dict:
     """Spawn one process per rank, train, return rank 0's step times and the median."""
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     world = max(job.placement) + 1
-    mp.start_processes(_torch_rank, args=(job, free_port(), out), nprocs=world, join=True, start_method="spawn")
+    with environment(_peer_environment(job.bench)):
+        mp.start_processes(_torch_rank, args=(job, free_port(), out), nprocs=world, join=True,
+                           start_method="spawn")
     result = out.get()
     result["step_time_s"] = _median_step(result["step_times_s"], job.bench.warmup)
     return result
@@ -144,6 +169,8 @@ def run_torch_pipeline(job: PipelineJob) -> dict:
 
 def _single_process(threads: int, cfg: BenchConfig, out: mp.SimpleQueue) -> None:
     """Plain gradient accumulation over the micro-batches, then one SGD step."""
+    if cfg.peers_get_host_setup:
+        _apply_host_setup(0, 1, threads)
     torch.set_num_threads(threads)
     model: nn.Module = cfg.spec().build_full(cfg.seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
@@ -169,7 +196,8 @@ def run_single_process(threads: int, cfg: BenchConfig) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     proc = ctx.Process(target=_single_process, args=(threads, cfg, out))
-    proc.start()
+    with environment(_peer_environment(cfg)):
+        proc.start()
     result = out.get()
     proc.join()
     if proc.exitcode:

@@ -90,6 +90,8 @@ def run_ours(schedule: str, cfg: BenchConfig, run_dir: Path, extra: tuple[str, .
         sys.executable, "train.py", *workload, f"scheduler={schedule}", f"steps={cfg.steps}",
         f"warmup_steps={cfg.warmup}", "logger=console", f"hydra.run.dir={run_dir}", *extra,
     ]
+    if cfg.host_setup == "none":
+        cmd += ["host_allocator=system", "huge_pages=false", "cpu_affinity=none"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
@@ -182,6 +184,10 @@ def main() -> None:
     parser.add_argument("--op-level", nargs="*", default=["zbv"],
                         help="our schedules also run with an operator-level balanced split (model.granularity=op); "
                              "torch has no peer for these")
+    parser.add_argument("--host-setup", choices=("ours", "all", "none"), default="ours",
+                        help="which runs get our launcher's process setup (malloc retention, huge pages, one core "
+                             "per rank): ours (the default, as train.py runs), all (torch and the single process "
+                             "too: compares the runtimes alone), none (ours with it switched off)")
     args = parser.parse_args()
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
@@ -189,7 +195,7 @@ def main() -> None:
     if unknown:
         parser.error(f"no conf/scheduler/ entry for {unknown}")
 
-    cfg = BenchConfig(steps=args.steps, warmup=args.warmup, partitioner=args.partitioner)
+    cfg = BenchConfig(steps=args.steps, warmup=args.warmup, partitioner=args.partitioner, host_setup=args.host_setup)
     plans = {s: our_plan(s, cfg) for s in args.schedules}
     configs = [Config("ours", s) for s in args.schedules]
     configs += [Config("torch", s) for s in args.schedules if s in TORCH_SCHEDULES]
@@ -204,7 +210,7 @@ def main() -> None:
     losses: dict[Config, float] = {}
     print(f"{platform.node()} | {platform.processor() or platform.machine()} | torch "
           f"{__import__('torch').__version__} | {time.strftime('%Y-%m-%d %H:%M')} | rounds={args.rounds} "
-          f"steps={args.steps} warmup={args.warmup}", flush=True)
+          f"steps={args.steps} warmup={args.warmup} host-setup={args.host_setup}", flush=True)
     for s in args.schedules:
         placement, blocks = plans[s]
         print(f"  {s}: placement {placement}, stages {blocks}", flush=True)

@@ -13,6 +13,7 @@ from launcher.validate import Prepared, prepare
 from launcher.worker import RankJob, export_submitit_env, joined_rank_env, rank_main
 from pipeline.errors import ConfigError
 from pipeline.predict import format_choice, format_prediction
+from pipeline.runtime.host_allocator import rank_environment
 from pipeline.timeline import draw_timeline
 
 
@@ -40,7 +41,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     plan.write(run_dir / "plan.json")
     print(plan.stage_table(), flush=True)
     print(f"schedule {plan.schedule.name}: pp={plan.pp} dp={plan.dp} microbatches={plan.microbatches}", flush=True)
-    results = spawn_ranks(job, plan.pp * plan.dp, run_dir / "logs")
+    results = spawn_ranks(job, plan.pp * plan.dp, run_dir / "logs", env=rank_environment(resolved["huge_pages"]))
     metrics = results[0]["metrics"]
     print(
         f"done: median step {metrics['step_time_s'] * 1e3:.1f} ms, {metrics['tokens_per_s']:.0f} tokens/s, "

@@ -50,6 +50,10 @@ class TrainConfig:
     threads: int = 0
     #: retain (keep freed host memory for reuse: no page faults on every new activation) | system
     host_allocator: str = "retain"
+    #: back rank heaps with transparent huge pages (glibc tunable, set for the ranks the launcher spawns)
+    huge_pages: bool = True
+    #: auto (bind each local rank to its own `threads` cores when they cover all ranks) | none
+    cpu_affinity: str = "auto"
     #: link model for the simulator's predictions (seconds per message, bytes per second).
     link_latency_s: float = 5e-5
     link_bandwidth: float = 1e9

@@ -6,8 +6,10 @@ file per rank, and when one rank raises it stops the others and raises ChildFail
 
 from __future__ import annotations
 
+import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +45,10 @@ def spawn_ranks(
     log_dir: Path,
     echo_rank0: bool = True,
     entry: Callable[..., Any] = rank_main,
+    env: dict[str, str] | None = None,
 ) -> dict[int, Any]:
-    """Run `entry(job)` on `nprocs` local processes; raise RankFailed with the traceback."""
+    """Run `entry(job)` on `nprocs` local processes with `env` added to their environment; raise
+    RankFailed with the traceback."""
     log_dir.mkdir(parents=True, exist_ok=True)
     logs = DefaultLogsSpecs(
         log_dir=str(log_dir),
@@ -65,6 +69,23 @@ def spawn_ranks(
         log_line_prefix_template="[rank${rank}]:",
     )
     try:
-        return elastic_launch(config, entry)(job)
+        with environment(env or {}):
+            return elastic_launch(config, entry)(job)
     except ChildFailedError as err:
         raise RankFailed(failure_report(err)) from None
+
+
+@contextmanager
+def environment(variables: dict[str, str]) -> Iterator[None]:
+    """Set `variables` while ranks are spawned (they inherit this process's environment), then
+    restore what was there."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

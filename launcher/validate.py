@@ -21,6 +21,7 @@ from pipeline.placement import PLACEMENT_KINDS
 from pipeline.plan import PROFILED_PARTITIONERS, Plan, build_plan
 from pipeline.predict import Prediction, choose_schedule, measure_blocks, predict, profiling_threads
 from pipeline.runtime.context import cpu_threads
+from pipeline.runtime.cpu_affinity import CPU_AFFINITY_CHOICES
 from pipeline.runtime.host_allocator import HOST_ALLOCATOR_CHOICES
 from pipeline.schedules import REMAT_CHOICES
 from pipeline.schedules.auto import AutoSchedule
@@ -91,6 +92,12 @@ def check_scalars(cfg: dict) -> None:
         raise ConfigError("host_allocator", f"got {cfg.get('host_allocator')!r}; valid: "
                                             f"{', '.join(HOST_ALLOCATOR_CHOICES)} (retain keeps freed host memory "
                                             "for reuse, system leaves malloc as it is)")
+    if cfg.get("cpu_affinity", "auto") not in CPU_AFFINITY_CHOICES:
+        raise ConfigError("cpu_affinity", f"got {cfg.get('cpu_affinity')!r}; valid: "
+                                          f"{', '.join(CPU_AFFINITY_CHOICES)} (auto binds each local rank to "
+                                          "its own cores when there are enough, none leaves it to the OS)")
+    if not isinstance(cfg.get("huge_pages", True), bool):
+        raise ConfigError("huge_pages", f"got {cfg.get('huge_pages')!r}; valid: true or false")
     kind = (cfg.get("placement") or {}).get("kind")
     if kind not in PLACEMENT_KINDS:
         raise ConfigError("placement", f"got kind {kind!r}; valid: {', '.join(PLACEMENT_KINDS)}")

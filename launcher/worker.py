@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from pipeline.plan import Plan
 from pipeline.runtime.context import RankContext, backend_for, cpu_threads, env_int, make_mesh, select_device
+from pipeline.runtime.cpu_affinity import bind_rank_to_cores
 from pipeline.runtime.host_allocator import configure_host_allocator
 from pipeline.runtime.trainer import train_rank
 
@@ -44,8 +45,10 @@ def rank_main_many(jobs: list[RankJob]) -> list[dict]:
             raise RuntimeError(f"WORLD_SIZE={world} but pp x dp = {pp} x {dp} = {pp * dp}; start pp x dp ranks")
     configure_host_allocator(first.cfg.get("host_allocator", "retain"))
     device = select_device(first.cfg["device"], local_rank)
+    threads = cpu_threads(first.cfg.get("threads", 0), local_world)
+    bind_rank_to_cores(first.cfg.get("cpu_affinity", "auto"), local_rank, local_world, threads)
     if device.type == "cpu":
-        torch.set_num_threads(cpu_threads(first.cfg.get("threads", 0), local_world))
+        torch.set_num_threads(threads)
     dist.init_process_group(
         backend_for(device),
         rank=rank,

@@ -14,6 +14,7 @@ from launcher.config import register_configs
 from launcher.spawn import spawn_ranks
 from launcher.validate import prepare
 from launcher.worker import RankJob, rank_main_many
+from pipeline.runtime.host_allocator import rank_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -45,7 +46,8 @@ def run_jobs(cfgs: list[dict], log_dir: Path) -> list[list[dict]]:
     """Run configs of the same world size in one spawn; returns per config the list of rank results."""
     jobs = [RankJob(cfg, prepare(cfg).plan, None, capture_state=True) for cfg in cfgs]
     world = jobs[0].plan.pp * jobs[0].plan.dp
-    per_rank = spawn_ranks(jobs, world, log_dir, echo_rank0=False, entry=rank_main_many)
+    env = rank_environment(cfgs[0].get("huge_pages", True))
+    per_rank = spawn_ranks(jobs, world, log_dir, echo_rank0=False, entry=rank_main_many, env=env)
     return [[per_rank[r][i] for r in range(world)] for i in range(len(jobs))]
 
 

@@ -5,6 +5,7 @@ Everything here runs inside one rank with a process group already initialised.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from pipeline.report import add_predictions, write_run_artifacts
 from pipeline.runtime.context import RankContext
 from pipeline.runtime.dp import SharedGrads, allreduce_gradients
 from pipeline.runtime.executor import Executor, StageSlot
+from pipeline.runtime.host_allocator import huge_pages_active
 from pipeline.runtime.memory import peak_memory_bytes, reset_peak
 from pipeline.runtime.tracking import Tracker
 from pipeline.stages import BlockStage
@@ -162,6 +164,8 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
         "busy_s": median_busy,
         "bubble": max(0.0, 1.0 - median_busy / median_step),
         "device": str(ctx.device),
+        "cpu_cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "huge_pages": huge_pages_active(),
         "events": last_events if ctx.dp_rank == 0 else [],
     }
     gathered: list[dict] | None = [None] * ctx.world_size if ctx.rank == 0 else None
