@@ -28,6 +28,7 @@ from launcher.spawn import environment  # noqa: E402
 from models.base import ModelSpec, causal_lm_loss  # noqa: E402
 from models.gpt import gpt  # noqa: E402
 from pipeline.data.synthetic import SyntheticTokens  # noqa: E402
+from pipeline.plan import Plan  # noqa: E402
 from pipeline.runtime.cpu_affinity import bind_rank_to_cores  # noqa: E402
 from pipeline.runtime.host_allocator import configure_host_allocator, rank_environment  # noqa: E402
 
@@ -99,10 +100,69 @@ def _median_step(times: list[float], warmup: int) -> float:
     return statistics.median(timed)
 
 
+def workload_overrides(cfg: BenchConfig) -> list[str]:
+    """train.py overrides for this workload (everything but the schedule)."""
+    return [
+        "model=gpt_bench", "data=synthetic", f"batch_size={cfg.batch_size}", f"microbatches={cfg.microbatches}",
+        "pp=2", "dp=1", "threads=1", "optimizer=sgd", f"optimizer.lr={cfg.lr}", f"seed={cfg.seed}",
+        f"partitioner={cfg.partitioner}",
+    ]
+
+
+def compose_our_run(schedule: str, cfg: BenchConfig) -> tuple[dict, Plan]:
+    """The resolved config and the Plan `train.py ... scheduler=<schedule>` would run (Hydra
+    compose + our planner, profile included)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from launcher.app import resolve
+    from launcher.config import register_configs
+    from launcher.validate import prepare
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        composed = compose("train", overrides=[*workload_overrides(cfg), f"scheduler={schedule}"])
+    resolved = resolve(composed)
+    return resolved, prepare(resolved).plan
+
+
+class TorchRank:
+    """One rank's torch.distributed.pipelining stages, schedule and optimizer; `step` times one
+    training step as our trainer does (schedule, SGD step, zero_grad, scalar loss all-reduce)."""
+
+    def __init__(self, job: PipelineJob, rank: int) -> None:
+        import torch.distributed.pipelining as tpp
+
+        self.bench = cfg = job.bench
+        spec = cfg.spec()
+        num_stages = len(job.placement)
+        mine = [i for i, r in enumerate(job.placement) if r == rank]
+        modules = [spec.build_blocks(job.stage_blocks[i], cfg.seed) for i in mine]
+        stages = [tpp.PipelineStage(m, i, num_stages, torch.device("cpu")) for m, i in zip(modules, mine, strict=True)]
+        cls = getattr(tpp, TORCH_SCHEDULES[job.schedule])
+        self.schedule = cls(stages[0] if len(stages) == 1 else stages, n_microbatches=cfg.microbatches,
+                            loss_fn=causal_lm_loss)
+        self.optimizer = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=cfg.lr)
+        self.has_first, self.has_last = 0 in mine, num_stages - 1 in mine
+        self.data = cfg.data()
+
+    def step(self, step: int) -> tuple[float, float]:
+        """(seconds, loss) of one step on batch `step`."""
+        inputs, targets = self.data.batch(step, self.bench.batch_size)
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        start = time.perf_counter()
+        self.schedule.step(*args, target=targets if self.has_last else None, losses=losses, return_outputs=False)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = torch.stack([x.detach() for x in losses]).mean() if losses else torch.zeros(())
+        dist.all_reduce(loss)  # as our trainer does: aligns the ranks at the step boundary
+        return time.perf_counter() - start, float(loss)
+
+
 def _torch_rank(rank: int, job: PipelineJob, port: int, out: mp.SimpleQueue) -> None:
     """One rank of a torch.distributed.pipelining run; rank 0 reports step times."""
-    import torch.distributed.pipelining as tpp
-
     world = max(job.placement) + 1
     if job.bench.peers_get_host_setup:
         _apply_host_setup(rank, world, threads=1)
@@ -110,35 +170,13 @@ def _torch_rank(rank: int, job: PipelineJob, port: int, out: mp.SimpleQueue) -> 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     try:
-        cfg = job.bench
-        spec = cfg.spec()
-        num_stages = len(job.placement)
-        mine = [i for i, r in enumerate(job.placement) if r == rank]
-        modules = [spec.build_blocks(job.stage_blocks[i], cfg.seed) for i in mine]
-        stages = [tpp.PipelineStage(m, i, num_stages, torch.device("cpu")) for m, i in zip(modules, mine, strict=True)]
-        cls = getattr(tpp, TORCH_SCHEDULES[job.schedule])
-        if len(stages) == 1:
-            schedule = cls(stages[0], n_microbatches=cfg.microbatches, loss_fn=causal_lm_loss)
-        else:
-            schedule = cls(stages, n_microbatches=cfg.microbatches, loss_fn=causal_lm_loss)
-        params = [p for m in modules for p in m.parameters()]
-        optimizer = torch.optim.SGD(params, lr=cfg.lr)
-        has_first, has_last = 0 in mine, num_stages - 1 in mine
-        data = cfg.data()
-        times: list[float] = []
-        for step in range(cfg.steps):
-            inputs, targets = data.batch(step, cfg.batch_size)
-            losses: list[torch.Tensor] = []
-            args = (inputs,) if has_first else ()
-            start = time.perf_counter()
-            schedule.step(*args, target=targets if has_last else None, losses=losses, return_outputs=False)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            loss = torch.stack([x.detach() for x in losses]).mean() if losses else torch.zeros(())
-            dist.all_reduce(loss)  # as our trainer does: aligns the ranks at the step boundary
-            times.append(time.perf_counter() - start)
+        runtime = TorchRank(job, rank)
+        times, loss = [], 0.0
+        for step in range(job.bench.steps):
+            seconds, loss = runtime.step(step)
+            times.append(seconds)
         if rank == 0:
-            out.put({"step_times_s": times, "final_loss": float(loss)})
+            out.put({"step_times_s": times, "final_loss": loss})
     finally:
         dist.destroy_process_group()
 

@@ -36,8 +36,10 @@ from _torch_pp import (  # noqa: E402
     TORCH_SCHEDULES,
     BenchConfig,
     PipelineJob,
+    compose_our_run,
     run_single_process,
     run_torch_pipeline,
+    workload_overrides,
 )
 
 DEFAULT_SCHEDULES = ["1f1b", "zbv", "gpipe"]
@@ -61,25 +63,8 @@ class Config:
 
 def our_plan(schedule: str, cfg: BenchConfig) -> tuple[list[int], list[list[str]]]:
     """Placement and stage blocks exactly as `train.py` plans them (Hydra compose + our planner)."""
-    from hydra import compose, initialize_config_dir
-
-    from launcher.app import resolve
-    from launcher.config import register_configs
-    from launcher.validate import prepare
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        composed = compose("train", overrides=[*workload_overrides(cfg), f"scheduler={schedule}"])
-    plan = prepare(resolve(composed)).plan
+    _, plan = compose_our_run(schedule, cfg)
     return list(plan.schedule.placement), [list(s.blocks) for s in plan.stages]
-
-
-def workload_overrides(cfg: BenchConfig) -> list[str]:
-    return [
-        "model=gpt_bench", "data=synthetic", f"batch_size={cfg.batch_size}", f"microbatches={cfg.microbatches}",
-        "pp=2", "dp=1", "threads=1", "optimizer=sgd", f"optimizer.lr={cfg.lr}", f"seed={cfg.seed}",
-        f"partitioner={cfg.partitioner}",
-    ]
 
 
 def run_ours(schedule: str, cfg: BenchConfig, run_dir: Path, extra: tuple[str, ...] = ()) -> dict:

@@ -61,3 +61,63 @@ def test_bad_host_allocator_is_named() -> None:
     cfg = compose_cfg(["host_allocator=jemalloc"])
     with pytest.raises(ConfigError, match="host_allocator.*retain, system"):
         check_scalars(cfg)
+
+
+# Touch 64 MiB through torch (as an activation would be) and report the huge pages backing it.
+HUGE_PROBE = """
+import torch
+from pipeline.runtime.host_allocator import configure_host_allocator, huge_pages_active
+configure_host_allocator("retain")
+x = torch.ones(16 * 2**20)
+print(huge_pages_active(), next(int(line.split()[1]) for line in open("/proc/self/smaps_rollup")
+                                if line.startswith("AnonHugePages")))
+"""
+
+
+def _huge_kib(env: dict[str, str]) -> tuple[bool, int]:
+    import os
+
+    out = subprocess.run([sys.executable, "-c", HUGE_PROBE], cwd=ROOT, capture_output=True, text=True, check=True,
+                         timeout=120, env={**os.environ, **env}).stdout.split()
+    return out[0] == "True", int(out[1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc tunables, /proc")
+def test_huge_pages_back_the_rank_heap() -> None:
+    from pipeline.runtime.host_allocator import (
+        THP_SETTING,
+        rank_environment,
+        transparent_huge_pages_available,
+    )
+
+    if not transparent_huge_pages_available():
+        pytest.skip("the kernel has transparent huge pages switched off")
+    env = rank_environment(True, environ={})
+    assert env == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    active, huge_kib = _huge_kib(env)
+    assert active and huge_kib >= 32 * 1024, huge_kib  # most of the 64 MiB sits on 2 MiB pages
+    if "[madvise]" in THP_SETTING.read_text():  # without the tunable nothing asks for huge pages
+        assert _huge_kib({"GLIBC_TUNABLES": ""}) == (False, 0)
+
+
+def test_rank_environment_merges_and_respects_the_user(monkeypatch, tmp_path) -> None:
+    from pipeline.runtime import host_allocator as ha
+
+    setting = tmp_path / "enabled"
+    monkeypatch.setattr(ha, "THP_SETTING", setting)
+    setting.write_text("always [madvise] never\n")
+    assert ha.rank_environment(False, environ={}) == {}
+    assert ha.rank_environment(True, environ={"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == {
+        "GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"}
+    assert ha.rank_environment(True, environ={"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) == {}
+    setting.write_text("always madvise [never]\n")
+    assert ha.rank_environment(True, environ={}) == {}
+
+
+def test_bad_huge_pages_is_named() -> None:
+    from launcher.validate import check_scalars
+
+    cfg = compose_cfg([])
+    cfg["huge_pages"] = "yes"
+    with pytest.raises(ConfigError, match="huge_pages.*true or false"):
+        check_scalars(cfg)

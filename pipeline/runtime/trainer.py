@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -83,24 +84,76 @@ def stage_state(slots: dict[int, StageSlot], what: str) -> dict[str, torch.Tenso
     return out
 
 
+@dataclass
+class StepOutcome:
+    """What one training step of this rank produced."""
+
+    loss: float
+    elapsed_s: float  # the whole step: schedule, gradient sums, optimizer, loss all-reduce
+    schedule_s: float  # the executor's part of it
+    events: list[dict]
+    outputs: dict
+
+
+class RankTrainer:
+    """This rank's stages, executor and optimizer, built once; `step` runs one training step.
+    train_rank loops over it, and bench/paired_runtimes.py interleaves it with torch's runtime."""
+
+    def __init__(self, cfg: dict, plan: Plan, ctx: RankContext) -> None:
+        self.cfg, self.plan, self.ctx = cfg, plan, ctx
+        self.spec: ModelSpec = instantiate(cfg["model"])
+        self.data = instantiate(cfg["data"])
+        self.slots = build_slots(self.spec, plan, ctx, cfg["seed"])
+        self.modules: list[nn.Module] = [s.module for s in self.slots.values()]
+        params = list({id(p): p for m in self.modules for p in m.parameters()}.values())  # stages may share one
+        self.shared = SharedGrads(plan, ctx, self.slots)
+        self.training = plan.schedule.training
+        self.optimizer = instantiate(cfg["optimizer"])(params) if self.training else None
+        self.executor = Executor(
+            plan.schedule, ctx.pp_rank, self.slots, self.spec.loss_fn, ctx.device,
+            loss_scale=float(plan.microbatches * plan.dp), remat=cfg.get("remat", "none") == "full",
+        )
+        self.has_first = any(p is None for s in self.slots.values() for p in s.inputs.values())
+        self.has_last = any(s.is_last for s in self.slots.values())
+        for m in self.modules:
+            m.train(self.training)
+
+    def step(self, step: int, captured: dict | None = None) -> StepOutcome:
+        """One step on batch `step` of the data; with `captured`, step 0 records outputs and grads."""
+        ctx, plan, batch_size = self.ctx, self.plan, self.cfg["batch_size"]
+        in_mbs = tgt_mbs = None
+        if self.has_first or self.has_last:  # middle stages never touch the data
+            inputs, targets = self.data.batch(step, batch_size)
+            if self.has_first:
+                in_mbs = replica_microbatches(inputs, ctx.dp_rank, ctx.dp, plan.microbatches, ctx.device)
+            if self.has_last:
+                tgt_mbs = replica_microbatches(targets, ctx.dp_rank, ctx.dp, plan.microbatches, ctx.device)
+        start = time.perf_counter()
+        loss_sum, events, outputs = self.executor.run_step(in_mbs, tgt_mbs)
+        schedule_s = time.perf_counter() - start
+        capture = captured is not None and step == 0
+        if capture and outputs:
+            captured["outputs"] = torch.cat([outputs[mb].cpu() for mb in sorted(outputs)])
+        if self.training:
+            self.shared.sum_across_stages()
+            if ctx.dp > 1:
+                allreduce_gradients(self.modules, ctx.dp_group)
+            if capture:
+                captured["grads_step0"] = stage_state(self.slots, "grad")
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(loss_sum)  # only last-stage ranks hold a non-zero share
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        return StepOutcome(float(loss_sum), time.perf_counter() - start, schedule_s, events, outputs)
+
+
 def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, capture_state: bool = False) -> dict:
     """Run `cfg["steps"]` steps; rank 0 prints progress and writes metrics.json into run_dir."""
-    spec: ModelSpec = instantiate(cfg["model"])
-    data = instantiate(cfg["data"])
-    schedule = plan.schedule
-    slots = build_slots(spec, plan, ctx, cfg["seed"])
-    modules: list[nn.Module] = [s.module for s in slots.values()]
-    params = list({id(p): p for m in modules for p in m.parameters()}.values())  # stages may share a tensor
-    shared = SharedGrads(plan, ctx, slots)
-    optimizer = instantiate(cfg["optimizer"])(params) if schedule.training else None
-    executor = Executor(
-        schedule, ctx.pp_rank, slots, spec.loss_fn, ctx.device,
-        loss_scale=float(plan.microbatches * plan.dp), remat=cfg.get("remat", "none") == "full",
-    )
-    has_first = any(p is None for s in slots.values() for p in s.inputs.values())
-    has_last = any(s.is_last for s in slots.values())
+    trainer = RankTrainer(cfg, plan, ctx)
+    slots, schedule = trainer.slots, plan.schedule
     # tokens for language models; samples for image models
-    tokens_per_step = cfg["batch_size"] * (spec.input_shape[0] if spec.input_dtype == torch.long else 1)
+    tokens_per_step = cfg["batch_size"] * (trainer.spec.input_shape[0] if trainer.spec.input_dtype == torch.long else 1)
     losses: list[float] = []
     step_times: list[float] = []
     busy: list[float] = []
@@ -108,36 +161,12 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
     captured: dict = {}
     last_events: list[dict] = []
     reset_peak(ctx.device)
-    for m in modules:
-        m.train(schedule.training)
     tracker = Tracker(cfg, run_dir) if ctx.rank == 0 else None
 
     for step in range(cfg["steps"]):
-        in_mbs = tgt_mbs = None
-        if has_first or has_last:  # middle stages never touch the data
-            inputs, targets = data.batch(step, cfg["batch_size"])
-            if has_first:
-                in_mbs = replica_microbatches(inputs, ctx.dp_rank, ctx.dp, plan.microbatches, ctx.device)
-            if has_last:
-                tgt_mbs = replica_microbatches(targets, ctx.dp_rank, ctx.dp, plan.microbatches, ctx.device)
-        start = time.perf_counter()
-        loss_sum, events, outputs = executor.run_step(in_mbs, tgt_mbs)
-        schedule_times.append(time.perf_counter() - start)
-        if capture_state and step == 0 and outputs:
-            captured["outputs"] = torch.cat([outputs[mb].cpu() for mb in sorted(outputs)])
-        if schedule.training:
-            shared.sum_across_stages()
-            if ctx.dp > 1:
-                allreduce_gradients(modules, ctx.dp_group)
-            if capture_state and step == 0:
-                captured["grads_step0"] = stage_state(slots, "grad")
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        dist.all_reduce(loss_sum)  # only last-stage ranks hold a non-zero share
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize(ctx.device)
-        elapsed = time.perf_counter() - start
-        loss = float(loss_sum)
+        outcome = trainer.step(step, captured if capture_state else None)
+        loss, elapsed, events = outcome.loss, outcome.elapsed_s, outcome.events
+        schedule_times.append(outcome.schedule_s)
         losses.append(loss)
         step_times.append(elapsed)
         busy.append(sum(e["end_s"] - e["start_s"] for e in events))

@@ -1,0 +1,141 @@
+"""Our runtime and torch.distributed.pipelining in the same two processes, step by step.
+
+Why: on a shared VM the speed of the machine drifts by 10-20% from one minute to the next, so two
+runs one after the other differ by more than the runtimes do (compare_torch_pipelining.py needs
+many rounds to see through that). Here each of the two ranks builds both runtimes (each its own
+copy of the model: same initial weights, same batches, same stage split and placement, as our
+planner gives them) and alternates steps: ours then torch's, torch's then ours, and so on. Both
+see the machine at nearly the same moment, and the ratio of each adjacent pair of steps cancels
+the drift. Both runtimes share the process (malloc tuning, huge pages, core binding: our
+launcher's setup unless --plain), so the ratio compares the pipeline runtimes alone.
+
+Run: `python bench/paired_runtimes.py [--schedules 1f1b zbv --pairs 20 --warmup 2]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _torch_pp import (  # noqa: E402
+    TORCH_SCHEDULES,
+    BenchConfig,
+    PipelineJob,
+    TorchRank,
+    compose_our_run,
+    free_port,
+)
+
+from launcher.spawn import environment  # noqa: E402
+from pipeline.plan import Plan  # noqa: E402
+from pipeline.runtime.context import RankContext, make_mesh  # noqa: E402
+from pipeline.runtime.cpu_affinity import bind_rank_to_cores  # noqa: E402
+from pipeline.runtime.host_allocator import configure_host_allocator, rank_environment  # noqa: E402
+from pipeline.runtime.trainer import RankTrainer  # noqa: E402
+
+
+@dataclass
+class PairedJob:
+    """One schedule: our resolved config and plan, and torch's job on the same split."""
+
+    cfg: dict
+    plan: Plan
+    torch_job: PipelineJob
+    steps: int  # warm-up included
+    host_setup: bool
+
+
+def _paired_rank(rank: int, job: PairedJob, port: int, out: mp.SimpleQueue) -> None:
+    world = job.plan.pp
+    if job.host_setup:
+        configure_host_allocator("retain")
+        bind_rank_to_cores("auto", rank, world, threads=1)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        ctx = RankContext(rank, world, rank, world, job.plan.pp, job.plan.dp, torch.device("cpu"))
+        ctx.mesh = make_mesh(ctx)
+        ours = RankTrainer(job.cfg, job.plan, ctx)
+        theirs = TorchRank(job.torch_job, rank)
+        times: dict[str, list[float]] = {"ours": [], "torch": []}
+        losses: dict[str, list[float]] = {"ours": [], "torch": []}
+        for step in range(job.steps):
+            for who in (("ours", "torch") if step % 2 == 0 else ("torch", "ours")):
+                if who == "ours":
+                    outcome = ours.step(step)
+                    seconds, loss = outcome.elapsed_s, outcome.loss
+                else:
+                    seconds, loss = theirs.step(step)
+                times[who].append(seconds)
+                losses[who].append(loss)
+        if rank == 0:
+            out.put({"times": times, "losses": losses})
+    finally:
+        dist.destroy_process_group()
+
+
+def run_pair(job: PairedJob) -> dict:
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    with environment(rank_environment(True) if job.host_setup else {}):
+        mp.start_processes(_paired_rank, args=(job, free_port(), out), nprocs=job.plan.pp, join=True,
+                           start_method="spawn")
+    return out.get()
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--schedules", nargs="+", default=["1f1b", "zbv"], choices=sorted(TORCH_SCHEDULES))
+    parser.add_argument("--pairs", type=int, default=20, help="timed pairs of steps per schedule")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed pairs first")
+    parser.add_argument("--partitioner", default="uniform", help="our partitioner; torch runs the same split")
+    parser.add_argument("--plain", action="store_true",
+                        help="no process setup (glibc malloc defaults, no huge pages, no core binding)")
+    args = parser.parse_args()
+    bench = BenchConfig(partitioner=args.partitioner)
+    steps = args.warmup + args.pairs
+    print(f"{platform.node()} | torch {torch.__version__} | {time.strftime('%Y-%m-%d %H:%M')} | pairs={args.pairs} "
+          f"warmup={args.warmup} | process setup: {'none' if args.plain else 'ours, shared by both'}", flush=True)
+    rows = []
+    for schedule in args.schedules:
+        cfg, plan = compose_our_run(schedule, bench)
+        blocks = [list(s.blocks) for s in plan.stages]
+        print(f"  {schedule}: placement {list(plan.schedule.placement)}, stages {blocks}", flush=True)
+        torch_job = PipelineJob(schedule, list(plan.schedule.placement), blocks, bench)
+        t0 = time.perf_counter()
+        got = run_pair(PairedJob(cfg, plan, torch_job, steps, not args.plain))
+        ours, theirs = got["times"]["ours"][args.warmup:], got["times"]["torch"][args.warmup:]
+        ratios = [t / o for o, t in zip(ours, theirs, strict=True)]
+        loss_gap = max(abs(a - b) for a, b in zip(got["losses"]["ours"], got["losses"]["torch"], strict=True))
+        tokens = bench.tokens_per_step
+        rows.append((schedule, tokens / statistics.median(ours), tokens / statistics.median(theirs),
+                     statistics.median(ratios), quantile(ratios, 0.25), quantile(ratios, 0.75),
+                     sum(r > 1 for r in ratios), len(ratios), got["losses"]["ours"][-1], loss_gap))
+        print(f"  {schedule}: {time.perf_counter() - t0:.0f} s", flush=True)
+    print("\n| schedule | ours tokens/s | torch tokens/s | ours / torch, paired (median) | middle half of pairs "
+          "| pairs ours faster | final loss | largest loss gap |")
+    print("|---|---:|---:|---:|---|---:|---:|---:|")
+    for s, o, t, med, lo, hi, wins, n, loss, gap in rows:
+        print(f"| {s} | {o:.0f} | {t:.0f} | {med:.3f} | {lo:.3f}-{hi:.3f} | {wins}/{n} | {loss:.4f} | {gap:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
