@@ -40,7 +40,8 @@ def cost_model_from_blocks(
 def cost_model_from_events(
     plan: Plan, events: Sequence[dict], latency_s: float, bandwidth: float, fallback: CostModel | None = None
 ) -> CostModel:
-    """Median measured duration of each (stage, kind) in this run; B splits into I/W when only B ran."""
+    """Median measured duration of each (stage, kind) in this run; B splits into I/W when only B ran,
+    and where a fused B ran beside split ones (schedules/fuse.py) it keeps its own, lower cost."""
     durations: dict[tuple[int, str], list[float]] = defaultdict(list)
     for e in events:
         durations[(e["stage"], e["kind"])].append(e["end_s"] - e["start_s"])
@@ -50,23 +51,24 @@ def cost_model_from_events(
         return statistics.median(values) if values else None
 
     n = len(plan.stages)
-    fwd, bwd_i, bwd_w, rec = [], [], [], []
+    fwd, bwd_i, bwd_w, rec, bwd = [], [], [], [], []
     for s in range(n):
         f = med(s, "F") or (fallback.forward_s[s] if fallback else 0.0)
         i, w, b = med(s, "I"), med(s, "W"), med(s, "B")
         if i is None or w is None:
-            total = b if b is not None else (fallback.backward_input_s[s] + fallback.backward_weight_s[s] if fallback else 0.0)
+            total = b if b is not None else (fallback.backward_s[s] if fallback else 0.0)
             w = total * DEFAULT_WEIGHT_SHARE
             i = total - w
         r = med(s, "R") or f
         fwd.append(f)
         bwd_i.append(i)
         bwd_w.append(w)
+        bwd.append(b if b is not None else i + w)
         rec.append(r)
     act = fallback.activation_bytes if fallback else None
     inp = [float(p.recv_bytes) for p in plan.stages]
     out = [float(p.send_bytes) for p in plan.stages]
-    return CostModel(fwd, bwd_i, bwd_w, rec, act, inp, out, latency_s, bandwidth)
+    return CostModel(fwd, bwd_i, bwd_w, rec, act, inp, out, latency_s, bandwidth, backward_s=bwd)
 
 
 def cost_model_from_plan(plan: Plan, latency_s: float, bandwidth: float) -> CostModel:

@@ -30,7 +30,7 @@ def add_predictions(metrics: dict, plan: Plan, events: Sequence[dict], cfg: dict
         info["predicted_bubble"] = result.bubble[info["pp_rank"]]
     metrics["stage_costs"] = {
         "forward_s": cost.forward_s, "backward_input_s": cost.backward_input_s,
-        "backward_weight_s": cost.backward_weight_s, "recompute_s": cost.recompute_s,
+        "backward_weight_s": cost.backward_weight_s, "backward_s": cost.backward_s, "recompute_s": cost.recompute_s,
     }
     return result.events
 

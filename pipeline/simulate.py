@@ -42,7 +42,8 @@ class ScheduleError(ValueError):
 
 @dataclass
 class CostModel:
-    """Per-stage costs (seconds, bytes) and a link model; full backward B costs I + W."""
+    """Per-stage costs (seconds, bytes) and a link model. A fused backward B costs `backward_s`
+    when it was measured (running I and W as one pass is cheaper than the two apart), else I + W."""
 
     forward_s: list[float]
     backward_input_s: list[float]
@@ -53,9 +54,12 @@ class CostModel:
     output_bytes: list[float] | None = None
     latency_s: float = 0.0
     bandwidth_bytes_per_s: float = math.inf
+    backward_s: list[float] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.forward_s)
+        if self.backward_s is None:
+            self.backward_s = [i + w for i, w in zip(self.backward_input_s, self.backward_weight_s, strict=False)]
         if self.recompute_s is None:
             self.recompute_s = list(self.forward_s)
         if self.activation_bytes is None:
@@ -64,7 +68,7 @@ class CostModel:
             self.input_bytes = [0.0] * n
         if self.output_bytes is None:
             self.output_bytes = [0.0] * n
-        for label in ("backward_input_s", "backward_weight_s", "recompute_s", "activation_bytes",
+        for label in ("backward_input_s", "backward_weight_s", "backward_s", "recompute_s", "activation_bytes",
                       "input_bytes", "output_bytes"):
             if len(getattr(self, label)) != n:
                 raise ValueError(f"CostModel.{label} has {len(getattr(self, label))} entries, expected {n}")
@@ -130,6 +134,7 @@ class CostModel:
             forward_s=spread(self.forward_s),
             backward_input_s=spread(self.backward_input_s),
             backward_weight_s=spread(self.backward_weight_s),
+            backward_s=spread(self.backward_s or []),
             recompute_s=spread(self.recompute_s or self.forward_s),
             activation_bytes=spread(self.activation_bytes or []),
             input_bytes=boundary(self.input_bytes or []),
@@ -252,8 +257,9 @@ def simulate(schedule: Schedule, cost: CostModel, check: bool = True) -> SimResu
     coded = [[(_CODE[a.kind], a.stage, a.mb) for a in acts] for acts in programs]
     remat = {(s, mb) for acts in coded for code, s, mb in acts if code == 4}
     fwd, bi, bw, rc = cost.forward_s, cost.backward_input_s, cost.backward_weight_s, cost.recompute_s
+    fb = cost.backward_s
     act_b, in_b, out_b = cost.activation_bytes, cost.input_bytes, cost.output_bytes
-    assert rc is not None and act_b is not None and in_b is not None and out_b is not None
+    assert rc is not None and fb is not None and act_b is not None and in_b is not None and out_b is not None
     # delay from stage s finishing to its neighbour s+1 (forward) / s (backward) being able to use it
     hop = [cost.transfer_s(out_b[s]) if s + 1 < num_stages and placement[s] != placement[s + 1] else 0.0
            for s in range(num_stages)]
@@ -328,7 +334,7 @@ def simulate(schedule: Schedule, cost: CostModel, check: bool = True) -> SimResu
                 dur, cls = fwd[s], _F
                 mem_events[rank].append((start, 1, in_b[s] if is_remat else act_b[s], 0 if is_remat else 1))
             elif code == 1:
-                dur, cls = bi[s] + bw[s], _G
+                dur, cls = fb[s], _G
                 mem_events[rank].append((start + dur, 0, -(act_b[s] + (in_b[s] if is_remat else 0.0)), -1))
             elif code == 2:
                 dur, cls = bi[s], _G

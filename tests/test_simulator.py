@@ -114,3 +114,29 @@ def test_large_schedule_is_fast() -> None:
     elapsed = time.perf_counter() - t0
     assert res.makespan_s == pytest.approx(6 * 128 + 63)
     assert elapsed < 2.0, f"pp=64, m=128 zbv took {elapsed:.2f}s"
+
+
+def test_fused_backward_priced_apart_from_its_halves() -> None:
+    """A measured fused B (cheaper than I + W run apart) is what the simulator charges for B."""
+    sched = build_schedule(OneFOneB(), linear(2), 4)
+    split_price = CostModel(forward_s=[1.0, 1.0], backward_input_s=[1.0, 1.0], backward_weight_s=[1.0, 1.0])
+    fused_price = CostModel(forward_s=[1.0, 1.0], backward_input_s=[1.0, 1.0], backward_weight_s=[1.0, 1.0],
+                            backward_s=[1.5, 1.5])
+    assert split_price.backward_s == [2.0, 2.0]
+    assert simulate(sched, split_price).busy_s == pytest.approx([12.0, 12.0])
+    assert simulate(sched, fused_price).busy_s == pytest.approx([10.0, 10.0])
+    assert fused_price.resplit(4).backward_s == pytest.approx([0.75] * 4)
+
+
+def test_costs_from_events_keep_fused_and_split_backwards_apart() -> None:
+    from types import SimpleNamespace
+
+    from pipeline.costs import cost_model_from_events
+
+    plan = SimpleNamespace(stages=[SimpleNamespace(recv_bytes=0, send_bytes=0)] * 2)
+    events = [{"stage": s, "kind": k, "start_s": 0.0, "end_s": d}
+              for s, k, d in [(0, "F", 1.0), (0, "I", 0.6), (0, "W", 0.7), (0, "B", 1.1),
+                              (1, "F", 2.0), (1, "B", 3.0)]]
+    cost = cost_model_from_events(plan, events, 0.0, math.inf)
+    assert cost.backward_s == pytest.approx([1.1, 3.0])
+    assert (cost.backward_input_s, cost.backward_weight_s) == (pytest.approx([0.6, 1.5]), pytest.approx([0.7, 1.5]))
