@@ -57,7 +57,7 @@ def cost_model_from_events(
         i, w, b = med(s, "I"), med(s, "W"), med(s, "B")
         if i is None or w is None:
             total = b if b is not None else (fallback.backward_s[s] if fallback else 0.0)
-            w = total * DEFAULT_WEIGHT_SHARE
+            w = total if s == 0 else total * DEFAULT_WEIGHT_SHARE  # stage 0 has no input gradient
             i = total - w
         r = med(s, "R") or f
         fwd.append(f)
