@@ -103,7 +103,9 @@ def _median_step(times: list[float], warmup: int) -> float:
 def workload_overrides(cfg: BenchConfig) -> list[str]:
     """train.py overrides for this workload (everything but the schedule)."""
     return [
-        "model=gpt_bench", "data=synthetic", f"batch_size={cfg.batch_size}", f"microbatches={cfg.microbatches}",
+        "model=gpt_bench", f"model.vocab_size={cfg.vocab_size}", f"model.dim={cfg.dim}", f"model.layers={cfg.layers}",
+        f"model.heads={cfg.heads}", f"model.seq_len={cfg.seq_len}",
+        "data=synthetic", f"batch_size={cfg.batch_size}", f"microbatches={cfg.microbatches}",
         "pp=2", "dp=1", "threads=1", "optimizer=sgd", f"optimizer.lr={cfg.lr}", f"seed={cfg.seed}",
         f"partitioner={cfg.partitioner}",
     ]
