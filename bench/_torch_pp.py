@@ -167,7 +167,7 @@ def _torch_rank(rank: int, job: PipelineJob, port: int, out: mp.SimpleQueue) -> 
     """One rank of a torch.distributed.pipelining run; rank 0 reports step times."""
     world = max(job.placement) + 1
     if job.bench.peers_get_host_setup:
-        _apply_host_setup(rank, world, threads=1)
+        apply_host_setup(rank, world, threads=1)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
@@ -183,15 +183,16 @@ def _torch_rank(rank: int, job: PipelineJob, port: int, out: mp.SimpleQueue) -> 
         dist.destroy_process_group()
 
 
-def _apply_host_setup(local_rank: int, local_world: int, threads: int) -> None:
+def apply_host_setup(local_rank: int, local_world: int, threads: int) -> None:
     """What our launcher does to each rank process before training (huge pages come from the
-    environment the process was spawned with, see `_peer_environment`)."""
+    environment the process was spawned with, see `host_setup_environment`)."""
     configure_host_allocator("retain")
     bind_rank_to_cores("auto", local_rank, local_world, threads)
 
 
-def _peer_environment(cfg: BenchConfig) -> dict[str, str]:
-    return rank_environment(True) if cfg.peers_get_host_setup else {}
+def host_setup_environment(enabled: bool) -> dict[str, str]:
+    """The environment our launcher spawns ranks with (huge pages), or nothing."""
+    return rank_environment(True) if enabled else {}
 
 
 def run_torch_pipeline(job: PipelineJob) -> dict:
@@ -199,7 +200,7 @@ def run_torch_pipeline(job: PipelineJob) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     world = max(job.placement) + 1
-    with environment(_peer_environment(job.bench)):
+    with environment(host_setup_environment(job.bench.peers_get_host_setup)):
         mp.start_processes(_torch_rank, args=(job, free_port(), out), nprocs=world, join=True,
                            start_method="spawn")
     result = out.get()
@@ -210,7 +211,7 @@ def run_torch_pipeline(job: PipelineJob) -> dict:
 def _single_process(threads: int, cfg: BenchConfig, out: mp.SimpleQueue) -> None:
     """Plain gradient accumulation over the micro-batches, then one SGD step."""
     if cfg.peers_get_host_setup:
-        _apply_host_setup(0, 1, threads)
+        apply_host_setup(0, 1, threads)
     torch.set_num_threads(threads)
     model: nn.Module = cfg.spec().build_full(cfg.seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
@@ -236,7 +237,7 @@ def run_single_process(threads: int, cfg: BenchConfig) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     proc = ctx.Process(target=_single_process, args=(threads, cfg, out))
-    with environment(_peer_environment(cfg)):
+    with environment(host_setup_environment(cfg.peers_get_host_setup)):
         proc.start()
     result = out.get()
     proc.join()

@@ -34,15 +34,15 @@ from _torch_pp import (  # noqa: E402
     BenchConfig,
     PipelineJob,
     TorchRank,
+    apply_host_setup,
     compose_our_run,
     free_port,
+    host_setup_environment,
 )
 
 from launcher.spawn import environment  # noqa: E402
 from pipeline.plan import Plan  # noqa: E402
 from pipeline.runtime.context import RankContext, make_mesh  # noqa: E402
-from pipeline.runtime.cpu_affinity import bind_rank_to_cores  # noqa: E402
-from pipeline.runtime.host_allocator import configure_host_allocator, rank_environment  # noqa: E402
 from pipeline.runtime.trainer import RankTrainer  # noqa: E402
 
 
@@ -60,8 +60,7 @@ class PairedJob:
 def _paired_rank(rank: int, job: PairedJob, port: int, out: mp.SimpleQueue) -> None:
     world = job.plan.pp
     if job.host_setup:
-        configure_host_allocator("retain")
-        bind_rank_to_cores("auto", rank, world, threads=1)
+        apply_host_setup(rank, world, threads=1)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
@@ -90,15 +89,10 @@ def _paired_rank(rank: int, job: PairedJob, port: int, out: mp.SimpleQueue) -> N
 def run_pair(job: PairedJob) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    with environment(rank_environment(True) if job.host_setup else {}):
+    with environment(host_setup_environment(job.host_setup)):
         mp.start_processes(_paired_rank, args=(job, free_port(), out), nprocs=job.plan.pp, join=True,
                            start_method="spawn")
     return out.get()
-
-
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
 def main() -> None:
@@ -126,8 +120,8 @@ def main() -> None:
         ratios = [t / o for o, t in zip(ours, theirs, strict=True)]
         loss_gap = max(abs(a - b) for a, b in zip(got["losses"]["ours"], got["losses"]["torch"], strict=True))
         tokens = bench.tokens_per_step
-        rows.append((schedule, tokens / statistics.median(ours), tokens / statistics.median(theirs),
-                     statistics.median(ratios), quantile(ratios, 0.25), quantile(ratios, 0.75),
+        q1, q2, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        rows.append((schedule, tokens / statistics.median(ours), tokens / statistics.median(theirs), q2, q1, q3,
                      sum(r > 1 for r in ratios), len(ratios), got["losses"]["ours"][-1], loss_gap))
         print(f"  {schedule}: {time.perf_counter() - t0:.0f} s", flush=True)
     print("\n| schedule | ours tokens/s | torch tokens/s | ours / torch, paired (median) | middle half of pairs "
