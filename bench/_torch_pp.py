@@ -25,12 +25,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from launcher.spawn import environment  # noqa: E402
+from launcher.worker import set_up_rank_process  # noqa: E402
 from models.base import ModelSpec, causal_lm_loss  # noqa: E402
 from models.gpt import gpt  # noqa: E402
 from pipeline.data.synthetic import SyntheticTokens  # noqa: E402
 from pipeline.plan import Plan  # noqa: E402
-from pipeline.runtime.cpu_affinity import bind_rank_to_cores  # noqa: E402
-from pipeline.runtime.host_allocator import configure_host_allocator, rank_environment  # noqa: E402
+from pipeline.runtime.host_allocator import rank_environment  # noqa: E402
 
 #: our scheduler name -> the torch.distributed.pipelining class with the same schedule.
 TORCH_SCHEDULES: dict[str, str] = {
@@ -184,15 +184,9 @@ def _torch_rank(rank: int, job: PipelineJob, port: int, out: mp.SimpleQueue) -> 
 
 
 def apply_host_setup(local_rank: int, local_world: int, threads: int) -> None:
-    """What our launcher does to each rank process before training (huge pages come from the
-    environment the process was spawned with, see `host_setup_environment`)."""
-    configure_host_allocator("retain")
-    bind_rank_to_cores("auto", local_rank, local_world, threads)
-
-
-def host_setup_environment(enabled: bool) -> dict[str, str]:
-    """The environment our launcher spawns ranks with (huge pages), or nothing."""
-    return rank_environment(True) if enabled else {}
+    """Our launcher's defaults for a rank process; spawn it with `rank_environment(True)` for the
+    huge pages."""
+    set_up_rank_process("retain", "auto", local_rank, local_world, threads)
 
 
 def run_torch_pipeline(job: PipelineJob) -> dict:
@@ -200,7 +194,7 @@ def run_torch_pipeline(job: PipelineJob) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     world = max(job.placement) + 1
-    with environment(host_setup_environment(job.bench.peers_get_host_setup)):
+    with environment(rank_environment(job.bench.peers_get_host_setup)):
         mp.start_processes(_torch_rank, args=(job, free_port(), out), nprocs=world, join=True,
                            start_method="spawn")
     result = out.get()
@@ -237,7 +231,7 @@ def run_single_process(threads: int, cfg: BenchConfig) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     proc = ctx.Process(target=_single_process, args=(threads, cfg, out))
-    with environment(host_setup_environment(cfg.peers_get_host_setup)):
+    with environment(rank_environment(cfg.peers_get_host_setup)):
         proc.start()
     result = out.get()
     proc.join()

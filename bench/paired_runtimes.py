@@ -37,12 +37,12 @@ from _torch_pp import (  # noqa: E402
     apply_host_setup,
     compose_our_run,
     free_port,
-    host_setup_environment,
 )
 
 from launcher.spawn import environment  # noqa: E402
 from pipeline.plan import Plan  # noqa: E402
 from pipeline.runtime.context import RankContext, make_mesh  # noqa: E402
+from pipeline.runtime.host_allocator import rank_environment  # noqa: E402
 from pipeline.runtime.trainer import RankTrainer  # noqa: E402
 
 
@@ -69,15 +69,17 @@ def _paired_rank(rank: int, job: PairedJob, port: int, out: mp.SimpleQueue) -> N
         ctx.mesh = make_mesh(ctx)
         ours = RankTrainer(job.cfg, job.plan, ctx)
         theirs = TorchRank(job.torch_job, rank)
+
+        def our_step(step: int) -> tuple[float, float]:
+            outcome = ours.step(step)
+            return outcome.elapsed_s, outcome.loss
+
+        runtimes = {"ours": our_step, "torch": theirs.step}
         times: dict[str, list[float]] = {"ours": [], "torch": []}
         losses: dict[str, list[float]] = {"ours": [], "torch": []}
         for step in range(job.steps):
             for who in (("ours", "torch") if step % 2 == 0 else ("torch", "ours")):
-                if who == "ours":
-                    outcome = ours.step(step)
-                    seconds, loss = outcome.elapsed_s, outcome.loss
-                else:
-                    seconds, loss = theirs.step(step)
+                seconds, loss = runtimes[who](step)
                 times[who].append(seconds)
                 losses[who].append(loss)
         if rank == 0:
@@ -89,7 +91,7 @@ def _paired_rank(rank: int, job: PairedJob, port: int, out: mp.SimpleQueue) -> N
 def run_pair(job: PairedJob) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    with environment(host_setup_environment(job.host_setup)):
+    with environment(rank_environment(job.host_setup)):
         mp.start_processes(_paired_rank, args=(job, free_port(), out), nprocs=job.plan.pp, join=True,
                            start_method="spawn")
     return out.get()

@@ -32,6 +32,14 @@ def rank_main(job: RankJob) -> dict:
     return rank_main_many([job])[0]
 
 
+def set_up_rank_process(host_allocator: str, cpu_affinity: str, local_rank: int, local_world: int,
+                        threads: int) -> None:
+    """The process settings a rank gets before training: malloc tuning and core binding (huge
+    pages come from the environment it was spawned with, host_allocator.rank_environment)."""
+    configure_host_allocator(host_allocator)
+    bind_rank_to_cores(cpu_affinity, local_rank, local_world, threads)
+
+
 def rank_main_many(jobs: list[RankJob]) -> list[dict]:
     """Run several jobs of the same world size in one process group, one after the other (the
     test suite uses this to check many schedules without paying for a spawn each). The process
@@ -43,10 +51,10 @@ def rank_main_many(jobs: list[RankJob]) -> list[dict]:
         pp, dp = job.cfg["pp"], job.cfg["dp"]
         if world != pp * dp:
             raise RuntimeError(f"WORLD_SIZE={world} but pp x dp = {pp} x {dp} = {pp * dp}; start pp x dp ranks")
-    configure_host_allocator(first.cfg.get("host_allocator", "retain"))
     device = select_device(first.cfg["device"], local_rank)
     threads = cpu_threads(first.cfg.get("threads", 0), local_world)
-    bind_rank_to_cores(first.cfg.get("cpu_affinity", "auto"), local_rank, local_world, threads)
+    set_up_rank_process(first.cfg.get("host_allocator", "retain"), first.cfg.get("cpu_affinity", "auto"),
+                        local_rank, local_world, threads)
     if device.type == "cpu":
         torch.set_num_threads(threads)
     dist.init_process_group(
