@@ -9,12 +9,20 @@ see the machine at nearly the same moment, and the ratio of each adjacent pair o
 the drift. Both runtimes share the process (malloc tuning, huge pages, core binding: our
 launcher's setup unless --plain), so the ratio compares the pipeline runtimes alone.
 
+It also prints the ceiling of that ratio: our schedule simulated on the compute times our own
+actions measured in the same steps, with free communication and no runtime overhead, plus the
+time outside the schedule (optimizer step). That is the step of a perfect runtime running the
+same kernels in the same order, so torch's step divided by it is the most any runtime could gain
+over torch on this split and schedule. It is taken as the paired ratio times our step over the
+perfect one, two factors measured in the same steps, so the drift cancels as in the ratio.
+
 Run: `python bench/paired_runtimes.py [--schedules 1f1b zbv --pairs 20 --warmup 2]`.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 import statistics
 import sys
@@ -40,10 +48,12 @@ from _torch_pp import (  # noqa: E402
 )
 
 from launcher.spawn import environment  # noqa: E402
+from pipeline.costs import cost_model_from_events  # noqa: E402
 from pipeline.plan import Plan  # noqa: E402
 from pipeline.runtime.context import RankContext, make_mesh  # noqa: E402
 from pipeline.runtime.host_allocator import rank_environment  # noqa: E402
 from pipeline.runtime.trainer import RankTrainer  # noqa: E402
+from pipeline.simulate import simulate  # noqa: E402
 
 
 @dataclass
@@ -55,6 +65,15 @@ class PairedJob:
     torch_job: PipelineJob
     steps: int  # warm-up included
     host_setup: bool
+    warmup: int = 0  # leading steps left out of our events and overheads
+
+
+def perfect_step_s(plan: Plan, events: list[dict], overheads_s: list[float]) -> float:
+    """The step a runtime with no overhead of its own would take running our measured actions in
+    our schedule's order: simulated makespan with free links, plus the median time the critical
+    rank spent outside the schedule (gradient sync, optimizer step, loss all-reduce)."""
+    cost = cost_model_from_events(plan, events, 0.0, math.inf)
+    return simulate(plan.schedule, cost).makespan_s + statistics.median(overheads_s)
 
 
 def _paired_rank(rank: int, job: PairedJob, port: int, out: mp.SimpleQueue) -> None:
@@ -70,8 +89,14 @@ def _paired_rank(rank: int, job: PairedJob, port: int, out: mp.SimpleQueue) -> N
         ours = RankTrainer(job.cfg, job.plan, ctx)
         theirs = TorchRank(job.torch_job, rank)
 
+        events: list[dict] = []
+        outside: list[float] = []  # per timed step: this rank's time outside the schedule
+
         def our_step(step: int) -> tuple[float, float]:
             outcome = ours.step(step)
+            if step >= job.warmup:
+                events.extend(outcome.events)
+                outside.append(outcome.elapsed_s - outcome.schedule_s)
             return outcome.elapsed_s, outcome.loss
 
         runtimes = {"ours": our_step, "torch": theirs.step}
@@ -82,8 +107,14 @@ def _paired_rank(rank: int, job: PairedJob, port: int, out: mp.SimpleQueue) -> N
                 seconds, loss = runtimes[who](step)
                 times[who].append(seconds)
                 losses[who].append(loss)
+        gathered: list | None = [None] * world if rank == 0 else None
+        dist.gather_object((events, outside), gathered, dst=0)
         if rank == 0:
-            out.put({"times": times, "losses": losses})
+            all_events = [e for rank_events, _ in gathered for e in rank_events]
+            # the critical rank is the one that waits least after its schedule
+            overheads = [min(per_step) for per_step in zip(*(o for _, o in gathered), strict=True)]
+            perfect = perfect_step_s(job.plan, all_events, overheads) if all_events else math.nan
+            out.put({"times": times, "losses": losses, "perfect_step_s": perfect})
     finally:
         dist.destroy_process_group()
 
@@ -117,20 +148,24 @@ def main() -> None:
         print(f"  {schedule}: placement {list(plan.schedule.placement)}, stages {blocks}", flush=True)
         torch_job = PipelineJob(schedule, list(plan.schedule.placement), blocks, bench)
         t0 = time.perf_counter()
-        got = run_pair(PairedJob(cfg, plan, torch_job, steps, not args.plain))
+        got = run_pair(PairedJob(cfg, plan, torch_job, steps, not args.plain, warmup=args.warmup))
         ours, theirs = got["times"]["ours"][args.warmup:], got["times"]["torch"][args.warmup:]
         ratios = [t / o for o, t in zip(ours, theirs, strict=True)]
         loss_gap = max(abs(a - b) for a, b in zip(got["losses"]["ours"], got["losses"]["torch"], strict=True))
         tokens = bench.tokens_per_step
         q1, q2, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        perfect = got["perfect_step_s"]
         rows.append((schedule, tokens / statistics.median(ours), tokens / statistics.median(theirs), q2, q1, q3,
-                     sum(r > 1 for r in ratios), len(ratios), got["losses"]["ours"][-1], loss_gap))
+                     sum(r > 1 for r in ratios), len(ratios), tokens / perfect, q2 * statistics.median(ours) / perfect,
+                     got["losses"]["ours"][-1], loss_gap))
         print(f"  {schedule}: {time.perf_counter() - t0:.0f} s", flush=True)
-    print("\n| schedule | ours tokens/s | torch tokens/s | ours / torch, paired (median) | middle half of pairs "
-          "| pairs ours faster | final loss | largest loss gap |")
-    print("|---|---:|---:|---:|---|---:|---:|---:|")
-    for s, o, t, med, lo, hi, wins, n, loss, gap in rows:
-        print(f"| {s} | {o:.0f} | {t:.0f} | {med:.3f} | {lo:.3f}-{hi:.3f} | {wins}/{n} | {loss:.4f} | {gap:.1e} |")
+    print("\nceiling = paired median (torch / ours) x our median step / perfect step, factors from the same steps")
+    print("| schedule | ours tokens/s | torch tokens/s | ours / torch, paired (median) | middle half of pairs "
+          "| pairs ours faster | perfect runtime tokens/s | ceiling: perfect / torch | final loss | largest loss gap |")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+    for s, o, t, med, lo, hi, wins, n, best, ceiling, loss, gap in rows:
+        print(f"| {s} | {o:.0f} | {t:.0f} | {med:.3f} | {lo:.3f}-{hi:.3f} | {wins}/{n} | {best:.0f} | {ceiling:.3f} "
+              f"| {loss:.4f} | {gap:.1e} |")
 
 
 if __name__ == "__main__":
