@@ -10,6 +10,8 @@ so that their gradients can be summed across the stages holding them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -25,6 +27,7 @@ from pipeline.plan import (
     Plan,
     StagePlan,
     check_memory,
+    check_schedule_memory,
     dtype_name,
     partition_summary,
     resolve_placement,
@@ -62,8 +65,10 @@ def trace(spec: GraphModelSpec, seed: int, micro_batch_size: int) -> TracedModel
 
 
 def partition_graph(
-    partitioner_cfg: dict, traced: TracedModel, num_stages: int, bandwidth: float
+    partitioner_cfg: dict, traced: TracedModel, num_stages: int, bandwidth: float,
+    in_flight: Sequence[int] | None = None,
 ) -> Partition:
+    """Cut the traced graph into stages; `in_flight` as in plan.partition_blocks (1F1B's p - s when not given)."""
     name = partitioner_cfg.get("name", "uniform")
     if name not in PARTITIONERS:
         raise ConfigError("partitioner", f"unknown partitioner {name!r}; valid: {', '.join(PARTITIONERS)}")
@@ -74,7 +79,7 @@ def partition_graph(
             f"{num_stages} pipeline stages need at least {num_stages} graph nodes, but the traced model has "
             f"{graph.number_of_nodes()}; lower pp or trace it finer (fewer leaf modules)",
         )
-    in_flight = [num_stages - s for s in range(num_stages)]
+    in_flight = list(in_flight) if in_flight is not None else [num_stages - s for s in range(num_stages)]
     options: dict = {"bandwidth": bandwidth, "in_flight": in_flight}
     if name == "manual":
         options["split_points"] = list(partitioner_cfg.get("split_points") or [])
@@ -126,7 +131,8 @@ def build_graph_plan(
         traced = trace(spec, seed, mbs)
         profile_graph(traced, (example_input(spec, mbs),), model_config=model_cfg)
     k = len(placement)
-    part = partition_graph(partitioner_cfg, traced, k, bandwidth)
+    in_flight = build_schedule(generator, placement, microbatches, remat).peak_in_flight()  # unit-cost order
+    part = partition_graph(partitioner_cfg, traced, k, bandwidth, in_flight)
     forward = [0.0] * k
     backward = [0.0] * k
     for node, s in part.assignment.items():
@@ -134,6 +140,7 @@ def build_graph_plan(
         backward[s] += traced.graph.nodes[node].get("backward_s", 0.0)
     generator.use_stage_costs(forward, *split_backward_cost(backward))
     schedule = build_schedule(generator, placement, microbatches, remat)
+    check_schedule_memory(part, schedule, partitioner_cfg.get("memory_cap_bytes"))
     split = split_model(traced, part.assignment, k)
     outputs = [v for v, s in split.model_outputs.items()]
     if len(outputs) != 1 or split.model_outputs[outputs[0]] != k - 1:

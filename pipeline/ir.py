@@ -102,6 +102,27 @@ class Schedule:
     def compute_only(self) -> list[list[Action]]:
         return [[a for a in acts if a.is_compute] for acts in self.actions]
 
+    def peak_in_flight(self) -> list[int]:
+        """Per stage, the most micro-batches whose activations it holds at once: what a memory
+        budget must make room for (1F1B's p - s, GPipe's m, ...).
+
+        A rank runs its program in order, so the count is exact whatever the timing: F adds a
+        micro-batch (R does instead when the pair is rematerialised), B or W releases it (I keeps
+        what W still needs). A forward-only schedule keeps no autograd state: one at a time."""
+        if not self.training:
+            return [1] * self.num_stages
+        remat = {(a.stage, a.mb) for acts in self.actions for a in acts if a.kind is Kind.R}
+        current = [0] * self.num_stages
+        peak = [0] * self.num_stages
+        for acts in self.actions:
+            for a in acts:
+                if a.kind is Kind.R or (a.kind is Kind.F and (a.stage, a.mb) not in remat):
+                    current[a.stage] += 1
+                    peak[a.stage] = max(peak[a.stage], current[a.stage])
+                elif a.kind in (Kind.B, Kind.W):
+                    current[a.stage] -= 1
+        return peak
+
     def grid(self) -> str:
         """One line per rank, compute actions only: a quick human-readable view."""
         width = max((len(str(a)) for acts in self.actions for a in acts), default=3)

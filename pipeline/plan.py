@@ -167,12 +167,16 @@ def partition_blocks(
     placement: Sequence[int],
     block_costs: Sequence[BlockCost] | None = None,
     bandwidth: float = 1e9,
+    in_flight: Sequence[int] | None = None,
 ) -> tuple[list[list[str]], Partition | None]:
     """Cut the model's block chain into stages; with a profile, also say what the cut costs.
 
     balanced and milp minimise the slowest stage; when a rank holds several stages the split is
-    then re-balanced so that the busiest rank, not just the slowest stage, is as light as it can be."""
+    then re-balanced so that the busiest rank, not just the slowest stage, is as light as it can be.
+    `in_flight`: micro-batches of activations each stage holds at once under the schedule
+    (`Schedule.peak_in_flight`); 1F1B's p - s when not given."""
     num_stages = len(placement)
+    in_flight = list(in_flight) if in_flight is not None else [num_stages - s for s in range(num_stages)]
     name = partitioner_cfg.get("name", "uniform")
     if name not in PARTITIONER_NAMES:
         raise ConfigError("partitioner", f"unknown partitioner {name!r}; valid: {', '.join(PARTITIONER_NAMES)}")
@@ -186,7 +190,7 @@ def partition_blocks(
         split_uniform(spec.block_names, num_stages)  # same "more stages than blocks" error for every partitioner
         graph = chain_graph(block_costs)
         options = {"bandwidth": bandwidth, "memory_cap": partitioner_cfg.get("memory_cap_bytes"),
-                   "in_flight": [num_stages - s for s in range(num_stages)]}
+                   "in_flight": in_flight}
         if name == "milp":
             options["time_limit"] = float(partitioner_cfg.get("time_limit_s", 5.0))
         part = PARTITIONERS[name](graph, num_stages, **options)
@@ -207,7 +211,6 @@ def partition_blocks(
         return blocks, None
     graph = chain_graph(block_costs)
     assignment = {b: s for s, names in enumerate(blocks) for b in names}
-    in_flight = [num_stages - s for s in range(num_stages)]
     part = evaluate(graph, assignment, num_stages, bandwidth=bandwidth, in_flight=in_flight)
     check_memory(part, partitioner_cfg.get("memory_cap_bytes"), graph, num_stages, in_flight, name)
     return blocks, part
@@ -231,6 +234,24 @@ def check_memory(part: Partition, cap: float | None, graph, num_stages: int, in_
     )
 
 
+def check_schedule_memory(part: Partition, schedule: Schedule, cap: float | None) -> None:
+    """The split was cut for the in-flight counts of the schedule's unit-cost order; a cost-aware
+    order (zbv, zb_h2, hanayo on a measured profile) may hold its micro-batches on other stages.
+    Re-price each stage with the final schedule's counts and record them; over the budget is an error."""
+    in_flight = schedule.peak_in_flight()
+    part.with_in_flight(in_flight)
+    if cap is None or max(part.stage_memory_bytes) <= cap:
+        return
+    worst = max(range(len(in_flight)), key=lambda s: part.stage_memory_bytes[s])
+    raise ConfigError(
+        "memory.cap_bytes",
+        f"{int(cap)} bytes per stage is exceeded: scheduler {schedule.name!r}, ordered on the measured costs, "
+        f"holds {in_flight[worst]} micro-batches on stage {worst} "
+        f"({int(part.stage_memory_bytes[worst])} bytes with its parameters). Raise the cap, or keep the "
+        f"unit-cost order the split was cut for with scheduler.cost_aware=false.",
+    )
+
+
 def build_plan(
     spec: ModelSpec,
     generator: ScheduleGenerator,
@@ -248,13 +269,16 @@ def build_plan(
     """Place, partition and schedule: a pure function of the config, the model and its profile."""
     placement = resolve_placement(placement_cfg, generator, pp)
     generator.check(pp, microbatches, list(placement))  # schedule rules first: clearer than a split error
-    blocks, partition = partition_blocks(partitioner_cfg, spec, placement, block_costs, bandwidth)
+    in_flight = build_schedule(generator, placement, microbatches, remat).peak_in_flight()  # unit-cost order
+    blocks, partition = partition_blocks(partitioner_cfg, spec, placement, block_costs, bandwidth, in_flight)
     if block_costs is not None:
         by_name = {b.name: b for b in block_costs}
         forward = [sum(by_name[n].forward_s for n in names) for names in blocks]
         backward = [sum(by_name[n].backward_s for n in names) for names in blocks]
         generator.use_stage_costs(forward, *split_backward_cost(backward))
     schedule = build_schedule(generator, placement, microbatches, remat)
+    if partition is not None:
+        check_schedule_memory(partition, schedule, partitioner_cfg.get("memory_cap_bytes"))
     mbs = batch_size // (dp * microbatches)
     shapes = stage_boundary_shapes(spec, blocks, mbs)
     stages = chain_stages(placement, blocks, shapes)
@@ -287,6 +311,7 @@ def partition_summary(partition: Partition) -> dict:
         "stage_activation_bytes": partition.stage_activation_bytes,
         "stage_comm_bytes": partition.stage_comm_bytes,
         "stage_memory_bytes": partition.stage_memory_bytes,
+        "stage_in_flight": partition.stage_in_flight,
     }
 
 

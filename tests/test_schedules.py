@@ -228,3 +228,38 @@ def test_play_through_keeps_eager_w_only_when_the_simulator_finds_it_no_slower(p
         other = list_schedule(placement, m, split_backward=True, cap=[2 * pp] * pp, forward_first=True,
                               costs=costs, reserve_deeper=True, eager_w=eager)
         assert chosen <= makespan(other, placement, m, costs) + 1e-9
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_in_flight_counts_per_stage_agree_with_the_simulated_memory(name: str) -> None:
+    """Schedule.peak_in_flight (what a memory budget makes room for) against the simulator's
+    time-based peak per rank: equal where a rank holds one stage, between the largest and the sum of
+    its stages' counts where it holds several; GPipe holds all m, 1F1B p - s."""
+    gen = GENERATORS[name]()
+    for pp in (1, 2, 4):
+        for m in sorted({pp, 2 * pp, 3 * pp + 1}):
+            placement = placement_for(gen, pp)
+            try:
+                gen.check(pp, m, placement)
+            except ConfigError:
+                continue
+            sched = build_schedule(gen, placement, m)
+            counts = sched.peak_in_flight()
+            if not gen.training:
+                assert counts == [1] * len(placement)
+                continue
+            peak = simulate(sched, unit(sched)).peak_activation_microbatches
+            for r in range(pp):
+                mine = [counts[s] for s in sched.stages_of(r)]
+                if len(mine) == 1:
+                    assert peak[r] == mine[0], (name, pp, m, r)
+                else:
+                    assert max(mine) <= peak[r] <= sum(mine), (name, pp, m, r)
+            if name == "gpipe":
+                assert counts == [m] * pp
+            if name == "1f1b":
+                assert counts == [min(pp - s, m) for s in range(pp)]
+
+
+def test_in_flight_with_full_remat_is_one_recomputed_microbatch() -> None:
+    assert build_schedule(OneFOneB(), linear(4), 8, "full").peak_in_flight() == [1, 1, 1, 1]

@@ -72,7 +72,7 @@ def test_impossible_memory_budget_states_the_smallest_cap() -> None:
 
 
 def test_fixed_split_over_budget_points_to_a_split_that_fits() -> None:
-    base = [*FAST, "pp=4", "scheduler=gpipe", "microbatches=4", "memory=budget"]
+    base = [*FAST, "pp=4", "scheduler=1f1b", "microbatches=4", "memory=budget"]
     uniform = prepare(compose_cfg([*base, "memory.cap_bytes=1e12"])).plan.meta["partition"]
     peak = max(uniform["stage_memory_bytes"])
     with pytest.raises(ConfigError) as info:  # learn the smallest cap any split meets
@@ -84,3 +84,43 @@ def test_fixed_split_over_budget_points_to_a_split_that_fits() -> None:
     assert err.key == "memory.cap_bytes" and "use partitioner=balanced" in str(err)
     fitted = prepare(compose_cfg([*base, f"memory.cap_bytes={cap}", "partitioner=balanced"])).plan
     assert max(fitted.meta["partition"]["stage_memory_bytes"]) <= cap
+
+
+def test_budget_makes_room_for_the_schedules_own_in_flight_microbatches() -> None:
+    """GPipe holds every micro-batch on every stage, 1F1B p - s: the same cap can fit one and not the other."""
+    base = ["pp=4", "microbatches=4", "memory=budget", "partitioner=balanced"]
+
+    def smallest(schedule: str) -> int:
+        err = _error([*base, f"scheduler={schedule}", "memory.cap_bytes=1000"])
+        return int(str(err).split("the smallest cap that fits is ")[1].split()[0])
+
+    gpipe, one_f = smallest("gpipe"), smallest("1f1b")
+    assert gpipe > one_f
+    cap = (gpipe + one_f) // 2
+    plan = prepare(compose_cfg([*FAST, *base, "scheduler=1f1b", f"memory.cap_bytes={cap}"])).plan
+    assert plan.meta["partition"]["stage_in_flight"] == [4, 3, 2, 1]
+    assert max(plan.meta["partition"]["stage_memory_bytes"]) <= cap
+    assert _error([*base, "scheduler=gpipe", f"memory.cap_bytes={cap}"]).key == "memory.cap_bytes"
+
+
+def test_final_schedule_order_over_the_budget_is_refused_with_its_stage_and_count() -> None:
+    """The split is cut for the unit-cost order's counts; a final order holding more micro-batches on
+    a stage is re-priced, and refused when that breaks the cap (here: GPipe's against 1F1B's)."""
+    from pipeline.partition import evaluate
+    from pipeline.partition.common import assignment_from_order, chain
+    from pipeline.placement import linear
+    from pipeline.plan import check_schedule_memory
+    from pipeline.schedules import build_schedule
+    from pipeline.schedules.gpipe import GPipe
+
+    graph = chain([1.0] * 4, activation_bytes=100)
+    part = evaluate(graph, assignment_from_order(list(graph.nodes), [0, 1, 2, 3]), 4, in_flight=[4, 3, 2, 1])
+    assert part.stage_memory_bytes == [400, 300, 200, 100]
+    gpipe = build_schedule(GPipe(), linear(4), 4)
+    check_schedule_memory(part, gpipe, None)  # no budget: re-priced and recorded
+    assert (part.stage_in_flight, part.stage_memory_bytes) == ([4, 4, 4, 4], [400] * 4)
+    part.with_in_flight([4, 1, 1, 1])  # as if the unit-cost order had held one micro-batch past stage 0
+    check_schedule_memory(part, gpipe, 400)  # GPipe's 4 everywhere still fits 400
+    with pytest.raises(ConfigError, match="holds 4 micro-batches on stage 0 [(]400 bytes") as info:
+        check_schedule_memory(part, gpipe, 399)
+    assert info.value.key == "memory.cap_bytes" and "scheduler.cost_aware=false" in str(info.value)

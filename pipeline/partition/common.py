@@ -45,6 +45,13 @@ class Partition:
     lower_bound_s: float
     method: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+    #: micro-batches of activations each stage holds at once, as priced in stage_memory_bytes
+    stage_in_flight: list[int] = field(default_factory=list)
+
+    def with_in_flight(self, in_flight: Sequence[int]) -> None:
+        """Re-price the stages' memory for other in-flight counts (another order of the schedule)."""
+        self.stage_in_flight = list(in_flight)
+        self.stage_memory_bytes = stage_memory(self.stage_param_bytes, self.stage_activation_bytes, in_flight)
 
     def stages(self) -> list[list[str]]:
         """Node names of each stage, in assignment (insertion) order."""
@@ -56,6 +63,11 @@ class Partition:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable view, for plan.json."""
         return asdict(self)
+
+
+def stage_memory(param_bytes: Sequence[int], activation_bytes: Sequence[int], in_flight: Sequence[int]) -> list[int]:
+    """What a stage holds: its parameters plus the activations of its in-flight micro-batches."""
+    return [p + a * f for p, a, f in zip(param_bytes, activation_bytes, in_flight, strict=True)]
 
 
 def node_cost(graph: nx.DiGraph, node: str) -> float:
@@ -155,7 +167,7 @@ def evaluate(
     comm_s = [b / bandwidth if bandwidth and bandwidth != float("inf") else 0.0 for b in comm]
     times = [c + t for c, t in zip(compute, comm_s, strict=True)]
     pbytes = [sum(p.values()) for p in params]
-    mem = [p + a * f for p, a, f in zip(pbytes, act, flights, strict=True)]
+    mem = stage_memory(pbytes, act, flights)
     return Partition(
         assignment=dict(assignment),
         num_stages=k,
@@ -169,6 +181,7 @@ def evaluate(
         bottleneck_s=max(times),
         lower_bound_s=lower_bound(graph, k),
         method=method,
+        stage_in_flight=flights,
     )
 
 
