@@ -65,10 +65,9 @@ def trace(spec: GraphModelSpec, seed: int, micro_batch_size: int) -> TracedModel
 
 
 def partition_graph(
-    partitioner_cfg: dict, traced: TracedModel, num_stages: int, bandwidth: float,
-    in_flight: Sequence[int] | None = None,
+    partitioner_cfg: dict, traced: TracedModel, num_stages: int, bandwidth: float, in_flight: Sequence[int]
 ) -> Partition:
-    """Cut the traced graph into stages; `in_flight` as in plan.partition_blocks (1F1B's p - s when not given)."""
+    """Cut the traced graph into stages; `in_flight` as in plan.partition_blocks."""
     name = partitioner_cfg.get("name", "uniform")
     if name not in PARTITIONERS:
         raise ConfigError("partitioner", f"unknown partitioner {name!r}; valid: {', '.join(PARTITIONERS)}")
@@ -79,7 +78,7 @@ def partition_graph(
             f"{num_stages} pipeline stages need at least {num_stages} graph nodes, but the traced model has "
             f"{graph.number_of_nodes()}; lower pp or trace it finer (fewer leaf modules)",
         )
-    in_flight = list(in_flight) if in_flight is not None else [num_stages - s for s in range(num_stages)]
+    in_flight = list(in_flight)
     options: dict = {"bandwidth": bandwidth, "in_flight": in_flight}
     if name == "manual":
         options["split_points"] = list(partitioner_cfg.get("split_points") or [])

@@ -165,18 +165,18 @@ def partition_blocks(
     partitioner_cfg: dict,
     spec: ModelSpec,
     placement: Sequence[int],
-    block_costs: Sequence[BlockCost] | None = None,
-    bandwidth: float = 1e9,
-    in_flight: Sequence[int] | None = None,
+    block_costs: Sequence[BlockCost] | None,
+    bandwidth: float,
+    in_flight: Sequence[int],
 ) -> tuple[list[list[str]], Partition | None]:
     """Cut the model's block chain into stages; with a profile, also say what the cut costs.
 
     balanced and milp minimise the slowest stage; when a rank holds several stages the split is
     then re-balanced so that the busiest rank, not just the slowest stage, is as light as it can be.
     `in_flight`: micro-batches of activations each stage holds at once under the schedule
-    (`Schedule.peak_in_flight`); 1F1B's p - s when not given."""
+    (`Schedule.peak_in_flight`), what a memory budget must make room for."""
     num_stages = len(placement)
-    in_flight = list(in_flight) if in_flight is not None else [num_stages - s for s in range(num_stages)]
+    in_flight = list(in_flight)
     name = partitioner_cfg.get("name", "uniform")
     if name not in PARTITIONER_NAMES:
         raise ConfigError("partitioner", f"unknown partitioner {name!r}; valid: {', '.join(PARTITIONER_NAMES)}")

@@ -49,7 +49,7 @@ def test_graph_of_tensors_only_is_left_alone() -> None:
 @pytest.mark.parametrize("stages", [2, 4, 7])
 def test_every_partitioner_cuts_only_tensor_edges_and_the_split_is_exact(name: str, stages: int) -> None:
     traced = _traced()
-    part = partition_graph({"name": name}, traced, stages, bandwidth=1e9)
+    part = partition_graph({"name": name}, traced, stages, 1e9, [stages - s for s in range(stages)])
     validate_assignment(traced.graph, part.assignment, stages)
     for u, v in traced.graph.edges:
         if part.assignment[u] != part.assignment[v]:
