@@ -111,7 +111,9 @@ class Plan:
         return rows
 
     def stage_table(self) -> str:
-        """Per stage: rank and blocks; with a profile also time, parameter, activation, send bytes."""
+        """Per stage: rank and blocks; with a profile also time, parameter and activation bytes, the
+        micro-batches the schedule keeps in flight there and what that holds (what a memory budget
+        caps), and send bytes."""
         part = self.meta.get("partition")
         if part is None:
             lines = [f"{'stage':>5} {'rank':>4}  blocks"]
@@ -120,13 +122,15 @@ class Plan:
         mib = 2**20
         fwd = self.meta.get("stage_forward_s") or [float("nan")] * len(self.stages)
         bwd = self.meta.get("stage_backward_s") or [float("nan")] * len(self.stages)
+        in_flight = part.get("stage_in_flight") or ["?"] * len(self.stages)
         lines = [f"{'stage':>5} {'rank':>4} {'F ms':>7} {'B ms':>7} {'+comm ms':>8} {'params MB':>9} {'act MB':>7} "
-                 f"{'send MB':>7}  blocks"]
+                 f"{'x mbs':>5} {'held MB':>8} {'send MB':>7}  blocks"]
         for s in self.stages:
             i = s.index
             lines.append(
                 f"{i:>5} {s.rank:>4} {fwd[i] * 1e3:>7.2f} {bwd[i] * 1e3:>7.2f} {part['stage_time_s'][i] * 1e3:>8.2f} "
                 f"{part['stage_param_bytes'][i] / mib:>9.2f} {part['stage_activation_bytes'][i] / mib:>7.2f} "
+                f"{in_flight[i]:>5} {part['stage_memory_bytes'][i] / mib:>8.2f} "
                 f"{part['stage_comm_bytes'][i] / mib:>7.2f}  {block_summary(s.blocks)}"
             )
         lines.append(

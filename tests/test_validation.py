@@ -100,6 +100,8 @@ def test_budget_makes_room_for_the_schedules_own_in_flight_microbatches() -> Non
     plan = prepare(compose_cfg([*FAST, *base, "scheduler=1f1b", f"memory.cap_bytes={cap}"])).plan
     assert plan.meta["partition"]["stage_in_flight"] == [4, 3, 2, 1]
     assert max(plan.meta["partition"]["stage_memory_bytes"]) <= cap
+    rows = plan.stage_table().splitlines()[1:5]  # the stage table shows the counts the budget used
+    assert [int(row.split()[7]) for row in rows] == [4, 3, 2, 1]
     assert _error([*base, "scheduler=gpipe", f"memory.cap_bytes={cap}"]).key == "memory.cap_bytes"
 
 
