@@ -38,7 +38,8 @@ class TrainConfig:
     seed: int = 0
     #: auto | cpu | cuda
     device: str = "auto"
-    #: none | full (keep only stage inputs in the forward, recompute in the backward)
+    #: none | full (keep only stage inputs in the forward, recompute in the backward) | auto (under
+    #: memory=budget: recompute only on the stages that would not fit otherwise)
     remat: str = "none"
     #: train | plan (dry run: plan, simulate, draw; no ranks)
     mode: str = "train"

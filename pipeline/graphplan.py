@@ -27,8 +27,10 @@ from pipeline.plan import (
     Plan,
     StagePlan,
     check_memory,
+    check_remat_partitioner,
     check_schedule_memory,
     dtype_name,
+    in_flight_counts,
     partition_summary,
     resolve_placement,
     split_backward_cost,
@@ -65,9 +67,10 @@ def trace(spec: GraphModelSpec, seed: int, micro_batch_size: int) -> TracedModel
 
 
 def partition_graph(
-    partitioner_cfg: dict, traced: TracedModel, num_stages: int, bandwidth: float, in_flight: Sequence[int]
+    partitioner_cfg: dict, traced: TracedModel, num_stages: int, bandwidth: float, in_flight: Sequence[int],
+    remat_in_flight: Sequence[int] | None = None,
 ) -> Partition:
-    """Cut the traced graph into stages; `in_flight` as in plan.partition_blocks."""
+    """Cut the traced graph into stages; `in_flight` and `remat_in_flight` as in plan.partition_blocks."""
     name = partitioner_cfg.get("name", "uniform")
     if name not in PARTITIONERS:
         raise ConfigError("partitioner", f"unknown partitioner {name!r}; valid: {', '.join(PARTITIONERS)}")
@@ -79,21 +82,29 @@ def partition_graph(
             f"{graph.number_of_nodes()}; lower pp or trace it finer (fewer leaf modules)",
         )
     in_flight = list(in_flight)
+    cap = partitioner_cfg.get("memory_cap_bytes")
+    check_remat_partitioner(name, remat_in_flight)
     options: dict = {"bandwidth": bandwidth, "in_flight": in_flight}
     if name == "manual":
         options["split_points"] = list(partitioner_cfg.get("split_points") or [])
     if name in ("balanced", "milp"):
-        options["memory_cap"] = partitioner_cfg.get("memory_cap_bytes")
+        options["memory_cap"] = cap
+    if name == "balanced":
+        options["remat_in_flight"] = remat_in_flight
     if name == "milp":
         options["time_limit"] = float(partitioner_cfg.get("time_limit_s", 5.0))
     contraction = contract_unsendable(graph)
     if contraction is None:
         part = PARTITIONERS[name](graph, num_stages, **options)
     else:  # cut only where single tensors cross; price the expanded split on the real graph
-        coarse = PARTITIONERS[name](contraction.graph, num_stages, **options)
-        part = evaluate(graph, contraction.expand(coarse.assignment), num_stages, bandwidth, in_flight, coarse.method)
-        part.info = dict(coarse.info)
-    check_memory(part, partitioner_cfg.get("memory_cap_bytes"), graph, num_stages, in_flight, name)
+        part = PARTITIONERS[name](contraction.graph, num_stages, **options)
+    if contraction is not None or name in ("uniform", "manual"):  # price (and pick recomputing stages) on the real graph
+        assignment = contraction.expand(part.assignment) if contraction is not None else part.assignment
+        info = dict(part.info)
+        part = evaluate(graph, assignment, num_stages, bandwidth, in_flight, part.method,
+                        remat_in_flight=remat_in_flight, memory_cap=cap)
+        part.info = info
+    check_memory(part, cap, graph, num_stages, in_flight, name, remat_in_flight)
     return part
 
 
@@ -130,15 +141,16 @@ def build_graph_plan(
         traced = trace(spec, seed, mbs)
         profile_graph(traced, (example_input(spec, mbs),), model_config=model_cfg)
     k = len(placement)
-    in_flight = build_schedule(generator, placement, microbatches, remat).peak_in_flight()  # unit-cost order
-    part = partition_graph(partitioner_cfg, traced, k, bandwidth, in_flight)
+    in_flight, remat_in_flight = in_flight_counts(generator, placement, microbatches, remat,
+                                                  partitioner_cfg.get("memory_cap_bytes"))
+    part = partition_graph(partitioner_cfg, traced, k, bandwidth, in_flight, remat_in_flight)
     forward = [0.0] * k
     backward = [0.0] * k
     for node, s in part.assignment.items():
         forward[s] += traced.graph.nodes[node].get("forward_s", 0.0)
         backward[s] += traced.graph.nodes[node].get("backward_s", 0.0)
     generator.use_stage_costs(forward, *split_backward_cost(backward))
-    schedule = build_schedule(generator, placement, microbatches, remat)
+    schedule = build_schedule(generator, placement, microbatches, remat, part.remat_stages)
     check_schedule_memory(part, schedule, partitioner_cfg.get("memory_cap_bytes"))
     split = split_model(traced, part.assignment, k)
     outputs = [v for v, s in split.model_outputs.items()]
@@ -166,6 +178,7 @@ def build_graph_plan(
     schedule = lower(schedule, [(p, s.index) for s in stages for p in s.inputs.values() if p is not None])
     meta = {
         "remat": remat,
+        "remat_stages": schedule.remat_stages(),
         "partitioner": partitioner_cfg.get("name", "uniform"),
         "partition": partition_summary(part),
         "assignment": dict(part.assignment),

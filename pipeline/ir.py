@@ -102,26 +102,32 @@ class Schedule:
     def compute_only(self) -> list[list[Action]]:
         return [[a for a in acts if a.is_compute] for acts in self.actions]
 
-    def peak_in_flight(self) -> list[int]:
+    def peak_in_flight(self, held: bool = False) -> list[int]:
         """Per stage, the most micro-batches whose activations it holds at once: what a memory
-        budget must make room for (1F1B's p - s, GPipe's m, ...).
+        budget must make room for (1F1B's p - s, GPipe's m, ...). With `held`, micro-batches a
+        rematerialised stage keeps only the inputs of count too.
 
         A rank runs its program in order, so the count is exact whatever the timing: F adds a
         micro-batch (R does instead when the pair is rematerialised), B or W releases it (I keeps
         what W still needs). A forward-only schedule keeps no autograd state: one at a time."""
         if not self.training:
             return [1] * self.num_stages
-        remat = {(a.stage, a.mb) for acts in self.actions for a in acts if a.kind is Kind.R}
+        remat = set() if held else {(a.stage, a.mb) for acts in self.actions for a in acts if a.kind is Kind.R}
+        adds = (Kind.F,) if held else (Kind.F, Kind.R)
         current = [0] * self.num_stages
         peak = [0] * self.num_stages
         for acts in self.actions:
             for a in acts:
-                if a.kind is Kind.R or (a.kind is Kind.F and (a.stage, a.mb) not in remat):
+                if a.kind in adds and (a.kind is Kind.R or (a.stage, a.mb) not in remat):
                     current[a.stage] += 1
                     peak[a.stage] = max(peak[a.stage], current[a.stage])
                 elif a.kind in (Kind.B, Kind.W):
                     current[a.stage] -= 1
         return peak
+
+    def remat_stages(self) -> list[int]:
+        """Stages that recompute their forward in the backward (they have R actions)."""
+        return sorted({a.stage for acts in self.actions for a in acts if a.kind is Kind.R})
 
     def grid(self) -> str:
         """One line per rank, compute actions only: a quick human-readable view."""

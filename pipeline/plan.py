@@ -122,7 +122,9 @@ class Plan:
         mib = 2**20
         fwd = self.meta.get("stage_forward_s") or [float("nan")] * len(self.stages)
         bwd = self.meta.get("stage_backward_s") or [float("nan")] * len(self.stages)
-        in_flight = part.get("stage_in_flight") or ["?"] * len(self.stages)
+        remat = set(self.schedule.remat_stages())
+        in_flight = [f"{n}{'*' if i in remat else ''}" for i, n in enumerate(part.get("stage_in_flight") or [])]
+        in_flight = in_flight or ["?"] * len(self.stages)
         lines = [f"{'stage':>5} {'rank':>4} {'F ms':>7} {'B ms':>7} {'+comm ms':>8} {'params MB':>9} {'act MB':>7} "
                  f"{'x mbs':>5} {'held MB':>8} {'send MB':>7}  blocks"]
         for s in self.stages:
@@ -133,6 +135,10 @@ class Plan:
                 f"{in_flight[i]:>5} {part['stage_memory_bytes'][i] / mib:>8.2f} "
                 f"{part['stage_comm_bytes'][i] / mib:>7.2f}  {block_summary(s.blocks)}"
             )
+        if remat:
+            lines.append("* recomputes its forward in the backward (remat): full activations for "
+                         + ", ".join(f"{part['stage_full_in_flight'][i]} on stage {i}" for i in sorted(remat))
+                         + ", the inputs of the rest")
         lines.append(
             f"partition ({self.meta['partitioner']}): bottleneck {part['bottleneck_s'] * 1e3:.2f} ms, lower bound "
             f"max(total / stages, slowest block) {part['lower_bound_s'] * 1e3:.2f} ms "
@@ -172,20 +178,25 @@ def partition_blocks(
     block_costs: Sequence[BlockCost] | None,
     bandwidth: float,
     in_flight: Sequence[int],
+    remat_in_flight: Sequence[int] | None = None,
 ) -> tuple[list[list[str]], Partition | None]:
     """Cut the model's block chain into stages; with a profile, also say what the cut costs.
 
     balanced and milp minimise the slowest stage; when a rank holds several stages the split is
     then re-balanced so that the busiest rank, not just the slowest stage, is as light as it can be.
-    `in_flight`: micro-batches of activations each stage holds at once under the schedule
-    (`Schedule.peak_in_flight`), what a memory budget must make room for."""
+    `in_flight`: micro-batches each stage holds at once under the schedule
+    (`Schedule.peak_in_flight`), what a memory budget must make room for; `remat_in_flight`
+    (remat=auto): how many of them hold full activations on a stage that recomputes."""
     num_stages = len(placement)
     in_flight = list(in_flight)
     name = partitioner_cfg.get("name", "uniform")
+    cap = partitioner_cfg.get("memory_cap_bytes")
     if name not in PARTITIONER_NAMES:
         raise ConfigError("partitioner", f"unknown partitioner {name!r}; valid: {', '.join(PARTITIONER_NAMES)}")
     if name in PROFILED_PARTITIONERS and block_costs is None:
         raise ConfigError("partitioner", f"partitioner={name} needs a block profile (the launcher measures one)")
+    check_remat_partitioner(name, remat_in_flight)
+    price = {"bandwidth": bandwidth, "in_flight": in_flight, "remat_in_flight": remat_in_flight, "memory_cap": cap}
     if name == "uniform":
         blocks = split_uniform(spec.block_names, num_stages)
     elif name == "manual":
@@ -193,10 +204,11 @@ def partition_blocks(
     else:
         split_uniform(spec.block_names, num_stages)  # same "more stages than blocks" error for every partitioner
         graph = chain_graph(block_costs)
-        options = {"bandwidth": bandwidth, "memory_cap": partitioner_cfg.get("memory_cap_bytes"),
-                   "in_flight": in_flight}
+        options = {"bandwidth": bandwidth, "memory_cap": cap, "in_flight": in_flight}
         if name == "milp":
             options["time_limit"] = float(partitioner_cfg.get("time_limit_s", 5.0))
+        else:
+            options["remat_in_flight"] = remat_in_flight
         part = PARTITIONERS[name](graph, num_stages, **options)
         if len(set(placement)) == num_stages:
             return part.stages(), part
@@ -206,8 +218,7 @@ def partition_blocks(
         starts = rank_balanced_starts(costs, starts, placement)
         blocks = [names[a:b] for a, b in zip(starts, [*starts[1:], len(names)], strict=True)]
         rebalanced = evaluate(graph, {b: s for s, st in enumerate(blocks) for b in st}, num_stages,
-                              bandwidth=bandwidth, in_flight=options["in_flight"], method=f"{name}+ranks")
-        cap = options["memory_cap"]
+                              method=f"{name}+ranks", **price)
         if cap is not None and max(rebalanced.stage_memory_bytes) > cap:
             return part.stages(), part  # the stage-balanced split is the one within budget
         return blocks, rebalanced
@@ -215,18 +226,30 @@ def partition_blocks(
         return blocks, None
     graph = chain_graph(block_costs)
     assignment = {b: s for s, names in enumerate(blocks) for b in names}
-    part = evaluate(graph, assignment, num_stages, bandwidth=bandwidth, in_flight=in_flight)
-    check_memory(part, partitioner_cfg.get("memory_cap_bytes"), graph, num_stages, in_flight, name)
+    part = evaluate(graph, assignment, num_stages, **price)
+    check_memory(part, cap, graph, num_stages, in_flight, name, remat_in_flight)
     return blocks, part
 
 
-def check_memory(part: Partition, cap: float | None, graph, num_stages: int, in_flight, name: str) -> None:
+def check_remat_partitioner(name: str, remat_in_flight: Sequence[int] | None) -> None:
+    """remat=auto under a budget needs a partitioner that can weigh recomputation."""
+    if name == "milp" and remat_in_flight is not None:
+        raise ConfigError(
+            "remat",
+            "remat=auto with a memory budget chooses the stages to recompute while cutting, which "
+            "partitioner=balanced, uniform and manual do and partitioner=milp does not; use one of "
+            "those, or remat=full / remat=none with milp.",
+        )
+
+
+def check_memory(part: Partition, cap: float | None, graph, num_stages: int, in_flight, name: str,
+                 remat_in_flight: Sequence[int] | None = None) -> None:
     """A fixed split (uniform, manual) over the budget: name the stage, and the smallest budget a
     contiguous split can meet (balanced/milp search within the budget themselves)."""
     if cap is None or max(part.stage_memory_bytes) <= cap:
         return
     worst = max(range(num_stages), key=lambda s: part.stage_memory_bytes[s])
-    smallest = min_memory_cap(graph, num_stages, in_flight)
+    smallest = min_memory_cap(graph, num_stages, in_flight, remat_in_flight=remat_in_flight)
     detail = (f"partitioner={name} puts {part.stage_memory_bytes[worst] / 2**20:.1f} MiB on stage {worst}"
               f" (parameters + activations of its in-flight micro-batches).")
     if smallest > cap:
@@ -238,21 +261,37 @@ def check_memory(part: Partition, cap: float | None, graph, num_stages: int, in_
     )
 
 
+def in_flight_counts(
+    generator: ScheduleGenerator, placement: Sequence[int], microbatches: int, remat: str, cap: float | None
+) -> tuple[list[int], list[int] | None]:
+    """What the partitioner prices a stage's activations by, from the schedule's unit-cost order
+    (the split must be cut before the measured stage costs exist): micro-batches in flight per
+    stage, and for remat=auto under a budget how many of them a recomputing stage holds in full."""
+    placement = list(placement)
+    if remat != "auto":
+        return build_schedule(generator, placement, microbatches, remat).peak_in_flight(), None
+    plain = build_schedule(generator, placement, microbatches).peak_in_flight()
+    if cap is None or not generator.training:
+        return plain, None
+    return plain, build_schedule(generator, placement, microbatches, "full").peak_in_flight()
+
+
 def check_schedule_memory(part: Partition, schedule: Schedule, cap: float | None) -> None:
-    """The split was cut for the in-flight counts of the schedule's unit-cost order; a cost-aware
-    order (zbv, zb_h2, hanayo on a measured profile) may hold its micro-batches on other stages.
-    Re-price each stage with the final schedule's counts and record them; over the budget is an error."""
-    in_flight = schedule.peak_in_flight()
-    part.with_in_flight(in_flight)
+    """Re-price each stage with the final schedule's counts and record them; over the budget is an
+    error. The split was cut for the schedule's unit-cost order; a cost-aware order (zbv, zb_h2,
+    hanayo on a measured profile) may hold its micro-batches on other stages, and with remat=full
+    the stage inputs kept for recomputation are priced here too."""
+    held, full = schedule.peak_in_flight(held=True), schedule.peak_in_flight()
+    part.reprice(held, full, schedule.remat_stages())
     if cap is None or max(part.stage_memory_bytes) <= cap:
         return
-    worst = max(range(len(in_flight)), key=lambda s: part.stage_memory_bytes[s])
+    worst = max(range(len(held)), key=lambda s: part.stage_memory_bytes[s])
     raise ConfigError(
         "memory.cap_bytes",
-        f"{int(cap)} bytes per stage is exceeded: scheduler {schedule.name!r}, ordered on the measured costs, "
-        f"holds {in_flight[worst]} micro-batches on stage {worst} "
-        f"({int(part.stage_memory_bytes[worst])} bytes with its parameters). Raise the cap, or keep the "
-        f"unit-cost order the split was cut for with scheduler.cost_aware=false.",
+        f"{int(cap)} bytes per stage is exceeded: scheduler {schedule.name!r} holds {held[worst]} micro-batches "
+        f"on stage {worst}, {full[worst]} of them with full activations ({int(part.stage_memory_bytes[worst])} bytes "
+        f"with its parameters). Raise the cap; for a scheduler that orders its actions on the measured costs "
+        f"(zbv, zb_h2, hanayo), scheduler.cost_aware=false keeps the unit-cost order the split was cut for.",
     )
 
 
@@ -273,21 +312,25 @@ def build_plan(
     """Place, partition and schedule: a pure function of the config, the model and its profile."""
     placement = resolve_placement(placement_cfg, generator, pp)
     generator.check(pp, microbatches, list(placement))  # schedule rules first: clearer than a split error
-    in_flight = build_schedule(generator, placement, microbatches, remat).peak_in_flight()  # unit-cost order
-    blocks, partition = partition_blocks(partitioner_cfg, spec, placement, block_costs, bandwidth, in_flight)
+    in_flight, remat_in_flight = in_flight_counts(generator, placement, microbatches, remat,
+                                                  partitioner_cfg.get("memory_cap_bytes"))
+    blocks, partition = partition_blocks(partitioner_cfg, spec, placement, block_costs, bandwidth, in_flight,
+                                         remat_in_flight)
     if block_costs is not None:
         by_name = {b.name: b for b in block_costs}
         forward = [sum(by_name[n].forward_s for n in names) for names in blocks]
         backward = [sum(by_name[n].backward_s for n in names) for names in blocks]
         generator.use_stage_costs(forward, *split_backward_cost(backward))
-    schedule = build_schedule(generator, placement, microbatches, remat)
+    remat_stages = partition.remat_stages if partition is not None else []
+    schedule = build_schedule(generator, placement, microbatches, remat, remat_stages)
     if partition is not None:
         check_schedule_memory(partition, schedule, partitioner_cfg.get("memory_cap_bytes"))
     mbs = batch_size // (dp * microbatches)
     shapes = stage_boundary_shapes(spec, blocks, mbs)
     stages = chain_stages(placement, blocks, shapes)
     schedule = lower(schedule, [(p, s.index) for s in stages for p in s.inputs.values() if p is not None])
-    meta: dict = {"remat": remat, "partitioner": partitioner_cfg.get("name", "uniform")}
+    meta: dict = {"remat": remat, "remat_stages": schedule.remat_stages(),
+                  "partitioner": partitioner_cfg.get("name", "uniform")}
     if partition is not None:
         meta["partition"] = partition_summary(partition)
     if block_costs is not None:
@@ -316,6 +359,9 @@ def partition_summary(partition: Partition) -> dict:
         "stage_comm_bytes": partition.stage_comm_bytes,
         "stage_memory_bytes": partition.stage_memory_bytes,
         "stage_in_flight": partition.stage_in_flight,
+        "stage_full_in_flight": partition.stage_full_in_flight,
+        "stage_input_bytes": partition.stage_input_bytes,
+        "remat_stages": partition.remat_stages,
     }
 
 

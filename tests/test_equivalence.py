@@ -77,6 +77,35 @@ def test_profiled_partitioners_match_single_process(pp: int, tmp_path) -> None:
         assert_state_close(merge_state(ranks, "params_final"), ref["params_final"], f"{part} pp={pp} weights")
 
 
+def _remat_auto_cfg(overrides: list[str]) -> tuple[dict, list[int]]:
+    """remat=auto under a budget that the heaviest stages miss without recomputing and every other
+    stage meets; also returns those stages."""
+    base = [*FAST, *overrides, "microbatches=4", "remat=auto", "memory=budget", "partitioner=uniform"]
+    mem = prepare(compose_cfg([*base, "memory.cap_bytes=1e12"])).plan.meta["partition"]["stage_memory_bytes"]
+    heaviest = max(mem)
+    runner_up = max(m for m in mem if m < heaviest)
+    cap = (heaviest + runner_up) // 2
+    return compose_cfg([*base, f"memory.cap_bytes={cap}"]), [s for s, m in enumerate(mem) if m == heaviest]
+
+
+@pytest.mark.timeout(300)
+def test_remat_auto_recomputes_only_the_stages_over_budget_and_matches_single_process(tmp_path) -> None:
+    cases = [_remat_auto_cfg(["scheduler=1f1b", "pp=4"]), _remat_auto_cfg(["scheduler=gpipe", "pp=2", "dp=2"])]
+    cfgs = [cfg for cfg, _ in cases]
+    for cfg, heaviest in cases:
+        plan = prepare(cfg).plan
+        assert plan.meta["remat_stages"] == heaviest == plan.schedule.remat_stages()
+        assert len(heaviest) < len(plan.stages)  # some stages recompute, not all
+        assert max(plan.meta["partition"]["stage_memory_bytes"]) <= cfg["memory"]["cap_bytes"]
+    results = run_jobs(cfgs, tmp_path / "logs")
+    for cfg, ranks, what in zip(cfgs, results, ["1f1b pp=4 remat=auto", "gpipe pp=2 dp=2 remat=auto"], strict=True):
+        ref = reference_run(cfg)
+        assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
+        for d in range(cfg["dp"]):
+            assert_state_close(merge_state(ranks, "grads_step0", d), ref["grads_step0"], f"{what} replica {d} grads")
+            assert_state_close(merge_state(ranks, "params_final", d), ref["params_final"], f"{what} replica {d} weights")
+
+
 def test_every_training_schedule_is_covered() -> None:
     covered = {what.split()[0] for world in (2, 4, 8) for _, what in _cases(world)}
     assert covered == set(TRAINING)

@@ -182,3 +182,37 @@ def test_manual_split_points() -> None:
         manual(g, 3, ["b2"])
     with pytest.raises(ConfigError, match="empty"):
         manual(g, 3, ["b4", "b2"])
+
+
+def test_recomputing_stage_holds_its_inputs_and_pays_its_forward_again() -> None:
+    """evaluate with remat_in_flight: only a stage over the cap recomputes; it then holds full
+    activations for remat_in_flight[s] micro-batches and the inputs of all in_flight[s]."""
+    g = chain([1.0] * 4, output_bytes=10, activation_bytes=100)
+    assignment = assignment_from_order(list(g.nodes), [0, 2])  # two nodes per stage
+    plain = evaluate(g, assignment, 2, in_flight=[2, 1])
+    assert plain.stage_memory_bytes == [400, 200] and plain.stage_input_bytes == [0, 10]
+    part = evaluate(g, assignment, 2, in_flight=[2, 1], remat_in_flight=[1, 1], memory_cap=300)
+    assert part.remat_stages == [0] and part.stage_full_in_flight == [1, 1]
+    assert part.stage_memory_bytes == [200 + 0 * 2, 200]
+    assert part.stage_time_s[0] == pytest.approx(plain.stage_time_s[0] + 2.0)  # both forwards again
+    late = evaluate(g, assignment_from_order(list(g.nodes), [0, 1]), 2, in_flight=[1, 3],
+                    remat_in_flight=[1, 1], memory_cap=250)
+    assert late.remat_stages == [1] and late.stage_memory_bytes == [100, 300 + 10 * 3]
+
+
+def test_balanced_weighs_recomputation_against_cutting_elsewhere() -> None:
+    """With remat allowed, a cap no plain split meets is met by recomputing; and where plain splits
+    fit, recomputing a stage is chosen only if it shortens the slowest stage."""
+    g = gpt_like_chain(2)
+    flights, remat = [4, 3, 2, 1], [1, 1, 1, 1]
+    plain_min = min_memory_cap(g, 4, in_flight=flights)
+    remat_min = min_memory_cap(g, 4, in_flight=flights, remat_in_flight=remat)
+    assert remat_min < plain_min
+    with pytest.raises(ConfigError):
+        balanced(g, 4, memory_cap=plain_min - 1, in_flight=flights)
+    part = balanced(g, 4, memory_cap=plain_min - 1, in_flight=flights, remat_in_flight=remat)
+    assert part.remat_stages and max(part.stage_memory_bytes) <= plain_min - 1
+    free = balanced(g, 4, in_flight=flights, remat_in_flight=remat)  # no cap: nothing recomputes
+    assert free.remat_stages == [] and free.bottleneck_s <= part.bottleneck_s
+    roomy = balanced(g, 4, memory_cap=plain_min, in_flight=flights, remat_in_flight=remat)
+    assert roomy.bottleneck_s <= balanced(g, 4, memory_cap=plain_min, in_flight=flights).bottleneck_s

@@ -121,8 +121,31 @@ def test_final_schedule_order_over_the_budget_is_refused_with_its_stage_and_coun
     gpipe = build_schedule(GPipe(), linear(4), 4)
     check_schedule_memory(part, gpipe, None)  # no budget: re-priced and recorded
     assert (part.stage_in_flight, part.stage_memory_bytes) == ([4, 4, 4, 4], [400] * 4)
-    part.with_in_flight([4, 1, 1, 1])  # as if the unit-cost order had held one micro-batch past stage 0
+    part.reprice([4, 1, 1, 1], [4, 1, 1, 1], [])  # as if the unit-cost order had held one past stage 0
     check_schedule_memory(part, gpipe, 400)  # GPipe's 4 everywhere still fits 400
-    with pytest.raises(ConfigError, match="holds 4 micro-batches on stage 0 [(]400 bytes") as info:
+    with pytest.raises(ConfigError, match="holds 4 micro-batches on stage 0, 4 of them with full activations [(]400 bytes") as info:
         check_schedule_memory(part, gpipe, 399)
     assert info.value.key == "memory.cap_bytes" and "scheduler.cost_aware=false" in str(info.value)
+
+
+def test_remat_full_budget_prices_the_inputs_kept_for_recomputation() -> None:
+    from pipeline.partition import evaluate
+    from pipeline.partition.common import assignment_from_order, chain
+    from pipeline.placement import linear
+    from pipeline.plan import check_schedule_memory
+    from pipeline.schedules import build_schedule
+    from pipeline.schedules.one_f_one_b import OneFOneB
+
+    graph = chain([1.0] * 4, output_bytes=10, activation_bytes=100)
+    part = evaluate(graph, assignment_from_order(list(graph.nodes), [0, 1, 2, 3]), 4, in_flight=[1, 1, 1, 1])
+    check_schedule_memory(part, build_schedule(OneFOneB(), linear(4), 4, "full"), None)
+    assert part.remat_stages == [0, 1, 2, 3] and part.stage_full_in_flight == [1, 1, 1, 1]
+    assert part.stage_memory_bytes == [100, 100 + 10 * 3, 100 + 10 * 2, 100 + 10 * 1]
+
+
+def test_remat_auto_without_a_budget_recomputes_nothing_and_milp_is_named() -> None:
+    plan = prepare(compose_cfg([*FAST, "remat=auto", "pp=2"])).plan
+    assert plan.meta["remat_stages"] == [] == plan.schedule.remat_stages()
+    err = _error(["remat=auto", "pp=2", "memory=budget", "memory.cap_bytes=1e12", "partitioner=milp"])
+    assert err.key == "remat" and "partitioner=balanced" in str(err)
+    assert "auto" in str(_error(["remat=some"]))

@@ -39,10 +39,19 @@ class _Segments:
         n = len(order)
         pos = {node: i for i, node in enumerate(order)}
         cost = np.array([node_cost(graph, v) for v in order])
+        fwd = np.array([float(graph.nodes[v].get("forward_s", 0.0)) for v in order])
         act = np.array([float(graph.nodes[v].get("activation_bytes", 0)) for v in order])
         out = np.array([float(graph.nodes[v].get("output_bytes", 0)) for v in order])
         self.maxpos = np.array([max((pos[w] for w in graph.successors(v)), default=-1) for v in order])
+        # bytes entering a stage that starts at i: values made before i and read at i or later
+        delta = np.zeros(n + 1)
+        for v in range(n):
+            if self.maxpos[v] > v:
+                delta[v + 1] += out[v]
+                delta[self.maxpos[v] + 1] -= out[v]
+        self.inputs_at = np.cumsum(delta)[:n]
         self.cum_cost = np.concatenate([[0.0], np.cumsum(cost)])
+        self.cum_fwd = np.concatenate([[0.0], np.cumsum(fwd)])
         self.cum_act = np.concatenate([[0.0], np.cumsum(act)])
         self.out = out
         self.inv_bw = 0.0 if not bandwidth or bandwidth == float("inf") else 1.0 / bandwidth
@@ -87,8 +96,12 @@ def _minmax_dp(
     flights: list[int],
     cap: float | None,
     objective: str,
+    remat_flights: list[int] | None = None,
 ) -> tuple[float, list[int]] | None:
-    """Best starts of k contiguous non-empty stages minimising the max of `objective` ("time"/"memory")."""
+    """Best starts of k contiguous non-empty stages minimising the max of `objective` ("time"/"memory").
+
+    With `remat_flights` a stage over the cap may recompute (as `evaluate` prices it): full
+    activations for remat_flights[s] micro-batches, inputs for flights[s], its forward paid twice."""
     n = seg.n
     inf = float("inf")
     best = np.full((k, n + 1), inf)
@@ -96,16 +109,23 @@ def _minmax_dp(
     for j in range(1, n + 1):
         t = seg.time(j) if objective == "time" else None
         params, act = seg.memory(j) if (cap is not None or objective == "memory") else (None, None)
+        fwd = seg.cum_fwd[j] - seg.cum_fwd[:j]
         for s in range(min(k, j)):
             if j > n - (k - 1 - s):
                 continue
+            mem = params + act * flights[s] if params is not None else None
+            remat_mem = (params + act * remat_flights[s] + seg.inputs_at[:j] * flights[s]
+                         if remat_flights is not None and params is not None else None)
             if objective == "time":
                 val = t
+                if cap is not None and remat_mem is not None:
+                    val = np.where(mem <= cap, t, np.where(remat_mem <= cap, t + fwd, inf))
+                elif cap is not None:
+                    val = np.where(mem <= cap, t, inf)
             else:
-                val = params + act * flights[s]
-            if cap is not None:
-                mem = params + act * flights[s]
-                val = np.where(mem <= cap, val, inf)
+                val = mem if remat_mem is None else np.minimum(mem, remat_mem)
+                if cap is not None:
+                    val = np.where(val <= cap, val, inf)
             if s == 0:
                 best[0, j] = val[0]
                 choice[0, j] = 0
@@ -129,11 +149,14 @@ def min_memory_cap(
     num_stages: int,
     in_flight: int | Sequence[int] = 1,
     order: Sequence[str] | None = None,
+    remat_in_flight: Sequence[int] | None = None,
 ) -> float:
-    """The smallest per-stage memory cap any contiguous split of the order can meet."""
+    """The smallest per-stage memory cap any contiguous split of the order can meet (recomputing
+    where that holds less, when `remat_in_flight` is given)."""
     order = list(order) if order is not None else topo_order(graph)
     seg = _Segments(graph, order, 0.0)
-    res = _minmax_dp(seg, num_stages, in_flight_list(in_flight, num_stages), None, "memory")
+    remat = list(remat_in_flight) if remat_in_flight is not None else None
+    res = _minmax_dp(seg, num_stages, in_flight_list(in_flight, num_stages), None, "memory", remat)
     assert res is not None
     return res[0]
 
@@ -145,21 +168,26 @@ def balanced(
     memory_cap: float | None = None,
     in_flight: int | Sequence[int] = 1,
     order: Sequence[str] | None = None,
+    remat_in_flight: Sequence[int] | None = None,
 ) -> Partition:
     """The contiguous split of `order` (default: program order) with the smallest bottleneck.
 
     `memory_cap` bounds each stage's param bytes + activation bytes x `in_flight` (one int, or one per
     stage, e.g. 1F1B's p - s); an impossible cap raises ConfigError stating the smallest that fits.
+    With `remat_in_flight` (remat=auto) a stage over the cap may recompute instead, priced as in
+    `evaluate`, and the split weighs that recomputation against cutting elsewhere.
     """
     check_stages(graph, num_stages)
     order = list(order) if order is not None else topo_order(graph)
     flights = in_flight_list(in_flight, num_stages)
+    remat = list(remat_in_flight) if remat_in_flight is not None else None
     seg = _Segments(graph, order, bandwidth)
-    res = _minmax_dp(seg, num_stages, flights, memory_cap, "time")
+    res = _minmax_dp(seg, num_stages, flights, memory_cap, "time", remat)
     if res is None:
         assert memory_cap is not None
-        raise memory_error(min_memory_cap(graph, num_stages, flights, order), memory_cap)
+        raise memory_error(min_memory_cap(graph, num_stages, flights, order, remat), memory_cap)
     _, starts = res
-    part = evaluate(graph, assignment_from_order(order, starts), num_stages, bandwidth, flights, "balanced")
+    part = evaluate(graph, assignment_from_order(order, starts), num_stages, bandwidth, flights, "balanced",
+                    remat_in_flight=remat, memory_cap=memory_cap)
     part.info["starts"] = starts
     return part

@@ -45,13 +45,20 @@ class Partition:
     lower_bound_s: float
     method: str = ""
     info: dict[str, Any] = field(default_factory=dict)
-    #: micro-batches of activations each stage holds at once, as priced in stage_memory_bytes
+    #: micro-batches each stage holds at once (their inputs at least), as priced in stage_memory_bytes
     stage_in_flight: list[int] = field(default_factory=list)
+    #: of those, how many hold full activations (fewer on a stage that recomputes them)
+    stage_full_in_flight: list[int] = field(default_factory=list)
+    #: bytes of the values a stage receives per micro-batch (what a recomputing stage keeps)
+    stage_input_bytes: list[int] = field(default_factory=list)
+    #: stages that recompute their forward in the backward to fit the memory cap (remat=auto)
+    remat_stages: list[int] = field(default_factory=list)
 
-    def with_in_flight(self, in_flight: Sequence[int]) -> None:
-        """Re-price the stages' memory for other in-flight counts (another order of the schedule)."""
-        self.stage_in_flight = list(in_flight)
-        self.stage_memory_bytes = stage_memory(self.stage_param_bytes, self.stage_activation_bytes, in_flight)
+    def reprice(self, held: Sequence[int], full: Sequence[int], remat_stages: Sequence[int]) -> None:
+        """Re-price the stages' memory for the counts of another order of the schedule."""
+        self.stage_in_flight, self.stage_full_in_flight, self.remat_stages = list(held), list(full), list(remat_stages)
+        self.stage_memory_bytes = stage_memory(self.stage_param_bytes, self.stage_activation_bytes,
+                                               self.stage_input_bytes, held, full, remat_stages)
 
     def stages(self) -> list[list[str]]:
         """Node names of each stage, in assignment (insertion) order."""
@@ -65,9 +72,20 @@ class Partition:
         return asdict(self)
 
 
-def stage_memory(param_bytes: Sequence[int], activation_bytes: Sequence[int], in_flight: Sequence[int]) -> list[int]:
-    """What a stage holds: its parameters plus the activations of its in-flight micro-batches."""
-    return [p + a * f for p, a, f in zip(param_bytes, activation_bytes, in_flight, strict=True)]
+def stage_memory(
+    param_bytes: Sequence[int],
+    activation_bytes: Sequence[int],
+    input_bytes: Sequence[int],
+    held: Sequence[int],
+    full: Sequence[int],
+    remat_stages: Sequence[int] = (),
+) -> list[int]:
+    """What a stage holds: its parameters, the activations of the micro-batches holding them in
+    full, and on a recomputing stage the inputs of every micro-batch it holds."""
+    remat = set(remat_stages)
+    return [p + a * f + (i * h if s in remat else 0)
+            for s, (p, a, i, h, f) in enumerate(zip(param_bytes, activation_bytes, input_bytes, held, full,
+                                                    strict=True))]
 
 
 def node_cost(graph: nx.DiGraph, node: str) -> float:
@@ -146,28 +164,45 @@ def evaluate(
     in_flight: int | Sequence[int] = 1,
     method: str = "",
     validate: bool = True,
+    remat_in_flight: Sequence[int] | None = None,
+    memory_cap: float | None = None,
 ) -> Partition:
-    """Price any assignment with the shared cost model (see the module docstring)."""
+    """Price any assignment with the shared cost model (see the module docstring).
+
+    With `remat_in_flight` (remat=auto) a stage over `memory_cap` recomputes its forward in the
+    backward: it then holds full activations for remat_in_flight[s] micro-batches and only the
+    inputs of the rest, and pays its forward time once more per micro-batch."""
     if validate:
         validate_assignment(graph, assignment, num_stages)
     k = num_stages
     compute = [0.0] * k
+    forward = [0.0] * k
     act = [0] * k
+    inputs = [0] * k
     params: list[dict[str, int]] = [{} for _ in range(k)]
     comm = [0] * k
     for n in graph.nodes:
         s = assignment[n]
         d = graph.nodes[n]
         compute[s] += node_cost(graph, n)
+        forward[s] += float(d.get("forward_s", 0.0))
         act[s] += int(d.get("activation_bytes", 0))
         params[s].update(_node_params(graph, n))
         later = {assignment[v] for v in graph.successors(n) if assignment[v] > s}
         comm[s] += int(d.get("output_bytes", 0)) * len(later)
+        for t in later:
+            inputs[t] += int(d.get("output_bytes", 0))
     flights = in_flight_list(in_flight, k)
+    pbytes = [sum(p.values()) for p in params]
+    plain = stage_memory(pbytes, act, inputs, flights, flights)
+    remat = ([s for s in range(k) if plain[s] > memory_cap]
+             if remat_in_flight is not None and memory_cap is not None else [])
+    full = [remat_in_flight[s] if s in remat else flights[s] for s in range(k)]
+    for s in remat:
+        compute[s] += forward[s]
     comm_s = [b / bandwidth if bandwidth and bandwidth != float("inf") else 0.0 for b in comm]
     times = [c + t for c, t in zip(compute, comm_s, strict=True)]
-    pbytes = [sum(p.values()) for p in params]
-    mem = stage_memory(pbytes, act, flights)
+    mem = stage_memory(pbytes, act, inputs, flights, full, remat)
     return Partition(
         assignment=dict(assignment),
         num_stages=k,
@@ -182,6 +217,9 @@ def evaluate(
         lower_bound_s=lower_bound(graph, k),
         method=method,
         stage_in_flight=flights,
+        stage_full_in_flight=full,
+        stage_input_bytes=inputs,
+        remat_stages=remat,
     )
 
 

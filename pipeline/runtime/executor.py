@@ -64,7 +64,6 @@ class Executor:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         device: torch.device,
         loss_scale: float,
-        remat: bool = False,
         record_timings: bool = True,
         lookahead: int = 4,
     ) -> None:
@@ -75,7 +74,8 @@ class Executor:
         self.loss_fn = loss_fn
         self.device = device
         self.loss_scale = loss_scale
-        self.remat = remat
+        # stages this rank rematerialises (remat=full: all; remat=auto: those the planner chose)
+        self.remat_stages = {a.stage for a in self.actions if a.kind is Kind.R}
         self.record_timings = record_timings
         self.pp_rank = pp_rank
         self.p2p = P2P(device)
@@ -181,7 +181,7 @@ class Executor:
                     self.p2p.send(state.outputs[name], slot.peer_of[c], self._tag(slot, s, c, name, mb, FORWARD))
         if not self.training:
             del self._state[(s, mb)]
-        elif self.remat:
+        elif s in self.remat_stages:
             state.outputs = None
 
     # ---- compute actions ------------------------------------------------------------------
@@ -211,7 +211,7 @@ class Executor:
         slot = self.slots[s]
         kw = self._gather_inputs(slot, mb)
         state = MicroBatchState(inputs=kw)
-        keep_graph = self.training and not self.remat
+        keep_graph = self.training and s not in self.remat_stages
         with torch.set_grad_enabled(keep_graph):
             loss = self._run(slot, kw, mb, state)
         outs = state.outputs

@@ -111,7 +111,7 @@ class RankTrainer:
         self.optimizer = instantiate(cfg["optimizer"])(params) if self.training else None
         self.executor = Executor(
             plan.schedule, ctx.pp_rank, self.slots, self.spec.loss_fn, ctx.device,
-            loss_scale=float(plan.microbatches * plan.dp), remat=cfg.get("remat", "none") == "full",
+            loss_scale=float(plan.microbatches * plan.dp),
         )
         self.has_first = any(p is None for s in self.slots.values() for p in s.inputs.values())
         self.has_last = any(s.is_last for s in self.slots.values())
