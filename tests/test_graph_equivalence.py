@@ -81,14 +81,25 @@ def test_operator_level_gpt_cut_inside_blocks(pp: int, tmp_path) -> None:
     _assert_all_match_single_process(cases, results)
 
 
+def _remat_auto_unet() -> dict:
+    """unet at pp=2 under a budget that only its heavier stage misses without recomputing: that
+    stage recomputes, with the skip tensors it receives kept as its inputs."""
+    base = [*MODELS["unet"], "scheduler=1f1b", "pp=2", "remat=auto", "memory=budget"]
+    mem = prepare(compose_cfg([*base, "memory.cap_bytes=1e12"])).plan.meta["partition"]["stage_memory_bytes"]
+    cfg = compose_cfg([*base, f"memory.cap_bytes={(max(mem) + min(mem)) // 2}"])
+    assert prepare(cfg).plan.meta["remat_stages"] == [mem.index(max(mem))]
+    return cfg
+
+
 @pytest.mark.timeout(300)
 def test_tied_weights_on_one_rank_and_skips_with_zero_bubble(tmp_path) -> None:
-    """V placement puts the tied embedding and head on rank 0 (one shared tensor there), and
-    zbv's I/W split runs over unet's multi-input stages."""
+    """V placement puts the tied embedding and head on rank 0 (one shared tensor there), zbv's I/W
+    split runs over unet's multi-input stages, and those stages recompute (remat=full, remat=auto)."""
     cases = [
         ("gpt_tied zbv", compose_cfg([*MODELS["gpt_tied"], "scheduler=zbv", "pp=2"])),
         ("unet zbv", compose_cfg([*MODELS["unet"], "scheduler=zbv", "pp=2"])),
         ("unet zb_h1 remat", compose_cfg([*MODELS["unet"], "scheduler=zb_h1", "pp=2", "remat=full"])),
+        ("unet 1f1b remat=auto", _remat_auto_unet()),
     ]
     results = run_jobs([cfg for _, cfg in cases], tmp_path / "logs")
     _assert_all_match_single_process(cases, results)
