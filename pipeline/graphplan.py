@@ -10,8 +10,6 @@ so that their gradients can be summed across the stages holding them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import nn
 
@@ -22,16 +20,17 @@ from pipeline.graph.profile import profile_graph
 from pipeline.graph.split import split_model
 from pipeline.graph.trace import TracedModel, trace_model
 from pipeline.lowering import lower
-from pipeline.partition import PARTITIONERS, Partition, evaluate
+from pipeline.partition import PARTITIONERS, Partition
 from pipeline.plan import (
     Plan,
+    StageCounts,
     StagePlan,
     check_memory,
-    check_remat_partitioner,
     check_schedule_memory,
     dtype_name,
     in_flight_counts,
     partition_summary,
+    reprice_split,
     resolve_placement,
     split_backward_cost,
 )
@@ -67,10 +66,9 @@ def trace(spec: GraphModelSpec, seed: int, micro_batch_size: int) -> TracedModel
 
 
 def partition_graph(
-    partitioner_cfg: dict, traced: TracedModel, num_stages: int, bandwidth: float, in_flight: Sequence[int],
-    remat_in_flight: Sequence[int] | None = None,
+    partitioner_cfg: dict, traced: TracedModel, num_stages: int, bandwidth: float, counts: StageCounts
 ) -> Partition:
-    """Cut the traced graph into stages; `in_flight` and `remat_in_flight` as in plan.partition_blocks."""
+    """Cut the traced graph into stages; `counts` as in plan.partition_blocks."""
     name = partitioner_cfg.get("name", "uniform")
     if name not in PARTITIONERS:
         raise ConfigError("partitioner", f"unknown partitioner {name!r}; valid: {', '.join(PARTITIONERS)}")
@@ -81,30 +79,25 @@ def partition_graph(
             f"{num_stages} pipeline stages need at least {num_stages} graph nodes, but the traced model has "
             f"{graph.number_of_nodes()}; lower pp or trace it finer (fewer leaf modules)",
         )
-    in_flight = list(in_flight)
     cap = partitioner_cfg.get("memory_cap_bytes")
-    check_remat_partitioner(name, remat_in_flight)
-    options: dict = {"bandwidth": bandwidth, "in_flight": in_flight}
+    options: dict = {"bandwidth": bandwidth, "in_flight": counts.in_flight}
     if name == "manual":
         options["split_points"] = list(partitioner_cfg.get("split_points") or [])
-    if name in ("balanced", "milp"):
-        options["memory_cap"] = cap
     if name == "balanced":
-        options["remat_in_flight"] = remat_in_flight
+        options.update(memory_cap=cap, **counts.pricing())
     if name == "milp":
-        options["time_limit"] = float(partitioner_cfg.get("time_limit_s", 5.0))
+        options.update(memory_cap=cap, in_flight=counts.for_milp(name),
+                       time_limit=float(partitioner_cfg.get("time_limit_s", 5.0)))
     contraction = contract_unsendable(graph)
     if contraction is None:
         part = PARTITIONERS[name](graph, num_stages, **options)
     else:  # cut only where single tensors cross; price the expanded split on the real graph
         part = PARTITIONERS[name](contraction.graph, num_stages, **options)
-    if contraction is not None or name in ("uniform", "manual"):  # price (and pick recomputing stages) on the real graph
-        assignment = contraction.expand(part.assignment) if contraction is not None else part.assignment
-        info = dict(part.info)
-        part = evaluate(graph, assignment, num_stages, bandwidth, in_flight, part.method,
-                        remat_in_flight=remat_in_flight, memory_cap=cap)
-        part.info = info
-    check_memory(part, cap, graph, num_stages, in_flight, name, remat_in_flight)
+    if contraction is not None:  # price (and pick recomputing stages) on the real graph
+        part.assignment = contraction.expand(part.assignment)
+    if contraction is not None or name != "balanced":
+        part = reprice_split(part, graph, bandwidth=bandwidth, memory_cap=cap, **counts.pricing())
+    check_memory(part, cap, graph, num_stages, counts, name)
     return part
 
 
@@ -141,9 +134,8 @@ def build_graph_plan(
         traced = trace(spec, seed, mbs)
         profile_graph(traced, (example_input(spec, mbs),), model_config=model_cfg)
     k = len(placement)
-    in_flight, remat_in_flight = in_flight_counts(generator, placement, microbatches, remat,
-                                                  partitioner_cfg.get("memory_cap_bytes"))
-    part = partition_graph(partitioner_cfg, traced, k, bandwidth, in_flight, remat_in_flight)
+    counts = in_flight_counts(generator, placement, microbatches, remat, partitioner_cfg.get("memory_cap_bytes"))
+    part = partition_graph(partitioner_cfg, traced, k, bandwidth, counts)
     forward = [0.0] * k
     backward = [0.0] * k
     for node, s in part.assignment.items():

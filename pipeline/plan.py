@@ -171,32 +171,71 @@ PARTITIONER_NAMES = ("uniform", "manual", "balanced", "milp")
 PROFILED_PARTITIONERS = ("balanced", "milp")
 
 
+@dataclass(frozen=True)
+class StageCounts:
+    """What the partitioners price a stage's activations by, from the schedule's unit-cost order
+    (the split is cut before the measured stage costs exist; `in_flight_counts` builds it).
+
+    `in_flight`: micro-batches each stage holds at once (`Schedule.peak_in_flight`);
+    `remat_in_flight`: how many of them hold full activations on a stage that recomputes (None: no
+    stage may); `remat_all`: every stage recomputes (remat=full) rather than those over the cap."""
+
+    in_flight: list[int]
+    remat_in_flight: list[int] | None = None
+    remat_all: bool = False
+
+    def pricing(self) -> dict:
+        """Keyword arguments of `evaluate`, `balanced` and `min_memory_cap`."""
+        return {"in_flight": self.in_flight, "remat_in_flight": self.remat_in_flight, "remat_all": self.remat_all}
+
+    def for_milp(self, name: str) -> list[int]:
+        """The MILP prices activations only: under remat=full, the recomputed ones (the final check
+        adds the kept inputs); remat=auto it cannot model, so that is refused."""
+        if self.remat_in_flight is None:
+            return self.in_flight
+        if self.remat_all:
+            return self.remat_in_flight
+        raise ConfigError(
+            "remat",
+            f"remat=auto with a memory budget chooses the stages to recompute while cutting, which "
+            f"partitioner=balanced, uniform and manual do and partitioner={name} does not; use one of "
+            f"those, or remat=full / remat=none with {name}.",
+        )
+
+
+def in_flight_counts(
+    generator: ScheduleGenerator, placement: Sequence[int], microbatches: int, remat: str, cap: float | None
+) -> StageCounts:
+    """The counts a split is priced by for this schedule and `remat` (see StageCounts)."""
+    placement = list(placement)
+    plain = build_schedule(generator, placement, microbatches).peak_in_flight()
+    if not generator.training or remat == "none" or (remat == "auto" and cap is None):
+        return StageCounts(plain)
+    recomputed = build_schedule(generator, placement, microbatches, "full").peak_in_flight()
+    return StageCounts(plain, recomputed, remat_all=remat == "full")
+
+
 def partition_blocks(
     partitioner_cfg: dict,
     spec: ModelSpec,
     placement: Sequence[int],
     block_costs: Sequence[BlockCost] | None,
     bandwidth: float,
-    in_flight: Sequence[int],
-    remat_in_flight: Sequence[int] | None = None,
+    counts: StageCounts,
 ) -> tuple[list[list[str]], Partition | None]:
     """Cut the model's block chain into stages; with a profile, also say what the cut costs.
 
     balanced and milp minimise the slowest stage; when a rank holds several stages the split is
     then re-balanced so that the busiest rank, not just the slowest stage, is as light as it can be.
-    `in_flight`: micro-batches each stage holds at once under the schedule
-    (`Schedule.peak_in_flight`), what a memory budget must make room for; `remat_in_flight`
-    (remat=auto): how many of them hold full activations on a stage that recomputes."""
+    `counts`: what each stage's memory is priced by, recomputation included (StageCounts)."""
     num_stages = len(placement)
-    in_flight = list(in_flight)
     name = partitioner_cfg.get("name", "uniform")
     cap = partitioner_cfg.get("memory_cap_bytes")
     if name not in PARTITIONER_NAMES:
         raise ConfigError("partitioner", f"unknown partitioner {name!r}; valid: {', '.join(PARTITIONER_NAMES)}")
     if name in PROFILED_PARTITIONERS and block_costs is None:
         raise ConfigError("partitioner", f"partitioner={name} needs a block profile (the launcher measures one)")
-    check_remat_partitioner(name, remat_in_flight)
-    price = {"bandwidth": bandwidth, "in_flight": in_flight, "remat_in_flight": remat_in_flight, "memory_cap": cap}
+    price = {"bandwidth": bandwidth, "memory_cap": cap, **counts.pricing()}
     if name == "uniform":
         blocks = split_uniform(spec.block_names, num_stages)
     elif name == "manual":
@@ -204,12 +243,14 @@ def partition_blocks(
     else:
         split_uniform(spec.block_names, num_stages)  # same "more stages than blocks" error for every partitioner
         graph = chain_graph(block_costs)
-        options = {"bandwidth": bandwidth, "memory_cap": cap, "in_flight": in_flight}
         if name == "milp":
-            options["time_limit"] = float(partitioner_cfg.get("time_limit_s", 5.0))
+            options = {"bandwidth": bandwidth, "memory_cap": cap, "in_flight": counts.for_milp(name),
+                       "time_limit": float(partitioner_cfg.get("time_limit_s", 5.0))}
         else:
-            options["remat_in_flight"] = remat_in_flight
+            options = price
         part = PARTITIONERS[name](graph, num_stages, **options)
+        if name == "milp" and counts.remat_all:  # price the recomputation the MILP did not see
+            part = reprice_split(part, graph, **price)
         if len(set(placement)) == num_stages:
             return part.stages(), part
         names = [b.name for b in block_costs]
@@ -227,29 +268,24 @@ def partition_blocks(
     graph = chain_graph(block_costs)
     assignment = {b: s for s, names in enumerate(blocks) for b in names}
     part = evaluate(graph, assignment, num_stages, **price)
-    check_memory(part, cap, graph, num_stages, in_flight, name, remat_in_flight)
+    check_memory(part, cap, graph, num_stages, counts, name)
     return blocks, part
 
 
-def check_remat_partitioner(name: str, remat_in_flight: Sequence[int] | None) -> None:
-    """remat=auto under a budget needs a partitioner that can weigh recomputation."""
-    if name == "milp" and remat_in_flight is not None:
-        raise ConfigError(
-            "remat",
-            "remat=auto with a memory budget chooses the stages to recompute while cutting, which "
-            "partitioner=balanced, uniform and manual do and partitioner=milp does not; use one of "
-            "those, or remat=full / remat=none with milp.",
-        )
+def reprice_split(part: Partition, graph, **price) -> Partition:
+    """The same assignment priced again by `evaluate` with these terms; method and solver facts are kept."""
+    out = evaluate(graph, part.assignment, part.num_stages, method=part.method, **price)
+    out.info = dict(part.info)
+    return out
 
 
-def check_memory(part: Partition, cap: float | None, graph, num_stages: int, in_flight, name: str,
-                 remat_in_flight: Sequence[int] | None = None) -> None:
+def check_memory(part: Partition, cap: float | None, graph, num_stages: int, counts: StageCounts, name: str) -> None:
     """A fixed split (uniform, manual) over the budget: name the stage, and the smallest budget a
     contiguous split can meet (balanced/milp search within the budget themselves)."""
     if cap is None or max(part.stage_memory_bytes) <= cap:
         return
     worst = max(range(num_stages), key=lambda s: part.stage_memory_bytes[s])
-    smallest = min_memory_cap(graph, num_stages, in_flight, remat_in_flight=remat_in_flight)
+    smallest = min_memory_cap(graph, num_stages, **counts.pricing())
     detail = (f"partitioner={name} puts {part.stage_memory_bytes[worst] / 2**20:.1f} MiB on stage {worst}"
               f" (parameters + activations of its in-flight micro-batches).")
     if smallest > cap:
@@ -259,21 +295,6 @@ def check_memory(part: Partition, cap: float | None, graph, num_stages: int, in_
         f"{int(cap)} bytes per stage is exceeded: {detail} A split within it exists (the smallest cap any "
         f"split meets is {int(smallest)} bytes): use partitioner=balanced or partitioner=milp.",
     )
-
-
-def in_flight_counts(
-    generator: ScheduleGenerator, placement: Sequence[int], microbatches: int, remat: str, cap: float | None
-) -> tuple[list[int], list[int] | None]:
-    """What the partitioner prices a stage's activations by, from the schedule's unit-cost order
-    (the split must be cut before the measured stage costs exist): micro-batches in flight per
-    stage, and for remat=auto under a budget how many of them a recomputing stage holds in full."""
-    placement = list(placement)
-    if remat != "auto":
-        return build_schedule(generator, placement, microbatches, remat).peak_in_flight(), None
-    plain = build_schedule(generator, placement, microbatches).peak_in_flight()
-    if cap is None or not generator.training:
-        return plain, None
-    return plain, build_schedule(generator, placement, microbatches, "full").peak_in_flight()
 
 
 def check_schedule_memory(part: Partition, schedule: Schedule, cap: float | None) -> None:
@@ -312,10 +333,8 @@ def build_plan(
     """Place, partition and schedule: a pure function of the config, the model and its profile."""
     placement = resolve_placement(placement_cfg, generator, pp)
     generator.check(pp, microbatches, list(placement))  # schedule rules first: clearer than a split error
-    in_flight, remat_in_flight = in_flight_counts(generator, placement, microbatches, remat,
-                                                  partitioner_cfg.get("memory_cap_bytes"))
-    blocks, partition = partition_blocks(partitioner_cfg, spec, placement, block_costs, bandwidth, in_flight,
-                                         remat_in_flight)
+    counts = in_flight_counts(generator, placement, microbatches, remat, partitioner_cfg.get("memory_cap_bytes"))
+    blocks, partition = partition_blocks(partitioner_cfg, spec, placement, block_costs, bandwidth, counts)
     if block_costs is not None:
         by_name = {b.name: b for b in block_costs}
         forward = [sum(by_name[n].forward_s for n in names) for names in blocks]

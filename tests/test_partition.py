@@ -216,3 +216,15 @@ def test_balanced_weighs_recomputation_against_cutting_elsewhere() -> None:
     assert free.remat_stages == [] and free.bottleneck_s <= part.bottleneck_s
     roomy = balanced(g, 4, memory_cap=plain_min, in_flight=flights, remat_in_flight=remat)
     assert roomy.bottleneck_s <= balanced(g, 4, memory_cap=plain_min, in_flight=flights).bottleneck_s
+
+
+def test_full_remat_prices_every_stage_as_recomputing() -> None:
+    g = gpt_like_chain(2)
+    flights, remat = [4, 3, 2, 1], [1, 1, 1, 1]
+    plain = balanced(g, 4, in_flight=flights)
+    full = balanced(g, 4, in_flight=flights, remat_in_flight=remat, remat_all=True)
+    assert full.remat_stages == [0, 1, 2, 3]
+    again = evaluate(g, plain.assignment, 4, in_flight=flights, remat_in_flight=remat, remat_all=True)
+    forward = [sum(g.nodes[n]["forward_s"] for n in stage) for stage in plain.stages()]
+    assert again.stage_time_s == pytest.approx([t + f for t, f in zip(plain.stage_time_s, forward, strict=True)])
+    assert min_memory_cap(g, 4, flights, remat_in_flight=remat, remat_all=True) < min_memory_cap(g, 4, flights)

@@ -149,3 +149,15 @@ def test_remat_auto_without_a_budget_recomputes_nothing_and_milp_is_named() -> N
     err = _error(["remat=auto", "pp=2", "memory=budget", "memory.cap_bytes=1e12", "partitioner=milp"])
     assert err.key == "remat" and "partitioner=balanced" in str(err)
     assert "auto" in str(_error(["remat=some"]))
+
+
+def test_remat_full_split_is_priced_with_its_recomputation_by_every_partitioner() -> None:
+    """balanced and milp plans under remat=full report stage times with the forward paid twice."""
+    for part in ("balanced", "milp"):
+        base = [*FAST, "pp=2", "memory=budget", "memory.cap_bytes=1e12", f"partitioner={part}"]
+        plain = prepare(compose_cfg([*base, "remat=none"])).plan.meta
+        full = prepare(compose_cfg([*base, "remat=full"])).plan.meta
+        assert full["partition"]["remat_stages"] == [0, 1]
+        # whatever the split, the stages together compute everything once plus every forward again
+        assert sum(full["partition"]["stage_compute_s"]) == pytest.approx(
+            sum(plain["partition"]["stage_compute_s"]) + sum(full["stage_forward_s"]), rel=1e-6), part

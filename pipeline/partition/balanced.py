@@ -97,11 +97,13 @@ def _minmax_dp(
     cap: float | None,
     objective: str,
     remat_flights: list[int] | None = None,
+    remat_all: bool = False,
 ) -> tuple[float, list[int]] | None:
     """Best starts of k contiguous non-empty stages minimising the max of `objective` ("time"/"memory").
 
-    With `remat_flights` a stage over the cap may recompute (as `evaluate` prices it): full
-    activations for remat_flights[s] micro-batches, inputs for flights[s], its forward paid twice."""
+    With `remat_flights` a stage over the cap may recompute, or every stage does with `remat_all`
+    (as `evaluate` prices it): full activations for remat_flights[s] micro-batches, inputs for
+    flights[s], its forward paid twice."""
     n = seg.n
     inf = float("inf")
     best = np.full((k, n + 1), inf)
@@ -116,7 +118,11 @@ def _minmax_dp(
             mem = params + act * flights[s] if params is not None else None
             remat_mem = (params + act * remat_flights[s] + seg.inputs_at[:j] * flights[s]
                          if remat_flights is not None and params is not None else None)
-            if objective == "time":
+            if remat_all and remat_flights is not None:
+                val = t + fwd if objective == "time" else remat_mem
+                if cap is not None:
+                    val = np.where(remat_mem <= cap, val, inf)
+            elif objective == "time":
                 val = t
                 if cap is not None and remat_mem is not None:
                     val = np.where(mem <= cap, t, np.where(remat_mem <= cap, t + fwd, inf))
@@ -150,13 +156,14 @@ def min_memory_cap(
     in_flight: int | Sequence[int] = 1,
     order: Sequence[str] | None = None,
     remat_in_flight: Sequence[int] | None = None,
+    remat_all: bool = False,
 ) -> float:
     """The smallest per-stage memory cap any contiguous split of the order can meet (recomputing
-    where that holds less, when `remat_in_flight` is given)."""
+    where that holds less, or everywhere with `remat_all`, when `remat_in_flight` is given)."""
     order = list(order) if order is not None else topo_order(graph)
     seg = _Segments(graph, order, 0.0)
     remat = list(remat_in_flight) if remat_in_flight is not None else None
-    res = _minmax_dp(seg, num_stages, in_flight_list(in_flight, num_stages), None, "memory", remat)
+    res = _minmax_dp(seg, num_stages, in_flight_list(in_flight, num_stages), None, "memory", remat, remat_all)
     assert res is not None
     return res[0]
 
@@ -169,25 +176,27 @@ def balanced(
     in_flight: int | Sequence[int] = 1,
     order: Sequence[str] | None = None,
     remat_in_flight: Sequence[int] | None = None,
+    remat_all: bool = False,
 ) -> Partition:
     """The contiguous split of `order` (default: program order) with the smallest bottleneck.
 
     `memory_cap` bounds each stage's param bytes + activation bytes x `in_flight` (one int, or one per
     stage, e.g. 1F1B's p - s); an impossible cap raises ConfigError stating the smallest that fits.
     With `remat_in_flight` (remat=auto) a stage over the cap may recompute instead, priced as in
-    `evaluate`, and the split weighs that recomputation against cutting elsewhere.
+    `evaluate`, and the split weighs that recomputation against cutting elsewhere; with `remat_all`
+    (remat=full) every stage recomputes and is priced so.
     """
     check_stages(graph, num_stages)
     order = list(order) if order is not None else topo_order(graph)
     flights = in_flight_list(in_flight, num_stages)
     remat = list(remat_in_flight) if remat_in_flight is not None else None
     seg = _Segments(graph, order, bandwidth)
-    res = _minmax_dp(seg, num_stages, flights, memory_cap, "time", remat)
+    res = _minmax_dp(seg, num_stages, flights, memory_cap, "time", remat, remat_all)
     if res is None:
         assert memory_cap is not None
-        raise memory_error(min_memory_cap(graph, num_stages, flights, order, remat), memory_cap)
+        raise memory_error(min_memory_cap(graph, num_stages, flights, order, remat, remat_all), memory_cap)
     _, starts = res
     part = evaluate(graph, assignment_from_order(order, starts), num_stages, bandwidth, flights, "balanced",
-                    remat_in_flight=remat, memory_cap=memory_cap)
+                    remat_in_flight=remat, memory_cap=memory_cap, remat_all=remat_all)
     part.info["starts"] = starts
     return part

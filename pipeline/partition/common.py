@@ -166,12 +166,14 @@ def evaluate(
     validate: bool = True,
     remat_in_flight: Sequence[int] | None = None,
     memory_cap: float | None = None,
+    remat_all: bool = False,
 ) -> Partition:
     """Price any assignment with the shared cost model (see the module docstring).
 
-    With `remat_in_flight` (remat=auto) a stage over `memory_cap` recomputes its forward in the
-    backward: it then holds full activations for remat_in_flight[s] micro-batches and only the
-    inputs of the rest, and pays its forward time once more per micro-batch."""
+    With `remat_in_flight` a stage over `memory_cap` (remat=auto), or every stage with `remat_all`
+    (remat=full), recomputes its forward in the backward: it then holds full activations for
+    remat_in_flight[s] micro-batches and only the inputs of the rest, and pays its forward time
+    once more per micro-batch."""
     if validate:
         validate_assignment(graph, assignment, num_stages)
     k = num_stages
@@ -195,8 +197,12 @@ def evaluate(
     flights = in_flight_list(in_flight, k)
     pbytes = [sum(p.values()) for p in params]
     plain = stage_memory(pbytes, act, inputs, flights, flights)
-    remat = ([s for s in range(k) if plain[s] > memory_cap]
-             if remat_in_flight is not None and memory_cap is not None else [])
+    if remat_in_flight is None:
+        remat = []
+    elif remat_all:
+        remat = list(range(k))
+    else:
+        remat = [s for s in range(k) if memory_cap is not None and plain[s] > memory_cap]
     full = [remat_in_flight[s] if s in remat else flights[s] for s in range(k)]
     for s in remat:
         compute[s] += forward[s]
