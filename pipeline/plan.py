@@ -189,8 +189,8 @@ class StageCounts:
         return {"in_flight": self.in_flight, "remat_in_flight": self.remat_in_flight, "remat_all": self.remat_all}
 
     def for_milp(self, name: str) -> list[int]:
-        """The MILP prices activations only: under remat=full, the recomputed ones (the final check
-        adds the kept inputs); remat=auto it cannot model, so that is refused."""
+        """The MILP prices activations only: under remat=full it cuts on the recomputed ones (its
+        split is then re-priced in full, `reprice_split`); remat=auto it cannot model: refused."""
         if self.remat_in_flight is None:
             return self.in_flight
         if self.remat_all:
@@ -300,8 +300,7 @@ def check_memory(part: Partition, cap: float | None, graph, num_stages: int, cou
 def check_schedule_memory(part: Partition, schedule: Schedule, cap: float | None) -> None:
     """Re-price each stage with the final schedule's counts and record them; over the budget is an
     error. The split was cut for the schedule's unit-cost order; a cost-aware order (zbv, zb_h2,
-    hanayo on a measured profile) may hold its micro-batches on other stages, and with remat=full
-    the stage inputs kept for recomputation are priced here too."""
+    hanayo on a measured profile) may hold its micro-batches on other stages."""
     held, full = schedule.peak_in_flight(held=True), schedule.peak_in_flight()
     part.reprice(held, full, schedule.remat_stages())
     if cap is None or max(part.stage_memory_bytes) <= cap:
