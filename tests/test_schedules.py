@@ -25,6 +25,18 @@ def unit(schedule) -> CostModel:
     return CostModel.uniform(schedule.num_stages)
 
 
+def valid_schedules(gen, pps, extra_microbatches: tuple[int, ...] = ()):
+    """(pp, m, schedule) for m in {pp, 2pp, 3pp + 1, *extra} wherever the generator accepts them."""
+    for pp in pps:
+        for m in sorted({pp, 2 * pp, 3 * pp + 1, *extra_microbatches}):
+            placement = placement_for(gen, pp)
+            try:
+                gen.check(pp, m, placement)
+            except ConfigError:
+                continue
+            yield pp, m, build_schedule(gen, placement, m)
+
+
 def test_registry_lists_every_schedule() -> None:
     assert set(GENERATORS) == EXPECTED
     for name, cls in GENERATORS.items():
@@ -34,32 +46,26 @@ def test_registry_lists_every_schedule() -> None:
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_every_schedule_is_complete_on_the_right_ranks(name: str) -> None:
     gen = GENERATORS[name]()
-    for pp in range(1, 9):
-        for m in sorted({pp, 2 * pp, 3 * pp + 1, 1}):
-            placement = placement_for(gen, pp)
-            try:
-                gen.check(pp, m, placement)
-            except ConfigError:
-                continue
-            sched = build_schedule(gen, placement, m)
-            result = simulate(sched, unit(sched))  # validates, raises on deadlock
-            seen: dict[tuple[int, int, Kind], int] = {}
-            for rank, acts in enumerate(sched.actions):
-                for a in acts:
-                    assert placement[a.stage] == rank, f"{name} pp={pp} m={m}: {a} on rank {rank}"
-                    seen[(a.stage, a.mb, a.kind)] = seen.get((a.stage, a.mb, a.kind), 0) + 1
-            for s in range(len(placement)):
-                for mb in range(m):
-                    assert seen.get((s, mb, Kind.F)) == 1
-                    if not gen.training:
-                        continue
-                    if gen.split_backward:  # split, or fused back into one B where splitting buys nothing
-                        split = seen.get((s, mb, Kind.I)) == 1 and seen.get((s, mb, Kind.W)) == 1
-                        fused = seen.get((s, mb, Kind.B)) == 1 and (s, mb, Kind.I) not in seen
-                        assert split or fused
-                    else:
-                        assert seen.get((s, mb, Kind.B)) == 1
-            assert result.makespan_s > 0
+    for pp, m, sched in valid_schedules(gen, range(1, 9), extra_microbatches=(1,)):
+        placement = sched.placement
+        result = simulate(sched, unit(sched))  # validates, raises on deadlock
+        seen: dict[tuple[int, int, Kind], int] = {}
+        for rank, acts in enumerate(sched.actions):
+            for a in acts:
+                assert placement[a.stage] == rank, f"{name} pp={pp} m={m}: {a} on rank {rank}"
+                seen[(a.stage, a.mb, a.kind)] = seen.get((a.stage, a.mb, a.kind), 0) + 1
+        for s in range(len(placement)):
+            for mb in range(m):
+                assert seen.get((s, mb, Kind.F)) == 1
+                if not gen.training:
+                    continue
+                if gen.split_backward:  # split, or fused back into one B where splitting buys nothing
+                    split = seen.get((s, mb, Kind.I)) == 1 and seen.get((s, mb, Kind.W)) == 1
+                    fused = seen.get((s, mb, Kind.B)) == 1 and (s, mb, Kind.I) not in seen
+                    assert split or fused
+                else:
+                    assert seen.get((s, mb, Kind.B)) == 1
+        assert result.makespan_s > 0
 
 
 def test_every_schedule_accepts_some_microbatch_counts() -> None:
@@ -236,29 +242,23 @@ def test_in_flight_counts_per_stage_agree_with_the_simulated_memory(name: str) -
     time-based peak per rank: equal where a rank holds one stage, between the largest and the sum of
     its stages' counts where it holds several; GPipe holds all m, 1F1B p - s."""
     gen = GENERATORS[name]()
-    for pp in (1, 2, 4):
-        for m in sorted({pp, 2 * pp, 3 * pp + 1}):
-            placement = placement_for(gen, pp)
-            try:
-                gen.check(pp, m, placement)
-            except ConfigError:
-                continue
-            sched = build_schedule(gen, placement, m)
-            counts = sched.peak_in_flight()
-            if not gen.training:
-                assert counts == [1] * len(placement)
-                continue
-            peak = simulate(sched, unit(sched)).peak_activation_microbatches
-            for r in range(pp):
-                mine = [counts[s] for s in sched.stages_of(r)]
-                if len(mine) == 1:
-                    assert peak[r] == mine[0], (name, pp, m, r)
-                else:
-                    assert max(mine) <= peak[r] <= sum(mine), (name, pp, m, r)
-            if name == "gpipe":
-                assert counts == [m] * pp
-            if name == "1f1b":
-                assert counts == [min(pp - s, m) for s in range(pp)]
+    for pp, m, sched in valid_schedules(gen, (1, 2, 4)):
+        placement = sched.placement
+        counts = sched.peak_in_flight()
+        if not gen.training:
+            assert counts == [1] * len(placement)
+            continue
+        peak = simulate(sched, unit(sched)).peak_activation_microbatches
+        for r in range(pp):
+            mine = [counts[s] for s in sched.stages_of(r)]
+            if len(mine) == 1:
+                assert peak[r] == mine[0], (name, pp, m, r)
+            else:
+                assert max(mine) <= peak[r] <= sum(mine), (name, pp, m, r)
+        if name == "gpipe":
+            assert counts == [m] * pp
+        if name == "1f1b":
+            assert counts == [min(pp - s, m) for s in range(pp)]
 
 
 def test_in_flight_with_full_remat_is_one_recomputed_microbatch() -> None:
