@@ -75,7 +75,7 @@ class Executor:
         self.device = device
         self.loss_scale = loss_scale
         # stages this rank rematerialises (remat=full: all; remat=auto: those the planner chose)
-        self.remat_stages = {a.stage for a in self.actions if a.kind is Kind.R}
+        self.remat_stages = set(schedule.remat_stages())
         self.record_timings = record_timings
         self.pp_rank = pp_rank
         self.p2p = P2P(device)
