@@ -289,7 +289,7 @@ def check_memory(part: Partition, cap: float | None, graph, num_stages: int, cou
     detail = (f"partitioner={name} puts {part.stage_memory_bytes[worst] / 2**20:.1f} MiB on stage {worst}"
               f" (parameters + activations of its in-flight micro-batches).")
     if smallest > cap:
-        raise memory_error(smallest, cap, detail)
+        raise memory_error(smallest, cap, detail, recomputing=counts.remat_in_flight is not None)
     raise ConfigError(
         "memory.cap_bytes",
         f"{int(cap)} bytes per stage is exceeded: {detail} A split within it exists (the smallest cap any "

@@ -161,3 +161,11 @@ def test_remat_full_split_is_priced_with_its_recomputation_by_every_partitioner(
         # whatever the split, the stages together compute everything once plus every forward again
         assert sum(full["partition"]["stage_compute_s"]) == pytest.approx(
             sum(plain["partition"]["stage_compute_s"]) + sum(full["stage_forward_s"]), rel=1e-6), part
+
+
+def test_impossible_budget_suggests_recomputing_only_when_it_was_not_counted() -> None:
+    plain = _error(["memory=budget", "memory.cap_bytes=1000", "partitioner=balanced", "pp=2"])
+    counted = _error(["memory=budget", "memory.cap_bytes=1000", "partitioner=balanced", "pp=2", "remat=auto"])
+    assert "remat=auto" in str(plain) and "recompute" not in str(counted)
+    smallest = [int(str(e).split("the smallest cap that fits is ")[1].split()[0]) for e in (plain, counted)]
+    assert smallest[1] < smallest[0]

@@ -194,7 +194,8 @@ def balanced(
     res = _minmax_dp(seg, num_stages, flights, memory_cap, "time", remat, remat_all)
     if res is None:
         assert memory_cap is not None
-        raise memory_error(min_memory_cap(graph, num_stages, flights, order, remat, remat_all), memory_cap)
+        raise memory_error(min_memory_cap(graph, num_stages, flights, order, remat, remat_all), memory_cap,
+                           recomputing=remat is not None)
     _, starts = res
     part = evaluate(graph, assignment_from_order(order, starts), num_stages, bandwidth, flights, "balanced",
                     remat_in_flight=remat, memory_cap=memory_cap, remat_all=remat_all)

@@ -229,13 +229,15 @@ def evaluate(
     )
 
 
-def memory_error(min_cap: float, cap: float, detail: str = "") -> ConfigError:
-    """The error for a cap no split can meet; it states the smallest cap that would fit."""
+def memory_error(min_cap: float, cap: float, detail: str = "", recomputing: bool = False) -> ConfigError:
+    """The error for a cap no split can meet; it states the smallest cap that would fit (with
+    `recomputing`, recomputation was already counted in it)."""
     extra = f" {detail}" if detail else ""
+    remedies = "or use more stages" if recomputing else "use more stages, or recompute activations (remat=auto)"
     return ConfigError(
         MEMORY_KEY,
         f"no split fits in {int(cap)} bytes per stage; the smallest cap that fits is {int(min_cap)} bytes "
-        f"({min_cap / 2**20:.2f} MiB).{extra} Raise `{MEMORY_KEY}`, use more stages, or recompute activations.",
+        f"({min_cap / 2**20:.2f} MiB).{extra} Raise `{MEMORY_KEY}`, {remedies}.",
     )
 
 
