@@ -88,15 +88,12 @@ def partition_graph(
     if name == "milp":
         options.update(memory_cap=cap, in_flight=counts.for_milp(name),
                        time_limit=float(partitioner_cfg.get("time_limit_s", 5.0)))
-    contraction = contract_unsendable(graph)
-    if contraction is None:
-        part = PARTITIONERS[name](graph, num_stages, **options)
-    else:  # cut only where single tensors cross; price the expanded split on the real graph
-        part = PARTITIONERS[name](contraction.graph, num_stages, **options)
-    if contraction is not None:  # price (and pick recomputing stages) on the real graph
+    contraction = contract_unsendable(graph)  # cut only where single tensors cross
+    part = PARTITIONERS[name](graph if contraction is None else contraction.graph, num_stages, **options)
+    if contraction is not None:
         part.assignment = contraction.expand(part.assignment)
-    if contraction is not None or name != "balanced":
-        part = reprice_split(part, graph, bandwidth=bandwidth, memory_cap=cap, **counts.pricing())
+    # every split priced (recomputing stages picked) on the real graph by the one judge
+    part = reprice_split(part, graph, bandwidth=bandwidth, memory_cap=cap, **counts.pricing())
     check_memory(part, cap, graph, num_stages, counts, name)
     return part
 
