@@ -248,9 +248,8 @@ def partition_blocks(
                        "time_limit": float(partitioner_cfg.get("time_limit_s", 5.0))}
         else:
             options = price
-        part = PARTITIONERS[name](graph, num_stages, **options)
-        if name == "milp" and counts.remat_all:  # price the recomputation the MILP did not see
-            part = reprice_split(part, graph, **price)
+        # priced by the one judge, recomputation included (the MILP does not see it)
+        part = reprice_split(PARTITIONERS[name](graph, num_stages, **options), graph, **price)
         if len(set(placement)) == num_stages:
             return part.stages(), part
         names = [b.name for b in block_costs]
