@@ -13,7 +13,7 @@ $(BIN)/python:
 install: $(BIN)/python
 	# torch is pinned to the CPU wheel first, so nothing later pulls a CUDA build
 	$(BIN)/pip install "torch==2.13.0"
-	$(BIN)/pip install -e ".[dev]"
+	$(BIN)/pip install -e ".[dev,hf]"
 
 train: install
 	$(BIN)/python train.py $(ARGS)

@@ -11,6 +11,7 @@ import socket
 import statistics
 import sys
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -26,8 +27,8 @@ if str(ROOT) not in sys.path:
 
 from launcher.spawn import environment  # noqa: E402
 from launcher.worker import set_up_rank_process  # noqa: E402
-from models.base import ModelSpec, causal_lm_loss  # noqa: E402
 from models.gpt import gpt  # noqa: E402
+from models.spec import ModelSpec, causal_lm_loss  # noqa: E402
 from pipeline.data.synthetic import SyntheticTokens  # noqa: E402
 from pipeline.plan import Plan  # noqa: E402
 from pipeline.runtime.host_allocator import rank_environment  # noqa: E402
@@ -140,7 +141,8 @@ class TorchRank:
         spec = cfg.spec()
         num_stages = len(job.placement)
         mine = [i for i, r in enumerate(job.placement) if r == rank]
-        modules = [spec.build_blocks(job.stage_blocks[i], cfg.seed) for i in mine]
+        full = spec.build_full(cfg.seed)  # the same weights as ours (initialised by name); stages take its blocks
+        modules = [nn.Sequential(OrderedDict((n, getattr(full, n)) for n in job.stage_blocks[i])) for i in mine]
         stages = [tpp.PipelineStage(m, i, num_stages, torch.device("cpu")) for m, i in zip(modules, mine, strict=True)]
         cls = getattr(tpp, TORCH_SCHEDULES[job.schedule])
         self.schedule = cls(stages[0] if len(stages) == 1 else stages, n_microbatches=cfg.microbatches,

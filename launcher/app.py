@@ -8,13 +8,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from launcher.config import group_configs
 from launcher.spawn import RankFailed, spawn_ranks
 from launcher.validate import Prepared, prepare
 from launcher.worker import RankJob, export_submitit_env, joined_rank_env, rank_main
 from pipeline.errors import ConfigError
-from pipeline.predict import format_choice, format_prediction
+from pipeline.report.tables import format_choice, format_prediction, stage_table
+from pipeline.report.timeline import draw_timeline
 from pipeline.runtime.host_allocator import rank_environment
-from pipeline.timeline import draw_timeline
 
 
 def resolve(cfg: DictConfig) -> dict:
@@ -25,6 +26,11 @@ def resolve(cfg: DictConfig) -> dict:
 def run(cfg: DictConfig, run_dir: Path) -> dict:
     """Validate, plan, then spawn ranks (or join as one); returns rank 0's metrics."""
     resolved = resolve(cfg)
+    if str(resolved["scheduler"].get("_target_", "")).endswith("AutoSchedule"):
+        resolved["scheduler"]["candidates"] = {
+            name: option for name, option in group_configs("scheduler").items()
+            if not str(option.get("_target_", "")).endswith("AutoSchedule")}
+        resolved["scheduler"]["_recursive_"] = False  # the candidates are built one by one, by the planner
     export_submitit_env()
     if joined_rank_env() and resolved["mode"] == "train":
         return join(resolved, run_dir)
@@ -39,7 +45,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         return dry_run(prepared, run_dir)
     job = RankJob(resolved, plan, str(run_dir))
     plan.write(run_dir / "plan.json")
-    print(plan.stage_table(), flush=True)
+    print(stage_table(plan), flush=True)
     print(f"schedule {plan.schedule.name}: pp={plan.pp} dp={plan.dp} microbatches={plan.microbatches}", flush=True)
     results = spawn_ranks(job, plan.pp * plan.dp, run_dir / "logs", env=rank_environment(resolved["huge_pages"]))
     metrics = results[0]["metrics"]
@@ -66,9 +72,9 @@ def dry_run(prepared: Prepared, run_dir: Path) -> dict:
     """mode=plan: the stage table, the schedule grid and the simulated step, without any rank."""
     plan, pred = prepared.plan, prepared.prediction
     plan.write(run_dir / "plan.json")
-    print(plan.stage_table())
+    print(stage_table(plan))
     print(f"\nschedule {plan.schedule.name} (compute actions per pipeline rank):\n{plan.schedule.grid()}\n")
-    print(format_prediction(pred), flush=True)
+    print(format_prediction(pred.result), flush=True)
     draw_timeline(run_dir / "timeline.png", pred.result.events, title=f"simulated {plan.schedule.name} pp={plan.pp}")
     summary = {"mode": "plan", "schedule": plan.schedule.name, **pred.result.summary(),
                "bubble_per_rank": pred.result.bubble, "peak_activation_bytes_per_rank": pred.result.peak_activation_bytes}

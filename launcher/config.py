@@ -60,5 +60,30 @@ class TrainConfig:
     link_bandwidth: float = 1e9
 
 
+def group_configs(group: str) -> dict[str, dict]:
+    """Every option of a config group as a plain dict, found on this run's own search path (the
+    project's conf/ and any `hydra.searchpath` entry, so a user's package counts); empty outside a
+    Hydra app. Why: `scheduler=auto` compares every schedule the user could have chosen by name,
+    not a list kept in code."""
+    from hydra._internal.config_repository import ConfigRepository
+    from hydra._internal.config_search_path_impl import ConfigSearchPathImpl
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.object_type import ObjectType
+    from omegaconf import OmegaConf
+
+    if not HydraConfig.initialized():
+        return {}
+    search_path = ConfigSearchPathImpl()
+    for source in HydraConfig.get().runtime.config_sources:
+        search_path.append(source.provider, f"{source.schema}://{source.path}")
+    repo = ConfigRepository(config_search_path=search_path)
+    out = {}
+    for option in repo.get_group_options(group, results_filter=ObjectType.CONFIG):
+        loaded = repo.load_config(f"{group}/{option}")
+        if loaded is not None:
+            out[option] = OmegaConf.to_container(loaded.config, resolve=False)
+    return out
+
+
 def register_configs() -> None:
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)

@@ -6,26 +6,28 @@ in the launcher process in well under a second instead of inside eight ranks.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 
-from models.base import ModelSpec
-from models.graph_spec import GraphModelSpec
+from models.spec import ModelSpec
 from pipeline.errors import ConfigError
 from pipeline.graph.profile import profile_graph
-from pipeline.graphplan import build_graph_plan, example_input, trace
-from pipeline.placement import PLACEMENT_KINDS
-from pipeline.plan import PROFILED_PARTITIONERS, Plan, build_plan
-from pipeline.predict import Prediction, choose_schedule, measure_blocks, predict, profiling_threads
+from pipeline.init import uncovered_tensors
+from pipeline.plan import Plan
+from pipeline.planner import build_plan, needs_profile, plugin
+from pipeline.planner.predict import Prediction, choose_schedule, predict, profiling_threads
 from pipeline.runtime.context import cpu_threads
 from pipeline.runtime.cpu_affinity import CPU_AFFINITY_CHOICES
 from pipeline.runtime.host_allocator import HOST_ALLOCATOR_CHOICES
 from pipeline.schedules import REMAT_CHOICES
 from pipeline.schedules.auto import AutoSchedule
 from pipeline.schedules.base import ScheduleGenerator
+from pipeline.schedules.registry import GENERATORS
+from pipeline.stage import trace_spec
 
 DEVICES = ("auto", "cpu", "cuda")
 MODES = ("train", "plan")
@@ -98,16 +100,15 @@ def check_scalars(cfg: dict) -> None:
                                           "its own cores when there are enough, none leaves it to the OS)")
     if not isinstance(cfg.get("huge_pages", True), bool):
         raise ConfigError("huge_pages", f"got {cfg.get('huge_pages')!r}; valid: true or false")
-    kind = (cfg.get("placement") or {}).get("kind")
-    if kind not in PLACEMENT_KINDS:
-        raise ConfigError("placement", f"got kind {kind!r}; valid: {', '.join(PLACEMENT_KINDS)}")
 
 
 def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
     """Validate `cfg` (a resolved plain dict) and build the Plan.
 
-    With a profile (always for scheduler=auto and mode=plan), the model's blocks are measured
-    on this machine and the plan is simulated; auto keeps the fastest valid schedule."""
+    The model is built and traced on the meta device (no weights). With a profile (always for
+    scheduler=auto, mode=plan, a memory budget, cost-aware schedules and partitioners that read
+    costs), every node is measured on this machine one leaf module at a time (cached) and the plan
+    is simulated; auto keeps the fastest candidate schedule."""
     check_scalars(cfg)
     spec = _build(cfg, "model")
     generator = _build(cfg, "scheduler")
@@ -120,63 +121,57 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
                                   f"data={'synthetic or text' if model_kind == 'tokens' else 'images'}")
     if data_vocab is not None and model_vocab is not None and data_vocab > model_vocab:
         raise ConfigError("data.vocab_size", f"{data_vocab} exceeds model.vocab_size={model_vocab}")
+    for group in ("partitioner", "placement"):
+        plugin(cfg[group], group)  # an unknown _target_ is a config error now, not in a rank
 
-    blocks = None
     auto = isinstance(generator, AutoSchedule)
     link = (cfg.get("link_latency_s", 5e-5), cfg.get("link_bandwidth", 1e9))
-    if isinstance(spec, GraphModelSpec):
-        return _prepare_graph(cfg, spec, generator, auto, link)
+    cap = memory_cap(cfg)
     if profile is None:
-        profile = (auto or cfg["mode"] == "plan" or cfg["partitioner"].get("name") in PROFILED_PARTITIONERS
-                   or getattr(generator, "cost_aware", False) or memory_cap(cfg) is not None)
+        profile = (auto or cfg["mode"] == "plan" or needs_profile(cfg["partitioner"])
+                   or getattr(generator, "cost_aware", False) or cap is not None)
+    mbs = cfg["batch_size"] // (cfg["dp"] * cfg["microbatches"])
+    model = spec.build_meta()
+    traced = trace_spec(spec, mbs, model)
+    uncovered = uncovered_tensors(model, spec.init)
+    if uncovered:
+        warnings.warn(f"model {spec.name}: no initialiser writes {', '.join(uncovered[:8])}"
+                      f"{' ...' if len(uncovered) > 8 else ''}; they start from pipeline.init.fallback_fill "
+                      "(give their module a reset_parameters() to choose)", stacklevel=2)
     if profile:
-        mbs = cfg["batch_size"] // (cfg["dp"] * cfg["microbatches"])
-        threads = cpu_threads(cfg.get("threads", 0), cfg["pp"] * cfg["dp"])
-        blocks = measure_blocks(spec, cfg["model"], mbs, cfg["seed"], threads)
+        x, y = spec.example_batch(mbs, cfg["seed"])
+        with profiling_threads(cpu_threads(cfg.get("threads", 0), cfg["pp"] * cfg["dp"])):
+            profile_graph(traced, (x,), model_config=cfg["model"], loss=(spec.loss_fn, y), seed=cfg["seed"])
 
     def build(gen: ScheduleGenerator) -> Plan:
         return build_plan(
-            spec,
-            gen,
-            pp=cfg["pp"],
-            dp=cfg["dp"],
-            microbatches=cfg["microbatches"],
-            batch_size=cfg["batch_size"],
-            placement_cfg=dict(cfg["placement"]),
-            partitioner_cfg=dict(cfg["partitioner"]) | {"memory_cap_bytes": memory_cap(cfg)},
-            remat=cfg["remat"],
-            block_costs=blocks,
-            bandwidth=link[1],
+            traced, gen, model_name=spec.name, pp=cfg["pp"], dp=cfg["dp"], microbatches=cfg["microbatches"],
+            batch_size=cfg["batch_size"], placement_cfg=dict(cfg["placement"]),
+            partitioner_cfg=dict(cfg["partitioner"]), memory_cap=cap, remat=cfg["remat"], bandwidth=link[1],
+            profiled=profile,
         )
 
-    if blocks is None:
-        return Prepared(spec, generator, build(generator))
-    return _plan_and_predict(cfg, spec, generator, build, auto, blocks, link)
-
-
-def _plan_and_predict(cfg: dict, spec, generator, build, auto: bool, blocks, link) -> Prepared:
-    """With a profile: let auto pick the fastest simulated schedule, or simulate the chosen one."""
     if auto:
-        kind = cfg["placement"].get("kind")
-        generator, prediction, rows = choose_schedule(build, cfg["pp"], cfg["microbatches"], kind, blocks, *link)
+        candidates = schedule_candidates(generator)
+        generator, prediction, rows = choose_schedule(build, candidates, cfg["pp"], cfg["microbatches"], *link)
         return Prepared(spec, generator, prediction.plan, prediction, rows)
     plan = build(generator)
-    return Prepared(spec, generator, plan, predict(plan, blocks, *link))
+    return Prepared(spec, generator, plan, predict(plan, *link) if profile else None)
 
 
-def _prepare_graph(cfg: dict, spec: GraphModelSpec, generator: ScheduleGenerator, auto: bool, link) -> Prepared:
-    """Traced models: trace and profile once (cached), then partition the graph for each candidate."""
-    mbs = cfg["batch_size"] // (cfg["dp"] * cfg["microbatches"])
-    traced = trace(spec, cfg["seed"], mbs)
-    with profiling_threads(cpu_threads(cfg.get("threads", 0), cfg["pp"] * cfg["dp"])):
-        profile_graph(traced, (example_input(spec, mbs),), model_config=cfg["model"])
-
-    def build(gen: ScheduleGenerator) -> Plan:
-        return build_graph_plan(
-            spec, gen, cfg["model"], pp=cfg["pp"], dp=cfg["dp"], microbatches=cfg["microbatches"],
-            batch_size=cfg["batch_size"], seed=cfg["seed"], placement_cfg=dict(cfg["placement"]),
-            partitioner_cfg=dict(cfg["partitioner"]) | {"memory_cap_bytes": memory_cap(cfg)}, remat=cfg["remat"],
-            bandwidth=link[1], traced=traced,
-        )
-
-    return _plan_and_predict(cfg, spec, generator, build, auto, None, link)
+def schedule_candidates(auto: AutoSchedule) -> list[ScheduleGenerator]:
+    """What scheduler=auto compares: every option of the scheduler config group (the launcher
+    fills `scheduler.candidates` from Hydra's search path, a user's own schedules included), or the
+    built-in schedules when none were given."""
+    if not auto.candidates:
+        return [cls() for cls in GENERATORS.values()]
+    out = []
+    for option, option_cfg in sorted(auto.candidates.items()):
+        try:  # Hydra instantiates nested `_target_`s along with AutoSchedule itself
+            gen = option_cfg if isinstance(option_cfg, ScheduleGenerator) else instantiate(option_cfg)
+        except InstantiationException as exc:
+            raise ConfigError(f"scheduler.candidates.{option}", f"could not build {option_cfg.get('_target_')}: "
+                                                               f"{exc.__cause__ or exc}") from exc
+        if isinstance(gen, ScheduleGenerator) and not isinstance(gen, AutoSchedule):
+            out.append(gen)
+    return out

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.plan import Plan
+from pipeline.report.tables import stage_table
 from pipeline.runtime.context import RankContext, backend_for, cpu_threads, env_int, make_mesh, select_device
 from pipeline.runtime.cpu_affinity import bind_rank_to_cores
 from pipeline.runtime.host_allocator import configure_host_allocator
@@ -104,7 +105,7 @@ def plan_on_rank0(job: RankJob, rank: int) -> Plan:
         if job.run_dir:
             Path(job.run_dir).mkdir(parents=True, exist_ok=True)
             plan.write(Path(job.run_dir) / "plan.json")
-        print(plan.stage_table(), flush=True)
+        print(stage_table(plan), flush=True)
         holder[0] = plan
     dist.broadcast_object_list(holder, src=0)
     return holder[0]

@@ -8,8 +8,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from models.base import ModelSpec, causal_lm_loss
-from models.graph_spec import GraphModelSpec
+from models.spec import ModelSpec, causal_lm_loss
 from pipeline.errors import ConfigError
 
 #: where a planner may cut the model: between blocks, or between any two traced operators
@@ -86,18 +85,16 @@ def gpt(
     name: str = "gpt",
     tie_embeddings: bool = False,
     granularity: str = "block",
-) -> ModelSpec | GraphModelSpec:
-    """Blocks: `embed`, `layer0` .. `layer{layers-1}`, `head`.
+) -> ModelSpec:
+    """Blocks, in order: `embed`, `layer0` .. `layer{layers-1}`, `head` (the leaf modules).
 
-    With `tie_embeddings` the LM head's projection *is* the token embedding matrix; the model is
-    then planned as a traced graph (blocks as leaves) so the stages holding the embedding and the
-    head each get a copy and their gradients are summed.
+    With `tie_embeddings` the LM head's projection *is* the token embedding matrix: the stages
+    holding the embedding and the head each get a copy and their gradients are summed.
 
-    `granularity="op"` plans the model as a traced graph down to single operators, so a stage
-    boundary may fall inside a decoder block (between attention and MLP, say). Why: with 8 blocks
-    and a head that costs more than a block, block-sized cuts cannot balance 2 or 4 stages; at
-    operator level the partitioners get within a few percent of the bound. Same weights, same
-    arithmetic as `granularity="block"`."""
+    `granularity="op"` keeps no leaf modules, so a stage boundary may fall inside a decoder block
+    (between attention and MLP, say). Why: with 8 blocks and a head that costs more than a block,
+    block-sized cuts cannot balance 2 or 4 stages; at operator level the partitioners get within a
+    few percent of the bound. Same weights, same arithmetic as `granularity="block"`."""
     if layers < 1:
         raise ValueError(f"model.layers must be >= 1, got {layers}")
     if granularity not in GRANULARITIES:
@@ -106,38 +103,30 @@ def gpt(
     blocks = [("embed", partial(Embedding, vocab_size, dim, seq_len))]
     blocks += [(f"layer{i}", partial(DecoderBlock, dim, heads, mlp_ratio, dropout)) for i in range(layers)]
     blocks.append(("head", partial(LMHead, dim, vocab_size)))
-    meta = {"vocab_size": vocab_size, "seq_len": seq_len, "dim": dim}
-    if tie_embeddings or granularity == "op":
-        return GraphModelSpec(
-            name=name,
-            build=partial(_tied_model if tie_embeddings else _sequential_model, blocks),
-            loss_fn=causal_lm_loss,
-            input_shape=(seq_len,),
-            input_dtype=torch.long,
-            target_shape=(seq_len,),
-            target_dtype=torch.long,
-            leaf_modules=[n for n, _ in blocks] if granularity == "block" else [],
-            meta=meta,
-        )
     return ModelSpec(
         name=name,
-        blocks=blocks,
+        build=partial(_tied_model if tie_embeddings else sequential, blocks),
         loss_fn=causal_lm_loss,
         input_shape=(seq_len,),
+        input_dtype=torch.long,
         target_shape=(seq_len,),
-        meta=meta,
+        target_dtype=torch.long,
+        leaf_modules=[n for n, _ in blocks] if granularity == "block" else [],
+        meta={"vocab_size": vocab_size, "seq_len": seq_len, "dim": dim},
     )
 
 
 class TiedGPT(nn.Sequential):
-    """The blocks in order, with the head's projection tied to the token embedding. Name-seeded
-    re-initialisation works in place on the one shared tensor, so the tie survives it."""
+    """The blocks in order, with the head's projection tied to the token embedding. The tied tensor
+    is initialised by its first owner (`embed.tokens`, the canonical name) and the head's init after
+    it writes it again: every rank and the reference apply the same rule, so they agree."""
 
     def tie(self) -> None:
         self.head.proj.weight = self.embed.tokens.weight
 
 
-def _sequential_model(blocks) -> nn.Module:
+def sequential(blocks) -> nn.Module:
+    """A chain of named blocks: the model whose leaf modules are its blocks."""
     return nn.Sequential(OrderedDict((n, f()) for n, f in blocks))
 
 

@@ -7,8 +7,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from models.base import ModelSpec, causal_lm_loss
-from models.gpt import Embedding, LMHead
+from models.gpt import Embedding, LMHead, sequential
+from models.spec import ModelSpec, causal_lm_loss
 
 
 class ResidualMLP(nn.Module):
@@ -29,9 +29,10 @@ def mlp(vocab_size: int = 256, dim: int = 64, hidden: int = 256, layers: int = 6
     blocks.append(("head", partial(LMHead, dim, vocab_size)))
     return ModelSpec(
         name="mlp",
-        blocks=blocks,
+        build=partial(sequential, blocks),
         loss_fn=causal_lm_loss,
         input_shape=(seq_len,),
         target_shape=(seq_len,),
+        leaf_modules=[n for n, _ in blocks],
         meta={"vocab_size": vocab_size, "seq_len": seq_len, "dim": dim},
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.graph_spec import GraphModelSpec
+from models.spec import ModelSpec
 
 
 class ResidualBlock(nn.Module):
@@ -65,7 +65,7 @@ def resnet(
     in_channels: int = 3,
     name: str = "resnet",
     task: str = "classification",
-) -> GraphModelSpec:
+) -> ModelSpec:
     """Classifier spec; leaf modules are the stem, each residual block and the head."""
     widths = tuple(widths)
 
@@ -73,7 +73,7 @@ def resnet(
         return ResNet(in_channels, num_classes, widths, depth)
 
     leaves = ["stem"] + [f"layers.{i}" for i in range(len(widths) * depth)] + ["fc"]
-    return GraphModelSpec(
+    return ModelSpec(
         name=name,
         build=build,
         loss_fn=nn.functional.cross_entropy,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.graph_spec import GraphModelSpec
+from models.spec import ModelSpec
 
 
 class ConvBlock(nn.Module):
@@ -76,7 +76,7 @@ def unet(
     out_channels: int = 3,
     name: str = "unet",
     task: str = "regression",
-) -> GraphModelSpec:
+) -> ModelSpec:
     """Image-to-image regression (MSE). Leaf modules are the conv blocks, ups and head."""
     if image_size % 2**levels:
         raise ValueError(f"model.image_size={image_size} must be divisible by 2**levels={2**levels}")
@@ -86,7 +86,7 @@ def unet(
 
     leaves = [f"encoders.{i}" for i in range(levels)] + ["bottleneck"]
     leaves += [f"ups.{i}" for i in range(levels)] + [f"decoders.{i}" for i in range(levels)] + ["head"]
-    return GraphModelSpec(
+    return ModelSpec(
         name=name,
         build=build,
         loss_fn=nn.functional.mse_loss,

@@ -1,4 +1,4 @@
-"""Cost models for the simulator, from a block profile (before a run) or from a run's own events.
+"""Cost models for the simulator, from the plan's profile (before a run) or from a run's own events.
 
 Both give per-stage F, I, W and recompute times plus activation and transfer bytes, so the same
 simulator predicts a run before it starts and explains it afterwards.
@@ -10,31 +10,21 @@ import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 
-from pipeline.graph.profile import BlockCost
-from pipeline.plan import Plan, split_backward_cost
+from pipeline.plan import Plan
 from pipeline.simulate import CostModel
 
 #: share of a measured backward that is weight-gradient work when only B was timed.
 DEFAULT_WEIGHT_SHARE = 0.5
 
 
-def cost_model_from_blocks(
-    plan: Plan, blocks: Sequence[BlockCost], latency_s: float, bandwidth: float
-) -> CostModel:
-    """Sum each stage's block costs; the backward is split I/W by DEFAULT_WEIGHT_SHARE."""
-    by_name = {b.name: b for b in blocks}
-    fwd, bwd_i, act, inp, out = [], [], [], [], []
-    for stage in plan.stages:
-        costs = [by_name[name] for name in stage.blocks]
-        f = sum(c.forward_s for c in costs)
-        b = sum(c.backward_s for c in costs)
-        fwd.append(f)
-        bwd_i.append(b)  # split below, stage 0 included
-        act.append(float(sum(c.activation_bytes for c in costs)))
-        inp.append(float(stage.recv_bytes))
-        out.append(float(stage.send_bytes))
-    bwd_i, bwd_w = split_backward_cost(bwd_i, DEFAULT_WEIGHT_SHARE)
-    return CostModel(fwd, bwd_i, bwd_w, None, act, inp, out, latency_s, bandwidth)
+def split_backward_cost(backward_s: Sequence[float], weight_share: float = DEFAULT_WEIGHT_SHARE) -> tuple[list[float], list[float]]:
+    """(I, W) per stage from measured backward times. Stage 0 reads only the data, so it has no
+    input gradient: its I is free and its W is the whole backward."""
+    w = [b * weight_share for b in backward_s]
+    i = [b - x for b, x in zip(backward_s, w, strict=True)]
+    if backward_s:
+        i[0], w[0] = 0.0, float(backward_s[0])
+    return i, w
 
 
 def cost_model_from_events(
@@ -72,7 +62,7 @@ def cost_model_from_events(
 
 
 def cost_model_from_plan(plan: Plan, latency_s: float, bandwidth: float) -> CostModel:
-    """Graph-path plans carry per-stage forward/backward sums of their profiled nodes."""
+    """A profiled plan carries the per-stage forward/backward sums of its nodes."""
     fwd = list(plan.meta["stage_forward_s"])
     bwd_i, bwd_w = split_backward_cost(plan.meta["stage_backward_s"], DEFAULT_WEIGHT_SHARE)
     act = [float(a) for a in plan.meta["partition"]["stage_activation_bytes"]]

@@ -1,16 +1,44 @@
-"""Weight initialisation that depends only on the seed and each parameter's name.
+"""Initial weights that depend only on the seed and each tensor's fully-qualified name.
 
 Why: every rank materialises only its own stages, yet a pipeline run must start from exactly the
-weights a single-process run starts from. Seeding each submodule's `reset_parameters` from
-(seed, fully-qualified module name) makes the result independent of which rank builds what.
+weights a single-process run starts from, whatever the split, the placement or the dp degree.
+
+The rule, applied to a model whose tensors are partly real and partly on the meta device (a rank
+holds its stages' tensors for real; the single-process reference holds all of them):
+
+1. every module with a `reset_parameters()` runs it, seeded by (seed, its qualified name);
+2. then, if the model family has its own per-module initialiser (transformers' `_init_weights`),
+   it runs on every module, children before parents as `nn.Module.apply` does, seeded by
+   (seed, "family:" + qualified name). It may write a descendant's tensors (GPT-2 rescales its
+   `c_proj` weights from the attention module); meta tensors absorb writes at no cost;
+3. every real tensor that neither wrote (a bare `nn.Parameter` in a module without
+   `reset_parameters`, a buffer no initialiser knows) is filled by `fallback_fill`, seeded by
+   (seed, "fallback:" + its name): floating tensors of 2+ dimensions from N(0, 0.02²) (the
+   transformer convention), 1-D floating tensors named `weight`, `scale`, `gamma` or `gain` with
+   ones (a norm's gain), everything else with zeros.
+
+Modules whose tensors are all on the meta device are skipped, so a rank pays only for its own
+stages. Initialisers run on the CPU generator whatever the device, so a tensor's value does not
+depend on where it lives. A value is the same on every rank as long as each initialiser call that
+draws random numbers into several tensors draws into tensors of one stage: leaf modules are never
+cut, so this holds whenever a module's parameters sit inside one leaf (the default for every model
+family here); a module whose own tensors are split across stages is completed temporarily so its
+draws happen in the same order.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: 1-D floating tensors with these (last) names start at one: the gain of a norm.
+GAIN_NAMES = ("weight", "scale", "gamma", "gain")
+FALLBACK_STD = 0.02
 
 
 def name_seed(seed: int, name: str) -> int:
@@ -19,22 +47,129 @@ def name_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-@torch.no_grad()
-def init_by_name(module: nn.Module, seed: int, prefix: str = "") -> nn.Module:
-    """Re-initialise every submodule that owns parameters, seeded by its qualified name.
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of a tensor's storage: shared by its views and `.data`, distinct per meta tensor too."""
+    return t.untyped_storage()._cdata
 
-    `prefix` is the module's own qualified name inside the full model, so that a stage holding
-    `blocks.3` initialises it exactly as the full model would.
-    """
-    for name, sub in module.named_modules():
-        reset = getattr(sub, "reset_parameters", None)
-        if reset is None or not any(True for _ in sub.parameters(recurse=False)):
-            continue
-        qualified = ".".join(p for p in (prefix, name) if p)
-        gen_state = torch.random.get_rng_state()
-        try:
-            torch.manual_seed(name_seed(seed, qualified))
-            reset()
-        finally:
-            torch.random.set_rng_state(gen_state)
-    return module
+
+class _WriteLog(TorchDispatchMode):
+    """Records the storages every in-place op writes while initialisers run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                t = args[i] if i < len(args) else kwargs.get(arg.name)
+                if isinstance(t, torch.Tensor):
+                    self.written.add(storage_key(t))
+        return func(*args, **kwargs)
+
+
+def _is_real(t: torch.Tensor | None) -> bool:
+    return t is not None and t.device.type != "meta"
+
+
+def _direct(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(n, t) for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None]
+
+
+@contextmanager
+def _seeded(seed: int, name: str) -> Iterator[None]:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(name_seed(seed, name))
+        yield
+
+
+@contextmanager
+def _completed(module: nn.Module) -> Iterator[None]:
+    """Give a module whose own tensors are partly real temporary CPU copies of the meta ones, so
+    its initialiser draws in the same order as on a fully real module; put the meta ones back."""
+    own = _direct(module)
+    swapped = []
+    if any(_is_real(t) for _, t in own):
+        for name, t in own:
+            if not _is_real(t):
+                store = module._parameters if name in module._parameters else module._buffers
+                swapped.append((store, name, t))
+                store[name] = torch.empty_like(t, device="cpu")
+    try:
+        yield
+    finally:
+        for store, name, t in swapped:
+            store[name] = t
+
+
+def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    for name, child in module.named_children():
+        yield from _post_order(child, f"{prefix}.{name}" if prefix else name)
+    yield prefix, module
+
+
+def _has_real(module: nn.Module) -> bool:
+    return any(_is_real(t) for t in [*module.parameters(), *module.buffers()])
+
+
+def fallback_fill(t: torch.Tensor, name: str, seed: int) -> None:
+    """The documented value of a tensor that no initialiser writes (see the module docstring)."""
+    if t.is_floating_point() and t.dim() >= 2:
+        gen = torch.Generator().manual_seed(name_seed(seed, f"fallback:{name}"))
+        t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32) * FALLBACK_STD)
+    elif t.is_floating_point() and name.rsplit(".", 1)[-1] in GAIN_NAMES:
+        t.fill_(1.0)
+    else:
+        t.zero_()
+
+
+@torch.no_grad()
+def init_by_name(root: nn.Module, seed: int, family_init=None) -> list[str]:
+    """Initialise every real tensor of `root` by the rule above; returns the names that got the
+    fallback. `root` is the whole model (tensors outside this process's stages on the meta device)."""
+    modules = list(root.named_modules())
+    log = _WriteLog()
+    with log:
+        for name, sub in modules:
+            reset = getattr(sub, "reset_parameters", None)
+            if callable(reset) and any(_is_real(t) for _, t in _direct(sub)):
+                with _completed(sub), _seeded(seed, name):
+                    reset()
+        if family_init is not None:
+            for name, sub in _post_order(root):
+                if _has_real(sub):
+                    with _completed(sub), _seeded(seed, f"family:{name}"):
+                        family_init(root, sub)
+    fell_back = []
+    seen: set[int] = set()
+    for name, t in [*root.named_parameters(), *root.named_buffers()]:
+        if _is_real(t) and id(t) not in seen:
+            seen.add(id(t))
+            if storage_key(t) not in log.written:
+                fallback_fill(t, name, seed)
+                fell_back.append(name)
+    return fell_back
+
+
+def uncovered_tensors(meta_model: nn.Module, family_init=None) -> list[str]:
+    """Names of the tensors no initialiser writes, found on the meta model without materialising
+    anything (the launcher warns about them: they get `fallback_fill`)."""
+    log = _WriteLog()
+    with torch.no_grad(), log:
+        for name, sub in meta_model.named_modules():
+            reset = getattr(sub, "reset_parameters", None)
+            if callable(reset) and _direct(sub):
+                with _seeded(0, name):
+                    reset()
+        if family_init is not None:
+            for _, sub in _post_order(meta_model):
+                family_init(meta_model, sub)
+    seen: set[int] = set()
+    out = []
+    for name, t in [*meta_model.named_parameters(), *meta_model.named_buffers()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            if storage_key(t) not in log.written:
+                out.append(name)
+    return out

@@ -88,3 +88,30 @@ def classify(placement: Sequence[int]) -> str:
     if len(placement) % (2 * pp) == 0 and placement == wave(pp, len(placement) // (2 * pp)):
         return "v"
     return "explicit"
+
+
+# -- the plug-ins `conf/placement/*.yaml` name: placement(pp, schedule, **options) -> stage ranks --
+
+
+def place_auto(pp: int, schedule) -> list[int]:
+    """Whatever the schedule wants: linear for gpipe/1f1b, round-robin for interleaved, V for zbv."""
+    return from_kind(schedule.default_placement, pp, schedule.stages_per_rank())
+
+
+def place_linear(pp: int, schedule) -> list[int]:
+    return from_kind("linear", pp, schedule.stages_per_rank())
+
+
+def place_interleaved(pp: int, schedule) -> list[int]:
+    return from_kind("interleaved", pp, schedule.stages_per_rank())
+
+
+def place_v(pp: int, schedule) -> list[int]:
+    return from_kind("v", pp, schedule.stages_per_rank())
+
+
+def place_explicit(pp: int, schedule, ranks: Sequence[int] | str | None = None) -> list[int]:
+    """The user's own stage -> rank list, e.g. `placement=explicit 'placement.ranks=[0,1,1,0]'`."""
+    if not isinstance(ranks, (list, tuple)) or not ranks:
+        raise ConfigError("placement.ranks", "placement=explicit needs a list of ranks, e.g. 'placement.ranks=[0,1,1,0]'")
+    return check_explicit(ranks, pp)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from hydra.utils import instantiate
 
-from models.base import ModelSpec
+from models.spec import ModelSpec
 
 
 def reference_run(cfg: dict, capture_state: bool = True) -> dict:

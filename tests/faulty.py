@@ -1,11 +1,12 @@
-"""A model whose named block raises in its forward: to test that one failing rank stops the job."""
+"""A model whose named block raises in its forward on real data: to test that one failing rank
+stops the job (planning traces it on the meta device, where it passes through)."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from models.base import ModelSpec
 from models.gpt import gpt
+from models.spec import ModelSpec
 
 
 class Explode(nn.Module):
@@ -14,10 +15,19 @@ class Explode(nn.Module):
         self.inner = inner
 
     def forward(self, x):
+        if x.device.type == "meta":
+            return self.inner(x)
         raise RuntimeError("deliberate failure injected by tests.faulty")
 
 
 def faulty_gpt(fail_block: str = "layer5", **kwargs) -> ModelSpec:
     spec = gpt(**kwargs)
-    spec.blocks = [(n, (lambda f=f: Explode(f())) if n == fail_block else f) for n, f in spec.blocks]
+    build = spec.build
+
+    def build_faulty() -> nn.Module:
+        model = build()
+        setattr(model, fail_block, Explode(getattr(model, fail_block)))
+        return model
+
+    spec.build = build_faulty
     return spec

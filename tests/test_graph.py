@@ -11,7 +11,8 @@ from models.gpt import gpt
 from models.resnet import resnet
 from models.unet import unet
 from pipeline.errors import ConfigError
-from pipeline.graph import TraceError, chain_graph, profile_blocks, profile_graph, trace_model
+from pipeline.graph.profile import profile_graph
+from pipeline.graph.trace import TraceError, trace_model
 from pipeline.partition import balanced, manual, milp_partition, uniform, validate_assignment
 
 
@@ -133,16 +134,24 @@ def test_profile_fields(tmp_path, monkeypatch) -> None:
     assert len(list(tmp_path.glob("*.json"))) == 2
 
 
-def test_profile_blocks_chain_works_with_every_partitioner(tmp_path, monkeypatch) -> None:
+def test_chain_traced_on_meta_and_profiled_leaf_by_leaf_works_with_every_partitioner(tmp_path, monkeypatch) -> None:
+    """A chain of blocks is a graph whose leaves are its blocks: traced on the meta device (no
+    weights), profiled one materialised block at a time, the loss charged to the head."""
     monkeypatch.setenv("PIPELAUNCH_CACHE", str(tmp_path))
     spec = gpt(layers=4, dim=32, heads=2, seq_len=16, vocab_size=64)
-    blocks = profile_blocks(spec, micro_batch_size=2, seed=0, repeats=2)
-    assert [b.name for b in blocks] == spec.block_names
-    for b in blocks:
-        assert b.forward_s > 0 and b.backward_s > 0 and b.param_bytes > 0 and b.activation_bytes > 0
-        assert b.output_bytes > 0
-    assert profile_blocks(spec, micro_batch_size=2, seed=0, repeats=2) == blocks  # cached
-    g = chain_graph(blocks)
+    traced = trace_model(spec.build_meta(), spec.meta_input(2), spec.leaf_modules)
+    assert all(p.device.type == "meta" for p in traced.gm.parameters())
+    g = traced.graph
+    assert list(g.nodes) == ["embed", "layer0", "layer1", "layer2", "layer3", "head"]
+    x, y = spec.example_batch(2)
+    profile_graph(traced, (x,), repeats=2, model_config={"test": "chain"}, loss=(spec.loss_fn, y))
+    for name, d in g.nodes(data=True):
+        assert d["forward_s"] > 0 and d["backward_s"] > 0 and d["param_bytes"] > 0, name
+        assert d["activation_bytes"] > 0 and d["output_bytes"] > 0, name
+    assert all(p.device.type == "meta" for p in traced.gm.parameters())  # profiling materialised copies only
+    again = trace_model(spec.build_meta(), spec.meta_input(2), spec.leaf_modules)
+    profile_graph(again, (x,), repeats=2, model_config={"test": "chain"}, loss=(spec.loss_fn, y))
+    assert again.graph.graph["profile_cached"] is True
     for part in (
         uniform(g, 3),
         balanced(g, 3),

@@ -103,3 +103,30 @@ def test_tied_weights_on_one_rank_and_skips_with_zero_bubble(tmp_path) -> None:
     ]
     results = run_jobs([cfg for _, cfg in cases], tmp_path / "logs")
     _assert_all_match_single_process(cases, results)
+
+
+def _ecosystem(factory: str, base: list[str], **model) -> dict:
+    cfg = compose_cfg([*base, "batch_size=16", "steps=3", "warmup_steps=0", "optimizer=sgd", "timeout_s=90",
+                       "threads=1", "microbatches=4", "pp=2"])
+    cfg["model"] = {"_target_": f"tests.ecosystem_models.{factory}", **model}
+    return cfg
+
+
+@pytest.mark.timeout(400)
+def test_models_users_bring_match_single_process(tmp_path) -> None:
+    """The two reported bugs (a transformers GPT-2 cut by milp under zbv: a bool attention mask
+    crossing ranks; a diffusers UNet2DModel cut by balanced under zbv: torch's CPU group-norm
+    weight-only backward on channels-last input), and a model whose blocks have no
+    reset_parameters. Each rank materialises only its own stages; no manual seeding anywhere."""
+    gpt2 = ["model.vocab_size=64", "model.seq_len=16"]
+    unet = ["data=images", "model=unet", "model.image_size=8"]
+    cases = [
+        ("hf gpt2 milp zbv", _ecosystem("gpt2", [*gpt2, "partitioner=milp", "scheduler=zbv"], vocab_size=64, seq_len=16)),
+        ("hf gpt2 uniform 1f1b", _ecosystem("gpt2", [*gpt2, "scheduler=1f1b"], vocab_size=64, seq_len=16)),
+        ("diffusers unet balanced zbv", _ecosystem("unet2d", [*unet, "partitioner=balanced", "scheduler=zbv"],
+                                                   image_size=8)),
+        ("bare params balanced zbv", _ecosystem("bare", ["model.vocab_size=64", "model.seq_len=8", "partitioner=balanced",
+                                                         "scheduler=zbv"], vocab_size=64, seq_len=8)),
+    ]
+    results = run_jobs([cfg for _, cfg in cases], tmp_path / "logs")
+    _assert_all_match_single_process(cases, results)

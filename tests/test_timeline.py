@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 from pipeline.placement import linear, v_shape
+from pipeline.report.timeline import draw_timeline, write_chrome_trace
 from pipeline.schedules import build_schedule
 from pipeline.schedules.one_f_one_b import OneFOneB
 from pipeline.schedules.zbv import ZBV
 from pipeline.simulate import CostModel, simulate
-from pipeline.timeline import draw_timeline, write_chrome_trace
 
 
 def _events():

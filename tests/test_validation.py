@@ -9,6 +9,7 @@ import pytest
 
 from launcher.validate import prepare
 from pipeline.errors import ConfigError
+from pipeline.report.tables import stage_table
 from tests.harness import FAST, ROOT, compose_cfg
 
 
@@ -24,7 +25,7 @@ def _error(overrides: list[str]) -> ConfigError:
         (["pp=0"], "pp", ">= 1"),
         (["dp=0"], "dp", ">= 1"),
         (["batch_size=10", "dp=2", "microbatches=4"], "batch_size", "not divisible by dp x microbatches"),
-        (["pp=16", "scheduler=gpipe"], "pp", "at least 16 blocks"),
+        (["pp=16", "scheduler=gpipe"], "pp", "need at least 16 graph nodes"),
         (["scheduler=1f1b", "pp=4", "microbatches=2"], "microbatches", "microbatches >= 4"),
         (["placement=explicit", "placement.ranks=[0,1,1]", "pp=2", "scheduler=1f1b"], "placement", "cannot run"),
         (["placement=explicit", "placement.ranks=[0,2,1,0]", "pp=2", "scheduler=gpipe"], "placement.ranks", "outside 0..1"),
@@ -33,7 +34,7 @@ def _error(overrides: list[str]) -> ConfigError:
         (["remat=some"], "remat", "none, full"),
         (["partitioner=manual", "partitioner.split_points=[nope]", "pp=2"], "partitioner.split_points", "valid names"),
         (["partitioner=manual", "partitioner.split_points=[layer2,layer4]", "pp=2"], "partitioner.split_points",
-         "give 1 split points"),
+         "need 1 split points"),
     ],
 )
 def test_bad_config_is_rejected_with_a_clear_message(overrides, key, fragment) -> None:
@@ -100,7 +101,7 @@ def test_budget_makes_room_for_the_schedules_own_in_flight_microbatches() -> Non
     plan = prepare(compose_cfg([*FAST, *base, "scheduler=1f1b", f"memory.cap_bytes={cap}"])).plan
     assert plan.meta["partition"]["stage_in_flight"] == [4, 3, 2, 1]
     assert max(plan.meta["partition"]["stage_memory_bytes"]) <= cap
-    rows = plan.stage_table().splitlines()[1:5]  # the stage table shows the counts the budget used
+    rows = stage_table(plan).splitlines()[1:5]  # the stage table shows the counts the budget used
     assert [int(row.split()[7]) for row in rows] == [4, 3, 2, 1]
     assert _error([*base, "scheduler=gpipe", f"memory.cap_bytes={cap}"]).key == "memory.cap_bytes"
 
@@ -111,7 +112,7 @@ def test_final_schedule_order_over_the_budget_is_refused_with_its_stage_and_coun
     from pipeline.partition import evaluate
     from pipeline.partition.common import assignment_from_order, chain
     from pipeline.placement import linear
-    from pipeline.plan import check_schedule_memory
+    from pipeline.planner.budget import check_schedule_memory
     from pipeline.schedules import build_schedule
     from pipeline.schedules.gpipe import GPipe
 
@@ -132,7 +133,7 @@ def test_remat_full_budget_prices_the_inputs_kept_for_recomputation() -> None:
     from pipeline.partition import evaluate
     from pipeline.partition.common import assignment_from_order, chain
     from pipeline.placement import linear
-    from pipeline.plan import check_schedule_memory
+    from pipeline.planner.budget import check_schedule_memory
     from pipeline.schedules import build_schedule
     from pipeline.schedules.one_f_one_b import OneFOneB
 

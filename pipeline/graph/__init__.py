@@ -1,19 +1,3 @@
-"""Tracing, profiling and splitting: from an nn.Module to a cost-annotated DAG and stage modules."""
-
-from pipeline.graph.profile import BlockCost, chain_graph, profile_blocks, profile_graph
-from pipeline.graph.split import SplitModel, StageIO, run_stages, split_model
-from pipeline.graph.trace import TracedModel, TraceError, trace_model
-
-__all__ = [
-    "BlockCost",
-    "SplitModel",
-    "StageIO",
-    "TraceError",
-    "TracedModel",
-    "chain_graph",
-    "profile_blocks",
-    "profile_graph",
-    "run_stages",
-    "split_model",
-    "trace_model",
-]
+"""Tracing (meta device), per-leaf profiling and stage splitting: from an nn.Module to a
+cost-annotated DAG and stage modules. Import the submodules directly: a rank needs `trace` and
+`split` to build its stages, never the profiler."""

@@ -5,6 +5,9 @@ between ops (an embedding's backward is a scatter, a LayerNorm's is cheaper than
 partitioner's balance is only as good as these numbers. Each node's op is re-run in isolation on the
 inputs it saw during one real forward pass, with autograd on, and its backward is timed on its own.
 
+The model may live on the meta device: each node runs on real inputs with only the module it calls
+materialised for it, so profiling never holds the model's weights.
+
 Activation bytes are the tensors autograd saves for backward (seen through saved_tensors_hooks),
 excluding parameters. A tensor saved by two consumer nodes is counted by both: a small overestimate
 that keeps the numbers per-node and additive.
@@ -12,13 +15,13 @@ that keeps the numbers per-node and additive.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,22 +29,10 @@ import networkx as nx
 import torch
 from torch import fx, nn
 
-from pipeline.graph.trace import COMPUTE_OPS, TracedModel
+from pipeline.graph.trace import COMPUTE_OPS, TracedModel, retarget
 
 PROFILE_FIELDS = ("forward_s", "backward_s", "activation_bytes", "output_bytes", "param_bytes")
 MIN_TIME_S = 1e-7  # a measured op never reports zero: it at least paid the Python call
-
-
-@dataclass
-class BlockCost:
-    """Measured cost of one block of a sequential ModelSpec (the last block includes the loss)."""
-
-    name: str
-    forward_s: float
-    backward_s: float
-    activation_bytes: int
-    output_bytes: int
-    param_bytes: int
 
 
 # ---------------------------------------------------------------------------------------------- cache
@@ -205,40 +196,59 @@ def _measure(
     }
 
 
-class _Recorder(fx.Interpreter):
-    """Runs the graph once and remembers every compute node's concrete args and kwargs."""
-
-    def __init__(self, gm: fx.GraphModule) -> None:
-        super().__init__(gm)
-        self.records: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
-
-    def run_node(self, n: fx.Node) -> Any:
-        if n.op in COMPUTE_OPS:
-            args, kwargs = self.fetch_args_kwargs_from_env(n)
-            self.records[n.name] = (args, kwargs)
-        return super().run_node(n)
-
-
-def _node_callable(gm: fx.GraphModule, node: fx.Node) -> tuple[Callable[..., Any], list[torch.Tensor]]:
+def _node_callable(gm: fx.GraphModule, node: fx.Node, module: nn.Module | None) -> tuple[Callable[..., Any], list[torch.Tensor]]:
     if node.op == "call_module":
-        sub = gm.get_submodule(node.target)
-        return sub, list(sub.parameters())
+        assert module is not None
+        return module, list(module.parameters())
     if node.op == "call_method":
         return (lambda self_, *a, **k: getattr(self_, node.target)(*a, **k)), []
     return node.target, []
 
 
-def _graph_params(gm: fx.GraphModule, node: fx.Node) -> list[torch.Tensor]:
-    """Parameters reaching a node through get_attr inputs (they must stay leaves, not copies)."""
-    out = []
-    for inp in node.all_input_nodes:
-        if inp.op == "get_attr":
-            obj: Any = gm
-            for part in inp.target.split("."):
-                obj = getattr(obj, part)
-            if isinstance(obj, torch.Tensor):
-                out.append(obj)
-    return out
+def _real_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A stand-in for a parameter or buffer read by `get_attr`: only its shape matters for timing."""
+    if t.is_floating_point():
+        real = torch.randn(t.shape, dtype=t.dtype, device=device) * 0.02
+    else:
+        real = torch.zeros(t.shape, dtype=t.dtype, device=device)
+    return nn.Parameter(real, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else real
+
+
+class _LeafwiseProfiler(fx.Interpreter):
+    """Runs a meta-device graph on one real micro-batch, node by node. Each module a node calls is
+    materialised just for that node (a copy, initialised), measured, and dropped; each parameter a
+    `get_attr` reads lives until its last reader. So the peak is one leaf's weights plus the
+    activations still needed, never the model."""
+
+    def __init__(self, gm: fx.GraphModule, device: torch.device, repeats: int, seed: int) -> None:
+        super().__init__(gm)
+        self.device, self.repeats, self.seed = device, repeats, seed
+        self.results: dict[str, dict[str, Any]] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op == "get_attr":
+            return _real_like(_fetch(self.module, n.target), self.device)
+        if n.op not in COMPUTE_OPS:
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        module = None
+        if n.op == "call_module":
+            from pipeline.materialize import materialize
+
+            module = copy.deepcopy(self.module.get_submodule(n.target))
+            materialize(module, self.seed, self.device)
+        fn, params = _node_callable(self.module, n, module)
+        params = params + [a for a in _tensors([args, kwargs]) if isinstance(a, nn.Parameter)]
+        self.results[n.name] = measure_op(fn, args, kwargs, params, self.device, self.repeats)
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+
+
+def _fetch(gm: nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def _apply(graph: nx.DiGraph, nodes: Mapping[str, Mapping[str, Any]]) -> None:
@@ -256,16 +266,21 @@ def profile_graph(
     repeats: int = 5,
     model_config: Mapping[str, Any] | None = None,
     use_cache: bool = True,
+    loss: tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], torch.Tensor] | None = None,
+    seed: int = 0,
 ) -> None:
     """Annotate every cost-graph node with forward_s, backward_s, activation/output/param bytes.
 
-    `example_inputs` is one micro-batch. With `model_config` (the config dict that built the model)
-    the result is cached under `cache_dir()`, so a sweep profiles each model/shape/device once;
-    `traced.graph.graph["profile_cached"]` says whether this call was a cache hit.
+    `traced` may live on the meta device: each node is measured on real inputs with only the
+    module it calls materialised (`_LeafwiseProfiler`). `example_inputs` is one real micro-batch.
+    With `loss = (loss_fn, target)` the loss is measured too and charged to the node producing the
+    model output, since the last stage pays for it. With `model_config` (the config dict that built
+    the model) the result is cached under `cache_dir()`, so a sweep profiles each
+    model/shape/device once; `traced.graph.graph["profile_cached"]` says whether this call hit.
     """
     device = torch.device(device)
     args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    key = profile_key(model_config, args, device) if model_config is not None else None
+    key = profile_key({"model": model_config, "loss": loss is not None}, args, device) if model_config is not None else None
     if key and use_cache:
         cached = load_cached(key)
         if cached is not None and set(cached.get("nodes", {})) == set(traced.graph.nodes):
@@ -273,134 +288,22 @@ def profile_graph(
             traced.graph.graph["profile_cached"] = True
             return
 
-    gm = traced.gm
-    first = next(iter(gm.parameters()), None)
-    if first is not None and first.device != device:
-        import copy
-
-        gm = copy.deepcopy(gm).to(device)
     args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
-    recorder = _Recorder(gm)
-    with torch.no_grad():
-        recorder.run(*args)
-
-    by_name = {n.name: n for n in gm.graph.nodes}
-    results: dict[str, dict[str, Any]] = {}
+    retarget(traced.gm, device)
+    runner = _LeafwiseProfiler(traced.gm, device, repeats, seed)
+    out = runner.run(*args)
+    results = runner.results
+    if loss is not None and traced.graph.graph.get("outputs"):
+        loss_fn, target = loss
+        (value,) = [t for t in _tensors(out)][:1] or [None]
+        producer = traced.graph.graph["outputs"][0]
+        if value is not None and producer in results:
+            stats = measure_op(lambda x: loss_fn(x, target.to(device)), (value,), {}, [], device, repeats)
+            for k in ("forward_s", "backward_s", "activation_bytes"):
+                results[producer][k] += stats[k]
     for name in traced.graph.nodes:
-        node = by_name[name]
-        fn, params = _node_callable(gm, node)
-        params = params + _graph_params(gm, node)
-        rec_args, rec_kwargs = recorder.records[name]
-        stats: dict[str, Any] = measure_op(fn, rec_args, rec_kwargs, params, device, repeats)
-        stats["param_bytes"] = traced.graph.nodes[name]["param_bytes"]
-        results[name] = stats
+        results[name]["param_bytes"] = traced.graph.nodes[name]["param_bytes"]
     _apply(traced.graph, results)
     traced.graph.graph["profile_cached"] = False
     if key and use_cache:
         save_cached(key, {"nodes": results, "torch": torch.__version__, "device": str(device)})
-
-
-# ------------------------------------------------------------------------------------ block profile
-
-
-def _example_input(spec: Any, batch: int, device: torch.device, gen: torch.Generator) -> torch.Tensor:
-    shape = (batch, *spec.input_shape)
-    if spec.input_dtype.is_floating_point:
-        return torch.randn(shape, generator=gen).to(device=device, dtype=spec.input_dtype)
-    high = int(spec.meta.get("vocab_size", 2))
-    return torch.randint(0, high, shape, generator=gen).to(device=device, dtype=spec.input_dtype)
-
-
-def _example_target(spec: Any, batch: int, device: torch.device, gen: torch.Generator) -> torch.Tensor:
-    shape = (batch, *spec.target_shape)
-    if spec.target_dtype.is_floating_point:
-        return torch.randn(shape, generator=gen).to(device=device, dtype=spec.target_dtype)
-    high = int(spec.meta.get("vocab_size", spec.meta.get("num_classes", 2)))
-    return torch.randint(0, high, shape, generator=gen).to(device=device, dtype=spec.target_dtype)
-
-
-def profile_blocks(
-    spec: Any,
-    micro_batch_size: int,
-    seed: int = 0,
-    device: str | torch.device = "cpu",
-    repeats: int = 5,
-    model_config: Mapping[str, Any] | None = None,
-    use_cache: bool = True,
-) -> list[BlockCost]:
-    """Per-block costs of a sequential `models.base.ModelSpec`, one micro-batch, cached like nodes.
-
-    The loss is measured as part of the last block, because that is the stage that pays for it.
-    """
-    device = torch.device(device)
-    gen = torch.Generator().manual_seed(seed)
-    x = _example_input(spec, micro_batch_size, device, gen)
-    target = _example_target(spec, micro_batch_size, device, gen)
-    config = (
-        dict(model_config)
-        if model_config is not None
-        else {
-            "name": spec.name,
-            "blocks": spec.block_names,
-            "meta": spec.meta,
-            "input_shape": list(spec.input_shape),
-        }
-    )
-    key = profile_key({"blocks": config}, [x, target], device)
-    if use_cache:
-        cached = load_cached(key)
-        if cached is not None and [b["name"] for b in cached.get("blocks", [])] == spec.block_names:
-            return [BlockCost(**b) for b in cached["blocks"]]
-
-    model = spec.build_full(seed, device)
-    costs: list[BlockCost] = []
-    names = spec.block_names
-    for i, name in enumerate(names):
-        block = getattr(model, name)
-        params = list(block.parameters())
-        fn: Callable[..., Any] = block
-        if i == len(names) - 1:
-
-            def fn(inp: torch.Tensor, _block: nn.Module = block) -> torch.Tensor:
-                return spec.loss_fn(_block(inp), target)
-
-        stats = measure_op(fn, (x,), {}, params, device, repeats)
-        costs.append(
-            BlockCost(
-                name=name,
-                forward_s=stats["forward_s"],
-                backward_s=stats["backward_s"],
-                activation_bytes=stats["activation_bytes"],
-                output_bytes=stats["output_bytes"],
-                param_bytes=sum(_nbytes(p) for p in params),
-            )
-        )
-        with torch.no_grad():
-            x = block(x)
-    if use_cache:
-        save_cached(key, {"blocks": [asdict(c) for c in costs]})
-    return costs
-
-
-def chain_graph(blocks: Sequence[BlockCost]) -> nx.DiGraph:
-    """A cost graph that is a simple chain of blocks, usable by every partitioner."""
-    g = nx.DiGraph()
-    sizes: dict[str, int] = {}
-    for i, b in enumerate(blocks):
-        g.add_node(
-            b.name,
-            op="block",
-            target=b.name,
-            module=b.name,
-            params=[b.name] if b.param_bytes else [],
-            order=i,
-            **{k: getattr(b, k) for k in PROFILE_FIELDS},
-        )
-        if b.param_bytes:
-            sizes[b.name] = b.param_bytes
-        if i:
-            prev = blocks[i - 1]
-            g.add_edge(prev.name, b.name, bytes=prev.output_bytes)
-    g.graph["param_sizes"] = sizes
-    g.graph["outputs"] = [blocks[-1].name] if blocks else []
-    return g

@@ -22,8 +22,8 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from pipeline.graph.assignment import validate_assignment
 from pipeline.graph.trace import COMPUTE_OPS, TracedModel
-from pipeline.partition.common import validate_assignment
 
 
 @dataclass

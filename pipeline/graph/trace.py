@@ -19,7 +19,8 @@ from typing import Any
 import networkx as nx
 import torch
 from torch import fx, nn
-from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata, _extract_tensor_metadata
 
 from pipeline.errors import ConfigError
 
@@ -102,15 +103,73 @@ def _fx_trace(module: nn.Module, leaf_modules: Sequence[str]) -> fx.GraphModule:
     return fx.GraphModule(tracer.root, graph, name)
 
 
+def _fake_on_cpu(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
+    fake = FakeTensor(mode, t, torch.device("cpu"))
+    return nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+
+
 def _export_trace(module: nn.Module, args: tuple[Any, ...]) -> tuple[fx.GraphModule, Any]:
-    ep = torch.export.export(module, args, strict=False)
+    """torch.export of a model whose tensors are on the meta device. Export runs on fake tensors
+    that claim to live on the CPU (a meta tensor plus a device), so constants the forward makes on
+    its input's device (diffusers' `torch.tensor([t], device=sample.device)`) keep their values; the
+    exported module is then pointed back at the model's own meta tensors, by name. Shapes come from
+    export's own `val` metadata, so nothing runs twice."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    swapped = []
+    for mod in module.modules():
+        for store in (mod._parameters, mod._buffers):
+            for key, t in list(store.items()):
+                if t is not None and t.device.type == "meta":
+                    swapped.append((store, key, t))
+                    store[key] = _fake_on_cpu(t, mode)
+    fake_args = tuple(FakeTensor(mode, a, torch.device("cpu")) if isinstance(a, torch.Tensor) and a.device.type == "meta"
+                      else a for a in args)
+    try:
+        ep = torch.export.export(module, fake_args, strict=False)
+    finally:
+        for store, key, t in swapped:
+            store[key] = t
     gm = ep.module(check_guards=False)
-    for node in list(gm.graph.nodes):  # guard-check stubs have no users and nothing to place
-        if node.op == "call_module" and node.target.startswith("_guards") and not node.users:
+    for path, sub in gm.named_modules():
+        for store in (sub._parameters, sub._buffers):
+            for key, t in list(store.items()):
+                if isinstance(t, FakeTensor):
+                    owner = module.get_submodule(path) if path else module
+                    store[key] = owner._parameters.get(key, owner._buffers.get(key))
+    for node in list(gm.graph.nodes):  # guard-check stubs and metadata asserts: no users, nothing to place
+        stub = node.op == "call_module" and node.target.startswith("_guards")
+        check = node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default
+        if (stub or check) and not node.users:
             gm.graph.erase_node(node)
+    for node in gm.graph.nodes:
+        if "val" in node.meta:
+            node.meta["tensor_meta"] = _metadata(node.meta["val"])
     gm.graph.lint()
     gm.recompile()
     return gm, getattr(gm, "_out_spec", None)
+
+
+def _metadata(val: Any) -> Any:
+    if isinstance(val, torch.Tensor):
+        return _extract_tensor_metadata(val)
+    if isinstance(val, (list, tuple)):
+        return type(val)(_metadata(v) for v in val) if not hasattr(val, "_fields") else None
+    return None
+
+
+def retarget(gm: fx.GraphModule, device: torch.device) -> None:
+    """Point every device an export trace baked into the graph (`arange(..., device=cpu)`: export
+    traces on the CPU) at `device`, the one the graph will really run on."""
+    def fix(arg: Any) -> Any:
+        return device if isinstance(arg, torch.device) and arg.type in ("meta", "cpu") and arg != device else arg
+
+    changed = False
+    for node in gm.graph.nodes:
+        args, kwargs = fx.node.map_aggregate(node.args, fix), fx.node.map_aggregate(node.kwargs, fix)
+        if args != node.args or kwargs != node.kwargs:
+            node.args, node.kwargs, changed = args, kwargs, True
+    if changed:
+        gm.recompile()
 
 
 def meta_bytes(meta: Any) -> int:
@@ -241,8 +300,9 @@ def trace_model(
             method = "export"
         except Exception as export_error:  # noqa: BLE001
             raise TraceError(label, fx_error, export_error) from export_error
-    with torch.no_grad():
-        ShapeProp(gm).propagate(*args)
+    if method == "fx":
+        with torch.no_grad():
+            ShapeProp(gm).propagate(*args)
     graph = build_cost_graph(gm)
     if graph.number_of_nodes() == 0:
         raise ConfigError("model", f"traced model {label!r} has no compute nodes to partition")

@@ -1,16 +1,14 @@
 """Partitioners: pure functions from a cost-annotated DAG and a stage count to a `Partition`."""
 
 from pipeline.partition.balanced import balanced, min_memory_cap
-from pipeline.partition.common import Partition, evaluate, lower_bound, validate_assignment
+from pipeline.partition.common import Partition, PartitionRequest, evaluate, lower_bound, validate_assignment
 from pipeline.partition.manual import manual
 from pipeline.partition.milp import coarsen, milp_partition
 from pipeline.partition.uniform import uniform
 
-PARTITIONERS = {"uniform": uniform, "balanced": balanced, "milp": milp_partition, "manual": manual}
-
 __all__ = [
-    "PARTITIONERS",
     "Partition",
+    "PartitionRequest",
     "balanced",
     "coarsen",
     "evaluate",

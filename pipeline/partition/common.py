@@ -22,6 +22,7 @@ from typing import Any
 import networkx as nx
 
 from pipeline.errors import ConfigError
+from pipeline.graph.assignment import validate_assignment
 
 DEFAULT_BANDWIDTH = 10e9  # bytes/s; a placeholder until the launcher passes a measured link speed
 MEMORY_KEY = "memory.cap_bytes"
@@ -70,6 +71,26 @@ class Partition:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable view, for plan.json."""
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class PartitionRequest:
+    """What a split is priced by, the same for every partitioner (see `pipeline.partition.plugins`).
+
+    `in_flight[s]`: micro-batches stage s holds at once under the schedule; `memory_cap`: bytes per
+    stage (None: no budget); `remat_in_flight[s]`: how many of them hold full activations on a stage
+    that recomputes (None: no stage may); `remat_all`: every stage recomputes (remat=full)."""
+
+    bandwidth: float
+    in_flight: list[int]
+    memory_cap: float | None = None
+    remat_in_flight: list[int] | None = None
+    remat_all: bool = False
+
+    def pricing(self) -> dict[str, Any]:
+        """Keyword arguments of `evaluate`."""
+        return {"bandwidth": self.bandwidth, "in_flight": self.in_flight, "memory_cap": self.memory_cap,
+                "remat_in_flight": self.remat_in_flight, "remat_all": self.remat_all}
 
 
 def stage_memory(
@@ -137,23 +158,6 @@ def check_stages(graph: nx.DiGraph, num_stages: int) -> None:
     n = graph.number_of_nodes()
     if num_stages < 1 or num_stages > n:
         raise ConfigError(STAGES_KEY, f"needs 1 <= stages <= {n} (nodes in the cost graph), got {num_stages}")
-
-
-def validate_assignment(graph: nx.DiGraph, assignment: Mapping[str, int], num_stages: int) -> None:
-    """Raise ValueError unless every node is in a stage 0..k-1, no stage is empty, and no edge goes back."""
-    missing = [n for n in graph.nodes if n not in assignment]
-    if missing:
-        raise ValueError(f"assignment misses {len(missing)} node(s), e.g. {missing[:5]}")
-    bad = {n: s for n, s in assignment.items() if not 0 <= s < num_stages}
-    if bad:
-        raise ValueError(f"stage indices outside 0..{num_stages - 1}: {dict(list(bad.items())[:5])}")
-    used = set(assignment.values())
-    if len(used) != num_stages:
-        raise ValueError(f"stages {sorted(set(range(num_stages)) - used)} are empty")
-    back = [(u, v) for u, v in graph.edges if assignment[u] > assignment[v]]
-    if back:
-        u, v = back[0]
-        raise ValueError(f"edge {u} -> {v} goes from stage {assignment[u]} back to stage {assignment[v]}")
 
 
 def evaluate(

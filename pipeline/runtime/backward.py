@@ -60,6 +60,21 @@ def _classify(root_fns: Sequence, leaf_ids: set[int], params_by_id: dict[int, nn
     return on_input, reach
 
 
+def _needs_input_grad(node) -> bool:
+    """Nodes that must not run with their input gradient left out, as W would run them.
+
+    torch's CPU group-norm backward on a channels-last input
+    (`GroupNormBackwardKernelImplChannelsLastInternal`, its H*W < 2048 branch) writes dX through a
+    null pointer when only dgamma/dbeta are requested (output_mask [False, True, True]): SIGSEGV.
+    Such an input follows e.g. an attention block whose `transpose(...).reshape(b, c, h, w)` output
+    has channels-last strides (diffusers' UNet2DModel mid-block).
+    """
+    if node.name() != "NativeGroupNormBackward0":
+        return False
+    x = node._saved_input
+    return x.device.type == "cpu" and not x.is_contiguous()
+
+
 def backward_input(
     roots: Sequence[torch.Tensor],
     root_grads: Sequence[torch.Tensor | None],
@@ -87,6 +102,10 @@ def backward_input(
         below = frozenset().union(*(reach[c] for c in _children(node) if not on_input[c]))
         if below:
             branches[node] = below
+    if any(_needs_input_grad(node) for node in branches):
+        # W would rerun such a node for its weights alone: run the whole backward now instead.
+        torch.autograd.backward(roots, root_grads)
+        return {n: x.grad for n, x in zip(names, xs, strict=True)}, WeightGradStash(params)
     all_below = [pid for below in branches.values() for pid in below]
     reached = set().union(*reach.values()) if reach else set()
     if len(all_below) != len(set(all_below)) or set(all_below) != (reached & set(params_by_id)):

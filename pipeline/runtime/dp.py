@@ -31,11 +31,9 @@ class SharedGrads:
     """
 
     def __init__(self, plan, ctx, slots) -> None:
-        from pipeline.graphplan import shared_param_ranks
-
         self.work: list[tuple[dist.ProcessGroup, list[torch.Tensor]]] = []
         by_ranks: dict[tuple[int, ...], list[str]] = {}
-        for name, ranks in sorted(shared_param_ranks(plan).items()):
+        for name, ranks in sorted(plan.shared_param_ranks().items()):
             by_ranks.setdefault(tuple(ranks), []).append(name)
         local = {}
         for slot in slots.values():

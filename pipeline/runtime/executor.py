@@ -166,7 +166,9 @@ class Executor:
             self._send_forward(action)
         elif kind is Kind.SEND_B:
             slot = self.slots[s]
-            for name, grad in self._grads_out.pop((s, mb)).items():
+            # nothing to send when every cross-rank input is non-differentiable (an integer or bool
+            # mask, say): lowering adds SEND_B per remote producer edge, whatever its dtype
+            for name, grad in self._grads_out.pop((s, mb), {}).items():
                 prod = slot.inputs[name]
                 self.p2p.send(grad, slot.peer_of[prod], self._tag(slot, prod, s, name, mb, BACKWARD))
         return None

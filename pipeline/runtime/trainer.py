@@ -16,35 +16,22 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from torch import nn
 
-from models.base import ModelSpec
+from models.spec import ModelSpec
 from pipeline.plan import Plan, dtype_of
-from pipeline.report import add_predictions, write_run_artifacts
+from pipeline.report.artifacts import add_predictions, write_run_artifacts
+from pipeline.report.tables import stage_rows
 from pipeline.runtime.context import RankContext
 from pipeline.runtime.dp import SharedGrads, allreduce_gradients
 from pipeline.runtime.executor import Executor, StageSlot
 from pipeline.runtime.host_allocator import huge_pages_active
 from pipeline.runtime.memory import peak_memory_bytes, reset_peak
 from pipeline.runtime.tracking import Tracker
-from pipeline.stages import BlockStage
+from pipeline.stage import build_stage_modules
 
 
-def build_stage_modules(spec, plan: Plan, ctx: RankContext, seed: int) -> dict[int, nn.Module]:
-    """Materialise only this rank's stages (sequential models); see pipeline.graphplan for traced ones."""
-    if plan.graph_path:
-        from pipeline.graphplan import build_graph_stages
-
-        return build_graph_stages(spec, plan, ctx.pp_rank, seed, ctx.device)
-    modules = {}
-    for sp in plan.stages_of(ctx.pp_rank):
-        (in_name,) = sp.inputs
-        out_name = sp.loss_value or next(iter(sp.outputs))
-        modules[sp.index] = BlockStage(sp.index, spec.build_blocks(sp.blocks, seed, ctx.device), in_name, out_name)
-    return modules
-
-
-def build_slots(spec, plan: Plan, ctx: RankContext, seed: int) -> dict[int, StageSlot]:
+def build_slots(spec: ModelSpec, plan: Plan, ctx: RankContext, seed: int) -> dict[int, StageSlot]:
     """This rank's stages, each knowing the global rank of every stage it exchanges values with."""
-    modules = build_stage_modules(spec, plan, ctx, seed)
+    modules = build_stage_modules(spec, plan, ctx.pp_rank, seed, ctx.device)
     edge_id = {edge: i for i, edge in enumerate(plan.edges())}
     slots: dict[int, StageSlot] = {}
     for sp in plan.stages_of(ctx.pp_rank):
@@ -214,7 +201,7 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
             "tokens_per_s": tokens_per_step / median_step,
             "ranks": gathered,
             "schedule": schedule.name,
-            "stages": plan.stage_rows(),
+            "stages": stage_rows(plan),
             "partition": plan.meta.get("partition"),
         }
         overhead = _median_after_warmup([t - s for t, s in zip(step_times, schedule_times, strict=True)], warm)

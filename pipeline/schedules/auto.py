@@ -24,6 +24,8 @@ class AutoSchedule(ScheduleGenerator):
     supported_placements: ClassVar[tuple[str, ...]] = ("linear", "interleaved", "v", "explicit")
 
     chosen: ScheduleGenerator | None = field(default=None, repr=False)
+    #: option name -> scheduler config, from the scheduler config group (filled by the launcher)
+    candidates: dict = field(default_factory=dict)
 
     def choose(
         self,

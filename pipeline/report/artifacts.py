@@ -8,8 +8,8 @@ from pathlib import Path
 
 from pipeline.costs import cost_model_from_events
 from pipeline.plan import Plan
+from pipeline.report.timeline import draw_timeline, write_chrome_trace
 from pipeline.simulate import simulate
-from pipeline.timeline import draw_timeline, write_chrome_trace
 
 
 def add_predictions(metrics: dict, plan: Plan, events: Sequence[dict], cfg: dict, overhead_s: float) -> list[dict]:

@@ -1,0 +1,81 @@
+"""What the pipeline needs to know about a model: how to build it, what it eats, how it is scored.
+
+One type for every model. A chain of blocks (the GPT, the MLP) is a module whose leaf modules are
+its blocks; a U-Net is a module whose leaves are its conv blocks; a Hugging Face model is a module
+whose leaves are its decoder layers. The planner traces `build()` on the meta device and cuts the
+graph of leaves; nothing here ever holds real weights until a rank (or the single-process
+reference) materialises the parts it owns (`pipeline.materialize`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+#: a model family's own per-module initialiser, e.g. transformers' `PreTrainedModel._init_weights`:
+#: called as `init(root, module)` for each module, children before parents.
+FamilyInit = Callable[[nn.Module, nn.Module], None]
+
+
+@dataclass
+class ModelSpec:
+    """How to build, feed and score a model.
+
+    `build()` constructs the module; the planner calls it under `torch.device("meta")`, so it must
+    not read weights from disk or move tensors to a device itself. `leaf_modules` names submodules
+    kept whole (never cut inside); empty means every traced operator may end a stage.
+    `loss_fn(output, target)` returns the mean loss of one micro-batch. `init`, when given, is the
+    family's initialiser that `pipeline.materialize.init_by_name` runs after `reset_parameters`.
+    """
+
+    name: str
+    build: Callable[[], nn.Module]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    input_shape: tuple[int, ...]  # per sample, e.g. (seq,) for tokens
+    input_dtype: torch.dtype = torch.long
+    target_shape: tuple[int, ...] = ()
+    target_dtype: torch.dtype = torch.long
+    leaf_modules: Sequence[str] = ()
+    init: FamilyInit | None = None
+    meta: dict = field(default_factory=dict)
+
+    def build_meta(self) -> nn.Module:
+        """The module with every tensor on the meta device: shapes only, no memory."""
+        with torch.device("meta"):
+            return self.build()
+
+    def build_full(self, seed: int, device: torch.device | str = "cpu") -> nn.Module:
+        """The whole model, materialised and initialised from (seed, names): the single-process
+        reference, built by the same rule every rank uses for its own stages."""
+        from pipeline.materialize import materialize
+
+        model = self.build_meta()
+        materialize(model, seed, torch.device(device), family_init=self.init)
+        return model
+
+    def example_batch(
+        self, batch: int, seed: int = 0, device: torch.device | str = "cpu"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A deterministic random (input, target) pair of the right shapes and dtypes (token ids and
+        class labels drawn below the model's vocabulary or class count)."""
+        gen = torch.Generator().manual_seed(seed)
+        high = int(self.meta.get("vocab_size", self.meta.get("num_classes", 2)))
+
+        def make(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            if dtype.is_floating_point:
+                return torch.randn((batch, *shape), generator=gen).to(device=device, dtype=dtype)
+            return torch.randint(0, high, (batch, *shape), generator=gen).to(device=device, dtype=dtype)
+
+        return make(self.input_shape, self.input_dtype), make(self.target_shape, self.target_dtype)
+
+    def meta_input(self, batch: int) -> torch.Tensor:
+        """One micro-batch of input on the meta device, for tracing and shape propagation."""
+        return torch.empty((batch, *self.input_shape), dtype=self.input_dtype, device="meta")
+
+
+def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position of the micro-batch."""
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

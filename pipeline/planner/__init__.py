@@ -1,0 +1,205 @@
+"""The one planning path, for every model: place -> count in-flight micro-batches -> partition ->
+price stages -> schedule -> passes (recompute, fuse, lower) -> Plan.
+
+Pure functions of (config, traced graph, profile): no process, no real weights. A chain of blocks
+and a U-Net go through the same steps; only their graphs differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import networkx as nx
+from hydra.utils import get_method
+
+from pipeline.costs import split_backward_cost
+from pipeline.errors import ConfigError
+from pipeline.graph.atomic import contract_unsendable
+from pipeline.graph.split import split_model
+from pipeline.graph.trace import TracedModel
+from pipeline.lowering import lower
+from pipeline.partition import Partition, PartitionRequest, evaluate
+from pipeline.partition.common import assignment_from_order, topo_order
+from pipeline.partition.rank_balance import rank_balanced_starts
+from pipeline.plan import Plan, StagePlan, dtype_name
+from pipeline.planner.budget import check_memory, check_schedule_memory, partition_request, reprice_split
+from pipeline.schedules import build_schedule
+from pipeline.schedules.base import ScheduleGenerator
+
+#: keys of a partitioner or placement YAML that are not arguments of its callable
+RESERVED = ("_target_", "_partial_", "name")
+
+
+def plugin(cfg: dict, group: str):
+    """The callable a `conf/<group>/*.yaml` names, and its own options (the YAML's other keys)."""
+    target = cfg.get("_target_")
+    if not isinstance(target, str):
+        raise ConfigError(group, f"needs a `_target_` naming a callable (got {cfg!r}); see conf/{group}/")
+    try:
+        fn = get_method(target)
+    except Exception as err:  # noqa: BLE001 - Hydra raises several kinds for a bad path
+        raise ConfigError(f"{group}._target_", f"cannot import {target!r}: {err}") from None
+    return fn, {k: v for k, v in cfg.items() if k not in RESERVED}
+
+
+def plugin_name(cfg: dict) -> str:
+    """How a plug-in is shown: its `name` key, or its callable's name."""
+    return str(cfg.get("name") or str(cfg.get("_target_", "?")).rsplit(".", 1)[-1])
+
+
+def resolve_placement(placement_cfg: dict, generator: ScheduleGenerator, pp: int) -> list[int]:
+    """Stage -> pipeline rank, from the placement plug-in: `fn(pp, schedule, **options)`."""
+    fn, options = plugin(placement_cfg, "placement")
+    try:
+        return [int(r) for r in fn(pp, generator, **options)]
+    except TypeError as err:
+        raise ConfigError("placement", f"{placement_cfg.get('_target_')} cannot be called as "
+                                       f"placement(pp, schedule, **{options}): {err}") from None
+
+
+def needs_profile(partitioner_cfg: dict) -> bool:
+    """Whether the partitioner reads measured costs (those that do not set `needs_profile = False`)."""
+    fn, _ = plugin(partitioner_cfg, "partitioner")
+    return bool(getattr(fn, "needs_profile", True))
+
+
+def partition_graph(
+    partitioner_cfg: dict, graph: nx.DiGraph, placement: Sequence[int], request: PartitionRequest
+) -> Partition:
+    """Cut the traced graph into stages with the partitioner plug-in, then price the split with the
+    one judge (`evaluate`), recomputing stages picked, on the real graph. Values that are not one
+    tensor never cross a boundary (the graph is contracted first). When a rank holds several
+    stages, a profiled split is re-balanced so that the busiest rank, not only the slowest stage,
+    is as light as it can be."""
+    num_stages = len(placement)
+    name = plugin_name(partitioner_cfg)
+    if num_stages > graph.number_of_nodes():
+        raise ConfigError(
+            "pp",
+            f"{num_stages} pipeline stages need at least {num_stages} graph nodes (blocks), but the traced model "
+            f"has {graph.number_of_nodes()} ({', '.join(list(graph.nodes)[:12])}); lower pp, use a schedule "
+            f"with fewer stages per rank, or a model with more layers (e.g. model.layers), or model.granularity=op",
+        )
+    fn, options = plugin(partitioner_cfg, "partitioner")
+    contraction = contract_unsendable(graph)  # cut only where single tensors cross
+    cut_graph = graph if contraction is None else contraction.graph
+    part = fn(cut_graph, num_stages, request, **options)
+    if not isinstance(part, Partition):
+        raise ConfigError("partitioner", f"{partitioner_cfg.get('_target_')} returned {type(part).__name__}, "
+                                         f"not a pipeline.partition.Partition")
+    if len(set(placement)) < num_stages and getattr(fn, "needs_profile", True):
+        part = _rank_balanced(part, cut_graph, placement, request)
+    if contraction is not None:
+        part.assignment = contraction.expand(part.assignment)
+    part = reprice_split(part, graph, **request.pricing())
+    check_memory(part, graph, num_stages, request, name)
+    return part
+
+
+def _rank_balanced(part: Partition, graph: nx.DiGraph, placement: Sequence[int], request: PartitionRequest) -> Partition:
+    """Move the boundaries of a contiguous split while the busiest rank gets lighter; kept only
+    within the memory cap (the stage-balanced split is the one that fits otherwise)."""
+    order = topo_order(graph)
+    stages = [part.assignment[n] for n in order]
+    if stages != sorted(stages):  # not contiguous in program order (a MILP DAG split): leave it
+        return part
+    starts = [stages.index(s) for s in range(part.num_stages)]
+    costs = [float(graph.nodes[n].get("forward_s", 0.0)) + float(graph.nodes[n].get("backward_s", 0.0))
+             for n in order]
+    starts = rank_balanced_starts(costs, starts, placement)
+    rebalanced = evaluate(graph, assignment_from_order(order, starts), part.num_stages,
+                          method=f"{part.method}+ranks", **request.pricing())
+    cap = request.memory_cap
+    if cap is not None and max(rebalanced.stage_memory_bytes) > cap:
+        return part
+    rebalanced.info = dict(part.info)
+    return rebalanced
+
+
+def _value_meta(traced: TracedModel, name: str) -> list:
+    node = next(n for n in traced.gm.graph.nodes if n.name == name)
+    meta = node.meta.get("tensor_meta")
+    if meta is None or not hasattr(meta, "shape"):
+        raise ConfigError("model", f"value {name!r} crossing a stage boundary is not a single tensor; "
+                                   f"make the module producing it a leaf (model leaf_modules) or move the split")
+    return [list(meta.shape), dtype_name(meta.dtype)]
+
+
+def build_plan(
+    traced: TracedModel,
+    generator: ScheduleGenerator,
+    *,
+    model_name: str,
+    pp: int,
+    dp: int,
+    microbatches: int,
+    batch_size: int,
+    placement_cfg: dict,
+    partitioner_cfg: dict,
+    memory_cap: float | None = None,
+    remat: str = "none",
+    bandwidth: float = 1e9,
+    profiled: bool = True,
+) -> Plan:
+    """Place, count, partition, price, schedule and lower: a pure function of the config and the
+    traced (and, when `profiled`, measured) graph."""
+    placement = resolve_placement(placement_cfg, generator, pp)
+    generator.check(pp, microbatches, list(placement))  # schedule rules first: clearer than a split error
+    k = len(placement)
+    request = partition_request(generator, placement, microbatches, remat, memory_cap, bandwidth)
+    part = partition_graph(partitioner_cfg, traced.graph, placement, request)
+    forward, backward = [0.0] * k, [0.0] * k
+    for node, s in part.assignment.items():
+        forward[s] += traced.graph.nodes[node].get("forward_s", 0.0)
+        backward[s] += traced.graph.nodes[node].get("backward_s", 0.0)
+    if profiled:
+        generator.use_stage_costs(forward, *split_backward_cost(backward))
+    schedule = build_schedule(generator, placement, microbatches, remat, part.remat_stages)
+    check_schedule_memory(part, schedule, memory_cap)
+    split = split_model(traced, part.assignment, k)
+    outputs = list(split.model_outputs)
+    if len(outputs) != 1 or split.model_outputs[outputs[0]] != k - 1:
+        raise ConfigError(
+            "partitioner",
+            f"the model output {outputs} must be produced by the last stage ({k - 1}), but the partition puts it "
+            f"in stage(s) {list(split.model_outputs.values())}",
+        )
+    stages = []
+    for io in split.io:
+        crossing = [n for n, p in io.inputs.items() if p is not None] + list(io.outputs)
+        if any(p is None for p in io.inputs.values()) and len(split.input_names) != 1:
+            raise ConfigError("model", f"a model must take one input tensor, got {split.input_names}")
+        stages.append(StagePlan(
+            index=io.index,
+            rank=placement[io.index],
+            blocks=[n for n, s in part.assignment.items() if s == io.index],
+            inputs=dict(io.inputs),
+            outputs={n: list(c) for n, c in io.outputs.items() if c},
+            values={n: _value_meta(traced, n) for n in crossing},
+            loss_value=outputs[0] if io.index == k - 1 else None,
+        ))
+    schedule = lower(schedule, [(p, s.index) for s in stages for p in s.inputs.values() if p is not None])
+    meta: dict = {"remat": remat, "remat_stages": schedule.remat_stages(), "partitioner": plugin_name(partitioner_cfg),
+                  "partition": partition_summary(part), "profiled": profiled}
+    if profiled:
+        meta["stage_forward_s"], meta["stage_backward_s"] = forward, backward
+    return Plan(pp, dp, microbatches, batch_size // (dp * microbatches), model_name, stages, schedule,
+                assignment=dict(part.assignment),
+                shared_params={n: list(v) for n, v in split.shared_params.items()}, meta=meta)
+
+
+def partition_summary(partition: Partition) -> dict:
+    return {
+        "bottleneck_s": partition.bottleneck_s,
+        "lower_bound_s": partition.lower_bound_s,
+        "stage_time_s": partition.stage_time_s,
+        "stage_compute_s": partition.stage_compute_s,
+        "stage_param_bytes": partition.stage_param_bytes,
+        "stage_activation_bytes": partition.stage_activation_bytes,
+        "stage_comm_bytes": partition.stage_comm_bytes,
+        "stage_memory_bytes": partition.stage_memory_bytes,
+        "stage_in_flight": partition.stage_in_flight,
+        "stage_full_in_flight": partition.stage_full_in_flight,
+        "stage_input_bytes": partition.stage_input_bytes,
+        "remat_stages": partition.remat_stages,
+    }

@@ -1,0 +1,1 @@
+"""What a run or a plan shows people: stage tables, predictions, metrics files, traces, timelines."""

@@ -1,0 +1,97 @@
+"""Text tables people read: the stage table, the simulated step, and scheduler=auto's choice."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pipeline.plan import Plan
+from pipeline.simulate import SimResult
+
+
+def block_summary(blocks: list[str], keep: int = 8) -> str:
+    """A stage's blocks for a table row: all of them, or the ends and a count when there are many
+    (an operator-level stage holds hundreds of nodes)."""
+    if len(blocks) <= keep:
+        return ", ".join(blocks)
+    return f"{', '.join(blocks[:3])} ... {', '.join(blocks[-3:])} ({len(blocks)} nodes)"
+
+
+def stage_rows(plan: Plan) -> list[dict]:
+    """One dict per stage for metrics.json: placement, blocks and, with a profile, its costs."""
+    part = plan.meta.get("partition") or {}
+    rows = []
+    for s in plan.stages:
+        row = {"stage": s.index, "rank": s.rank, "blocks": list(s.blocks), "send_bytes": s.send_bytes,
+               "receives_from": sorted({p for p in s.inputs.values() if p is not None})}
+        for key in ("stage_compute_s", "stage_time_s", "stage_param_bytes", "stage_activation_bytes",
+                    "stage_comm_bytes"):
+            if key in part:
+                row[key.removeprefix("stage_")] = part[key][s.index]
+        for key in ("stage_forward_s", "stage_backward_s"):
+            if key in plan.meta:
+                row[key.removeprefix("stage_")] = plan.meta[key][s.index]
+        rows.append(row)
+    return rows
+
+
+def stage_table(plan: Plan) -> str:
+    """Per stage: rank and blocks; with a profile also time, parameter and activation bytes, the
+    micro-batches the schedule keeps in flight there and what that holds (what a memory budget
+    caps), and send bytes."""
+    part = plan.meta.get("partition")
+    if part is None or "stage_forward_s" not in plan.meta:
+        lines = [f"{'stage':>5} {'rank':>4}  blocks"]
+        lines += [f"{s.index:>5} {s.rank:>4}  {block_summary(s.blocks)}" for s in plan.stages]
+        return "\n".join(lines)
+    mib = 2**20
+    fwd, bwd = plan.meta["stage_forward_s"], plan.meta["stage_backward_s"]
+    remat = set(plan.schedule.remat_stages())
+    in_flight = [f"{n}{'*' if i in remat else ''}" for i, n in enumerate(part.get("stage_in_flight") or [])]
+    in_flight = in_flight or ["?"] * len(plan.stages)
+    lines = [f"{'stage':>5} {'rank':>4} {'F ms':>7} {'B ms':>7} {'+comm ms':>8} {'params MB':>9} {'act MB':>7} "
+             f"{'x mbs':>5} {'held MB':>8} {'send MB':>7}  blocks"]
+    for s in plan.stages:
+        i = s.index
+        lines.append(
+            f"{i:>5} {s.rank:>4} {fwd[i] * 1e3:>7.2f} {bwd[i] * 1e3:>7.2f} {part['stage_time_s'][i] * 1e3:>8.2f} "
+            f"{part['stage_param_bytes'][i] / mib:>9.2f} {part['stage_activation_bytes'][i] / mib:>7.2f} "
+            f"{in_flight[i]:>5} {part['stage_memory_bytes'][i] / mib:>8.2f} "
+            f"{part['stage_comm_bytes'][i] / mib:>7.2f}  {block_summary(s.blocks)}"
+        )
+    if remat:
+        lines.append("* recomputes its forward in the backward (remat): full activations for "
+                     + ", ".join(f"{part['stage_full_in_flight'][i]} on stage {i}" for i in sorted(remat))
+                     + ", the inputs of the rest")
+    lines.append(
+        f"partition ({plan.meta['partitioner']}): bottleneck {part['bottleneck_s'] * 1e3:.2f} ms, lower bound "
+        f"max(total / stages, slowest block) {part['lower_bound_s'] * 1e3:.2f} ms "
+        f"({part['bottleneck_s'] / max(part['lower_bound_s'], 1e-12):.2f}x)"
+    )
+    return "\n".join(lines)
+
+
+def format_choice(rows: Sequence[dict]) -> str:
+    """scheduler=auto's candidates, fastest first, the winner marked."""
+    lines = [f"{'schedule':<18} {'predicted step':>14} {'bubble':>7} {'peak act MB':>11}"]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"{r['name']:<18} skipped: {r['skipped']}")
+            continue
+        mark = "  <- chosen" if r["chosen"] else ""
+        lines.append(
+            f"{r['name']:<18} {r['makespan_s'] * 1e3:>11.1f} ms {r['bubble']:>7.1%} "
+            f"{r['peak_activation_bytes'] / 2**20:>11.1f}{mark}"
+        )
+    return "\n".join(lines)
+
+
+def format_prediction(res: SimResult) -> str:
+    """The simulated step: makespan, and per rank busy time, bubble and peak activations."""
+    lines = [f"simulated step: {res.makespan_s * 1e3:.1f} ms (lower bound {res.lower_bound_s * 1e3:.1f} ms)"]
+    lines.append(f"{'rank':>4} {'busy ms':>9} {'bubble':>7} {'peak act MB':>11} {'peak mbs':>8}")
+    for r in range(len(res.busy_s)):
+        lines.append(
+            f"{r:>4} {res.busy_s[r] * 1e3:>9.1f} {res.bubble[r]:>7.1%} "
+            f"{res.peak_activation_bytes[r] / 2**20:>11.2f} {res.peak_activation_microbatches[r]:>8}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,96 @@
+"""A schedule and a partitioner from a package outside the project: one callable and one YAML each,
+found through Hydra's search path, run by name, and compared by scheduler=auto with the built-ins.
+This is what docs/design.md ("adding a schedule, a partitioner, a model") tells a user to do."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.harness import FAST, ROOT
+from tests.test_cli import metrics, train
+
+PACKAGE = '''
+"""A user's own plug-ins: a schedule and a partitioner."""
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pipeline.ir import B, F
+from pipeline.partition import evaluate
+from pipeline.partition.common import assignment_from_order, topo_order
+from pipeline.schedules.base import ScheduleGenerator
+
+
+@dataclass
+class LastInFirstOut(ScheduleGenerator):
+    """GPipe's forwards, then the backwards newest micro-batch first."""
+
+    name: ClassVar[str] = "lifo"
+    supported_placements: ClassVar[tuple] = ("linear",)
+
+    def compute_actions(self, placement, microbatches):
+        programs = [[] for _ in range(max(placement) + 1)]
+        for stage, rank in enumerate(placement):
+            programs[rank] += [F(stage, mb) for mb in range(microbatches)]
+        for stage in reversed(range(len(placement))):
+            programs[placement[stage]] += [B(stage, mb) for mb in reversed(range(microbatches))]
+        return programs
+
+
+def head_first(graph, num_stages, request, head_nodes=1):
+    """Every stage but the first gets `head_nodes` nodes; the first takes the rest."""
+    order = topo_order(graph)
+    first = len(order) - head_nodes * (num_stages - 1)
+    starts = [0] + [first + head_nodes * s for s in range(num_stages - 1)]
+    return evaluate(graph, assignment_from_order(order, starts), num_stages, method="head_first", **request.pricing())
+
+
+head_first.needs_profile = False
+'''
+
+
+@pytest.fixture
+def user_package(tmp_path: Path) -> tuple[Path, dict]:
+    (tmp_path / "myplugins").mkdir()
+    (tmp_path / "myplugins" / "__init__.py").write_text(PACKAGE)
+    conf = tmp_path / "myconf"
+    (conf / "scheduler").mkdir(parents=True)
+    (conf / "partitioner").mkdir()
+    (conf / "scheduler" / "lifo.yaml").write_text("_target_: myplugins.LastInFirstOut\n")
+    (conf / "partitioner" / "head_first.yaml").write_text(textwrap.dedent("""\
+        _target_: myplugins.head_first
+        head_nodes: 2
+    """))
+    env = os.environ.copy()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT), env.get("PYTHONPATH", "")])
+    return conf, env
+
+
+@pytest.mark.timeout(400)
+def test_a_users_schedule_and_partitioner_run_by_name_and_in_auto(user_package, tmp_path) -> None:
+    conf, env = user_package
+    search = f"hydra.searchpath=[file://{conf}]"
+    proc = train([*FAST, "pp=2", "microbatches=4", search, "scheduler=lifo", "partitioner=head_first"],
+                 tmp_path / "mine", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    mine = metrics(tmp_path / "mine")
+    plan = json.loads((tmp_path / "mine" / "plan.json").read_text())
+    assert mine["schedule"] == "lifo"
+    assert [len(s["blocks"]) for s in plan["stages"]] == [6, 2]  # FAST: embed, 6 layers, head
+    assert plan["meta"]["partitioner"] == "head_first"
+
+    proc = train([*FAST, "pp=1", "microbatches=4"], tmp_path / "single", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert mine["losses"] == pytest.approx(metrics(tmp_path / "single")["losses"], rel=1e-5)
+
+    proc = train([*FAST, "pp=2", "microbatches=4", search, "scheduler=auto", "partitioner=head_first"],
+                 tmp_path / "auto", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = proc.stdout.split("scheduler=auto chose", 1)[1]
+    assert "lifo" in table and "1f1b" in table and "zbv" in table, table
+    assert metrics(tmp_path / "auto")["losses"] == pytest.approx(mine["losses"], rel=1e-5)
