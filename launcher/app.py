@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.config import group_configs
@@ -16,6 +17,7 @@ from pipeline.errors import ConfigError
 from pipeline.report.tables import format_choice, format_prediction, stage_table
 from pipeline.report.timeline import draw_timeline
 from pipeline.runtime.host_allocator import rank_environment
+from pipeline.runtime.memory import peak_memory_bytes
 
 
 def resolve(cfg: DictConfig) -> dict:
@@ -49,6 +51,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     print(f"schedule {plan.schedule.name}: pp={plan.pp} dp={plan.dp} microbatches={plan.microbatches}", flush=True)
     results = spawn_ranks(job, plan.pp * plan.dp, run_dir / "logs", env=rank_environment(resolved["huge_pages"]))
     metrics = results[0]["metrics"]
+    # the launcher plans on the meta device: its own peak stays far below the model's size
+    metrics["launcher_peak_memory_bytes"] = peak_memory_bytes(torch.device("cpu"))
+    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=1, default=str))
     print(
         f"done: median step {metrics['step_time_s'] * 1e3:.1f} ms, {metrics['tokens_per_s']:.0f} tokens/s, "
         f"final loss {metrics['losses'][-1]:.4f}; metrics in {run_dir / 'metrics.json'}",

@@ -180,7 +180,8 @@ def build_plan(
         ))
     schedule = lower(schedule, [(p, s.index) for s in stages for p in s.inputs.values() if p is not None])
     meta: dict = {"remat": remat, "remat_stages": schedule.remat_stages(), "partitioner": plugin_name(partitioner_cfg),
-                  "partition": partition_summary(part), "profiled": profiled}
+                  "partition": partition_summary(part), "profiled": profiled,
+                  "model_param_bytes": sum(traced.graph.graph.get("param_sizes", {}).values())}
     if profiled:
         meta["stage_forward_s"], meta["stage_backward_s"] = forward, backward
     return Plan(pp, dp, microbatches, batch_size // (dp * microbatches), model_name, stages, schedule,
