@@ -123,6 +123,7 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
         raise ConfigError("data.vocab_size", f"{data_vocab} exceeds model.vocab_size={model_vocab}")
     for group in ("partitioner", "placement"):
         plugin(cfg[group], group)  # an unknown _target_ is a config error now, not in a rank
+    _build(cfg, "data")  # missing files, a wrong dtype, a vocabulary too large: refused here, not in a rank
 
     auto = isinstance(generator, AutoSchedule)
     link = (cfg.get("link_latency_s", 5e-5), cfg.get("link_bandwidth", 1e9))

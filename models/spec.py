@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,6 +42,8 @@ class ModelSpec:
     leaf_modules: Sequence[str] = ()
     init: FamilyInit | None = None
     meta: dict = field(default_factory=dict)
+    #: pretrained weights read by name (`models.hf.SafetensorsDir`): `load(tensors, aliases)`
+    load: Any = None
 
     def build_meta(self) -> nn.Module:
         """The module with every tensor on the meta device: shapes only, no memory."""
@@ -53,7 +56,7 @@ class ModelSpec:
         from pipeline.materialize import materialize
 
         model = self.build_meta()
-        materialize(model, seed, torch.device(device), family_init=self.init)
+        materialize(model, seed, torch.device(device), family_init=self.init, load=self.load)
         return model
 
     def example_batch(

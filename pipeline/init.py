@@ -157,7 +157,7 @@ def uncovered_tensors(meta_model: nn.Module, family_init=None) -> list[str]:
     anything (the launcher warns about them: they get `fallback_fill`)."""
     log = _WriteLog()
     with torch.no_grad(), log:
-        for name, sub in meta_model.named_modules():
+        for sub in meta_model.modules():
             reset = getattr(sub, "reset_parameters", None)
             if callable(reset) and _direct(sub):
                 reset()  # meta tensors draw nothing: no seeding needed to see what is written

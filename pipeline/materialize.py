@@ -48,11 +48,14 @@ def materialize(
     family_init=None,
     names: Collection[str] | None = None,
     also: Iterable[nn.Module] = (),
+    load=None,
 ) -> list[str]:
     """Replace the meta tensors of `root` at the fully-qualified `names` (all when None) by real
     ones, initialise them by name, and move them to `device`. Modules in `also` (stage modules cut
     from `root`, whose tensors sit at the same qualified names) get the very same tensors. Returns
-    the names that got the fallback initialisation."""
+    the names that got the fallback initialisation. With `load` (pretrained weights, e.g.
+    `models.hf.SafetensorsDir`), the tensors it holds are then read by name, each under any of its
+    names (tied), and only those: a tensor it lacks keeps its initial value."""
     wanted = None if names is None else {id(lookup(root, n)) for n in names}
     fresh: dict[int, torch.Tensor] = {}
     for store, name, t in list(_holders([root])):
@@ -72,9 +75,18 @@ def materialize(
                 for attr, t in list(store.items()):
                     if t is not None and t.device.type == "meta":
                         store[attr] = lookup(root, f"{path}.{attr}" if path else attr)
-                    elif t is not None and id(t) not in fresh:
+                    elif t is not None and all(t is not v for v in fresh.values()):
                         constants.append((store, attr, t))  # a value the trace baked in (export's lifted constants)
     fell_back = init_by_name(root, seed, family_init)  # on the CPU generator, whatever the device
+    if load is not None and fresh:
+        made = {id(t): t for t in fresh.values()}  # the new real tensors, by their own identity
+        names_of: dict[int, list[str]] = {}
+        for name, t in [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]:
+            if id(t) in made:
+                names_of.setdefault(id(t), []).append(name)
+        aliases = {ns[0]: ns[1:] for ns in names_of.values()}
+        missing = set(load.load([(ns[0], made[i]) for i, ns in names_of.items()], aliases))
+        fell_back = [n for n in fell_back if n in missing]
     if device.type != "cpu":
         for t in fresh.values():
             t.data = t.data.to(device)

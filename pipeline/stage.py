@@ -63,7 +63,7 @@ def build_stage_modules(
     own = {s.index: split.stages[s.index] for s in plan.stages_of(pp_rank)}
     names = set().union(*(meta_tensor_names(gm) for gm in own.values()))
     materialize(model, seed, device, spec.init, names={traced.param_aliases.get(n, n) for n in names},
-                also=own.values())
+                also=own.values(), load=spec.load)
     for gm in own.values():
         _constants_to(gm, device)
     return {i: StageModule(i, gm, dict(split.param_aliases)) for i, gm in own.items()}

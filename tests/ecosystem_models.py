@@ -92,3 +92,12 @@ def bare(vocab_size: int = 64, seq_len: int = 8, dim: int = 16, layers: int = 4,
     leaves = ["embed", *[f"mix{i}" for i in range(layers)], "head"]
     return ModelSpec(name=name, build=build, loss_fn=causal_lm_loss, input_shape=(seq_len,),
                      target_shape=(seq_len,), leaf_modules=leaves, meta={"vocab_size": vocab_size, "seq_len": seq_len})
+
+
+def token_mlp(vocab_size: int = 64, dim: int = 16, layers: int = 4) -> nn.Module:
+    """A plain nn.Module (not a spec): embedding, tanh MLP layers, projection to logits."""
+    mods: list[nn.Module] = [nn.Embedding(vocab_size, dim)]
+    for _ in range(layers):
+        mods += [nn.Linear(dim, dim), nn.Tanh()]
+    mods.append(nn.Linear(dim, vocab_size))
+    return nn.Sequential(*mods)

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
+import numpy as np
 import pytest
 
 from launcher.validate import prepare
 from tests.harness import FAST, compose_cfg, group_options
+
+TOKENS = Path(tempfile.mkdtemp(prefix="tokens_")) / "train.bin"
+np.random.default_rng(0).integers(0, 64, 4096).astype(np.uint16).tofile(TOKENS)
 
 GROUPS = ["model", "data", "scheduler", "partitioner", "placement", "optimizer", "logger", "memory"]
 NEEDS = {
@@ -17,6 +24,12 @@ NEEDS = {
     ("model", "unet"): ["data=images"],
     ("model", "resnet"): ["data=images"],
     ("data", "images"): ["model=unet"],
+    ("data", "text"): ["model.vocab_size=256"],
+    ("data", "tokens"): [f"data.path={TOKENS}"],
+    ("model", "hf"): ["+model.config.model_type=gpt2", "+model.config.n_layer=4", "+model.config.n_embd=32",
+                      "+model.config.n_head=4", "+model.config.vocab_size=64", "model.seq_len=8"],
+    ("model", "module"): ["model.module._target_=tests.ecosystem_models.token_mlp", "model.input.shape=[8]",
+                          "model.input.dtype=long", "model.loss=causal_lm", "model.vocab_size=64", "model.seq_len=8"],
 }
 
 
@@ -25,9 +38,10 @@ def test_every_group_option_composes_and_plans(group: str) -> None:
     options = group_options(group)
     assert options, group
     for option in options:
-        overrides = [*FAST, "pp=2", "microbatches=4", f"{group}={option}", *NEEDS.get((group, option), [])]
+        overrides = [*FAST, "pp=2", "microbatches=4", f"{group}={option}"]
         if group == "model" or option == "images":
             overrides = [o for o in overrides if not o.startswith("model.")]
+        overrides += NEEDS.get((group, option), [])
         cfg = compose_cfg(overrides)
         prepared = prepare(cfg, profile=False if option not in ("auto", "balanced", "milp") else None)
         assert prepared.plan.pp == 2, f"{group}={option}"

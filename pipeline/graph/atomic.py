@@ -36,13 +36,22 @@ class Contraction:
 
 
 def contract_unsendable(graph: nx.DiGraph) -> Contraction | None:
-    """The contracted graph, or None when every node's output can be sent as it is."""
+    """The contracted graph, or None when every node's output can be sent as it is and no leaf
+    module spans several nodes. Nodes of one leaf module (an export trace's ops of one decoder
+    layer) form one unit too."""
     unsendable = [n for n in graph.nodes if not sends_as_tensor(graph, n) and graph.out_degree(n)]
-    if not unsendable:
+    by_leaf: dict[str, list[str]] = {}
+    for n in graph.nodes:
+        if graph.nodes[n].get("leaf"):
+            by_leaf.setdefault(graph.nodes[n]["leaf"], []).append(n)
+    split_leaves = [ms for ms in by_leaf.values() if len(ms) > 1]
+    if not unsendable and not split_leaves:
         return None
     groups = UnionFind(graph.nodes)
     for n in unsendable:
         groups.union(n, *graph.successors(n))
+    for members in split_leaves:
+        groups.union(*members)
     changed = True
     while changed:  # convex closure: whatever lies between two members of a unit joins it
         changed = False

@@ -227,7 +227,8 @@ class _LeafwiseProfiler(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op == "get_attr":
-            return _real_like(_fetch(self.module, n.target), self.device)
+            value = _fetch(self.module, n.target)  # a tensor, or a submodule of a higher-order op
+            return _real_like(value, self.device) if isinstance(value, torch.Tensor) and value.is_meta else value
         if n.op not in COMPUTE_OPS:
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)

@@ -238,8 +238,27 @@ def _target_str(node: fx.Node) -> str:
     return getattr(t, "__qualname__", None) or getattr(t, "__name__", None) or str(t)
 
 
-def build_cost_graph(gm: fx.GraphModule) -> nx.DiGraph:
-    """The DAG of compute nodes, annotated with what tracing and shape propagation know."""
+def _innermost_module(node: fx.Node) -> str | None:
+    """The module an op runs inside (the last entry of its recorded module stack), if any."""
+    stack = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values() if path]
+    return stack[-1] if stack else None
+
+
+def _leaf_of(node: fx.Node, leaves: set[str]) -> str | None:
+    """The outermost user-named leaf module a node runs inside (export records the module stack)."""
+    if node.op == "call_module" and node.target in leaves:
+        return node.target
+    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+        if path in leaves:
+            return path
+    return None
+
+
+def build_cost_graph(gm: fx.GraphModule, leaves: Iterable[str] = ()) -> nx.DiGraph:
+    """The DAG of compute nodes, annotated with what tracing and shape propagation know. `leaf` names
+    the leaf module a node belongs to: nodes of one leaf are never split across stages (an export
+    trace is op by op, so a transformers decoder layer is kept whole this way)."""
+    leaves = set(leaves)
     by_id, _ = canonical_param_names(gm)
     g = nx.DiGraph()
     param_sizes: dict[str, int] = {}
@@ -255,7 +274,7 @@ def build_cost_graph(gm: fx.GraphModule) -> nx.DiGraph:
             node.name,
             op=node.op,
             target=_target_str(node),
-            module=node.target if node.op == "call_module" else None,
+            module=node.target if node.op == "call_module" else _innermost_module(node),
             params=params,
             param_bytes=sum(param_sizes.get(p, 0) for p in params),
             shape=_meta_shape(meta),
@@ -263,6 +282,7 @@ def build_cost_graph(gm: fx.GraphModule) -> nx.DiGraph:
             single_tensor=isinstance(meta, TensorMetadata),
             reads_inputs=[i.name for i in node.all_input_nodes if i.op == "placeholder"],
             order=order,
+            leaf=_leaf_of(node, leaves),
         )
         order += 1
         for inp in node.all_input_nodes:
@@ -303,7 +323,7 @@ def trace_model(
     if method == "fx":
         with torch.no_grad():
             ShapeProp(gm).propagate(*args)
-    graph = build_cost_graph(gm)
+    graph = build_cost_graph(gm, leaves)
     if graph.number_of_nodes() == 0:
         raise ConfigError("model", f"traced model {label!r} has no compute nodes to partition")
     _, aliases = canonical_param_names(gm)

@@ -181,7 +181,10 @@ def build_plan(
     schedule = lower(schedule, [(p, s.index) for s in stages for p in s.inputs.values() if p is not None])
     meta: dict = {"remat": remat, "remat_stages": schedule.remat_stages(), "partitioner": plugin_name(partitioner_cfg),
                   "partition": partition_summary(part), "profiled": profiled,
-                  "model_param_bytes": sum(traced.graph.graph.get("param_sizes", {}).values())}
+                  "model_param_bytes": sum(traced.graph.graph.get("param_sizes", {}).values()),
+                  "stage_tensors": [sorted({traced.param_aliases.get(n, n) for n, _ in [
+                      *gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]})
+                      for gm in split.stages]}
     if profiled:
         meta["stage_forward_s"], meta["stage_backward_s"] = forward, backward
     return Plan(pp, dp, microbatches, batch_size // (dp * microbatches), model_name, stages, schedule,

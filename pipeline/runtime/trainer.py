@@ -182,6 +182,8 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
         "device": str(ctx.device),
         "cpu_cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "huge_pages": huge_pages_active(),
+        # pretrained weights this rank read by name (model.path): its own stages' tensors only
+        "weights_read": list(getattr(trainer.spec.load, "read", [])),
         "events": last_events if ctx.dp_rank == 0 else [],
     }
     gathered: list[dict] | None = [None] * ctx.world_size if ctx.rank == 0 else None

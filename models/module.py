@@ -1,0 +1,125 @@
+"""`model=module`: any callable that returns an `nn.Module`, pipelined as it is.
+
+    python train.py model=module model.module._target_=diffusers.UNet2DModel \
+        +model.module.sample_size=32 ... 'model.input.shape=[3,32,32]' model.input.dtype=float32 \
+        model.output=sample 'model.extra_inputs=[10]' model.loss=mse
+
+The module is built on the meta device like every model (its factory must not load weights
+itself); `output` picks an attribute or key of what it returns (`logits`, `sample`), and
+`extra_inputs` are constant positional arguments after the data (a diffusion timestep).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from torch import nn
+
+from models.spec import ModelSpec, causal_lm_loss
+from pipeline.errors import ConfigError
+
+LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "cross_entropy": nn.functional.cross_entropy,
+    "causal_lm": causal_lm_loss,
+    "mse": nn.functional.mse_loss,
+}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "long": torch.long,
+          "int64": torch.long, "int32": torch.int32}
+
+
+class Adapted(nn.Module):
+    """The user's module, called with the data plus constant extra inputs, its output picked."""
+
+    def __init__(self, inner: nn.Module, output: str | None, extra_inputs: Sequence[Any]) -> None:
+        super().__init__()
+        self.inner, self.output, self.extra_inputs = inner, output, tuple(extra_inputs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.inner(x, *self.extra_inputs)
+        if self.output is None:
+            return out
+        return out[self.output] if isinstance(out, dict) and self.output in out else getattr(out, self.output)
+
+
+def _family_init(root: nn.Module, module: nn.Module) -> None:
+    """A transformers model's own initialiser, when the wrapped module is one."""
+    root.inner._init_weights(module)
+
+
+def _dtype(value: str, key: str) -> torch.dtype:
+    if value not in DTYPES:
+        raise ConfigError(key, f"got {value!r}; valid: {', '.join(DTYPES)}")
+    return DTYPES[value]
+
+
+def _loss(loss: str | dict) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    if isinstance(loss, str):
+        if loss not in LOSSES:
+            raise ConfigError("model.loss", f"got {loss!r}; valid: {', '.join(LOSSES)} or a `_target_` callable")
+        return LOSSES[loss]
+    try:
+        return instantiate(loss)
+    except Exception as err:  # noqa: BLE001 - any failure to build the loss is a config error
+        raise ConfigError("model.loss", f"could not build {loss.get('_target_')}: {err}") from None
+
+
+def module(
+    module: dict,
+    input: dict,  # noqa: A002 - the config key users write
+    target: dict | None = None,
+    output: str | None = None,
+    extra_inputs: Sequence[Any] = (),
+    loss: str | dict = "cross_entropy",
+    leaf_modules: Sequence[str] = (),
+    name: str = "module",
+    vocab_size: int | None = None,
+    num_classes: int | None = None,
+    seq_len: int | None = None,
+) -> ModelSpec:
+    """A ModelSpec around `instantiate(module)` (see the module docstring). `input`/`target`:
+    `{shape: [...], dtype: ...}` of one sample; the target defaults to what the loss needs
+    (mse: the input's shape; causal_lm: the input's token positions; cross_entropy: one label)."""
+    module, input, target, loss = (OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig | ListConfig) else v
+                                   for v in (module, input, target, loss))
+    extra_inputs = list(extra_inputs)
+    leaf_modules = list(leaf_modules)
+    if not isinstance(module, dict) or "_target_" not in module:
+        raise ConfigError("model.module", "needs a `_target_` naming a callable that returns an nn.Module, "
+                                          "e.g. model.module._target_=diffusers.UNet2DModel")
+    in_shape = tuple(int(d) for d in input.get("shape") or ())
+    in_dtype = _dtype(str(input.get("dtype", "float32")), "model.input.dtype")
+    if target is None:
+        target = {"mse": {"shape": list(in_shape), "dtype": "float32"},
+                  "causal_lm": {"shape": list(in_shape), "dtype": "long"}}.get(loss if isinstance(loss, str) else "",
+                                                                              {"shape": [], "dtype": "long"})
+    factory_cfg = dict(module)
+
+    def build() -> nn.Module:
+        try:
+            inner = instantiate(factory_cfg)
+        except Exception as err:  # noqa: BLE001
+            raise ConfigError("model.module", f"could not build {factory_cfg['_target_']}: {err}") from None
+        if not isinstance(inner, nn.Module):
+            raise ConfigError("model.module", f"{factory_cfg['_target_']} returned {type(inner).__name__}, not an nn.Module")
+        return Adapted(inner, output, extra_inputs)
+
+    with torch.device("meta"):
+        probe = build()
+    family = _family_init if callable(getattr(probe.inner, "_init_weights", None)) else None
+    meta: dict = {}
+    if vocab_size is not None:
+        meta["vocab_size"] = int(vocab_size)
+    if num_classes is not None:
+        meta["num_classes"] = int(num_classes)
+    if seq_len is not None:
+        meta["seq_len"] = int(seq_len)
+    return ModelSpec(
+        name=name, build=build, loss_fn=_loss(loss), input_shape=in_shape, input_dtype=in_dtype,
+        target_shape=tuple(int(d) for d in target.get("shape") or ()),
+        target_dtype=_dtype(str(target.get("dtype", "long")), "model.target.dtype"),
+        leaf_modules=[f"inner.{n}" for n in leaf_modules], init=family, meta=meta,
+    )

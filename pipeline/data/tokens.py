@@ -1,0 +1,80 @@
+"""`data=tokens`: a flat binary file of token ids, the format nanoGPT and Megatron-style
+preprocessing write (`np.array(ids, dtype=np.uint16).tofile("train.bin")`), read with numpy.memmap.
+
+Sample i of the run (the global sample index: step x batch_size + position in the batch) is the
+window of seq_len + 1 tokens starting at an offset drawn from (seed, i) alone. So the global batch
+of a step is the same whatever pp and dp are (a replica takes its contiguous share of it), and a
+run resumed at step k reads exactly what it would have read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.errors import ConfigError
+from pipeline.init import name_seed
+
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+def open_tokens(path: str | Path, dtype: str, key: str) -> np.memmap:
+    """The file as a read-only array of token ids, or a ConfigError naming `key`."""
+    if dtype not in DTYPES:
+        raise ConfigError("data.dtype", f"got {dtype!r}; valid: {', '.join(DTYPES)} (the dtype the token file was written with)")
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(key, f"{str(path)!r} does not exist (a flat binary file of {dtype} token ids)")
+    itemsize = np.dtype(DTYPES[dtype]).itemsize
+    size = file.stat().st_size
+    if size == 0 or size % itemsize:
+        raise ConfigError(key, f"{path} holds {size} bytes, not a whole number of {dtype} token ids ({itemsize} bytes "
+                               f"each): is data.dtype right?")
+    return np.memmap(file, dtype=DTYPES[dtype], mode="r")
+
+
+@dataclass
+class TokenFile:
+    """Random windows of a token file (see the module docstring); `val_path` for eval batches."""
+
+    path: str
+    seq_len: int
+    dtype: str = "uint16"
+    vocab_size: int | None = None
+    val_path: str | None = None
+    seed: int = 0
+    kind: str = "tokens"
+
+    def __post_init__(self) -> None:
+        self._train = self._open(self.path, "data.path")
+        self._val = self._open(self.val_path, "data.val_path") if self.val_path else None
+
+    def _open(self, path: str, key: str) -> np.memmap:
+        tokens = open_tokens(path, self.dtype, key)
+        if len(tokens) < self.seq_len + 1:
+            raise ConfigError(key, f"{path} holds {len(tokens)} tokens, fewer than one window of seq_len + 1 = "
+                                   f"{self.seq_len + 1}")
+        if self.vocab_size is not None:
+            top = int(tokens.max())
+            if top >= self.vocab_size:
+                raise ConfigError(key, f"{path} holds token id {top}, outside the model's vocabulary of "
+                                       f"{self.vocab_size} (model.vocab_size); was it tokenized for another model?")
+        return tokens
+
+    def _windows(self, tokens: np.memmap, first: int, count: int, salt: str) -> torch.Tensor:
+        span = len(tokens) - self.seq_len - 1
+        starts = [name_seed(self.seed, f"{salt}:{i}") % (span + 1) for i in range(first, first + count)]
+        rows = np.stack([np.asarray(tokens[s:s + self.seq_len + 1], dtype=np.int64) for s in starts])
+        return torch.from_numpy(rows)
+
+    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self._windows(self._train, step * batch_size, batch_size, "tokens")
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+    def val_batch(self, index: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held-out batch `index` (from val_path, or the training file when there is none)."""
+        rows = self._windows(self._val if self._val is not None else self._train, index * batch_size, batch_size, "val")
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()

@@ -1,0 +1,150 @@
+"""Bring your own model and data: `model=hf` (transformers presets, a save_pretrained directory),
+`model=module` (any nn.Module factory: a diffusers UNet2DModel), `data=tokens` (a token file).
+Loss, gradients and weights against one process, on real gloo ranks."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from launcher.validate import prepare
+from pipeline.errors import ConfigError
+from tests.harness import assert_state_close, compose_cfg, merge_state, run_jobs
+from tests.test_cli import metrics, train
+
+COMMON = ["data=synthetic", "batch_size=16", "steps=3", "warmup_steps=0", "optimizer=sgd", "timeout_s=90",
+          "threads=1", "microbatches=4"]
+UNET = ["model=module", "data=images", "data.channels=3", "data.image_size=8", "data.task=regression",
+        "data.out_channels=3", "model.module._target_=diffusers.UNet2DModel", "+model.module.sample_size=8",
+        "+model.module.block_out_channels=[8,16]", "+model.module.layers_per_block=1", "+model.module.norm_num_groups=4",
+        "+model.module.down_block_types=[DownBlock2D,DownBlock2D]", "+model.module.up_block_types=[UpBlock2D,UpBlock2D]",
+        "model.input.shape=[3,8,8]", "model.output=sample", "model.extra_inputs=[10]", "model.loss=mse"]
+
+
+def _check(cases: list[tuple[str, dict]], tmp_path) -> None:
+    from pipeline.reference import reference_run
+
+    worlds = sorted({cfg["pp"] * cfg["dp"] for _, cfg in cases})
+    by_world = {w: [(what, cfg) for what, cfg in cases if cfg["pp"] * cfg["dp"] == w] for w in worlds}
+    done = [(case, ranks) for w, group in by_world.items()
+            for case, ranks in zip(group, run_jobs([cfg for _, cfg in group], tmp_path / f"logs{w}"), strict=True)]
+    for (what, cfg), ranks in done:
+        ref = reference_run(cfg)
+        assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
+        for d in range(cfg["dp"]):
+            assert_state_close(merge_state(ranks, "grads_step0", d), ref["grads_step0"], f"{what} replica {d} grads")
+            assert_state_close(merge_state(ranks, "params_final", d), ref["params_final"], f"{what} replica {d} weights")
+
+
+def _cfg(model: list[str], part: str, sched: str, pp: int, dp: int = 1) -> tuple[str, dict]:
+    what = f"{model[0]} {part} {sched} pp={pp} dp={dp}"
+    return what, compose_cfg([*COMMON, *model, f"partitioner={part}", f"scheduler={sched}", f"pp={pp}", f"dp={dp}"])
+
+
+@pytest.mark.timeout(600)
+def test_hf_presets_and_a_module_match_single_process(tmp_path) -> None:
+    cases = [
+        _cfg(["model=hf_llama_tiny"], "balanced", "zbv", 2),
+        _cfg(["model=hf_gpt2_tiny"], "milp", "1f1b", 2, dp=2),
+        _cfg(UNET, "uniform", "zbv", 2),
+    ]
+    _check(cases, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+@pytest.mark.parametrize("model", ["model=hf_llama_tiny", "model=hf_gpt2_tiny", "module"])
+def test_every_partitioner_and_schedule_on_models_users_bring(model: str, tmp_path) -> None:
+    spec = UNET if model == "module" else [model]
+    cases = [_cfg(spec, part, sched, pp) for part in ("uniform", "balanced", "milp") for sched in ("1f1b", "zbv")
+             for pp in (2, 4)]
+    _check(cases, tmp_path)
+
+
+def _tiny_llama(directory) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=64, bos_token_id=None,
+                         eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(123)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.mark.timeout(300)
+def test_pretrained_directory_loads_by_name_and_gives_transformers_loss(tmp_path) -> None:
+    model = _tiny_llama(tmp_path / "llama")
+    run = tmp_path / "run"
+    proc = train(["model=hf", f"model.path={tmp_path / 'llama'}", "model.seq_len=32", "model.vocab_size=256",
+                  *COMMON, "steps=1", "pp=2"], run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = metrics(run)
+    from hydra.utils import instantiate
+
+    inputs, targets = instantiate(m["config"]["data"]).batch(0, 16)
+    with torch.no_grad():
+        logits = model(inputs, use_cache=False).logits
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), targets.reshape(-1))
+    assert m["losses"][0] == pytest.approx(float(expected), rel=1e-5)
+    plan = json.loads((run / "plan.json").read_text())
+    read = {r["pp_rank"]: set(r["weights_read"]) for r in m["ranks"]}
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "llama" / "model.safetensors", "pt") as f:
+        stored = set(f.keys())
+    assert set().union(*read.values()) == stored  # every stored tensor read, by some rank
+    for rank, names in read.items():
+        own = {n.removeprefix("model.") for s in plan["stages"] if s["rank"] == rank for n in _stage_params(plan, s)}
+        assert names and names <= own, f"rank {rank} read tensors of other stages: {sorted(names - own)[:5]}"
+
+
+def _stage_params(plan: dict, stage: dict) -> set[str]:
+    return set(plan["meta"]["stage_tensors"][stage["index"]])
+
+
+def _token_file(path, tokens: int, vocab: int, dtype=np.uint16) -> None:
+    rng = np.random.default_rng(0)
+    rng.integers(0, vocab, tokens, dtype=np.int64).astype(dtype).tofile(path)
+
+
+@pytest.mark.timeout(300)
+def test_token_file_trains_the_same_under_any_layout(tmp_path) -> None:
+    corpus = tmp_path / "train.bin"
+    _token_file(corpus, 20_000, 64)
+    base = [*COMMON, "data=tokens", f"data.path={corpus}", "model.dim=32", "model.layers=4", "model.seq_len=16",
+            "model.vocab_size=64"]
+    runs = {}
+    for name, layout in {"pp1": ["pp=1"], "pp2dp2": ["pp=2", "dp=2"]}.items():
+        proc = train([*base, *layout], tmp_path / name)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = metrics(tmp_path / name)["losses"]
+    assert runs["pp2dp2"] == pytest.approx(runs["pp1"], rel=1e-5)
+
+
+@pytest.mark.parametrize(("make", "overrides", "key", "fragment"), [
+    (None, ["data.path=/nonexistent/train.bin"], "data.path", "does not exist"),
+    ("odd", [], "data.path", "whole number"),
+    ("big", [], "data.path", "outside the model's vocabulary"),
+    ("short", [], "data.path", "fewer than one window"),
+    ("ok", ["data.dtype=int8"], "data.dtype", "uint16, uint32"),
+])
+def test_bad_token_files_are_refused_before_any_rank(make, overrides, key, fragment, tmp_path) -> None:
+    path = tmp_path / "t.bin"
+    if make == "odd":
+        path.write_bytes(b"\x01\x00\x02")
+    elif make == "big":
+        _token_file(path, 1000, 300)
+    elif make == "short":
+        _token_file(path, 10, 64)
+    elif make == "ok":
+        _token_file(path, 1000, 64)
+    cfg = compose_cfg([*COMMON, "data=tokens", f"data.path={path}", "model.seq_len=16", "model.vocab_size=64",
+                       *overrides])
+    with pytest.raises(ConfigError) as info:
+        prepare(cfg)
+    assert info.value.key == key and fragment in str(info.value)
