@@ -23,15 +23,28 @@ import networkx as nx
 
 from pipeline.errors import ConfigError
 from pipeline.partition.balanced import balanced
-from pipeline.partition.common import Partition, PartitionRequest
+from pipeline.partition.common import Partition, PartitionRequest, assignment_from_order, evaluate, topo_order
 from pipeline.partition.manual import manual
 from pipeline.partition.milp import milp_partition
 from pipeline.partition.uniform import uniform
 
 
 def uniform_split(graph: nx.DiGraph, num_stages: int, request: PartitionRequest) -> Partition:
-    """Equal numbers of nodes (a chain's blocks) per stage."""
-    return uniform(graph, num_stages, request.bandwidth, request.in_flight)
+    """Equal numbers of blocks per stage: of the nodes that hold parameters (a chain's blocks, a
+    transformers model's decoder layers), the parameter-free ops in between riding with the block
+    after them. Counting every node instead would give whole stages to the mask and position ops
+    of an operator-level trace. A graph with fewer parameter nodes than stages is cut by node count."""
+    order = topo_order(graph)
+    holders = [i for i, n in enumerate(order) if graph.nodes[n].get("param_bytes") or graph.nodes[n].get("params")]
+    if len(holders) < num_stages:
+        return uniform(graph, num_stages, request.bandwidth, request.in_flight)
+    base, extra = divmod(len(holders), num_stages)
+    starts, at = [0], 0
+    for s in range(num_stages - 1):
+        at += base + (1 if s < extra else 0)
+        starts.append(holders[at])
+    return evaluate(graph, assignment_from_order(order, starts), num_stages, request.bandwidth, request.in_flight,
+                    "uniform")
 
 
 uniform_split.needs_profile = False  # type: ignore[attr-defined]

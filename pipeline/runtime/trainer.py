@@ -95,7 +95,8 @@ class RankTrainer:
         params = list({id(p): p for m in self.modules for p in m.parameters()}.values())  # stages may share one
         self.shared = SharedGrads(plan, ctx, self.slots)
         self.training = plan.schedule.training
-        self.optimizer = instantiate(cfg["optimizer"])(params) if self.training else None
+        # a stage of parameter-free ops (masks, position ids of an op-level trace) has nothing to update
+        self.optimizer = instantiate(cfg["optimizer"])(params) if self.training and params else None
         self.executor = Executor(
             plan.schedule, ctx.pp_rank, self.slots, self.spec.loss_fn, ctx.device,
             loss_scale=float(plan.microbatches * plan.dp),
@@ -127,8 +128,9 @@ class RankTrainer:
                 allreduce_gradients(self.modules, ctx.dp_group)
             if capture:
                 captured["grads_step0"] = stage_state(self.slots, "grad")
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            if self.optimizer is not None:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
         dist.all_reduce(loss_sum)  # only last-stage ranks hold a non-zero share
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
