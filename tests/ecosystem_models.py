@@ -9,23 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from models.hf import CausalLM, transformers_init
 from models.spec import ModelSpec, causal_lm_loss
-
-
-class Logits(nn.Module):
-    """A causal LM called the way the pipeline calls models: token ids in, logits out."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(ids, use_cache=False).logits
-
-
-def transformers_init(root: nn.Module, module: nn.Module) -> None:
-    """transformers' per-module initialiser of the wrapped model."""
-    root.model._init_weights(module)
 
 
 def gpt2(vocab_size: int = 64, seq_len: int = 16, layers: int = 4, dim: int = 32, heads: int = 4,
@@ -34,7 +19,7 @@ def gpt2(vocab_size: int = 64, seq_len: int = 16, layers: int = 4, dim: int = 32
 
     config = GPT2Config(n_layer=layers, n_embd=dim, n_head=heads, vocab_size=vocab_size, n_positions=seq_len,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
-    return ModelSpec(name=name, build=lambda: Logits(GPT2LMHeadModel(config)), loss_fn=causal_lm_loss,
+    return ModelSpec(name=name, build=lambda: CausalLM(GPT2LMHeadModel(config)), loss_fn=causal_lm_loss,
                      input_shape=(seq_len,), target_shape=(seq_len,), init=transformers_init,
                      meta={"vocab_size": vocab_size, "seq_len": seq_len})
 
