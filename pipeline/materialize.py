@@ -68,6 +68,7 @@ def materialize(
                 new = nn.Parameter(new, requires_grad=t.requires_grad)
             fresh[id(t)] = new
         store[name] = new
+    made = {id(t): t for t in fresh.values()}  # the new real tensors, by their own identity
     constants = []
     for module in also:
         for path, sub in module.named_modules(remove_duplicate=False):
@@ -75,11 +76,10 @@ def materialize(
                 for attr, t in list(store.items()):
                     if t is not None and t.device.type == "meta":
                         store[attr] = lookup(root, f"{path}.{attr}" if path else attr)
-                    elif t is not None and all(t is not v for v in fresh.values()):
+                    elif t is not None and id(t) not in made:
                         constants.append((store, attr, t))  # a value the trace baked in (export's lifted constants)
     fell_back = init_by_name(root, seed, family_init)  # on the CPU generator, whatever the device
-    if load is not None and fresh:
-        made = {id(t): t for t in fresh.values()}  # the new real tensors, by their own identity
+    if load is not None and made:
         names_of: dict[int, list[str]] = {}
         for name, t in [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]:
             if id(t) in made:
@@ -88,7 +88,7 @@ def materialize(
         missing = set(load.load([(ns[0], made[i]) for i, ns in names_of.items()], aliases))
         fell_back = [n for n in fell_back if n in missing]
     if device.type != "cpu":
-        for t in fresh.values():
+        for t in made.values():
             t.data = t.data.to(device)
     for store, attr, t in constants:
         store[attr] = t.to(device)

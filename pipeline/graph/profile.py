@@ -296,7 +296,7 @@ def profile_graph(
     results = runner.results
     if loss is not None and traced.graph.graph.get("outputs"):
         loss_fn, target = loss
-        (value,) = [t for t in _tensors(out)][:1] or [None]
+        value = next(iter(_tensors(out)), None)
         producer = traced.graph.graph["outputs"][0]
         if value is not None and producer in results:
             stats = measure_op(lambda x: loss_fn(x, target.to(device)), (value,), {}, [], device, repeats)
