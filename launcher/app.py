@@ -18,6 +18,7 @@ from pipeline.report.tables import format_choice, format_prediction, stage_table
 from pipeline.report.timeline import draw_timeline
 from pipeline.runtime.host_allocator import rank_environment
 from pipeline.runtime.memory import peak_memory_bytes
+from pipeline.runtime.progress import launcher_terminal
 
 
 def resolve(cfg: DictConfig) -> dict:
@@ -49,7 +50,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     plan.write(run_dir / "plan.json")
     print(stage_table(plan), flush=True)
     print(f"schedule {plan.schedule.name}: pp={plan.pp} dp={plan.dp} microbatches={plan.microbatches}", flush=True)
-    results = spawn_ranks(job, plan.pp * plan.dp, run_dir / "logs", env=rank_environment(resolved["huge_pages"]))
+    env = {**rank_environment(resolved["huge_pages"]), **launcher_terminal()}
+    results = spawn_ranks(job, plan.pp * plan.dp, run_dir / "logs", env=env)
     metrics = results[0]["metrics"]
     # the launcher plans on the meta device: its own peak stays far below the model's size
     metrics["launcher_peak_memory_bytes"] = peak_memory_bytes(torch.device("cpu"))

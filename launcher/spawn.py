@@ -18,6 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from launcher.worker import RankJob, rank_main
+from pipeline.runtime.progress import PROGRESS_TTY
 
 
 class RankFailed(RuntimeError):
@@ -48,12 +49,13 @@ def spawn_ranks(
     env: dict[str, str] | None = None,
 ) -> dict[int, Any]:
     """Run `entry(job)` on `nprocs` local processes with `env` added to their environment; raise
-    RankFailed with the traceback."""
+    RankFailed with the traceback. Rank 0's output is echoed here; only its stderr when it draws a
+    progress bar on this terminal itself (its step lines then stay in its log)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     logs = DefaultLogsSpecs(
         log_dir=str(log_dir),
         redirects=Std.ALL,
-        tee={0: Std.ALL} if echo_rank0 else Std.NONE,
+        tee={0: Std.ERR if PROGRESS_TTY in (env or {}) else Std.ALL} if echo_rank0 else Std.NONE,
     )
     config = LaunchConfig(
         min_nodes=1,

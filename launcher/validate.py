@@ -118,12 +118,14 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
     model_kind = "tokens" if spec.input_dtype == torch.long else "images"
     if data_kind != model_kind:
         raise ConfigError("data", f"model={spec.name} takes {model_kind} but the data gives {data_kind}; use "
-                                  f"data={'synthetic or text' if model_kind == 'tokens' else 'images'}")
+                                  f"data={'synthetic, text, tokens or hf' if model_kind == 'tokens' else 'images'}")
     if data_vocab is not None and model_vocab is not None and data_vocab > model_vocab:
         raise ConfigError("data.vocab_size", f"{data_vocab} exceeds model.vocab_size={model_vocab}")
     for group in ("partitioner", "placement"):
         plugin(cfg[group], group)  # an unknown _target_ is a config error now, not in a rank
-    _build(cfg, "data")  # missing files, a wrong dtype, a vocabulary too large: refused here, not in a rank
+    data = _build(cfg, "data")  # missing files, a wrong dtype, a short corpus: refused here, not in a rank
+    if model_vocab is not None and hasattr(data, "check_vocabulary"):
+        data.check_vocabulary(model_vocab)  # ids the model cannot embed
 
     auto = isinstance(generator, AutoSchedule)
     link = (cfg.get("link_latency_s", 5e-5), cfg.get("link_bandwidth", 1e9))

@@ -151,3 +151,103 @@ def test_bad_token_files_are_refused_before_any_rank(make, overrides, key, fragm
     with pytest.raises(ConfigError) as info:
         prepare(cfg)
     assert info.value.key == key and fragment in str(info.value)
+
+
+def _hf_data(tmp_path, suffix: str = "jsonl") -> list[str]:
+    from tests.corpora import make_tokenizer, write_docs
+
+    make_tokenizer(tmp_path / "tok")
+    corpus = write_docs(tmp_path / f"docs.{suffix}")
+    return ["data=hf", f"data.files=[{corpus}]", f"data.tokenizer={tmp_path / 'tok'}",
+            f"data.cache_dir={tmp_path / 'cache'}", "model.vocab_size=320", "model.seq_len=16"]
+
+
+@pytest.mark.timeout(300)
+def test_hf_documents_train_the_same_under_any_layout(tmp_path) -> None:
+    """data=hf: documents tokenized by a local tokenizer, packed, pp=2 dp=2 against one process;
+    every packed window is the tokenizer's own output for consecutive documents."""
+    from hydra.utils import instantiate
+    from transformers import AutoTokenizer
+
+    cfg = compose_cfg([*COMMON, *_hf_data(tmp_path), "model.dim=32", "model.layers=4", "pp=2", "dp=2"])
+    _check([("hf documents pp=2 dp=2", cfg)], tmp_path)
+    data = instantiate(cfg["data"])
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    from tests.corpora import DOCS
+
+    stream = [t for d in DOCS for t in [*tok(d)["input_ids"], tok.eos_token_id]]
+    windows = {tuple(stream[i:i + 17]) for i in range(0, len(stream) - 16, 17)}
+    seen = []
+    for step in range(len(windows) // 16 + 1):  # one epoch: every window once
+        x, y = data.batch(step, 16)
+        assert torch.equal(x[:, 1:], y[:, :-1])
+        seen += [tuple(row) for row in torch.cat([x, y[:, -1:]], dim=1).tolist()]
+    assert set(seen[:len(windows)]) == windows and len(set(seen[:len(windows)])) == len(windows)
+    assert torch.equal(data.batch(3, 16)[0], instantiate(cfg["data"]).batch(3, 16)[0])
+
+
+@pytest.mark.timeout(300)
+def test_prepare_script_writes_the_token_format_once(tmp_path) -> None:
+    """`python -m pipeline.data.prepare` on parquet files writes what data=hf packs, then
+    `python train.py data=tokens` trains on it as typed."""
+    import subprocess
+    import sys
+
+    from tests.corpora import make_tokenizer, write_docs
+
+    make_tokenizer(tmp_path / "tok")
+    files = [write_docs(tmp_path / "a.parquet"), write_docs(tmp_path / "b.parquet", ["one more short document"] * 5)]
+    out = tmp_path / "bin" / "train.bin"
+    proc = subprocess.run([sys.executable, "-m", "pipeline.data.prepare", *map(str, files), "--tokenizer",
+                           str(tmp_path / "tok"), "--out", str(out), "--cache-dir", str(tmp_path / "cache")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "data=tokens data.path=" in proc.stdout and "writing train.bin" in proc.stderr  # the progress bar
+    from pipeline.data.hf import load_documents, load_tokenizer, token_batches, tokenize
+
+    tok = load_tokenizer(str(tmp_path / "tok"))
+    docs = load_documents([str(f) for f in files], None, "text", str(tmp_path / "cache"))
+    expected = np.concatenate([ids for _, ids in token_batches(tokenize(docs, tok, "text"))])
+    assert np.array_equal(np.fromfile(out, dtype=np.uint16), expected)
+    assert not out.with_name("train.bin.partial").exists()
+    run = tmp_path / "run"
+    trained = train([*COMMON, "data=tokens", f"data.path={out}", "model.vocab_size=320", "model.seq_len=16",
+                     "model.dim=32", "model.layers=4", "pp=2"], run)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert len(metrics(run)["losses"]) == 3
+
+
+@pytest.mark.parametrize(("change", "key", "fragment"), [
+    ("missing_file", "data.files", "does not exist"),
+    ("no_tokenizer", "data.tokenizer", "is not a directory"),
+    ("empty_tokenizer", "data.tokenizer", "no tokenizer could be loaded"),
+    ("text_key", "data.text_key", "its columns are"),
+    ("small_model", "data.tokenizer", "more than the model's vocabulary"),
+    ("short", "data.files", "fewer than one window"),
+    ("suffix", "data.files", "cannot tell the format"),
+])
+def test_bad_hf_data_is_refused_before_any_rank(change, key, fragment, tmp_path) -> None:
+    overrides = _hf_data(tmp_path)
+    if change == "missing_file":
+        overrides[1] = "data.files=[/nonexistent/docs.jsonl]"
+    elif change == "no_tokenizer":
+        overrides[2] = "data.tokenizer=/nonexistent/tok"
+    elif change == "empty_tokenizer":
+        (tmp_path / "empty").mkdir()
+        overrides[2] = f"data.tokenizer={tmp_path / 'empty'}"
+    elif change == "text_key":
+        overrides.append("data.text_key=body")
+    elif change == "small_model":
+        overrides.append("model.vocab_size=256")
+    elif change == "short":
+        from tests.corpora import write_docs
+
+        overrides[1] = f"data.files=[{write_docs(tmp_path / 'short.jsonl', ['hi'])}]"
+    elif change == "suffix":
+        odd = tmp_path / "docs.csv"
+        odd.write_text("text\nhello\n")
+        overrides[1] = f"data.files=[{odd}]"
+    cfg = compose_cfg([*COMMON, *overrides])
+    with pytest.raises(ConfigError) as info:
+        prepare(cfg)
+    assert info.value.key == key and fragment in str(info.value), str(info.value)

@@ -102,7 +102,18 @@ def test_export_fallback() -> None:
 def test_untraceable_model_points_to_manual() -> None:
     with pytest.raises(TraceError, match="partitioner=manual") as info:
         trace_model(DataBranch(), torch.randn(3, 4))
-    assert "DataBranch" in str(info.value)
+    assert "DataBranch" in str(info.value) and "the model's own forward" in str(info.value)
+
+
+def test_untraceable_submodule_is_named_with_its_operation_and_the_leaf_fix_works() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), DataBranch()), nn.Linear(4, 4))
+    with pytest.raises(TraceError) as info:
+        trace_model(model, torch.randn(3, 4))
+    message = str(info.value)
+    assert "submodule '1.1'" in message and "if x.sum() > 0" in message and "DataBranch.forward" in message
+    assert "model.leaf_modules=[1.1]" in message and "partitioner=manual" in message
+    traced = trace_model(model, torch.randn(3, 4), leaf_modules=["1.1"])
+    assert traced.method == "fx"
 
 
 def test_profile_fields(tmp_path, monkeypatch) -> None:

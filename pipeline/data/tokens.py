@@ -43,7 +43,6 @@ class TokenFile:
     path: str
     seq_len: int
     dtype: str = "uint16"
-    vocab_size: int | None = None
     val_path: str | None = None
     seed: int = 0
     kind: str = "tokens"
@@ -57,12 +56,16 @@ class TokenFile:
         if len(tokens) < self.seq_len + 1:
             raise ConfigError(key, f"{path} holds {len(tokens)} tokens, fewer than one window of seq_len + 1 = "
                                    f"{self.seq_len + 1}")
-        if self.vocab_size is not None:
-            top = int(tokens.max())
-            if top >= self.vocab_size:
-                raise ConfigError(key, f"{path} holds token id {top}, outside the model's vocabulary of "
-                                       f"{self.vocab_size} (model.vocab_size); was it tokenized for another model?")
         return tokens
+
+    def check_vocabulary(self, model_vocab: int) -> None:
+        """Refuse ids the model cannot embed (a full scan of each file: the launcher does it once,
+        before any rank starts, and the ranks do not)."""
+        for tokens, path, key in ((self._train, self.path, "data.path"), (self._val, self.val_path, "data.val_path")):
+            top = int(tokens.max()) if tokens is not None else -1
+            if top >= model_vocab:
+                raise ConfigError(key, f"{path} holds token id {top}, outside the model's vocabulary of {model_vocab} "
+                                       "(model.vocab_size); was it tokenized for another model?")
 
     def _windows(self, tokens: np.memmap, first: int, count: int, salt: str) -> torch.Tensor:
         span = len(tokens) - self.seq_len - 1

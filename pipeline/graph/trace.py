@@ -12,7 +12,11 @@ up: one canonical parameter name listed by nodes in two stages.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import io
+import logging
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,18 +32,72 @@ COMPUTE_OPS = ("call_module", "call_function", "call_method")
 
 
 class TraceError(ConfigError):
-    """Neither torch.fx nor torch.export could capture the model; manual split points still work."""
+    """Neither torch.fx nor torch.export could capture the model. The message names the submodule
+    and the source line where tracing broke, and what to do: keep that submodule whole as a leaf
+    module (then every partitioner works, `partitioner=manual` with split points included)."""
 
-    def __init__(self, module_name: str, fx_error: BaseException, export_error: BaseException | None) -> None:
-        detail = f"torch.fx failed with {type(fx_error).__name__}: {fx_error}"
+    def __init__(self, module_name: str, fx_error: BaseException, export_error: BaseException | None,
+                 site: tuple[str, str] | None = None) -> None:
+        detail = f"torch.fx: {type(fx_error).__name__}: {_first_line(fx_error)}"
         if export_error is not None:
-            detail += f"; torch.export failed with {type(export_error).__name__}: {export_error}"
+            detail += f"; torch.export: {type(export_error).__name__}: {_first_line(export_error)}"
+        if site is None:
+            where, fix = "", ("mark the submodules that cannot be traced as leaf modules (`model.leaf_modules=[...]`, "
+                              "each kept whole on one stage)")
+        elif site[0]:
+            where = f" in submodule {site[0]!r} at {site[1]}"
+            fix = (f"keep that submodule whole as a leaf module (`model.leaf_modules=[{site[0]}]`: it is then "
+                   "called as one operation and placed on one stage)")
+        else:
+            where = f" in the model's own forward at {site[1]}"
+            fix = ("move that operation into a submodule and list it in `model.leaf_modules`, since the top-level "
+                   "forward itself must be traceable")
         super().__init__(
             "partitioner",
-            f"cannot trace model {module_name!r} ({detail}). Automatic partitioning needs a traceable "
-            "model: mark the untraceable submodules as leaf_modules, or use `partitioner=manual` with "
-            "explicit split points on a sequential model.",
+            f"cannot trace model {module_name!r}{where} ({detail}). Automatic partitioning needs a traced "
+            f"graph: {fix}; then any partitioner works, or choose the cuts yourself with `partitioner=manual "
+            "partitioner.split_points=[...]`.",
         )
+
+
+@contextmanager
+def _quiet_export() -> Iterator[None]:
+    """torch.export logs and prints to stderr each graph it gives up on; our TraceError says it
+    once. What it writes on success is passed on."""
+    logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level, captured = logger.level, io.StringIO()
+    logger.setLevel(logging.ERROR)
+    try:
+        with redirect_stderr(captured):
+            yield
+        sys.stderr.write(captured.getvalue())
+    finally:
+        logger.setLevel(level)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else ""
+
+
+def failure_site(model: nn.Module, exc: BaseException) -> tuple[str, str] | None:
+    """(qualified submodule name, 'file:line: source') of the innermost frame of `exc` that runs a
+    forward of one of `model`'s modules: where tracing broke, in the user's code."""
+    import linecache
+
+    names = {id(m): name for name, m in model.named_modules()}
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb)
+        tb = tb.tb_next
+    for tb in reversed(frames):
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            code = tb.tb_frame.f_code
+            line = linecache.getline(code.co_filename, tb.tb_lineno).strip()
+            return names[id(owner)], f"{code.co_filename}:{tb.tb_lineno} ({type(owner).__name__}.{code.co_name}): {line}"
+    return None
 
 
 @dataclass
@@ -316,10 +374,11 @@ def trace_model(
         gm = _fx_trace(module, leaves)
     except Exception as fx_error:  # noqa: BLE001 - any tracing failure means "try the next tracer"
         try:
-            gm, out_spec = _export_trace(module, args)
+            with _quiet_export():
+                gm, out_spec = _export_trace(module, args)
             method = "export"
         except Exception as export_error:  # noqa: BLE001
-            raise TraceError(label, fx_error, export_error) from export_error
+            raise TraceError(label, fx_error, export_error, failure_site(module, fx_error)) from export_error
     if method == "fx":
         with torch.no_grad():
             ShapeProp(gm).propagate(*args)

@@ -25,6 +25,7 @@ from pipeline.runtime.dp import SharedGrads, allreduce_gradients
 from pipeline.runtime.executor import Executor, StageSlot
 from pipeline.runtime.host_allocator import huge_pages_active
 from pipeline.runtime.memory import peak_memory_bytes, reset_peak
+from pipeline.runtime.progress import Progress
 from pipeline.runtime.tracking import Tracker
 from pipeline.stage import build_stage_modules
 
@@ -151,6 +152,7 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
     last_events: list[dict] = []
     reset_peak(ctx.device)
     tracker = Tracker(cfg, run_dir) if ctx.rank == 0 else None
+    progress = Progress(cfg["steps"], tokens_per_step, cfg.get("log_every", 1)) if ctx.rank == 0 else None
 
     for step in range(cfg["steps"]):
         outcome = trainer.step(step, captured if capture_state else None)
@@ -162,12 +164,10 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
         last_events = events
         if tracker is not None:
             tracker.log_step(step, {"loss": loss, "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed})
-        if ctx.rank == 0 and (step % cfg.get("log_every", 1) == 0 or step == cfg["steps"] - 1):
-            print(
-                f"step {step:>4} | loss {loss:.4f} | step time {elapsed * 1e3:8.1f} ms | "
-                f"{tokens_per_step / elapsed:10.0f} tokens/s",
-                flush=True,
-            )
+        if progress is not None:
+            progress.update(step, loss, elapsed)
+    if progress is not None:
+        progress.close()
 
     warm = cfg.get("warmup_steps", 0)
     median_step = _median_after_warmup(step_times, warm)
