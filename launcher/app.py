@@ -34,11 +34,16 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
             name: option for name, option in group_configs("scheduler").items()
             if not str(option.get("_target_", "")).endswith("AutoSchedule")}
         resolved["scheduler"]["_recursive_"] = False  # the candidates are built one by one, by the planner
+    ckpt = resolved.setdefault("checkpoint", {})
+    ckpt["dir"] = str(Path(ckpt.get("dir") or run_dir / "checkpoints").absolute())
     export_submitit_env()
     if joined_rank_env() and resolved["mode"] == "train":
         return join(resolved, run_dir)
     prepared = prepare(resolved)
     plan = prepared.plan
+    resolved["resume_from"] = prepared.resume_from
+    if prepared.resume_from:
+        print(f"resuming from {prepared.resume_from}", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     if prepared.choice is not None:
         print(f"scheduler=auto chose {prepared.generator.name}: the fastest simulated schedule on this "
@@ -69,7 +74,7 @@ def join(resolved: dict, run_dir: Path) -> dict:
     (cheap, deterministic, no profile); the Plan itself is built by rank 0 inside the process group
     and broadcast, since a profiled plan (auto, balanced, milp, cost-aware orders) depends on
     timings and every rank must run the very same one."""
-    prepare(resolved, profile=False)
+    resolved["resume_from"] = prepare(resolved, profile=False).resume_from
     run_dir.mkdir(parents=True, exist_ok=True)
     result = rank_main(RankJob(resolved, None, str(run_dir)))
     return result.get("metrics", {})

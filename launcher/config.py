@@ -7,11 +7,38 @@ option carries its own fields and `_target_`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+
+@dataclass
+class EvalConfig:
+    #: a forward-only pass over held-out batches every this many steps (and after the last); 0 = never
+    every: int = 0
+    #: held-out batches per evaluation (each a full global batch of `batch_size` sequences)
+    batches: int = 2
+
+
+@dataclass
+class CheckpointConfig:
+    #: save every this many steps and at the end of the run; 0 = no checkpoints
+    every: int = 0
+    #: complete checkpoints kept (the oldest are deleted); 0 = keep all
+    keep: int = 3
+    #: where step_<N>/ directories go; null = <run dir>/checkpoints
+    dir: Any = None
+
+
+@dataclass
+class DebugConfig:
+    """Fault injection, for testing the launcher's failure handling (never set in real runs)."""
+
+    #: this global rank kills itself with SIGKILL at the start of step `kill_step`
+    kill_rank: Any = None
+    kill_step: Any = None
 
 
 @dataclass
@@ -24,6 +51,7 @@ class TrainConfig:
     optimizer: Any = MISSING
     logger: Any = MISSING
     memory: Any = MISSING
+    lr_scheduler: Any = MISSING
     #: pipeline-parallel degree: ranks per pipeline.
     pp: int = 2
     #: data-parallel degree: number of pipeline replicas.
@@ -55,6 +83,15 @@ class TrainConfig:
     huge_pages: bool = True
     #: auto (bind each local rank to its own `threads` cores when they cover all ranks) | none
     cpu_affinity: str = "auto"
+    #: clip gradients to this global norm (over every parameter of the model, tied ones once); null = off
+    clip_grad_norm: Any = None
+    #: fp32 | bf16 (autocast for compute; weights, gradients and optimizer state stay fp32)
+    precision: str = "fp32"
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    #: none | auto (the latest complete checkpoint under checkpoint.dir) | a step_<N> directory
+    resume: str = "none"
+    debug: DebugConfig = field(default_factory=DebugConfig)
     #: link model for the simulator's predictions (seconds per message, bytes per second).
     link_latency_s: float = 5e-5
     link_bandwidth: float = 1e9

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from hydra.errors import InstantiationException
@@ -41,6 +42,8 @@ class Prepared:
     prediction: Prediction | None = None
     #: scheduler=auto: every candidate simulated on the profile, fastest first.
     choice: list[dict] | None = None
+    #: the checkpoint `resume` names (auto: the latest complete one), or None for a fresh start
+    resume_from: str | None = None
 
 
 def _positive(cfg: dict, key: str, minimum: int = 1) -> int:
@@ -100,6 +103,45 @@ def check_scalars(cfg: dict) -> None:
                                           "its own cores when there are enough, none leaves it to the OS)")
     if not isinstance(cfg.get("huge_pages", True), bool):
         raise ConfigError("huge_pages", f"got {cfg.get('huge_pages')!r}; valid: true or false")
+    check_training_keys(cfg)
+
+
+def _number(value, key: str, low: float, high: float | None = None, what: str = "") -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= low
+    if not ok or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f">= {low}"
+        raise ConfigError(key, f"got {value!r}; valid: a number {bound}{what}")
+    return float(value)
+
+
+def check_training_keys(cfg: dict) -> None:
+    """LR schedule, clipping, precision, evaluation, checkpoints, resume and fault injection."""
+    from pipeline.runtime.trainer import PRECISIONS
+
+    lr = cfg.get("lr_scheduler") or {}
+    if lr:
+        warmup = lr.get("warmup_steps", 0)
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+            raise ConfigError("lr_scheduler.warmup_steps", f"got {warmup!r}; valid: an integer >= 0")
+        _number(lr.get("min_lr_ratio", 0.0), "lr_scheduler.min_lr_ratio", 0.0, 1.0, " (a fraction of optimizer.lr)")
+        total = lr.get("total_steps", cfg["steps"])
+        if not isinstance(total, int) or total < 1:
+            raise ConfigError("lr_scheduler.total_steps", f"got {total!r}; valid: an integer >= 1 (default: steps)")
+    clip = cfg.get("clip_grad_norm")
+    if clip is not None and (_number(clip, "clip_grad_norm", 0.0, what=" or null (no clipping)") <= 0):
+        raise ConfigError("clip_grad_norm", f"got {clip!r}; valid: a positive number or null (no clipping)")
+    if cfg.get("precision", "fp32") not in PRECISIONS:
+        raise ConfigError("precision", f"got {cfg.get('precision')!r}; valid: {', '.join(PRECISIONS)}")
+    for group, keys in (("eval", {"every": 0, "batches": 1}), ("checkpoint", {"every": 0, "keep": 0})):
+        for key, low in keys.items():
+            value = (cfg.get(group) or {}).get(key, low)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"{group}.{key}", f"got {value!r}; valid: an integer >= {low}")
+    debug = cfg.get("debug") or {}
+    for key, high in (("kill_rank", cfg["pp"] * cfg["dp"] - 1), ("kill_step", cfg["steps"] - 1)):
+        value = debug.get(key)
+        if value is not None and (not isinstance(value, int) or not 0 <= value <= high):
+            raise ConfigError(f"debug.{key}", f"got {value!r}; valid: null or an integer from 0 to {high}")
 
 
 def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
@@ -123,6 +165,7 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
         raise ConfigError("data.vocab_size", f"{data_vocab} exceeds model.vocab_size={model_vocab}")
     for group in ("partitioner", "placement"):
         plugin(cfg[group], group)  # an unknown _target_ is a config error now, not in a rank
+    resume_from = resume_checkpoint(cfg, spec)
     data = _build(cfg, "data")  # missing files, a wrong dtype, a short corpus: refused here, not in a rank
     if model_vocab is not None and hasattr(data, "check_vocabulary"):
         data.check_vocabulary(model_vocab)  # ids the model cannot embed
@@ -157,9 +200,41 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
     if auto:
         candidates = schedule_candidates(generator)
         generator, prediction, rows = choose_schedule(build, candidates, cfg["pp"], cfg["microbatches"], *link)
-        return Prepared(spec, generator, prediction.plan, prediction, rows)
+        return Prepared(spec, generator, prediction.plan, prediction, rows, resume_from)
     plan = build(generator)
-    return Prepared(spec, generator, plan, predict(plan, *link) if profile else None)
+    return Prepared(spec, generator, plan, predict(plan, *link) if profile else None, resume_from=resume_from)
+
+
+def resume_checkpoint(cfg: dict, spec: ModelSpec) -> str | None:
+    """The checkpoint to resume from, checked against this model (every parameter by name and
+    shape) and this run (batch size, steps left), before any rank exists."""
+    from pipeline.runtime import checkpoint
+
+    root = (cfg.get("checkpoint") or {}).get("dir")
+    resume = cfg.get("resume", "none")
+    if resume == "auto" and not root:
+        raise ConfigError("resume", "resume=auto needs checkpoint.dir (the launcher sets <run dir>/checkpoints)")
+    path = checkpoint.resolve_resume(resume, Path(root) if root else Path("."))
+    if path is None:
+        return None
+    meta = checkpoint.read_meta(path)
+    stored = checkpoint.stored_tensors(path)
+    mismatched = []
+    for name, p in spec.build_meta().named_parameters():
+        got = stored.get(f"model/{name}")
+        if got is None or got[0] != tuple(p.shape):
+            mismatched.append(f"{name} {tuple(p.shape)} (checkpoint: {got[0] if got else 'missing'})")
+    if mismatched:
+        raise ConfigError("resume", f"{path} was written for another model: {', '.join(mismatched[:4])}"
+                                    f"{' ...' if len(mismatched) > 4 else ''}; resume with the model that wrote it")
+    if meta.get("batch_size") != cfg["batch_size"]:
+        raise ConfigError("batch_size", f"{cfg['batch_size']} differs from the {meta.get('batch_size')} of checkpoint "
+                                        f"{path}; resume with batch_size={meta.get('batch_size')} so the data "
+                                        "position (global sample index) carries over")
+    if meta["step"] >= cfg["steps"]:
+        raise ConfigError("steps", f"checkpoint {path} is at step {meta['step']}; steps={cfg['steps']} leaves nothing "
+                                   f"to run (set steps > {meta['step']})")
+    return str(path)
 
 
 def schedule_candidates(auto: AutoSchedule) -> list[ScheduleGenerator]:

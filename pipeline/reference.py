@@ -1,7 +1,9 @@
 """Plain single-process training on the same data: the yardstick every pipeline must match.
 
 Gradient accumulation over exactly the micro-batches the pipeline sees (dp replicas x
-micro-batches each), each loss divided by their count, then one optimizer step.
+micro-batches each), each loss divided by their count, then torch's own `clip_grad_norm_` when
+clipping is on, one optimizer step and one LR-schedule step; under precision=bf16 the forward and
+the loss run under autocast, as each pipeline stage does.
 """
 
 from __future__ import annotations
@@ -10,13 +12,17 @@ import torch
 from hydra.utils import instantiate
 
 from models.spec import ModelSpec
+from pipeline.runtime.optim import build_optimizer
+from pipeline.runtime.trainer import PRECISIONS
 
 
 def reference_run(cfg: dict, capture_state: bool = True) -> dict:
     spec: ModelSpec = instantiate(cfg["model"])
     data = instantiate(cfg["data"])
     model = spec.build_full(cfg["seed"])
-    optimizer = instantiate(cfg["optimizer"])(list(model.parameters()))
+    optimizer, lr_scheduler = build_optimizer(cfg, list(model.parameters()))
+    autocast = PRECISIONS[cfg.get("precision", "fp32")]
+    clip = cfg.get("clip_grad_norm")
     dp, m, batch = cfg["dp"], cfg["microbatches"], cfg["batch_size"]
     losses: list[float] = []
     out: dict = {}
@@ -25,14 +31,18 @@ def reference_run(cfg: dict, capture_state: bool = True) -> dict:
         total = 0.0
         for x_share, y_share in zip(inputs.chunk(dp), targets.chunk(dp), strict=True):
             for x, y in zip(x_share.chunk(m), y_share.chunk(m), strict=True):
-                loss = spec.loss_fn(model(x), y) / (dp * m)
+                with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                    loss = spec.loss_fn(model(x), y) / (dp * m)
                 loss.backward()
                 total += float(loss.detach())
         losses.append(total)
         if capture_state and step == 0:
             out["grads_step0"] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), float(clip))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        lr_scheduler.step()
     out["losses"] = losses
     if capture_state:
         out["params_final"] = {n: p.detach().clone() for n, p in model.named_parameters()}

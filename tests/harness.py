@@ -44,7 +44,11 @@ def group_options(group: str) -> list[str]:
 
 def run_jobs(cfgs: list[dict], log_dir: Path) -> list[list[dict]]:
     """Run configs of the same world size in one spawn; returns per config the list of rank results."""
-    jobs = [RankJob(cfg, prepare(cfg).plan, None, capture_state=True) for cfg in cfgs]
+    jobs = []
+    for cfg in cfgs:
+        prepared = prepare(cfg)
+        cfg["resume_from"] = prepared.resume_from
+        jobs.append(RankJob(cfg, prepared.plan, None, capture_state=True))
     world = jobs[0].plan.pp * jobs[0].plan.dp
     env = rank_environment(cfgs[0].get("huge_pages", True))
     per_rank = spawn_ranks(jobs, world, log_dir, echo_rank0=False, entry=rank_main_many, env=env)

@@ -171,3 +171,20 @@ def test_chain_traced_on_meta_and_profiled_leaf_by_leaf_works_with_every_partiti
     ):
         validate_assignment(g, part.assignment, 3)
         assert part.bottleneck_s >= part.lower_bound_s * (1 - 1e-9)
+
+
+def test_split_backward_passes_the_gradient_of_an_output_that_is_an_input() -> None:
+    """A stage output that is one of its inputs (a `.to()` to its own dtype returns it): the
+    I/W split gives it the gradient one backward gives (GPT-2 under zbv sent zeros before)."""
+    from pipeline.runtime.backward import backward_input, backward_weight
+
+    lin = nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    y = lin(x)
+    passed = x.to(torch.float32)
+    assert passed is x
+    gy, gx = torch.randn(3, 4), torch.randn(3, 4)
+    grads, stash = backward_input([y, passed], [gy, gx], {"x": x}, list(lin.parameters()))
+    backward_weight(stash)
+    torch.testing.assert_close(grads["x"], gy @ lin.weight + gx)
+    torch.testing.assert_close(lin.weight.grad, gy.T @ x.detach())

@@ -29,6 +29,8 @@ class WeightGradStash:
     # a plain backward from the roots towards the parameters.
     roots: list[torch.Tensor] = field(default_factory=list)
     root_grads: list[torch.Tensor | None] = field(default_factory=list)
+    #: outputs that are parameters themselves (no graph between): their gradients, added in W
+    direct: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 def _children(node) -> list:
@@ -81,7 +83,29 @@ def backward_input(
     leaves: dict[str, torch.Tensor],
     params: Sequence[nn.Parameter],
 ) -> tuple[dict[str, torch.Tensor | None], WeightGradStash]:
-    """Compute the gradients of the stage inputs now; return them and the stash for W."""
+    """Compute the gradients of the stage inputs now; return them and the stash for W.
+
+    An output may be an input itself, with no graph in between (a `.to()` to the dtype it already
+    has returns its argument): its gradient is the input's, as it is in one process."""
+    graph = [(r, g) for r, g in zip(roots, root_grads, strict=True) if r.grad_fn is not None]
+    grads, stash = _backward_input([r for r, _ in graph], [g for _, g in graph], leaves, params)
+    for r, g in zip(roots, root_grads, strict=True):
+        if r.grad_fn is not None:
+            continue
+        name = next((n for n, x in leaves.items() if x is r), None)
+        if name is not None:
+            grads[name] = g if grads.get(name) is None else grads[name] + g
+        else:
+            stash.direct.append((r, g))
+    return grads, stash
+
+
+def _backward_input(
+    roots: list[torch.Tensor],
+    root_grads: list[torch.Tensor | None],
+    leaves: dict[str, torch.Tensor],
+    params: Sequence[nn.Parameter],
+) -> tuple[dict[str, torch.Tensor | None], WeightGradStash]:
     params = list(params)
     roots, root_grads = list(roots), list(root_grads)
     fallback = WeightGradStash(params, roots=roots, root_grads=root_grads)
@@ -89,7 +113,7 @@ def backward_input(
         return {}, WeightGradStash(params)
     names = list(leaves)
     xs = [leaves[n] for n in names]
-    if not xs or any(r.grad_fn is None for r in roots):
+    if not xs:
         return {}, fallback
     params_by_id = {id(p): p for p in params}
     on_input, reach = _classify([r.grad_fn for r in roots], {id(x) for x in xs}, params_by_id)
@@ -138,6 +162,10 @@ def backward_weight(stash: WeightGradStash) -> None:
 
     `autograd.backward(..., inputs=params)` lets AccumulateGrad add straight into `.grad` (no
     separate gradient tensors to allocate and add)."""
+    with torch.no_grad():
+        for p, g in stash.direct:
+            p.grad = g.clone() if p.grad is None else p.grad + g
+    stash.direct.clear()
     if stash.roots:
         if stash.params:
             torch.autograd.backward(stash.roots, stash.root_grads, inputs=stash.params)

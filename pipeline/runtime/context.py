@@ -34,6 +34,11 @@ class RankContext:
         return (self.dp_rank if dp_rank is None else dp_rank) * self.pp + pp_rank
 
     @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """The pipeline ranks of this replica (None when there is one)."""
+        return self.mesh["pp"].get_group() if self.mesh is not None and self.pp > 1 else None
+
+    @property
     def dp_group(self) -> dist.ProcessGroup | None:
         return self.mesh["dp"].get_group() if self.mesh is not None and self.dp > 1 else None
 

@@ -66,6 +66,7 @@ class Executor:
         loss_scale: float,
         record_timings: bool = True,
         lookahead: int = 4,
+        autocast: torch.dtype | None = None,
     ) -> None:
         self.actions = schedule.actions[pp_rank]
         self.training = schedule.training
@@ -78,6 +79,9 @@ class Executor:
         self.remat_stages = set(schedule.remat_stages())
         self.record_timings = record_timings
         self.pp_rank = pp_rank
+        # precision=bf16: stage forwards (and the loss) run under autocast; what they produce is
+        # what goes over P2P, so the plan's values carry the dtypes autocast gives
+        self.autocast = autocast
         self.p2p = P2P(device)
         self.lookahead = lookahead
         self._recv_positions = [i for i, a in enumerate(self.actions) if a.kind in (Kind.RECV_F, Kind.RECV_B)]
@@ -98,6 +102,8 @@ class Executor:
         self._bwd_box: dict[tuple[int, int, str, int], torch.Tensor] = {}  # (producer, mb, value, consumer)
         self._grads_out: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # input grads awaiting SEND_B
         self._outputs: dict[int, torch.Tensor] = {}
+        # per stage: did any forward output hold a NaN or inf this step (device flags, no sync)
+        self.nonfinite = {s: torch.zeros((), dtype=torch.bool, device=self.device) for s in self.slots}
         loss_sum = torch.zeros((), device=self.device)
         events: list[dict] = []
         next_recv, n_recv = 0, len(self._recv_positions)
@@ -201,10 +207,15 @@ class Executor:
         return kw
 
     def _run(self, slot: StageSlot, kw: dict[str, torch.Tensor], mb: int, state: MicroBatchState) -> torch.Tensor | None:
-        outs = slot.module(**kw)
-        loss = None
-        if slot.loss_value is not None and self._targets is not None:
-            loss = self.loss_fn(outs[slot.loss_value], self._targets[mb]) / self.loss_scale
+        with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
+            outs = slot.module(**kw)
+            loss = None
+            if slot.loss_value is not None and self._targets is not None:
+                loss = self.loss_fn(outs[slot.loss_value], self._targets[mb]) / self.loss_scale
+        flag = self.nonfinite[slot.index]
+        for t in outs.values():
+            if t.is_floating_point():
+                flag |= ~torch.isfinite(t.detach()).all()
         state.outputs, state.loss = outs, loss
         return loss
 

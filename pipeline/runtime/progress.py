@@ -48,15 +48,17 @@ def _width(file: IO[str]) -> int:
 class Progress:
     """Report each step: `update(step, loss, seconds)`, then `close()`."""
 
-    def __init__(self, steps: int, tokens_per_step: int, log_every: int = 1) -> None:
+    def __init__(self, steps: int, tokens_per_step: int, log_every: int = 1, start: int = 0) -> None:
+        """`steps` in all, the first `start` of them done before (a resumed run)."""
         self.steps, self.tokens_per_step, self.log_every = steps, tokens_per_step, max(1, log_every)
-        self.started = time.perf_counter()
+        self.start, self.started = start, time.perf_counter()
         self.bar = None
-        self._file = _terminal() if steps >= MIN_BAR_STEPS else None
+        self._file = _terminal() if steps - start >= MIN_BAR_STEPS else None
         if self._file is not None:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=steps, unit="step", file=self._file, ncols=_width(self._file), desc="train")
+            self.bar = tqdm(total=steps, initial=start, unit="step", file=self._file, ncols=_width(self._file),
+                            desc="train")
 
     def update(self, step: int, loss: float, seconds: float) -> None:
         rate = self.tokens_per_step / seconds if seconds > 0 else float("inf")
@@ -65,7 +67,7 @@ class Progress:
             self.bar.update(1)
         if step % self.log_every == 0 or step == self.steps - 1:
             done = step + 1
-            eta = (time.perf_counter() - self.started) / done * (self.steps - done)
+            eta = (time.perf_counter() - self.started) / (done - self.start) * (self.steps - done)
             line = (f"step {step:>4}/{self.steps} | loss {loss:.4f} | step time {seconds * 1e3:8.1f} ms | "
                     f"{rate:10.0f} tokens/s | eta {eta:6.1f} s")
             if self.bar is not None and sys.stdout.isatty():

@@ -5,6 +5,7 @@ Everything here runs inside one rank with a process group already initialised.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -20,11 +21,14 @@ from models.spec import ModelSpec
 from pipeline.plan import Plan, dtype_of
 from pipeline.report.artifacts import add_predictions, write_run_artifacts
 from pipeline.report.tables import stage_rows
+from pipeline.runtime import checkpoint
 from pipeline.runtime.context import RankContext
 from pipeline.runtime.dp import SharedGrads, allreduce_gradients
 from pipeline.runtime.executor import Executor, StageSlot
+from pipeline.runtime.faults import fault_injection
 from pipeline.runtime.host_allocator import huge_pages_active
 from pipeline.runtime.memory import peak_memory_bytes, reset_peak
+from pipeline.runtime.optim import build_optimizer, clip_gradients
 from pipeline.runtime.progress import Progress
 from pipeline.runtime.tracking import Tracker
 from pipeline.stage import build_stage_modules
@@ -72,6 +76,9 @@ def stage_state(slots: dict[int, StageSlot], what: str) -> dict[str, torch.Tenso
     return out
 
 
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+
+
 @dataclass
 class StepOutcome:
     """What one training step of this rank produced."""
@@ -81,6 +88,8 @@ class StepOutcome:
     schedule_s: float  # the executor's part of it
     events: list[dict]
     outputs: dict
+    lr: float | None = None  # the learning rate this step's update used
+    grad_norm: float | None = None  # the global gradient norm before clipping (clip_grad_norm set)
 
 
 class RankTrainer:
@@ -93,14 +102,20 @@ class RankTrainer:
         self.data = instantiate(cfg["data"])
         self.slots = build_slots(self.spec, plan, ctx, cfg["seed"])
         self.modules: list[nn.Module] = [s.module for s in self.slots.values()]
-        params = list({id(p): p for m in self.modules for p in m.parameters()}.values())  # stages may share one
+        named = {n: p for m in self.modules for n, p in m.named_model_parameters()}  # stages may share one
+        self.params = list({id(p): p for p in named.values()}.values())
+        tied = plan.shared_param_ranks()
+        # the global gradient norm counts a tied parameter once: on the lowest pipeline rank holding it
+        self.norm_params = [p for n, p in named.items() if n not in tied or tied[n][0] == ctx.pp_rank]
         self.shared = SharedGrads(plan, ctx, self.slots)
         self.training = plan.schedule.training
         # a stage of parameter-free ops (masks, position ids of an op-level trace) has nothing to update
-        self.optimizer = instantiate(cfg["optimizer"])(params) if self.training and params else None
+        self.optimizer, self.lr_scheduler = (build_optimizer(cfg, self.params) if self.training and self.params
+                                             else (None, None))
+        self.clip = cfg.get("clip_grad_norm")
         self.executor = Executor(
             plan.schedule, ctx.pp_rank, self.slots, self.spec.loss_fn, ctx.device,
-            loss_scale=float(plan.microbatches * plan.dp),
+            loss_scale=float(plan.microbatches * plan.dp), autocast=PRECISIONS[cfg.get("precision", "fp32")],
         )
         self.has_first = any(p is None for s in self.slots.values() for p in s.inputs.values())
         self.has_last = any(s.is_last for s in self.slots.values())
@@ -123,55 +138,110 @@ class RankTrainer:
         capture = captured is not None and step == 0
         if capture and outputs:
             captured["outputs"] = torch.cat([outputs[mb].cpu() for mb in sorted(outputs)])
+        lr = grad_norm = None
         if self.training:
             self.shared.sum_across_stages()
             if ctx.dp > 1:
                 allreduce_gradients(self.modules, ctx.dp_group)
             if capture:
                 captured["grads_step0"] = stage_state(self.slots, "grad")
+            if self.clip is not None:
+                grad_norm = clip_gradients(self.params, self.norm_params, float(self.clip), ctx.pp_group, ctx.device)
             if self.optimizer is not None:
+                lr = self.optimizer.param_groups[0]["lr"]
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+                self.lr_scheduler.step()
         dist.all_reduce(loss_sum)  # only last-stage ranks hold a non-zero share
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
-        return StepOutcome(float(loss_sum), time.perf_counter() - start, schedule_s, events, outputs)
+        return StepOutcome(float(loss_sum), time.perf_counter() - start, schedule_s, events, outputs, lr, grad_norm)
+
+    def nonfinite_report(self, step: int, loss: float) -> str:
+        """Where a NaN or inf first showed (collective): the first stage, in pipeline order, whose
+        parameters or forward outputs held one this step, else the loss of the last stage."""
+        mine = {s: {"params": any(not torch.isfinite(p).all() for p in self.slots[s].module.parameters()),
+                    "outputs": bool(self.executor.nonfinite[s])} for s in self.slots}
+        everyone: list = [None] * self.ctx.world_size
+        dist.all_gather_object(everyone, mine)
+        stages = {s: v for part in everyone for s, v in part.items()}
+        where = "the loss of the last stage (every stage's outputs were finite)"
+        for s in sorted(stages):
+            what = "parameters" if stages[s]["params"] else "outputs" if stages[s]["outputs"] else None
+            if what:
+                sp = self.plan.stages[s]
+                blocks = ", ".join(sp.blocks[:4]) + (" ..." if len(sp.blocks) > 4 else "")
+                where = f"the {what} of stage {s} (pipeline rank {sp.rank}: {blocks})"
+                break
+        return (f"the loss became {loss} at step {step}; it first appeared in {where}. Lower optimizer.lr, set "
+                "clip_grad_norm, or check the data of this step")
 
 
 def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, capture_state: bool = False) -> dict:
-    """Run `cfg["steps"]` steps; rank 0 prints progress and writes metrics.json into run_dir."""
+    """Run steps up to `cfg["steps"]` (from a checkpoint when resuming); rank 0 reports progress and
+    writes metrics.json into run_dir."""
     trainer = RankTrainer(cfg, plan, ctx)
     slots, schedule = trainer.slots, plan.schedule
     # tokens for language models; samples for image models
     tokens_per_step = cfg["batch_size"] * (trainer.spec.input_shape[0] if trainer.spec.input_dtype == torch.long else 1)
+    ckpt_cfg = cfg.get("checkpoint") or {}
+    ckpt_root = Path(ckpt_cfg["dir"]) if ckpt_cfg.get("dir") else (run_dir / "checkpoints" if run_dir else None)
     losses: list[float] = []
+    lrs: list[float | None] = []
+    grad_norms: list[float | None] = []
+    start_step, resumed = 0, None
+    if cfg.get("resume_from"):
+        meta = checkpoint.load(Path(cfg["resume_from"]), trainer.modules, trainer.optimizer, trainer.lr_scheduler, ctx)
+        start_step, resumed = meta["step"], cfg["resume_from"]
+        losses, lrs = list(meta.get("losses", [])), list(meta.get("lrs", []))
+        grad_norms = list(meta.get("grad_norms", []))
     step_times: list[float] = []
     busy: list[float] = []
     schedule_times: list[float] = []
     captured: dict = {}
     last_events: list[dict] = []
+    written: list[str] = []
     reset_peak(ctx.device)
     tracker = Tracker(cfg, run_dir) if ctx.rank == 0 else None
-    progress = Progress(cfg["steps"], tokens_per_step, cfg.get("log_every", 1)) if ctx.rank == 0 else None
+    progress = Progress(cfg["steps"], tokens_per_step, cfg.get("log_every", 1), start_step) if ctx.rank == 0 else None
+    every = int(ckpt_cfg.get("every") or 0)
 
-    for step in range(cfg["steps"]):
+    for step in range(start_step, cfg["steps"]):
+        fault_injection(cfg.get("debug"), ctx.rank, step)
         outcome = trainer.step(step, captured if capture_state else None)
         loss, elapsed, events = outcome.loss, outcome.elapsed_s, outcome.events
+        if not math.isfinite(loss):
+            report = trainer.nonfinite_report(step, loss)
+            raise FloatingPointError(report if ctx.rank == 0 else f"non-finite loss at step {step} (rank 0 says where)")
         schedule_times.append(outcome.schedule_s)
         losses.append(loss)
+        lrs.append(outcome.lr)
+        grad_norms.append(outcome.grad_norm)
         step_times.append(elapsed)
         busy.append(sum(e["end_s"] - e["start_s"] for e in events))
         last_events = events
         if tracker is not None:
-            tracker.log_step(step, {"loss": loss, "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed})
+            values = {"loss": loss, "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed}
+            values.update({k: v for k, v in (("lr", outcome.lr), ("grad_norm", outcome.grad_norm)) if v is not None})
+            tracker.log_step(step, values)
         if progress is not None:
             progress.update(step, loss, elapsed)
+        if every and ckpt_root is not None and ((step + 1) % every == 0 or step + 1 == cfg["steps"]):
+            meta = {"samples_seen": (step + 1) * cfg["batch_size"], "batch_size": cfg["batch_size"],
+                    "losses": losses, "lrs": lrs, "grad_norms": grad_norms, "model": plan.model,
+                    "layout": {"pp": plan.pp, "dp": plan.dp, "schedule": schedule.name,
+                               "partition": (plan.meta.get("partition") or {}).get("method")}}
+            path = checkpoint.save(ckpt_root, step + 1, trainer.modules, trainer.optimizer, trainer.lr_scheduler,
+                                   ctx, meta)
+            written.append(str(path))
+            if ctx.rank == 0:
+                checkpoint.prune(ckpt_root, int(ckpt_cfg.get("keep", 0) or 0))
     if progress is not None:
         progress.close()
 
     warm = cfg.get("warmup_steps", 0)
-    median_step = _median_after_warmup(step_times, warm)
-    median_busy = _median_after_warmup(busy, warm)
+    median_step = _median_after_warmup(step_times, warm) if step_times else 0.0
+    median_busy = _median_after_warmup(busy, warm) if busy else 0.0
     rank_info = {
         "rank": ctx.rank,
         "pp_rank": ctx.pp_rank,
@@ -180,7 +250,7 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
         "blocks": {s: plan.stages[s].blocks for s in sorted(slots)},
         "peak_memory_bytes": peak_memory_bytes(ctx.device),
         "busy_s": median_busy,
-        "bubble": max(0.0, 1.0 - median_busy / median_step),
+        "bubble": max(0.0, 1.0 - median_busy / median_step) if median_step else 0.0,
         "device": str(ctx.device),
         "cpu_cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "huge_pages": huge_pages_active(),
@@ -200,15 +270,22 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
         metrics = {
             "config": cfg,
             "losses": losses,
+            "lr": lrs,
+            "start_step": start_step,
+            "resumed_from": resumed,
+            "checkpoints": written,
             "step_time_s": median_step,
             "step_times_s": step_times,
-            "tokens_per_s": tokens_per_step / median_step,
+            "tokens_per_s": tokens_per_step / median_step if median_step else 0.0,
             "ranks": gathered,
             "schedule": schedule.name,
             "stages": stage_rows(plan),
             "partition": plan.meta.get("partition"),
         }
-        overhead = _median_after_warmup([t - s for t, s in zip(step_times, schedule_times, strict=True)], warm)
+        if trainer.clip is not None:
+            metrics["grad_norm"] = grad_norms
+        overhead = (_median_after_warmup([t - s for t, s in zip(step_times, schedule_times, strict=True)], warm)
+                    if step_times else 0.0)
         result["metrics"], result["events"] = metrics, _report(metrics, plan, cfg, overhead, run_dir)
         tracker.finish({k: metrics[k] for k in ("step_time_s", "tokens_per_s", "predicted_step_time_s") if k in metrics})
     else:
