@@ -18,7 +18,7 @@ from models.spec import ModelSpec
 from pipeline.errors import ConfigError
 from pipeline.graph.profile import profile_graph
 from pipeline.init import uncovered_tensors
-from pipeline.plan import Plan
+from pipeline.plan import Plan, dtype_name, dtype_of
 from pipeline.planner import build_plan, needs_profile, plugin
 from pipeline.planner.predict import Prediction, choose_schedule, predict, profiling_threads
 from pipeline.runtime.context import cpu_threads
@@ -200,9 +200,28 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
     if auto:
         candidates = schedule_candidates(generator)
         generator, prediction, rows = choose_schedule(build, candidates, cfg["pp"], cfg["microbatches"], *link)
+        with_precision(prediction.plan, traced, spec, mbs, cfg)
         return Prepared(spec, generator, prediction.plan, prediction, rows, resume_from)
-    plan = build(generator)
+    plan = with_precision(build(generator), traced, spec, mbs, cfg)
     return Prepared(spec, generator, plan, predict(plan, *link) if profile else None, resume_from=resume_from)
+
+
+def with_precision(plan: Plan, traced, spec: ModelSpec, mbs: int, cfg: dict) -> Plan:
+    """Under precision=bf16, every value crossing a stage boundary gets the dtype autocast gives it
+    on the run's device type (what the sender produces, so what the receiver allocates)."""
+    from pipeline.graph.precision import autocast_dtypes
+    from pipeline.runtime.trainer import PRECISIONS
+
+    dtype = PRECISIONS[cfg.get("precision", "fp32")]
+    if dtype is None:
+        return plan
+    cuda = cfg["device"] == "cuda" or (cfg["device"] == "auto" and torch.cuda.is_available())
+    dtypes = autocast_dtypes(traced, spec.meta_input(mbs), torch.device("cuda" if cuda else "cpu"), dtype)
+    for stage in plan.stages:
+        for name, (shape, old) in list(stage.values.items()):
+            stage.values[name] = [shape, dtype_name(dtypes.get(name, dtype_of(old)))]
+    plan.meta["precision"] = cfg["precision"]
+    return plan
 
 
 def resume_checkpoint(cfg: dict, spec: ModelSpec) -> str | None:

@@ -10,8 +10,10 @@ files, each rank reading only its own stages' tensors (`load_by_name`).
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +71,7 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
     from transformers import AutoModelForCausalLM
 
     cfg = _config(dict(config) if config else None, path)
+    as_given = copy.deepcopy(cfg)  # what an export writes back: dropout as the user's config has it
     if not dropout:
         for key, value in cfg.to_dict().items():
             if ("dropout" in key or key.endswith("_pdrop")) and isinstance(value, float):
@@ -102,7 +105,20 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
     )
     if path is not None:
         spec.load = SafetensorsDir(Path(path), prefix="model.")
+    spec.save = partial(save_pretrained_dir, as_given)
     return spec
+
+
+def save_pretrained_dir(config: Any, tensors: dict[str, torch.Tensor], directory: Path) -> None:
+    """A directory `from_pretrained` reads: config.json and model.safetensors under transformers'
+    own names (our `CausalLM` wrapper's `model.` dropped). A tied output embedding is stored once,
+    under its owner's name, as transformers itself saves it."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(directory)
+    save_file({k.removeprefix("model."): v.contiguous() for k, v in tensors.items()}, directory / "model.safetensors",
+              metadata={"format": "pt"})
 
 
 class SafetensorsDir:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,6 +45,9 @@ class ModelSpec:
     meta: dict = field(default_factory=dict)
     #: pretrained weights read by name (`models.hf.SafetensorsDir`): `load(tensors, aliases)`
     load: Any = None
+    #: writes exported weights (name -> tensor, the full model's names) in the family's own format
+    #: into a directory; None: one `model.safetensors` under those names (`pipeline.export`)
+    save: Callable[[dict[str, torch.Tensor], Path], None] | None = None
 
     def build_meta(self) -> nn.Module:
         """The module with every tensor on the meta device: shapes only, no memory."""

@@ -66,6 +66,8 @@ class Plan:
     #: parameter held by several stages (tied weights) -> those stages
     shared_params: dict[str, list[int]] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
+    #: the forward-only program for the same stages and placement (evaluation: `eval.every`)
+    eval_schedule: Schedule | None = None
 
     def stages_of(self, pp_rank: int) -> list[StagePlan]:
         return [s for s in self.stages if s.rank == pp_rank]
@@ -85,8 +87,9 @@ class Plan:
         return out
 
     def to_dict(self) -> dict:
-        data = {k: v for k, v in asdict(self).items() if k != "schedule"}
+        data = {k: v for k, v in asdict(self).items() if k not in ("schedule", "eval_schedule")}
         data["schedule"] = self.schedule.to_dict()
+        data["eval_schedule"] = self.eval_schedule.to_dict() if self.eval_schedule is not None else None
         return data
 
     def write(self, path: Path) -> None:
@@ -98,6 +101,8 @@ class Plan:
         fields = dict(data)
         fields["stages"] = [StagePlan(**s) for s in data["stages"]]
         fields["schedule"] = Schedule.from_dict(data["schedule"])
+        if data.get("eval_schedule"):
+            fields["eval_schedule"] = Schedule.from_dict(data["eval_schedule"])
         return cls(**fields)
 
     @classmethod

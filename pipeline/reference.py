@@ -43,10 +43,30 @@ def reference_run(cfg: dict, capture_state: bool = True) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         lr_scheduler.step()
+        every = (cfg.get("eval") or {}).get("every") or 0
+        if every and ((step + 1) % every == 0 or step + 1 == cfg["steps"]):
+            out.setdefault("eval_losses", []).append(
+                {"step": step, "eval_loss": reference_eval(cfg, spec, model, data, autocast)})
     out["losses"] = losses
     if capture_state:
         out["params_final"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
+
+
+@torch.no_grad()
+def reference_eval(cfg: dict, spec: ModelSpec, model: torch.nn.Module, data, autocast: torch.dtype | None) -> float:
+    """Mean loss over the held-out batches, each the mean of its micro-batches' losses."""
+    dp, m, batch = cfg["dp"], cfg["microbatches"], cfg["batch_size"]
+    batches = (cfg.get("eval") or {}).get("batches", 1)
+    model.eval()
+    total = 0.0
+    for index in range(batches):
+        inputs, targets = data.val_batch(index, batch)
+        for x, y in zip(inputs.chunk(dp * m), targets.chunk(dp * m), strict=True):
+            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                total += float(spec.loss_fn(model(x), y)) / (dp * m)
+    model.train()
+    return total / batches
 
 
 @torch.no_grad()

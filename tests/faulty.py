@@ -31,3 +31,34 @@ def faulty_gpt(fail_block: str = "layer5", **kwargs) -> ModelSpec:
 
     spec.build = build_faulty
     return spec
+
+
+class NaNAfter(nn.Module):
+    """Its block's output turns to NaN after `calls` forwards on real data."""
+
+    def __init__(self, inner: nn.Module, calls: int) -> None:
+        super().__init__()
+        self.inner, self.calls, self.seen = inner, calls, 0
+
+    def forward(self, x):
+        out = self.inner(x)
+        if x.device.type != "meta":
+            self.seen += 1
+            if self.seen > self.calls:
+                return out * float("nan")
+        return out
+
+
+def nan_gpt(nan_block: str = "layer5", calls: int = 8, **kwargs) -> ModelSpec:
+    """A GPT whose `nan_block` starts producing NaN after `calls` forwards (with 4 micro-batches
+    and no recomputation: at step calls / 4)."""
+    spec = gpt(**kwargs)
+    build = spec.build
+
+    def build_nan() -> nn.Module:
+        model = build()
+        setattr(model, nan_block, NaNAfter(getattr(model, nan_block), calls))
+        return model
+
+    spec.build = build_nan
+    return spec

@@ -27,7 +27,14 @@ class SyntheticImages:
     kind: str = "images"
 
     def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gen = torch.Generator().manual_seed(name_seed(self.seed, f"images:step{step}"))
+        return self._draw(f"images:step{step}", batch_size)
+
+    def val_batch(self, index: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held-out batch `index`: drawn like the training batches, from another stream."""
+        return self._draw(f"images:val{index}", batch_size)
+
+    def _draw(self, stream: str, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(name_seed(self.seed, stream))
         x = torch.randn(batch_size, self.channels, self.image_size, self.image_size, generator=gen)
         if self.task == "classification":
             score = x.mean(dim=(1, 2, 3)) * (self.image_size * self.channels**0.5)

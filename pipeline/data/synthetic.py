@@ -25,7 +25,14 @@ class SyntheticTokens:
         self._successor = torch.randperm(self.vocab_size, generator=gen)
 
     def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gen = torch.Generator().manual_seed(name_seed(self.seed, f"synthetic:step{step}"))
+        return self._draw(f"synthetic:step{step}", batch_size)
+
+    def val_batch(self, index: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held-out batch `index`: drawn like the training batches, from another stream."""
+        return self._draw(f"synthetic:val{index}", batch_size)
+
+    def _draw(self, stream: str, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(name_seed(self.seed, stream))
         seq = torch.empty(batch_size, self.seq_len + 1, dtype=torch.long)
         seq[:, 0] = torch.randint(self.vocab_size, (batch_size,), generator=gen)
         noise = torch.randint(self.vocab_size, (batch_size, self.seq_len), generator=gen)

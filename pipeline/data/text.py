@@ -56,7 +56,14 @@ class TextBytes:
         return int(self._corpus.numel())
 
     def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gen = torch.Generator().manual_seed(name_seed(self.seed, f"text:step{step}"))
+        return self._draw(f"text:step{step}", batch_size)
+
+    def val_batch(self, index: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held-out batch `index`: drawn like the training batches, from another stream."""
+        return self._draw(f"text:val{index}", batch_size)
+
+    def _draw(self, stream: str, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(name_seed(self.seed, stream))
         starts = torch.randint(self.num_bytes - self.seq_len - 1, (batch_size,), generator=gen)
         window = starts[:, None] + torch.arange(self.seq_len + 1)
         seq = self._corpus[window].long()

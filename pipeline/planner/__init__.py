@@ -25,6 +25,7 @@ from pipeline.plan import Plan, StagePlan, dtype_name
 from pipeline.planner.budget import check_memory, check_schedule_memory, partition_request, reprice_split
 from pipeline.schedules import build_schedule
 from pipeline.schedules.base import ScheduleGenerator
+from pipeline.schedules.inference import Inference
 
 #: keys of a partitioner or placement YAML that are not arguments of its callable
 RESERVED = ("_target_", "_partial_", "name")
@@ -178,7 +179,10 @@ def build_plan(
             values={n: _value_meta(traced, n) for n in crossing},
             loss_value=outputs[0] if io.index == k - 1 else None,
         ))
-    schedule = lower(schedule, [(p, s.index) for s in stages for p in s.inputs.values() if p is not None])
+    edges = [(p, s.index) for s in stages for p in s.inputs.values() if p is not None]
+    schedule = lower(schedule, edges)
+    # evaluation runs the same stages on the same ranks, forward only
+    eval_schedule = lower(build_schedule(Inference(), placement, microbatches), edges)
     meta: dict = {"remat": remat, "remat_stages": schedule.remat_stages(), "partitioner": plugin_name(partitioner_cfg),
                   "partition": partition_summary(part), "profiled": profiled,
                   "model_param_bytes": sum(traced.graph.graph.get("param_sizes", {}).values()),
@@ -189,7 +193,8 @@ def build_plan(
         meta["stage_forward_s"], meta["stage_backward_s"] = forward, backward
     return Plan(pp, dp, microbatches, batch_size // (dp * microbatches), model_name, stages, schedule,
                 assignment=dict(part.assignment),
-                shared_params={n: list(v) for n, v in split.shared_params.items()}, meta=meta)
+                shared_params={n: list(v) for n, v in split.shared_params.items()}, meta=meta,
+                eval_schedule=eval_schedule)
 
 
 def partition_summary(partition: Partition) -> dict:

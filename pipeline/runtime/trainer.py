@@ -119,27 +119,53 @@ class RankTrainer:
         )
         self.has_first = any(p is None for s in self.slots.values() for p in s.inputs.values())
         self.has_last = any(s.is_last for s in self.slots.values())
+        self._eval: Executor | None = None
         for m in self.modules:
             m.train(self.training)
 
+    def _microbatches(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[list | None, list | None]:
+        ctx, m = self.ctx, self.plan.microbatches
+        in_mbs = replica_microbatches(inputs, ctx.dp_rank, ctx.dp, m, ctx.device) if self.has_first else None
+        tgt_mbs = replica_microbatches(targets, ctx.dp_rank, ctx.dp, m, ctx.device) if self.has_last else None
+        return in_mbs, tgt_mbs
+
+    def evaluate(self, batches: int) -> float:
+        """Mean loss over held-out global batches 0..batches-1 (the data's `val_batch`), forward
+        only, through the plan's inference schedule on the same stages (collective)."""
+        if self._eval is None:
+            self._eval = Executor(self.plan.eval_schedule, self.ctx.pp_rank, self.slots, self.spec.loss_fn,
+                                  self.ctx.device, loss_scale=float(self.plan.microbatches * self.plan.dp),
+                                  record_timings=False, autocast=self.executor.autocast)
+        for m in self.modules:
+            m.eval()
+        total = torch.zeros((), device=self.ctx.device)
+        with torch.no_grad():
+            for index in range(batches):
+                in_mbs = tgt_mbs = None
+                if self.has_first or self.has_last:
+                    in_mbs, tgt_mbs = self._microbatches(*self.data.val_batch(index, self.cfg["batch_size"]))
+                total += self._eval.run_step(in_mbs, tgt_mbs)[0]
+        dist.all_reduce(total)
+        for m in self.modules:
+            m.train(self.training)
+        return float(total) / batches
+
     def step(self, step: int, captured: dict | None = None) -> StepOutcome:
         """One step on batch `step` of the data; with `captured`, step 0 records outputs and grads."""
-        ctx, plan, batch_size = self.ctx, self.plan, self.cfg["batch_size"]
+        ctx, batch_size = self.ctx, self.cfg["batch_size"]
         in_mbs = tgt_mbs = None
         if self.has_first or self.has_last:  # middle stages never touch the data
-            inputs, targets = self.data.batch(step, batch_size)
-            if self.has_first:
-                in_mbs = replica_microbatches(inputs, ctx.dp_rank, ctx.dp, plan.microbatches, ctx.device)
-            if self.has_last:
-                tgt_mbs = replica_microbatches(targets, ctx.dp_rank, ctx.dp, plan.microbatches, ctx.device)
+            in_mbs, tgt_mbs = self._microbatches(*self.data.batch(step, batch_size))
         start = time.perf_counter()
         loss_sum, events, outputs = self.executor.run_step(in_mbs, tgt_mbs)
         schedule_s = time.perf_counter() - start
         capture = captured is not None and step == 0
         if capture and outputs:
             captured["outputs"] = torch.cat([outputs[mb].cpu() for mb in sorted(outputs)])
+        dist.all_reduce(loss_sum)  # only last-stage ranks hold a non-zero share
         lr = grad_norm = None
-        if self.training:
+        # a NaN or inf loss leaves the weights as they were, for the report to look at
+        if self.training and bool(torch.isfinite(loss_sum)):
             self.shared.sum_across_stages()
             if ctx.dp > 1:
                 allreduce_gradients(self.modules, ctx.dp_group)
@@ -152,7 +178,6 @@ class RankTrainer:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.lr_scheduler.step()
-        dist.all_reduce(loss_sum)  # only last-stage ranks hold a non-zero share
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         return StepOutcome(float(loss_sum), time.perf_counter() - start, schedule_s, events, outputs, lr, grad_norm)
@@ -189,12 +214,13 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
     losses: list[float] = []
     lrs: list[float | None] = []
     grad_norms: list[float | None] = []
+    eval_losses: list[dict] = []
     start_step, resumed = 0, None
     if cfg.get("resume_from"):
         meta = checkpoint.load(Path(cfg["resume_from"]), trainer.modules, trainer.optimizer, trainer.lr_scheduler, ctx)
         start_step, resumed = meta["step"], cfg["resume_from"]
         losses, lrs = list(meta.get("losses", [])), list(meta.get("lrs", []))
-        grad_norms = list(meta.get("grad_norms", []))
+        grad_norms, eval_losses = list(meta.get("grad_norms", [])), list(meta.get("eval_losses", []))
     step_times: list[float] = []
     busy: list[float] = []
     schedule_times: list[float] = []
@@ -205,6 +231,8 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
     tracker = Tracker(cfg, run_dir) if ctx.rank == 0 else None
     progress = Progress(cfg["steps"], tokens_per_step, cfg.get("log_every", 1), start_step) if ctx.rank == 0 else None
     every = int(ckpt_cfg.get("every") or 0)
+    eval_cfg = cfg.get("eval") or {}
+    eval_every, eval_batches = int(eval_cfg.get("every") or 0), int(eval_cfg.get("batches") or 1)
 
     for step in range(start_step, cfg["steps"]):
         fault_injection(cfg.get("debug"), ctx.rank, step)
@@ -226,9 +254,19 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
             tracker.log_step(step, values)
         if progress is not None:
             progress.update(step, loss, elapsed)
-        if every and ckpt_root is not None and ((step + 1) % every == 0 or step + 1 == cfg["steps"]):
+        last = step + 1 == cfg["steps"]
+        if eval_every and ((step + 1) % eval_every == 0 or last):
+            eval_loss = trainer.evaluate(eval_batches)
+            eval_losses.append({"step": step, "eval_loss": eval_loss})
+            if tracker is not None:
+                tracker.log_step(step, {"eval_loss": eval_loss})
+            if ctx.rank == 0:
+                print(f"step {step:>4}/{cfg['steps']} | eval_loss {eval_loss:.4f} ({eval_batches} held-out batches, "
+                      "after this step's update)", flush=True)
+        if every and ckpt_root is not None and ((step + 1) % every == 0 or last):
             meta = {"samples_seen": (step + 1) * cfg["batch_size"], "batch_size": cfg["batch_size"],
-                    "losses": losses, "lrs": lrs, "grad_norms": grad_norms, "model": plan.model,
+                    "losses": losses, "lrs": lrs, "grad_norms": grad_norms, "eval_losses": eval_losses,
+                    "model": plan.model, "model_config": cfg["model"],
                     "layout": {"pp": plan.pp, "dp": plan.dp, "schedule": schedule.name,
                                "partition": (plan.meta.get("partition") or {}).get("method")}}
             path = checkpoint.save(ckpt_root, step + 1, trainer.modules, trainer.optimizer, trainer.lr_scheduler,
@@ -271,6 +309,7 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
             "config": cfg,
             "losses": losses,
             "lr": lrs,
+            "eval_loss": eval_losses,
             "start_step": start_step,
             "resumed_from": resumed,
             "checkpoints": written,
