@@ -26,9 +26,11 @@ class RankFailed(RuntimeError):
 
 
 def failure_report(err: ChildFailedError) -> str:
-    """Each failed rank's traceback, from the error file torch elastic records for it."""
+    """Each failed rank's traceback, from the error file torch elastic records for it, the first
+    to fail first: the others usually failed because of it (a peer's closed connection)."""
     parts = []
-    for local_rank, failure in sorted(err.failures.items()):
+    failures = sorted(err.failures.items(), key=lambda item: (item[1].timestamp or 0, item[0]))
+    for n, (local_rank, failure) in enumerate(failures):
         text = failure.message
         if isinstance(text, dict):  # {"message": {"message": ..., "extraInfo": {"py_callstack": ...}}}
             inner = text.get("message", {})
@@ -36,7 +38,8 @@ def failure_report(err: ChildFailedError) -> str:
                 text = inner.get("extraInfo", {}).get("py_callstack") or inner.get("message") or str(text)
             else:
                 text = str(inner)
-        parts.append(f"--- rank {local_rank} failed (exit code {failure.exitcode}) ---\n{text}")
+        after = " (after the rank above)" if n else ""
+        parts.append(f"--- rank {local_rank} failed (exit code {failure.exitcode}){after} ---\n{text}")
     return "\n".join(parts)
 
 

@@ -44,7 +44,7 @@ def set_up_rank_process(host_allocator: str, cpu_affinity: str, local_rank: int,
 def rank_main_many(jobs: list[RankJob]) -> list[dict]:
     """Run several jobs of the same world size in one process group, one after the other (the
     test suite uses this to check many schedules without paying for a spawn each). The process
-    group is always destroyed, so a sequential multirun can start the next job cleanly."""
+    group is destroyed after the last job, so a sequential multirun can start the next job cleanly."""
     rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
     local_rank, local_world = env_int("LOCAL_RANK", 0), env_int("LOCAL_WORLD_SIZE", world)
     first = jobs[0]
@@ -65,19 +65,20 @@ def rank_main_many(jobs: list[RankJob]) -> list[dict]:
         timeout=timedelta(seconds=first.cfg.get("timeout_s", 120)),
         device_id=device if device.type == "cuda" else None,
     )
-    try:
-        results = []
-        for job in jobs:
-            if job.plan is None:
-                job.plan = plan_on_rank0(job, rank)
-            ctx = RankContext(rank, world, local_rank, local_world, job.plan.pp, job.plan.dp, device)
-            ctx.mesh = make_mesh(ctx)
-            run_dir = Path(job.run_dir) if job.run_dir else None
-            results.append(train_rank(job.cfg, job.plan, ctx, run_dir, capture_state=job.capture_state))
-        return results
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # No try/finally: a rank that raises keeps its connections open until its process exits, so
+    # torch elastic writes its error file before the peers fail on closed sockets and the cause
+    # is on record (tearing the group down first let a peer's "connection closed" win the race).
+    results = []
+    for job in jobs:
+        if job.plan is None:
+            job.plan = plan_on_rank0(job, rank)
+        ctx = RankContext(rank, world, local_rank, local_world, job.plan.pp, job.plan.dp, device)
+        ctx.mesh = make_mesh(ctx)
+        run_dir = Path(job.run_dir) if job.run_dir else None
+        results.append(train_rank(job.cfg, job.plan, ctx, run_dir, capture_state=job.capture_state))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return results
 
 
 def export_submitit_env() -> bool:

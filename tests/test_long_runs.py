@@ -62,6 +62,10 @@ def test_a_checkpoint_resumes_under_another_layout(tmp_path) -> None:
     _run([*base, "pp=1", "steps=6", f"resume={tmp_path / 'pp4' / 'step_0000004'}",
           f"checkpoint.dir={tmp_path / 'pp1'}"], tmp_path / "pp1run")
     assert metrics(tmp_path / "pp1run")["losses"][4:] == pytest.approx(straight[4:], rel=1e-5)
+    # op granularity cuts inside blocks; the names are the model's, so the same checkpoint serves
+    _run([*base, "pp=3", "model.granularity=op", "scheduler=1f1b", "steps=6", f"resume={tmp_path / 'pp2' / 'step_0000003'}",
+          f"checkpoint.dir={tmp_path / 'op'}"], tmp_path / "oprun")
+    assert metrics(tmp_path / "oprun")["losses"][3:] == pytest.approx(straight[3:], rel=1e-5)
     ref, got = _weights(tmp_path / "pp2"), _weights(tmp_path / "pp1")
     assert set(ref) == set(got)
     for name, r in ref.items():
