@@ -25,6 +25,7 @@ def metrics(run_dir: Path) -> dict:
     return json.loads((run_dir / "metrics.json").read_text())
 
 
+@pytest.mark.slow  # the same equivalence runs through run_jobs in test_equivalence; this is the CLI twin
 @pytest.mark.timeout(300)
 def test_losses_agree_across_pp_and_dp(tmp_path) -> None:
     runs = {}

@@ -14,7 +14,17 @@ from tests.harness import FAST, compose_cfg, group_options
 TOKENS = Path(tempfile.mkdtemp(prefix="tokens_")) / "train.bin"
 np.random.default_rng(0).integers(0, 64, 4096).astype(np.uint16).tofile(TOKENS)
 
-GROUPS = ["model", "data", "scheduler", "partitioner", "placement", "optimizer", "logger", "memory"]
+GROUPS = ["model", "data", "scheduler", "partitioner", "placement", "optimizer", "logger", "memory", "lr_scheduler"]
+
+
+def _documents() -> list[str]:
+    """data=hf needs a tokenizer directory and a document file."""
+    from tests.corpora import make_tokenizer, write_docs
+
+    make_tokenizer(TOKENS.parent / "tok")
+    return [f"data.files=[{write_docs(TOKENS.parent / 'docs.jsonl')}]", f"data.tokenizer={TOKENS.parent / 'tok'}",
+            f"data.cache_dir={TOKENS.parent / 'cache'}", "model.vocab_size=320"]
+
 NEEDS = {
     ("partitioner", "manual"): ["partitioner.split_points=[layer3]"],
     ("placement", "explicit"): ["scheduler=gpipe", "placement.ranks=[0,1,1,0]"],
@@ -26,6 +36,7 @@ NEEDS = {
     ("data", "images"): ["model=unet"],
     ("data", "text"): ["model.vocab_size=256"],
     ("data", "tokens"): [f"data.path={TOKENS}"],
+    ("data", "hf"): _documents,
     ("model", "hf"): ["+model.config.model_type=gpt2", "+model.config.n_layer=4", "+model.config.n_embd=32",
                       "+model.config.n_head=4", "+model.config.vocab_size=64", "model.seq_len=8"],
     ("model", "module"): ["model.module._target_=tests.ecosystem_models.token_mlp", "model.input.shape=[8]",
@@ -41,7 +52,8 @@ def test_every_group_option_composes_and_plans(group: str) -> None:
         overrides = [*FAST, "pp=2", "microbatches=4", f"{group}={option}"]
         if group == "model" or option == "images":
             overrides = [o for o in overrides if not o.startswith("model.")]
-        overrides += NEEDS.get((group, option), [])
+        needs = NEEDS.get((group, option), [])
+        overrides += needs() if callable(needs) else needs
         cfg = compose_cfg(overrides)
         prepared = prepare(cfg, profile=False if option not in ("auto", "balanced", "milp") else None)
         assert prepared.plan.pp == 2, f"{group}={option}"

@@ -239,8 +239,8 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
         outcome = trainer.step(step, captured if capture_state else None)
         loss, elapsed, events = outcome.loss, outcome.elapsed_s, outcome.events
         if not math.isfinite(loss):
-            report = trainer.nonfinite_report(step, loss)
-            raise FloatingPointError(report if ctx.rank == 0 else f"non-finite loss at step {step} (rank 0 says where)")
+            # every rank gathered the same facts: whichever fails first, the report is the whole one
+            raise FloatingPointError(trainer.nonfinite_report(step, loss))
         schedule_times.append(outcome.schedule_s)
         losses.append(loss)
         lrs.append(outcome.lr)

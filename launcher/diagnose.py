@@ -1,0 +1,66 @@
+"""When a job fails or hangs: what every rank was executing or waiting on, from its heartbeat.
+
+A stuck rank cannot say where it is, and its peers only know that their own wait timed out. The
+heartbeat files (`pipeline/runtime/heartbeat.py`) outlive the ranks, so the launcher can print,
+per rank, its step, the action (with the peer it waits on) and for how long, then the schedule
+program of each rank around that action:
+
+    rank 0 (pp 0, dp 0): step 2, RECV_F stage 1 mb 0 from rank 1, for 10.2 s
+    rank 1 (pp 1, dp 0): step 2, hung on purpose (debug.hang_rank), for 10.3 s
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.ir import Action, Kind
+from pipeline.plan import Plan
+from pipeline.runtime import heartbeat
+
+WINDOW = 3  # actions shown on each side of the current one
+
+
+def _peers(plan: Plan, action: Action, pp_rank: int, dp_rank: int) -> str:
+    stage = plan.stages[action.stage]
+    if action.kind in (Kind.RECV_F, Kind.SEND_B):
+        others = {plan.stages[p].rank for p in stage.inputs.values() if p is not None}
+        word = "from" if action.kind is Kind.RECV_F else "to"
+    elif action.kind in (Kind.RECV_B, Kind.SEND_F):
+        others = {plan.stages[c].rank for cs in stage.outputs.values() for c in cs}
+        word = "from" if action.kind is Kind.RECV_B else "to"
+    else:
+        return ""
+    ranks = sorted(dp_rank * plan.pp + r for r in others if r != pp_rank)
+    return f" {word} rank {', '.join(map(str, ranks))}" if ranks else ""
+
+
+def describe(plan: Plan, schedule_actions: list[Action], index: int, pp_rank: int, dp_rank: int) -> str:
+    action = schedule_actions[index]
+    return f"{action.kind.name} stage {action.stage} mb {action.mb}{_peers(plan, action, pp_rank, dp_rank)}"
+
+
+def where_ranks_were(directory: Path, plan: Plan) -> str:
+    """The per-rank report, or '' when no rank left a heartbeat."""
+    world = plan.pp * plan.dp
+    beats = {r: heartbeat.read(directory, r) for r in range(world)}
+    if not any(beats.values()):
+        return ""
+    lines, around = ["where each rank was:"], []
+    for rank, beat in beats.items():
+        pp_rank, dp_rank = rank % plan.pp, rank // plan.pp
+        head = f"rank {rank} (pp {pp_rank}, dp {dp_rank})"
+        if beat is None:
+            lines.append(f"  {head}: no heartbeat (it never started)")
+            continue
+        acts = plan.schedule.actions[pp_rank]
+        if beat["action"] is not None and 0 <= beat["action"] < len(acts):
+            what = describe(plan, acts, beat["action"], pp_rank, dp_rank)
+            lo, hi = max(0, beat["action"] - WINDOW), min(len(acts), beat["action"] + WINDOW + 1)
+            shown = [f"[{a}]" if i == beat["action"] else str(a) for i, a in enumerate(acts[lo:hi], start=lo)]
+            around.append(f"  rank {rank}: {'... ' if lo else ''}{' '.join(shown)}{' ...' if hi < len(acts) else ''}")
+        else:
+            what = beat["phase"]
+        lines.append(f"  {head}: step {beat['step']}, {what}, for {beat['for_s']:.1f} s")
+    if around:
+        lines += ["each rank's program around that action ([..] = the one it was on):", *around]
+    return "\n".join(lines)
