@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import hydra
@@ -11,6 +12,7 @@ from omegaconf import DictConfig
 
 from launcher.app import run_safely
 from launcher.config import register_configs
+from launcher.overrides import precheck_argv
 
 register_configs()
 
@@ -22,4 +24,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = precheck_argv(sys.argv[1:])
     main()

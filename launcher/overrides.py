@@ -76,7 +76,11 @@ def compose_checked(overrides: list[str], config_dir: Path = CONF, config_name: 
 
 def compose_error(err: Exception, overrides: list[str]) -> ConfigError:
     """One paragraph for what Hydra or OmegaConf refused."""
-    message = " ".join(str(err).split())
+    chain, cause = [str(err)], err.__cause__
+    while cause is not None and len(chain) < 4:
+        chain.append(str(cause))
+        cause = cause.__cause__
+    message = " ".join(" ".join(chain).split())
     found = re.search(r"Could not find '(\w+)/(\w+)'", message) or re.search(r"In '\w+': Could not load '(\w+)/(\w+)'", message)
     if found and (CONF / found.group(1)).is_dir():
         group, option = found.groups()
@@ -87,3 +91,22 @@ def compose_error(err: Exception, overrides: list[str]) -> ConfigError:
                                 "to add one to a group option that takes extra arguments")
     key = _key_of(message, overrides)
     return ConfigError(key, message)
+
+
+def precheck_argv(argv: list[str]) -> list[str]:
+    """What train.py does before Hydra: rewrite list-valued group overrides, then compose once and
+    turn Hydra's refusals into a one-paragraph ConfigError (exit 2). Multirun sweeps (their
+    `a,b` values are Hydra's to expand), other Hydra flags and HYDRA_FULL_ERROR=1 are left to Hydra."""
+    import os
+    import sys
+
+    argv = rewrite_lists(argv)
+    if os.environ.get("HYDRA_FULL_ERROR") == "1" or any(a.startswith("-") for a in argv):
+        return argv
+    overrides = [a for a in argv if not a.lstrip("+~").startswith("hydra")]
+    try:
+        compose_checked(overrides)
+    except ConfigError as err:
+        print(f"error (config error): {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    return argv

@@ -61,6 +61,17 @@ def _build(cfg: dict, key: str):
         if isinstance(cause, ConfigError):
             raise cause from None
         raise ConfigError(key, f"could not build {cfg[key].get('_target_')}: {cause}") from exc
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - OmegaConf or the target refusing its arguments
+        raise ConfigError(key, f"could not build {cfg[key].get('_target_')}: {' '.join(str(exc).split())}") from exc
+
+
+def missing_values(value, prefix: str = "") -> list[str]:
+    """Keys still holding `???` (a value the chosen option requires and nobody gave)."""
+    if isinstance(value, dict):
+        return [m for k, v in value.items() for m in missing_values(v, f"{prefix}{k}.")]
+    return [prefix.rstrip(".")] if value == "???" else []
 
 
 def memory_cap(cfg: dict) -> float | None:
@@ -73,7 +84,33 @@ def memory_cap(cfg: dict) -> float | None:
     return float(cap)
 
 
+#: keys the launcher itself adds to the resolved config
+LAUNCHER_KEYS = {"resume_from", "scheduler_chosen"}
+
+
 def check_scalars(cfg: dict) -> None:
+    from dataclasses import fields
+
+    missing = missing_values(cfg)
+    if missing:
+        group = missing[0].split(".")[0]
+        option = (cfg.get(group) or {}).get("name") or (cfg.get(group) or {}).get("_target_", "")
+        raise ConfigError(missing[0], f"is required by {group}={option} and was not given; set "
+                                      f"{missing[0]}=<value> on the command line")
+
+    from launcher.config import TrainConfig
+
+    known = {f.name for f in fields(TrainConfig)} | LAUNCHER_KEYS
+    unknown = sorted(set(cfg) - known)
+    if unknown:
+        raise ConfigError(unknown[0], f"is not a setting of train.py (a typo?); top-level keys are "
+                                      f"{', '.join(sorted(known - LAUNCHER_KEYS))}")
+    for key, low in (("threads", 0), ("timeout_s", 1), ("log_every", 1), ("seed", 0)):
+        _positive(cfg, key, low)
+    for key in ("link_latency_s", "link_bandwidth"):
+        value = cfg.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(key, f"got {value!r}; valid: a positive number (the simulator's link model)")
     _positive(cfg, "pp")
     dp = _positive(cfg, "dp")
     m, batch = _positive(cfg, "microbatches"), _positive(cfg, "batch_size")
@@ -154,6 +191,7 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
     check_scalars(cfg)
     spec = _build(cfg, "model")
     generator = _build(cfg, "scheduler")
+    check_optimizer(cfg)
     data_vocab = (cfg.get("data") or {}).get("vocab_size")
     model_vocab = spec.meta.get("vocab_size")
     data_kind = (cfg.get("data") or {}).get("kind", "tokens")
@@ -177,8 +215,14 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
         profile = (auto or cfg["mode"] == "plan" or needs_profile(cfg["partitioner"])
                    or getattr(generator, "cost_aware", False) or cap is not None)
     mbs = cfg["batch_size"] // (cfg["dp"] * cfg["microbatches"])
-    model = spec.build_meta()
-    traced = trace_spec(spec, mbs, model)
+    try:
+        model = spec.build_meta()
+        traced = trace_spec(spec, mbs, model)
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a model that cannot be built from these values
+        raise ConfigError("model", f"model={spec.name} could not be built and traced with these options: "
+                                   f"{type(err).__name__}: {err}") from err
     uncovered = uncovered_tensors(model, spec.init)
     if uncovered:
         warnings.warn(f"model {spec.name}: no initialiser writes {', '.join(uncovered[:8])}"
@@ -197,6 +241,17 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
             profiled=profile,
         )
 
+    if auto and not profile:
+        # validation only (joined ranks check the config; rank 0 then plans with a profile): any
+        # candidate that builds shows the config can be planned
+        errors = []
+        for candidate in schedule_candidates(generator):
+            try:
+                plan = with_precision(build(candidate), traced, spec, mbs, cfg)
+                return Prepared(spec, candidate, plan, resume_from=resume_from)
+            except ConfigError as err:
+                errors.append(err)
+        raise errors[0] if errors else ConfigError("scheduler", "scheduler=auto has no candidate schedules")
     if auto:
         candidates = schedule_candidates(generator)
         generator, prediction, rows = choose_schedule(build, candidates, cfg["pp"], cfg["microbatches"], *link)
@@ -222,6 +277,25 @@ def with_precision(plan: Plan, traced, spec: ModelSpec, mbs: int, cfg: dict) -> 
             stage.values[name] = [shape, dtype_name(dtypes.get(name, dtype_of(old)))]
     plan.meta["precision"] = cfg["precision"]
     return plan
+
+
+def check_optimizer(cfg: dict) -> None:
+    """Build the optimizer over a dummy parameter: a bad learning rate or argument fails here,
+    naming the key, and not in every rank after spawning."""
+    opt = cfg.get("optimizer") or {}
+    for key, value in opt.items():
+        if key in ("lr", "momentum", "weight_decay", "eps", "dampening") and (
+                not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0):
+            raise ConfigError(f"optimizer.{key}", f"got {value!r}; valid: a number >= 0")
+    if opt.get("lr") == 0:
+        raise ConfigError("optimizer.lr", "got 0: nothing would train; valid: a positive number")
+    try:
+        instantiate(opt)([torch.nn.Parameter(torch.zeros(1))])
+    except InstantiationException as exc:
+        cause = exc.__cause__ or exc
+        raise ConfigError("optimizer", f"could not build {opt.get('_target_')}: {cause}") from None
+    except (ValueError, TypeError) as exc:
+        raise ConfigError("optimizer", f"{opt.get('_target_')} refused its arguments: {exc}") from None
 
 
 def resume_checkpoint(cfg: dict, spec: ModelSpec) -> str | None:

@@ -8,7 +8,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from models.spec import ModelSpec, causal_lm_loss
+from models.spec import ModelSpec, causal_lm_loss, require_positive_ints
 from pipeline.errors import ConfigError
 
 #: where a planner may cut the model: between blocks, or between any two traced operators
@@ -95,8 +95,13 @@ def gpt(
     (between attention and MLP, say). Why: with 8 blocks and a head that costs more than a block,
     block-sized cuts cannot balance 2 or 4 stages; at operator level the partitioners get within a
     few percent of the bound. Same weights, same arithmetic as `granularity="block"`."""
-    if layers < 1:
-        raise ValueError(f"model.layers must be >= 1, got {layers}")
+    require_positive_ints(vocab_size=vocab_size, dim=dim, layers=layers, heads=heads, seq_len=seq_len,
+                          mlp_ratio=mlp_ratio)
+    if dim % heads:
+        raise ConfigError("model.heads", f"model.dim={dim} is not divisible by model.heads={heads}; each head gets "
+                                         f"dim / heads channels (e.g. heads={max(h for h in range(1, heads + 1) if dim % h == 0)})")
+    if not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ConfigError("model.dropout", f"got {dropout!r}; valid: a probability in [0, 1)")
     if granularity not in GRANULARITIES:
         raise ConfigError("model.granularity", f"must be one of {', '.join(GRANULARITIES)}, got {granularity!r} "
                                                "(block: cut between decoder blocks; op: cut between any operators)")

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from models.gpt import Embedding, LMHead, sequential
-from models.spec import ModelSpec, causal_lm_loss
+from models.spec import ModelSpec, causal_lm_loss, require_positive_ints
 
 
 class ResidualMLP(nn.Module):
@@ -24,6 +24,7 @@ class ResidualMLP(nn.Module):
 
 def mlp(vocab_size: int = 256, dim: int = 64, hidden: int = 256, layers: int = 6, seq_len: int = 32) -> ModelSpec:
     """Blocks: `embed`, `layer0` .. `layer{layers-1}`, `head`."""
+    require_positive_ints(vocab_size=vocab_size, dim=dim, hidden=hidden, layers=layers, seq_len=seq_len)
     blocks = [("embed", partial(Embedding, vocab_size, dim, seq_len))]
     blocks += [(f"layer{i}", partial(ResidualMLP, dim, hidden)) for i in range(layers)]
     blocks.append(("head", partial(LMHead, dim, vocab_size)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.spec import ModelSpec
+from models.spec import ModelSpec, require_positive_ints
 
 
 class ResidualBlock(nn.Module):
@@ -68,6 +68,8 @@ def resnet(
 ) -> ModelSpec:
     """Classifier spec; leaf modules are the stem, each residual block and the head."""
     widths = tuple(widths)
+    require_positive_ints(depth=depth, num_classes=num_classes, image_size=image_size, in_channels=in_channels,
+                          **{f"widths[{i}]": w for i, w in enumerate(widths)})
 
     def build() -> nn.Module:
         return ResNet(in_channels, num_classes, widths, depth)

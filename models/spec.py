@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeline.errors import ConfigError
+
 #: a model family's own per-module initialiser, e.g. transformers' `PreTrainedModel._init_weights`:
 #: called as `init(root, module)` for each module, children before parents.
 FamilyInit = Callable[[nn.Module, nn.Module], None]
@@ -81,6 +83,14 @@ class ModelSpec:
     def meta_input(self, batch: int) -> torch.Tensor:
         """One micro-batch of input on the meta device, for tracing and shape propagation."""
         return torch.empty((batch, *self.input_shape), dtype=self.input_dtype, device="meta")
+
+
+def require_positive_ints(**values: object) -> None:
+    """Refuse a size that is not a positive integer, naming `model.<key>` (before torch meets a
+    negative dimension)."""
+    for key, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"model.{key}", f"got {value!r}; valid: a positive integer")
 
 
 def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

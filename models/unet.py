@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.spec import ModelSpec
+from models.spec import ModelSpec, require_positive_ints
+from pipeline.errors import ConfigError
 
 
 class ConvBlock(nn.Module):
@@ -78,8 +79,11 @@ def unet(
     task: str = "regression",
 ) -> ModelSpec:
     """Image-to-image regression (MSE). Leaf modules are the conv blocks, ups and head."""
+    require_positive_ints(channels=channels, levels=levels, image_size=image_size, in_channels=in_channels,
+                          out_channels=out_channels)
     if image_size % 2**levels:
-        raise ValueError(f"model.image_size={image_size} must be divisible by 2**levels={2**levels}")
+        raise ConfigError("model.image_size", f"{image_size} must be divisible by 2**levels = {2**levels} (each level "
+                                              "halves it)")
 
     def build() -> nn.Module:
         return UNet(in_channels, out_channels, channels, levels)

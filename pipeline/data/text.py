@@ -36,6 +36,10 @@ class TextBytes:
         if self.vocab_size < 256:
             raise ConfigError("model.vocab_size", f"data=text is byte-level and needs vocab_size >= 256, got {self.vocab_size}")
         files = [Path(p) for p in self.paths] if self.paths else stdlib_sources()
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise ConfigError("data.paths", f"{', '.join(missing)} does not exist (text files, or directories whose "
+                                            "*.py files are read; null reads the Python standard library)")
         chunks, total = [], 0
         for path in files:
             files_in = sorted(path.rglob("*.py")) if path.is_dir() else [path]
