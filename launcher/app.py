@@ -10,12 +10,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.config import group_configs
+from launcher.diagnose import where_ranks_were
 from launcher.spawn import RankFailed, spawn_ranks
 from launcher.validate import Prepared, prepare
 from launcher.worker import RankJob, export_submitit_env, joined_rank_env, rank_main
 from pipeline.errors import ConfigError
 from pipeline.report.tables import format_choice, format_prediction, stage_table
 from pipeline.report.timeline import draw_timeline
+from pipeline.runtime.heartbeat import HEARTBEAT_DIR
 from pipeline.runtime.host_allocator import rank_environment
 from pipeline.runtime.memory import peak_memory_bytes
 from pipeline.runtime.progress import launcher_terminal
@@ -55,8 +57,13 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     plan.write(run_dir / "plan.json")
     print(stage_table(plan), flush=True)
     print(f"schedule {plan.schedule.name}: pp={plan.pp} dp={plan.dp} microbatches={plan.microbatches}", flush=True)
-    env = {**rank_environment(resolved["huge_pages"]), **launcher_terminal()}
-    results = spawn_ranks(job, plan.pp * plan.dp, run_dir / "logs", env=env)
+    beats = run_dir / "heartbeat"
+    env = {**rank_environment(resolved["huge_pages"]), **launcher_terminal(), HEARTBEAT_DIR: str(beats)}
+    try:
+        results = spawn_ranks(job, plan.pp * plan.dp, run_dir / "logs", env=env)
+    except RankFailed as err:
+        where = where_ranks_were(beats, plan)
+        raise RankFailed(f"{err}\n{where}" if where else str(err)) from None
     metrics = results[0]["metrics"]
     # the launcher plans on the meta device: its own peak stays far below the model's size
     metrics["launcher_peak_memory_bytes"] = peak_memory_bytes(torch.device("cpu"))

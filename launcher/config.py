@@ -39,6 +39,9 @@ class DebugConfig:
     #: this global rank kills itself with SIGKILL at the start of step `kill_step`
     kill_rank: Any = None
     kill_step: Any = None
+    #: this global rank stops answering (sleeps for good) at the start of step `hang_step`
+    hang_rank: Any = None
+    hang_step: Any = None
 
 
 @dataclass

@@ -34,6 +34,13 @@ def _peers(plan: Plan, action: Action, pp_rank: int, dp_rank: int) -> str:
     return f" {word} rank {', '.join(map(str, ranks))}" if ranks else ""
 
 
+def short(action: Action) -> str:
+    """`0F1` for compute actions (the schedule grid's notation), `RECV_B(0,1)` for messages."""
+    if action.kind in (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B):
+        return f"{action.kind.name}({action.stage},{action.mb})"
+    return str(action)
+
+
 def describe(plan: Plan, schedule_actions: list[Action], index: int, pp_rank: int, dp_rank: int) -> str:
     action = schedule_actions[index]
     return f"{action.kind.name} stage {action.stage} mb {action.mb}{_peers(plan, action, pp_rank, dp_rank)}"
@@ -56,7 +63,7 @@ def where_ranks_were(directory: Path, plan: Plan) -> str:
         if beat["action"] is not None and 0 <= beat["action"] < len(acts):
             what = describe(plan, acts, beat["action"], pp_rank, dp_rank)
             lo, hi = max(0, beat["action"] - WINDOW), min(len(acts), beat["action"] + WINDOW + 1)
-            shown = [f"[{a}]" if i == beat["action"] else str(a) for i, a in enumerate(acts[lo:hi], start=lo)]
+            shown = [f"[{short(a)}]" if i == beat["action"] else short(a) for i, a in enumerate(acts[lo:hi], start=lo)]
             around.append(f"  rank {rank}: {'... ' if lo else ''}{' '.join(shown)}{' ...' if hi < len(acts) else ''}")
         else:
             what = beat["phase"]

@@ -175,7 +175,8 @@ def check_training_keys(cfg: dict) -> None:
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"{group}.{key}", f"got {value!r}; valid: an integer >= {low}")
     debug = cfg.get("debug") or {}
-    for key, high in (("kill_rank", cfg["pp"] * cfg["dp"] - 1), ("kill_step", cfg["steps"] - 1)):
+    world, last = cfg["pp"] * cfg["dp"] - 1, cfg["steps"] - 1
+    for key, high in (("kill_rank", world), ("kill_step", last), ("hang_rank", world), ("hang_step", last)):
         value = debug.get(key)
         if value is not None and (not isinstance(value, int) or not 0 <= value <= high):
             raise ConfigError(f"debug.{key}", f"got {value!r}; valid: null or an integer from 0 to {high}")

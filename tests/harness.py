@@ -76,3 +76,31 @@ def assert_state_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor
         assert rel <= 1e-5, f"{what}: {name} differs from the single-process reference by {rel:.2e} (relative)"
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6 * float(r.abs().max()) + 1e-5 * floor,
                                    msg=f"{what}: {name}")
+
+
+def job_processes() -> set[int]:
+    """Processes of any job on this machine: train.py, torchrun agents and spawned ranks."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "train.py" in cmdline or "multiprocessing.spawn" in cmdline or "torch.distributed.run" in cmdline:
+            found.add(int(entry.name))
+    return found
+
+
+def assert_no_process_left(before: set[int], grace_s: float = 10.0) -> None:
+    """Every job process started since `before` is gone (after a short grace for exits)."""
+    import time
+
+    deadline = time.monotonic() + grace_s
+    while True:
+        left = job_processes() - before
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not left, f"processes left behind: {sorted(left)}"

@@ -67,6 +67,7 @@ class Executor:
         record_timings: bool = True,
         lookahead: int = 4,
         autocast: torch.dtype | None = None,
+        heartbeat=None,
     ) -> None:
         self.actions = schedule.actions[pp_rank]
         self.training = schedule.training
@@ -82,6 +83,8 @@ class Executor:
         # precision=bf16: stage forwards (and the loss) run under autocast; what they produce is
         # what goes over P2P, so the plan's values carry the dtypes autocast gives
         self.autocast = autocast
+        # where this rank is, readable from outside (pipeline/runtime/heartbeat.py); None: untracked
+        self.heartbeat = heartbeat
         self.p2p = P2P(device)
         self.lookahead = lookahead
         self._recv_positions = [i for i, a in enumerate(self.actions) if a.kind in (Kind.RECV_F, Kind.RECV_B)]
@@ -108,7 +111,10 @@ class Executor:
         events: list[dict] = []
         next_recv, n_recv = 0, len(self._recv_positions)
         timed = self.record_timings
+        beat = self.heartbeat.action if self.heartbeat is not None else None
         for pos, action in enumerate(self.actions):
+            if beat is not None:
+                beat(pos)
             while next_recv < n_recv and self._recv_positions[next_recv] <= pos + self.lookahead:
                 self._post(self.actions[self._recv_positions[next_recv]])
                 next_recv += 1

@@ -23,8 +23,8 @@ _FORMAT = "<iiid"  # step, phase, action index, monotonic seconds
 _SIZE = struct.calcsize(_FORMAT)
 
 PHASES = ("starting", "schedule", "gradient sync and optimizer", "evaluation", "checkpoint", "finished",
-          "hung on purpose (debug.hang_rank)")
-STARTING, SCHEDULE, UPDATE, EVALUATION, CHECKPOINT, FINISHED, HUNG = range(len(PHASES))
+          "hung on purpose (debug.hang_rank)", "loading the step's data")
+STARTING, SCHEDULE, UPDATE, EVALUATION, CHECKPOINT, FINISHED, HUNG, STEP_START = range(len(PHASES))
 
 
 class Heartbeat:

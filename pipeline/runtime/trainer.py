@@ -22,10 +22,12 @@ from pipeline.plan import Plan, dtype_of
 from pipeline.report.artifacts import add_predictions, write_run_artifacts
 from pipeline.report.tables import stage_rows
 from pipeline.runtime import checkpoint
+from pipeline.runtime import heartbeat as hb
 from pipeline.runtime.context import RankContext
 from pipeline.runtime.dp import SharedGrads, allreduce_gradients
 from pipeline.runtime.executor import Executor, StageSlot
 from pipeline.runtime.faults import fault_injection
+from pipeline.runtime.heartbeat import Heartbeat
 from pipeline.runtime.host_allocator import huge_pages_active
 from pipeline.runtime.memory import peak_memory_bytes, reset_peak
 from pipeline.runtime.optim import build_optimizer, clip_gradients
@@ -98,6 +100,7 @@ class RankTrainer:
 
     def __init__(self, cfg: dict, plan: Plan, ctx: RankContext) -> None:
         self.cfg, self.plan, self.ctx = cfg, plan, ctx
+        self.heartbeat = Heartbeat(ctx.rank)
         self.spec: ModelSpec = instantiate(cfg["model"])
         self.data = instantiate(cfg["data"])
         self.slots = build_slots(self.spec, plan, ctx, cfg["seed"])
@@ -116,6 +119,7 @@ class RankTrainer:
         self.executor = Executor(
             plan.schedule, ctx.pp_rank, self.slots, self.spec.loss_fn, ctx.device,
             loss_scale=float(plan.microbatches * plan.dp), autocast=PRECISIONS[cfg.get("precision", "fp32")],
+            heartbeat=self.heartbeat,
         )
         self.has_first = any(p is None for s in self.slots.values() for p in s.inputs.values())
         self.has_last = any(s.is_last for s in self.slots.values())
@@ -138,6 +142,7 @@ class RankTrainer:
                                   record_timings=False, autocast=self.executor.autocast)
         for m in self.modules:
             m.eval()
+        self.heartbeat.phase(hb.EVALUATION)
         total = torch.zeros((), device=self.ctx.device)
         with torch.no_grad():
             for index in range(batches):
@@ -157,8 +162,10 @@ class RankTrainer:
         if self.has_first or self.has_last:  # middle stages never touch the data
             in_mbs, tgt_mbs = self._microbatches(*self.data.batch(step, batch_size))
         start = time.perf_counter()
+        self.heartbeat.step = step
         loss_sum, events, outputs = self.executor.run_step(in_mbs, tgt_mbs)
         schedule_s = time.perf_counter() - start
+        self.heartbeat.phase(hb.UPDATE)
         capture = captured is not None and step == 0
         if capture and outputs:
             captured["outputs"] = torch.cat([outputs[mb].cpu() for mb in sorted(outputs)])
@@ -235,7 +242,8 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
     eval_every, eval_batches = int(eval_cfg.get("every") or 0), int(eval_cfg.get("batches") or 1)
 
     for step in range(start_step, cfg["steps"]):
-        fault_injection(cfg.get("debug"), ctx.rank, step)
+        trainer.heartbeat.phase(hb.STEP_START, step)
+        fault_injection(cfg.get("debug"), ctx.rank, step, trainer.heartbeat)
         outcome = trainer.step(step, captured if capture_state else None)
         loss, elapsed, events = outcome.loss, outcome.elapsed_s, outcome.events
         if not math.isfinite(loss):
@@ -269,6 +277,7 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
                     "model": plan.model, "model_config": cfg["model"],
                     "layout": {"pp": plan.pp, "dp": plan.dp, "schedule": schedule.name,
                                "partition": (plan.meta.get("partition") or {}).get("method")}}
+            trainer.heartbeat.phase(hb.CHECKPOINT)
             path = checkpoint.save(ckpt_root, step + 1, trainer.modules, trainer.optimizer, trainer.lr_scheduler,
                                    ctx, meta)
             written.append(str(path))
@@ -276,6 +285,7 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
                 checkpoint.prune(ckpt_root, int(ckpt_cfg.get("keep", 0) or 0))
     if progress is not None:
         progress.close()
+    trainer.heartbeat.phase(hb.FINISHED)
 
     warm = cfg.get("warmup_steps", 0)
     median_step = _median_after_warmup(step_times, warm) if step_times else 0.0
