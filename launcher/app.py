@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -82,6 +83,7 @@ def join(resolved: dict, run_dir: Path) -> dict:
     and broadcast, since a profiled plan (auto, balanced, milp, cost-aware orders) depends on
     timings and every rank must run the very same one."""
     resolved["resume_from"] = prepare(resolved, profile=False).resume_from
+    os.environ.setdefault(HEARTBEAT_DIR, str(run_dir / "heartbeat"))  # where each rank is, on a shared disk
     run_dir.mkdir(parents=True, exist_ok=True)
     result = rank_main(RankJob(resolved, None, str(run_dir)))
     return result.get("metrics", {})
