@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from pipeline.export import model_tensors
-from tests.harness import assert_state_close, compose_cfg, merge_state, run_jobs
+from tests.harness import (
+    assert_no_process_left,
+    assert_state_close,
+    compose_cfg,
+    job_processes,
+    merge_state,
+    run_jobs,
+)
 from tests.test_cli import metrics, train
 
 SMALL = ["model.dim=32", "model.layers=6", "model.seq_len=16", "model.vocab_size=64", "batch_size=16", "microbatches=4",
@@ -87,11 +94,14 @@ def test_a_checkpoint_resumes_under_op_granularity(tmp_path) -> None:
 def test_a_killed_rank_ends_the_job_and_resume_auto_finishes_it(tmp_path) -> None:
     base = [*RESUME, "pp=2", "steps=6", "checkpoint.every=2", f"checkpoint.dir={tmp_path / 'ck'}"]
     _run([*base[:-2], "checkpoint.every=3", f"checkpoint.dir={tmp_path / 'straight'}"], tmp_path / "straight")
+    before = job_processes()
     start = time.monotonic()
     proc = _run([*base, "debug.kill_rank=1", "debug.kill_step=4"], tmp_path / "killed", ok=False)
     took = time.monotonic() - start
     assert proc.returncode == 1 and "rank 1 failed" in proc.stderr and "SIGKILL" in proc.stderr, proc.stderr[-2000:]
     assert took < 60, took  # generous on a shared 2-core machine; the job itself ends within seconds
+    assert "rank 1 (pp 1, dp 0): step 4, loading the step's data" in proc.stderr  # its heartbeat
+    assert_no_process_left(before)
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_0000002", "step_0000004"]
     _run([*base, "resume=auto"], tmp_path / "resumed")
     resumed = metrics(tmp_path / "resumed")
