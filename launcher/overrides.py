@@ -103,7 +103,8 @@ def precheck_argv(argv: list[str]) -> list[str]:
     argv = rewrite_lists(argv)
     if os.environ.get("HYDRA_FULL_ERROR") == "1" or any(a.startswith("-") for a in argv):
         return argv
-    overrides = [a for a in argv if not a.lstrip("+~").startswith("hydra")]
+    # the user's search path adds group options (their own schedules): compose with it
+    overrides = [a for a in argv if not a.lstrip("+~").startswith("hydra") or a.startswith("hydra.searchpath=")]
     try:
         compose_checked(overrides)
     except ConfigError as err:

@@ -72,6 +72,7 @@ def test_failing_rank_stops_the_job_with_its_traceback(tmp_path) -> None:
     assert leftover == "", f"processes left behind: {leftover}"
 
 
+@pytest.mark.slow  # test_sweep_with_a_failing_job_still_ends_with_a_report runs a multirun and its report too
 @pytest.mark.timeout(300)
 def test_multirun_gives_each_job_its_own_port_and_results(tmp_path) -> None:
     sweep = tmp_path / "sweep"

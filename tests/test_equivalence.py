@@ -42,7 +42,8 @@ WORLDS = [
     pytest.param(2, ("none", "full"), id="world2"),
     pytest.param(4, ("none", "full"), id="world4"),
     pytest.param(8, ("none",), id="world8"),
-    pytest.param(8, ("full",), id="world8-remat"),
+    # remat=full at pp=4 runs in world4 already; every schedule again at dp=2 is for `-m slow`
+    pytest.param(8, ("full",), id="world8-remat", marks=pytest.mark.slow),
 ]
 
 
@@ -107,7 +108,7 @@ def test_remat_auto_recomputes_only_the_stages_over_budget_and_matches_single_pr
 
 
 def test_every_training_schedule_is_covered() -> None:
-    covered = {what.split()[0] for world in (2, 4, 8) for _, what in _cases(world)}
+    covered = {what.split()[0] for world in (2, 4, 8) for _, what in _cases(world, ("none",))}
     assert covered == set(TRAINING)
 
 
