@@ -13,8 +13,10 @@ from omegaconf import DictConfig
 from launcher.app import run_safely
 from launcher.config import register_configs
 from launcher.overrides import precheck_argv
+from launcher.sweep_names import register_resolvers
 
 register_configs()
+register_resolvers()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")

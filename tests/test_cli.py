@@ -96,6 +96,12 @@ def test_sweep_with_a_failing_job_still_ends_with_a_report(tmp_path) -> None:
     rows = json.loads((sweep / "summary.json").read_text())
     assert [r["status"] for r in rows] == ["ok", "failed"]
     assert "microbatches" in rows[1]["error"]
+    # named and tabulated by what varies (pp); what every job shares is said once
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0_pp=2", "1_pp=4"]
+    table = (sweep / "summary.md").read_text()
+    assert table.startswith("common to every job: microbatches=2, batch_size=8")
+    assert "| job | pp | tokens/s | step ms | predicted ms | predicted / measured |" in table
+    assert "| 0 **best** | 2 |" in table and "| 1 | 4 | failed:" in table
 
 
 @pytest.mark.timeout(300)
