@@ -12,10 +12,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.config import group_configs
 from launcher.diagnose import where_ranks_were
-from launcher.spawn import RankFailed, spawn_ranks
+from launcher.joined import export_submitit_env, joined_rank_env
 from launcher.validate import Prepared, prepare
-from launcher.worker import RankJob, export_submitit_env, joined_rank_env, rank_main
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, RankFailed
 from pipeline.report.tables import format_choice, format_prediction, stage_table
 from pipeline.report.timeline import draw_timeline
 from pipeline.runtime.heartbeat import HEARTBEAT_DIR
@@ -54,6 +53,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         resolved["scheduler_chosen"] = prepared.generator.name
     if resolved["mode"] == "plan":
         return dry_run(prepared, run_dir)
+    from launcher.spawn import spawn_ranks  # the runtime is imported only when there is something to run
+    from launcher.worker import RankJob
+
     job = RankJob(resolved, plan, str(run_dir))
     plan.write(run_dir / "plan.json")
     print(stage_table(plan), flush=True)
@@ -85,6 +87,8 @@ def join(resolved: dict, run_dir: Path) -> dict:
     resolved["resume_from"] = prepare(resolved, profile=False).resume_from
     os.environ.setdefault(HEARTBEAT_DIR, str(run_dir / "heartbeat"))  # where each rank is, on a shared disk
     run_dir.mkdir(parents=True, exist_ok=True)
+    from launcher.worker import RankJob, rank_main
+
     result = rank_main(RankJob(resolved, None, str(run_dir)))
     return result.get("metrics", {})
 

@@ -18,11 +18,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from launcher.worker import RankJob, rank_main
+from pipeline.errors import RankFailed
 from pipeline.runtime.progress import PROGRESS_TTY
-
-
-class RankFailed(RuntimeError):
-    """A rank raised; the message holds that rank's traceback."""
 
 
 def failure_report(err: ChildFailedError) -> str:

@@ -153,7 +153,7 @@ def _number(value, key: str, low: float, high: float | None = None, what: str = 
 
 def check_training_keys(cfg: dict) -> None:
     """LR schedule, clipping, precision, evaluation, checkpoints, resume and fault injection."""
-    from pipeline.runtime.trainer import PRECISIONS
+    from pipeline.precision import PRECISIONS
 
     lr = cfg.get("lr_scheduler") or {}
     if lr:
@@ -266,7 +266,7 @@ def with_precision(plan: Plan, traced, spec: ModelSpec, mbs: int, cfg: dict) -> 
     """Under precision=bf16, every value crossing a stage boundary gets the dtype autocast gives it
     on the run's device type (what the sender produces, so what the receiver allocates)."""
     from pipeline.graph.precision import autocast_dtypes
-    from pipeline.runtime.trainer import PRECISIONS
+    from pipeline.precision import PRECISIONS
 
     dtype = PRECISIONS[cfg.get("precision", "fp32")]
     if dtype is None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -81,21 +80,6 @@ def rank_main_many(jobs: list[RankJob]) -> list[dict]:
     return results
 
 
-def export_submitit_env() -> bool:
-    """Under hydra-submitit-launcher with several tasks, each task is one rank: export
-    RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT/LOCAL_RANK from the SLURM (or local) job environment."""
-    if "SUBMITIT_EXECUTOR" not in os.environ or "RANK" in os.environ:
-        return False
-    import submitit
-
-    if submitit.JobEnvironment().num_tasks <= 1:
-        return False
-    from submitit.helpers import TorchDistributedEnvironment
-
-    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
-    return True
-
-
 def plan_on_rank0(job: RankJob, rank: int) -> Plan:
     """Rank 0 validates, profiles and plans; every rank receives that exact Plan."""
     holder: list = [None]
@@ -110,8 +94,3 @@ def plan_on_rank0(job: RankJob, rank: int) -> Plan:
         holder[0] = plan
     dist.broadcast_object_list(holder, src=0)
     return holder[0]
-
-
-def joined_rank_env() -> bool:
-    """True when torchrun (or SLURM via submitit's export) already started this process as a rank."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))

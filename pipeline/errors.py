@@ -7,3 +7,7 @@ class ConfigError(ValueError):
     def __init__(self, key: str, message: str) -> None:
         self.key = key
         super().__init__(f"Invalid config `{key}`: {message}")
+
+
+class RankFailed(RuntimeError):
+    """A rank raised, died or timed out; the message holds its traceback and where each rank was."""

@@ -12,8 +12,8 @@ import torch
 from hydra.utils import instantiate
 
 from models.spec import ModelSpec
+from pipeline.precision import PRECISIONS
 from pipeline.runtime.optim import build_optimizer
-from pipeline.runtime.trainer import PRECISIONS
 
 
 def reference_run(cfg: dict, capture_state: bool = True) -> dict:

@@ -207,6 +207,68 @@ def _export_trace(module: nn.Module, args: tuple[Any, ...]) -> tuple[fx.GraphMod
     return gm, getattr(gm, "_out_spec", None)
 
 
+_SIMPLE = (int, float, str, bool, type(None), torch.dtype, torch.device)
+_SKIP_ATTRS = {"training", "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"}
+
+
+def _module_key(module: nn.Module) -> tuple | None:
+    """What a module's output shapes can depend on besides its inputs: its class, every
+    submodule's class and plain settings (stride, heads, eps...), every tensor's shape and dtype.
+    None when a setting is not a plain value (then the module is run, not looked up)."""
+    parts = []
+    for name, sub in module.named_modules():
+        settings = []
+        for key, value in sorted(vars(sub).items()):
+            if key in _SKIP_ATTRS or key.endswith("hooks") or key.startswith("_"):
+                continue
+            flat = value if isinstance(value, (tuple, list)) else (value,)
+            if not all(isinstance(v, _SIMPLE) for v in flat):
+                return None
+            settings.append((key, tuple(flat) if isinstance(value, (tuple, list)) else value))
+        tensors = [(k, tuple(t.shape), t.dtype) for k, t in [*sub._parameters.items(), *sub._buffers.items()]
+                   if t is not None]
+        parts.append((name, type(sub), tuple(settings), tuple(tensors)))
+    return tuple(parts)
+
+
+def _args_key(args: Any) -> tuple | None:
+    flat = []
+    for a in torch.utils._pytree.tree_leaves(args):
+        if isinstance(a, torch.Tensor):
+            flat.append(("t", tuple(a.shape), a.dtype, a.device.type, a.requires_grad))
+        elif isinstance(a, _SIMPLE):
+            flat.append(a)
+        else:
+            return None
+    return tuple(flat)
+
+
+class RepeatAwareShapeProp(ShapeProp):
+    """ShapeProp that runs a leaf module once per distinct (module configuration, input shapes):
+    a chain of 128 identical decoder blocks is propagated through one of them and the output
+    metadata reused (meta-device kernels are Python decompositions, milliseconds per op, so a
+    128-layer model spent seconds here). Outputs are fresh meta tensors of the recorded shapes."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self._seen: dict[tuple, Any] = {}
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        module = self.fetch_attr(target)
+        mkey, akey = _module_key(module), _args_key((args, kwargs))
+        if mkey is None or akey is None or not all(
+                t.device.type == "meta" for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor)):
+            return super().call_module(target, args, kwargs)
+        key = (mkey, akey)
+        if key not in self._seen:
+            self._seen[key] = super().call_module(target, args, kwargs)
+        return torch.utils._pytree.tree_map(
+            lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta",
+                                          requires_grad=t.requires_grad) if isinstance(t, torch.Tensor) else t,
+            self._seen[key])
+
+
 def _metadata(val: Any) -> Any:
     if isinstance(val, torch.Tensor):
         return _extract_tensor_metadata(val)
@@ -381,7 +443,7 @@ def trace_model(
             raise TraceError(label, fx_error, export_error, failure_site(module, fx_error)) from export_error
     if method == "fx":
         with torch.no_grad():
-            ShapeProp(gm).propagate(*args)
+            RepeatAwareShapeProp(gm).propagate(*args)
     graph = build_cost_graph(gm, leaves)
     if graph.number_of_nodes() == 0:
         raise ConfigError("model", f"traced model {label!r} has no compute nodes to partition")

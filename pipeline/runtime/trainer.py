@@ -19,6 +19,7 @@ from torch import nn
 
 from models.spec import ModelSpec
 from pipeline.plan import Plan, dtype_of
+from pipeline.precision import PRECISIONS
 from pipeline.report.artifacts import add_predictions, write_run_artifacts
 from pipeline.report.tables import stage_rows
 from pipeline.runtime import checkpoint
@@ -76,9 +77,6 @@ def stage_state(slots: dict[int, StageSlot], what: str) -> dict[str, torch.Tenso
             if t is not None:
                 out[name] = t.detach().cpu().clone()
     return out
-
-
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 
 
 @dataclass
