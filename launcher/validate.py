@@ -46,11 +46,17 @@ class Prepared:
     resume_from: str | None = None
 
 
-def _positive(cfg: dict, key: str, minimum: int = 1) -> int:
-    value = cfg.get(key)
-    if not isinstance(value, int) or value < minimum:
-        raise ConfigError(key, f"must be an integer >= {minimum}, got {value!r}")
+def _integer(value, key: str, minimum: int = 1, maximum: int | None = None, what: str = "") -> int:
+    """`value` if it is an integer in [minimum, maximum], else a ConfigError naming `key`."""
+    if (not isinstance(value, int) or isinstance(value, bool) or value < minimum
+            or (maximum is not None and value > maximum)):
+        bound = f"from {minimum} to {maximum}" if maximum is not None else f">= {minimum}"
+        raise ConfigError(key, f"must be an integer {bound}{what}, got {value!r}")
     return value
+
+
+def _positive(cfg: dict, key: str, minimum: int = 1) -> int:
+    return _integer(cfg.get(key), key, minimum)
 
 
 def _build(cfg: dict, key: str):
@@ -108,9 +114,7 @@ def check_scalars(cfg: dict) -> None:
     for key, low in (("threads", 0), ("timeout_s", 1), ("log_every", 1), ("seed", 0)):
         _positive(cfg, key, low)
     for key in ("link_latency_s", "link_bandwidth"):
-        value = cfg.get(key)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(key, f"got {value!r}; valid: a positive number (the simulator's link model)")
+        _number(cfg.get(key), key, 0.0, strict=True, what=" (the simulator's link model)")
     _positive(cfg, "pp")
     dp = _positive(cfg, "dp")
     m, batch = _positive(cfg, "microbatches"), _positive(cfg, "batch_size")
@@ -143,10 +147,12 @@ def check_scalars(cfg: dict) -> None:
     check_training_keys(cfg)
 
 
-def _number(value, key: str, low: float, high: float | None = None, what: str = "") -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= low
-    if not ok or (high is not None and value > high):
-        bound = f"between {low} and {high}" if high is not None else f">= {low}"
+def _number(value, key: str, low: float, high: float | None = None, strict: bool = False, what: str = "") -> float:
+    """`value` if it is a number >= low (> low when `strict`) and <= high, else a ConfigError."""
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and (value > low if strict else value >= low) and (high is None or value <= high))
+    if not ok:
+        bound = f"{'>' if strict else '>='} {low}" + (f" and <= {high}" if high is not None else "")
         raise ConfigError(key, f"got {value!r}; valid: a number {bound}{what}")
     return float(value)
 
@@ -157,29 +163,21 @@ def check_training_keys(cfg: dict) -> None:
 
     lr = cfg.get("lr_scheduler") or {}
     if lr:
-        warmup = lr.get("warmup_steps", 0)
-        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
-            raise ConfigError("lr_scheduler.warmup_steps", f"got {warmup!r}; valid: an integer >= 0")
-        _number(lr.get("min_lr_ratio", 0.0), "lr_scheduler.min_lr_ratio", 0.0, 1.0, " (a fraction of optimizer.lr)")
-        total = lr.get("total_steps", cfg["steps"])
-        if not isinstance(total, int) or total < 1:
-            raise ConfigError("lr_scheduler.total_steps", f"got {total!r}; valid: an integer >= 1 (default: steps)")
-    clip = cfg.get("clip_grad_norm")
-    if clip is not None and (_number(clip, "clip_grad_norm", 0.0, what=" or null (no clipping)") <= 0):
-        raise ConfigError("clip_grad_norm", f"got {clip!r}; valid: a positive number or null (no clipping)")
+        _integer(lr.get("warmup_steps", 0), "lr_scheduler.warmup_steps", 0)
+        _number(lr.get("min_lr_ratio", 0.0), "lr_scheduler.min_lr_ratio", 0.0, 1.0, what=" (a fraction of optimizer.lr)")
+        _integer(lr.get("total_steps", cfg["steps"]), "lr_scheduler.total_steps", 1, what=" (default: steps)")
+    if cfg.get("clip_grad_norm") is not None:
+        _number(cfg["clip_grad_norm"], "clip_grad_norm", 0.0, strict=True, what=" or null (no clipping)")
     if cfg.get("precision", "fp32") not in PRECISIONS:
         raise ConfigError("precision", f"got {cfg.get('precision')!r}; valid: {', '.join(PRECISIONS)}")
     for group, keys in (("eval", {"every": 0, "batches": 1}), ("checkpoint", {"every": 0, "keep": 0})):
         for key, low in keys.items():
-            value = (cfg.get(group) or {}).get(key, low)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ConfigError(f"{group}.{key}", f"got {value!r}; valid: an integer >= {low}")
+            _integer((cfg.get(group) or {}).get(key, low), f"{group}.{key}", low)
     debug = cfg.get("debug") or {}
     world, last = cfg["pp"] * cfg["dp"] - 1, cfg["steps"] - 1
     for key, high in (("kill_rank", world), ("kill_step", last), ("hang_rank", world), ("hang_step", last)):
-        value = debug.get(key)
-        if value is not None and (not isinstance(value, int) or not 0 <= value <= high):
-            raise ConfigError(f"debug.{key}", f"got {value!r}; valid: null or an integer from 0 to {high}")
+        if debug.get(key) is not None:
+            _integer(debug[key], f"debug.{key}", 0, high, " or null")
 
 
 def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
@@ -204,7 +202,6 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
         raise ConfigError("data.vocab_size", f"{data_vocab} exceeds model.vocab_size={model_vocab}")
     for group in ("partitioner", "placement"):
         plugin(cfg[group], group)  # an unknown _target_ is a config error now, not in a rank
-    resume_from = resume_checkpoint(cfg, spec)
     data = _build(cfg, "data")  # missing files, a wrong dtype, a short corpus: refused here, not in a rank
     if model_vocab is not None and hasattr(data, "check_vocabulary"):
         data.check_vocabulary(model_vocab)  # ids the model cannot embed
@@ -224,6 +221,7 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
     except Exception as err:  # noqa: BLE001 - a model that cannot be built from these values
         raise ConfigError("model", f"model={spec.name} could not be built and traced with these options: "
                                    f"{type(err).__name__}: {err}") from err
+    resume_from = resume_checkpoint(cfg, model)
     uncovered = uncovered_tensors(model, spec.init)
     if uncovered:
         warnings.warn(f"model {spec.name}: no initialiser writes {', '.join(uncovered[:8])}"
@@ -285,9 +283,8 @@ def check_optimizer(cfg: dict) -> None:
     naming the key, and not in every rank after spawning."""
     opt = cfg.get("optimizer") or {}
     for key, value in opt.items():
-        if key in ("lr", "momentum", "weight_decay", "eps", "dampening") and (
-                not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0):
-            raise ConfigError(f"optimizer.{key}", f"got {value!r}; valid: a number >= 0")
+        if key in ("lr", "momentum", "weight_decay", "eps", "dampening"):
+            _number(value, f"optimizer.{key}", 0.0)
     if opt.get("lr") == 0:
         raise ConfigError("optimizer.lr", "got 0: nothing would train; valid: a positive number")
     try:
@@ -299,9 +296,9 @@ def check_optimizer(cfg: dict) -> None:
         raise ConfigError("optimizer", f"{opt.get('_target_')} refused its arguments: {exc}") from None
 
 
-def resume_checkpoint(cfg: dict, spec: ModelSpec) -> str | None:
-    """The checkpoint to resume from, checked against this model (every parameter by name and
-    shape) and this run (batch size, steps left), before any rank exists."""
+def resume_checkpoint(cfg: dict, model: torch.nn.Module) -> str | None:
+    """The checkpoint to resume from, checked against this (meta-device) model, every parameter
+    by name and shape, and this run (batch size, steps left), before any rank exists."""
     from pipeline.runtime import checkpoint
 
     root = (cfg.get("checkpoint") or {}).get("dir")
@@ -314,7 +311,7 @@ def resume_checkpoint(cfg: dict, spec: ModelSpec) -> str | None:
     meta = checkpoint.read_meta(path)
     stored = checkpoint.stored_tensors(path)
     mismatched = []
-    for name, p in spec.build_meta().named_parameters():
+    for name, p in model.named_parameters():
         got = stored.get(f"model/{name}")
         if got is None or got[0] != tuple(p.shape):
             mismatched.append(f"{name} {tuple(p.shape)} (checkpoint: {got[0] if got else 'missing'})")

@@ -158,6 +158,11 @@ def load(path: Path, modules: list[nn.Module], optimizer, lr_scheduler, ctx) -> 
     checkpoint `path` (every rank calls this); returns its meta.json."""
     stored = stored_tensors(path)
     meta = read_meta(path)
+    optim_keys: dict[str, list[tuple[str, str]]] = {}  # parameter name -> (stored key, state key)
+    for key in stored:
+        if key.startswith("optim/"):
+            name, state_key = key.removeprefix("optim/").rsplit("/", 1)
+            optim_keys.setdefault(name, []).append((key, state_key))
     dest: dict[str, torch.Tensor] = {}
     optim_state: dict[str, dict[str, torch.Tensor]] = {}
     params: dict[str, torch.Tensor] = {}
@@ -171,11 +176,9 @@ def load(path: Path, modules: list[nn.Module], optimizer, lr_scheduler, ctx) -> 
         if not is_param or optimizer is None:
             continue
         params[name] = tensor
-        for skey, (shape, dtype) in stored.items():
-            if skey.startswith(f"optim/{name}/") and skey.count("/") == name.count("/") + 2:
-                buf = torch.empty(shape, dtype=dtype)
-                dest[skey] = buf
-                optim_state.setdefault(name, {})[skey.rsplit("/", 1)[1]] = buf
+        for skey, state_key in optim_keys.get(name, []):
+            shape, dtype = stored[skey]
+            dest[skey] = optim_state.setdefault(name, {})[state_key] = torch.empty(shape, dtype=dtype)
     rng = _rng_key(ctx)
     same_layout = f"{rng}/cpu" in stored
     if same_layout:  # dropout continues exactly only on the layout that wrote it

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
@@ -21,6 +23,7 @@ from torch import nn
 from pipeline.ir import Action, Kind, Schedule
 from pipeline.runtime.backward import WeightGradStash, backward_input, backward_weight
 from pipeline.runtime.comm import BACKWARD, FORWARD, P2P, RecvSpec, message_tag
+from pipeline.runtime.heartbeat import Heartbeat
 
 
 @dataclass
@@ -67,7 +70,7 @@ class Executor:
         record_timings: bool = True,
         lookahead: int = 4,
         autocast: torch.dtype | None = None,
-        heartbeat=None,
+        heartbeat: Heartbeat | None = None,
     ) -> None:
         self.actions = schedule.actions[pp_rank]
         self.training = schedule.training
@@ -83,6 +86,8 @@ class Executor:
         # precision=bf16: stage forwards (and the loss) run under autocast; what they produce is
         # what goes over P2P, so the plan's values carry the dtypes autocast gives
         self.autocast = autocast
+        # entered per forward: a no-op context when there is no autocast, not a disabled autocast
+        self._autocast = partial(torch.autocast, device.type, dtype=autocast) if autocast is not None else nullcontext
         # where this rank is, readable from outside (pipeline/runtime/heartbeat.py); None: untracked
         self.heartbeat = heartbeat
         self.p2p = P2P(device)
@@ -213,15 +218,11 @@ class Executor:
         return kw
 
     def _run(self, slot: StageSlot, kw: dict[str, torch.Tensor], mb: int, state: MicroBatchState) -> torch.Tensor | None:
-        with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
+        with self._autocast():
             outs = slot.module(**kw)
             loss = None
             if slot.loss_value is not None and self._targets is not None:
                 loss = self.loss_fn(outs[slot.loss_value], self._targets[mb]) / self.loss_scale
-        flag = self.nonfinite[slot.index]
-        for t in outs.values():
-            if t.is_floating_point():
-                flag |= ~torch.isfinite(t.detach()).all()
         state.outputs, state.loss = outs, loss
         return loss
 
@@ -234,6 +235,10 @@ class Executor:
         with torch.set_grad_enabled(keep_graph):
             loss = self._run(slot, kw, mb, state)
         outs = state.outputs
+        flag = self.nonfinite[s]  # checked once per forward, not again when R recomputes it
+        for t in outs.values():
+            if t.is_floating_point():
+                flag |= ~torch.isfinite(t.detach()).all()
         if slot.loss_value is not None and not self.training:
             self._outputs[mb] = outs[slot.loss_value].detach()
         has_remote = False

@@ -47,16 +47,13 @@ class Heartbeat:
     def phase(self, phase: int, step: int | None = None) -> None:
         if step is not None:
             self.step = step
-        self._write(phase, -1)
+        if self._map is not None:
+            struct.pack_into(_FORMAT, self._map, 0, self.step, phase, -1, time.monotonic())
 
     def action(self, index: int) -> None:
         """About to run (or wait on) action `index` of this rank's schedule program."""
         if self._map is not None:
             struct.pack_into(_FORMAT, self._map, 0, self.step, SCHEDULE, index, time.monotonic())
-
-    def _write(self, phase: int, index: int) -> None:
-        if self._map is not None:
-            struct.pack_into(_FORMAT, self._map, 0, self.step, phase, index, time.monotonic())
 
 
 def read(directory: Path, rank: int) -> dict | None:

@@ -9,6 +9,7 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,8 +126,15 @@ class RankTrainer:
         for m in self.modules:
             m.train(self.training)
 
-    def _microbatches(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[list | None, list | None]:
+    def _microbatches(self, draw: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+                      index: int) -> tuple[list | None, list | None]:
+        """This replica's micro-batches of batch `index` from `draw` (the data's `batch` or
+        `val_batch`): inputs on a first stage's rank, targets on a last stage's; middle stages
+        never touch the data."""
+        if not (self.has_first or self.has_last):
+            return None, None
         ctx, m = self.ctx, self.plan.microbatches
+        inputs, targets = draw(index, self.cfg["batch_size"])
         in_mbs = replica_microbatches(inputs, ctx.dp_rank, ctx.dp, m, ctx.device) if self.has_first else None
         tgt_mbs = replica_microbatches(targets, ctx.dp_rank, ctx.dp, m, ctx.device) if self.has_last else None
         return in_mbs, tgt_mbs
@@ -144,10 +152,7 @@ class RankTrainer:
         total = torch.zeros((), device=self.ctx.device)
         with torch.no_grad():
             for index in range(batches):
-                in_mbs = tgt_mbs = None
-                if self.has_first or self.has_last:
-                    in_mbs, tgt_mbs = self._microbatches(*self.data.val_batch(index, self.cfg["batch_size"]))
-                total += self._eval.run_step(in_mbs, tgt_mbs)[0]
+                total += self._eval.run_step(*self._microbatches(self.data.val_batch, index))[0]
         dist.all_reduce(total)
         for m in self.modules:
             m.train(self.training)
@@ -155,12 +160,9 @@ class RankTrainer:
 
     def step(self, step: int, captured: dict | None = None) -> StepOutcome:
         """One step on batch `step` of the data; with `captured`, step 0 records outputs and grads."""
-        ctx, batch_size = self.ctx, self.cfg["batch_size"]
-        in_mbs = tgt_mbs = None
-        if self.has_first or self.has_last:  # middle stages never touch the data
-            in_mbs, tgt_mbs = self._microbatches(*self.data.batch(step, batch_size))
+        ctx = self.ctx
+        in_mbs, tgt_mbs = self._microbatches(self.data.batch, step)
         start = time.perf_counter()
-        self.heartbeat.step = step
         loss_sum, events, outputs = self.executor.run_step(in_mbs, tgt_mbs)
         schedule_s = time.perf_counter() - start
         self.heartbeat.phase(hb.UPDATE)
