@@ -15,7 +15,7 @@ from launcher.diagnose import where_ranks_were
 from launcher.joined import export_submitit_env, joined_rank_env
 from launcher.validate import Prepared, prepare
 from pipeline.errors import ConfigError, RankFailed
-from pipeline.report.tables import format_choice, format_prediction, stage_table
+from pipeline.report.tables import device_memory_table, format_prediction, stage_table
 from pipeline.report.timeline import draw_timeline
 from pipeline.runtime.heartbeat import HEARTBEAT_DIR
 from pipeline.runtime.host_allocator import rank_environment
@@ -31,11 +31,10 @@ def resolve(cfg: DictConfig) -> dict:
 def run(cfg: DictConfig, run_dir: Path) -> dict:
     """Validate, plan, then spawn ranks (or join as one); returns rank 0's metrics."""
     resolved = resolve(cfg)
-    if str(resolved["scheduler"].get("_target_", "")).endswith("AutoSchedule"):
-        resolved["scheduler"]["candidates"] = {
-            name: option for name, option in group_configs("scheduler").items()
-            if not str(option.get("_target_", "")).endswith("AutoSchedule")}
-        resolved["scheduler"]["_recursive_"] = False  # the candidates are built one by one, by the planner
+    if resolved["plan"].get("search") or str(resolved["scheduler"].get("_target_", "")).endswith("AutoSchedule"):
+        # the options of the scheduler and partitioner groups on this run's search path (a user's own too)
+        resolved["plan"]["scheduler_options"] = group_configs("scheduler")
+        resolved["plan"]["partitioner_options"] = group_configs("partitioner")
     ckpt = resolved.setdefault("checkpoint", {})
     ckpt["dir"] = str(Path(ckpt.get("dir") or run_dir / "checkpoints").absolute())
     export_submitit_env()
@@ -47,10 +46,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     if prepared.resume_from:
         print(f"resuming from {prepared.resume_from}", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if prepared.choice is not None:
-        print(f"scheduler=auto chose {prepared.generator.name}: the fastest simulated schedule on this "
-              f"model's measured block profile\n{format_choice(prepared.choice)}", flush=True)
-        resolved["scheduler_chosen"] = prepared.generator.name
+    if prepared.search is not None:
+        adopt_search_winner(resolved, prepared)
     if resolved["mode"] == "plan":
         return dry_run(prepared, run_dir)
     from launcher.spawn import spawn_ranks  # the runtime is imported only when there is something to run
@@ -68,15 +65,34 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
         where = where_ranks_were(beats, plan)
         raise RankFailed(f"{err}\n{where}" if where else str(err)) from None
     metrics = results[0]["metrics"]
+    if prepared.prediction is not None:  # what the plan predicted before any rank started
+        metrics["planned_step_time_s"] = prepared.prediction.step_s
+        metrics["planned_schedule_s"] = max(prepared.prediction.schedule_s, prepared.prediction.result.makespan_s)
     # the launcher plans on the meta device: its own peak stays far below the model's size
     metrics["launcher_peak_memory_bytes"] = peak_memory_bytes(torch.device("cpu"))
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=1, default=str))
+    if plan.meta.get("device_memory"):
+        print(device_memory_table(plan, metrics["ranks"]), flush=True)
     print(
         f"done: median step {metrics['step_time_s'] * 1e3:.1f} ms, {metrics['tokens_per_s']:.0f} tokens/s, "
         f"final loss {metrics['losses'][-1]:.4f}; metrics in {run_dir / 'metrics.json'}",
         flush=True,
     )
     return metrics
+
+
+def adopt_search_winner(resolved: dict, prepared: Prepared) -> None:
+    """Print what plan=auto (or scheduler=auto) compared and why the winner won; the run goes on
+    with the winner's settings, recorded in the config the ranks and metrics.json see."""
+    result = prepared.search
+    win = result.winner.candidate
+    what = "plan=auto" if (resolved.get("plan") or {}).get("search") else "scheduler=auto"
+    print(f"{what} planned and simulated {len(result.outcomes)} candidates in {result.seconds:.1f} s on this "
+          f"model's measured profile:\n{result.table()}\nwhy: {result.why()}", flush=True)
+    resolved["scheduler_chosen"] = win.scheduler
+    resolved["plan_chosen"] = {"label": win.label, **win.overrides()}
+    resolved["plan_search"] = result.to_dict()
+    resolved["microbatches"], resolved["remat"] = win.microbatches, win.remat
 
 
 def join(resolved: dict, run_dir: Path) -> dict:
@@ -102,7 +118,10 @@ def dry_run(prepared: Prepared, run_dir: Path) -> dict:
     print(format_prediction(pred.result), flush=True)
     draw_timeline(run_dir / "timeline.png", pred.result.events, title=f"simulated {plan.schedule.name} pp={plan.pp}")
     summary = {"mode": "plan", "schedule": plan.schedule.name, **pred.result.summary(),
-               "bubble_per_rank": pred.result.bubble, "peak_activation_bytes_per_rank": pred.result.peak_activation_bytes}
+               "bubble_per_rank": pred.result.bubble, "peak_activation_bytes_per_rank": pred.result.peak_activation_bytes,
+               "device_memory": [d.to_dict() for d in pred.devices]}
+    if prepared.search is not None:
+        summary["plan_search"] = prepared.search.to_dict()
     (run_dir / "prediction.json").write_text(json.dumps(summary, indent=1))
     print(f"wrote {run_dir / 'plan.json'}, {run_dir / 'prediction.json'} and {run_dir / 'timeline.png'}")
     return summary

@@ -8,10 +8,13 @@ option carries its own fields and `_target_`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 @dataclass
@@ -55,6 +58,8 @@ class TrainConfig:
     logger: Any = MISSING
     memory: Any = MISSING
     lr_scheduler: Any = MISSING
+    #: manual (the scheduler, partitioner, microbatches and remat given) | auto (searched jointly)
+    plan: Any = MISSING
     #: pipeline-parallel degree: ranks per pipeline.
     pp: int = 2
     #: data-parallel degree: number of pipeline replicas.
@@ -102,17 +107,18 @@ class TrainConfig:
 
 def group_configs(group: str) -> dict[str, dict]:
     """Every option of a config group as a plain dict, found on this run's own search path (the
-    project's conf/ and any `hydra.searchpath` entry, so a user's package counts); empty outside a
-    Hydra app. Why: `scheduler=auto` compares every schedule the user could have chosen by name,
-    not a list kept in code."""
+    project's conf/ and any `hydra.searchpath` entry, so a user's package counts); outside a
+    Hydra app, the project's own `conf/<group>/` options. Why: `scheduler=auto` and `plan=auto` compare
+    every schedule the user could have chosen by name, not a list kept in code."""
     from hydra._internal.config_repository import ConfigRepository
     from hydra._internal.config_search_path_impl import ConfigSearchPathImpl
     from hydra.core.hydra_config import HydraConfig
     from hydra.core.object_type import ObjectType
     from omegaconf import OmegaConf
 
-    if not HydraConfig.initialized():
-        return {}
+    if not HydraConfig.initialized():  # composed outside the app (a test, a notebook): the project's own
+        return {path.stem: OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+                for path in sorted((CONF_DIR / group).glob("*.yaml"))}
     search_path = ConfigSearchPathImpl()
     for source in HydraConfig.get().runtime.config_sources:
         search_path.append(source.provider, f"{source.schema}://{source.path}")

@@ -6,6 +6,7 @@ in the launcher process in well under a second instead of inside eight ranks.
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,21 +15,23 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 
+from launcher.search import TracedModels, instantiate_scheduler, search, search_space
 from models.spec import ModelSpec
 from pipeline.errors import ConfigError
-from pipeline.graph.profile import profile_graph
+from pipeline.graph.trace import TracedModel
 from pipeline.init import uncovered_tensors
 from pipeline.plan import Plan, dtype_name, dtype_of
 from pipeline.planner import build_plan, needs_profile, plugin
-from pipeline.planner.predict import Prediction, choose_schedule, predict, profiling_threads
+from pipeline.planner.fit import fit_budget
+from pipeline.planner.memory import optimizer_states
+from pipeline.planner.predict import Prediction, optimizer_seconds_per_byte, predict
+from pipeline.planner.search import Candidate, SearchResult
 from pipeline.runtime.context import cpu_threads
 from pipeline.runtime.cpu_affinity import CPU_AFFINITY_CHOICES
 from pipeline.runtime.host_allocator import HOST_ALLOCATOR_CHOICES
 from pipeline.schedules import REMAT_CHOICES
 from pipeline.schedules.auto import AutoSchedule
 from pipeline.schedules.base import ScheduleGenerator
-from pipeline.schedules.registry import GENERATORS
-from pipeline.stage import trace_spec
 
 DEVICES = ("auto", "cpu", "cuda")
 MODES = ("train", "plan")
@@ -40,8 +43,8 @@ class Prepared:
     generator: ScheduleGenerator
     plan: Plan
     prediction: Prediction | None = None
-    #: scheduler=auto: every candidate simulated on the profile, fastest first.
-    choice: list[dict] | None = None
+    #: plan=auto / scheduler=auto: every candidate planned and simulated on the profile
+    search: SearchResult | None = None
     #: the checkpoint `resume` names (auto: the latest complete one), or None for a fresh start
     resume_from: str | None = None
 
@@ -91,7 +94,7 @@ def memory_cap(cfg: dict) -> float | None:
 
 
 #: keys the launcher itself adds to the resolved config
-LAUNCHER_KEYS = {"resume_from", "scheduler_chosen"}
+LAUNCHER_KEYS = {"resume_from", "scheduler_chosen", "plan_chosen", "plan_search"}
 
 
 def check_scalars(cfg: dict) -> None:
@@ -207,57 +210,73 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
         data.check_vocabulary(model_vocab)  # ids the model cannot embed
 
     auto = isinstance(generator, AutoSchedule)
+    searching = bool((cfg.get("plan") or {}).get("search"))
     link = (cfg.get("link_latency_s", 5e-5), cfg.get("link_bandwidth", 1e9))
     cap = memory_cap(cfg)
     if profile is None:
-        profile = (auto or cfg["mode"] == "plan" or needs_profile(cfg["partitioner"])
+        profile = (auto or searching or cfg["mode"] == "plan" or needs_profile(cfg["partitioner"])
                    or getattr(generator, "cost_aware", False) or cap is not None)
     mbs = cfg["batch_size"] // (cfg["dp"] * cfg["microbatches"])
-    try:
-        model = spec.build_meta()
-        traced = trace_spec(spec, mbs, model)
-    except ConfigError:
-        raise
-    except Exception as err:  # noqa: BLE001 - a model that cannot be built from these values
-        raise ConfigError("model", f"model={spec.name} could not be built and traced with these options: "
-                                   f"{type(err).__name__}: {err}") from err
-    resume_from = resume_checkpoint(cfg, model)
-    uncovered = uncovered_tensors(model, spec.init)
+    models = TracedModels(spec, cfg, profile)
+    traced = models.get(mbs)
+    resume_from = resume_checkpoint(cfg, models.model)
+    uncovered = uncovered_tensors(models.model, spec.init)
     if uncovered:
         warnings.warn(f"model {spec.name}: no initialiser writes {', '.join(uncovered[:8])}"
                       f"{' ...' if len(uncovered) > 8 else ''}; they start from pipeline.init.fallback_fill "
                       "(give their module a reset_parameters() to choose)", stacklevel=2)
-    if profile:
-        x, y = spec.example_batch(mbs, cfg["seed"])
-        with profiling_threads(cpu_threads(cfg.get("threads", 0), cfg["pp"] * cfg["dp"])):
-            profile_graph(traced, (x,), model_config=cfg["model"], loss=(spec.loss_fn, y), seed=cfg["seed"])
+    states = optimizer_states(cfg["optimizer"])
+    timing = {"rank_slots": rank_slots(cfg), "optimizer_s_per_byte": optimizer_seconds_per_byte(
+        cfg["optimizer"], cpu_threads(cfg.get("threads", 0), cfg["pp"] * cfg["dp"])) if profile else 0.0}
 
-    def build(gen: ScheduleGenerator) -> Plan:
-        return build_plan(
-            traced, gen, model_name=spec.name, pp=cfg["pp"], dp=cfg["dp"], microbatches=cfg["microbatches"],
-            batch_size=cfg["batch_size"], placement_cfg=dict(cfg["placement"]),
-            partitioner_cfg=dict(cfg["partitioner"]), memory_cap=cap, remat=cfg["remat"], bandwidth=link[1],
-            profiled=profile,
+    def build(gen: ScheduleGenerator, traced: TracedModel, c: Candidate | None = None) -> Plan:
+        plan = build_plan(
+            traced, gen, model_name=spec.name, pp=cfg["pp"], dp=cfg["dp"],
+            microbatches=c.microbatches if c else cfg["microbatches"], batch_size=cfg["batch_size"],
+            placement_cfg=dict(cfg["placement"]), partitioner_cfg=dict(c.partitioner_cfg if c else cfg["partitioner"]),
+            memory_cap=cap, remat=c.remat if c else cfg["remat"], bandwidth=link[1], profiled=profile,
+            optimizer_states=states,
         )
+        plan.meta.update(timing)
+        return plan
 
-    if auto and not profile:
+    if (auto or searching) and not profile:
         # validation only (joined ranks check the config; rank 0 then plans with a profile): any
         # candidate that builds shows the config can be planned
+        cands, _ = search_space(cfg, traced.graph, auto and not searching)
         errors = []
-        for candidate in schedule_candidates(generator):
+        for c in cands:
             try:
-                plan = with_precision(build(candidate), traced, spec, mbs, cfg)
-                return Prepared(spec, candidate, plan, resume_from=resume_from)
+                gen = instantiate_scheduler(c.scheduler, dict(c.scheduler_cfg))
+                plan = with_precision(build(gen, models.get(cfg["batch_size"] // (cfg["dp"] * c.microbatches)), c),
+                                      traced, spec, mbs, cfg)
+                return Prepared(spec, gen, plan, resume_from=resume_from)
             except ConfigError as err:
                 errors.append(err)
         raise errors[0] if errors else ConfigError("scheduler", "scheduler=auto has no candidate schedules")
-    if auto:
-        candidates = schedule_candidates(generator)
-        generator, prediction, rows = choose_schedule(build, candidates, cfg["pp"], cfg["microbatches"], *link)
-        with_precision(prediction.plan, traced, spec, mbs, cfg)
-        return Prepared(spec, generator, prediction.plan, prediction, rows, resume_from)
-    plan = with_precision(build(generator), traced, spec, mbs, cfg)
-    return Prepared(spec, generator, plan, predict(plan, *link) if profile else None, resume_from=resume_from)
+    if auto or searching:
+        cands, given = search_space(cfg, traced.graph, auto and not searching)
+        result = search(cfg, models, build, cands, given, link)
+        win = result.winner
+        prediction = win.prediction
+        win_mbs = cfg["batch_size"] // (cfg["dp"] * win.candidate.microbatches)
+        with_precision(prediction.plan, models.get(win_mbs), spec, win_mbs, cfg)
+        generator = instantiate_scheduler(win.candidate.scheduler, dict(win.candidate.scheduler_cfg))
+        return Prepared(spec, generator, prediction.plan, prediction, result, resume_from)
+    plan = with_precision(build(generator, traced), traced, spec, mbs, cfg)
+    prediction = fit_budget(plan, predict(plan, *link), traced.graph, cap, *link) if profile else None
+    return Prepared(spec, generator, plan, prediction, resume_from=resume_from)
+
+
+def rank_slots(cfg: dict) -> float | None:
+    """On CPU, how many ranks' worth of cores this machine has when its local ranks need more
+    (pp x dp ranks of `threads` threads on fewer cores take turns); None when each has its own."""
+    if cfg["device"] == "cuda" or (cfg["device"] == "auto" and torch.cuda.is_available()):
+        return None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or cfg["pp"] * cfg["dp"])
+    threads = cpu_threads(cfg.get("threads", 0), local)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores / threads if local * threads > cores else None
 
 
 def with_precision(plan: Plan, traced, spec: ModelSpec, mbs: int, cfg: dict) -> Plan:
@@ -326,21 +345,3 @@ def resume_checkpoint(cfg: dict, model: torch.nn.Module) -> str | None:
         raise ConfigError("steps", f"checkpoint {path} is at step {meta['step']}; steps={cfg['steps']} leaves nothing "
                                    f"to run (set steps > {meta['step']})")
     return str(path)
-
-
-def schedule_candidates(auto: AutoSchedule) -> list[ScheduleGenerator]:
-    """What scheduler=auto compares: every option of the scheduler config group (the launcher
-    fills `scheduler.candidates` from Hydra's search path, a user's own schedules included), or the
-    built-in schedules when none were given."""
-    if not auto.candidates:
-        return [cls() for cls in GENERATORS.values()]
-    out = []
-    for option, option_cfg in sorted(auto.candidates.items()):
-        try:  # Hydra instantiates nested `_target_`s along with AutoSchedule itself
-            gen = option_cfg if isinstance(option_cfg, ScheduleGenerator) else instantiate(option_cfg)
-        except InstantiationException as exc:
-            raise ConfigError(f"scheduler.candidates.{option}", f"could not build {option_cfg.get('_target_')}: "
-                                                               f"{exc.__cause__ or exc}") from exc
-        if isinstance(gen, ScheduleGenerator) and not isinstance(gen, AutoSchedule):
-            out.append(gen)
-    return out

@@ -65,8 +65,18 @@ def cost_model_from_plan(plan: Plan, latency_s: float, bandwidth: float) -> Cost
     """A profiled plan carries the per-stage forward/backward sums of its nodes."""
     fwd = list(plan.meta["stage_forward_s"])
     bwd_i, bwd_w = split_backward_cost(plan.meta["stage_backward_s"], DEFAULT_WEIGHT_SHARE)
+    bwd = [i + w for i, w in zip(bwd_i, bwd_w, strict=True)]
+    # modules recomputed inside a backward (per-layer remat): their forward runs again in B, and in
+    # a split backward once in I and once more in W (each is its own autograd pass; stage 0 has no
+    # input gradient, its whole backward is W)
+    for s, extra in enumerate(plan.meta.get("stage_recompute_s") or []):
+        bwd[s] += extra
+        bwd_w[s] += extra
+        if s > 0:
+            bwd_i[s] += extra
     act = [float(a) for a in plan.meta["partition"]["stage_activation_bytes"]]
     return CostModel(
         fwd, bwd_i, bwd_w, None, act,
         [float(s.recv_bytes) for s in plan.stages], [float(s.send_bytes) for s in plan.stages], latency_s, bandwidth,
+        backward_s=bwd,
     )

@@ -25,7 +25,10 @@ class StagePlan:
     `inputs[name]` is the producing stage (None: the model input from the data); `outputs[name]`
     lists the later stages that read it. `values[name]` = [shape, dtype] of one micro-batch, for
     every value crossing a stage boundary. `loss_value` names the model output the loss is taken
-    on (last stage only).
+    on (last stage only). `recompute` names call_module nodes of this stage (leaf modules) whose
+    forward is run again in the backward instead of keeping their saved activations: memory for
+    time, chosen per layer (`pipeline.planner.remat`), unlike an `R` action, which recomputes the
+    whole stage.
     """
 
     index: int
@@ -35,6 +38,7 @@ class StagePlan:
     outputs: dict[str, list[int]]
     values: dict[str, list]
     loss_value: str | None = None
+    recompute: list[str] = field(default_factory=list)
 
     def value_bytes(self, name: str) -> int:
         shape, dtype = self.values[name]

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from models.spec import ModelSpec
+from pipeline.graph.recompute import recompute_modules
 from pipeline.graph.split import split_model
 from pipeline.graph.trace import TracedModel, retarget, trace_model
 from pipeline.materialize import materialize
@@ -55,12 +56,14 @@ def build_stage_modules(
 ) -> dict[int, StageModule]:
     """This rank's stage modules with real, name-initialised tensors on `device`; the rest of the
     model stays on the meta device and is dropped. Stages of one rank that share a parameter share
-    the very same tensor."""
+    the very same tensor. The leaf modules a stage lists in `recompute` run checkpointed."""
     model = spec.build_meta()
     traced = trace_spec(spec, plan.micro_batch_size, model)
     retarget(traced.gm, device)
     split = split_model(traced, plan.assignment, len(plan.stages))
     own = {s.index: split.stages[s.index] for s in plan.stages_of(pp_rank)}
+    for i, gm in own.items():
+        recompute_modules(gm, plan.stages[i].recompute)
     names = set().union(*(meta_tensor_names(gm) for gm in own.values()))
     materialize(model, seed, device, spec.init, names={traced.param_aliases.get(n, n) for n in names},
                 also=own.values(), load=spec.load)

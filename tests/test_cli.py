@@ -159,6 +159,6 @@ def test_plan_mode_is_a_dry_run(tmp_path) -> None:
 def test_auto_scheduler_says_what_it_chose(tmp_path) -> None:
     proc = train([*FAST, "scheduler=auto", "pp=2", "microbatches=4"], tmp_path / "run")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "scheduler=auto chose" in proc.stdout and "<- chosen" in proc.stdout
+    assert "scheduler=auto planned and simulated" in proc.stdout and "<- runs" in proc.stdout
     m = metrics(tmp_path / "run")
     assert m["schedule"] == m["config"]["scheduler_chosen"] != "auto"

@@ -79,25 +79,30 @@ def test_profiled_partitioners_match_single_process(pp: int, tmp_path) -> None:
 
 
 def _remat_auto_cfg(overrides: list[str]) -> tuple[dict, list[int]]:
-    """remat=auto under a budget that the heaviest stages miss without recomputing and every other
-    stage meets; also returns those stages."""
+    """remat=auto under a per-device budget that the fullest devices miss without recomputing and
+    every other device meets; also returns those devices (pipeline ranks)."""
     base = [*FAST, *overrides, "microbatches=4", "remat=auto", "memory=budget", "partitioner=uniform"]
-    mem = prepare(compose_cfg([*base, "memory.cap_bytes=1e12"])).plan.meta["partition"]["stage_memory_bytes"]
-    heaviest = max(mem)
-    runner_up = max(m for m in mem if m < heaviest)
-    cap = (heaviest + runner_up) // 2
-    return compose_cfg([*base, f"memory.cap_bytes={cap}"]), [s for s, m in enumerate(mem) if m == heaviest]
+    peaks = [d.total for d in prepare(compose_cfg([*base, "memory.cap_bytes=1e12"])).prediction.devices]
+    fullest = max(peaks)
+    runner_up = max(p for p in peaks if p < fullest)
+    cap = (fullest + runner_up) // 2
+    return compose_cfg([*base, f"memory.cap_bytes={cap}"]), [r for r, p in enumerate(peaks) if p == fullest]
 
 
 @pytest.mark.timeout(300)
-def test_remat_auto_recomputes_only_the_stages_over_budget_and_matches_single_process(tmp_path) -> None:
+def test_remat_auto_recomputes_modules_only_on_the_devices_over_budget_and_matches_single_process(tmp_path) -> None:
     cases = [_remat_auto_cfg(["scheduler=1f1b", "pp=4"]), _remat_auto_cfg(["scheduler=gpipe", "pp=2", "dp=2"])]
     cfgs = [cfg for cfg, _ in cases]
-    for cfg, heaviest in cases:
-        plan = prepare(cfg).plan
-        assert plan.meta["remat_stages"] == heaviest == plan.schedule.remat_stages()
-        assert len(heaviest) < len(plan.stages)  # some stages recompute, not all
-        assert max(plan.meta["partition"]["stage_memory_bytes"]) <= cfg["memory"]["cap_bytes"]
+    for cfg, fullest in cases:
+        prepared = prepare(cfg)
+        plan = prepared.plan
+        recomputing = sorted({s.rank for s in plan.stages if s.recompute})
+        assert recomputing == fullest and len(fullest) < plan.pp  # some devices recompute, not all
+        assert plan.schedule.remat_stages() == []  # chosen modules, not whole stages
+        for s in plan.stages:  # not every module of the stage: only what closes the gap
+            assert len(s.recompute) < len(s.blocks), (s.index, s.recompute)
+        assert prepared.prediction.peak_bytes <= cfg["memory"]["cap_bytes"]
+        assert plan.meta["stage_recompute_s"][plan.stages[0].index] >= 0
     results = run_jobs(cfgs, tmp_path / "logs")
     for cfg, ranks, what in zip(cfgs, results, ["1f1b pp=4 remat=auto", "gpipe pp=2 dp=2 remat=auto"], strict=True):
         ref = reference_run(cfg)

@@ -91,6 +91,6 @@ def test_a_users_schedule_and_partitioner_run_by_name_and_in_auto(user_package, 
     proc = train([*FAST, "pp=2", "microbatches=4", search, "scheduler=auto", "partitioner=head_first"],
                  tmp_path / "auto", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    table = proc.stdout.split("scheduler=auto chose", 1)[1]
+    table = proc.stdout.split("scheduler=auto planned and simulated", 1)[1]
     assert "lifo" in table and "1f1b" in table and "zbv" in table, table
     assert metrics(tmp_path / "auto")["losses"] == pytest.approx(mine["losses"], rel=1e-5)

@@ -235,13 +235,16 @@ def evaluate(
 
 def memory_error(min_cap: float, cap: float, detail: str = "", recomputing: bool = False) -> ConfigError:
     """The error for a cap no split can meet; it states the smallest cap that would fit (with
-    `recomputing`, recomputation was already counted in it)."""
+    `recomputing`, recomputation was already counted in it). The cap is a device's: a stage alone
+    must fit in it, priced as the partitioner sees it (parameters with their gradients and
+    optimizer state, and the activations of its in-flight micro-batches)."""
     extra = f" {detail}" if detail else ""
     remedies = "or use more stages" if recomputing else "use more stages, or recompute activations (remat=auto)"
     return ConfigError(
         MEMORY_KEY,
-        f"no split fits in {int(cap)} bytes per stage; the smallest cap that fits is {int(min_cap)} bytes "
-        f"({min_cap / 2**20:.2f} MiB).{extra} Raise `{MEMORY_KEY}`, {remedies}.",
+        f"no split fits in {int(cap)} bytes per device: the smallest cap that fits is {int(min_cap)} bytes "
+        f"({min_cap / 2**20:.2f} MiB for a stage on its own: parameters, their gradients and optimizer state, "
+        f"and its in-flight activations).{extra} Raise `{MEMORY_KEY}`, {remedies}.",
     )
 
 

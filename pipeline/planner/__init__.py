@@ -22,7 +22,7 @@ from pipeline.partition import Partition, PartitionRequest, evaluate
 from pipeline.partition.common import assignment_from_order, topo_order
 from pipeline.partition.rank_balance import rank_balanced_starts
 from pipeline.plan import Plan, StagePlan, dtype_name
-from pipeline.planner.budget import check_memory, check_schedule_memory, partition_request, reprice_split
+from pipeline.planner.budget import device_view, partition_request, reprice_for_schedule, reprice_split
 from pipeline.schedules import build_schedule
 from pipeline.schedules.base import ScheduleGenerator
 from pipeline.schedules.inference import Inference
@@ -65,15 +65,16 @@ def needs_profile(partitioner_cfg: dict) -> bool:
 
 
 def partition_graph(
-    partitioner_cfg: dict, graph: nx.DiGraph, placement: Sequence[int], request: PartitionRequest
+    partitioner_cfg: dict, graph: nx.DiGraph, placement: Sequence[int], request: PartitionRequest,
+    param_factor: float = 1.0,
 ) -> Partition:
     """Cut the traced graph into stages with the partitioner plug-in, then price the split with the
     one judge (`evaluate`), recomputing stages picked, on the real graph. Values that are not one
     tensor never cross a boundary (the graph is contracted first). When a rank holds several
     stages, a profiled split is re-balanced so that the busiest rank, not only the slowest stage,
-    is as light as it can be."""
+    is as light as it can be. Under a memory cap the partitioner sees every parameter byte
+    `param_factor` times (gradient and optimizer state too: `budget.device_view`)."""
     num_stages = len(placement)
-    name = plugin_name(partitioner_cfg)
     if num_stages > graph.number_of_nodes():
         raise ConfigError(
             "pp",
@@ -84,6 +85,8 @@ def partition_graph(
     fn, options = plugin(partitioner_cfg, "partitioner")
     contraction = contract_unsendable(graph)  # cut only where single tensors cross
     cut_graph = graph if contraction is None else contraction.graph
+    if request.memory_cap is not None:
+        cut_graph = device_view(cut_graph, param_factor)
     part = fn(cut_graph, num_stages, request, **options)
     if not isinstance(part, Partition):
         raise ConfigError("partitioner", f"{partitioner_cfg.get('_target_')} returned {type(part).__name__}, "
@@ -92,9 +95,7 @@ def partition_graph(
         part = _rank_balanced(part, cut_graph, placement, request)
     if contraction is not None:
         part.assignment = contraction.expand(part.assignment)
-    part = reprice_split(part, graph, **request.pricing())
-    check_memory(part, graph, num_stages, request, name)
-    return part
+    return reprice_split(part, graph, **request.pricing())
 
 
 def _rank_balanced(part: Partition, graph: nx.DiGraph, placement: Sequence[int], request: PartitionRequest) -> Partition:
@@ -141,14 +142,16 @@ def build_plan(
     remat: str = "none",
     bandwidth: float = 1e9,
     profiled: bool = True,
+    optimizer_states: int = 0,
 ) -> Plan:
     """Place, count, partition, price, schedule and lower: a pure function of the config and the
-    traced (and, when `profiled`, measured) graph."""
+    traced (and, when `profiled`, measured) graph. `optimizer_states`: optimizer tensors per
+    parameter, for the memory a device holds (`pipeline.planner.memory`)."""
     placement = resolve_placement(placement_cfg, generator, pp)
     generator.check(pp, microbatches, list(placement))  # schedule rules first: clearer than a split error
     k = len(placement)
     request = partition_request(generator, placement, microbatches, remat, memory_cap, bandwidth)
-    part = partition_graph(partitioner_cfg, traced.graph, placement, request)
+    part = partition_graph(partitioner_cfg, traced.graph, placement, request, 2 + optimizer_states)
     forward, backward = [0.0] * k, [0.0] * k
     for node, s in part.assignment.items():
         forward[s] += traced.graph.nodes[node].get("forward_s", 0.0)
@@ -156,7 +159,7 @@ def build_plan(
     if profiled:
         generator.use_stage_costs(forward, *split_backward_cost(backward))
     schedule = build_schedule(generator, placement, microbatches, remat, part.remat_stages)
-    check_schedule_memory(part, schedule, memory_cap)
+    reprice_for_schedule(part, schedule)
     split = split_model(traced, part.assignment, k)
     outputs = list(split.model_outputs)
     if len(outputs) != 1 or split.model_outputs[outputs[0]] != k - 1:
@@ -183,7 +186,7 @@ def build_plan(
     schedule = lower(schedule, edges)
     # evaluation runs the same stages on the same ranks, forward only
     eval_schedule = lower(build_schedule(Inference(), placement, microbatches), edges)
-    meta: dict = {"remat": remat, "remat_stages": schedule.remat_stages(), "partitioner": plugin_name(partitioner_cfg),
+    meta: dict = {"remat": remat, "optimizer_states": optimizer_states, "memory_cap": memory_cap, "remat_stages": schedule.remat_stages(), "partitioner": plugin_name(partitioner_cfg),
                   "partition": partition_summary(part), "profiled": profiled,
                   "model_param_bytes": sum(traced.graph.graph.get("param_sizes", {}).values()),
                   "stage_tensors": [sorted({traced.param_aliases.get(n, n) for n, _ in [

@@ -1,18 +1,22 @@
-"""The memory budget: what each stage holds under the chosen schedule, and the checks against the cap.
+"""The memory budget, as the partitioners see it: one stage priced on its own device.
 
-Stages are priced by the micro-batches the schedule keeps in flight on them (`Schedule.peak_in_flight`),
-counted on the schedule's unit-cost order before the split exists, then priced again on the final
-order; recomputing stages (remat) hold full activations for fewer of them and the inputs of all.
+`memory.cap_bytes` caps each device (pipeline rank): parameters, gradients, optimizer state and the
+activations all its stages hold at the schedule's peak (`pipeline.planner.memory`, checked on the
+simulated schedule once the split exists). Before that, a partitioner cuts so that each stage
+alone fits the device: its parameters count `2 + optimizer states` times (the parameter, its
+gradient, the optimizer's tensors), and its activations once per micro-batch the schedule keeps in
+flight there (`Schedule.peak_in_flight`, counted on the schedule's unit-cost order before the split
+exists); recomputing stages (remat) hold full activations for fewer of them and the inputs of all.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeline.errors import ConfigError
+import networkx as nx
+
 from pipeline.ir import Schedule
-from pipeline.partition import Partition, PartitionRequest, evaluate, min_memory_cap
-from pipeline.partition.common import memory_error
+from pipeline.partition import Partition, PartitionRequest, evaluate
 from pipeline.schedules import build_schedule
 from pipeline.schedules.base import ScheduleGenerator
 
@@ -32,6 +36,22 @@ def partition_request(
     return PartitionRequest(bandwidth, plain, cap, recomputed, remat_all=remat == "full")
 
 
+def device_view(graph: nx.DiGraph, param_factor: float) -> nx.DiGraph:
+    """The cost graph with every parameter byte counted `param_factor` times (the parameter, its
+    gradient and the optimizer's state): what a partitioner prices a stage's memory on when the
+    cap is a device's. Times, activations and the graph itself are unchanged."""
+    if param_factor == 1:
+        return graph
+    view = graph.copy()
+    sizes = graph.graph.get("param_sizes")
+    if sizes:
+        view.graph["param_sizes"] = {name: size * param_factor for name, size in sizes.items()}
+    for node, data in view.nodes(data=True):
+        if data.get("param_bytes"):
+            view.nodes[node]["param_bytes"] = int(graph.nodes[node]["param_bytes"] * param_factor)
+    return view
+
+
 def reprice_split(part: Partition, graph, **price) -> Partition:
     """The same assignment priced again by `evaluate` with these terms; method and solver facts are kept."""
     out = evaluate(graph, part.assignment, part.num_stages, method=part.method, **price)
@@ -39,39 +59,10 @@ def reprice_split(part: Partition, graph, **price) -> Partition:
     return out
 
 
-def check_memory(part: Partition, graph, num_stages: int, request: PartitionRequest, name: str) -> None:
-    """A fixed split (uniform, manual) over the budget: name the stage, and the smallest budget a
-    contiguous split can meet (balanced/milp search within the budget themselves)."""
-    cap = request.memory_cap
-    if cap is None or max(part.stage_memory_bytes) <= cap:
-        return
-    worst = max(range(num_stages), key=lambda s: part.stage_memory_bytes[s])
-    smallest = min_memory_cap(graph, num_stages, request.in_flight, remat_in_flight=request.remat_in_flight,
-                              remat_all=request.remat_all)
-    detail = (f"partitioner={name} puts {part.stage_memory_bytes[worst] / 2**20:.1f} MiB on stage {worst}"
-              f" (parameters + activations of its in-flight micro-batches).")
-    if smallest > cap:
-        raise memory_error(smallest, cap, detail, recomputing=request.remat_in_flight is not None)
-    raise ConfigError(
-        "memory.cap_bytes",
-        f"{int(cap)} bytes per stage is exceeded: {detail} A split within it exists (the smallest cap any "
-        f"split meets is {int(smallest)} bytes): use partitioner=balanced or partitioner=milp.",
-    )
-
-
-def check_schedule_memory(part: Partition, schedule: Schedule, cap: float | None) -> None:
-    """Re-price each stage with the final schedule's counts and record them; over the budget is an
-    error. The split was cut for the schedule's unit-cost order; a cost-aware order (zbv, zb_h2,
-    hanayo on a measured profile) may hold its micro-batches on other stages."""
+def reprice_for_schedule(part: Partition, schedule: Schedule) -> None:
+    """Re-price each stage with the final schedule's in-flight counts and record them. The split
+    was cut for the schedule's unit-cost order; a cost-aware order (zbv, zb_h2, hanayo on a
+    measured profile) may hold its micro-batches on other stages. The device check that follows
+    plays the final schedule itself."""
     held, full = schedule.peak_in_flight(held=True), schedule.peak_in_flight()
     part.reprice(held, full, schedule.remat_stages())
-    if cap is None or max(part.stage_memory_bytes) <= cap:
-        return
-    worst = max(range(len(held)), key=lambda s: part.stage_memory_bytes[s])
-    raise ConfigError(
-        "memory.cap_bytes",
-        f"{int(cap)} bytes per stage is exceeded: scheduler {schedule.name!r} holds {held[worst]} micro-batches "
-        f"on stage {worst}, {full[worst]} of them with full activations ({int(part.stage_memory_bytes[worst])} bytes "
-        f"with its parameters). Raise the cap; for a scheduler that orders its actions on the measured costs "
-        f"(zbv, zb_h2, hanayo), scheduler.cost_aware=false keeps the unit-cost order the split was cut for.",
-    )

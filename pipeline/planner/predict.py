@@ -1,24 +1,20 @@
-"""Predict a run before it starts: simulate the plan on its profile, or pick the schedule by it.
+"""Predict a run before it starts: simulate the plan on its profile and price each device's memory.
 
-`scheduler=auto` plans and simulates every candidate schedule (the options of the scheduler config
-group, a user's own included) on the measured profile and keeps the fastest; `mode=plan` prints
-the same prediction without starting any rank.
+`mode=plan` prints this prediction without starting any rank; `plan=auto` and `scheduler=auto`
+(`pipeline.planner.search`) rank their candidates by it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pipeline.costs import cost_model_from_plan
-from pipeline.errors import ConfigError
-from pipeline.placement import classify
 from pipeline.plan import Plan
-from pipeline.schedules.auto import pick_fastest
-from pipeline.schedules.base import ScheduleGenerator
+from pipeline.planner.memory import DeviceMemory, device_memory
 from pipeline.simulate import CostModel, SimResult, simulate
 
 
@@ -27,6 +23,22 @@ class Prediction:
     plan: Plan
     cost: CostModel
     result: SimResult
+    #: each pipeline rank's predicted peak (parameters, gradients, optimizer state, activations)
+    devices: list[DeviceMemory] = field(default_factory=list)
+    #: the schedule's time once ranks sharing too few cores are accounted for (>= the makespan)
+    schedule_s: float = 0.0
+    #: each pipeline rank's optimizer step after the schedule
+    optimizer_s: list[float] = field(default_factory=list)
+
+    @property
+    def step_s(self) -> float:
+        """A training step: the schedule, then the slowest rank's optimizer step."""
+        return max(self.schedule_s, self.result.makespan_s) + max(self.optimizer_s, default=0.0)
+
+    @property
+    def peak_bytes(self) -> float:
+        """The fullest device's predicted peak."""
+        return max((d.total for d in self.devices), default=0.0)
 
 
 @contextmanager
@@ -41,37 +53,39 @@ def profiling_threads(threads: int) -> Iterator[None]:
 
 
 def predict(plan: Plan, latency_s: float, bandwidth: float) -> Prediction:
-    """Simulate a profiled plan's schedule on its per-stage costs."""
+    """Simulate a profiled plan's schedule on its per-stage costs, and price each device's memory
+    at the simulated peak (recorded in `plan.meta["device_memory"]`)."""
     cost = cost_model_from_plan(plan, latency_s, bandwidth)
-    return Prediction(plan, cost, simulate(plan.schedule, cost))
+    result = simulate(plan.schedule, cost)
+    part = plan.meta["partition"]
+    devices = device_memory(part["stage_param_bytes"], plan.schedule.placement, result.peak_activation_bytes,
+                            int(plan.meta.get("optimizer_states", 0)), plan.meta.get("stage_recompute_region_bytes"))
+    plan.meta["device_memory"] = [d.to_dict() for d in devices]
+    schedule_s = result.makespan_s
+    slots = plan.meta.get("rank_slots")
+    if slots:  # more local ranks than cores: together they do at most `slots` ranks' work per second
+        schedule_s = max(schedule_s, plan.dp * sum(result.busy_s) / slots)
+    per_byte = float(plan.meta.get("optimizer_s_per_byte") or 0.0)
+    optimizer = [d.params * per_byte for d in devices]
+    return Prediction(plan, cost, result, devices, schedule_s, optimizer)
 
 
-def choose_schedule(
-    build: Callable[[ScheduleGenerator], Plan],
-    candidates: Sequence[ScheduleGenerator],
-    pp: int,
-    microbatches: int,
-    latency_s: float,
-    bandwidth: float,
-) -> tuple[ScheduleGenerator, Prediction, list[dict]]:
-    """Plan and simulate each training candidate on the profile; return the fastest and the table
-    (candidates that cannot run these settings are listed with the reason)."""
-    skipped: list[dict] = []
+def optimizer_seconds_per_byte(optimizer_cfg: dict, threads: int, numel: int = 1 << 20) -> float:
+    """Time one step of the configured optimizer over a parameter of `numel` floats, per byte of
+    parameter (median of a few steps, at the ranks' thread count): its cost grows with the bytes
+    it updates, and a stage's parameter bytes are known before any rank exists."""
+    import statistics
+    import time
 
-    def simulated():
-        for gen in candidates:
-            if not gen.training:
-                continue
-            try:
-                pred = predict(build(gen), latency_s, bandwidth)
-            except ConfigError as err:  # e.g. more stages than blocks, or the placement does not fit
-                skipped.append({"name": gen.name, "skipped": str(err)})
-                continue
-            yield gen, classify(pred.plan.schedule.placement), pred
+    from hydra.utils import instantiate
 
-    try:
-        winner, prediction, rows = pick_fastest(simulated(), pp, microbatches)
-    except ConfigError:
-        raise ConfigError("scheduler", f"scheduler=auto found no schedule that runs pp={pp}, "
-                                       f"microbatches={microbatches}: {skipped}") from None
-    return winner, prediction, rows + skipped
+    param = torch.nn.Parameter(torch.zeros(numel))
+    param.grad = torch.full_like(param, 1e-3)
+    with profiling_threads(threads):
+        opt = instantiate(optimizer_cfg)([param])
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) / (numel * param.element_size())

@@ -1,4 +1,4 @@
-"""Text tables people read: the stage table, the simulated step, and scheduler=auto's choice."""
+"""Text tables people read: the stage table and the simulated step."""
 
 from __future__ import annotations
 
@@ -62,6 +62,12 @@ def stage_table(plan: Plan) -> str:
         lines.append("* recomputes its forward in the backward (remat): full activations for "
                      + ", ".join(f"{part['stage_full_in_flight'][i]} on stage {i}" for i in sorted(remat))
                      + ", the inputs of the rest")
+    layers = [s for s in plan.stages if s.recompute]
+    if layers:
+        lines.append("recomputed in the backward (remat=auto, chosen modules): "
+                     + "; ".join(f"stage {s.index}: {block_summary(s.recompute)}" for s in layers))
+    if plan.meta.get("device_memory"):
+        lines.append(device_memory_table(plan))
     lines.append(
         f"partition ({plan.meta['partitioner']}): bottleneck {part['bottleneck_s'] * 1e3:.2f} ms, lower bound "
         f"max(total / stages, slowest block) {part['lower_bound_s'] * 1e3:.2f} ms "
@@ -70,18 +76,24 @@ def stage_table(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def format_choice(rows: Sequence[dict]) -> str:
-    """scheduler=auto's candidates, fastest first, the winner marked."""
-    lines = [f"{'schedule':<18} {'predicted step':>14} {'bubble':>7} {'peak act MB':>11}"]
-    for r in rows:
-        if "skipped" in r:
-            lines.append(f"{r['name']:<18} skipped: {r['skipped']}")
-            continue
-        mark = "  <- chosen" if r["chosen"] else ""
-        lines.append(
-            f"{r['name']:<18} {r['makespan_s'] * 1e3:>11.1f} ms {r['bubble']:>7.1%} "
-            f"{r['peak_activation_bytes'] / 2**20:>11.1f}{mark}"
-        )
+def device_memory_table(plan: Plan, ranks: Sequence[dict] | None = None) -> str:
+    """Per pipeline rank, the predicted peak by what holds it; with the ranks' run reports, the
+    measured peak beside it (on CPU: above what the process held before building its stages)."""
+    mib = 2**20
+    cap = plan.meta.get("memory_cap")
+    head = (f"{'rank':>5} {'params':>8} {'grads':>8} {'optim':>8} {'act':>8} {'recomp':>7} {'predicted':>10}"
+            + (f" {'measured':>9} {'ratio':>6}" if ranks else ""))
+    lines = [f"memory per device, MiB (predicted peak{f'; cap {cap / mib:.1f}' if cap else ''}):", head]
+    measured = {}
+    for r in ranks or []:
+        measured.setdefault(r["pp_rank"], []).append(r.get("peak_above_start_bytes", r.get("peak_memory_bytes", 0)))
+    for d in plan.meta["device_memory"]:
+        row = (f"{d['rank']:>5} {d['params'] / mib:>8.1f} {d['grads'] / mib:>8.1f} {d['optimizer'] / mib:>8.1f} "
+               f"{d['activations'] / mib:>8.1f} {d['recompute'] / mib:>7.1f} {d['total'] / mib:>10.1f}")
+        if d["rank"] in measured:
+            got = max(measured[d["rank"]])
+            row += f" {got / mib:>9.1f} {got / d['total'] if d['total'] else 0.0:>6.2f}"
+        lines.append(row)
     return "\n".join(lines)
 
 

@@ -11,11 +11,13 @@ work is done once and only the weight-gradient work is deferred.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
+from torch.utils import checkpoint as _checkpoint
 
 
 @dataclass
@@ -157,6 +159,14 @@ def _backward_input(
     return dict(zip(names, grads, strict=True)), stash
 
 
+def _one_recompute() -> AbstractContextManager:
+    """W's restarts are separate backward calls over disjoint parts of the graph: grouped, a
+    checkpointed module (`pipeline.graph.recompute`) reruns its forward once for all of them, not
+    once per restart. torch before 2.10 has no such group: there it reruns per restart."""
+    group = getattr(_checkpoint, "GraphExecGroup", None)
+    return group() if group is not None else nullcontext()
+
+
 def backward_weight(stash: WeightGradStash) -> None:
     """Accumulate the deferred parameter gradients into `.grad`, then drop the graph.
 
@@ -172,6 +182,7 @@ def backward_weight(stash: WeightGradStash) -> None:
         stash.roots.clear()
         stash.root_grads.clear()
         return
-    for edges, grads, params in stash.restarts:
-        torch.autograd.backward(edges, grads, inputs=params)
+    with _one_recompute():
+        for edges, grads, params in stash.restarts:
+            torch.autograd.backward(edges, grads, inputs=params)
     stash.restarts.clear()

@@ -1,7 +1,14 @@
-"""Peak memory of this rank: the CUDA allocator's peak on GPU, the process's peak RSS on CPU."""
+"""Memory of this rank: the CUDA allocator's counters on GPU, the process's resident set on CPU.
+
+On CPU a process's peak RSS also holds the interpreter, torch's libraries and communication
+buffers (hundreds of MB before any tensor of the model exists), so what the planner predicts
+(parameters, gradients, optimizer state, activations) is compared with the peak *above* what
+the rank held when it started building its stages (`current_memory_bytes` taken then).
+"""
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 
@@ -13,6 +20,18 @@ def peak_memory_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+
+
+def current_memory_bytes(device: torch.device) -> int:
+    """What the rank holds now: allocated CUDA memory, or the resident set on CPU (peak RSS where
+    /proc is missing)."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return peak_memory_bytes(device)
 
 
 def reset_peak(device: torch.device) -> None:

@@ -31,7 +31,7 @@ from pipeline.runtime.executor import Executor, StageSlot
 from pipeline.runtime.faults import fault_injection
 from pipeline.runtime.heartbeat import Heartbeat
 from pipeline.runtime.host_allocator import huge_pages_active
-from pipeline.runtime.memory import peak_memory_bytes, reset_peak
+from pipeline.runtime.memory import current_memory_bytes, peak_memory_bytes, reset_peak
 from pipeline.runtime.optim import build_optimizer, clip_gradients
 from pipeline.runtime.progress import Progress
 from pipeline.runtime.tracking import Tracker
@@ -212,6 +212,7 @@ class RankTrainer:
 def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, capture_state: bool = False) -> dict:
     """Run steps up to `cfg["steps"]` (from a checkpoint when resuming); rank 0 reports progress and
     writes metrics.json into run_dir."""
+    at_start = current_memory_bytes(ctx.device)  # before this rank's stages exist
     trainer = RankTrainer(cfg, plan, ctx)
     slots, schedule = trainer.slots, plan.schedule
     # tokens for language models; samples for image models
@@ -297,6 +298,11 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
         "stages": sorted(slots),
         "blocks": {s: plan.stages[s].blocks for s in sorted(slots)},
         "peak_memory_bytes": peak_memory_bytes(ctx.device),
+        # what the planner predicts (parameters, gradients, optimizer state, activations) is this
+        # part of the peak; on CPU the process held the interpreter and torch before it
+        "memory_at_start_bytes": at_start,
+        "peak_above_start_bytes": peak_memory_bytes(ctx.device) - at_start,
+        "predicted_peak_bytes": _predicted_peak(plan, ctx.pp_rank),
         "busy_s": median_busy,
         "bubble": max(0.0, 1.0 - median_busy / median_step) if median_step else 0.0,
         "device": str(ctx.device),
@@ -340,6 +346,11 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
     else:
         rank_info.pop("events")
     return result
+
+
+def _predicted_peak(plan: Plan, pp_rank: int) -> float | None:
+    devices = plan.meta.get("device_memory")
+    return float(devices[pp_rank]["total"]) if devices else None
 
 
 def _median_after_warmup(values: list[float], warmup: int) -> float:

@@ -24,8 +24,6 @@ class AutoSchedule(ScheduleGenerator):
     supported_placements: ClassVar[tuple[str, ...]] = ("linear", "interleaved", "v", "explicit")
 
     chosen: ScheduleGenerator | None = field(default=None, repr=False)
-    #: option name -> scheduler config, from the scheduler config group (filled by the launcher)
-    candidates: dict = field(default_factory=dict)
 
     def choose(
         self,
@@ -38,9 +36,9 @@ class AutoSchedule(ScheduleGenerator):
 
         `cost_model` is a `pipeline.simulate.CostModel`; it is re-split to each candidate's stage
         count (`CostModel.resplit`), so one profile compares 1F1B (p stages) with ZBV (2p stages).
-        Ties on makespan go to the lower peak activation memory. (The launcher uses
-        `pipeline.predict.choose_schedule`, which re-partitions the measured profile per candidate
-        instead; both rank candidates with `pick_fastest`.)
+        Ties on makespan go to the lower peak activation memory. (The launcher's `scheduler=auto`
+        is `plan=auto` with only the schedule varying, `pipeline.planner.search`, which
+        re-partitions the measured profile per candidate instead.)
         """
         from pipeline.schedules import build_schedule
         from pipeline.schedules.registry import placement_for, valid_generators

@@ -1,0 +1,140 @@
+"""Drive `plan=auto` and `scheduler=auto` from a resolved config: the search space from the config
+groups, a traced and profiled model per micro-batch size, and one planning call per candidate.
+
+`scheduler=auto` is the same search with only the schedule varying.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+
+from launcher.config import group_configs
+from models.spec import ModelSpec
+from pipeline.errors import ConfigError
+from pipeline.graph.profile import profile_graph
+from pipeline.graph.trace import TracedModel
+from pipeline.plan import Plan
+from pipeline.planner import plugin_name
+from pipeline.planner.fit import fit_budget
+from pipeline.planner.predict import Prediction, predict, profiling_threads
+from pipeline.planner.search import (
+    Candidate,
+    SearchResult,
+    candidates,
+    microbatch_counts,
+    run_search,
+    scheduler_variants,
+)
+from pipeline.runtime.context import cpu_threads
+from pipeline.schedules.base import ScheduleGenerator
+from pipeline.stage import trace_spec
+
+#: scheduler options that are not a training schedule to compare
+NOT_CANDIDATES = ("AutoSchedule", "Inference")
+
+
+class TracedModels:
+    """The model traced (and, with `profile`, measured) once per micro-batch size: a candidate with
+    more micro-batches runs smaller ones, whose per-op times do not scale linearly."""
+
+    def __init__(self, spec: ModelSpec, cfg: dict, profile: bool) -> None:
+        self.spec, self.cfg, self.profile = spec, cfg, profile
+        self.model = None
+        self._traced: dict[int, TracedModel] = {}
+
+    def get(self, micro_batch_size: int) -> TracedModel:
+        if micro_batch_size not in self._traced:
+            try:
+                if self.model is None:
+                    self.model = self.spec.build_meta()
+                traced = trace_spec(self.spec, micro_batch_size, self.model)
+            except ConfigError:
+                raise
+            except Exception as err:  # noqa: BLE001 - a model that cannot be built from these values
+                raise ConfigError("model", f"model={self.spec.name} could not be built and traced with these "
+                                           f"options: {type(err).__name__}: {err}") from err
+            if self.profile:
+                cfg = self.cfg
+                x, y = self.spec.example_batch(micro_batch_size, cfg["seed"])
+                with profiling_threads(cpu_threads(cfg.get("threads", 0), cfg["pp"] * cfg["dp"])):
+                    profile_graph(traced, (x,), model_config=cfg["model"], loss=(self.spec.loss_fn, y),
+                                  seed=cfg["seed"])
+            self._traced[micro_batch_size] = traced
+        return self._traced[micro_batch_size]
+
+
+def scheduler_options(cfg: dict) -> dict[str, dict]:
+    """Training schedules of the scheduler config group (a user's own on the search path too)."""
+    options = (cfg.get("plan") or {}).get("scheduler_options") or group_configs("scheduler")
+    return {name: opt for name, opt in options.items()
+            if not str(opt.get("_target_", "")).endswith(NOT_CANDIDATES)}
+
+
+def instantiate_scheduler(option: str, option_cfg: dict) -> ScheduleGenerator:
+    try:
+        gen = instantiate({k: v for k, v in option_cfg.items() if k != "name"})
+    except InstantiationException as exc:
+        raise ConfigError(f"scheduler ({option})", f"could not build {option_cfg.get('_target_')}: "
+                                                   f"{exc.__cause__ or exc}") from exc
+    if not isinstance(gen, ScheduleGenerator):
+        raise ConfigError(f"scheduler ({option})", f"{option_cfg.get('_target_')} is not a ScheduleGenerator")
+    return gen
+
+
+def search_space(cfg: dict, graph: nx.DiGraph, auto_scheduler: bool) -> tuple[list[Candidate], Candidate | None]:
+    """The candidates of `plan=auto` (or of `scheduler=auto`: only the schedule varies) and the
+    one the config names as given, when it names a concrete one."""
+    space = cfg.get("plan") or {}
+    options = scheduler_options(cfg)
+    if not options:
+        raise ConfigError("scheduler", "no training schedule found in the scheduler config group")
+    given_part = {plugin_name(cfg["partitioner"]): dict(cfg["partitioner"])}
+    if not space.get("search"):  # scheduler=auto alone
+        return candidates(scheduler_variants(options, None, None), given_part, [cfg["microbatches"]],
+                          [cfg["remat"]]), None
+    schedulers = scheduler_variants(options, space.get("schedulers"), space.get("variants"))
+    all_partitioners = space.get("partitioner_options") or group_configs("partitioner")
+    names = list(space.get("partitioners") or ["uniform", "balanced", "milp"])
+    unknown = [n for n in names if n not in all_partitioners]
+    if unknown:
+        raise ConfigError("plan.partitioners", f"unknown partitioner option(s) {unknown}; valid: "
+                                               f"{sorted(all_partitioners)}")
+    if "milp" in names and _is_chain(graph) and "balanced" in names:
+        names.remove("milp")  # on a chain the contiguous optimum is balanced's: the same split, slower
+    partitioners = {n: dict(all_partitioners[n]) for n in names}
+    counts = microbatch_counts(cfg["pp"], cfg["dp"], cfg["batch_size"], cfg["microbatches"], space.get("microbatches"))
+    remats = [r for r in (space.get("remat") or ["none"]) if r != "auto" or _cap(cfg) is not None]
+    cands = candidates(schedulers, partitioners, counts, remats or ["none"])
+    given = None
+    if not str(cfg["scheduler"].get("_target_", "")).endswith("AutoSchedule"):
+        given = next((c for c in cands if c.scheduler_cfg.get("_target_") == cfg["scheduler"].get("_target_")
+                      and all(c.scheduler_cfg.get(k) == v for k, v in cfg["scheduler"].items() if k != "name")
+                      and c.partitioner == plugin_name(cfg["partitioner"]) and c.microbatches == cfg["microbatches"]
+                      and c.remat == cfg["remat"]), None)
+    return cands, given
+
+
+def _cap(cfg: dict) -> float | None:
+    cap = (cfg.get("memory") or {}).get("cap_bytes")
+    return None if cap is None else float(cap)
+
+
+def _is_chain(graph: nx.DiGraph) -> bool:
+    return graph.number_of_edges() == graph.number_of_nodes() - 1 and all(
+        graph.in_degree(n) <= 1 and graph.out_degree(n) <= 1 for n in graph.nodes)
+
+
+def search(cfg: dict, models: TracedModels, build, cands: list[Candidate], given: Candidate | None,
+           link: tuple[float, float]) -> SearchResult:
+    """Plan, simulate and fit every candidate; `build(generator, traced, candidate)` makes its Plan."""
+    cap = _cap(cfg)
+
+    def evaluate(c: Candidate) -> Prediction:
+        gen = instantiate_scheduler(c.scheduler, dict(c.scheduler_cfg))  # fresh: cost-aware ones keep costs
+        traced = models.get(cfg["batch_size"] // (cfg["dp"] * c.microbatches))
+        plan: Plan = build(gen, traced, c)
+        return fit_budget(plan, predict(plan, *link), traced.graph, cap, *link)
+
+    return run_search(cands, evaluate, cap, given)

@@ -1,0 +1,105 @@
+"""What one device holds at the schedule's peak, the quantity `memory.cap_bytes` caps.
+
+A device (a pipeline rank) holds the parameters of all its stages, a gradient of the same size
+for each, the optimizer's state (tensors per parameter by optimizer type: AdamW two, SGD with
+momentum one, plain SGD none), and the activations its stages keep for their backward at the
+busiest moment of the step, which the simulator finds by playing the schedule (a V or
+interleaved rank holds two stages' micro-batches at once). A stage that recomputes chosen
+modules (per-layer remat) also needs, during a backward, the activations of the one region it is
+recomputing: the largest such region is added.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pipeline.errors import ConfigError
+
+MIB = 2**20
+
+#: optimizer state tensors per parameter (the size of the parameter each), by torch.optim class name
+STATES_PER_PARAM = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adadelta": 2, "Adagrad": 1,
+                    "RMSprop": 1, "Rprop": 2, "ASGD": 2, "SGD": 0}
+#: what an optimizer the table does not know is priced at (AdamW's, the common worst case)
+UNKNOWN_STATES = 2
+
+
+def optimizer_states(optimizer_cfg: dict) -> int:
+    """State tensors per parameter for the configured optimizer (its `_target_` and options)."""
+    name = str(optimizer_cfg.get("_target_", "")).rsplit(".", 1)[-1]
+    states = STATES_PER_PARAM.get(name, UNKNOWN_STATES)
+    momentum = float(optimizer_cfg.get("momentum") or 0.0)
+    if name == "SGD" and momentum:
+        states = 1
+    elif name == "RMSprop":
+        states += int(bool(momentum)) + int(bool(optimizer_cfg.get("centered")))
+    elif name in ("Adam", "AdamW") and optimizer_cfg.get("amsgrad"):
+        states += 1
+    return states
+
+
+@dataclass
+class DeviceMemory:
+    """One pipeline rank's predicted peak, by what holds it (bytes)."""
+
+    rank: int
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    recompute: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.recompute
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+    def breakdown(self) -> str:
+        """`params 10.0 + grads 10.0 + optimizer 20.0 + activations 3.1 MiB` (recompute when any)."""
+        parts = [("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer),
+                 ("activations", self.activations)] + ([("recompute", self.recompute)] if self.recompute else [])
+        return " + ".join(f"{label} {value / MIB:.1f}" for label, value in parts) + " MiB"
+
+
+def device_memory(
+    stage_param_bytes: Sequence[float],
+    placement: Sequence[int],
+    activation_peak: Sequence[float],
+    states_per_param: int,
+    recompute_bytes: Sequence[float] | None = None,
+) -> list[DeviceMemory]:
+    """Per rank: the parameters of its stages (a parameter two of its stages share counts twice:
+    a slight over-estimate), as much again in gradients, `states_per_param` times as much in
+    optimizer state, the simulated activation peak, and the largest region it recomputes."""
+    pp = max(placement) + 1
+    params = [0.0] * pp
+    for stage, rank in enumerate(placement):
+        params[rank] += float(stage_param_bytes[stage])
+    regions = list(recompute_bytes) if recompute_bytes is not None else [0.0] * len(placement)
+    return [DeviceMemory(r, params[r], params[r], states_per_param * params[r], float(activation_peak[r]),
+                         max((regions[s] for s, rr in enumerate(placement) if rr == r), default=0.0))
+            for r in range(pp)]
+
+
+def over_budget(devices: Sequence[DeviceMemory], cap: float | None) -> list[DeviceMemory]:
+    """The devices whose predicted peak exceeds `cap` (none without a cap)."""
+    return [] if cap is None else [d for d in devices if d.total > cap]
+
+
+def budget_message(devices: Sequence[DeviceMemory], cap: float) -> str:
+    """`rank 1 needs 41.2 MiB (params ... MiB) over the 40.0 MiB cap`, for each device over it."""
+    return "; ".join(f"rank {d.rank} needs {d.total / MIB:.1f} MiB ({d.breakdown()}), over the "
+                     f"{cap / MIB:.1f} MiB cap by {(d.total - cap) / MIB:.1f} MiB" for d in devices)
+
+
+class BudgetExceeded(ConfigError):
+    """A plan whose predicted peak on some device is over `memory.cap_bytes`; carries the devices
+    and, when there is one, the prediction (the search lists the candidate with its step time)."""
+
+    def __init__(self, devices: Sequence[DeviceMemory], cap: float, remedies: str, prediction: Any = None) -> None:
+        self.devices, self.cap, self.prediction = list(devices), cap, prediction
+        super().__init__("memory.cap_bytes", f"{budget_message(devices, cap)}. {remedies}")

@@ -1,0 +1,257 @@
+"""`plan=auto`: choose schedule, partitioner, micro-batch count, stages per rank and recomputation
+together, by planning and simulating every combination on the measured profile.
+
+Why jointly: the best split depends on the schedule (a V placement pairs the first and last
+stages on one rank), the best schedule on the micro-batch count (zero-bubble needs m >= 2p) and
+all of them on memory (GPipe holds every micro-batch, interleaving doubles the messages). Each
+candidate is one pure planning call plus one simulation, so the search is the planner run many
+times, and its table says in numbers why the winner won. Candidates the per-device budget rules
+out are kept with the device and bytes that broke it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from pipeline.errors import ConfigError
+from pipeline.planner.memory import MIB, BudgetExceeded, DeviceMemory, budget_message
+from pipeline.planner.predict import Prediction
+
+#: keys of a scheduler option that are not settings (the variants vary the others)
+_NOT_SETTINGS = ("_target_", "_partial_", "_recursive_", "name", "candidates", "cost_aware")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration the search plans: scheduler option (with its settings), partitioner
+    option, micro-batches per step and replica, remat."""
+
+    scheduler: str
+    scheduler_cfg: Mapping
+    partitioner: str
+    partitioner_cfg: Mapping
+    microbatches: int
+    remat: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.scheduler} / {self.partitioner} / {self.microbatches} mbs / remat={self.remat}"
+
+    def overrides(self) -> dict:
+        """The config keys this candidate sets."""
+        return {"scheduler": dict(self.scheduler_cfg), "partitioner": dict(self.partitioner_cfg),
+                "microbatches": self.microbatches, "remat": self.remat}
+
+
+@dataclass
+class Outcome:
+    candidate: Candidate
+    prediction: Prediction | None = None
+    #: devices over the budget (the candidate does not fit)
+    over: list[DeviceMemory] = field(default_factory=list)
+    #: why the candidate could not be planned at all (a schedule's rule, too few blocks, ...)
+    error: str | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.prediction is not None and not self.over and self.error is None
+
+    def row(self) -> dict:
+        """A JSON row for metrics.json / prediction.json."""
+        row: dict = {"label": self.candidate.label, "scheduler": self.candidate.scheduler,
+                     "partitioner": self.candidate.partitioner, "microbatches": self.candidate.microbatches,
+                     "remat": self.candidate.remat}
+        if self.prediction is not None:
+            res = self.prediction.result
+            row.update(step_s=res.makespan_s, bubble=res.mean_bubble,
+                       device_peak_bytes=[d.total for d in self.prediction.devices])
+        if self.over:
+            row["over_budget"] = [d.to_dict() for d in self.over]
+        if self.error:
+            row["error"] = self.error
+        return row
+
+
+@dataclass
+class SearchResult:
+    outcomes: list[Outcome]
+    seconds: float
+    cap: float | None
+    #: the candidate the user's own config names, when it is among them
+    given: Candidate | None = None
+
+    @property
+    def ranked(self) -> list[Outcome]:
+        """Candidates that fit, fastest first (ties: the lower fullest-device peak, then fewer micro-batches)."""
+        fits = [o for o in self.outcomes if o.fits]
+        return sorted(fits, key=lambda o: (o.prediction.step_s, o.prediction.peak_bytes, o.candidate.microbatches))
+
+    @property
+    def excluded(self) -> list[Outcome]:
+        return sorted((o for o in self.outcomes if o.over), key=lambda o: o.prediction.step_s)
+
+    @property
+    def failed(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.error]
+
+    @property
+    def winner(self) -> Outcome:
+        ranked = self.ranked
+        if not ranked:
+            raise ConfigError("plan", self._nothing_fits())
+        return ranked[0]
+
+    def _nothing_fits(self) -> str:
+        msg = f"plan=auto found no configuration that runs ({len(self.outcomes)} tried)"
+        if self.excluded:
+            best = self.excluded[0]
+            msg += (f"; {len(self.excluded)} were over memory.cap_bytes, the closest {best.candidate.label}: "
+                    f"{budget_message(best.over, self.cap or 0)}. Raise memory.cap_bytes or add remat=auto to "
+                    "plan.remat")
+        if self.failed:
+            msg += f"; {len(self.failed)} could not be planned, e.g. {self.failed[0].candidate.label}: " \
+                   f"{self.failed[0].error}"
+        return msg
+
+    def table(self, top: int = 10) -> str:
+        """The fastest candidates that fit, then those over the budget and those that could not be planned."""
+        cap = f" (cap {self.cap / MIB:.1f})" if self.cap is not None else ""
+        width = max([8, *(len(o.candidate.scheduler) for o in self.ranked[:top])])
+        lines = [f"{'#':>3}  {'schedule':<{width}} {'partitioner':<11} {'mbs':>4} {'remat':<5} {'step ms':>9} "
+                 f"{'bubble':>7}  peak MiB per device{cap}"]
+        for i, o in enumerate(self.ranked[:top], 1):
+            c, p = o.candidate, o.prediction
+            mark = "  <- runs" if i == 1 else ""
+            lines.append(f"{i:>3}  {c.scheduler:<{width}} {c.partitioner:<11} {c.microbatches:>4} {c.remat:<5} "
+                         f"{p.step_s * 1e3:>9.1f} {p.result.mean_bubble:>7.1%}  "
+                         f"{' / '.join(f'{d.total / MIB:.1f}' for d in p.devices)}{mark}")
+        hidden = len(self.ranked) - top
+        if hidden > 0:
+            lines.append(f"     ... and {hidden} slower candidates that fit")
+        if self.excluded:
+            lines.append(f"over the budget ({len(self.excluded)}):")
+            lines += [f"     {o.candidate.label} ({o.prediction.step_s * 1e3:.1f} ms): {budget_message(o.over, self.cap)}"
+                      for o in self.excluded[:top]]
+        if self.failed:
+            lines.append(f"could not be planned ({len(self.failed)}):")
+            lines += [f"     {o.candidate.label}: {_first_sentence(o.error or '')}" for o in self.failed[:top]]
+        return "\n".join(lines)
+
+    def why(self) -> str:
+        """Why the winner won, in numbers: against the runner-up with another schedule, the
+        config as given, and any faster candidate the budget ruled out."""
+        win = self.winner
+        wp = win.prediction
+        parts = [f"{win.candidate.label} is predicted at {wp.step_s * 1e3:.1f} ms per step "
+                 f"(bubble {wp.result.mean_bubble:.1%}, fullest device {wp.peak_bytes / MIB:.1f} MiB)"]
+        other = next((o for o in self.ranked[1:] if o.candidate.scheduler != win.candidate.scheduler), None)
+        if other is not None:
+            op = other.prediction
+            parts.append(f"{_faster(op.step_s, wp.step_s)} the best other schedule, {other.candidate.label} "
+                         f"({op.step_s * 1e3:.1f} ms, bubble {op.result.mean_bubble:.1%})")
+        same = next((o for o in self.ranked[1:] if o.candidate.scheduler == win.candidate.scheduler
+                     and o.candidate.partitioner != win.candidate.partitioner), None)
+        if same is not None:
+            parts.append(f"{_faster(same.prediction.step_s, wp.step_s)} the same schedule split by "
+                         f"{same.candidate.partitioner} ({same.prediction.step_s * 1e3:.1f} ms)")
+        given = next((o for o in self.outcomes if o.candidate == self.given), None) if self.given else None
+        if given is not None and given is not win:
+            if given.fits:
+                parts.append(f"{_faster(given.prediction.step_s, wp.step_s)} the configuration as given "
+                             f"({given.candidate.label}, {given.prediction.step_s * 1e3:.1f} ms)")
+            elif given.over:
+                parts.append(f"the configuration as given ({given.candidate.label}) is over the budget")
+        faster_over = [o for o in self.excluded if o.prediction.step_s < wp.step_s]
+        if faster_over:
+            o = faster_over[0]
+            parts.append(f"{len(faster_over)} faster candidate(s) did not fit the budget, the fastest "
+                         f"{o.candidate.label} at {o.prediction.step_s * 1e3:.1f} ms: {budget_message(o.over, self.cap)}")
+        return "; ".join(parts) + "."
+
+    def to_dict(self, top: int = 20) -> dict:
+        return {"seconds": self.seconds, "candidates": len(self.outcomes), "fit": len(self.ranked),
+                "over_budget": len(self.excluded), "failed": len(self.failed), "winner": self.winner.row(),
+                "why": self.why(), "top": [o.row() for o in self.ranked[:top]],
+                "excluded": [o.row() for o in self.excluded], "errors": [o.row() for o in self.failed]}
+
+
+def _faster(slower_s: float, faster_s: float) -> str:
+    gain = slower_s / faster_s - 1 if faster_s > 0 else 0.0
+    return f"{gain:.1%} faster than" if gain > 0.0005 else "as fast as"
+
+
+def _first_sentence(text: str) -> str:
+    text = text.removeprefix("Invalid config ")
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def microbatch_counts(pp: int, dp: int, batch_size: int, given: int, wanted: Sequence[int] | None) -> list[int]:
+    """The micro-batch counts to try: `wanted`, or pp, 2pp, 4pp and 8pp (and the count given)
+    among those that split each replica's batch evenly."""
+    per_replica = batch_size // dp
+    pool = list(wanted) if wanted else [pp, 2 * pp, 4 * pp, 8 * pp, given]
+    counts = sorted({int(m) for m in pool if int(m) >= 1 and per_replica % int(m) == 0})
+    if not counts:
+        raise ConfigError("plan.microbatches", f"none of {sorted(set(pool))} divides the {per_replica} sequences "
+                                               f"of a replica (batch_size={batch_size} / dp={dp}); list counts that do")
+    return counts
+
+
+def scheduler_variants(options: Mapping[str, Mapping], wanted: Sequence[str] | None,
+                       variants: Mapping[str, Mapping[str, Sequence]] | None) -> list[tuple[str, dict]]:
+    """(label, config) per scheduler option to try: the options named in `wanted` (all when None),
+    each once per combination of the values its `variants` entry lists (e.g. interleaved_1f1b with
+    stages_per_rank 2 and 4)."""
+    names = list(wanted) if wanted else sorted(options)
+    unknown = [n for n in names if n not in options]
+    if unknown:
+        raise ConfigError("plan.schedulers", f"unknown scheduler option(s) {unknown}; valid: {sorted(options)}")
+    out = []
+    for name in names:
+        base = dict(options[name])
+        grid = dict((variants or {}).get(name) or {})
+        if not grid:
+            out.append((name, base))
+            continue
+        keys = sorted(grid)
+        for values in itertools.product(*(list(grid[k]) for k in keys)):
+            cfg = {**base, **dict(zip(keys, values, strict=True))}
+            out.append((f"{name}({', '.join(f'{k}={v}' for k, v in zip(keys, values, strict=True))})", cfg))
+    return out
+
+
+def candidates(
+    schedulers: Sequence[tuple[str, dict]],
+    partitioners: Mapping[str, Mapping],
+    counts: Sequence[int],
+    remats: Sequence[str],
+) -> list[Candidate]:
+    """Every combination, in a fixed order."""
+    return [Candidate(s, cfg, p, dict(pcfg), m, r)
+            for (s, cfg), (p, pcfg), m, r in itertools.product(schedulers, partitioners.items(), counts, remats)]
+
+
+def run_search(
+    cands: Sequence[Candidate],
+    evaluate: Callable[[Candidate], Prediction],
+    cap: float | None,
+    given: Candidate | None = None,
+) -> SearchResult:
+    """Plan and simulate every candidate; a budget overrun or a config the candidate cannot run is
+    recorded, not raised."""
+    start = time.perf_counter()
+    outcomes = []
+    for cand in cands:
+        try:
+            outcomes.append(Outcome(cand, evaluate(cand)))
+        except BudgetExceeded as err:
+            outcomes.append(Outcome(cand, err.prediction, over=err.devices))
+        except ConfigError as err:
+            outcomes.append(Outcome(cand, error=str(err)))
+    for o in outcomes:  # an overrun without a prediction cannot be ranked among the exclusions
+        if o.over and o.prediction is None:
+            o.error, o.over = budget_message(o.over, cap or 0), []
+    return SearchResult(outcomes, time.perf_counter() - start, cap, given)

@@ -1,0 +1,143 @@
+"""plan=auto: the joint search over schedule x partitioner x micro-batches x stages per rank x remat,
+under a per-device memory budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.validate import prepare
+from pipeline.errors import ConfigError
+from pipeline.planner.memory import BudgetExceeded, DeviceMemory
+from pipeline.planner.search import (
+    Candidate,
+    candidates,
+    microbatch_counts,
+    run_search,
+    scheduler_variants,
+)
+from pipeline.reference import reference_run
+from pipeline.simulate import CostModel, simulate
+from tests.harness import FAST, assert_state_close, compose_cfg, merge_state, run_jobs
+
+# ---------------------------------------------------------------------------------------- pure parts
+
+
+def test_microbatch_counts_are_multiples_of_pp_that_split_the_replica_batch() -> None:
+    assert microbatch_counts(2, 1, 16, 4, None) == [2, 4, 8, 16]
+    assert microbatch_counts(4, 2, 32, 4, None) == [4, 8, 16]  # 16 sequences per replica
+    assert microbatch_counts(2, 1, 12, 3, None) == [2, 3, 4]  # 8 and 16 do not divide 12
+    assert microbatch_counts(2, 1, 16, 4, [3, 8]) == [8]
+    with pytest.raises(ConfigError, match="plan.microbatches"):
+        microbatch_counts(2, 1, 16, 4, [3, 5])
+
+
+def test_scheduler_variants_try_each_listed_setting() -> None:
+    options = {"1f1b": {"_target_": "a.B"}, "interleaved_1f1b": {"_target_": "a.I", "stages_per_rank": 2}}
+    got = scheduler_variants(options, None, {"interleaved_1f1b": {"stages_per_rank": [2, 4]}})
+    assert got == [("1f1b", {"_target_": "a.B"}),
+                   ("interleaved_1f1b(stages_per_rank=2)", {"_target_": "a.I", "stages_per_rank": 2}),
+                   ("interleaved_1f1b(stages_per_rank=4)", {"_target_": "a.I", "stages_per_rank": 4})]
+    with pytest.raises(ConfigError, match="plan.schedulers"):
+        scheduler_variants(options, ["zbv"], None)
+
+
+class _Pred:
+    """The parts of a Prediction the search reads."""
+
+    def __init__(self, step_s: float, peaks: list[float]) -> None:
+        self.result = simulate_one(step_s)
+        self.devices = [DeviceMemory(r, p, 0, 0, 0) for r, p in enumerate(peaks)]
+
+    @property
+    def step_s(self) -> float:
+        return self.result.makespan_s
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(d.total for d in self.devices)
+
+
+def simulate_one(step_s: float):
+    from pipeline.ir import Schedule
+    from pipeline.schedules import build_schedule
+    from pipeline.schedules.one_f_one_b import OneFOneB
+
+    schedule: Schedule = build_schedule(OneFOneB(), [0], 1)
+    return simulate(schedule, CostModel.uniform(1, f=step_s / 2, i=step_s / 4, w=step_s / 4))
+
+
+def test_search_ranks_what_fits_and_keeps_what_the_budget_or_a_rule_ruled_out() -> None:
+    cands = candidates([("gpipe", {}), ("1f1b", {}), ("zbv", {})], {"uniform": {}}, [4], ["none"])
+    step = {"gpipe": 3.0, "1f1b": 2.0, "zbv": 1.0}
+
+    def evaluate(c: Candidate):
+        pred = _Pred(step[c.scheduler], [100.0, 50.0])
+        if c.scheduler == "zbv":  # the fastest is over the budget on rank 0
+            raise BudgetExceeded([DeviceMemory(0, 150.0, 0, 0, 0)], 120.0, "remedies", pred)
+        return pred
+
+    result = run_search(cands, evaluate, cap=120.0, given=cands[0])
+    assert [o.candidate.scheduler for o in result.ranked] == ["1f1b", "gpipe"]
+    assert result.winner.candidate.scheduler == "1f1b"
+    assert [o.candidate.scheduler for o in result.excluded] == ["zbv"]
+    table = result.table()
+    assert "<- runs" in table and "over the budget (1)" in table and "rank 0 needs" in table
+    why = result.why()
+    assert "50.0% faster than the best other schedule, gpipe" in why
+    assert "faster than the configuration as given" in why
+    assert "1 faster candidate(s) did not fit the budget, the fastest zbv" in why
+
+    def fails(c: Candidate):
+        raise ConfigError("microbatches", "zbv needs at least 2p")
+
+    nothing = run_search(cands, fails, cap=None)
+    with pytest.raises(ConfigError, match="plan=auto found no configuration that runs"):
+        _ = nothing.winner
+    assert "could not be planned (3)" in nothing.table()
+
+
+# ---------------------------------------------------------------------------- planning a real model
+
+AUTO = [*FAST, "plan=auto", "pp=2", "optimizer=adamw"]
+
+
+def test_plan_auto_searches_jointly_and_wins_over_the_config_as_given() -> None:
+    prepared = prepare(compose_cfg([*AUTO, "scheduler=1f1b", "microbatches=4"]))
+    result = prepared.search
+    labels = {o.candidate.label for o in result.outcomes}
+    assert len(labels) == len(result.outcomes) >= 40  # schedules (with variants) x partitioners x counts
+    assert {o.candidate.scheduler for o in result.outcomes} >= {
+        "gpipe", "1f1b", "zb_h1", "zb_h2", "zbv", "interleaved_1f1b(stages_per_rank=2)", "hanayo(waves=1)"}
+    assert {o.candidate.microbatches for o in result.outcomes} == {2, 4, 8, 16}
+    assert {o.candidate.partitioner for o in result.outcomes} == {"uniform", "balanced"}  # milp: a chain
+    win = result.winner
+    assert prepared.plan is win.prediction.plan and prepared.plan.microbatches == win.candidate.microbatches
+    assert all(win.prediction.step_s <= o.prediction.step_s for o in result.ranked)
+    given = next(o for o in result.outcomes if o.candidate == result.given)
+    assert given.candidate.label == "1f1b / uniform / 4 mbs / remat=none"
+    assert win.prediction.step_s <= given.prediction.step_s
+
+
+def test_plan_auto_under_a_budget_lists_each_excluded_candidate_with_its_device_and_bytes() -> None:
+    free = prepare(compose_cfg([*AUTO, "memory=budget", "memory.cap_bytes=1e12", "plan.remat=[none]"])).search
+    peaks = sorted(o.prediction.peak_bytes for o in free.ranked)
+    cap = peaks[len(peaks) // 2]  # half the candidates fit
+    result = prepare(compose_cfg([*AUTO, "memory=budget", f"memory.cap_bytes={cap}", "plan.remat=[none]"])).search
+    assert result.excluded and result.ranked
+    assert all(o.prediction.peak_bytes <= cap for o in result.ranked)
+    for o in result.excluded:
+        assert o.over and all(d.total > cap for d in o.over)
+        assert o.prediction.peak_bytes > cap
+    assert result.winner.prediction.step_s >= free.winner.prediction.step_s
+    table = result.table(top=len(result.outcomes))
+    assert f"over the budget ({len(result.excluded)})" in table and "needs" in table and "over the" in table
+
+
+@pytest.mark.timeout(300)
+def test_plan_auto_winner_trains_like_one_process(tmp_path) -> None:
+    cfg = compose_cfg([*AUTO, "optimizer=sgd"])
+    cfg["microbatches"] = prepare(cfg).plan.microbatches  # what the launcher records for the ranks
+    (ranks,) = run_jobs([cfg], tmp_path / "logs")
+    ref = reference_run(cfg)
+    assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    assert_state_close(merge_state(ranks, "params_final"), ref["params_final"], "plan=auto winner")
