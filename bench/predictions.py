@@ -7,7 +7,8 @@ peak memory of each device.
 Each configuration is one `python train.py model=gpt_bench ...` (real ranks, gloo, CPU). The
 prediction is the one the plan made before any rank started (`planned_step_time_s` of metrics.json:
 the simulated schedule on the profile, ranks sharing too few cores taking turns, plus the optimizer
-step); measured is rank 0's median step after warm-up. Memory: the planner's peak per device
+step; each run profiles afresh, since this machine's speed drifts by 10-20% over minutes); measured
+is rank 0's median step after warm-up. Memory: the planner's peak per device
 (parameters, gradients, optimizer state, simulated activation peak) against each rank's measured
 peak above what its process held before building its stages (`peak_above_start_bytes`).
 Run it on an otherwise idle machine.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -28,14 +30,16 @@ ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "hanayo", "zb_h1", "zb_h2", "zbv"]
 COMMON = ["model=gpt_bench", "data=synthetic", "batch_size=32", "microbatches=8", "optimizer=sgd", "threads=1",
-          "warmup_steps=2", "timeout_s=600", "log_every=100"]
+          "warmup_steps=2", "timeout_s=600", "log_every=100", "predict=true"]
 
 
 def run(schedule: str, pp: int, steps: int, out: Path, extra: list[str]) -> dict:
     run_dir = out / f"{schedule}_pp{pp}"
     cmd = [sys.executable, "train.py", *COMMON, f"scheduler={schedule}", f"pp={pp}", f"steps={steps}", *extra,
            f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    # a fresh profile per run: the machine's speed drifts, so profile and run are measured together
+    env = {**os.environ, "PIPELAUNCH_CACHE": str(run_dir / "profile-cache")}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, env=env)
     if proc.returncode != 0:
         return {"schedule": schedule, "pp": pp, "error": proc.stderr.strip().splitlines()[-1:]}
     m = json.loads((run_dir / "metrics.json").read_text())

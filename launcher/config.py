@@ -79,6 +79,9 @@ class TrainConfig:
     remat: str = "none"
     #: train | plan (dry run: plan, simulate, draw; no ranks)
     mode: str = "train"
+    #: profile and simulate the plan before training even when nothing else needs it, so that the
+    #: run reports the predicted step and per-device peak beside the measured ones
+    predict: bool = False
     #: print a line every this many steps on rank 0.
     log_every: int = 1
     #: seconds any collective or P2P wait may take before the job fails.

@@ -24,6 +24,7 @@ from pipeline.planner.search import (
     SearchResult,
     candidates,
     microbatch_counts,
+    remat_values,
     run_search,
     scheduler_variants,
 )
@@ -105,8 +106,7 @@ def search_space(cfg: dict, graph: nx.DiGraph, auto_scheduler: bool) -> tuple[li
         names.remove("milp")  # on a chain the contiguous optimum is balanced's: the same split, slower
     partitioners = {n: dict(all_partitioners[n]) for n in names}
     counts = microbatch_counts(cfg["pp"], cfg["dp"], cfg["batch_size"], cfg["microbatches"], space.get("microbatches"))
-    remats = [r for r in (space.get("remat") or ["none"]) if r != "auto" or _cap(cfg) is not None]
-    cands = candidates(schedulers, partitioners, counts, remats or ["none"])
+    cands = candidates(schedulers, partitioners, counts, remat_values(space.get("remat"), _cap(cfg) is not None))
     given = None
     if not str(cfg["scheduler"].get("_target_", "")).endswith("AutoSchedule"):
         given = next((c for c in cands if c.scheduler_cfg.get("_target_") == cfg["scheduler"].get("_target_")

@@ -93,6 +93,12 @@ def memory_cap(cfg: dict) -> float | None:
     return float(cap)
 
 
+def reserve_bytes(cfg: dict) -> float:
+    """What a device holds beyond the model's tensors once it trains (memory.reserve_bytes)."""
+    return _number((cfg.get("memory") or {}).get("reserve_bytes", 0.0), "memory.reserve_bytes", 0.0,
+                   what=" (bytes a rank holds beyond the model's tensors)")
+
+
 #: keys the launcher itself adds to the resolved config
 LAUNCHER_KEYS = {"resume_from", "scheduler_chosen", "plan_chosen", "plan_search"}
 
@@ -214,8 +220,9 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
     link = (cfg.get("link_latency_s", 5e-5), cfg.get("link_bandwidth", 1e9))
     cap = memory_cap(cfg)
     if profile is None:
-        profile = (auto or searching or cfg["mode"] == "plan" or needs_profile(cfg["partitioner"])
-                   or getattr(generator, "cost_aware", False) or cap is not None)
+        profile = bool(auto or searching or cfg["mode"] == "plan" or cfg.get("predict")
+                       or needs_profile(cfg["partitioner"]) or getattr(generator, "cost_aware", False)
+                       or cap is not None)
     mbs = cfg["batch_size"] // (cfg["dp"] * cfg["microbatches"])
     models = TracedModels(spec, cfg, profile)
     traced = models.get(mbs)
@@ -226,6 +233,7 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
                       f"{' ...' if len(uncovered) > 8 else ''}; they start from pipeline.init.fallback_fill "
                       "(give their module a reset_parameters() to choose)", stacklevel=2)
     states = optimizer_states(cfg["optimizer"])
+    reserve = reserve_bytes(cfg)
     timing = {"rank_slots": rank_slots(cfg), "optimizer_s_per_byte": optimizer_seconds_per_byte(
         cfg["optimizer"], cpu_threads(cfg.get("threads", 0), cfg["pp"] * cfg["dp"])) if profile else 0.0}
 
@@ -235,7 +243,7 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
             microbatches=c.microbatches if c else cfg["microbatches"], batch_size=cfg["batch_size"],
             placement_cfg=dict(cfg["placement"]), partitioner_cfg=dict(c.partitioner_cfg if c else cfg["partitioner"]),
             memory_cap=cap, remat=c.remat if c else cfg["remat"], bandwidth=link[1], profiled=profile,
-            optimizer_states=states,
+            optimizer_states=states, reserve_bytes=reserve,
         )
         plan.meta.update(timing)
         return plan

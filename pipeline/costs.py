@@ -10,7 +10,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 
-from pipeline.plan import Plan
+from pipeline.plan import Plan, StagePlan
 from pipeline.simulate import CostModel
 
 #: share of a measured backward that is weight-gradient work when only B was timed.
@@ -61,6 +61,13 @@ def cost_model_from_events(
     return CostModel(fwd, bwd_i, bwd_w, rec, act, inp, out, latency_s, bandwidth, backward_s=bwd)
 
 
+def held_output_bytes(stage: StagePlan) -> float:
+    """Bytes of the values a stage keeps per micro-batch until its backward: each output once
+    (however many stages read it), and on the last stage the model output."""
+    names = set(stage.outputs) | ({stage.loss_value} if stage.loss_value else set())
+    return float(sum(stage.value_bytes(n) for n in names if n in stage.values))
+
+
 def cost_model_from_plan(plan: Plan, latency_s: float, bandwidth: float) -> CostModel:
     """A profiled plan carries the per-stage forward/backward sums of its nodes."""
     fwd = list(plan.meta["stage_forward_s"])
@@ -74,7 +81,10 @@ def cost_model_from_plan(plan: Plan, latency_s: float, bandwidth: float) -> Cost
         bwd_w[s] += extra
         if s > 0:
             bwd_i[s] += extra
-    act = [float(a) for a in plan.meta["partition"]["stage_activation_bytes"]]
+    # a stage holds its saved tensors and, until its backward, the outputs it produced (the last
+    # stage: the model output the loss was taken on, e.g. an LM's logits)
+    act = [float(a) + held_output_bytes(s) for a, s in zip(plan.meta["partition"]["stage_activation_bytes"],
+                                                            plan.stages, strict=True)]
     return CostModel(
         fwd, bwd_i, bwd_w, None, act,
         [float(s.recv_bytes) for s in plan.stages], [float(s.send_bytes) for s in plan.stages], latency_s, bandwidth,

@@ -141,3 +141,6 @@ def test_plan_auto_winner_trains_like_one_process(tmp_path) -> None:
     ref = reference_run(cfg)
     assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
     assert_state_close(merge_state(ranks, "params_final"), ref["params_final"], "plan=auto winner")
+    for r in ranks:  # each rank reports its measured peak beside the plan's prediction for its device
+        info = r["rank_info"]
+        assert info["predicted_peak_bytes"] > 0 and info["peak_above_start_bytes"] > 0

@@ -143,15 +143,29 @@ def build_plan(
     bandwidth: float = 1e9,
     profiled: bool = True,
     optimizer_states: int = 0,
+    reserve_bytes: float = 0.0,
 ) -> Plan:
     """Place, count, partition, price, schedule and lower: a pure function of the config and the
     traced (and, when `profiled`, measured) graph. `optimizer_states`: optimizer tensors per
-    parameter, for the memory a device holds (`pipeline.planner.memory`)."""
+    parameter, for the memory a device holds (`pipeline.planner.memory`); `reserve_bytes`: what a
+    device holds beyond the model's tensors, which the partitioners leave out of the cap."""
     placement = resolve_placement(placement_cfg, generator, pp)
     generator.check(pp, microbatches, list(placement))  # schedule rules first: clearer than a split error
     k = len(placement)
-    request = partition_request(generator, placement, microbatches, remat, memory_cap, bandwidth)
-    part = partition_graph(partitioner_cfg, traced.graph, placement, request, 2 + optimizer_states)
+    if memory_cap is not None and memory_cap <= reserve_bytes:
+        raise ConfigError("memory.cap_bytes", f"{memory_cap:.0f} bytes per device leaves nothing for the model once "
+                                              f"memory.reserve_bytes={reserve_bytes:.0f} (what a rank holds beyond "
+                                              "its tensors) is set aside; raise the cap or lower the reserve")
+    stage_cap = None if memory_cap is None else memory_cap - reserve_bytes
+    request = partition_request(generator, placement, microbatches, remat, stage_cap, bandwidth)
+    try:
+        part = partition_graph(partitioner_cfg, traced.graph, placement, request, 2 + optimizer_states)
+    except ConfigError as err:
+        if err.key != "memory.cap_bytes" or not reserve_bytes:
+            raise
+        raise ConfigError(err.key, f"{str(err).split(': ', 1)[1]} (A stage's bytes above leave out the "
+                                   f"memory.reserve_bytes={reserve_bytes:.0f} every device also holds: add them "
+                                   "to any cap stated here.)") from None
     forward, backward = [0.0] * k, [0.0] * k
     for node, s in part.assignment.items():
         forward[s] += traced.graph.nodes[node].get("forward_s", 0.0)
@@ -186,7 +200,8 @@ def build_plan(
     schedule = lower(schedule, edges)
     # evaluation runs the same stages on the same ranks, forward only
     eval_schedule = lower(build_schedule(Inference(), placement, microbatches), edges)
-    meta: dict = {"remat": remat, "optimizer_states": optimizer_states, "memory_cap": memory_cap, "remat_stages": schedule.remat_stages(), "partitioner": plugin_name(partitioner_cfg),
+    meta: dict = {"remat": remat, "optimizer_states": optimizer_states, "memory_cap": memory_cap,
+                  "reserve_bytes": reserve_bytes, "remat_stages": schedule.remat_stages(), "partitioner": plugin_name(partitioner_cfg),
                   "partition": partition_summary(part), "profiled": profiled,
                   "model_param_bytes": sum(traced.graph.graph.get("param_sizes", {}).values()),
                   "stage_tensors": [sorted({traced.param_aliases.get(n, n) for n, _ in [
@@ -194,6 +209,9 @@ def build_plan(
                       for gm in split.stages]}
     if profiled:
         meta["stage_forward_s"], meta["stage_backward_s"] = forward, backward
+        # a backward's transient gradients: its stage's largest node's activations (planner/memory.py)
+        meta["stage_workspace_bytes"] = [max((float(traced.graph.nodes[n].get("activation_bytes", 0)) for n in s.blocks),
+                                             default=0.0) for s in stages]
     return Plan(pp, dp, microbatches, batch_size // (dp * microbatches), model_name, stages, schedule,
                 assignment=dict(part.assignment),
                 shared_params={n: list(v) for n, v in split.shared_params.items()}, meta=meta,

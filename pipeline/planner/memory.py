@@ -6,7 +6,12 @@ momentum one, plain SGD none), and the activations its stages keep for their bac
 busiest moment of the step, which the simulator finds by playing the schedule (a V or
 interleaved rank holds two stages' micro-batches at once). A stage that recomputes chosen
 modules (per-layer remat) also needs, during a backward, the activations of the one region it is
-recomputing: the largest such region is added.
+recomputing: the largest such region is added. So is the backward's workspace: while a node's
+backward runs, the gradients of its saved tensors exist beside them (the largest node of the
+device's stages is priced, e.g. an LM head's logits and their gradient), and a reserve for what
+the process holds beyond the model's tensors once it trains (kernel scratch buffers, the autograd
+thread's allocator arena, communication buffers: `memory.reserve_bytes`, measured about 50 MiB a
+rank on this project's CPU runs).
 """
 
 from __future__ import annotations
@@ -50,10 +55,13 @@ class DeviceMemory:
     optimizer: float
     activations: float
     recompute: float = 0.0
+    workspace: float = 0.0
+    reserve: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.recompute
+        return self.params + self.grads + self.optimizer + self.activations + self.recompute + self.workspace \
+            + self.reserve
 
     def to_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -61,7 +69,8 @@ class DeviceMemory:
     def breakdown(self) -> str:
         """`params 10.0 + grads 10.0 + optimizer 20.0 + activations 3.1 MiB` (recompute when any)."""
         parts = [("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer),
-                 ("activations", self.activations)] + ([("recompute", self.recompute)] if self.recompute else [])
+                 ("activations", self.activations)] + ([("recompute", self.recompute)] if self.recompute else []) \
+            + [("workspace", self.workspace), ("reserve", self.reserve)]
         return " + ".join(f"{label} {value / MIB:.1f}" for label, value in parts) + " MiB"
 
 
@@ -71,17 +80,25 @@ def device_memory(
     activation_peak: Sequence[float],
     states_per_param: int,
     recompute_bytes: Sequence[float] | None = None,
+    workspace_bytes: Sequence[float] | None = None,
+    reserve_bytes: float = 0.0,
 ) -> list[DeviceMemory]:
     """Per rank: the parameters of its stages (a parameter two of its stages share counts twice:
     a slight over-estimate), as much again in gradients, `states_per_param` times as much in
-    optimizer state, the simulated activation peak, and the largest region it recomputes."""
+    optimizer state, the simulated activation peak, the largest region it recomputes, the largest
+    backward workspace of its stages (per stage: its largest node's activations) and the reserve."""
     pp = max(placement) + 1
     params = [0.0] * pp
     for stage, rank in enumerate(placement):
         params[rank] += float(stage_param_bytes[stage])
     regions = list(recompute_bytes) if recompute_bytes is not None else [0.0] * len(placement)
+    spaces = list(workspace_bytes) if workspace_bytes is not None else [0.0] * len(placement)
+
+    def largest(values: list[float], rank: int) -> float:
+        return max((float(values[s]) for s, rr in enumerate(placement) if rr == rank), default=0.0)
+
     return [DeviceMemory(r, params[r], params[r], states_per_param * params[r], float(activation_peak[r]),
-                         max((regions[s] for s, rr in enumerate(placement) if rr == r), default=0.0))
+                         largest(regions, r), largest(spaces, r), float(reserve_bytes))
             for r in range(pp)]
 
 

@@ -59,7 +59,8 @@ def predict(plan: Plan, latency_s: float, bandwidth: float) -> Prediction:
     result = simulate(plan.schedule, cost)
     part = plan.meta["partition"]
     devices = device_memory(part["stage_param_bytes"], plan.schedule.placement, result.peak_activation_bytes,
-                            int(plan.meta.get("optimizer_states", 0)), plan.meta.get("stage_recompute_region_bytes"))
+                            int(plan.meta.get("optimizer_states", 0)), plan.meta.get("stage_recompute_region_bytes"),
+                            plan.meta.get("stage_workspace_bytes"), float(plan.meta.get("reserve_bytes") or 0.0))
     plan.meta["device_memory"] = [d.to_dict() for d in devices]
     schedule_s = result.makespan_s
     slots = plan.meta.get("rank_slots")

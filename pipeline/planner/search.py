@@ -193,11 +193,24 @@ def microbatch_counts(pp: int, dp: int, batch_size: int, given: int, wanted: Seq
     among those that split each replica's batch evenly."""
     per_replica = batch_size // dp
     pool = list(wanted) if wanted else [pp, 2 * pp, 4 * pp, 8 * pp, given]
-    counts = sorted({int(m) for m in pool if int(m) >= 1 and per_replica % int(m) == 0})
+    if not all(isinstance(m, int) and not isinstance(m, bool) for m in pool):
+        raise ConfigError("plan.microbatches", f"got {wanted!r}; valid: a list of positive integers, or null")
+    counts = sorted({m for m in pool if m >= 1 and per_replica % m == 0})
     if not counts:
         raise ConfigError("plan.microbatches", f"none of {sorted(set(pool))} divides the {per_replica} sequences "
                                                f"of a replica (batch_size={batch_size} / dp={dp}); list counts that do")
     return counts
+
+
+def remat_values(wanted: Sequence[str] | None, capped: bool) -> list[str]:
+    """The remat values to try: `wanted` (default none and auto), auto only under a budget."""
+    from pipeline.schedules import REMAT_CHOICES
+
+    values = list(wanted) if wanted else ["none", "auto"]
+    bad = [v for v in values if v not in REMAT_CHOICES]
+    if bad:
+        raise ConfigError("plan.remat", f"got {bad}; valid: a list of {', '.join(REMAT_CHOICES)}")
+    return [v for v in values if v != "auto" or capped] or ["none"]
 
 
 def scheduler_variants(options: Mapping[str, Mapping], wanted: Sequence[str] | None,

@@ -81,7 +81,8 @@ def device_memory_table(plan: Plan, ranks: Sequence[dict] | None = None) -> str:
     measured peak beside it (on CPU: above what the process held before building its stages)."""
     mib = 2**20
     cap = plan.meta.get("memory_cap")
-    head = (f"{'rank':>5} {'params':>8} {'grads':>8} {'optim':>8} {'act':>8} {'recomp':>7} {'predicted':>10}"
+    head = (f"{'rank':>5} {'params':>8} {'grads':>8} {'optim':>8} {'act':>8} {'recomp':>7} {'wkspace':>7} "
+            f"{'reserve':>7} {'predicted':>10}"
             + (f" {'measured':>9} {'ratio':>6}" if ranks else ""))
     lines = [f"memory per device, MiB (predicted peak{f'; cap {cap / mib:.1f}' if cap else ''}):", head]
     measured = {}
@@ -89,7 +90,8 @@ def device_memory_table(plan: Plan, ranks: Sequence[dict] | None = None) -> str:
         measured.setdefault(r["pp_rank"], []).append(r.get("peak_above_start_bytes", r.get("peak_memory_bytes", 0)))
     for d in plan.meta["device_memory"]:
         row = (f"{d['rank']:>5} {d['params'] / mib:>8.1f} {d['grads'] / mib:>8.1f} {d['optimizer'] / mib:>8.1f} "
-               f"{d['activations'] / mib:>8.1f} {d['recompute'] / mib:>7.1f} {d['total'] / mib:>10.1f}")
+               f"{d['activations'] / mib:>8.1f} {d['recompute'] / mib:>7.1f} {d['workspace'] / mib:>7.1f} "
+               f"{d['reserve'] / mib:>7.1f} {d['total'] / mib:>10.1f}")
         if d["rank"] in measured:
             got = max(measured[d["rank"]])
             row += f" {got / mib:>9.1f} {got / d['total'] if d['total'] else 0.0:>6.2f}"

@@ -3,7 +3,8 @@
 On CPU a process's peak RSS also holds the interpreter, torch's libraries and communication
 buffers (hundreds of MB before any tensor of the model exists), so what the planner predicts
 (parameters, gradients, optimizer state, activations) is compared with the peak *above* what
-the rank held when it started building its stages (`current_memory_bytes` taken then).
+the rank held apart from its stages' tensors (`current_memory_bytes` once the stages exist, less
+their parameters and buffers: building them imports and traces, which the plan cannot shrink).
 """
 
 from __future__ import annotations

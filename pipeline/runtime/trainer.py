@@ -212,9 +212,12 @@ class RankTrainer:
 def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, capture_state: bool = False) -> dict:
     """Run steps up to `cfg["steps"]` (from a checkpoint when resuming); rank 0 reports progress and
     writes metrics.json into run_dir."""
-    at_start = current_memory_bytes(ctx.device)  # before this rank's stages exist
     trainer = RankTrainer(cfg, plan, ctx)
     slots, schedule = trainer.slots, plan.schedule
+    # what the rank held before its model's tensors: measured once the stages exist (building them
+    # imports and traces, which costs the process tens of MB that no plan can shrink), minus them
+    held = sum(t.numel() * t.element_size() for m in trainer.modules for t in [*m.parameters(), *m.buffers()])
+    at_start = current_memory_bytes(ctx.device) - held
     # tokens for language models; samples for image models
     tokens_per_step = cfg["batch_size"] * (trainer.spec.input_shape[0] if trainer.spec.input_dtype == torch.long else 1)
     ckpt_cfg = cfg.get("checkpoint") or {}
