@@ -58,6 +58,10 @@ class Config:
             return f"single process, {self.arg} thread{'s' if self.arg != '1' else ''}"
         if self.kind == "ours-op":
             return f"ours {self.arg}, operator-level split (pp=2)"
+        if self.kind == "ours-auto":
+            return "ours plan=auto (pp=2)"
+        if self.kind == "ours-balanced":
+            return f"ours {self.arg}, partitioner=balanced (pp=2)"
         return f"{self.kind} {self.arg} (pp=2)"
 
 
@@ -97,13 +101,18 @@ class Measured:
 
 #: our best configuration has no torch peer: stages cut between operators, not blocks
 OP_LEVEL = ("model.granularity=op", "partitioner=balanced")
+#: what each kind of our rows adds to the command line
+EXTRA = {"ours": (), "ours-op": OP_LEVEL, "ours-auto": ("plan=auto",), "ours-balanced": ("partitioner=balanced",)}
 
 
 def measure(config: Config, cfg: BenchConfig, plans: dict, tmp: Path, round_no: int) -> Measured:
     """tokens/s, final loss and (ours) the simulator's prediction of one run of one configuration."""
-    if config.kind in ("ours", "ours-op"):
-        extra = OP_LEVEL if config.kind == "ours-op" else ()
-        metrics = run_ours(config.arg, cfg, tmp / f"{config.kind}_{config.arg}_r{round_no}", extra)
+    if config.kind.startswith("ours"):
+        metrics = run_ours(config.arg, cfg, tmp / f"{config.kind}_{config.arg}_r{round_no}", EXTRA[config.kind])
+        if config.kind == "ours-auto":
+            search = metrics["config"]["plan_search"]
+            print(f"  plan=auto chose {search['winner']['label']} after {search['candidates']} candidates in "
+                  f"{search['seconds']:.1f} s", flush=True)
         written = metrics["plan_json"]
         if config.kind == "ours":
             placement, blocks = plans[config.arg]
@@ -132,7 +141,7 @@ def table(configs: list[Config], tps: dict[Config, list[float]], losses: dict[Co
     med = {c: statistics.median(v) if v else None for c, v in tps.items()}
     sim = {c: statistics.median(v) for c, v in simulated.items() if v}
     single2 = med.get(Config("single", "2"))
-    ours = [c for c in configs if c.kind in ("ours", "ours-op") and med[c]]
+    ours = [c for c in configs if c.kind.startswith("ours") and med[c]]
     best = max(ours, key=lambda c: med[c]) if ours else None
     lines = [
         "| configuration | tokens/s (median) | runs (tokens/s) | final loss | ours / torch | vs single 2 threads "
@@ -153,6 +162,19 @@ def table(configs: list[Config], tps: dict[Config, list[float]], losses: dict[Co
         lines.append("")
         lines.append(f"best ours: {best.label}, {med[best]:.0f} tokens/s = {ratio(med[best], single2)} x single "
                      f"process with 2 threads")
+    auto = med.get(Config("ours-auto", next((c.arg for c in configs if c.kind == "ours-auto"), "")))
+    torch_rows = [c for c in configs if c.kind == "torch" and med[c]]
+    hand = [c for c in configs if c.kind in ("ours", "ours-balanced") and med[c]]
+    single1 = med.get(Config("single", "1"))
+    if auto:
+        if torch_rows:
+            top = max(torch_rows, key=lambda c: med[c])
+            lines.append(f"plan=auto / torch's best ({top.label}): {ratio(auto, med[top])}")
+        if hand:
+            top = max(hand, key=lambda c: med[c])
+            lines.append(f"plan=auto / best configuration chosen by hand ({top.label}): {ratio(auto, med[top])}")
+        if single1:
+            lines.append(f"plan=auto efficiency: {auto / (2 * single1):.2f} of twice the one-thread single process")
     return "\n".join(lines)
 
 
@@ -169,6 +191,10 @@ def main() -> None:
     parser.add_argument("--op-level", nargs="*", default=["zbv"],
                         help="our schedules also run with an operator-level balanced split (model.granularity=op); "
                              "torch has no peer for these")
+    parser.add_argument("--auto", action="store_true", help="also run ours with plan=auto (the joint search)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also run each of --schedules with partitioner=balanced: with the default partitioner "
+                             "that is the matrix of conf/sweep/schedules.yaml")
     parser.add_argument("--host-setup", choices=("ours", "all", "none"), default="ours",
                         help="which runs get our launcher's process setup (malloc retention, huge pages, one core "
                              "per rank): ours (the default, as train.py runs), all (torch and the single process "
@@ -185,6 +211,8 @@ def main() -> None:
     configs = [Config("ours", s) for s in args.schedules]
     configs += [Config("torch", s) for s in args.schedules if s in TORCH_SCHEDULES]
     configs += [Config("ours-op", s) for s in args.op_level]
+    configs += [Config("ours-balanced", s) for s in args.schedules] if args.sweep else []
+    configs += [Config("ours-auto", args.schedules[0])] if args.auto else []
     if not args.no_single:
         configs += [Config("single", "1"), Config("single", "2")]
     # Pair each of our schedules with its torch peer so a noisy minute hits both alike.

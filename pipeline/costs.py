@@ -15,6 +15,10 @@ from pipeline.simulate import CostModel
 
 #: share of a measured backward that is weight-gradient work when only B was timed.
 DEFAULT_WEIGHT_SHARE = 0.5
+#: share of a stage's activations still held between I and W: I frees the input-path tensors but
+#: W's stash keeps the layer inputs and the gradients captured where it restarts, about as much
+#: again (bench/predictions.py: zb_h1/zb_h2 ranks measured 1.6-1.8x a prediction that freed half)
+HELD_AFTER_INPUT_GRAD = 1.0
 
 
 def split_backward_cost(backward_s: Sequence[float], weight_share: float = DEFAULT_WEIGHT_SHARE) -> tuple[list[float], list[float]]:
@@ -88,5 +92,5 @@ def cost_model_from_plan(plan: Plan, latency_s: float, bandwidth: float) -> Cost
     return CostModel(
         fwd, bwd_i, bwd_w, None, act,
         [float(s.recv_bytes) for s in plan.stages], [float(s.send_bytes) for s in plan.stages], latency_s, bandwidth,
-        backward_s=bwd,
+        backward_s=bwd, held_after_input_grad=HELD_AFTER_INPUT_GRAD,
     )

@@ -18,8 +18,9 @@ Memory accounting per rank (activation memory only, weights excluded):
 
 * F(s, mb) holds `activation_bytes[s]` from its start, or only `input_bytes[s]` when (s, mb) is
   rematerialised (it has an R action); R(s, mb) then adds `activation_bytes[s]` again.
-* B frees everything held by (s, mb). I frees half of `activation_bytes[s]`: the other half stands
-  for what the weight gradient still needs (layer inputs), freed by W together with any inputs.
+* B frees everything held by (s, mb). I frees `activation_bytes[s]` except the share
+  `held_after_input_grad` that stands for what the weight gradient still needs (layer inputs, and
+  the gradients captured where W restarts), freed by W together with any inputs.
 * `peak_activation_microbatches` counts (stage, micro-batch) pairs holding activations (F done
   without remat, or R done) that are not yet fully freed; pairs holding only their remat inputs
   do not count.
@@ -55,6 +56,8 @@ class CostModel:
     latency_s: float = 0.0
     bandwidth_bytes_per_s: float = math.inf
     backward_s: list[float] | None = None
+    #: share of a stage's activations still held between its I and its W
+    held_after_input_grad: float = 0.5
 
     def __post_init__(self) -> None:
         n = len(self.forward_s)
@@ -259,6 +262,7 @@ def simulate(schedule: Schedule, cost: CostModel, check: bool = True) -> SimResu
     fwd, bi, bw, rc = cost.forward_s, cost.backward_input_s, cost.backward_weight_s, cost.recompute_s
     fb = cost.backward_s
     act_b, in_b, out_b = cost.activation_bytes, cost.input_bytes, cost.output_bytes
+    kept = cost.held_after_input_grad
     assert rc is not None and fb is not None and act_b is not None and in_b is not None and out_b is not None
     # delay from stage s finishing to its neighbour s+1 (forward) / s (backward) being able to use it
     hop = [cost.transfer_s(out_b[s]) if s + 1 < num_stages and placement[s] != placement[s + 1] else 0.0
@@ -338,10 +342,10 @@ def simulate(schedule: Schedule, cost: CostModel, check: bool = True) -> SimResu
                 mem_events[rank].append((start + dur, 0, -(act_b[s] + (in_b[s] if is_remat else 0.0)), -1))
             elif code == 2:
                 dur, cls = bi[s], _G
-                mem_events[rank].append((start + dur, 0, -act_b[s] / 2, 0))
+                mem_events[rank].append((start + dur, 0, -act_b[s] * (1.0 - kept), 0))
             elif code == 3:
                 dur, cls = bw[s], _W
-                mem_events[rank].append((start + dur, 0, -(act_b[s] / 2 + (in_b[s] if is_remat else 0.0)), -1))
+                mem_events[rank].append((start + dur, 0, -(act_b[s] * kept + (in_b[s] if is_remat else 0.0)), -1))
             else:
                 dur, cls = rc[s], _R
                 mem_events[rank].append((start, 1, act_b[s], 1))
