@@ -125,9 +125,13 @@ def test_plan_auto_under_a_budget_lists_each_excluded_candidate_with_its_device_
     result = prepare(compose_cfg([*AUTO, "memory=budget", f"memory.cap_bytes={cap}", "plan.remat=[none]"])).search
     assert result.excluded and result.ranked
     assert all(o.prediction.peak_bytes <= cap for o in result.ranked)
+    assert any(o.over for o in result.excluded)
     for o in result.excluded:
-        assert o.over and all(d.total > cap for d in o.over)
-        assert o.prediction.peak_bytes > cap
+        if o.over:  # simulated: the devices over the cap, with their bytes
+            assert all(d.total > cap for d in o.over) and o.prediction.peak_bytes > cap
+        else:  # no split of it fits: the partitioner's smallest cap says by how much
+            assert "the smallest cap that fits is" in o.split_over
+    assert not any("memory.cap_bytes" in (o.error or "") for o in result.failed)
     assert result.winner.prediction.step_s >= free.winner.prediction.step_s
     table = result.table(top=len(result.outcomes))
     assert f"over the budget ({len(result.excluded)})" in table and "needs" in table and "over the" in table

@@ -54,10 +54,12 @@ class Outcome:
     over: list[DeviceMemory] = field(default_factory=list)
     #: why the candidate could not be planned at all (a schedule's rule, too few blocks, ...)
     error: str | None = None
+    #: no split of it fits the budget (a stage alone is over the cap, before any schedule is simulated)
+    split_over: str | None = None
 
     @property
     def fits(self) -> bool:
-        return self.prediction is not None and not self.over and self.error is None
+        return self.prediction is not None and not self.over and self.error is None and self.split_over is None
 
     def row(self) -> dict:
         """A JSON row for metrics.json / prediction.json."""
@@ -70,6 +72,8 @@ class Outcome:
                        device_peak_bytes=[d.total for d in self.prediction.devices])
         if self.over:
             row["over_budget"] = [d.to_dict() for d in self.over]
+        if self.split_over:
+            row["over_budget"] = self.split_over
         if self.error:
             row["error"] = self.error
         return row
@@ -91,7 +95,10 @@ class SearchResult:
 
     @property
     def excluded(self) -> list[Outcome]:
-        return sorted((o for o in self.outcomes if o.over), key=lambda o: o.prediction.step_s)
+        """Over the budget: simulated ones fastest first (with the devices over it), then those no
+        split of which fits."""
+        simulated = sorted((o for o in self.outcomes if o.over), key=lambda o: o.prediction.step_s)
+        return simulated + [o for o in self.outcomes if o.split_over]
 
     @property
     def failed(self) -> list[Outcome]:
@@ -108,9 +115,9 @@ class SearchResult:
         msg = f"plan=auto found no configuration that runs ({len(self.outcomes)} tried)"
         if self.excluded:
             best = self.excluded[0]
-            msg += (f"; {len(self.excluded)} were over memory.cap_bytes, the closest {best.candidate.label}: "
-                    f"{budget_message(best.over, self.cap or 0)}. Raise memory.cap_bytes or add remat=auto to "
-                    "plan.remat")
+            why = budget_message(best.over, self.cap or 0) if best.over else _first_sentence(best.split_over or "")
+            msg += (f"; {len(self.excluded)} were over memory.cap_bytes, e.g. {best.candidate.label}: {why}. "
+                    "Raise memory.cap_bytes or add remat=auto to plan.remat")
         if self.failed:
             msg += f"; {len(self.failed)} could not be planned, e.g. {self.failed[0].candidate.label}: " \
                    f"{self.failed[0].error}"
@@ -134,6 +141,7 @@ class SearchResult:
         if self.excluded:
             lines.append(f"over the budget ({len(self.excluded)}):")
             lines += [f"     {o.candidate.label} ({o.prediction.step_s * 1e3:.1f} ms): {budget_message(o.over, self.cap)}"
+                      if o.over else f"     {o.candidate.label}: {_first_sentence(o.split_over or '')}"
                       for o in self.excluded[:top]]
         if self.failed:
             lines.append(f"could not be planned ({len(self.failed)}):")
@@ -164,7 +172,7 @@ class SearchResult:
                              f"({given.candidate.label}, {given.prediction.step_s * 1e3:.1f} ms)")
             elif given.over:
                 parts.append(f"the configuration as given ({given.candidate.label}) is over the budget")
-        faster_over = [o for o in self.excluded if o.prediction.step_s < wp.step_s]
+        faster_over = [o for o in self.excluded if o.over and o.prediction.step_s < wp.step_s]
         if faster_over:
             o = faster_over[0]
             parts.append(f"{len(faster_over)} faster candidate(s) did not fit the budget, the fastest "
@@ -185,7 +193,7 @@ def _faster(slower_s: float, faster_s: float) -> str:
 
 def _first_sentence(text: str) -> str:
     text = text.removeprefix("Invalid config ")
-    return text if len(text) <= 160 else text[:157] + "..."
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def microbatch_counts(pp: int, dp: int, batch_size: int, given: int, wanted: Sequence[int] | None) -> list[int]:
@@ -263,7 +271,10 @@ def run_search(
         except BudgetExceeded as err:
             outcomes.append(Outcome(cand, err.prediction, over=err.devices))
         except ConfigError as err:
-            outcomes.append(Outcome(cand, error=str(err)))
+            if err.key == "memory.cap_bytes":  # a partitioner found no split within the cap
+                outcomes.append(Outcome(cand, split_over=str(err)))
+            else:
+                outcomes.append(Outcome(cand, error=str(err)))
     for o in outcomes:  # an overrun without a prediction cannot be ranked among the exclusions
         if o.over and o.prediction is None:
             o.error, o.over = budget_message(o.over, cap or 0), []
