@@ -113,11 +113,16 @@ class SearchResult:
 
     def _nothing_fits(self) -> str:
         msg = f"plan=auto found no configuration that runs ({len(self.outcomes)} tried)"
-        if self.excluded:
-            best = self.excluded[0]
-            why = budget_message(best.over, self.cap or 0) if best.over else _first_sentence(best.split_over or "")
-            msg += (f"; {len(self.excluded)} were over memory.cap_bytes, e.g. {best.candidate.label}: {why}. "
-                    "Raise memory.cap_bytes or add remat=auto to plan.remat")
+        simulated = [o for o in self.excluded if o.over]
+        if simulated:
+            best = min(simulated, key=lambda o: o.prediction.peak_bytes)  # the closest to fitting
+            tried_remat = any(o.candidate.remat == "auto" for o in self.outcomes)
+            msg += (f"; {len(self.excluded)} were over memory.cap_bytes, the closest {best.candidate.label}: "
+                    f"{budget_message(best.over, self.cap or 0)}. Raise memory.cap_bytes"
+                    + (", or use more stages (pp)" if tried_remat else " or add auto to plan.remat"))
+        elif self.excluded:
+            msg += f"; {len(self.excluded)} had no split within memory.cap_bytes, e.g. " \
+                   f"{self.excluded[0].candidate.label}: {_first_sentence(self.excluded[0].split_over or '')}"
         if self.failed:
             msg += f"; {len(self.failed)} could not be planned, e.g. {self.failed[0].candidate.label}: " \
                    f"{self.failed[0].error}"
