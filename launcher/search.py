@@ -137,4 +137,7 @@ def search(cfg: dict, models: TracedModels, build, cands: list[Candidate], given
         plan: Plan = build(gen, traced, c)
         return fit_budget(plan, predict(plan, *link), traced.graph, cap, *link)
 
-    return run_search(cands, evaluate, cap, given)
+    tie = (cfg.get("plan") or {}).get("tie") or 0.0
+    if isinstance(tie, bool) or not isinstance(tie, (int, float)) or not 0.0 <= tie < 1.0:
+        raise ConfigError("plan.tie", f"got {tie}; valid: a share of the fastest prediction in [0, 1), e.g. 0.03")
+    return run_search(cands, evaluate, cap, given, tie)

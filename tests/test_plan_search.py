@@ -87,6 +87,13 @@ def test_search_ranks_what_fits_and_keeps_what_the_budget_or_a_rule_ruled_out() 
     assert "faster than the configuration as given" in why
     assert "1 faster candidate(s) did not fit the budget, the fastest zbv" in why
 
+    # within a 3% tie the one holding less runs, and the reason says so
+    tied = run_search(cands[1:], lambda c: _Pred({"1f1b": 1.0, "zbv": 0.98}[c.scheduler],
+                                                 {"1f1b": [50.0], "zbv": [90.0]}[c.scheduler]), cap=None, tie=0.03)
+    assert tied.ranked[0].candidate.scheduler == "zbv" and tied.winner.candidate.scheduler == "1f1b"
+    assert "is within the 3% the predictions hold to" in tied.why()
+    assert "<- runs" in next(line for line in tied.table().splitlines() if " 1f1b " in line)
+
     def fails(c: Candidate):
         raise ConfigError("microbatches", "zbv needs at least 2p")
 
@@ -112,7 +119,10 @@ def test_plan_auto_searches_jointly_and_wins_over_the_config_as_given() -> None:
     assert {o.candidate.partitioner for o in result.outcomes} == {"uniform", "balanced"}  # milp: a chain
     win = result.winner
     assert prepared.plan is win.prediction.plan and prepared.plan.microbatches == win.candidate.microbatches
-    assert all(win.prediction.step_s <= o.prediction.step_s for o in result.ranked)
+    fastest = result.ranked[0].prediction
+    assert win.prediction.step_s <= fastest.step_s * (1 + result.tie)  # plan.tie: 0.03
+    tied = [o for o in result.ranked if o.prediction.step_s <= fastest.step_s * (1 + result.tie)]
+    assert win.prediction.peak_bytes == min(o.prediction.peak_bytes for o in tied)
     given = next(o for o in result.outcomes if o.candidate == result.given)
     assert given.candidate.label == "1f1b / uniform / 4 mbs / remat=none"
     assert win.prediction.step_s <= given.prediction.step_s

@@ -86,6 +86,9 @@ class SearchResult:
     cap: float | None
     #: the candidate the user's own config names, when it is among them
     given: Candidate | None = None
+    #: candidates predicted within this share of the fastest count as tied (the predictions hold to
+    #: about this much); among them the one holding the least on its fullest device runs
+    tie: float = 0.0
 
     @property
     def ranked(self) -> list[Outcome]:
@@ -109,7 +112,11 @@ class SearchResult:
         ranked = self.ranked
         if not ranked:
             raise ConfigError("plan", self._nothing_fits())
-        return ranked[0]
+        return min(self._tied(ranked), key=lambda o: (o.prediction.peak_bytes, o.prediction.step_s))
+
+    def _tied(self, ranked: list[Outcome]) -> list[Outcome]:
+        """The fits predicted within `tie` of the fastest."""
+        return [o for o in ranked if o.prediction.step_s <= ranked[0].prediction.step_s * (1 + self.tie)]
 
     def _nothing_fits(self) -> str:
         msg = f"plan=auto found no configuration that runs ({len(self.outcomes)} tried)"
@@ -136,7 +143,7 @@ class SearchResult:
                  f"{'bubble':>7}  peak MiB per device{cap}"]
         for i, o in enumerate(self.ranked[:top], 1):
             c, p = o.candidate, o.prediction
-            mark = "  <- runs" if i == 1 else ""
+            mark = "  <- runs" if o is self.winner else ""
             lines.append(f"{i:>3}  {c.scheduler:<{width}} {c.partitioner:<11} {c.microbatches:>4} {c.remat:<5} "
                          f"{p.step_s * 1e3:>9.1f} {p.result.mean_bubble:>7.1%}  "
                          f"{' / '.join(f'{d.total / MIB:.1f}' for d in p.devices)}{mark}")
@@ -160,12 +167,19 @@ class SearchResult:
         wp = win.prediction
         parts = [f"{win.candidate.label} is predicted at {wp.step_s * 1e3:.1f} ms per step "
                  f"(bubble {wp.result.mean_bubble:.1%}, fullest device {wp.peak_bytes / MIB:.1f} MiB)"]
-        other = next((o for o in self.ranked[1:] if o.candidate.scheduler != win.candidate.scheduler), None)
+        fastest = self.ranked[0]
+        if fastest is not win:
+            fp = fastest.prediction
+            parts.append(f"the fastest prediction, {fastest.candidate.label} ({fp.step_s * 1e3:.1f} ms), is within "
+                         f"the {self.tie:.0%} the predictions hold to, and holds {(fp.peak_bytes - wp.peak_bytes) / MIB:.1f} "
+                         f"MiB more on its fullest device ({fp.peak_bytes / MIB:.1f} MiB)")
+        rest = [o for o in self.ranked if o is not win]
+        other = next((o for o in rest if o.candidate.scheduler != win.candidate.scheduler), None)
         if other is not None:
             op = other.prediction
             parts.append(f"{_faster(op.step_s, wp.step_s)} the best other schedule, {other.candidate.label} "
                          f"({op.step_s * 1e3:.1f} ms, bubble {op.result.mean_bubble:.1%})")
-        same = next((o for o in self.ranked[1:] if o.candidate.scheduler == win.candidate.scheduler
+        same = next((o for o in rest if o.candidate.scheduler == win.candidate.scheduler
                      and o.candidate.partitioner != win.candidate.partitioner), None)
         if same is not None:
             parts.append(f"{_faster(same.prediction.step_s, wp.step_s)} the same schedule split by "
@@ -265,6 +279,7 @@ def run_search(
     evaluate: Callable[[Candidate], Prediction],
     cap: float | None,
     given: Candidate | None = None,
+    tie: float = 0.0,
 ) -> SearchResult:
     """Plan and simulate every candidate; a budget overrun or a config the candidate cannot run is
     recorded, not raised."""
@@ -283,4 +298,4 @@ def run_search(
     for o in outcomes:  # an overrun without a prediction cannot be ranked among the exclusions
         if o.over and o.prediction is None:
             o.error, o.over = budget_message(o.over, cap or 0), []
-    return SearchResult(outcomes, time.perf_counter() - start, cap, given)
+    return SearchResult(outcomes, time.perf_counter() - start, cap, given, tie)
