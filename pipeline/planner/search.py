@@ -205,9 +205,12 @@ class SearchResult:
                 "excluded": [o.row() for o in self.excluded], "errors": [o.row() for o in self.failed]}
 
 
-def _faster(slower_s: float, faster_s: float) -> str:
-    gain = slower_s / faster_s - 1 if faster_s > 0 else 0.0
-    return f"{gain:.1%} faster than" if gain > 0.0005 else "as fast as"
+def _faster(other_s: float, own_s: float) -> str:
+    """How a step of `own_s` compares with one of `other_s`."""
+    gain = other_s / own_s - 1 if own_s > 0 else 0.0
+    if gain > 0.0005:
+        return f"{gain:.1%} faster than"
+    return f"{own_s / other_s - 1:.1%} slower than" if gain < -0.0005 else "as fast as"
 
 
 def _first_sentence(text: str) -> str:
