@@ -66,6 +66,11 @@ class TracedModels:
         return self._traced[micro_batch_size]
 
 
+def micro_batch_size(cfg: dict, microbatches: int) -> int:
+    """Sequences per micro-batch when each replica's share of the batch is cut into `microbatches`."""
+    return cfg["batch_size"] // (cfg["dp"] * microbatches)
+
+
 def scheduler_options(cfg: dict) -> dict[str, dict]:
     """Training schedules of the scheduler config group (a user's own on the search path too)."""
     options = (cfg.get("plan") or {}).get("scheduler_options") or group_configs("scheduler")
@@ -133,7 +138,7 @@ def search(cfg: dict, models: TracedModels, build, cands: list[Candidate], given
 
     def evaluate(c: Candidate) -> Prediction:
         gen = instantiate_scheduler(c.scheduler, dict(c.scheduler_cfg))  # fresh: cost-aware ones keep costs
-        traced = models.get(cfg["batch_size"] // (cfg["dp"] * c.microbatches))
+        traced = models.get(micro_batch_size(cfg, c.microbatches))
         plan: Plan = build(gen, traced, c)
         return fit_budget(plan, predict(plan, *link), traced.graph, cap, *link)
 

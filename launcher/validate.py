@@ -15,7 +15,7 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 
-from launcher.search import TracedModels, instantiate_scheduler, search, search_space
+from launcher.search import TracedModels, instantiate_scheduler, micro_batch_size, search, search_space
 from models.spec import ModelSpec
 from pipeline.errors import ConfigError
 from pipeline.graph.trace import TracedModel
@@ -26,7 +26,7 @@ from pipeline.planner.fit import fit_budget
 from pipeline.planner.memory import optimizer_states
 from pipeline.planner.predict import Prediction, optimizer_seconds_per_byte, predict
 from pipeline.planner.search import Candidate, SearchResult
-from pipeline.runtime.context import cpu_threads
+from pipeline.runtime.context import available_cores, cpu_threads
 from pipeline.runtime.cpu_affinity import CPU_AFFINITY_CHOICES
 from pipeline.runtime.host_allocator import HOST_ALLOCATOR_CHOICES
 from pipeline.schedules import REMAT_CHOICES
@@ -223,7 +223,7 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
         profile = bool(auto or searching or cfg["mode"] == "plan" or cfg.get("predict")
                        or needs_profile(cfg["partitioner"]) or getattr(generator, "cost_aware", False)
                        or cap is not None)
-    mbs = cfg["batch_size"] // (cfg["dp"] * cfg["microbatches"])
+    mbs = micro_batch_size(cfg, cfg["microbatches"])
     models = TracedModels(spec, cfg, profile)
     traced = models.get(mbs)
     resume_from = resume_checkpoint(cfg, models.model)
@@ -256,7 +256,7 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
         for c in cands:
             try:
                 gen = instantiate_scheduler(c.scheduler, dict(c.scheduler_cfg))
-                plan = with_precision(build(gen, models.get(cfg["batch_size"] // (cfg["dp"] * c.microbatches)), c),
+                plan = with_precision(build(gen, models.get(micro_batch_size(cfg, c.microbatches)), c),
                                       traced, spec, mbs, cfg)
                 return Prepared(spec, gen, plan, resume_from=resume_from)
             except ConfigError as err:
@@ -267,7 +267,7 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
         result = search(cfg, models, build, cands, given, link)
         win = result.winner
         prediction = win.prediction
-        win_mbs = cfg["batch_size"] // (cfg["dp"] * win.candidate.microbatches)
+        win_mbs = micro_batch_size(cfg, win.candidate.microbatches)
         with_precision(prediction.plan, models.get(win_mbs), spec, win_mbs, cfg)
         generator = instantiate_scheduler(win.candidate.scheduler, dict(win.candidate.scheduler_cfg))
         return Prepared(spec, generator, prediction.plan, prediction, result, resume_from)
@@ -283,7 +283,7 @@ def rank_slots(cfg: dict) -> float | None:
         return None
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or cfg["pp"] * cfg["dp"])
     threads = cpu_threads(cfg.get("threads", 0), local)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = available_cores()
     return cores / threads if local * threads > cores else None
 
 

@@ -6,11 +6,14 @@
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from hydra.utils import instantiate
 
 from pipeline.costs import cost_model_from_plan
 from pipeline.plan import Plan
@@ -33,7 +36,7 @@ class Prediction:
     @property
     def step_s(self) -> float:
         """A training step: the schedule, then the slowest rank's optimizer step."""
-        return max(self.schedule_s, self.result.makespan_s) + max(self.optimizer_s, default=0.0)
+        return self.schedule_s + max(self.optimizer_s, default=0.0)
 
     @property
     def peak_bytes(self) -> float:
@@ -75,11 +78,6 @@ def optimizer_seconds_per_byte(optimizer_cfg: dict, threads: int, numel: int = 1
     """Time one step of the configured optimizer over a parameter of `numel` floats, per byte of
     parameter (median of a few steps, at the ranks' thread count): its cost grows with the bytes
     it updates, and a stage's parameter bytes are known before any rank exists."""
-    import statistics
-    import time
-
-    from hydra.utils import instantiate
-
     param = torch.nn.Parameter(torch.zeros(numel))
     param.grad = torch.full_like(param, 1e-3)
     with profiling_threads(threads):

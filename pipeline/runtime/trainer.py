@@ -216,7 +216,8 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
     slots, schedule = trainer.slots, plan.schedule
     # what the rank held before its model's tensors: measured once the stages exist (building them
     # imports and traces, which costs the process tens of MB that no plan can shrink), minus them
-    held = sum(t.numel() * t.element_size() for m in trainer.modules for t in [*m.parameters(), *m.buffers()])
+    held = sum(t.numel() * t.element_size()
+               for t in [*trainer.params, *{id(b): b for m in trainer.modules for b in m.buffers()}.values()])
     at_start = current_memory_bytes(ctx.device) - held
     # tokens for language models; samples for image models
     tokens_per_step = cfg["batch_size"] * (trainer.spec.input_shape[0] if trainer.spec.input_dtype == torch.long else 1)
@@ -294,17 +295,18 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
     warm = cfg.get("warmup_steps", 0)
     median_step = _median_after_warmup(step_times, warm) if step_times else 0.0
     median_busy = _median_after_warmup(busy, warm) if busy else 0.0
+    peak = peak_memory_bytes(ctx.device)
     rank_info = {
         "rank": ctx.rank,
         "pp_rank": ctx.pp_rank,
         "dp_rank": ctx.dp_rank,
         "stages": sorted(slots),
         "blocks": {s: plan.stages[s].blocks for s in sorted(slots)},
-        "peak_memory_bytes": peak_memory_bytes(ctx.device),
+        "peak_memory_bytes": peak,
         # what the planner predicts (parameters, gradients, optimizer state, activations) is this
         # part of the peak; on CPU the process held the interpreter and torch before it
         "memory_at_start_bytes": at_start,
-        "peak_above_start_bytes": peak_memory_bytes(ctx.device) - at_start,
+        "peak_above_start_bytes": peak - at_start,
         "predicted_peak_bytes": _predicted_peak(plan, ctx.pp_rank),
         "busy_s": median_busy,
         "bubble": max(0.0, 1.0 - median_busy / median_step) if median_step else 0.0,
