@@ -15,12 +15,6 @@ from pipeline.simulate import CostModel
 
 #: share of a measured backward that is weight-gradient work when only B was timed.
 DEFAULT_WEIGHT_SHARE = 0.5
-#: share of a stage's activations still held between I and W: I frees the input-path tensors but
-#: W's stash keeps the layer inputs and the gradients captured where it restarts, about as much
-#: again (bench/predictions.py: zb_h1/zb_h2 ranks measured 1.6-1.8x a prediction that freed half)
-HELD_AFTER_INPUT_GRAD = 1.0
-
-
 def split_backward_cost(backward_s: Sequence[float], weight_share: float = DEFAULT_WEIGHT_SHARE) -> tuple[list[float], list[float]]:
     """(I, W) per stage from measured backward times. Stage 0 reads only the data, so it has no
     input gradient: its I is free and its W is the whole backward."""
@@ -62,7 +56,11 @@ def cost_model_from_events(
     act = fallback.activation_bytes if fallback else None
     inp = [float(p.recv_bytes) for p in plan.stages]
     out = [float(p.send_bytes) for p in plan.stages]
-    return CostModel(fwd, bwd_i, bwd_w, rec, act, inp, out, latency_s, bandwidth, backward_s=bwd)
+    if fallback is None:
+        return CostModel(fwd, bwd_i, bwd_w, rec, act, inp, out, latency_s, bandwidth, backward_s=bwd)
+    return CostModel(fwd, bwd_i, bwd_w, rec, act, inp, out, latency_s, bandwidth, backward_s=bwd,
+                     held_after_input_grad=fallback.held_after_input_grad,
+                     weight_stash_bytes=fallback.weight_stash_bytes, input_grad_freed_bytes=fallback.input_grad_freed_bytes)
 
 
 def held_output_bytes(stage: StagePlan) -> float:
@@ -87,10 +85,16 @@ def cost_model_from_plan(plan: Plan, latency_s: float, bandwidth: float) -> Cost
             bwd_i[s] += extra
     # a stage holds its saved tensors and, until its backward, the outputs it produced (the last
     # stage: the model output the loss was taken on, e.g. an LM's logits)
-    act = [float(a) + held_output_bytes(s) for a, s in zip(plan.meta["partition"]["stage_activation_bytes"],
-                                                            plan.stages, strict=True)]
+    held = [held_output_bytes(s) for s in plan.stages]
+    act = [float(a) + h for a, h in zip(plan.meta["partition"]["stage_activation_bytes"], held, strict=True)]
+    # A split backward's I keeps the autograd graph for W (retain_graph) except what lies above
+    # the nodes W restarts from: the outputs and the loss's saved tensors go, and the gradients
+    # W restarts from come (runtime/backward.py; both profiled, see graph/profile.py).
+    loss = plan.meta.get("stage_loss_activation_bytes") or [0.0] * len(held)
+    stash = plan.meta.get("stage_weight_stash_bytes")
     return CostModel(
         fwd, bwd_i, bwd_w, None, act,
         [float(s.recv_bytes) for s in plan.stages], [float(s.send_bytes) for s in plan.stages], latency_s, bandwidth,
-        backward_s=bwd, held_after_input_grad=HELD_AFTER_INPUT_GRAD,
+        backward_s=bwd, weight_stash_bytes=[float(b) for b in stash] if stash is not None else None,
+        input_grad_freed_bytes=[h + float(x) for h, x in zip(held, loss, strict=True)],
     )

@@ -18,9 +18,10 @@ Memory accounting per rank (activation memory only, weights excluded):
 
 * F(s, mb) holds `activation_bytes[s]` from its start, or only `input_bytes[s]` when (s, mb) is
   rematerialised (it has an R action); R(s, mb) then adds `activation_bytes[s]` again.
-* B frees everything held by (s, mb). I frees `activation_bytes[s]` except the share
-  `held_after_input_grad` that stands for what the weight gradient still needs (layer inputs, and
-  the gradients captured where W restarts), freed by W together with any inputs.
+* B frees everything held by (s, mb). I frees `input_grad_freed_bytes[s]` of the stage's
+  activations (by default all but the share `held_after_input_grad` that stands for what the
+  weight gradient still needs) and adds `weight_stash_bytes[s]`, the gradients captured where W
+  restarts; W frees the rest and the stash, together with any inputs.
 * `peak_activation_microbatches` counts (stage, micro-batch) pairs holding activations (F done
   without remat, or R done) that are not yet fully freed; pairs holding only their remat inputs
   do not count.
@@ -58,6 +59,11 @@ class CostModel:
     backward_s: list[float] | None = None
     #: share of a stage's activations still held between its I and its W
     held_after_input_grad: float = 0.5
+    #: bytes a stage's I adds per micro-batch for its W (the gradients W restarts from)
+    weight_stash_bytes: list[float] | None = None
+    #: bytes of its activations a stage's I frees per micro-batch (default: all but
+    #: `held_after_input_grad` of them)
+    input_grad_freed_bytes: list[float] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.forward_s)
@@ -71,8 +77,12 @@ class CostModel:
             self.input_bytes = [0.0] * n
         if self.output_bytes is None:
             self.output_bytes = [0.0] * n
+        if self.weight_stash_bytes is None:
+            self.weight_stash_bytes = [0.0] * n
+        if self.input_grad_freed_bytes is None:
+            self.input_grad_freed_bytes = [a * (1.0 - self.held_after_input_grad) for a in self.activation_bytes]
         for label in ("backward_input_s", "backward_weight_s", "backward_s", "recompute_s", "activation_bytes",
-                      "input_bytes", "output_bytes"):
+                      "input_bytes", "output_bytes", "weight_stash_bytes", "input_grad_freed_bytes"):
             if len(getattr(self, label)) != n:
                 raise ValueError(f"CostModel.{label} has {len(getattr(self, label))} entries, expected {n}")
 
@@ -144,6 +154,9 @@ class CostModel:
             output_bytes=boundary(self.output_bytes or []),
             latency_s=self.latency_s,
             bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
+            held_after_input_grad=self.held_after_input_grad,
+            weight_stash_bytes=spread(self.weight_stash_bytes or []),
+            input_grad_freed_bytes=spread(self.input_grad_freed_bytes or []),
         )
 
     def transfer_s(self, nbytes: float) -> float:
@@ -262,8 +275,9 @@ def simulate(schedule: Schedule, cost: CostModel, check: bool = True) -> SimResu
     fwd, bi, bw, rc = cost.forward_s, cost.backward_input_s, cost.backward_weight_s, cost.recompute_s
     fb = cost.backward_s
     act_b, in_b, out_b = cost.activation_bytes, cost.input_bytes, cost.output_bytes
-    kept = cost.held_after_input_grad
+    stash_b, freed_b = cost.weight_stash_bytes, cost.input_grad_freed_bytes
     assert rc is not None and fb is not None and act_b is not None and in_b is not None and out_b is not None
+    assert stash_b is not None and freed_b is not None
     # delay from stage s finishing to its neighbour s+1 (forward) / s (backward) being able to use it
     hop = [cost.transfer_s(out_b[s]) if s + 1 < num_stages and placement[s] != placement[s + 1] else 0.0
            for s in range(num_stages)]
@@ -342,10 +356,11 @@ def simulate(schedule: Schedule, cost: CostModel, check: bool = True) -> SimResu
                 mem_events[rank].append((start + dur, 0, -(act_b[s] + (in_b[s] if is_remat else 0.0)), -1))
             elif code == 2:
                 dur, cls = bi[s], _G
-                mem_events[rank].append((start + dur, 0, -act_b[s] * (1.0 - kept), 0))
+                mem_events[rank].append((start + dur, 0, stash_b[s] - freed_b[s], 0))
             elif code == 3:
                 dur, cls = bw[s], _W
-                mem_events[rank].append((start + dur, 0, -(act_b[s] * kept + (in_b[s] if is_remat else 0.0)), -1))
+                left = act_b[s] - freed_b[s] + stash_b[s] + (in_b[s] if is_remat else 0.0)
+                mem_events[rank].append((start + dur, 0, -left, -1))
             else:
                 dur, cls = rc[s], _R
                 mem_events[rank].append((start, 1, act_b[s], 1))

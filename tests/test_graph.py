@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import json
+
 import networkx as nx
 import pytest
 import torch
 from torch import nn
 
-from models.gpt import gpt
+from models.gpt import DecoderBlock, LMHead, gpt
 from models.resnet import resnet
+from models.spec import causal_lm_loss
 from models.unet import unet
 from pipeline.errors import ConfigError
-from pipeline.graph.profile import profile_graph
+from pipeline.graph.profile import measure_op, profile_graph
 from pipeline.graph.trace import TraceError, trace_model
 from pipeline.partition import balanced, manual, milp_partition, uniform, validate_assignment
+from pipeline.runtime.backward import backward_input, backward_weight
 
 
 def tied_gpt(layers: int = 2) -> tuple[nn.Module, torch.Tensor]:
@@ -176,7 +180,6 @@ def test_chain_traced_on_meta_and_profiled_leaf_by_leaf_works_with_every_partiti
 def test_split_backward_passes_the_gradient_of_an_output_that_is_an_input() -> None:
     """A stage output that is one of its inputs (a `.to()` to its own dtype returns it): the
     I/W split gives it the gradient one backward gives (GPT-2 under zbv sent zeros before)."""
-    from pipeline.runtime.backward import backward_input, backward_weight
 
     lin = nn.Linear(4, 4)
     x = torch.randn(3, 4, requires_grad=True)
@@ -188,3 +191,82 @@ def test_split_backward_passes_the_gradient_of_an_output_that_is_an_input() -> N
     backward_weight(stash)
     torch.testing.assert_close(grads["x"], gy @ lin.weight + gx)
     torch.testing.assert_close(lin.weight.grad, gy.T @ x.detach())
+
+
+def test_profiled_weight_stash_is_what_the_split_backward_keeps(tmp_path, monkeypatch) -> None:
+    """Per node, the profile records the gradients the runtime's I keeps for W; summed over a
+    stage's nodes they are what a split backward of the whole stage keeps."""
+    monkeypatch.setenv("PIPELAUNCH_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 16)
+    x = torch.randn(4, 8)
+    assert measure_op(lin, (x,), {}, list(lin.parameters()), torch.device("cpu"), 1)["stash_bytes"] == 4 * 16 * 4
+    assert measure_op(nn.GELU(), (x,), {}, [], torch.device("cpu"), 1)["stash_bytes"] == 0
+    emb = nn.Embedding(10, 8)  # no differentiable input: W runs from the output's gradient
+    tokens = torch.randint(0, 10, (4, 3))
+    assert measure_op(emb, (tokens,), {}, list(emb.parameters()), torch.device("cpu"), 1)["stash_bytes"] == 4 * 3 * 8 * 4
+
+    stage = nn.Sequential(DecoderBlock(32, 4), DecoderBlock(32, 4), nn.LayerNorm(32), nn.Linear(32, 64))
+    h = torch.randn(2, 16, 32)
+    traced = trace_model(stage, h, ("0", "1"))
+    profile_graph(traced, h, repeats=1, model_config={"test": "stash"})
+    profiled = sum(d["stash_bytes"] for _, d in traced.graph.nodes(data=True))
+    leaf = h.clone().requires_grad_(True)
+    out = stage(leaf)
+    _, stash = backward_input([out], [torch.ones_like(out)], {"h": leaf}, list(stage.parameters()))
+    kept = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for _, grads, _ in stash.restarts for g in grads}
+    assert profiled == sum(kept.values()) > 0
+    backward_weight(stash)
+
+    stale = {"nodes": {n: {k: v for k, v in d.items() if k in ("forward_s", "backward_s", "activation_bytes",
+                                                                  "output_bytes", "param_bytes")}
+                       for n, d in traced.graph.nodes(data=True)}}
+    for path in tmp_path.glob("*.json"):  # a profile cached before stash_bytes existed is measured again
+        path.write_text(json.dumps(stale))
+    again = trace_model(stage, h, ("0", "1"))
+    profile_graph(again, h, repeats=1, model_config={"test": "stash"})
+    assert again.graph.graph["profile_cached"] is False
+    assert sum(d["stash_bytes"] for _, d in again.graph.nodes(data=True)) == profiled
+
+
+def _net_allocated(fn):
+    """Bytes `fn` leaves allocated (its result kept alive), from the profiler's memory records."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        kept = fn()
+    return sum(e.self_cpu_memory_usage for e in prof.events()), kept
+
+
+def test_profiled_bytes_are_what_a_last_stage_holds_after_its_forward_and_its_input_gradient(tmp_path, monkeypatch) -> None:
+    """The simulator's accounting of a split backward, checked against the allocator: after F the
+    stage holds its saved tensors and its output; after I it has let go of the output and the
+    loss's saved tensors (above the nodes W restarts from) and holds the gradients W restarts from."""
+    monkeypatch.setenv("PIPELAUNCH_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    stage = nn.Sequential(DecoderBlock(64, 4), DecoderBlock(64, 4), LMHead(64, 512))
+    h, target = torch.randn(4, 32, 64), torch.randint(0, 512, (4, 32))
+    traced = trace_model(stage, h, ("0", "1"))
+    profile_graph(traced, h, repeats=1, model_config={"test": "held"}, loss=(causal_lm_loss, target))
+    total = {k: sum(d[k] for _, d in traced.graph.nodes(data=True))
+             for k in ("activation_bytes", "stash_bytes", "loss_activation_bytes")}
+    logits, leaf = 4 * 32 * 512 * 4, h.numel() * 4
+    params = list(stage.parameters())
+
+    def forward():
+        x = h.clone().requires_grad_(True)
+        out = stage(x)
+        return x, out, causal_lm_loss(out, target)
+
+    def forward_and_input_grad():
+        x, out, loss = forward()
+        grads, stash = backward_input([loss], [None], {"x": x}, params)
+        return x, grads, stash
+
+    forward(), forward_and_input_grad()  # warm up: lazily created buffers are not the stage's
+    after_f, _ = _net_allocated(forward)
+    after_i, (_, _, stash) = _net_allocated(forward_and_input_grad)
+    backward_weight(stash)
+    assert after_f == pytest.approx(leaf + total["activation_bytes"] + logits, rel=0.05)
+    assert after_i == pytest.approx(leaf + total["activation_bytes"] - total["loss_activation_bytes"]
+                                    + total["stash_bytes"] + leaf, rel=0.05)  # + the input's gradient

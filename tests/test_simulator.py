@@ -138,3 +138,18 @@ def test_costs_from_events_keep_fused_and_split_backwards_apart() -> None:
     cost = cost_model_from_events(plan, events, 0.0, math.inf)
     assert cost.backward_s == pytest.approx([1.1, 3.0])
     assert (cost.backward_input_s, cost.backward_weight_s) == (pytest.approx([0.6, 1.5]), pytest.approx([0.7, 1.5]))
+
+
+def test_split_backward_holds_the_weight_stash_from_i_to_w() -> None:
+    """I frees what lies above W's restarts and adds the gradients W restarts from; W frees the rest."""
+    sched = Schedule("split", 1, 2, [0], [[F(0, 0), F(0, 1), I(0, 0), I(0, 1), W(0, 0), W(0, 1)]])
+    cost = CostModel.uniform(1, activation_bytes=8.0)
+    assert cost.input_grad_freed_bytes == [4.0]  # the textbook default: half
+    cost.input_grad_freed_bytes = [0.0]  # I keeps the whole graph
+    assert simulate(sched, cost).peak_activation_bytes == [16.0]
+    cost.weight_stash_bytes, cost.input_grad_freed_bytes = [3.0], [2.0]
+    assert simulate(sched, cost).peak_activation_bytes == [18.0]  # 8 + 8 - 2 + 3 - 2 + 3
+    fused = Schedule("fused", 1, 2, [0], [[F(0, 0), F(0, 1), B(0, 0), B(0, 1)]])
+    assert simulate(fused, cost).peak_activation_bytes == [16.0]  # a fused backward keeps no stash
+    two = cost.resplit(2)
+    assert two.weight_stash_bytes == [1.5, 1.5] and two.input_grad_freed_bytes == [1.0, 1.0]

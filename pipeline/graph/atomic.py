@@ -78,6 +78,8 @@ def contract_unsendable(graph: nx.DiGraph) -> Contraction | None:
             forward_s=sum(float(d.get("forward_s", 0.0)) for d in data),
             backward_s=sum(float(d.get("backward_s", 0.0)) for d in data),
             activation_bytes=sum(int(d.get("activation_bytes", 0)) for d in data),
+            stash_bytes=sum(int(d.get("stash_bytes", 0)) for d in data),
+            loss_activation_bytes=sum(int(d.get("loss_activation_bytes", 0)) for d in data),
             output_bytes=sum(int(graph.nodes[m].get("output_bytes", 0)) for m in leaving),
             params=params,
             param_bytes=sum(int(d.get("param_bytes", 0)) for d in data),

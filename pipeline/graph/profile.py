@@ -30,8 +30,10 @@ import torch
 from torch import fx, nn
 
 from pipeline.graph.trace import COMPUTE_OPS, TracedModel, retarget
+from pipeline.runtime.backward import backward_input, backward_weight
 
-PROFILE_FIELDS = ("forward_s", "backward_s", "activation_bytes", "output_bytes", "param_bytes")
+PROFILE_FIELDS = ("forward_s", "backward_s", "activation_bytes", "output_bytes", "stash_bytes", "loss_activation_bytes",
+                  "param_bytes")
 MIN_TIME_S = 1e-7  # a measured op never reports zero: it at least paid the Python call
 
 
@@ -186,6 +188,7 @@ def _measure(
             torch.autograd.backward(outs, grads, inputs=grad_inputs + grad_params)
             _sync(device)
             bwd.append(time.perf_counter() - t0)
+    stash = _weight_stash_bytes(fn, leaf_args, leaf_kwargs, grad_inputs, grad_params, grads) if differentiable else 0
     for t in grad_inputs + grad_params:
         t.grad = None
     return {
@@ -193,7 +196,31 @@ def _measure(
         "backward_s": max(statistics.median(bwd), MIN_TIME_S) if bwd else 0.0,
         "activation_bytes": int(sum(saved.values())),
         "output_bytes": int(output_bytes),
+        "stash_bytes": int(stash),
     }
+
+
+def _weight_stash_bytes(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    grad_inputs: Sequence[torch.Tensor],
+    grad_params: Sequence[torch.Tensor],
+    out_grads: Sequence[torch.Tensor],
+) -> int:
+    """Bytes the runtime's split backward keeps for W after this op's I: the gradients captured
+    where W restarts (runtime/backward.py), e.g. a linear layer's output gradient. They sit beside
+    the saved activations from I to W, so zero-bubble schedules that defer W hold them too."""
+    if not grad_params:
+        return 0
+    outs = [t for t in _tensors(fn(*args, **kwargs)) if t.requires_grad]
+    leaves = {str(i): x for i, x in enumerate(grad_inputs)}
+    _, stash = backward_input(outs, list(out_grads), leaves, list(grad_params))
+    held = [g for _, grads, _ in stash.restarts for g in grads] + [g for g in stash.root_grads if g is not None] \
+        + [g for _, g in stash.direct]
+    nbytes = sum({g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in held}.values())
+    backward_weight(stash)
+    return nbytes
 
 
 def _node_callable(gm: fx.GraphModule, node: fx.Node, module: nn.Module | None) -> tuple[Callable[..., Any], list[torch.Tensor]]:
@@ -284,7 +311,8 @@ def profile_graph(
     key = profile_key({"model": model_config, "loss": loss is not None}, args, device) if model_config is not None else None
     if key and use_cache:
         cached = load_cached(key)
-        if cached is not None and set(cached.get("nodes", {})) == set(traced.graph.nodes):
+        if cached is not None and set(cached.get("nodes", {})) == set(traced.graph.nodes) \
+                and all(set(PROFILE_FIELDS) <= set(v) for v in cached["nodes"].values()):
             _apply(traced.graph, cached["nodes"])
             traced.graph.graph["profile_cached"] = True
             return
@@ -302,8 +330,12 @@ def profile_graph(
             stats = measure_op(lambda x: loss_fn(x, target.to(device)), (value,), {}, [], device, repeats)
             for k in ("forward_s", "backward_s", "activation_bytes"):
                 results[producer][k] += stats[k]
+            # kept apart too: a split backward frees them at I (runtime/backward.py keeps only
+            # what lies below the nodes W restarts from)
+            results[producer]["loss_activation_bytes"] = stats["activation_bytes"]
     for name in traced.graph.nodes:
         results[name]["param_bytes"] = traced.graph.nodes[name]["param_bytes"]
+        results[name].setdefault("loss_activation_bytes", 0)
     _apply(traced.graph, results)
     traced.graph.graph["profile_cached"] = False
     if key and use_cache:

@@ -212,10 +212,23 @@ def build_plan(
         # a backward's transient gradients: its stage's largest node's activations (planner/memory.py)
         meta["stage_workspace_bytes"] = [max((float(traced.graph.nodes[n].get("activation_bytes", 0)) for n in s.blocks),
                                              default=0.0) for s in stages]
+        meta["stage_weight_stash_bytes"] = [weight_stash_bytes(traced, s) for s in stages]
+        meta["stage_loss_activation_bytes"] = [sum(float(traced.graph.nodes[n].get("loss_activation_bytes", 0))
+                                                   for n in s.blocks) for s in stages]
     return Plan(pp, dp, microbatches, batch_size // (dp * microbatches), model_name, stages, schedule,
                 assignment=dict(part.assignment),
                 shared_params={n: list(v) for n, v in split.shared_params.items()}, meta=meta,
                 eval_schedule=eval_schedule)
+
+
+def weight_stash_bytes(traced: TracedModel, stage: StagePlan) -> float:
+    """What a stage's split backward keeps per micro-batch from its I to its W beside the saved
+    activations: the gradients captured where W restarts, summed over its nodes as profiled. A
+    stage that receives no input (the first) has no input gradient to compute: its I does
+    nothing and W runs the whole backward from the gradients of its outputs, which it keeps."""
+    if any(producer is not None for producer in stage.inputs.values()):
+        return sum(float(traced.graph.nodes[n].get("stash_bytes", 0)) for n in stage.blocks)
+    return float(sum(stage.value_bytes(n) for n in stage.outputs if n in stage.values))
 
 
 def partition_summary(partition: Partition) -> dict:

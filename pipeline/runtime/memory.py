@@ -17,8 +17,17 @@ import torch
 
 
 def peak_memory_bytes(device: torch.device) -> int:
+    """The most the rank has held since `reset_peak`: CUDA's allocated peak, or the resident
+    set's high-water mark (VmHWM, which `reset_peak` resets on Linux; else the lifetime peak)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
 
@@ -36,5 +45,14 @@ def current_memory_bytes(device: torch.device) -> int:
 
 
 def reset_peak(device: torch.device) -> None:
+    """Start the peak afresh, so that it measures training and not the set-up before it (tracing
+    and building the stages can pass the training peak of a small stage). On Linux, writing 5 to
+    /proc/self/clear_refs resets the resident set's high-water mark."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # not Linux, or a kernel without it: the lifetime peak stands
+        pass
