@@ -153,3 +153,29 @@ def test_split_backward_holds_the_weight_stash_from_i_to_w() -> None:
     assert simulate(fused, cost).peak_activation_bytes == [16.0]  # a fused backward keeps no stash
     two = cost.resplit(2)
     assert two.weight_stash_bytes == [1.5, 1.5] and two.input_grad_freed_bytes == [1.0, 1.0]
+
+
+def test_ranks_sharing_cores_take_turns() -> None:
+    """Processor sharing: busy ranks split the cores; a waiting rank leaves its share to the others."""
+    from pipeline.schedules.inference import Inference
+    from pipeline.shared_cores import shared_makespan
+
+    forward = build_schedule(Inference(), linear(2), 2)
+    cost = CostModel.uniform(2, f=1.0)
+    assert simulate(forward, cost).makespan_s == pytest.approx(3.0)
+    # 0F0 alone (1 s), then 0F1 and 1F0 at half speed each (2 s), then 1F1 alone (1 s)
+    assert shared_makespan(forward, cost, slots=1) == pytest.approx(4.0)
+    assert shared_makespan(forward, cost, slots=2, replicas=2) == pytest.approx(4.0)
+    assert shared_makespan(forward, cost, slots=2) == pytest.approx(3.0)
+    for gen, placement in ((OneFOneB(), linear(4)), (ZBV(), v_shape(4)), (GPipe(), linear(4))):
+        sched = build_schedule(gen, placement, 8)
+        cost = CostModel(forward_s=[1.0, 1.3, 0.8, 1.1] * (sched.num_stages // 4),
+                         backward_input_s=[1.0, 1.2, 0.9, 1.4] * (sched.num_stages // 4),
+                         backward_weight_s=[0.7, 0.9, 0.8, 1.0] * (sched.num_stages // 4), latency_s=0.05)
+        alone = simulate(sched, cost)
+        assert shared_makespan(sched, cost, slots=4) == pytest.approx(alone.makespan_s)  # a core each
+        for slots in (1, 2, 3):
+            shared = shared_makespan(sched, cost, slots=slots)
+            assert shared >= alone.makespan_s - 1e-9 and shared >= sum(alone.busy_s) / slots - 1e-9
+        cost.latency_s = 0.0  # one core and instant transfers: never idle, all the work one after another
+        assert shared_makespan(sched, cost, slots=1) == pytest.approx(sum(simulate(sched, cost).busy_s))

@@ -18,6 +18,7 @@ from hydra.utils import instantiate
 from pipeline.costs import cost_model_from_plan
 from pipeline.plan import Plan
 from pipeline.planner.memory import DeviceMemory, device_memory
+from pipeline.shared_cores import shared_makespan
 from pipeline.simulate import CostModel, SimResult, simulate
 
 
@@ -67,8 +68,8 @@ def predict(plan: Plan, latency_s: float, bandwidth: float) -> Prediction:
     plan.meta["device_memory"] = [d.to_dict() for d in devices]
     schedule_s = result.makespan_s
     slots = plan.meta.get("rank_slots")
-    if slots:  # more local ranks than cores: together they do at most `slots` ranks' work per second
-        schedule_s = max(schedule_s, plan.dp * sum(result.busy_s) / slots)
+    if slots:  # more local ranks than cores: busy ranks share them (pipeline/shared_cores.py)
+        schedule_s = shared_makespan(plan.schedule, cost, slots, plan.dp)
     per_byte = float(plan.meta.get("optimizer_s_per_byte") or 0.0)
     optimizer = [d.params * per_byte for d in devices]
     return Prediction(plan, cost, result, devices, schedule_s, optimizer)
