@@ -158,3 +158,20 @@ def test_plan_auto_winner_trains_like_one_process(tmp_path) -> None:
     for r in ranks:  # each rank reports its measured peak beside the plan's prediction for its device
         info = r["rank_info"]
         assert info["predicted_peak_bytes"] > 0 and info["peak_above_start_bytes"] > 0
+
+
+def test_ranks_sharing_too_few_cores_are_predicted_taking_turns(monkeypatch) -> None:
+    """Four one-thread ranks on two cores: the prediction plays the schedule with busy ranks
+    sharing the cores, which is never faster than each rank alone or all the work over the cores."""
+    import launcher.validate
+    from pipeline.shared_cores import shared_makespan
+
+    monkeypatch.setattr(launcher.validate, "available_cores", lambda: 2)
+    p = prepare(compose_cfg([*FAST, "pp=4", "threads=1", "predict=true", "scheduler=1f1b"])).prediction
+    assert p.plan.meta["rank_slots"] == 2
+    assert p.schedule_s == pytest.approx(shared_makespan(p.plan.schedule, p.cost, 2))
+    assert p.schedule_s >= max(p.result.makespan_s, sum(p.result.busy_s) / 2) - 1e-9
+    monkeypatch.setattr(launcher.validate, "available_cores", lambda: 4)  # a core each: the makespan
+    alone = prepare(compose_cfg([*FAST, "pp=4", "threads=1", "predict=true", "scheduler=1f1b"])).prediction
+    assert "rank_slots" not in alone.plan.meta or not alone.plan.meta["rank_slots"]
+    assert alone.schedule_s == pytest.approx(alone.result.makespan_s)
