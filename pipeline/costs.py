@@ -15,6 +15,8 @@ from pipeline.simulate import CostModel
 
 #: share of a measured backward that is weight-gradient work when only B was timed.
 DEFAULT_WEIGHT_SHARE = 0.5
+
+
 def split_backward_cost(backward_s: Sequence[float], weight_share: float = DEFAULT_WEIGHT_SHARE) -> tuple[list[float], list[float]]:
     """(I, W) per stage from measured backward times. Stage 0 reads only the data, so it has no
     input gradient: its I is free and its W is the whole backward."""
