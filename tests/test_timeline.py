@@ -41,3 +41,28 @@ def test_chrome_trace(tmp_path) -> None:
     first = min(slices, key=lambda e: (e["tid"], e["ts"]))
     assert first["name"] == "0F0" and first["pid"] == 0 and first["tid"] == 0
     assert first["dur"] == 1000.0  # 1 ms in microseconds
+
+
+def test_a_runs_own_costs_are_medians_over_the_steps_after_warm_up() -> None:
+    """One slow step does not set the run's own per-stage costs or its measured schedule."""
+    import pytest
+
+    from launcher.validate import prepare
+    from pipeline.report.artifacts import add_predictions
+    from tests.harness import FAST, compose_cfg
+
+    plan = prepare(compose_cfg([*FAST, "pp=2", "scheduler=1f1b", "microbatches=2", "mode=plan"]), profile=False).plan
+    window, origin = [], 0.0
+    for step, scale in enumerate((1.0, 2.0, 10.0)):  # the last step is five times slower
+        sim = simulate(plan.schedule, CostModel.uniform(2, f=scale, i=scale, w=scale)).events
+        window += [{**e, "step": step, "start_s": e["start_s"] + origin, "end_s": e["end_s"] + origin} for e in sim]
+        origin += 1000.0
+    last = [e for e in window if e["step"] == 2]
+    metrics = {"ranks": []}
+    add_predictions(metrics, plan, last, {}, 0.0, window)
+    assert metrics["stage_costs"]["forward_s"] == pytest.approx([2.0, 2.0])  # the median step's
+    one_step = simulate(plan.schedule, CostModel.uniform(2, f=2.0, i=2.0, w=2.0)).makespan_s
+    assert metrics["measured_schedule_s"] == pytest.approx(one_step)
+    only_last = {"ranks": []}
+    add_predictions(only_last, plan, last, {}, 0.0)
+    assert only_last["stage_costs"]["forward_s"] == pytest.approx([10.0, 10.0])

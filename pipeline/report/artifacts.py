@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import statistics
+from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -12,19 +14,29 @@ from pipeline.report.timeline import draw_timeline, write_chrome_trace
 from pipeline.simulate import simulate
 
 
-def add_predictions(metrics: dict, plan: Plan, events: Sequence[dict], cfg: dict, overhead_s: float) -> list[dict]:
+def add_predictions(metrics: dict, plan: Plan, events: Sequence[dict], cfg: dict, overhead_s: float,
+                    window: Sequence[dict] | None = None) -> list[dict]:
     """Simulate this run's schedule on the costs measured in this run and record both side by side.
 
-    `predicted_step_time_s` = simulated schedule makespan + the measured time spent outside the
-    schedule (data-parallel sync, optimizer step, loss reduction). Returns the simulated events.
+    The costs are the medians of each (stage, kind) over `window`, the events of the steps after
+    warm-up (each tagged with its `step`), or over `events`, the last step's; one step alone
+    swings by tens of percent on a shared machine. `measured_schedule_s` is the median span of
+    those steps. `predicted_step_time_s` = simulated schedule makespan + the measured time spent
+    outside the schedule (data-parallel sync, optimizer step, loss reduction). Returns the
+    simulated events.
     """
     if not events:
         return []
-    cost = cost_model_from_events(plan, events, cfg.get("link_latency_s", 5e-5), cfg.get("link_bandwidth", 1e9))
+    priced = window or events
+    cost = cost_model_from_events(plan, priced, cfg.get("link_latency_s", 5e-5), cfg.get("link_bandwidth", 1e9))
     result = simulate(plan.schedule, cost)
     metrics["predicted_schedule_s"] = result.makespan_s
     metrics["predicted_step_time_s"] = result.makespan_s + overhead_s
-    metrics["measured_schedule_s"] = max(e["end_s"] for e in events) - min(e["start_s"] for e in events)
+    steps: dict = defaultdict(list)
+    for e in priced:
+        steps[e.get("step")].append(e)
+    metrics["measured_schedule_s"] = statistics.median(
+        max(e["end_s"] for e in step) - min(e["start_s"] for e in step) for step in steps.values())
     metrics["schedule_overhead_s"] = overhead_s
     for info in metrics["ranks"]:
         info["predicted_bubble"] = result.bubble[info["pp_rank"]]

@@ -9,6 +9,7 @@ import math
 import os
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,10 @@ from pipeline.runtime.optim import build_optimizer, clip_gradients
 from pipeline.runtime.progress import Progress
 from pipeline.runtime.tracking import Tracker
 from pipeline.stage import build_stage_modules
+
+#: steps after warm-up whose events price the run's own per-stage costs (bounded: every rank sends
+#: them to rank 0 at the end)
+COST_WINDOW_STEPS = 5
 
 
 def build_slots(spec: ModelSpec, plan: Plan, ctx: RankContext, seed: int) -> dict[int, StageSlot]:
@@ -238,6 +243,8 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
     schedule_times: list[float] = []
     captured: dict = {}
     last_events: list[dict] = []
+    # the events of the last few steps after warm-up: what the run's own per-stage costs are taken from
+    window: deque[list[dict]] = deque(maxlen=COST_WINDOW_STEPS)
     written: list[str] = []
     reset_peak(ctx.device)
     tracker = Tracker(cfg, run_dir) if ctx.rank == 0 else None
@@ -261,6 +268,8 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
         step_times.append(elapsed)
         busy.append(sum(e["end_s"] - e["start_s"] for e in events))
         last_events = events
+        if step >= start_step + cfg.get("warmup_steps", 0):
+            window.append([{**e, "step": step} for e in events])
         if tracker is not None:
             values = {"loss": loss, "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed}
             values.update({k: v for k, v in (("lr", outcome.lr), ("grad_norm", outcome.grad_norm)) if v is not None})
@@ -316,6 +325,7 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
         # pretrained weights this rank read by name (model.path): its own stages' tensors only
         "weights_read": list(getattr(trainer.spec.load, "read", [])),
         "events": last_events if ctx.dp_rank == 0 else [],
+        "cost_events": [e for step_events in window for e in step_events] if ctx.dp_rank == 0 else [],
     }
     gathered: list[dict] | None = [None] * ctx.world_size if ctx.rank == 0 else None
     dist.gather_object(rank_info, gathered, dst=0)
@@ -350,6 +360,7 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
         tracker.finish({k: metrics[k] for k in ("step_time_s", "tokens_per_s", "predicted_step_time_s") if k in metrics})
     else:
         rank_info.pop("events")
+        rank_info.pop("cost_events")
     return result
 
 
@@ -364,12 +375,14 @@ def _median_after_warmup(values: list[float], warmup: int) -> float:
 
 
 def _report(metrics: dict, plan: Plan, cfg: dict, overhead_s: float, run_dir: Path | None) -> list[dict]:
-    """Rank 0: put every rank's last-step events on one clock, add predictions, write artifacts."""
+    """Rank 0: put every rank's last-step events on one clock, add predictions (priced on the
+    steps after warm-up), write artifacts."""
     events = sorted((e for info in metrics["ranks"] for e in info.pop("events")), key=lambda e: e["start_s"])
+    window = [e for info in metrics["ranks"] for e in info.pop("cost_events", [])]
     t0 = events[0]["start_s"] if events else 0.0
     for e in events:
         e["start_s"], e["end_s"] = e["start_s"] - t0, e["end_s"] - t0
-    simulated = add_predictions(metrics, plan, events, cfg, overhead_s)
+    simulated = add_predictions(metrics, plan, events, cfg, overhead_s, window or None)
     if run_dir is not None:
         write_run_artifacts(run_dir, metrics, events, simulated)
     return events
