@@ -175,7 +175,7 @@ class SearchResult:
                          f"MiB more on its fullest device ({fp.peak_bytes / MIB:.1f} MiB)")
         rest = [o for o in self.ranked if o is not win]
         other = next((o for o in rest if o.candidate.scheduler != win.candidate.scheduler), None)
-        if other is not None:
+        if other is not None and other is not fastest:  # the fastest one was named just above
             op = other.prediction
             parts.append(f"{_faster(op.step_s, wp.step_s)} the best other schedule, {other.candidate.label} "
                          f"({op.step_s * 1e3:.1f} ms, bubble {op.result.mean_bubble:.1%})")
