@@ -58,11 +58,11 @@ def cost_model_from_events(
     act = fallback.activation_bytes if fallback else None
     inp = [float(p.recv_bytes) for p in plan.stages]
     out = [float(p.send_bytes) for p in plan.stages]
-    if fallback is None:
-        return CostModel(fwd, bwd_i, bwd_w, rec, act, inp, out, latency_s, bandwidth, backward_s=bwd)
-    return CostModel(fwd, bwd_i, bwd_w, rec, act, inp, out, latency_s, bandwidth, backward_s=bwd,
-                     held_after_input_grad=fallback.held_after_input_grad,
-                     weight_stash_bytes=fallback.weight_stash_bytes, input_grad_freed_bytes=fallback.input_grad_freed_bytes)
+    # memory as the fallback (the plan's profile) prices it; a run's events carry no bytes
+    memory = {} if fallback is None else {"held_after_input_grad": fallback.held_after_input_grad,
+                                          "weight_stash_bytes": fallback.weight_stash_bytes,
+                                          "input_grad_freed_bytes": fallback.input_grad_freed_bytes}
+    return CostModel(fwd, bwd_i, bwd_w, rec, act, inp, out, latency_s, bandwidth, backward_s=bwd, **memory)
 
 
 def held_output_bytes(stage: StagePlan) -> float:

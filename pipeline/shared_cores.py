@@ -19,25 +19,21 @@ from __future__ import annotations
 import heapq
 import math
 
-from pipeline.ir import Kind, Schedule
-from pipeline.simulate import CostModel, ScheduleError
+from pipeline.ir import Schedule
+from pipeline.simulate import _CODE, _F, _G, _R, _W, CostModel, ScheduleError, transfer_delays
 
-_CODE = {Kind.F: 0, Kind.B: 1, Kind.I: 2, Kind.W: 3, Kind.R: 4}
-_F, _G, _W, _R = 0, 1, 2, 3  # what an action's end completes: forward, input gradient (B or I), W, R
+#: what the end of an action (by its code in `_CODE`: F, B, I, W, R) completes
 _CLASS = (_F, _G, _G, _W, _R)
 
 
 def shared_makespan(schedule: Schedule, cost: CostModel, slots: float, replicas: int = 1) -> float:
     """Seconds one step of `schedule` takes when `replicas` copies of its ranks share `slots`
     ranks' worth of cores (raises ScheduleError on a deadlock; `simulate` names the actions)."""
-    placement, m, pp, stages = schedule.placement, schedule.num_microbatches, schedule.pp, schedule.num_stages
+    m, pp, stages = schedule.num_microbatches, schedule.pp, schedule.num_stages
     programs = [[(_CODE[a.kind], a.stage, a.mb) for a in acts if a.kind in _CODE] for acts in schedule.actions]
     remat = {(s, mb) for prog in programs for code, s, mb in prog if code == 4}
-    out_b = cost.output_bytes or [0.0] * stages
-    hop = [cost.transfer_s(out_b[s]) if s + 1 < stages and placement[s] != placement[s + 1] else 0.0
-           for s in range(stages)]
+    hop = transfer_delays(schedule, cost)
     work = (cost.forward_s, cost.backward_s, cost.backward_input_s, cost.backward_weight_s, cost.recompute_s)
-    training = schedule.training
     done: list[list[float | None]] = [[None] * (stages * m) for _ in range(4)]
     waiters: dict[tuple[int, int], list[int]] = {}
     pos = [0] * pp
@@ -71,7 +67,7 @@ def shared_makespan(schedule: Schedule, cost: CostModel, slots: float, replicas:
             heapq.heappush(pending, (ready, rank))
         else:
             code, s, _ = programs[rank][pos[rank]]
-            heapq.heappush(running, (virtual + (work[code][s] if training else cost.forward_s[s]), rank))
+            heapq.heappush(running, (virtual + work[code][s], rank))
 
     for rank in range(pp):
         try_start(rank)
@@ -88,7 +84,7 @@ def shared_makespan(schedule: Schedule, cost: CostModel, slots: float, replicas:
         while running and running[0][0] <= virtual + 1e-12 * max(1.0, virtual):
             _, rank = heapq.heappop(running)
             code, s, mb = programs[rank][pos[rank]]
-            key = ((_F if not training else _CLASS[code]), s * m + mb)
+            key = (_CLASS[code], s * m + mb)
             done[key[0]][key[1]] = now
             pos[rank] += 1
             left -= 1

@@ -255,6 +255,14 @@ _F, _G, _W, _R = 0, 1, 2, 3  # dependency classes: forward, input gradient (B or
 _CODE = {Kind.F: 0, Kind.B: 1, Kind.I: 2, Kind.W: 3, Kind.R: 4}
 
 
+def transfer_delays(schedule: Schedule, cost: CostModel) -> list[float]:
+    """Per stage s: the delay from s finishing to its neighbour s+1 (forward) or s (backward)
+    being able to use the result; zero where both live on one rank."""
+    placement, n = schedule.placement, schedule.num_stages
+    out_b = cost.output_bytes or [0.0] * n
+    return [cost.transfer_s(out_b[s]) if s + 1 < n and placement[s] != placement[s + 1] else 0.0 for s in range(n)]
+
+
 def simulate(schedule: Schedule, cost: CostModel, check: bool = True) -> SimResult:
     """Run `schedule` on `cost`; raises ScheduleError if it is invalid or deadlocks."""
     # Lowering would only add SEND/RECV actions whose effect the dependencies already model, so an
@@ -278,9 +286,7 @@ def simulate(schedule: Schedule, cost: CostModel, check: bool = True) -> SimResu
     stash_b, freed_b = cost.weight_stash_bytes, cost.input_grad_freed_bytes
     assert rc is not None and fb is not None and act_b is not None and in_b is not None and out_b is not None
     assert stash_b is not None and freed_b is not None
-    # delay from stage s finishing to its neighbour s+1 (forward) / s (backward) being able to use it
-    hop = [cost.transfer_s(out_b[s]) if s + 1 < num_stages and placement[s] != placement[s + 1] else 0.0
-           for s in range(num_stages)]
+    hop = transfer_delays(schedule, cost)
 
     n = num_stages * m
     training = schedule.training

@@ -244,7 +244,7 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
     captured: dict = {}
     last_events: list[dict] = []
     # the events of the last few steps after warm-up: what the run's own per-stage costs are taken from
-    window: deque[list[dict]] = deque(maxlen=COST_WINDOW_STEPS)
+    window: deque[tuple[int, list[dict]]] = deque(maxlen=COST_WINDOW_STEPS)
     written: list[str] = []
     reset_peak(ctx.device)
     tracker = Tracker(cfg, run_dir) if ctx.rank == 0 else None
@@ -269,7 +269,7 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
         busy.append(sum(e["end_s"] - e["start_s"] for e in events))
         last_events = events
         if step >= start_step + cfg.get("warmup_steps", 0):
-            window.append([{**e, "step": step} for e in events])
+            window.append((step, events))
         if tracker is not None:
             values = {"loss": loss, "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed}
             values.update({k: v for k, v in (("lr", outcome.lr), ("grad_norm", outcome.grad_norm)) if v is not None})
@@ -325,7 +325,8 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
         # pretrained weights this rank read by name (model.path): its own stages' tensors only
         "weights_read": list(getattr(trainer.spec.load, "read", [])),
         "events": last_events if ctx.dp_rank == 0 else [],
-        "cost_events": [e for step_events in window for e in step_events] if ctx.dp_rank == 0 else [],
+        "cost_events": [{**e, "step": s} for s, step_events in window for e in step_events] if ctx.dp_rank == 0
+        else [],
     }
     gathered: list[dict] | None = [None] * ctx.world_size if ctx.rank == 0 else None
     dist.gather_object(rank_info, gathered, dst=0)
