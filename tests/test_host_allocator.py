@@ -50,8 +50,9 @@ def test_retain_stops_page_faults_on_reallocation() -> None:
     untouched, system = _faults("system")
     assert tuned and not untouched
     # glibc's defaults hand freed activation memory back and fault it in again (thousands of pages
-    # per split backward here); retained memory is reused
-    assert system > 5 * 1000, system
+    # per split backward here: 13,000-22,000 on an idle machine, 4,939 once under CI's load);
+    # retained memory is reused
+    assert system > 1000, system
     assert retained < 0.2 * system, (retained, system)
 
 
