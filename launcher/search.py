@@ -29,6 +29,7 @@ from pipeline.planner.search import (
     scheduler_variants,
 )
 from pipeline.runtime.context import cpu_threads
+from pipeline.runtime.host_allocator import configure_host_allocator
 from pipeline.schedules.base import ScheduleGenerator
 from pipeline.stage import trace_spec
 
@@ -59,9 +60,15 @@ class TracedModels:
             if self.profile:
                 cfg = self.cfg
                 x, y = self.spec.example_batch(micro_batch_size, cfg["seed"])
-                with profiling_threads(cpu_threads(cfg.get("threads", 0), cfg["pp"] * cfg["dp"])):
-                    profile_graph(traced, (x,), model_config=cfg["model"], loss=(self.spec.loss_fn, y),
-                                  seed=cfg["seed"])
+                # Timed as the ranks will run: their thread count, and their malloc (with glibc's
+                # defaults an 8 MiB logits buffer is mapped afresh on some repeats and not on
+                # others: the head measured 1.22-1.47x a block, 1.25-1.27x with freed memory kept).
+                allocator = cfg.get("host_allocator", "retain")
+                threads = cpu_threads(cfg.get("threads", 0), cfg["pp"] * cfg["dp"])
+                configure_host_allocator(allocator)
+                with profiling_threads(threads):
+                    profile_graph(traced, (x,), loss=(self.spec.loss_fn, y), seed=cfg["seed"],
+                                  model_config={"model": cfg["model"], "threads": threads, "host_allocator": allocator})
             self._traced[micro_batch_size] = traced
         return self._traced[micro_batch_size]
 

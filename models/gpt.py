@@ -11,8 +11,11 @@ from torch import nn
 from models.spec import ModelSpec, causal_lm_loss, require_positive_ints
 from pipeline.errors import ConfigError
 
-#: where a planner may cut the model: between blocks, or between any two traced operators
-GRANULARITIES = ("block", "op")
+#: where a planner may cut the model: between blocks, also between a block's attention and MLP
+#: halves, or between any two traced operators
+GRANULARITIES = ("block", "sublayer", "op")
+#: a decoder block's leaf modules at `granularity="sublayer"`
+SUBLAYER_PARTS = ("ln1", "attn", "ln2", "mlp")
 
 
 class Embedding(nn.Module):
@@ -91,10 +94,12 @@ def gpt(
     With `tie_embeddings` the LM head's projection *is* the token embedding matrix: the stages
     holding the embedding and the head each get a copy and their gradients are summed.
 
-    `granularity="op"` keeps no leaf modules, so a stage boundary may fall inside a decoder block
-    (between attention and MLP, say). Why: with 8 blocks and a head that costs more than a block,
-    block-sized cuts cannot balance 2 or 4 stages; at operator level the partitioners get within a
-    few percent of the bound. Same weights, same arithmetic as `granularity="block"`."""
+    Why finer granularities: with 8 blocks and a head that costs more than a block, block-sized
+    cuts cannot balance 2 or 4 stages. `granularity="sublayer"` keeps each block's LayerNorms,
+    attention and MLP whole, so a cut may also fall at the residual stream between the attention
+    and MLP halves, where only one tensor of the block's input size crosses; `"op"` keeps no leaf
+    modules, so a cut may fall between any two operators (inside the MLP, where the crossing
+    tensor is 4x larger, too). Same weights, same arithmetic as `granularity="block"`."""
     require_positive_ints(vocab_size=vocab_size, dim=dim, layers=layers, heads=heads, seq_len=seq_len,
                           mlp_ratio=mlp_ratio)
     if dim % heads:
@@ -104,7 +109,8 @@ def gpt(
         raise ConfigError("model.dropout", f"got {dropout!r}; valid: a probability in [0, 1)")
     if granularity not in GRANULARITIES:
         raise ConfigError("model.granularity", f"must be one of {', '.join(GRANULARITIES)}, got {granularity!r} "
-                                               "(block: cut between decoder blocks; op: cut between any operators)")
+                                               "(block: cut between decoder blocks; sublayer: also between a block's "
+                                               "attention and MLP; op: cut between any operators)")
     blocks = [("embed", partial(Embedding, vocab_size, dim, seq_len))]
     blocks += [(f"layer{i}", partial(DecoderBlock, dim, heads, mlp_ratio, dropout)) for i in range(layers)]
     blocks.append(("head", partial(LMHead, dim, vocab_size)))
@@ -116,9 +122,19 @@ def gpt(
         input_dtype=torch.long,
         target_shape=(seq_len,),
         target_dtype=torch.long,
-        leaf_modules=[n for n, _ in blocks] if granularity == "block" else [],
+        leaf_modules=_leaf_modules([n for n, _ in blocks], granularity),
         meta={"vocab_size": vocab_size, "seq_len": seq_len, "dim": dim},
     )
+
+
+def _leaf_modules(blocks: list[str], granularity: str) -> list[str]:
+    """The modules tracing keeps whole (a cut never falls inside one) at this granularity."""
+    if granularity == "block":
+        return blocks
+    if granularity == "sublayer":
+        return [leaf for b in blocks
+                for leaf in ([f"{b}.{part}" for part in SUBLAYER_PARTS] if b.startswith("layer") else [b])]
+    return []
 
 
 class TiedGPT(nn.Sequential):

@@ -63,5 +63,5 @@ def test_every_partitioner_cuts_only_tensor_edges_and_the_split_is_exact(name: s
 
 
 def test_unknown_granularity_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match="model.granularity.*block, op"):
+    with pytest.raises(ConfigError, match="model.granularity.*block, sublayer, op"):
         gpt(granularity="layer")

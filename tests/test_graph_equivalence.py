@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from launcher.validate import prepare
+from models.gpt import SUBLAYER_PARTS
 from pipeline.reference import reference_run
 from tests.harness import assert_state_close, compose_cfg, merge_state, run_jobs
 
@@ -77,6 +78,24 @@ def test_operator_level_gpt_cut_inside_blocks(pp: int, tmp_path) -> None:
                                                             f"pp={pp}"]))
              for part, sched in (("uniform", "1f1b"), ("balanced", "zbv"), ("milp", "zb_h1"))]
     assert any(_layers_cut(cfg) for _, cfg in cases), "no split fell inside a decoder block"
+    results = run_jobs([cfg for _, cfg in cases], tmp_path / "logs")
+    _assert_all_match_single_process(cases, results)
+
+
+@pytest.mark.timeout(300)
+def test_sublayer_gpt_cut_between_attention_and_mlp(tmp_path) -> None:
+    """model.granularity=sublayer: a cut may fall between a block's attention and MLP halves (the
+    residual stream, and a LayerNorm's output when the cut follows it, cross), under split and
+    fused backwards."""
+    base = [o for o in GPT_OP if not o.startswith("model.granularity")] + ["model.granularity=sublayer"]
+    cases = [(f"gpt sublayer {part} {sched} pp={pp}", compose_cfg([*base, f"partitioner={part}", f"scheduler={sched}",
+                                                                  f"pp={pp}"]))
+             for part, sched, pp in (("balanced", "zbv", 2), ("milp", "1f1b", 2))]
+    assert any(_layers_cut(cfg) for _, cfg in cases), "no split fell inside a decoder block"
+    for _, cfg in cases:  # attention and MLP stay whole: a block's nodes are its four parts
+        for stage in prepare(cfg).plan.stages:
+            inner = [n for n in stage.blocks if n.startswith("layer") and n.split("_", 1)[1] not in SUBLAYER_PARTS]
+            assert not inner, inner
     results = run_jobs([cfg for _, cfg in cases], tmp_path / "logs")
     _assert_all_match_single_process(cases, results)
 

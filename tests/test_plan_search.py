@@ -176,3 +176,22 @@ def test_ranks_sharing_too_few_cores_are_predicted_taking_turns(monkeypatch) -> 
     alone = prepare(compose_cfg([*FAST, "pp=4", "threads=1", "predict=true", "scheduler=1f1b"])).prediction
     assert "rank_slots" not in alone.plan.meta or not alone.plan.meta["rank_slots"]
     assert alone.schedule_s == pytest.approx(alone.result.makespan_s)
+
+
+def test_profiles_are_kept_apart_per_thread_count_and_host_allocator(tmp_path, monkeypatch) -> None:
+    """Ranks time their ops with their own thread count and malloc: a profile taken under other
+    settings is measured again, not reused."""
+    monkeypatch.setenv("PIPELAUNCH_CACHE", str(tmp_path))
+    base = [*FAST, "partitioner=balanced", "pp=2"]
+
+    def profiles() -> int:
+        return len(list(tmp_path.glob("*.json")))
+
+    prepare(compose_cfg(base))
+    assert profiles() == 1
+    prepare(compose_cfg(base))
+    assert profiles() == 1  # same settings: the cached profile
+    prepare(compose_cfg([*base, "threads=2"]))
+    assert profiles() == 2
+    prepare(compose_cfg([*base, "host_allocator=system"]))
+    assert profiles() == 3

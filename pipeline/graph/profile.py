@@ -5,6 +5,11 @@ between ops (an embedding's backward is a scatter, a LayerNorm's is cheaper than
 partitioner's balance is only as good as these numbers. Each node's op is re-run in isolation on the
 inputs it saw during one real forward pass, with autograd on, and its backward is timed on its own.
 
+Why the timings come from several passes over the graph rather than back-to-back repeats of each node:
+a shared machine slows down in bursts that last longer than one node's repeats. Timed back to back,
+a burst lands on every sample of one node (a head measured 18% slow set the split off balance);
+timed in passes, it lands on one pass, and the median over passes leaves it out.
+
 The model may live on the meta device: each node runs on real inputs with only the module it calls
 materialised for it, so profiling never holds the model's weights.
 
@@ -35,6 +40,8 @@ from pipeline.runtime.backward import backward_input, backward_weight
 PROFILE_FIELDS = ("forward_s", "backward_s", "activation_bytes", "output_bytes", "stash_bytes", "loss_activation_bytes",
                   "param_bytes")
 MIN_TIME_S = 1e-7  # a measured op never reports zero: it at least paid the Python call
+PASSES = 3  # passes over the graph that share a node's timed repeats
+_LOSS = "\0loss"  # the loss's own entry while passes are pooled (no graph node has this name)
 
 
 # ---------------------------------------------------------------------------------------------- cache
@@ -59,8 +66,9 @@ def _describe_inputs(inputs: Sequence[Any]) -> list[Any]:
 
 
 def profile_key(model_config: Mapping[str, Any], inputs: Sequence[Any], device: str | torch.device) -> str:
-    """Hash of (model config, micro-batch input shapes/dtypes, device, torch version)."""
+    """Hash of (model config, micro-batch input shapes/dtypes, device, torch version, how it was timed)."""
     payload = {
+        "passes": PASSES,
         "model": model_config,
         "inputs": _describe_inputs(inputs),
         "device": str(device),
@@ -135,12 +143,13 @@ def measure_op(
     params: Sequence[torch.Tensor],
     device: torch.device,
     repeats: int,
-) -> dict[str, float]:
+    stash: bool = True,
+) -> dict[str, Any]:
     """Like `_measure`, degrading gracefully for ops autograd refuses (in-place ops on leaves)."""
     try:
-        return _measure(fn, args, kwargs, params, device, repeats, True)
+        return _measure(fn, args, kwargs, params, device, repeats, True, stash)
     except RuntimeError:
-        return _measure(fn, args, kwargs, params, device, repeats, False)
+        return _measure(fn, args, kwargs, params, device, repeats, False, stash)
 
 
 def _measure(
@@ -151,8 +160,11 @@ def _measure(
     device: torch.device,
     repeats: int,
     input_grads: bool,
-) -> dict[str, float]:
-    """Median forward and backward seconds of `fn(*args, **kwargs)`, and its saved/output bytes."""
+    stash: bool = True,
+) -> dict[str, Any]:
+    """Median forward and backward seconds of `fn(*args, **kwargs)` (and, under `samples`, every
+    timing, for pooling over passes), its saved and output bytes, and (with `stash`) what a split
+    backward keeps for W."""
     param_ptrs = {p.data_ptr() for p in params}
     saved: dict[int, int] = {}
 
@@ -188,16 +200,29 @@ def _measure(
             torch.autograd.backward(outs, grads, inputs=grad_inputs + grad_params)
             _sync(device)
             bwd.append(time.perf_counter() - t0)
-    stash = _weight_stash_bytes(fn, leaf_args, leaf_kwargs, grad_inputs, grad_params, grads) if differentiable else 0
+    kept = _weight_stash_bytes(fn, leaf_args, leaf_kwargs, grad_inputs, grad_params, grads) \
+        if differentiable and stash else 0
     for t in grad_inputs + grad_params:
         t.grad = None
     return {
-        "forward_s": max(statistics.median(fwd), MIN_TIME_S),
-        "backward_s": max(statistics.median(bwd), MIN_TIME_S) if bwd else 0.0,
+        **_medians(fwd, bwd),
         "activation_bytes": int(sum(saved.values())),
         "output_bytes": int(output_bytes),
-        "stash_bytes": int(stash),
+        "stash_bytes": int(kept),
+        "samples": (fwd, bwd),
     }
+
+
+def _medians(fwd: Sequence[float], bwd: Sequence[float]) -> dict[str, float]:
+    return {"forward_s": max(statistics.median(fwd), MIN_TIME_S),
+            "backward_s": max(statistics.median(bwd), MIN_TIME_S) if bwd else 0.0}
+
+
+def _pool(first: dict[str, Any], later: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One node's result: the first pass's bytes, and medians over every pass's timings."""
+    fwd = [t for r in (first, *later) for t in r["samples"][0]]
+    bwd = [t for r in (first, *later) for t in r["samples"][1]]
+    return {**{k: v for k, v in first.items() if k != "samples"}, **_medians(fwd, bwd)}
 
 
 def _weight_stash_bytes(
@@ -247,9 +272,11 @@ class _LeafwiseProfiler(fx.Interpreter):
     `get_attr` reads lives until its last reader. So the peak is one leaf's weights plus the
     activations still needed, never the model."""
 
-    def __init__(self, gm: fx.GraphModule, device: torch.device, repeats: int, seed: int) -> None:
+    def __init__(self, gm: fx.GraphModule, device: torch.device, repeats: int, seed: int, first: bool = True) -> None:
         super().__init__(gm)
         self.device, self.repeats, self.seed = device, repeats, seed
+        #: the first pass also measures bytes (a split backward's stash among them); later ones only time
+        self.first = first
         self.results: dict[str, dict[str, Any]] = {}
 
     def run_node(self, n: fx.Node) -> Any:
@@ -267,7 +294,7 @@ class _LeafwiseProfiler(fx.Interpreter):
             materialize(module, self.seed, self.device)
         fn, params = _node_callable(self.module, n, module)
         params = params + [a for a in _tensors([args, kwargs]) if isinstance(a, nn.Parameter)]
-        self.results[n.name] = measure_op(fn, args, kwargs, params, self.device, self.repeats)
+        self.results[n.name] = measure_op(fn, args, kwargs, params, self.device, self.repeats, stash=self.first)
         with torch.no_grad():
             return fn(*args, **kwargs)
 
@@ -319,20 +346,33 @@ def profile_graph(
 
     args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
     retarget(traced.gm, device)
-    runner = _LeafwiseProfiler(traced.gm, device, repeats, seed)
-    out = runner.run(*args)
-    results = runner.results
+    passes = max(1, min(PASSES, repeats))
+    per_pass = -(-repeats // passes)
+    loss_of = None
     if loss is not None and traced.graph.graph.get("outputs"):
         loss_fn, target = loss
-        value = next(iter(_tensors(out)), None)
+        target = target.to(device)
+
+        def loss_of(x: torch.Tensor) -> torch.Tensor:
+            return loss_fn(x, target)
+
+    runs: list[dict[str, dict[str, Any]]] = []
+    for p in range(passes):
+        runner = _LeafwiseProfiler(traced.gm, device, per_pass, seed, first=p == 0)
+        value = next(iter(_tensors(runner.run(*args))), None)
+        if loss_of is not None and value is not None:
+            runner.results[_LOSS] = measure_op(loss_of, (value,), {}, [], device, per_pass, stash=False)
+        runs.append(runner.results)
+    results = {name: _pool(first, [r[name] for r in runs[1:]]) for name, first in runs[0].items()}
+    loss_stats = results.pop(_LOSS, None)
+    if loss_stats is not None:
         producer = traced.graph.graph["outputs"][0]
-        if value is not None and producer in results:
-            stats = measure_op(lambda x: loss_fn(x, target.to(device)), (value,), {}, [], device, repeats)
+        if producer in results:
             for k in ("forward_s", "backward_s", "activation_bytes"):
-                results[producer][k] += stats[k]
+                results[producer][k] += loss_stats[k]
             # kept apart too: a split backward frees them at I (runtime/backward.py keeps only
             # what lies below the nodes W restarts from)
-            results[producer]["loss_activation_bytes"] = stats["activation_bytes"]
+            results[producer]["loss_activation_bytes"] = loss_stats["activation_bytes"]
     for name in traced.graph.nodes:
         results[name]["param_bytes"] = traced.graph.nodes[name]["param_bytes"]
         results[name].setdefault("loss_activation_bytes", 0)
