@@ -62,7 +62,7 @@ class TracedModels:
                 x, y = self.spec.example_batch(micro_batch_size, cfg["seed"])
                 # Timed as the ranks will run: their thread count, and their malloc (with glibc's
                 # defaults an 8 MiB logits buffer is mapped afresh on some repeats and not on
-                # others: the head measured 1.22-1.47x a block, 1.25-1.27x with freed memory kept).
+                # others: the head measured 1.22-1.49x a block, 1.25-1.27x with freed memory kept).
                 allocator = cfg.get("host_allocator", "retain")
                 threads = cpu_threads(cfg.get("threads", 0), cfg["pp"] * cfg["dp"])
                 configure_host_allocator(allocator)

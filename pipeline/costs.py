@@ -75,8 +75,12 @@ def held_output_bytes(stage: StagePlan) -> float:
 def cost_model_from_plan(plan: Plan, latency_s: float, bandwidth: float) -> CostModel:
     """A profiled plan carries the per-stage forward/backward sums of its nodes."""
     fwd = list(plan.meta["stage_forward_s"])
-    bwd_i, bwd_w = split_backward_cost(plan.meta["stage_backward_s"], DEFAULT_WEIGHT_SHARE)
-    bwd = [i + w for i, w in zip(bwd_i, bwd_w, strict=True)]
+    bwd = [float(b) for b in plan.meta["stage_backward_s"]]
+    if "stage_backward_input_s" in plan.meta:  # the split backward as profiled: dearer than B
+        bwd_i = [float(x) for x in plan.meta["stage_backward_input_s"]]
+        bwd_w = [float(x) for x in plan.meta["stage_backward_weight_s"]]
+    else:
+        bwd_i, bwd_w = split_backward_cost(bwd, DEFAULT_WEIGHT_SHARE)
     # modules recomputed inside a backward (per-layer remat): their forward runs again in B, and in
     # a split backward once in I and once more in W (each is its own autograd pass; stage 0 has no
     # input gradient, its whole backward is W)

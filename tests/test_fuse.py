@@ -57,3 +57,22 @@ def test_large_schedules_are_left_alone() -> None:
     pairs = sum(1 for acts in split for a in acts if a.kind is Kind.I)
     assert pairs * sum(len(a) for a in split) > MAX_WORK
     assert fuse_slack_backwards(split, v_shape(pp), m, (1, 1, 1)) == split
+
+
+@pytest.mark.parametrize(("gen", "pp", "m"), [(ZBV, 4, 8), (ZBH2, 4, 8), (ZBH2, 2, 5)])
+def test_a_fused_backward_priced_below_i_plus_w_is_credited(gen, pp: int, m: int) -> None:
+    """With B profiled at 90% of I + W (a split costs extra work), the pass fuses at least the pairs
+    it fuses at no credit, and the step priced at those costs is never longer than the split one."""
+    placement = v_shape(pp) if gen is ZBV else list(range(pp))
+    f, i, w = _costs(len(placement), uneven=True)
+    fused_b = [0.9 * (a + b) for a, b in zip(i, w, strict=True)]
+    split, plain, credited = gen(fuse_backward=False), gen(), gen()
+    for g in (split, plain):
+        g.use_stage_costs(f, i, w)
+    credited.use_stage_costs(f, i, w, backward_s=fused_b)
+    programs = {name: g.compute_actions(placement, m) for name, g in
+                (("split", split), ("plain", plain), ("credited", credited))}
+    count = {name: count_fused(Schedule(gen.name, len(placement), m, placement, p)) for name, p in programs.items()}
+    assert count["credited"] >= count["plain"] > 0
+    spans = {name: makespan(p, placement, m, (f, i, w), fused_b) for name, p in programs.items()}
+    assert spans["credited"] <= spans["split"] * (1 + 1e-9)

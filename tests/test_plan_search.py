@@ -195,3 +195,27 @@ def test_profiles_are_kept_apart_per_thread_count_and_host_allocator(tmp_path, m
     assert profiles() == 2
     prepare(compose_cfg([*base, "host_allocator=system"]))
     assert profiles() == 3
+
+
+def test_a_split_backward_is_priced_as_profiled_not_as_a_share_of_the_fused_one(tmp_path, monkeypatch) -> None:
+    """I and W are timed per node with the runtime's own split backward (which costs more than the
+    fused one) and summed per stage; the first stage, which receives no input, runs its whole
+    backward in W at the fused price. The simulator reads exactly these."""
+    import json
+
+    from pipeline.costs import cost_model_from_plan
+
+    monkeypatch.setenv("PIPELAUNCH_CACHE", str(tmp_path))
+    plan = prepare(compose_cfg([*FAST, "partitioner=balanced", "scheduler=zbv", "pp=2", "microbatches=4"])).plan
+    (profile,) = tmp_path.glob("*.json")
+    nodes = json.loads(profile.read_text())["nodes"]
+    meta = plan.meta
+    i, w, b = meta["stage_backward_input_s"], meta["stage_backward_weight_s"], meta["stage_backward_s"]
+    assert i[0] == 0.0 and w[0] == b[0]
+    for s in range(1, len(plan.stages)):
+        blocks = plan.stages[s].blocks
+        assert i[s] == pytest.approx(sum(nodes[n]["backward_input_s"] for n in blocks)) and i[s] > 0
+        assert w[s] == pytest.approx(sum(nodes[n]["backward_weight_s"] for n in blocks)) and w[s] > 0
+    cost = cost_model_from_plan(plan, 0.0, 1e12)
+    assert cost.backward_input_s == pytest.approx(i) and cost.backward_weight_s == pytest.approx(w)
+    assert cost.backward_s == pytest.approx(b)

@@ -37,8 +37,9 @@ from torch import fx, nn
 from pipeline.graph.trace import COMPUTE_OPS, TracedModel, retarget
 from pipeline.runtime.backward import backward_input, backward_weight
 
-PROFILE_FIELDS = ("forward_s", "backward_s", "activation_bytes", "output_bytes", "stash_bytes", "loss_activation_bytes",
-                  "param_bytes")
+#: what is timed per node: forward, fused backward, and the runtime's split backward (I, then W)
+TIMES = ("forward_s", "backward_s", "backward_input_s", "backward_weight_s")
+PROFILE_FIELDS = (*TIMES, "activation_bytes", "output_bytes", "stash_bytes", "loss_activation_bytes", "param_bytes")
 MIN_TIME_S = 1e-7  # a measured op never reports zero: it at least paid the Python call
 PASSES = 3  # passes over the graph that share a node's timed repeats
 _LOSS = "\0loss"  # the loss's own entry while passes are pooled (no graph node has this name)
@@ -186,43 +187,57 @@ def _measure(
     if differentiable:
         torch.autograd.backward(outs, grads, inputs=grad_inputs + grad_params)
 
-    fwd: list[float] = []
-    bwd: list[float] = []
-    for _ in range(repeats):
+    samples: dict[str, list[float]] = {k: [] for k in TIMES}
+    leaves = {str(i): x for i, x in enumerate(grad_inputs)}
+    # Even repeats time the fused backward (B), odd ones the runtime's split backward (I, then W):
+    # splitting costs extra work (autograd runs twice; W restarts node by node), 4-6% of a gpt_bench
+    # stage's backward, which zero-bubble schedules pay on every micro-batch they split.
+    for k in range(max(repeats, 2) if differentiable else repeats):
         _sync(device)
         t0 = time.perf_counter()
         out = fn(*leaf_args, **leaf_kwargs)
         _sync(device)
-        fwd.append(time.perf_counter() - t0)
-        if differentiable:
-            outs = [t for t in _tensors(out) if t.requires_grad]
-            t0 = time.perf_counter()
+        samples["forward_s"].append(time.perf_counter() - t0)
+        if not differentiable:
+            continue
+        outs = [t for t in _tensors(out) if t.requires_grad]
+        t0 = time.perf_counter()
+        if k % 2 == 0:
             torch.autograd.backward(outs, grads, inputs=grad_inputs + grad_params)
             _sync(device)
-            bwd.append(time.perf_counter() - t0)
+            samples["backward_s"].append(time.perf_counter() - t0)
+            continue
+        _, weight_stash = backward_input(outs, grads, leaves, grad_params)
+        _sync(device)
+        t1 = time.perf_counter()
+        backward_weight(weight_stash)
+        _sync(device)
+        samples["backward_input_s"].append(t1 - t0)
+        samples["backward_weight_s"].append(time.perf_counter() - t1)
     kept = _weight_stash_bytes(fn, leaf_args, leaf_kwargs, grad_inputs, grad_params, grads) \
         if differentiable and stash else 0
     for t in grad_inputs + grad_params:
         t.grad = None
     return {
-        **_medians(fwd, bwd),
+        **_medians(samples),
         "activation_bytes": int(sum(saved.values())),
         "output_bytes": int(output_bytes),
         "stash_bytes": int(kept),
-        "samples": (fwd, bwd),
+        "samples": samples,
     }
 
 
-def _medians(fwd: Sequence[float], bwd: Sequence[float]) -> dict[str, float]:
-    return {"forward_s": max(statistics.median(fwd), MIN_TIME_S),
-            "backward_s": max(statistics.median(bwd), MIN_TIME_S) if bwd else 0.0}
+def _medians(samples: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    """Each timing's median; a forward is never free, a node with no backward has none."""
+    out = {k: max(statistics.median(v), MIN_TIME_S) if v else 0.0 for k, v in samples.items()}
+    out["forward_s"] = max(out["forward_s"], MIN_TIME_S)
+    return out
 
 
 def _pool(first: dict[str, Any], later: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One node's result: the first pass's bytes, and medians over every pass's timings."""
-    fwd = [t for r in (first, *later) for t in r["samples"][0]]
-    bwd = [t for r in (first, *later) for t in r["samples"][1]]
-    return {**{k: v for k, v in first.items() if k != "samples"}, **_medians(fwd, bwd)}
+    pooled = {k: [t for r in (first, *later) for t in r["samples"][k]] for k in TIMES}
+    return {**{k: v for k, v in first.items() if k != "samples"}, **_medians(pooled)}
 
 
 def _weight_stash_bytes(
@@ -370,6 +385,8 @@ def profile_graph(
         if producer in results:
             for k in ("forward_s", "backward_s", "activation_bytes"):
                 results[producer][k] += loss_stats[k]
+            # the loss has no weights: a split backward runs its backward in I
+            results[producer]["backward_input_s"] += loss_stats["backward_s"]
             # kept apart too: a split backward frees them at I (runtime/backward.py keeps only
             # what lies below the nodes W restarts from)
             results[producer]["loss_activation_bytes"] = loss_stats["activation_bytes"]

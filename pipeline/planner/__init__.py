@@ -170,8 +170,9 @@ def build_plan(
     for node, s in part.assignment.items():
         forward[s] += traced.graph.nodes[node].get("forward_s", 0.0)
         backward[s] += traced.graph.nodes[node].get("backward_s", 0.0)
-    if profiled:
-        generator.use_stage_costs(forward, *split_backward_cost(backward))
+    split_costs = stage_split_backward(traced, part.assignment, backward) if profiled else None
+    if split_costs is not None:
+        generator.use_stage_costs(forward, *split_costs, backward_s=backward)
     schedule = build_schedule(generator, placement, microbatches, remat, part.remat_stages)
     reprice_for_schedule(part, schedule)
     split = split_model(traced, part.assignment, k)
@@ -207,8 +208,9 @@ def build_plan(
                   "stage_tensors": [sorted({traced.param_aliases.get(n, n) for n, _ in [
                       *gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]})
                       for gm in split.stages]}
-    if profiled:
+    if split_costs is not None:
         meta["stage_forward_s"], meta["stage_backward_s"] = forward, backward
+        meta["stage_backward_input_s"], meta["stage_backward_weight_s"] = split_costs
         # a backward's transient gradients: its stage's largest node's activations (planner/memory.py)
         meta["stage_workspace_bytes"] = [max((float(traced.graph.nodes[n].get("activation_bytes", 0)) for n in s.blocks),
                                              default=0.0) for s in stages]
@@ -219,6 +221,24 @@ def build_plan(
                 assignment=dict(part.assignment),
                 shared_params={n: list(v) for n, v in split.shared_params.items()}, meta=meta,
                 eval_schedule=eval_schedule)
+
+
+def stage_split_backward(traced: TracedModel, assignment: dict[str, int],
+                         backward: list[float]) -> tuple[list[float], list[float]]:
+    """(I, W) per stage as profiled: each node's split backward summed, which costs more than its
+    fused one (`graph/profile.py`). Stage 0 receives no input: its I does nothing and W runs the
+    whole backward, at the fused price. A profile without split timings (none of its nodes has
+    one) falls back to an even split of the fused backward."""
+    nodes = traced.graph.nodes
+    if not any("backward_input_s" in nodes[n] for n in assignment):
+        return split_backward_cost(backward)
+    i, w = [0.0] * len(backward), [0.0] * len(backward)
+    for node, s in assignment.items():
+        i[s] += float(nodes[node].get("backward_input_s", 0.0))
+        w[s] += float(nodes[node].get("backward_weight_s", 0.0))
+    if backward:
+        i[0], w[0] = 0.0, float(backward[0])
+    return i, w
 
 
 def weight_stash_bytes(traced: TracedModel, stage: StagePlan) -> float:

@@ -33,11 +33,14 @@ class ScheduleGenerator:
         return 1
 
     def use_stage_costs(
-        self, forward_s: list[float], backward_input_s: list[float], backward_weight_s: list[float]
+        self, forward_s: list[float], backward_input_s: list[float], backward_weight_s: list[float],
+        backward_s: list[float] | None = None,
     ) -> None:
         """Hand a measured per-stage profile to generators that order actions by a simulated
-        play-through (`cost_aware` ones); others ignore it."""
+        play-through (`cost_aware` ones); others ignore it. `backward_s`: the fused backward, when
+        profiled apart (it costs less than I + W), so that fusing a pair is credited its saving."""
         self._stage_costs = (list(forward_s), list(backward_input_s), list(backward_weight_s))
+        self._fused_backward = list(backward_s) if backward_s is not None else None
 
     def play_through(self, play, placement: list[int], microbatches: int, **kwargs) -> list[list[Action]]:
         """Run a list-scheduling play-through on the measured costs when cost-aware; if real costs
@@ -58,7 +61,8 @@ class ScheduleGenerator:
         if getattr(self, "fuse_backward", False):
             from pipeline.schedules.fuse import fuse_slack_backwards
 
-            programs = fuse_slack_backwards(programs, placement, microbatches, costs)
+            fused = getattr(self, "_fused_backward", None) if costs != (1, 1, 1) else None
+            programs = fuse_slack_backwards(programs, placement, microbatches, costs, fused)
         return programs
 
     @staticmethod
@@ -106,11 +110,13 @@ def require_microbatches_at_least(name: str, microbatches: int, minimum: int, wh
         )
 
 
-def makespan(programs: list[list[Action]], placement: list[int], microbatches: int, costs: tuple) -> float:
-    """Simulated step time of compute-only programs under (F, I, W) costs (numbers or per stage)."""
+def makespan(programs: list[list[Action]], placement: list[int], microbatches: int, costs: tuple,
+             backward: list[float] | None = None) -> float:
+    """Simulated step time of compute-only programs under (F, I, W) costs (numbers or per stage);
+    a fused B costs `backward` per stage when given, else I + W."""
     from pipeline.simulate import CostModel, simulate  # the simulator imports schedules' IR only
 
     n = len(placement)
     f, i, w = ([float(x)] * n if not isinstance(x, (list, tuple)) else [float(v) for v in x] for x in costs)
     schedule = Schedule("play-through", n, microbatches, list(placement), programs)
-    return simulate(schedule, CostModel(f, i, w), check=False).makespan_s
+    return simulate(schedule, CostModel(f, i, w, backward_s=backward), check=False).makespan_s

@@ -8,8 +8,9 @@ usually followed right away by its own W (the eager-W order) and the rank downst
 work until it needs that gradient, so running both as one fused B loses nothing.
 
 The pass walks each rank's program in order and replaces an adjacent `I(s, mb) W(s, mb)` by
-`B(s, mb)` when the simulator, pricing B at I + W (no credit for the saving), finds the step no
-longer. The real run is then faster by whatever the fused backward saves.
+`B(s, mb)` when the simulator finds the step no longer. B is priced as profiled when the profile
+timed both (`graph/profile.py`: the split costs 4-7% more on gpt_bench stages), else at I + W
+(no credit for the saving); either way the real run is then faster by what the fused backward saves.
 """
 
 from __future__ import annotations
@@ -30,23 +31,25 @@ def _is_pair(acts: list[Action], i: int) -> bool:
 
 
 def fuse_slack_backwards(
-    programs: list[list[Action]], placement: Sequence[int], microbatches: int, costs: tuple
+    programs: list[list[Action]], placement: Sequence[int], microbatches: int, costs: tuple,
+    backward: list[float] | None = None,
 ) -> list[list[Action]]:
-    """Programs with I/W pairs fused into B wherever the simulated step does not grow."""
+    """Programs with I/W pairs fused into B wherever the simulated step does not grow (B costing
+    `backward` per stage when given, else I + W)."""
     from pipeline.schedules.base import makespan
 
     pairs = sum(_is_pair(acts, i) for acts in programs for i in range(len(acts)))
     if not pairs or pairs * sum(len(acts) for acts in programs) > MAX_WORK:
         return programs
     programs = [list(acts) for acts in programs]
-    best = makespan(programs, placement, microbatches, costs)
+    best = makespan(programs, placement, microbatches, costs, backward)
     for r, acts in enumerate(programs):
         i = 0
         while i < len(acts):  # the list shrinks as pairs fuse
             if _is_pair(acts, i):
                 a = acts[i]
                 trial = acts[:i] + [Action(a.stage, Kind.B, a.mb)] + acts[i + 2 :]
-                span = makespan(programs[:r] + [trial] + programs[r + 1 :], placement, microbatches, costs)
+                span = makespan(programs[:r] + [trial] + programs[r + 1 :], placement, microbatches, costs, backward)
                 if span <= best * (1 + 1e-9):
                     programs[r] = acts = trial
                     best = min(best, span)
