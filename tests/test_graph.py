@@ -15,7 +15,7 @@ from models.resnet import resnet
 from models.spec import causal_lm_loss
 from models.unet import unet
 from pipeline.errors import ConfigError
-from pipeline.graph.profile import measure_op, profile_graph
+from pipeline.graph.profile import CacheEvictor, last_level_cache_bytes, measure_op, profile_graph
 from pipeline.graph.trace import TraceError, trace_model
 from pipeline.partition import balanced, manual, milp_partition, uniform, validate_assignment
 from pipeline.runtime.backward import backward_input, backward_weight
@@ -180,6 +180,34 @@ def test_a_burst_of_noise_hits_one_pass_not_the_profile() -> None:
     profile_graph(traced, (x,), repeats=6)
     assert _BURST_CALLS[0] > 6  # the burst was spent inside the profile
     assert traced.graph.nodes["_0"]["forward_s"] < 0.01
+
+
+class _CountingEvictor(CacheEvictor):
+    """Counts evictions instead of writing a cache-sized buffer."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+
+
+def test_the_cache_is_evicted_before_each_timed_run_of_an_op_worth_it() -> None:
+    """An op that takes milliseconds is timed cold (the cache written over before each timed
+    forward and backward), as it runs inside a pipeline; one that takes microseconds is not, since
+    the write would cost more than the cache could change."""
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+
+    def slow(t: torch.Tensor) -> torch.Tensor:
+        time.sleep(2 * CacheEvictor.min_s)
+        return lin(t)
+
+    for fn, per_repeat in ((slow, 2), (lin, 0)):
+        evict = _CountingEvictor()
+        measure_op(fn, (x,), {}, list(lin.parameters()), torch.device("cpu"), 4, evict=evict)
+        assert evict.calls == 4 * per_repeat, fn
+    assert last_level_cache_bytes(torch.device("cpu")) >= 2**20
 
 
 def test_chain_traced_on_meta_and_profiled_leaf_by_leaf_works_with_every_partitioner(tmp_path, monkeypatch) -> None:
