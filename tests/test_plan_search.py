@@ -3,6 +3,8 @@ under a per-device memory budget."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from launcher.validate import prepare
@@ -44,9 +46,10 @@ def test_scheduler_variants_try_each_listed_setting() -> None:
 class _Pred:
     """The parts of a Prediction the search reads."""
 
-    def __init__(self, step_s: float, peaks: list[float]) -> None:
+    def __init__(self, step_s: float, peaks: list[float], stages: int = 2) -> None:
         self.result = simulate_one(step_s)
         self.devices = [DeviceMemory(r, p, 0, 0, 0) for r, p in enumerate(peaks)]
+        self.plan = SimpleNamespace(stages=[None] * stages)
 
     @property
     def step_s(self) -> float:
@@ -95,6 +98,18 @@ def test_search_ranks_what_fits_and_keeps_what_the_budget_or_a_rule_ruled_out() 
     assert "the best other schedule" not in tied.why()  # zbv, the fastest, is named once
     assert "<- runs" in next(line for line in tied.table().splitlines() if " 1f1b " in line)
 
+    # within the tie, fewer stages come before less memory (a transfer per stage the predictions
+    # price least well), and the reason says so
+    fewer = run_search(cands[1:], lambda c: _Pred({"1f1b": 1.0, "zbv": 0.98}[c.scheduler],
+                                                  {"1f1b": [90.0], "zbv": [50.0]}[c.scheduler],
+                                                  {"1f1b": 2, "zbv": 4}[c.scheduler]), cap=None, tie=0.03)
+    assert fewer.winner.candidate.scheduler == "1f1b"
+    assert "cuts the model into 4 stages against 2" in fewer.why()
+    apart = run_search(cands[1:], lambda c: _Pred({"1f1b": 1.0, "zbv": 0.9}[c.scheduler],
+                                                  {"1f1b": [90.0], "zbv": [50.0]}[c.scheduler],
+                                                  {"1f1b": 2, "zbv": 4}[c.scheduler]), cap=None, tie=0.03)
+    assert apart.winner.candidate.scheduler == "zbv"  # 10% apart: no tie, the fastest runs
+
     def fails(c: Candidate):
         raise ConfigError("microbatches", "zbv needs at least 2p")
 
@@ -123,7 +138,10 @@ def test_plan_auto_searches_jointly_and_wins_over_the_config_as_given() -> None:
     fastest = result.ranked[0].prediction
     assert win.prediction.step_s <= fastest.step_s * (1 + result.tie)  # plan.tie: 0.03
     tied = [o for o in result.ranked if o.prediction.step_s <= fastest.step_s * (1 + result.tie)]
-    assert win.prediction.peak_bytes == min(o.prediction.peak_bytes for o in tied)
+    fewest = min(len(o.prediction.plan.stages) for o in tied)
+    assert len(win.prediction.plan.stages) == fewest
+    assert win.prediction.peak_bytes == min(o.prediction.peak_bytes for o in tied
+                                            if len(o.prediction.plan.stages) == fewest)
     given = next(o for o in result.outcomes if o.candidate == result.given)
     assert given.candidate.label == "1f1b / uniform / 4 mbs / remat=none"
     assert win.prediction.step_s <= given.prediction.step_s
