@@ -144,8 +144,8 @@ class CacheEvictor:
 
     Why: timed back to back, an op reruns on weights and inputs it just touched. Inside a run,
     other micro-batches and stages pass through the cache between a stage's ops and their
-    backward: gpt_bench's stages ran 6-26% slower (forward) in interleaved 1F1B than profiled hot;
-    evicted before each timed forward and backward, the profile comes within 0-11%. Ops whose
+    backward: gpt_bench's stage forwards ran 7-26% above the hot profile in interleaved 1F1B, and
+    from 1% below to 12% above the profile evicted before each timed forward and backward. Ops whose
     warm-up takes under `min_s` are timed without it: the write (a few milliseconds) would cost
     more than the cache could change."""
 
