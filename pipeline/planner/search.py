@@ -114,8 +114,9 @@ class SearchResult:
         if not ranked:
             raise ConfigError("plan", self._nothing_fits())
         # Fewest stages first: each stage adds transfers and switches between stages that the
-        # predictions price least well (interleaved 1F1B at pp=2 measured 1.06-1.13x its prediction,
-        # with 4 stages per rank 1.13x, against 0.94-1.05x for one or two stages per rank).
+        # predictions price least well (interleaved 1F1B at pp=2 measured 1.06-1.13x its prediction in
+        # four runs, median 1.10, with 4 stages per rank 1.13x; one or two stages per rank 0.94-1.10x,
+        # median 1.03).
         return min(self._tied(ranked), key=lambda o: (_stages(o), o.prediction.peak_bytes, o.prediction.step_s))
 
     def _tied(self, ranked: list[Outcome]) -> list[Outcome]:
