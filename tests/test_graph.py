@@ -155,7 +155,7 @@ _BURST_CALLS = [0]
 
 
 class _Bursty(nn.Module):
-    """A linear layer that runs 30 ms slow on its 2nd-6th calls: a burst of machine noise that
+    """A linear layer that runs 30 ms slow on its 2nd-5th calls: a burst of machine noise that
     lasts longer than the repeats of one node."""
 
     def __init__(self) -> None:
@@ -164,7 +164,7 @@ class _Bursty(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _BURST_CALLS[0] += 1
-        if 2 <= _BURST_CALLS[0] <= 6:
+        if 2 <= _BURST_CALLS[0] <= 5:
             time.sleep(0.03)
         return self.lin(x)
 

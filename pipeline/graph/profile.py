@@ -7,7 +7,7 @@ inputs it saw during one real forward pass, with autograd on, and its backward i
 
 Why the timings come from several passes over the graph rather than back-to-back repeats of each node:
 a shared machine slows down in bursts that last longer than one node's repeats. Timed back to back,
-a burst lands on every sample of one node (a head measured 18% slow set the split off balance);
+a burst lands on every sample of one node (in one profile an LM head's backward measured 12% dear);
 timed in passes, it lands on one pass, and the median over passes leaves it out.
 
 The model may live on the meta device: each node runs on real inputs with only the module it calls
@@ -35,7 +35,7 @@ import torch
 from torch import fx, nn
 
 from pipeline.graph.trace import COMPUTE_OPS, TracedModel, retarget
-from pipeline.runtime.backward import backward_input, backward_weight
+from pipeline.runtime.backward import WeightGradStash, backward_input, backward_weight
 
 #: what is timed per node: forward, fused backward, and the runtime's split backward (I, then W)
 TIMES = ("forward_s", "backward_s", "backward_input_s", "backward_weight_s")
@@ -180,14 +180,13 @@ def measure_op(
     params: Sequence[torch.Tensor],
     device: torch.device,
     repeats: int,
-    stash: bool = True,
     evict: CacheEvictor | None = None,
 ) -> dict[str, Any]:
     """Like `_measure`, degrading gracefully for ops autograd refuses (in-place ops on leaves)."""
     try:
-        return _measure(fn, args, kwargs, params, device, repeats, True, stash, evict)
+        return _measure(fn, args, kwargs, params, device, repeats, True, evict)
     except RuntimeError:
-        return _measure(fn, args, kwargs, params, device, repeats, False, stash, evict)
+        return _measure(fn, args, kwargs, params, device, repeats, False, evict)
 
 
 def _measure(
@@ -198,12 +197,11 @@ def _measure(
     device: torch.device,
     repeats: int,
     input_grads: bool,
-    stash: bool = True,
     evict: CacheEvictor | None = None,
 ) -> dict[str, Any]:
     """Median forward and backward seconds of `fn(*args, **kwargs)` (and, under `samples`, every
-    timing, for pooling over passes), its saved and output bytes, and (with `stash`) what a split
-    backward keeps for W."""
+    timing, for pooling over passes), its saved and output bytes, and what a split backward keeps
+    for W."""
     param_ptrs = {p.data_ptr() for p in params}
     saved: dict[int, int] = {}
 
@@ -236,8 +234,9 @@ def _measure(
 
     samples: dict[str, list[float]] = {k: [] for k in TIMES}
     leaves = {str(i): x for i, x in enumerate(grad_inputs)}
+    kept = 0
     # Even repeats time the fused backward (B), odd ones the runtime's split backward (I, then W):
-    # splitting costs extra work (autograd runs twice; W restarts node by node), 4-6% of a gpt_bench
+    # splitting costs extra work (autograd runs twice; W restarts node by node), 4-7% of a gpt_bench
     # stage's backward, which zero-bubble schedules pay on every micro-batch they split.
     for k in range(max(repeats, 2) if differentiable else repeats):
         cold()
@@ -258,13 +257,12 @@ def _measure(
             continue
         _, weight_stash = backward_input(outs, grads, leaves, grad_params)
         _sync(device)
-        t1 = time.perf_counter()
+        samples["backward_input_s"].append(time.perf_counter() - t0)
+        kept = _stash_bytes(weight_stash) if grad_params else 0  # untimed, between I and W
+        t0 = time.perf_counter()
         backward_weight(weight_stash)
         _sync(device)
-        samples["backward_input_s"].append(t1 - t0)
-        samples["backward_weight_s"].append(time.perf_counter() - t1)
-    kept = _weight_stash_bytes(fn, leaf_args, leaf_kwargs, grad_inputs, grad_params, grads) \
-        if differentiable and stash else 0
+        samples["backward_weight_s"].append(time.perf_counter() - t0)
     for t in grad_inputs + grad_params:
         t.grad = None
     return {
@@ -277,10 +275,8 @@ def _measure(
 
 
 def _medians(samples: Mapping[str, Sequence[float]]) -> dict[str, float]:
-    """Each timing's median; a forward is never free, a node with no backward has none."""
-    out = {k: max(statistics.median(v), MIN_TIME_S) if v else 0.0 for k, v in samples.items()}
-    out["forward_s"] = max(out["forward_s"], MIN_TIME_S)
-    return out
+    """Each timing's median (never below `MIN_TIME_S`); a node with no backward has none."""
+    return {k: max(statistics.median(v), MIN_TIME_S) if v else 0.0 for k, v in samples.items()}
 
 
 def _pool(first: dict[str, Any], later: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -289,27 +285,13 @@ def _pool(first: dict[str, Any], later: Sequence[dict[str, Any]]) -> dict[str, A
     return {**{k: v for k, v in first.items() if k != "samples"}, **_medians(pooled)}
 
 
-def _weight_stash_bytes(
-    fn: Callable[..., Any],
-    args: Sequence[Any],
-    kwargs: Mapping[str, Any],
-    grad_inputs: Sequence[torch.Tensor],
-    grad_params: Sequence[torch.Tensor],
-    out_grads: Sequence[torch.Tensor],
-) -> int:
-    """Bytes the runtime's split backward keeps for W after this op's I: the gradients captured
+def _stash_bytes(stash: WeightGradStash) -> int:
+    """Bytes the runtime's split backward keeps for W after an op's I: the gradients captured
     where W restarts (runtime/backward.py), e.g. a linear layer's output gradient. They sit beside
     the saved activations from I to W, so zero-bubble schedules that defer W hold them too."""
-    if not grad_params:
-        return 0
-    outs = [t for t in _tensors(fn(*args, **kwargs)) if t.requires_grad]
-    leaves = {str(i): x for i, x in enumerate(grad_inputs)}
-    _, stash = backward_input(outs, list(out_grads), leaves, list(grad_params))
     held = [g for _, grads, _ in stash.restarts for g in grads] + [g for g in stash.root_grads if g is not None] \
         + [g for _, g in stash.direct]
-    nbytes = sum({g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in held}.values())
-    backward_weight(stash)
-    return nbytes
+    return sum({g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in held}.values())
 
 
 def _node_callable(gm: fx.GraphModule, node: fx.Node, module: nn.Module | None) -> tuple[Callable[..., Any], list[torch.Tensor]]:
@@ -336,12 +318,10 @@ class _LeafwiseProfiler(fx.Interpreter):
     `get_attr` reads lives until its last reader. So the peak is one leaf's weights plus the
     activations still needed, never the model."""
 
-    def __init__(self, gm: fx.GraphModule, device: torch.device, repeats: int, seed: int, first: bool = True,
+    def __init__(self, gm: fx.GraphModule, device: torch.device, repeats: int, seed: int,
                  evict: CacheEvictor | None = None) -> None:
         super().__init__(gm)
         self.device, self.repeats, self.seed, self.evict = device, repeats, seed, evict
-        #: the first pass also measures bytes (a split backward's stash among them); later ones only time
-        self.first = first
         self.results: dict[str, dict[str, Any]] = {}
 
     def run_node(self, n: fx.Node) -> Any:
@@ -359,8 +339,7 @@ class _LeafwiseProfiler(fx.Interpreter):
             materialize(module, self.seed, self.device)
         fn, params = _node_callable(self.module, n, module)
         params = params + [a for a in _tensors([args, kwargs]) if isinstance(a, nn.Parameter)]
-        self.results[n.name] = measure_op(fn, args, kwargs, params, self.device, self.repeats, stash=self.first,
-                                          evict=self.evict)
+        self.results[n.name] = measure_op(fn, args, kwargs, params, self.device, self.repeats, evict=self.evict)
         with torch.no_grad():
             return fn(*args, **kwargs)
 
@@ -424,11 +403,11 @@ def profile_graph(
 
     evict = CacheEvictor(device)
     runs: list[dict[str, dict[str, Any]]] = []
-    for p in range(passes):
-        runner = _LeafwiseProfiler(traced.gm, device, per_pass, seed, first=p == 0, evict=evict)
+    for _ in range(passes):
+        runner = _LeafwiseProfiler(traced.gm, device, per_pass, seed, evict=evict)
         value = next(iter(_tensors(runner.run(*args))), None)
         if loss_of is not None and value is not None:
-            runner.results[_LOSS] = measure_op(loss_of, (value,), {}, [], device, per_pass, stash=False, evict=evict)
+            runner.results[_LOSS] = measure_op(loss_of, (value,), {}, [], device, per_pass, evict=evict)
         runs.append(runner.results)
     del evict
     results = {name: _pool(first, [r[name] for r in runs[1:]]) for name, first in runs[0].items()}

@@ -170,8 +170,8 @@ def build_plan(
     for node, s in part.assignment.items():
         forward[s] += traced.graph.nodes[node].get("forward_s", 0.0)
         backward[s] += traced.graph.nodes[node].get("backward_s", 0.0)
-    split_costs = stage_split_backward(traced, part.assignment, backward) if profiled else None
-    if split_costs is not None:
+    if profiled:
+        split_costs = stage_split_backward(traced, part.assignment, backward)
         generator.use_stage_costs(forward, *split_costs, backward_s=backward)
     schedule = build_schedule(generator, placement, microbatches, remat, part.remat_stages)
     reprice_for_schedule(part, schedule)
@@ -208,7 +208,7 @@ def build_plan(
                   "stage_tensors": [sorted({traced.param_aliases.get(n, n) for n, _ in [
                       *gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]})
                       for gm in split.stages]}
-    if split_costs is not None:
+    if profiled:
         meta["stage_forward_s"], meta["stage_backward_s"] = forward, backward
         meta["stage_backward_input_s"], meta["stage_backward_weight_s"] = split_costs
         # a backward's transient gradients: its stage's largest node's activations (planner/memory.py)
