@@ -45,6 +45,9 @@ class DebugConfig:
     #: this global rank stops answering (sleeps for good) at the start of step `hang_step`
     hang_rank: Any = None
     hang_step: Any = None
+    #: log each rank's P2P posting order (first training step and first evaluation) and check, at
+    #: the end, that every pair's k-th messages complement each other, as NCCL needs (tags are 0)
+    record_p2p: bool = False
 
 
 @dataclass

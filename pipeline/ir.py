@@ -28,27 +28,42 @@ class Kind(str, Enum):
 COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.R})
 COMM_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
 
-_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W|R)(\d+)$")
+_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W|R)(\d+)(?:([<>])(\d+))?$")
 
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One step of a rank's program: `kind` applied to micro-batch `mb` of `stage`."""
+    """One step of a rank's program: `kind` applied to micro-batch `mb` of `stage`.
+
+    A communication action names the stage at the other end (`peer`): it carries the values of
+    one stage-graph edge, so it is one message group with one other rank, and the group its peer
+    posts is its exact complement (`pipeline.lowering`)."""
 
     stage: int
     kind: Kind
     mb: int
+    peer: int | None = None
 
     def __str__(self) -> str:
-        # torch.distributed.pipelining's compact spelling, e.g. "0F1", "3SEND_B2".
+        # torch.distributed.pipelining's compact spelling, e.g. "0F1", "3SEND_B2", with the peer
+        # stage of a message after ">" (sent to) or "<" (received from): "2SEND_F0>3", "3RECV_F0<2"
+        if self.peer is None:
+            return f"{self.stage}{self.kind.value}{self.mb}"
+        arrow = ">" if self.kind in (Kind.SEND_F, Kind.SEND_B) else "<"
+        return f"{self.stage}{self.kind.value}{self.mb}{arrow}{self.peer}"
+
+    @property
+    def torch_name(self) -> str:
+        """The spelling of torch.distributed.pipelining, which has no peer: "2SEND_F0"."""
         return f"{self.stage}{self.kind.value}{self.mb}"
 
     @classmethod
     def parse(cls, text: str) -> Action:
         match = _ACTION_RE.match(text.strip())
         if match is None:
-            raise ValueError(f"not an action: {text!r} (expected e.g. '0F1' or '2SEND_B3')")
-        return cls(int(match.group(1)), Kind(match.group(2)), int(match.group(3)))
+            raise ValueError(f"not an action: {text!r} (expected e.g. '0F1' or '2SEND_B3>1')")
+        peer = int(match.group(5)) if match.group(5) is not None else None
+        return cls(int(match.group(1)), Kind(match.group(2)), int(match.group(3)), peer)
 
     @property
     def is_compute(self) -> bool:
@@ -164,4 +179,4 @@ class Schedule:
 
     def to_csv(self) -> str:
         """torch.distributed.pipelining's CSV format: one row per rank, comma-separated actions."""
-        return "\n".join(",".join(str(a) for a in acts) for acts in self.actions) + "\n"
+        return "\n".join(",".join(a.torch_name for a in acts) for acts in self.actions) + "\n"

@@ -22,6 +22,8 @@ Memory accounting per rank (activation memory only, weights excluded):
   activations (by default all but the share `held_after_input_grad` that stands for what the
   weight gradient still needs) and adds `weight_stash_bytes[s]`, the gradients captured where W
   restarts; W frees the rest and the stash, together with any inputs.
+* A lowered program also holds its P2P buffers: a receive from its post to the compute that
+  reads it, a send from its producer's end until its transfer is over (`_in_flight`).
 * `peak_activation_microbatches` counts (stage, micro-batch) pairs holding activations (F done
   without remat, or R done) that are not yet fully freed; pairs holding only their remat inputs
   do not count.
@@ -385,6 +387,8 @@ def simulate(schedule: Schedule, cost: CostModel, check: bool = True) -> SimResu
                 ready.extend(woken)
     if remaining:
         raise ScheduleError(_deadlock_message(schedule.name, placement, m, programs, pos, done, remat))
+    if schedule.lowered:
+        _in_flight(schedule, cost, raw_events, mem_events)
 
     makespan = max(last, default=0.0)
     bubble = [(makespan - b) / makespan if makespan > 0 else 0.0 for b in busy]
@@ -422,6 +426,40 @@ def simulate(schedule: Schedule, cost: CostModel, check: bool = True) -> SimResu
         peak_activation_microbatches=peak_mbs,
         events=events,
     )
+
+
+def _in_flight(schedule: Schedule, cost: CostModel, raw_events: list[tuple[int, int, float, float]],
+               mem_events: list[list[tuple[float, int, float, int]]]) -> None:
+    """Add the P2P buffers of a lowered program to each rank's memory: a receive buffer from the
+    moment its group is posted (when the compute before it in the program ends) until the
+    compute that reads it starts, and a sent tensor from the end of the compute that made it
+    until its transfer is over (the runtime releases it then)."""
+    times = {(rank, i): (start, end) for rank, i, start, end in raw_events}
+    in_b, out_b = cost.input_bytes or [0.0] * schedule.num_stages, cost.output_bytes or [0.0] * schedule.num_stages
+    for rank, acts in enumerate(schedule.actions):
+        reader: dict[tuple[str, int, int], int] = {}
+        i = 0
+        for a in acts:
+            if a.kind in _CODE:
+                reader[("F" if a.kind is Kind.F else "G" if a.kind in (Kind.B, Kind.I) else "", a.stage, a.mb)] = i
+                i += 1
+        done = 0  # compute actions before the current position
+        for a in acts:
+            if a.kind in _CODE:
+                done += 1
+                continue
+            made_end = times[(rank, done - 1)][1] if done else 0.0
+            if a.kind in (Kind.RECV_F, Kind.RECV_B):
+                nbytes = in_b[a.stage] if a.kind is Kind.RECV_F else out_b[a.stage]
+                read = reader.get(("F" if a.kind is Kind.RECV_F else "G", a.stage, a.mb))
+                if read is not None and nbytes:
+                    mem_events[rank].append((made_end, 1, nbytes, 0))
+                    mem_events[rank].append((times[(rank, read)][0], 0, -nbytes, 0))
+            else:
+                nbytes = out_b[a.stage] if a.kind is Kind.SEND_F else in_b[a.stage]
+                if nbytes:
+                    mem_events[rank].append((made_end, 1, nbytes, 0))
+                    mem_events[rank].append((made_end + cost.transfer_s(nbytes), 0, -nbytes, 0))
 
 
 def _lower_bound(schedule: Schedule, cost: CostModel, busy: list[float]) -> float:

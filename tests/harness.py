@@ -23,6 +23,8 @@ CONF = ROOT / "conf"
 FAST = [
     "model.dim=32", "model.layers=6", "model.seq_len=8", "model.vocab_size=64",
     "batch_size=16", "steps=3", "warmup_steps=0", "optimizer=sgd", "timeout_s=60", "threads=1",
+    # NCCL semantics on gloo: tags are always 0, and every pair's posting order is checked at the end
+    "debug.record_p2p=true",
 ]
 
 

@@ -131,3 +131,23 @@ def test_inference_outputs_equal_single_process_forward(tmp_path) -> None:
         ref = reference_run({**cfg, "steps": 1}, capture_state=False)
         # no optimizer step happens, so step 0's loss is the plain forward loss
         assert ranks[0]["losses"][0] == pytest.approx(ref["losses"][0], rel=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_recompute_replays_the_forward_s_dropout(tmp_path) -> None:
+    """With dropout, a stage that recomputes its forward (remat=full: an R action) draws the same
+    masks as its first forward did, so its gradients are those of keeping the activations."""
+    cases = [(sched, remat) for sched in ("1f1b", "zbv") for remat in ("none", "full")]
+    cfgs = [compose_cfg([*FAST, f"scheduler={sched}", "pp=2", "microbatches=4", f"remat={remat}",
+                         "model.dropout=0.2", "partitioner=uniform"]) for sched, remat in cases]
+    results = run_jobs(cfgs, tmp_path / "logs")
+    by_case = dict(zip(cases, results, strict=True))
+    for sched in ("1f1b", "zbv"):
+        kept, recomputed = by_case[(sched, "none")], by_case[(sched, "full")]
+        assert recomputed[0]["losses"] == pytest.approx(kept[0]["losses"], rel=1e-6), sched
+        grads_kept, grads_recomputed = merge_state(kept, "grads_step0"), merge_state(recomputed, "grads_step0")
+        for name, g in grads_kept.items():
+            torch.testing.assert_close(grads_recomputed[name], g, rtol=1e-6, atol=1e-7, msg=f"{sched}: {name}")
+    # and dropout really draws: without it the loss differs
+    plain = reference_run(compose_cfg([*FAST, "scheduler=1f1b", "pp=2", "microbatches=4"]))
+    assert by_case[("1f1b", "none")][0]["losses"][0] != pytest.approx(plain["losses"][0], rel=1e-6)

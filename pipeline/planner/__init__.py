@@ -18,6 +18,7 @@ from pipeline.graph.atomic import contract_unsendable
 from pipeline.graph.split import split_model
 from pipeline.graph.trace import TracedModel
 from pipeline.lowering import lower
+from pipeline.p2p_check import check_p2p, edge_messages
 from pipeline.partition import Partition, PartitionRequest, evaluate
 from pipeline.partition.common import assignment_from_order, topo_order
 from pipeline.partition.rank_balance import rank_balanced_starts
@@ -197,10 +198,11 @@ def build_plan(
             values={n: _value_meta(traced, n) for n in crossing},
             loss_value=outputs[0] if io.index == k - 1 else None,
         ))
-    edges = [(p, s.index) for s in stages for p in s.inputs.values() if p is not None]
-    schedule = lower(schedule, edges)
+    messages = edge_messages(stages)
+    # gradients flow back only along edges carrying a floating-point value
+    schedule = lower(schedule, messages, grad_edges=[e for e, (_, grads) in messages.items() if grads])
     # evaluation runs the same stages on the same ranks, forward only
-    eval_schedule = lower(build_schedule(Inference(), placement, microbatches), edges)
+    eval_schedule = lower(build_schedule(Inference(), placement, microbatches), messages)
     meta: dict = {"remat": remat, "optimizer_states": optimizer_states, "memory_cap": memory_cap,
                   "reserve_bytes": reserve_bytes, "remat_stages": schedule.remat_stages(), "partitioner": plugin_name(partitioner_cfg),
                   "partition": partition_summary(part), "profiled": profiled,
@@ -217,6 +219,9 @@ def build_plan(
         meta["stage_weight_stash_bytes"] = [weight_stash_bytes(traced, s) for s in stages]
         meta["stage_loss_activation_bytes"] = [sum(float(traced.graph.nodes[n].get("loss_activation_bytes", 0))
                                                    for n in s.blocks) for s in stages]
+    # NCCL's rules, proven on the programs the ranks will run: a plan that breaks them never spawns
+    check_p2p(schedule, messages)
+    check_p2p(eval_schedule, messages)
     return Plan(pp, dp, microbatches, batch_size // (dp * microbatches), model_name, stages, schedule,
                 assignment=dict(part.assignment),
                 shared_params={n: list(v) for n, v in split.shared_params.items()}, meta=meta,

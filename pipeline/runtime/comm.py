@@ -1,68 +1,114 @@
-"""Point-to-point transfers between pipeline ranks, with tags that make every message unique.
+"""Point-to-point transfers between pipeline ranks, posted the way NCCL needs them.
 
-A message carries one named value of one micro-batch along one stage-graph edge, in one
-direction; its tag is derived from (edge id, micro-batch, direction), computed identically on
-both ends from the Plan. Receives are posted ahead of time (a look-ahead window over the rank's
-program) so transfers overlap compute; sends are asynchronous and awaited at the end of a step.
+Every SEND/RECV action of the lowered program is one `batch_isend_irecv` group with one peer,
+and its peer posts the complementary group at the same place in their shared order
+(`pipeline.lowering`). Tags are always 0: NCCL ignores them, and with tag 0 gloo matches a pair's
+messages in posting order as NCCL does, so a CPU run exercises the very semantics a GPU run has.
+Receives are waited for only when the compute that reads them runs; sent tensors are kept alive
+until their transfer completes and released as soon as it has (checked at every action, without
+blocking), not held to the end of the step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-FORWARD, BACKWARD = 0, 1
-
-
-def message_tag(edge_id: int, mb: int, direction: int, num_microbatches: int) -> int:
-    return (edge_id * num_microbatches + mb) * 2 + direction
+#: one entry of a posting-order log: ("send" | "recv", message label, shape, dtype)
+LogEntry = tuple[str, str, tuple[int, ...], str]
 
 
 @dataclass
-class RecvSpec:
-    """One tensor to receive: under which key it is handed back, from whom, what it looks like."""
+class Pending:
+    """A posted receive group: its works, its buffers, and where in the program it was posted."""
 
-    key: Hashable
-    peer: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    tag: int
+    works: list[dist.Work]
+    buffers: list[torch.Tensor]
+    position: int
 
 
 class P2P:
-    """Sends and receives for one rank's program, addressed by global rank."""
+    """Sends and receives for one rank's program, addressed by global rank.
 
-    def __init__(self, device: torch.device) -> None:
+    With `record`, every tensor posted is logged per peer, so that the ranks' logs can be
+    compared pair by pair (`verify_posting_order`): what NCCL needs, shown on gloo."""
+
+    def __init__(self, device: torch.device, record: bool = False) -> None:
         self.device = device
-        self._posted: dict[Hashable, list[tuple[Hashable, dist.Work, torch.Tensor]]] = {}
-        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._posted: dict[Hashable, Pending] = {}
+        self._sends: list[tuple[list[dist.Work], list[torch.Tensor]]] = []
+        self.log: dict[int, list[LogEntry]] | None = {} if record else None
 
-    def post(self, group_key: Hashable, specs: list[RecvSpec]) -> None:
-        """Post the receives of one RECV action (all its tensors) unless already posted."""
-        if group_key in self._posted:
-            return
-        posted = []
-        for spec in specs:
-            buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
-            posted.append((spec.key, dist.irecv(buf, src=spec.peer, tag=spec.tag), buf))
-        self._posted[group_key] = posted
+    def _record(self, peer: int, op: str, label: str, tensors: Sequence[torch.Tensor]) -> None:
+        if self.log is not None:
+            entries = self.log.setdefault(peer, [])
+            for i, t in enumerate(tensors):
+                entries.append((op, f"{label}#{i}", tuple(t.shape), str(t.dtype)))
 
-    def take(self, group_key: Hashable) -> dict[Hashable, torch.Tensor]:
-        """Wait for the receives of one RECV action and return its tensors by key."""
-        out = {}
-        for key, work, buf in self._posted.pop(group_key):
+    def post_recv(self, key: Hashable, label: str, peer: int, shapes: Sequence[tuple[tuple[int, ...], torch.dtype]],
+                  position: int) -> None:
+        """Post one group of receives from `peer` (nothing when it carries no tensor)."""
+        buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in shapes]
+        works = _batch([dist.P2POp(dist.irecv, b, peer) for b in buffers])
+        self._record(peer, "recv", label, buffers)
+        self._posted[key] = Pending(works, buffers, position)
+
+    def pending_position(self, key: Hashable) -> int | None:
+        pending = self._posted.get(key)
+        return None if pending is None else pending.position
+
+    def wait_recv(self, key: Hashable) -> list[torch.Tensor]:
+        """Wait for one posted group and return its tensors (on a GPU the wait only orders the
+        current stream after the transfer; the host goes on)."""
+        pending = self._posted.pop(key)
+        for work in pending.works:
             work.wait()
-            out[key] = buf
-        return out
+        return pending.buffers
 
-    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
-        tensor = tensor.detach().contiguous()
-        self._sends.append((dist.isend(tensor, dst=peer, tag=tag), tensor))
+    def send(self, label: str, peer: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Post one group of sends to `peer`."""
+        tensors = [t.detach().contiguous() for t in tensors]
+        self._record(peer, "send", label, tensors)
+        self._sends.append((_batch([dist.P2POp(dist.isend, t, peer) for t in tensors]), tensors))
+
+    def release_completed(self) -> None:
+        """Drop the sent tensors whose transfer has completed (a query, never a wait)."""
+        if self._sends:
+            self._sends = [s for s in self._sends if not all(w.is_completed() for w in s[0])]
 
     def wait_sends(self) -> None:
-        for work, _ in self._sends:
-            work.wait()
+        for works, _ in self._sends:
+            for work in works:
+                work.wait()
         self._sends.clear()
+
+    @property
+    def in_flight_bytes(self) -> int:
+        """Bytes of sent tensors not yet released."""
+        return sum(t.numel() * t.element_size() for _, ts in self._sends for t in ts)
+
+
+def _batch(ops: list[dist.P2POp]) -> list[dist.Work]:
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def verify_posting_order(logs: Sequence[dict[int, list[LogEntry]] | None]) -> None:
+    """`logs[rank]`: that rank's posting-order log by peer rank. Raise RuntimeError at the first
+    pair whose k-th tensors do not complement each other (a send of one end is a receive of the
+    other, same message, shape and dtype), as NCCL would have matched them."""
+    for a, mine in enumerate(logs):
+        for b, ours in sorted((mine or {}).items()):
+            if b < a:
+                continue
+            theirs = (logs[b] or {}).get(a, [])
+            for k in range(max(len(ours), len(theirs))):
+                x = ours[k] if k < len(ours) else None
+                y = theirs[k] if k < len(theirs) else None
+                if x and y and x[0] != y[0] and x[1:] == y[1:]:
+                    continue
+                raise RuntimeError(f"ranks {a} and {b} posted their tensor #{k} with each other out of order: "
+                                   f"rank {a} posted {x or 'nothing'}, rank {b} posted {y or 'nothing'}; NCCL "
+                                   "would have matched these two (it ignores tags)")

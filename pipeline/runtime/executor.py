@@ -12,8 +12,8 @@ gives the gradient of the global-batch mean loss, as single-process accumulation
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -22,7 +22,7 @@ from torch import nn
 
 from pipeline.ir import Action, Kind, Schedule
 from pipeline.runtime.backward import WeightGradStash, backward_input, backward_weight
-from pipeline.runtime.comm import BACKWARD, FORWARD, P2P, RecvSpec, message_tag
+from pipeline.runtime.comm import P2P
 from pipeline.runtime.heartbeat import Heartbeat
 
 
@@ -37,7 +37,6 @@ class StageSlot:
     values: dict[str, tuple[tuple[int, ...], torch.dtype]]
     loss_value: str | None
     peer_of: dict[int, int | None]  # neighbouring stage -> its global rank, None when on this rank
-    edge_id: dict[tuple[int, int, str], int] = field(default_factory=dict)
 
     @property
     def is_last(self) -> bool:
@@ -46,6 +45,14 @@ class StageSlot:
     def grad_flows(self, name: str) -> bool:
         """Gradients travel back along a value only if it is floating point (static, both ends agree)."""
         return self.values[name][1].is_floating_point
+
+    def read_from(self, producer: int) -> list[str]:
+        """The values this stage reads from `producer`, in the order both ends put them in a message."""
+        return sorted(n for n, p in self.inputs.items() if p == producer)
+
+    def sent_to(self, consumer: int) -> list[str]:
+        """The values this stage's `consumer` reads from it, in message order."""
+        return sorted(n for n, cs in self.outputs.items() if consumer in cs)
 
 
 @dataclass
@@ -56,6 +63,13 @@ class MicroBatchState:
     outputs: dict[str, torch.Tensor] | None = None  # with graph (None under remat until R runs)
     loss: torch.Tensor | None = None
     stash: WeightGradStash | None = None
+    #: the random-number state the forward started from, replayed by its recompute (R)
+    rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+
+def message_label(direction: str, producer: int, consumer: int, mb: int) -> str:
+    """What both ends of a message call it (posting-order logs, errors)."""
+    return f"{direction} {producer}>{consumer} mb{mb}"
 
 
 class Executor:
@@ -68,9 +82,9 @@ class Executor:
         device: torch.device,
         loss_scale: float,
         record_timings: bool = True,
-        lookahead: int = 4,
         autocast: torch.dtype | None = None,
         heartbeat: Heartbeat | None = None,
+        record_p2p: bool = False,
     ) -> None:
         self.actions = schedule.actions[pp_rank]
         self.training = schedule.training
@@ -90,10 +104,14 @@ class Executor:
         self._autocast = partial(torch.autocast, device.type, dtype=autocast) if autocast is not None else nullcontext
         # where this rank is, readable from outside (pipeline/runtime/heartbeat.py); None: untracked
         self.heartbeat = heartbeat
-        self.p2p = P2P(device)
-        self.lookahead = lookahead
-        self._recv_positions = [i for i, a in enumerate(self.actions) if a.kind in (Kind.RECV_F, Kind.RECV_B)]
+        # with record_p2p, the first step's posting order is logged per peer (debug.record_p2p)
+        self.p2p = P2P(device, record=record_p2p)
         self._params = {s: [p for p in slot.module.parameters() if p.requires_grad] for s, slot in slots.items()}
+        # remote neighbours per stage: the messages its forward and backward wait for
+        self._remote_in = {s: [p for p in sorted(set(slot.inputs.values()) - {None}) if slot.peer_of[p] is not None]
+                           for s, slot in slots.items()}
+        self._remote_out = {s: [c for c in sorted({c for cs in slot.outputs.values() for c in cs})
+                                if slot.peer_of[c] is not None] for s, slot in slots.items()}
 
     # ---- one step -------------------------------------------------------------------------
     def run_step(
@@ -102,64 +120,89 @@ class Executor:
         """Run this rank's program once. Returns (sum of scaled micro-batch losses held by this
         rank, timing events, model outputs per micro-batch when not training).
 
-        Event times are raw `time.perf_counter()` values: CLOCK_MONOTONIC is shared by all
-        processes of a machine, so ranks' events line up once the earliest start is subtracted."""
+        Event times are `time.perf_counter()` values: CLOCK_MONOTONIC is shared by all processes
+        of a machine, so ranks' events line up once the earliest start is subtracted. On a GPU
+        they come from CUDA events, read once after the step: nothing in the step waits for the
+        device."""
         self._inputs, self._targets = inputs, targets
         self._state: dict[tuple[int, int], MicroBatchState] = {}
         self._fwd_box: dict[tuple[int, int, str], torch.Tensor] = {}  # (consumer, mb, value)
         self._bwd_box: dict[tuple[int, int, str, int], torch.Tensor] = {}  # (producer, mb, value, consumer)
-        self._grads_out: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # input grads awaiting SEND_B
+        self._outbox: dict[tuple[Kind, int, int, int], list[torch.Tensor]] = {}  # what a SEND action sends
         self._outputs: dict[int, torch.Tensor] = {}
         # per stage: did any forward output hold a NaN or inf this step (device flags, no sync)
         self.nonfinite = {s: torch.zeros((), dtype=torch.bool, device=self.device) for s in self.slots}
         loss_sum = torch.zeros((), device=self.device)
-        events: list[dict] = []
-        next_recv, n_recv = 0, len(self._recv_positions)
-        timed = self.record_timings
+        clock = StepClock(self.device) if self.record_timings else None
+        marks: list[tuple[Action, object, object]] = []
         beat = self.heartbeat.action if self.heartbeat is not None else None
         for pos, action in enumerate(self.actions):
             if beat is not None:
                 beat(pos)
-            while next_recv < n_recv and self._recv_positions[next_recv] <= pos + self.lookahead:
-                self._post(self.actions[self._recv_positions[next_recv]])
-                next_recv += 1
-            start = time.perf_counter() if timed else 0.0
+            if not action.is_compute:
+                self._communicate(action, pos)
+                continue
+            self._receive_inputs(action)
+            if beat is not None:
+                beat(pos)
+            start = clock.mark() if clock is not None else None
             loss = self._dispatch(action)
             if loss is not None:
                 loss_sum += loss
-            if timed and action.kind not in (Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B):
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                events.append({"rank": self.pp_rank, "action": str(action), "kind": action.kind.value,
-                               "stage": action.stage, "mb": action.mb, "start_s": start,
-                               "end_s": time.perf_counter()})
+            if clock is not None:
+                marks.append((action, start, clock.mark()))
+            self.p2p.release_completed()
         self.p2p.wait_sends()
+        if self.p2p.log is not None:  # one step's order is every step's: log the first only
+            self.posting_log, self.p2p.log = self.p2p.log, None
         self._state.clear()
+        events = clock.events(self.pp_rank, marks) if clock is not None else []
         return loss_sum, events, self._outputs
 
     # ---- communication --------------------------------------------------------------------
-    def _tag(self, slot: StageSlot, producer: int, consumer: int, name: str, mb: int, direction: int) -> int:
-        return message_tag(slot.edge_id[(producer, consumer, name)], mb, direction, self.m)
-
-    def _post(self, action: Action) -> None:
-        slot = self.slots[action.stage]
-        s, mb = action.stage, action.mb
-        specs = []
-        if action.kind is Kind.RECV_F:
-            for name, prod in slot.inputs.items():
-                if prod is not None and slot.peer_of[prod] is not None:
-                    shape, dtype = slot.values[name]
-                    specs.append(RecvSpec(name, slot.peer_of[prod], shape, dtype, self._tag(slot, prod, s, name, mb, FORWARD)))
+    def _communicate(self, action: Action, pos: int) -> None:
+        """Post the group of one SEND or RECV action: the values of one edge, in name order."""
+        kind, s, mb, other = action.kind, action.stage, action.mb, action.peer
+        slot = self.slots[s]
+        if kind is Kind.RECV_F:
+            names = slot.read_from(other)
+            self.p2p.post_recv((Kind.F, s, mb, other), message_label("F", other, s, mb), slot.peer_of[other],
+                               [slot.values[n] for n in names], pos)
+        elif kind is Kind.RECV_B:
+            names = [n for n in slot.sent_to(other) if slot.grad_flows(n)]
+            self.p2p.post_recv((Kind.B, s, mb, other), message_label("B", s, other, mb), slot.peer_of[other],
+                               [slot.values[n] for n in names], pos)
+        elif kind is Kind.SEND_F:
+            self.p2p.send(message_label("F", s, other, mb), slot.peer_of[other],
+                          self._outbox.pop((Kind.F, s, mb, other)))
+        elif kind is Kind.SEND_B:
+            self.p2p.send(message_label("B", other, s, mb), slot.peer_of[other],
+                          self._outbox.pop((Kind.B, s, mb, other), []))
         else:
-            for name, consumers in slot.outputs.items():
-                if not slot.grad_flows(name):
-                    continue
-                for c in consumers:
-                    if slot.peer_of[c] is not None:
-                        shape, dtype = slot.values[name]
-                        specs.append(RecvSpec((name, c), slot.peer_of[c], shape, dtype,
-                                              self._tag(slot, s, c, name, mb, BACKWARD)))
-        self.p2p.post(action, specs)
+            raise ValueError(f"{action} is not a communication action")
+
+    def _wait(self, key: tuple[Kind, int, int, int]) -> list[torch.Tensor]:
+        if self.heartbeat is not None:  # a stuck rank is reported at the receive it waits on
+            position = self.p2p.pending_position(key)
+            if position is not None:
+                self.heartbeat.action(position)
+        return self.p2p.wait_recv(key)
+
+    def _receive_inputs(self, action: Action) -> None:
+        """Wait for what a compute action reads from other ranks: a forward its inputs, a backward
+        the gradients of its outputs."""
+        kind, s, mb = action.kind, action.stage, action.mb
+        slot = self.slots[s]
+        if kind is Kind.F:
+            for p in self._remote_in[s]:
+                for name, t in zip(slot.read_from(p), self._wait((Kind.F, s, mb, p)), strict=True):
+                    self._fwd_box[(s, mb, name)] = t
+        elif kind in (Kind.B, Kind.I):
+            for c in self._remote_out[s]:
+                names = [n for n in slot.sent_to(c) if slot.grad_flows(n)]
+                if names:
+                    for name, t in zip(names, self._wait((Kind.B, s, mb, c)), strict=True):
+                        self._bwd_box[(s, mb, name, c)] = t
 
     def _dispatch(self, action: Action) -> torch.Tensor | None:
         kind, s, mb = action.kind, action.stage, action.mb
@@ -173,35 +216,7 @@ class Executor:
             backward_weight(self._state.pop((s, mb)).stash)
         elif kind is Kind.R:
             self._recompute(action)
-        elif kind is Kind.RECV_F:
-            for name, t in self.p2p.take(action).items():
-                self._fwd_box[(s, mb, name)] = t
-        elif kind is Kind.RECV_B:
-            for (name, c), t in self.p2p.take(action).items():
-                self._bwd_box[(s, mb, name, c)] = t
-        elif kind is Kind.SEND_F:
-            self._send_forward(action)
-        elif kind is Kind.SEND_B:
-            slot = self.slots[s]
-            # nothing to send when every cross-rank input is non-differentiable (an integer or bool
-            # mask, say): lowering adds SEND_B per remote producer edge, whatever its dtype
-            for name, grad in self._grads_out.pop((s, mb), {}).items():
-                prod = slot.inputs[name]
-                self.p2p.send(grad, slot.peer_of[prod], self._tag(slot, prod, s, name, mb, BACKWARD))
         return None
-
-    def _send_forward(self, action: Action) -> None:
-        s, mb = action.stage, action.mb
-        slot = self.slots[s]
-        state = self._state[(s, mb)]
-        for name, consumers in slot.outputs.items():
-            for c in consumers:
-                if slot.peer_of[c] is not None:
-                    self.p2p.send(state.outputs[name], slot.peer_of[c], self._tag(slot, s, c, name, mb, FORWARD))
-        if not self.training:
-            del self._state[(s, mb)]
-        elif s in self.remat_stages:
-            state.outputs = None
 
     # ---- compute actions ------------------------------------------------------------------
     def _gather_inputs(self, slot: StageSlot, mb: int) -> dict[str, torch.Tensor]:
@@ -232,6 +247,8 @@ class Executor:
         kw = self._gather_inputs(slot, mb)
         state = MicroBatchState(inputs=kw)
         keep_graph = self.training and s not in self.remat_stages
+        if self.training and not keep_graph:  # R replays this forward: same dropout masks
+            state.rng = save_rng(self.device)
         with torch.set_grad_enabled(keep_graph):
             loss = self._run(slot, kw, mb, state)
         outs = state.outputs
@@ -241,23 +258,22 @@ class Executor:
                 flag |= ~torch.isfinite(t.detach()).all()
         if slot.loss_value is not None and not self.training:
             self._outputs[mb] = outs[slot.loss_value].detach()
-        has_remote = False
         for name, consumers in slot.outputs.items():
             for c in consumers:
                 if slot.peer_of[c] is None:  # consumer on this rank: hand over in memory
                     self._fwd_box[(c, mb, name)] = outs[name].detach()
-                else:
-                    has_remote = True
-        if not keep_graph and not has_remote:
+        for c in self._remote_out[s]:
+            self._outbox[(Kind.F, s, mb, c)] = [outs[n] for n in slot.sent_to(c)]
+        if not keep_graph:
             state.outputs = state.loss = None
-        if self.training or has_remote:
+        if self.training:
             self._state[(s, mb)] = state
         return None if loss is None else loss.detach()
 
     def _recompute(self, action: Action) -> None:
         slot = self.slots[action.stage]
         state = self._state[(action.stage, action.mb)]
-        with torch.enable_grad():
+        with torch.enable_grad(), replay_rng(self.device, state.rng):
             self._run(slot, state.inputs, action.mb, state)
 
     def _backward(self, action: Action, full: bool) -> None:
@@ -288,7 +304,6 @@ class Executor:
         else:
             input_grads, state.stash = backward_input(roots, grads, leaves, self._params[s])
             state.outputs = state.loss = None
-        remote: dict[str, torch.Tensor] = {}
         for name, x in leaves.items():
             g = input_grads.get(name)
             if g is None:
@@ -296,7 +311,62 @@ class Executor:
             prod = slot.inputs[name]
             if slot.peer_of[prod] is None:
                 self._bwd_box[(prod, mb, name, s)] = g
-            else:
-                remote[name] = g
-        if remote:
-            self._grads_out[(s, mb)] = remote
+        for p in self._remote_in[s]:
+            names = [n for n in slot.read_from(p) if n in leaves]
+            if names:
+                self._outbox[(Kind.B, s, mb, p)] = [input_grads.get(n) if input_grads.get(n) is not None
+                                                    else torch.zeros_like(leaves[n]) for n in names]
+
+
+def save_rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The CPU generator's state, and this rank's GPU's when it runs on one."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+@contextmanager
+def replay_rng(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None] | None) -> Iterator[None]:
+    """Run a recomputation from the random state its forward started from, then put the
+    generators back where they were: the forward's dropout masks again, and no effect on the
+    random numbers of everything after."""
+    if state is None:
+        yield
+        return
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
+
+
+class StepClock:
+    """When each compute action of a step started and ended, on the host's clock.
+
+    On a CPU the actions run on the host: `time.perf_counter()`. On a GPU they run later, on the
+    device: a CUDA event is recorded at each mark and all of them are read once the step is over
+    (`events`), placed on the host clock by the step's first event. No mark waits for the GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self._origin = torch.cuda.Event(enable_timing=True)
+            self._origin.record()
+            self._origin_host = time.perf_counter()
+
+    def mark(self) -> object:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, mark: object) -> float:
+        if not self.cuda:
+            return float(mark)
+        return self._origin_host + self._origin.elapsed_time(mark) / 1000.0
+
+    def events(self, rank: int, marks: list[tuple[Action, object, object]]) -> list[dict]:
+        if self.cuda and marks:
+            marks[-1][2].synchronize()  # the step is over: read every event once
+        return [{"rank": rank, "action": str(a), "kind": a.kind.value, "stage": a.stage, "mb": a.mb,
+                 "start_s": self.seconds(start), "end_s": self.seconds(end)} for a, start, end in marks]

@@ -20,12 +20,14 @@ from hydra.utils import instantiate
 from torch import nn
 
 from models.spec import ModelSpec
+from pipeline.init import name_seed
 from pipeline.plan import Plan, dtype_of
 from pipeline.precision import PRECISIONS
 from pipeline.report.artifacts import add_predictions, write_run_artifacts
 from pipeline.report.tables import stage_rows
 from pipeline.runtime import checkpoint
 from pipeline.runtime import heartbeat as hb
+from pipeline.runtime.comm import verify_posting_order
 from pipeline.runtime.context import RankContext
 from pipeline.runtime.dp import SharedGrads, allreduce_gradients
 from pipeline.runtime.executor import Executor, StageSlot
@@ -46,7 +48,6 @@ COST_WINDOW_STEPS = 5
 def build_slots(spec: ModelSpec, plan: Plan, ctx: RankContext, seed: int) -> dict[int, StageSlot]:
     """This rank's stages, each knowing the global rank of every stage it exchanges values with."""
     modules = build_stage_modules(spec, plan, ctx.pp_rank, seed, ctx.device)
-    edge_id = {edge: i for i, edge in enumerate(plan.edges())}
     slots: dict[int, StageSlot] = {}
     for sp in plan.stages_of(ctx.pp_rank):
         neighbours = {p for p in sp.inputs.values() if p is not None} | {c for cs in sp.outputs.values() for c in cs}
@@ -61,7 +62,6 @@ def build_slots(spec: ModelSpec, plan: Plan, ctx: RankContext, seed: int) -> dic
             values={k: (tuple(shape), dtype_of(dtype)) for k, (shape, dtype) in sp.values.items()},
             loss_value=sp.loss_value,
             peer_of=peer_of,
-            edge_id=edge_id,
         )
     return slots
 
@@ -108,6 +108,9 @@ class RankTrainer:
         self.spec: ModelSpec = instantiate(cfg["model"])
         self.data = instantiate(cfg["data"])
         self.slots = build_slots(self.spec, plan, ctx, cfg["seed"])
+        # the stream dropout draws from: set by (seed, rank), so a run repeats itself and DP
+        # replicas draw different masks (a resume then restores the stream it saved)
+        torch.manual_seed(name_seed(cfg["seed"], f"train:rank{ctx.rank}"))
         self.modules: list[nn.Module] = [s.module for s in self.slots.values()]
         named = {n: p for m in self.modules for n, p in m.named_model_parameters()}  # stages may share one
         self.params = list({id(p): p for p in named.values()}.values())
@@ -120,10 +123,11 @@ class RankTrainer:
         self.optimizer, self.lr_scheduler = (build_optimizer(cfg, self.params) if self.training and self.params
                                              else (None, None))
         self.clip = cfg.get("clip_grad_norm")
+        self.record_p2p = bool((cfg.get("debug") or {}).get("record_p2p"))
         self.executor = Executor(
             plan.schedule, ctx.pp_rank, self.slots, self.spec.loss_fn, ctx.device,
             loss_scale=float(plan.microbatches * plan.dp), autocast=PRECISIONS[cfg.get("precision", "fp32")],
-            heartbeat=self.heartbeat,
+            heartbeat=self.heartbeat, record_p2p=self.record_p2p,
         )
         self.has_first = any(p is None for s in self.slots.values() for p in s.inputs.values())
         self.has_last = any(s.is_last for s in self.slots.values())
@@ -150,7 +154,8 @@ class RankTrainer:
         if self._eval is None:
             self._eval = Executor(self.plan.eval_schedule, self.ctx.pp_rank, self.slots, self.spec.loss_fn,
                                   self.ctx.device, loss_scale=float(self.plan.microbatches * self.plan.dp),
-                                  record_timings=False, autocast=self.executor.autocast)
+                                  record_timings=False, autocast=self.executor.autocast,
+                                  record_p2p=self.record_p2p)
         for m in self.modules:
             m.eval()
         self.heartbeat.phase(hb.EVALUATION)
@@ -193,6 +198,16 @@ class RankTrainer:
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         return StepOutcome(float(loss_sum), time.perf_counter() - start, schedule_s, events, outputs, lr, grad_norm)
+
+    def verify_p2p_order(self) -> None:
+        """debug.record_p2p (collective): every pair of ranks posted complementary messages in the
+        same order, in the training and the evaluation program; rank 0 raises if not."""
+        logs = [getattr(e, "posting_log", None) for e in (self.executor, self._eval)]
+        everyone: list = [None] * self.ctx.world_size
+        dist.all_gather_object(everyone, logs)
+        if self.ctx.rank == 0:
+            for which in range(2):
+                verify_posting_order([part[which] for part in everyone])
 
     def nonfinite_report(self, step: int, loss: float) -> str:
         """Where a NaN or inf first showed (collective): the first stage, in pipeline order, whose
@@ -299,6 +314,8 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
                 checkpoint.prune(ckpt_root, int(ckpt_cfg.get("keep", 0) or 0))
     if progress is not None:
         progress.close()
+    if trainer.record_p2p:
+        trainer.verify_p2p_order()
     trainer.heartbeat.phase(hb.FINISHED)
 
     warm = cfg.get("warmup_steps", 0)
