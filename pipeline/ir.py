@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 
 class Kind(str, Enum):
@@ -31,8 +32,7 @@ COMM_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
 _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W|R)(\d+)(?:([<>])(\d+))?$")
 
 
-@dataclass(frozen=True, order=True)
-class Action:
+class Action(NamedTuple):
     """One step of a rank's program: `kind` applied to micro-batch `mb` of `stage`.
 
     A communication action names the stage at the other end (`peer`): it carries the values of

@@ -195,8 +195,8 @@ class RankTrainer:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.lr_scheduler.step()
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize(ctx.device)
+        if ctx.device.type == "cuda":  # the step is over: its time includes the device's work
+            torch.cuda.current_stream(ctx.device).synchronize()
         return StepOutcome(float(loss_sum), time.perf_counter() - start, schedule_s, events, outputs, lr, grad_norm)
 
     def verify_p2p_order(self) -> None:
