@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: install train test test-slow lint bench clean
+.PHONY: install train test test-slow lint bench gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,12 @@ lint: install
 
 bench: install
 	$(BIN)/python bench/compare_torch_pipelining.py
+
+# The CUDA path end to end on one GPU (bench/gpu_smoke.py; report in $(OUT)/gpu_smoke.json). No
+# install step: a GPU machine runs it with its own torch (`source .gpu/setup.sh` first, see docs/gpu.md).
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-check:
+	$(GPU_PYTHON) bench/gpu_smoke.py $(if $(OUT),--out $(OUT),)
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

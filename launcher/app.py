@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -13,10 +14,11 @@ from omegaconf import DictConfig, OmegaConf
 from launcher.config import group_configs
 from launcher.diagnose import where_ranks_were
 from launcher.joined import export_submitit_env, joined_rank_env
-from launcher.validate import Prepared, prepare
+from launcher.validate import Prepared, on_cuda, prepare
 from pipeline.errors import ConfigError, RankFailed
 from pipeline.report.tables import device_memory_table, format_prediction, stage_table
 from pipeline.report.timeline import draw_timeline
+from pipeline.runtime.flight_recorder import dump_prefix, nccl_environment
 from pipeline.runtime.heartbeat import HEARTBEAT_DIR
 from pipeline.runtime.host_allocator import rank_environment
 from pipeline.runtime.memory import peak_memory_bytes
@@ -59,10 +61,15 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     print(f"schedule {plan.schedule.name}: pp={plan.pp} dp={plan.dp} microbatches={plan.microbatches}", flush=True)
     beats = run_dir / "heartbeat"
     env = {**rank_environment(resolved["huge_pages"]), **launcher_terminal(), HEARTBEAT_DIR: str(beats)}
+    flight = None
+    if on_cuda(resolved):  # NCCL: a stuck operation ends with the watchdog's abort and a flight recorder dump
+        env.update({k: v for k, v in nccl_environment(run_dir / "logs").items() if k not in os.environ})
+        flight = dump_prefix(run_dir / "logs")
+    started = time.time()
     try:
         results = spawn_ranks(job, plan.pp * plan.dp, run_dir / "logs", env=env)
     except RankFailed as err:
-        where = where_ranks_were(beats, plan)
+        where = where_ranks_were(beats, plan, flight, since=started)
         raise RankFailed(f"{err}\n{where}" if where else str(err)) from None
     metrics = results[0]["metrics"]
     if prepared.prediction is not None:  # what the plan predicted before any rank started

@@ -7,6 +7,13 @@ program of each rank around that action:
 
     rank 0 (pp 0, dp 0): step 2, RECV_F stage 1 mb 0 from rank 1, for 10.2 s
     rank 1 (pp 1, dp 0): step 2, hung on purpose (debug.hang_rank), for 10.3 s
+
+On NCCL the host does not wait for a receive (the GPU does), so a heartbeat says how far the host
+got, not what the GPU was stuck in; torch's flight recorder dump (pipeline/runtime/flight_recorder.py)
+says that, and is folded in under each rank:
+
+    rank 0 (pp 0, dp 0): step 2, SEND_F stage 0 mb 3 to rank 1, for 121.0 s
+      on NCCL: recv from rank 1, [4, 8, 32] BFloat16 (P2P #5), started, not completed; 3 more queued behind it
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from pathlib import Path
 
 from pipeline.ir import Action, Kind
 from pipeline.plan import Plan
-from pipeline.runtime import heartbeat
+from pipeline.runtime import flight_recorder, heartbeat
 
 WINDOW = 3  # actions shown on each side of the current one
 
@@ -46,18 +53,24 @@ def describe(plan: Plan, schedule_actions: list[Action], index: int, pp_rank: in
     return f"{action.kind.name} stage {action.stage} mb {action.mb}{_peers(plan, action, pp_rank, dp_rank)}"
 
 
-def where_ranks_were(directory: Path, plan: Plan) -> str:
-    """The per-rank report, or '' when no rank left a heartbeat."""
+def where_ranks_were(directory: Path, plan: Plan, flight: str | Path | None = None,
+                     since: float | None = None) -> str:
+    """The per-rank report, or '' when no rank left a heartbeat or a flight recorder dump.
+    `flight`: the dump prefix of a run on NCCL (`flight_recorder.dump_prefix`); dumps older than
+    `since` (a time.time(), the job's start) belong to an earlier run and are ignored."""
     world = plan.pp * plan.dp
     beats = {r: heartbeat.read(directory, r) for r in range(world)}
-    if not any(beats.values()):
+    nccl = flight_recorder.where_ranks(flight, since) if flight is not None else {}
+    if not any(beats.values()) and not nccl:
         return ""
     lines, around = ["where each rank was:"], []
     for rank, beat in beats.items():
         pp_rank, dp_rank = rank % plan.pp, rank // plan.pp
         head = f"rank {rank} (pp {pp_rank}, dp {dp_rank})"
+        on_nccl = [f"    on NCCL: {nccl[rank]}"] if rank in nccl else []
         if beat is None:
-            lines.append(f"  {head}: no heartbeat (it never started)")
+            lines += [f"  {head}: no heartbeat (it never started)" if not on_nccl else f"  {head}: no heartbeat",
+                      *on_nccl]
             continue
         acts = plan.schedule.actions[pp_rank]
         if beat["action"] is not None and 0 <= beat["action"] < len(acts):
@@ -67,7 +80,7 @@ def where_ranks_were(directory: Path, plan: Plan) -> str:
             around.append(f"  rank {rank}: {'... ' if lo else ''}{' '.join(shown)}{' ...' if hi < len(acts) else ''}")
         else:
             what = beat["phase"]
-        lines.append(f"  {head}: step {beat['step']}, {what}, for {beat['for_s']:.1f} s")
+        lines += [f"  {head}: step {beat['step']}, {what}, for {beat['for_s']:.1f} s", *on_nccl]
     if around:
         lines += ["each rank's program around that action ([..] = the one it was on):", *around]
     return "\n".join(lines)

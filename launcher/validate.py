@@ -139,6 +139,7 @@ def check_scalars(cfg: dict) -> None:
         raise ConfigError("device", f"got {cfg.get('device')!r}; valid: {', '.join(DEVICES)}")
     if cfg["device"] == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device", "cuda was asked for but no CUDA device is available; use device=cpu or auto")
+    check_gpus(cfg)
     if cfg.get("remat") not in REMAT_CHOICES:
         raise ConfigError("remat", f"got {cfg.get('remat')!r}; valid: {', '.join(REMAT_CHOICES)}")
     if cfg.get("mode") not in MODES:
@@ -154,6 +155,53 @@ def check_scalars(cfg: dict) -> None:
     if not isinstance(cfg.get("huge_pages", True), bool):
         raise ConfigError("huge_pages", f"got {cfg.get('huge_pages')!r}; valid: true or false")
     check_training_keys(cfg)
+
+
+def on_cuda(cfg: dict) -> bool:
+    """Whether the ranks of this run train on GPUs (device=cuda, or auto where CUDA is available)."""
+    return cfg["device"] == "cuda" or (cfg["device"] == "auto" and torch.cuda.is_available())
+
+
+def local_ranks(cfg: dict) -> int:
+    """Ranks on this node: LOCAL_WORLD_SIZE for ranks torchrun or SLURM started (each validates
+    the config), else the pp x dp ranks the launcher is about to spawn here."""
+    from launcher.joined import joined_rank_env
+
+    if joined_rank_env():
+        return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
+    return cfg["pp"] * cfg["dp"]
+
+
+def check_gpus(cfg: dict) -> None:
+    """One GPU per rank: a node with fewer visible GPUs than local ranks is refused here, before
+    any process exists. Without this check, two ranks would share a GPU and NCCL would fail inside
+    the first communicator ("duplicate GPU"). A dry run (mode=plan) starts no rank and may plan for
+    a larger node than this one. Only counts devices: nothing here opens a CUDA context."""
+    if cfg.get("mode") != "train" or not on_cuda(cfg):
+        return
+    needed, visible = local_ranks(cfg), torch.cuda.device_count()
+    if needed <= visible:
+        return
+    from launcher.joined import joined_rank_env
+
+    shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+    seen = f"{visible} {'is' if visible == 1 else 'are'} visible (torch.cuda.device_count(); CUDA_VISIBLE_DEVICES=" \
+           f"{shown if shown is not None else '<unset>'})"
+    fit = max(1, visible)
+    if joined_rank_env():
+        what = f"LOCAL_WORLD_SIZE={needed} ranks on this node need {needed} GPUs (one each), but {seen}"
+        ways = (f"start at most {fit} processes per node (torchrun --nproc-per-node {fit}, or "
+                f"hydra/launcher=submitit_slurm with hydra.launcher.tasks_per_node={fit}, the GPUs per node) on "
+                f"more nodes, or train on the CPU (device=cpu)")
+    else:
+        auto = " (device=auto takes the GPUs when CUDA is available)" if cfg["device"] == "auto" else ""
+        what = (f"pp x dp = {cfg['pp']} x {cfg['dp']} = {needed} ranks on this node need {needed} GPUs (one each){auto}, "
+                f"but {seen}")
+        ways = (f"start fewer ranks per node (lower pp or dp so that pp x dp <= {fit}), train on the CPU "
+                f"(device=cpu), or spread the ranks over several nodes with torchrun (--nproc-per-node {fit} on "
+                f"each) or SLURM (hydra/launcher=submitit_slurm with hydra.launcher.tasks_per_node={fit}, the GPUs "
+                "per node)")
+    raise ConfigError("device", f"{what}; two ranks on one GPU fail inside NCCL. Ways out: {ways}.")
 
 
 def _number(value, key: str, low: float, high: float | None = None, strict: bool = False, what: str = "") -> float:
@@ -189,13 +237,16 @@ def check_training_keys(cfg: dict) -> None:
             _integer(debug[key], f"debug.{key}", 0, high, " or null")
 
 
-def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
+def prepare(cfg: dict, profile: bool | None = None, device: torch.device | None = None) -> Prepared:
     """Validate `cfg` (a resolved plain dict) and build the Plan.
 
     The model is built and traced on the meta device (no weights). With a profile (always for
     scheduler=auto, mode=plan, a memory budget, cost-aware schedules and partitioners that read
     costs), every node is measured on this machine one leaf module at a time (cached) and the plan
-    is simulated; auto keeps the fastest candidate schedule."""
+    is simulated; auto keeps the fastest candidate schedule. The profile is taken on the device the
+    run trains on: `device` when this process is a rank (its own GPU), else the CPU, or for a GPU
+    run a child process on cuda:0 (launcher/search.py: TracedModels). Nothing else here touches a
+    GPU."""
     check_scalars(cfg)
     spec = _build(cfg, "model")
     generator = _build(cfg, "scheduler")
@@ -224,7 +275,7 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
                        or needs_profile(cfg["partitioner"]) or getattr(generator, "cost_aware", False)
                        or cap is not None)
     mbs = micro_batch_size(cfg, cfg["microbatches"])
-    models = TracedModels(spec, cfg, profile)
+    models = TracedModels(spec, cfg, profile, cuda=on_cuda(cfg), device=device)
     traced = models.get(mbs)
     resume_from = resume_checkpoint(cfg, models.model)
     uncovered = uncovered_tensors(models.model, spec.init)
@@ -279,7 +330,7 @@ def prepare(cfg: dict, profile: bool | None = None) -> Prepared:
 def rank_slots(cfg: dict) -> float | None:
     """On CPU, how many ranks' worth of cores this machine has when its local ranks need more
     (pp x dp ranks of `threads` threads on fewer cores take turns); None when each has its own."""
-    if cfg["device"] == "cuda" or (cfg["device"] == "auto" and torch.cuda.is_available()):
+    if on_cuda(cfg):
         return None
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or cfg["pp"] * cfg["dp"])
     threads = cpu_threads(cfg.get("threads", 0), local)
@@ -296,8 +347,8 @@ def with_precision(plan: Plan, traced, spec: ModelSpec, mbs: int, cfg: dict) -> 
     dtype = PRECISIONS[cfg.get("precision", "fp32")]
     if dtype is None:
         return plan
-    cuda = cfg["device"] == "cuda" or (cfg["device"] == "auto" and torch.cuda.is_available())
-    dtypes = autocast_dtypes(traced, spec.meta_input(mbs), torch.device("cuda" if cuda else "cpu"), dtype)
+    # on the run's device type (its autocast policy), without touching a GPU: fake tensors only
+    dtypes = autocast_dtypes(traced, spec.meta_input(mbs), torch.device("cuda" if on_cuda(cfg) else "cpu"), dtype)
     for stage in plan.stages:
         for name, (shape, old) in list(stage.values.items()):
             stage.values[name] = [shape, dtype_name(dtypes.get(name, dtype_of(old)))]

@@ -13,6 +13,7 @@ from pipeline.plan import Plan
 from pipeline.report.tables import stage_table
 from pipeline.runtime.context import RankContext, backend_for, cpu_threads, env_int, make_mesh, select_device
 from pipeline.runtime.cpu_affinity import bind_rank_to_cores
+from pipeline.runtime.flight_recorder import apply_nccl_environment
 from pipeline.runtime.host_allocator import configure_host_allocator
 from pipeline.runtime.trainer import train_rank
 
@@ -57,10 +58,16 @@ def rank_main_many(jobs: list[RankJob]) -> list[dict]:
                         local_rank, local_world, threads)
     if device.type == "cpu":
         torch.set_num_threads(threads)
+    backend = backend_for(device)
+    if backend == "nccl" and first.run_dir:
+        # the launcher puts these in the environment of the ranks it spawns; ranks torchrun or
+        # SLURM started get them here, before the process group reads them (a user's own win)
+        apply_nccl_environment(Path(first.run_dir) / "logs")
     dist.init_process_group(
-        backend_for(device),
+        backend,
         rank=rank,
         world_size=world,
+        # on NCCL too: the watchdog aborts an operation that runs longer, after the flight recorder dump
         timeout=timedelta(seconds=first.cfg.get("timeout_s", 120)),
         device_id=device if device.type == "cuda" else None,
     )
@@ -70,7 +77,7 @@ def rank_main_many(jobs: list[RankJob]) -> list[dict]:
     results = []
     for job in jobs:
         if job.plan is None:
-            job.plan = plan_on_rank0(job, rank)
+            job.plan = plan_on_rank0(job, rank, device)
         ctx = RankContext(rank, world, local_rank, local_world, job.plan.pp, job.plan.dp, device)
         ctx.mesh = make_mesh(ctx)
         run_dir = Path(job.run_dir) if job.run_dir else None
@@ -80,13 +87,13 @@ def rank_main_many(jobs: list[RankJob]) -> list[dict]:
     return results
 
 
-def plan_on_rank0(job: RankJob, rank: int) -> Plan:
-    """Rank 0 validates, profiles and plans; every rank receives that exact Plan."""
+def plan_on_rank0(job: RankJob, rank: int, device: torch.device) -> Plan:
+    """Rank 0 validates, profiles (on its own device) and plans; every rank receives that exact Plan."""
     holder: list = [None]
     if rank == 0:
         from launcher.validate import prepare
 
-        plan = prepare(job.cfg).plan
+        plan = prepare(job.cfg, device=device).plan
         if job.run_dir:
             Path(job.run_dir).mkdir(parents=True, exist_ok=True)
             plan.write(Path(job.run_dir) / "plan.json")

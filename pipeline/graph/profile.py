@@ -66,14 +66,26 @@ def _describe_inputs(inputs: Sequence[Any]) -> list[Any]:
     return out
 
 
+def device_label(device: str | torch.device) -> str:
+    """The device a profile's timings belong to: `cpu`, or a GPU by its model name
+    (`cuda:NVIDIA H100 80GB HBM3`), whatever its index, so that a profile taken on one GPU of a
+    node serves the others and a profile from another GPU model is never reused. Asking a GPU its
+    name initialises CUDA: call it only where the profile runs on that GPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return device.type if device.index is None else str(device)
+
+
 def profile_key(model_config: Mapping[str, Any], inputs: Sequence[Any], device: str | torch.device) -> str:
-    """Hash of (model config, micro-batch input shapes/dtypes, device, torch version, how it was timed)."""
+    """Hash of (model config, micro-batch input shapes/dtypes, device (a GPU by its name:
+    `device_label`), torch version, how it was timed)."""
     payload = {
         "passes": PASSES,
         "cache": "evicted",
         "model": model_config,
         "inputs": _describe_inputs(inputs),
-        "device": str(device),
+        "device": device_label(device),
         "torch": torch.__version__,
     }
     blob = json.dumps(payload, sort_keys=True, default=repr)
@@ -351,6 +363,21 @@ def _fetch(gm: nn.Module, target: str) -> Any:
     return obj
 
 
+def profiled_nodes(graph: nx.DiGraph) -> dict[str, dict[str, Any]]:
+    """Every node's profile fields (what `apply_profile` puts back), e.g. to carry a profile taken
+    in another process."""
+    return {name: {k: graph.nodes[name][k] for k in PROFILE_FIELDS if k in graph.nodes[name]} for name in graph.nodes}
+
+
+def apply_profile(graph: nx.DiGraph, nodes: Mapping[str, Mapping[str, Any]]) -> None:
+    """Annotate `graph` with a profile taken elsewhere (`profiled_nodes` of the same model traced
+    the same way: tracing is deterministic, so the node names match)."""
+    if set(nodes) != set(graph.nodes) or not all(set(PROFILE_FIELDS) <= set(v) for v in nodes.values()):
+        missing = sorted(set(graph.nodes) ^ set(nodes))
+        raise RuntimeError(f"the profile does not fit this graph (nodes differ: {missing[:6]})")
+    _apply(graph, nodes)
+
+
 def _apply(graph: nx.DiGraph, nodes: Mapping[str, Mapping[str, Any]]) -> None:
     for name, values in nodes.items():
         if name in graph:
@@ -428,4 +455,4 @@ def profile_graph(
     _apply(traced.graph, results)
     traced.graph.graph["profile_cached"] = False
     if key and use_cache:
-        save_cached(key, {"nodes": results, "torch": torch.__version__, "device": str(device)})
+        save_cached(key, {"nodes": results, "torch": torch.__version__, "device": device_label(device)})

@@ -44,12 +44,22 @@ class RankContext:
 
 
 def select_device(requested: str, local_rank: int) -> torch.device:
-    """`auto` takes this rank's GPU when CUDA is available, else the CPU."""
+    """`auto` takes this rank's GPU when CUDA is available, else the CPU. Local rank r takes GPU r
+    of the ones visible, and makes it current before anything else touches CUDA, so that this
+    process opens a CUDA context on its own GPU only. There is no wrapping around: two ranks on one
+    GPU end inside NCCL ("duplicate GPU"); the launcher refuses such a node before spawning
+    (launcher/validate.py: check_gpus), and a rank started some other way is refused here."""
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise RuntimeError("device=cuda was asked for but torch.cuda.is_available() is False")
-    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    visible = torch.cuda.device_count()
+    if local_rank >= visible:
+        raise RuntimeError(
+            f"local rank {local_rank} has no GPU of its own: {visible} visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); one GPU per rank, "
+            "so start at most as many ranks per node as it has GPUs")
+    device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
     return device
 
