@@ -26,7 +26,7 @@ from pipeline.planner.fit import fit_budget
 from pipeline.planner.memory import optimizer_states
 from pipeline.planner.predict import Prediction, optimizer_seconds_per_byte, predict
 from pipeline.planner.search import Candidate, SearchResult
-from pipeline.runtime.context import available_cores, cpu_threads
+from pipeline.runtime.context import available_cores, bound_to_one_gpu, cpu_threads
 from pipeline.runtime.cpu_affinity import CPU_AFFINITY_CHOICES
 from pipeline.runtime.host_allocator import HOST_ALLOCATOR_CHOICES
 from pipeline.schedules import REMAT_CHOICES
@@ -180,9 +180,10 @@ def check_gpus(cfg: dict) -> None:
     if cfg.get("mode") != "train" or not on_cuda(cfg):
         return
     needed, visible = local_ranks(cfg), torch.cuda.device_count()
-    if needed <= visible:
-        return
     from launcher.joined import joined_rank_env
+
+    if needed <= visible or (joined_rank_env() and bound_to_one_gpu(visible)):
+        return
 
     shown = os.environ.get("CUDA_VISIBLE_DEVICES")
     seen = f"{visible} {'is' if visible == 1 else 'are'} visible (torch.cuda.device_count(); CUDA_VISIBLE_DEVICES=" \

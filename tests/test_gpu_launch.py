@@ -102,6 +102,23 @@ def test_joined_ranks_are_counted_by_local_world_size(fake_gpus, monkeypatch) ->
     check_scalars(compose_cfg([*FAST, "pp=4", "dp=2", "device=cuda"]))
 
 
+def test_a_task_bound_to_its_own_gpu_by_the_scheduler_runs_on_it(fake_gpus, monkeypatch) -> None:
+    """SLURM's --gpus-per-task=1 with binding: every task sees one GPU, named alone in its own
+    CUDA_VISIBLE_DEVICES, whatever its local rank. Accepted for ranks torchrun or SLURM started;
+    the launcher's own spawned ranks would all share that one GPU, so there it is refused."""
+    fake_gpus(1, visible="3")
+    for name, value in (("RANK", "6"), ("WORLD_SIZE", "8"), ("MASTER_ADDR", "node0"), ("MASTER_PORT", "29500"),
+                        ("LOCAL_RANK", "2"), ("LOCAL_WORLD_SIZE", "4")):
+        monkeypatch.setenv(name, value)
+    check_scalars(compose_cfg([*FAST, "pp=4", "dp=2", "device=cuda"]))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    assert select_device("cuda", 2) == torch.device("cuda", 0)
+    for name in JOINED:
+        monkeypatch.delenv(name)
+    with pytest.raises(ConfigError, match="4 ranks on this node need 4 GPUs"):
+        check_scalars(compose_cfg([*FAST, "pp=4", "device=cuda"]))
+
+
 def test_a_rank_takes_its_own_gpu_and_never_wraps_around(fake_gpus, monkeypatch) -> None:
     fake_gpus(2)
     chosen = []

@@ -54,6 +54,8 @@ def select_device(requested: str, local_rank: int) -> torch.device:
     if not torch.cuda.is_available():
         raise RuntimeError("device=cuda was asked for but torch.cuda.is_available() is False")
     visible = torch.cuda.device_count()
+    if bound_to_one_gpu(visible):
+        local_rank = 0  # the scheduler gave this process its own GPU (SLURM --gpus-per-task=1)
     if local_rank >= visible:
         raise RuntimeError(
             f"local rank {local_rank} has no GPU of its own: {visible} visible "
@@ -62,6 +64,16 @@ def select_device(requested: str, local_rank: int) -> torch.device:
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
     return device
+
+
+def bound_to_one_gpu(visible: int) -> bool:
+    """Did the scheduler bind this process to a GPU of its own? Then it sees exactly one, named
+    alone in its CUDA_VISIBLE_DEVICES (SLURM's --gpus-per-task=1 with binding does so per task),
+    and it runs on that one whatever its local rank. A node-wide CUDA_VISIBLE_DEVICES naming one
+    GPU for several ranks looks the same from inside one process: only a rank started by
+    torchrun or SLURM trusts it (the launcher knows its own spawned ranks share it)."""
+    names = [n for n in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if n.strip()]
+    return visible == 1 and len(names) == 1 and "LOCAL_RANK" in os.environ
 
 
 def backend_for(device: torch.device) -> str:
