@@ -28,23 +28,19 @@ WINDOW = 3  # actions shown on each side of the current one
 
 
 def _peers(plan: Plan, action: Action, pp_rank: int, dp_rank: int) -> str:
-    stage = plan.stages[action.stage]
-    if action.kind in (Kind.RECV_F, Kind.SEND_B):
-        others = {plan.stages[p].rank for p in stage.inputs.values() if p is not None}
-        word = "from" if action.kind is Kind.RECV_F else "to"
-    elif action.kind in (Kind.RECV_B, Kind.SEND_F):
-        others = {plan.stages[c].rank for cs in stage.outputs.values() for c in cs}
-        word = "from" if action.kind is Kind.RECV_B else "to"
-    else:
+    """` from rank 3` / ` to rank 3`: the global rank at the other end of a message action."""
+    if action.kind not in (Kind.RECV_F, Kind.SEND_B, Kind.RECV_B, Kind.SEND_F) or action.peer is None:
         return ""
-    ranks = sorted(dp_rank * plan.pp + r for r in others if r != pp_rank)
-    return f" {word} rank {', '.join(map(str, ranks))}" if ranks else ""
+    word = "from" if action.kind in (Kind.RECV_F, Kind.RECV_B) else "to"
+    return f" {word} rank {dp_rank * plan.pp + plan.stages[action.peer].rank}"
 
 
 def short(action: Action) -> str:
-    """`0F1` for compute actions (the schedule grid's notation), `RECV_B(0,1)` for messages."""
+    """`0F1` for compute actions (the schedule grid's notation), `RECV_B(0,1<1)` for messages: stage,
+    micro-batch and the stage at the other end."""
     if action.kind in (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B):
-        return f"{action.kind.name}({action.stage},{action.mb})"
+        arrow = "" if action.peer is None else ("<" if action.kind in (Kind.RECV_F, Kind.RECV_B) else ">")
+        return f"{action.kind.name}({action.stage},{action.mb}{arrow}{'' if action.peer is None else action.peer})"
     return str(action)
 
 
