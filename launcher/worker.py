@@ -25,12 +25,16 @@ class RankJob:
     cfg: dict
     plan: Plan | None  # None: rank 0 plans inside the process group and broadcasts (joined ranks)
     run_dir: str | None
-    capture_state: bool = False
+    #: observers of the rank's training (pipeline.runtime.trainer.Callback), picklable
+    callbacks: tuple = ()
 
 
 def rank_main(job: RankJob) -> dict:
-    """Run one rank of one job."""
-    return rank_main_many([job])[0]
+    """Run one rank of one job: join the process group, train, leave it."""
+    rank, device = join_process_group(job.cfg, job.run_dir)
+    result = run_job(job, rank, device)
+    leave_process_group()
+    return result
 
 
 def set_up_rank_process(host_allocator: str, cpu_affinity: str, local_rank: int, local_world: int,
@@ -41,50 +45,56 @@ def set_up_rank_process(host_allocator: str, cpu_affinity: str, local_rank: int,
     bind_rank_to_cores(cpu_affinity, local_rank, local_world, threads)
 
 
-def rank_main_many(jobs: list[RankJob]) -> list[dict]:
-    """Run several jobs of the same world size in one process group, one after the other (the
-    test suite uses this to check many schedules without paying for a spawn each). The process
-    group is destroyed after the last job, so a sequential multirun can start the next job cleanly."""
+def join_process_group(cfg: dict, run_dir: str | None) -> tuple[int, torch.device]:
+    """Take this rank's device, set up its process (threads, malloc, cores) and join the process
+    group of WORLD_SIZE ranks; returns (global rank, device)."""
     rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
     local_rank, local_world = env_int("LOCAL_RANK", 0), env_int("LOCAL_WORLD_SIZE", world)
-    first = jobs[0]
-    for job in jobs:
-        pp, dp = job.cfg["pp"], job.cfg["dp"]
-        if world != pp * dp:
-            raise RuntimeError(f"WORLD_SIZE={world} but pp x dp = {pp} x {dp} = {pp * dp}; start pp x dp ranks")
-    device = select_device(first.cfg["device"], local_rank)
-    threads = cpu_threads(first.cfg.get("threads", 0), local_world)
-    set_up_rank_process(first.cfg.get("host_allocator", "retain"), first.cfg.get("cpu_affinity", "auto"),
+    pp, dp = cfg["pp"], cfg["dp"]
+    if world != pp * dp:
+        raise RuntimeError(f"WORLD_SIZE={world} but pp x dp = {pp} x {dp} = {pp * dp}; start pp x dp ranks")
+    device = select_device(cfg["device"], local_rank)
+    threads = cpu_threads(cfg.get("threads", 0), local_world)
+    set_up_rank_process(cfg.get("host_allocator", "retain"), cfg.get("cpu_affinity", "auto"),
                         local_rank, local_world, threads)
     if device.type == "cpu":
         torch.set_num_threads(threads)
     backend = backend_for(device)
-    if backend == "nccl" and first.run_dir:
+    if backend == "nccl" and run_dir:
         # the launcher puts these in the environment of the ranks it spawns; ranks torchrun or
         # SLURM started get them here, before the process group reads them (a user's own win)
-        apply_nccl_environment(Path(first.run_dir) / "logs")
+        apply_nccl_environment(Path(run_dir) / "logs")
     dist.init_process_group(
         backend,
         rank=rank,
         world_size=world,
         # on NCCL too: the watchdog aborts an operation that runs longer, after the flight recorder dump
-        timeout=timedelta(seconds=first.cfg.get("timeout_s", 120)),
+        timeout=timedelta(seconds=cfg.get("timeout_s", 120)),
         device_id=device if device.type == "cuda" else None,
     )
-    # No try/finally: a rank that raises keeps its connections open until its process exits, so
-    # torch elastic writes its error file before the peers fail on closed sockets and the cause
-    # is on record (tearing the group down first let a peer's "connection closed" win the race).
-    results = []
-    for job in jobs:
-        if job.plan is None:
-            job.plan = plan_on_rank0(job, rank, device)
-        ctx = RankContext(rank, world, local_rank, local_world, job.plan.pp, job.plan.dp, device)
-        ctx.mesh = make_mesh(ctx)
-        run_dir = Path(job.run_dir) if job.run_dir else None
-        results.append(train_rank(job.cfg, job.plan, ctx, run_dir, capture_state=job.capture_state))
+    # No try/finally around what follows: a rank that raises keeps its connections open until its
+    # process exits, so torch elastic writes its error file before the peers fail on closed sockets
+    # and the cause is on record (tearing the group down first let a peer's "connection closed"
+    # win the race).
+    return rank, device
+
+
+def run_job(job: RankJob, rank: int, device: torch.device) -> dict:
+    """Train one job in the process group this rank has joined (planning first when joined)."""
+    world = dist.get_world_size()
+    local_rank, local_world = env_int("LOCAL_RANK", 0), env_int("LOCAL_WORLD_SIZE", world)
+    if job.plan is None:
+        job.plan = plan_on_rank0(job, rank, device)
+    ctx = RankContext(rank, world, local_rank, local_world, job.plan.pp, job.plan.dp, device)
+    ctx.mesh = make_mesh(ctx)
+    run_dir = Path(job.run_dir) if job.run_dir else None
+    return train_rank(job.cfg, job.plan, ctx, run_dir, job.callbacks)
+
+
+def leave_process_group() -> None:
+    """Destroy the process group, so a sequential multirun can start the next job cleanly."""
     if dist.is_initialized():
         dist.destroy_process_group()
-    return results
 
 
 def plan_on_rank0(job: RankJob, rank: int, device: torch.device) -> Plan:

@@ -13,8 +13,9 @@ from omegaconf import OmegaConf
 from launcher.config import register_configs
 from launcher.spawn import spawn_ranks
 from launcher.validate import prepare
-from launcher.worker import RankJob, rank_main_many
+from launcher.worker import RankJob
 from pipeline.runtime.host_allocator import rank_environment
+from tests.capture import CaptureState, rank_main_many
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -51,7 +52,7 @@ def run_jobs(cfgs: list[dict], log_dir: Path) -> list[list[dict]]:
         cfg["debug"] = {**(cfg.get("debug") or {}), "record_p2p": True}
         prepared = prepare(cfg)
         cfg["resume_from"] = prepared.resume_from
-        jobs.append(RankJob(cfg, prepared.plan, None, capture_state=True))
+        jobs.append(RankJob(cfg, prepared.plan, None, callbacks=(CaptureState(),)))
     world = jobs[0].plan.pp * jobs[0].plan.dp
     env = rank_environment(cfgs[0].get("huge_pages", True))
     per_rank = spawn_ranks(jobs, world, log_dir, echo_rank0=False, entry=rank_main_many, env=env)

@@ -25,7 +25,7 @@ UNET = ["model=module", "data=images", "data.channels=3", "data.image_size=8", "
 
 
 def _check(cases: list[tuple[str, dict]], tmp_path) -> None:
-    from pipeline.reference import reference_run
+    from tests.reference import reference_run
 
     worlds = sorted({cfg["pp"] * cfg["dp"] for _, cfg in cases})
     by_world = {w: [(what, cfg) for what, cfg in cases if cfg["pp"] * cfg["dp"] == w] for w in worlds}

@@ -12,9 +12,9 @@ import torch
 
 from launcher.validate import prepare
 from pipeline.errors import ConfigError
-from pipeline.reference import reference_forward, reference_run
 from pipeline.schedules.registry import GENERATORS
 from tests.harness import FAST, assert_state_close, compose_cfg, merge_state, run_jobs
+from tests.reference import reference_forward, reference_run
 
 TRAINING = [name for name, cls in GENERATORS.items() if cls.training]
 

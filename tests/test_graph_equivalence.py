@@ -8,8 +8,8 @@ import pytest
 
 from launcher.validate import prepare
 from models.gpt import SUBLAYER_PARTS
-from pipeline.reference import reference_run
 from tests.harness import assert_state_close, compose_cfg, merge_state, run_jobs
+from tests.reference import reference_run
 
 IMAGE = ["data=images", "batch_size=16", "steps=3", "warmup_steps=0", "optimizer=sgd", "timeout_s=60", "threads=1",
          "microbatches=4"]

@@ -18,15 +18,16 @@ from hypothesis import strategies as st
 
 from launcher.spawn import spawn_ranks
 from launcher.validate import prepare
-from launcher.worker import RankJob, rank_main_many
+from launcher.worker import RankJob
 from pipeline.graph.recompute import recompute_modules
 from pipeline.plan import Plan
 from pipeline.planner.remat import RecomputeInfeasible, RecomputeOption, choose_recompute, recompute_options
-from pipeline.reference import reference_run
 from pipeline.runtime.backward import backward_input, backward_weight
 from pipeline.runtime.host_allocator import rank_environment
 from pipeline.stage import StageModule, build_stage_modules, trace_spec
+from tests.capture import CaptureState, rank_main_many
 from tests.harness import FAST, assert_state_close, compose_cfg, merge_state
+from tests.reference import reference_run
 
 # ---------------------------------------------------------------------------------------------- plan
 
@@ -168,7 +169,7 @@ def _run(cases: list[tuple[dict, Plan]], log_dir: Path) -> list[list[dict]]:
     jobs = []
     for cfg, plan in cases:
         cfg["resume_from"] = prepare(cfg).resume_from
-        jobs.append(RankJob(cfg, plan, None, capture_state=True))
+        jobs.append(RankJob(cfg, plan, None, callbacks=(CaptureState(),)))
     world = cases[0][1].pp * cases[0][1].dp
     env = rank_environment(cases[0][0].get("huge_pages", True))
     per_rank = spawn_ranks(jobs, world, log_dir, echo_rank0=False, entry=rank_main_many, env=env)

@@ -113,7 +113,7 @@ def test_a_killed_rank_ends_the_job_and_resume_auto_finishes_it(tmp_path) -> Non
 def test_clipping_lr_schedule_eval_and_bf16_match_one_process(tmp_path) -> None:
     """Global-norm clipping (active), a cosine schedule with warm-up and momentum at pp=2 and at
     pp=4 dp=2; eval_loss at pp=2; bf16 at pp=2 within 1e-2 of one process's bf16."""
-    from pipeline.reference import reference_run
+    from tests.reference import reference_run
 
     common = [*SMALL, "steps=4", "optimizer=sgd", "optimizer.momentum=0.9", "lr_scheduler=cosine",
               "lr_scheduler.warmup_steps=1", "clip_grad_norm=0.3", "eval.every=2", "eval.batches=2"]

@@ -19,7 +19,8 @@ from pipeline.partition import (
     uniform,
     validate_assignment,
 )
-from pipeline.partition.common import assignment_from_order, chain, synthetic_dag
+from pipeline.partition.common import assignment_from_order
+from tests.synthetic import chain, synthetic_dag
 
 
 def gpt_like_chain(layers: int = 8) -> nx.DiGraph:

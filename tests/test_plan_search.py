@@ -17,9 +17,9 @@ from pipeline.planner.search import (
     run_search,
     scheduler_variants,
 )
-from pipeline.reference import reference_run
 from pipeline.simulate import CostModel, simulate
 from tests.harness import FAST, assert_state_close, compose_cfg, merge_state, run_jobs
+from tests.reference import reference_run
 
 # ---------------------------------------------------------------------------------------- pure parts
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.reference import reference_run
 from tests.harness import FAST, ROOT, compose_cfg
+from tests.reference import reference_run
 from tests.test_cli import metrics, train
 
 PACKAGE = '''

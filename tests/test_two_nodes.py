@@ -33,7 +33,7 @@ def _agents(run_dir, port: int, extra: list[str]) -> list[subprocess.Popen]:
 
 @pytest.mark.timeout(300)
 def test_two_agents_train_as_one_job(tmp_path) -> None:
-    from pipeline.reference import reference_run
+    from tests.reference import reference_run
 
     before = job_processes()
     run_dir = tmp_path / "run"

@@ -129,11 +129,12 @@ def test_final_schedule_order_is_repriced_with_its_own_counts() -> None:
     """The split is cut for the unit-cost order's counts; the final order's are recorded (the
     device check then plays the final schedule itself)."""
     from pipeline.partition import evaluate
-    from pipeline.partition.common import assignment_from_order, chain
+    from pipeline.partition.common import assignment_from_order
     from pipeline.placement import linear
     from pipeline.planner.budget import reprice_for_schedule
     from pipeline.schedules import build_schedule
     from pipeline.schedules.gpipe import GPipe
+    from tests.synthetic import chain
 
     graph = chain([1.0] * 4, activation_bytes=100)
     part = evaluate(graph, assignment_from_order(list(graph.nodes), [0, 1, 2, 3]), 4, in_flight=[4, 3, 2, 1])
@@ -144,11 +145,12 @@ def test_final_schedule_order_is_repriced_with_its_own_counts() -> None:
 
 def test_remat_full_budget_prices_the_inputs_kept_for_recomputation() -> None:
     from pipeline.partition import evaluate
-    from pipeline.partition.common import assignment_from_order, chain
+    from pipeline.partition.common import assignment_from_order
     from pipeline.placement import linear
     from pipeline.planner.budget import reprice_for_schedule
     from pipeline.schedules import build_schedule
     from pipeline.schedules.one_f_one_b import OneFOneB
+    from tests.synthetic import chain
 
     graph = chain([1.0] * 4, output_bytes=10, activation_bytes=100)
     part = evaluate(graph, assignment_from_order(list(graph.nodes), [0, 1, 2, 3]), 4, in_flight=[1, 1, 1, 1])

@@ -14,13 +14,11 @@ the stages must sum its gradients across those stages (and keep the copies equal
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import fx
-from torch.utils import _pytree as pytree
 
 from pipeline.graph.assignment import validate_assignment
 from pipeline.graph.trace import COMPUTE_OPS, TracedModel
@@ -86,15 +84,15 @@ def _structure(arg: Any) -> Any:
     return fx.node.map_arg(arg, lambda n: ValueRef(n.name))
 
 
-def _rebuild(structure: Any, env: Mapping[str, Any]) -> Any:
+def rebuild_outputs(structure: Any, env: Mapping[str, Any]) -> Any:
     if isinstance(structure, ValueRef):
         return env[structure.name]
     if isinstance(structure, tuple):
-        return tuple(_rebuild(s, env) for s in structure)
+        return tuple(rebuild_outputs(s, env) for s in structure)
     if isinstance(structure, list):
-        return [_rebuild(s, env) for s in structure]
+        return [rebuild_outputs(s, env) for s in structure]
     if isinstance(structure, dict):
-        return {k: _rebuild(v, env) for k, v in structure.items()}
+        return {k: rebuild_outputs(v, env) for k, v in structure.items()}
     return structure
 
 
@@ -178,21 +176,3 @@ def split_model(
         param_aliases=dict(traced.param_aliases),
         out_spec=traced.out_spec,
     )
-
-
-def run_stages(split: SplitModel, *args: Any, stages: Sequence[torch.nn.Module] | None = None) -> Any:
-    """Run every stage in order in this process, routing values by name; returns the model's output.
-
-    `stages` may replace `split.stages` (e.g. deep copies, so each holds its own tied-weight copy).
-    """
-    mods = list(stages) if stages is not None else split.stages
-    if len(args) != len(split.input_names):
-        raise TypeError(f"model takes {len(split.input_names)} inputs {split.input_names}, got {len(args)}")
-    env: dict[str, Any] = dict(zip(split.input_names, args, strict=True))
-    for io, mod in zip(split.io, mods, strict=True):
-        produced = mod(**{name: env[name] for name in io.inputs})
-        env.update(produced)
-    result = _rebuild(split.output_structure, env)
-    if split.out_spec is not None:
-        result = pytree.tree_unflatten(list(result), split.out_spec)
-    return result

@@ -10,7 +10,7 @@ import os
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,15 +74,19 @@ def replica_microbatches(
     return [mb.to(device, non_blocking=True) for mb in share.chunk(microbatches)]
 
 
-def stage_state(slots: dict[int, StageSlot], what: str) -> dict[str, torch.Tensor]:
-    """Parameters or gradients of this rank's stages, keyed by their name in the full model."""
-    out = {}
-    for slot in slots.values():
-        for name, p in slot.module.named_model_parameters():
-            t = p.grad if what == "grad" else p
-            if t is not None:
-                out[name] = t.detach().cpu().clone()
-    return out
+class Callback:
+    """Observes a rank's training at fixed points; the methods do nothing unless overridden. The
+    test suite records gradients, weights and outputs through one; a user could log or inspect."""
+
+    def before_optimizer_step(self, trainer: RankTrainer, step: int) -> None:
+        """Gradients are final (summed over micro-batches, replicas and tied copies), not yet applied."""
+
+    def after_step(self, trainer: RankTrainer, step: int, outcome: StepOutcome) -> None:
+        """The step is over (outputs hold the model's outputs per micro-batch when not training)."""
+
+    def result(self, trainer: RankTrainer) -> dict:
+        """Merged into what the rank returns once training ends."""
+        return {}
 
 
 @dataclass
@@ -102,8 +106,9 @@ class RankTrainer:
     """This rank's stages, executor and optimizer, built once; `step` runs one training step.
     train_rank loops over it, and bench/paired_runtimes.py interleaves it with torch's runtime."""
 
-    def __init__(self, cfg: dict, plan: Plan, ctx: RankContext) -> None:
+    def __init__(self, cfg: dict, plan: Plan, ctx: RankContext, callbacks: Sequence[Callback] = ()) -> None:
         self.cfg, self.plan, self.ctx = cfg, plan, ctx
+        self.callbacks = list(callbacks)
         self.heartbeat = Heartbeat(ctx.rank)
         self.spec: ModelSpec = instantiate(cfg["model"])
         self.data = instantiate(cfg["data"])
@@ -168,17 +173,14 @@ class RankTrainer:
             m.train(self.training)
         return float(total) / batches
 
-    def step(self, step: int, captured: dict | None = None) -> StepOutcome:
-        """One step on batch `step` of the data; with `captured`, step 0 records outputs and grads."""
+    def step(self, step: int) -> StepOutcome:
+        """One step on batch `step` of the data."""
         ctx = self.ctx
         in_mbs, tgt_mbs = self._microbatches(self.data.batch, step)
         start = time.perf_counter()
         loss_sum, events, outputs = self.executor.run_step(in_mbs, tgt_mbs)
         schedule_s = time.perf_counter() - start
         self.heartbeat.phase(hb.UPDATE)
-        capture = captured is not None and step == 0
-        if capture and outputs:
-            captured["outputs"] = torch.cat([outputs[mb].cpu() for mb in sorted(outputs)])
         dist.all_reduce(loss_sum)  # only last-stage ranks hold a non-zero share
         lr = grad_norm = None
         # a NaN or inf loss leaves the weights as they were, for the report to look at
@@ -186,8 +188,8 @@ class RankTrainer:
             self.shared.sum_across_stages()
             if ctx.dp > 1:
                 allreduce_gradients(self.modules, ctx.dp_group)
-            if capture:
-                captured["grads_step0"] = stage_state(self.slots, "grad")
+            for callback in self.callbacks:
+                callback.before_optimizer_step(self, step)
             if self.clip is not None:
                 grad_norm = clip_gradients(self.params, self.norm_params, float(self.clip), ctx.pp_group, ctx.device)
             if self.optimizer is not None:
@@ -229,10 +231,11 @@ class RankTrainer:
                 "clip_grad_norm, or check the data of this step")
 
 
-def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, capture_state: bool = False) -> dict:
+def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None,
+               callbacks: Sequence[Callback] = ()) -> dict:
     """Run steps up to `cfg["steps"]` (from a checkpoint when resuming); rank 0 reports progress and
     writes metrics.json into run_dir."""
-    trainer = RankTrainer(cfg, plan, ctx)
+    trainer = RankTrainer(cfg, plan, ctx, callbacks)
     slots, schedule = trainer.slots, plan.schedule
     # what the rank held before its model's tensors: measured once the stages exist (building them
     # imports and traces, which costs the process tens of MB that no plan can shrink), minus them
@@ -256,7 +259,6 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
     step_times: list[float] = []
     busy: list[float] = []
     schedule_times: list[float] = []
-    captured: dict = {}
     last_events: list[dict] = []
     # the events of the last few steps after warm-up: what the run's own per-stage costs are taken from
     window: deque[tuple[int, list[dict]]] = deque(maxlen=COST_WINDOW_STEPS)
@@ -271,7 +273,9 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
     for step in range(start_step, cfg["steps"]):
         trainer.heartbeat.phase(hb.STEP_START, step)
         fault_injection(cfg.get("debug"), ctx.rank, step, trainer.heartbeat)
-        outcome = trainer.step(step, captured if capture_state else None)
+        outcome = trainer.step(step)
+        for callback in trainer.callbacks:
+            callback.after_step(trainer, step, outcome)
         loss, elapsed, events = outcome.loss, outcome.elapsed_s, outcome.events
         if not math.isfinite(loss):
             # every rank gathered the same facts: whichever fails first, the report is the whole one
@@ -348,11 +352,8 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None, ca
     gathered: list[dict] | None = [None] * ctx.world_size if ctx.rank == 0 else None
     dist.gather_object(rank_info, gathered, dst=0)
     result: dict = {"losses": losses, "rank_info": rank_info}
-    if capture_state:
-        captured["params_final"] = stage_state(slots, "param")
-        result["state"] = captured
-        if "outputs" in captured:
-            result["outputs"] = captured["outputs"]
+    for callback in trainer.callbacks:
+        result.update(callback.result(trainer))
     if ctx.rank == 0:
         metrics = {
             "config": cfg,

@@ -1,0 +1,56 @@
+"""What the equivalence tests compare, recorded inside each rank by a trainer callback: the
+gradients of step 0 before the optimizer applies them, the final weights, and (forward-only
+schedules) the model's outputs of step 0."""
+
+from __future__ import annotations
+
+import torch
+
+from launcher.worker import RankJob, join_process_group, leave_process_group, run_job
+from pipeline.runtime.executor import StageSlot
+from pipeline.runtime.trainer import Callback, StepOutcome
+
+
+def stage_state(slots: dict[int, StageSlot], what: str) -> dict[str, torch.Tensor]:
+    """Parameters or gradients of this rank's stages, keyed by their name in the full model."""
+    out = {}
+    for slot in slots.values():
+        for name, p in slot.module.named_model_parameters():
+            t = p.grad if what == "grad" else p
+            if t is not None:
+                out[name] = t.detach().cpu().clone()
+    return out
+
+
+class CaptureState(Callback):
+    def __init__(self) -> None:
+        self.state: dict = {}
+
+    def before_optimizer_step(self, trainer, step: int) -> None:
+        if step == 0:
+            self.state["grads_step0"] = stage_state(trainer.slots, "grad")
+
+    def after_step(self, trainer, step: int, outcome: StepOutcome) -> None:
+        if step == 0 and outcome.outputs:
+            self.state["outputs"] = torch.cat([outcome.outputs[mb].cpu() for mb in sorted(outcome.outputs)])
+
+    def result(self, trainer) -> dict:
+        self.state["params_final"] = stage_state(trainer.slots, "param")
+        out = {"state": self.state}
+        if "outputs" in self.state:
+            out["outputs"] = self.state["outputs"]
+        return out
+
+
+def rank_main_many(jobs: list[RankJob]) -> list[dict]:
+    """Run several jobs of the same world size in one process group, one after the other, so the
+    suite checks many configurations without paying for a spawn each."""
+    rank, device = join_process_group(jobs[0].cfg, jobs[0].run_dir)
+    results = []
+    for job in jobs:
+        world = job.cfg["pp"] * job.cfg["dp"]
+        if world != jobs[0].cfg["pp"] * jobs[0].cfg["dp"]:
+            raise RuntimeError(f"jobs of one spawn must have one world size, got {world}")
+        results.append(run_job(job, rank, device))
+    leave_process_group()
+    return results
