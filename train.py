@@ -20,9 +20,12 @@ register_resolvers()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float | None:
+    """Returns the run's `objective` for a sweeper (Optuna, ...); a failed job of a multirun returns
+    what its sweeper takes for a failure (launcher/app.py: failed_value)."""
     hydra_cfg = HydraConfig.get()
-    run_safely(cfg, Path(hydra_cfg.runtime.output_dir), multirun=hydra_cfg.mode == RunMode.MULTIRUN)
+    return run_safely(cfg, Path(hydra_cfg.runtime.output_dir), multirun=hydra_cfg.mode == RunMode.MULTIRUN,
+                      sweeper=str(hydra_cfg.sweeper.get("_target_", "")))
 
 
 if __name__ == "__main__":

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from launcher.config import group_configs
 from launcher.diagnose import where_ranks_were
 from launcher.joined import export_submitit_env, joined_rank_env
-from launcher.validate import Prepared, on_cuda, prepare
+from launcher.validate import OBJECTIVES, Prepared, on_cuda, prepare
 from pipeline.errors import ConfigError, RankFailed
 from pipeline.report.tables import device_memory_table, format_prediction, stage_table
 from pipeline.report.timeline import draw_timeline
@@ -124,7 +127,12 @@ def dry_run(prepared: Prepared, run_dir: Path) -> dict:
     print(f"\nschedule {plan.schedule.name} (compute actions per pipeline rank):\n{plan.schedule.grid()}\n")
     print(format_prediction(pred.result), flush=True)
     draw_timeline(run_dir / "timeline.png", pred.result.events, title=f"simulated {plan.schedule.name} pp={plan.pp}")
+    # per sample: tokens for language models, one for image models (as the ranks count tokens_per_s)
+    per_sample = prepared.spec.input_shape[0] if prepared.spec.input_dtype == torch.long else 1
+    tokens_per_step = plan.dp * plan.microbatches * plan.micro_batch_size * per_sample
     summary = {"mode": "plan", "schedule": plan.schedule.name, **pred.result.summary(),
+               "planned_step_time_s": pred.step_s,
+               "planned_tokens_per_s": tokens_per_step / pred.step_s if pred.step_s > 0 else 0.0,
                "bubble_per_rank": pred.result.bubble, "peak_activation_bytes_per_rank": pred.result.peak_activation_bytes,
                "device_memory": [d.to_dict() for d in pred.devices]}
     if prepared.search is not None:
@@ -134,16 +142,85 @@ def dry_run(prepared: Prepared, run_dir: Path) -> dict:
     return summary
 
 
-def run_safely(cfg: DictConfig, run_dir: Path, multirun: bool) -> dict | None:
-    """Report bad config and failed ranks as one clear message; in a multirun, record the failure
-    in the job's own metrics.json and carry on so the sweep's summary still happens."""
+def objective_value(objective: str, result: dict) -> float | None:
+    """The run's `objective`, read from its metrics (or, for a dry run, its prediction.json), in
+    their unit. tokens_per_s is maximised; step_time_s, loss (the final training loss) and
+    eval_loss (the last held-out loss) are minimised (OBJECTIVES). A dry run has only the planned
+    step (planned_step_time_s, planned_tokens_per_s); validation refuses loss objectives there.
+    None for a rank of a torchrun/SLURM job other than rank 0, which holds no metrics (the launcher
+    reads rank 0's return); NaN when the value is missing."""
+    if not result:
+        return None
+    if result.get("mode") == "plan":
+        value = result.get(f"planned_{objective}")
+    elif objective == "loss":
+        value = (result.get("losses") or [None])[-1]
+    elif objective == "eval_loss":
+        value = (result.get("eval_loss") or [{}])[-1].get("eval_loss")
+    else:
+        value = result.get(objective)
+    return float("nan") if value is None else float(value)
+
+
+def failed_value(sweeper: str) -> float | None:
+    """What a job of a multirun returns when it has no objective: it failed (a config error, a
+    rank failed) or its objective is NaN (a diverged loss). `sweeper` is hydra.sweeper._target_.
+
+    Optuna's sweeper gets None: it marks the trial FAIL ("Return value must be float-castable.
+    Got 'None'") and goes on with the next one. Not NaN: hydra-optuna-sweeper 1.3.0 (the latest
+    release) tells Optuna the NaN once more while marking the trial failed, which raises and ends
+    the whole sweep (facebookresearch/hydra issue 2237). Every other sweeper gets NaN, a float
+    that is no value (Nevergrad records it with a warning; the basic sweeper ignores returns and
+    its report lists the job as failed from its metrics.json)."""
+    return None if "optuna" in sweeper.lower() else float("nan")
+
+
+def run_safely(cfg: DictConfig, run_dir: Path, multirun: bool, sweeper: str = "") -> float | None:
+    """Run, and return the run's objective (`objective_value`) for a sweeper. Report bad config
+    and failed ranks as one clear message; in a multirun, record the failure in the job's own
+    metrics.json and return `failed_value` instead of raising, so the sweep goes on to its next
+    job and its summary still happens."""
     try:
-        return run(cfg, run_dir)
+        value = objective_value(str(cfg.get("objective", "tokens_per_s")), run(cfg, run_dir))
     except (ConfigError, RankFailed) as err:
         kind = "config error" if isinstance(err, ConfigError) else "a rank failed"
         print(f"error ({kind}): {err}", file=sys.stderr, flush=True)
         if multirun:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "metrics.json").write_text(json.dumps({"status": "failed", "error": str(err)}, indent=1))
-            return None
+            return failed_value(sweeper)
         sys.exit(2 if isinstance(err, ConfigError) else 1)
+    return failed_value(sweeper) if multirun and value is not None and math.isnan(value) else value
+
+
+class SweeperDirection(Callback):
+    """Optuna minimises unless told otherwise, and objective=tokens_per_s is maximised: a sweep
+    that does not say would search for the slowest configuration. So before the sweeper starts,
+    a sweeper with a single `direction` (Optuna's) takes the objective's direction
+    (OBJECTIVES) unless the command line names hydra.sweeper.direction; a direction given there
+    is kept, with a warning when it contradicts the objective. Other sweepers name their
+    direction otherwise (Nevergrad: hydra.sweeper.optim.maximize) and are left as they are."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        sweeper = config.hydra.sweeper
+        objective = str(config.get("objective"))
+        wanted = OBJECTIVES.get(objective)
+        if "direction" not in sweeper or wanted is None:  # a bad objective: validation names it in each job
+            return
+        current = sweeper.direction
+        if OmegaConf.is_list(current) or isinstance(current, (list, tuple)):  # multi-objective: the user's own
+            return
+        current = str(getattr(current, "name", current))
+        given = any(str(o).split("=", 1)[0].lstrip("+~") == "hydra.sweeper.direction"
+                    for o in config.hydra.overrides.hydra)
+        if current == wanted:
+            return
+        if given:
+            print(f"warning: objective={objective} should be {wanted}d, but the command line sets "
+                  f"hydra.sweeper.direction={current}", file=sys.stderr, flush=True)
+            return
+        with read_write(config.hydra), open_dict(config.hydra):
+            sweeper.direction = wanted
+            # the jobs' configs are composed from these overrides: their hydra.yaml says the same
+            config.hydra.overrides.hydra.append(f"hydra.sweeper.direction={wanted}")
+        print(f"objective={objective}: hydra.sweeper.direction={wanted}", flush=True)

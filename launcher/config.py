@@ -82,6 +82,12 @@ class TrainConfig:
     remat: str = "none"
     #: train | plan (dry run: plan, simulate, draw; no ranks)
     mode: str = "train"
+    #: what the run returns to a Hydra sweeper (Optuna, Nevergrad, Ax), in metrics.json's unit:
+    #: tokens_per_s (maximised) | step_time_s | loss (final training loss) | eval_loss (last
+    #: held-out loss; needs eval.every > 0), the last three minimised. A dry run (mode=plan)
+    #: returns the planned step_time_s or tokens_per_s; a failed job in a multirun returns what its
+    #: sweeper counts as a failed trial (None for Optuna, NaN otherwise: launcher/app.py failed_value)
+    objective: str = "tokens_per_s"
     #: profile and simulate the plan before training even when nothing else needs it, so that the
     #: run reports the predicted step and per-device peak beside the measured ones
     predict: bool = False

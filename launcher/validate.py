@@ -35,6 +35,8 @@ from pipeline.schedules.base import ScheduleGenerator
 
 DEVICES = ("auto", "cpu", "cuda")
 MODES = ("train", "plan")
+#: what a run returns to a Hydra sweeper (`objective`) -> the direction to optimise it in
+OBJECTIVES = {"tokens_per_s": "maximize", "step_time_s": "minimize", "loss": "minimize", "eval_loss": "minimize"}
 
 
 @dataclass
@@ -155,6 +157,24 @@ def check_scalars(cfg: dict) -> None:
     if not isinstance(cfg.get("huge_pages", True), bool):
         raise ConfigError("huge_pages", f"got {cfg.get('huge_pages')!r}; valid: true or false")
     check_training_keys(cfg)
+    check_objective(cfg)
+
+
+def check_objective(cfg: dict) -> None:
+    """The value the run returns to a sweeper must be one this run will produce."""
+    objective = cfg.get("objective", "tokens_per_s")
+    if objective not in OBJECTIVES:
+        raise ConfigError("objective", f"got {objective!r}; valid: tokens_per_s (maximised), step_time_s, loss, "
+                                       "eval_loss (minimised)")
+    every = (cfg.get("eval") or {}).get("every", 0)
+    if objective == "eval_loss" and not every:
+        raise ConfigError("objective", f"objective=eval_loss is the last held-out loss, but eval.every={every} never "
+                                       "evaluates; set eval.every=<steps> (it also evaluates after the last step, so "
+                                       f"eval.every={cfg['steps']} evaluates once at the end) or use objective=loss")
+    if cfg.get("mode") == "plan" and objective in ("loss", "eval_loss"):
+        raise ConfigError("objective", f"objective={objective} is a training loss, but mode=plan trains nothing; a "
+                                       "dry run returns the planned step: use objective=step_time_s or tokens_per_s, "
+                                       "or mode=train")
 
 
 def on_cuda(cfg: dict) -> bool:
