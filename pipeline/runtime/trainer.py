@@ -11,7 +11,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -231,102 +231,144 @@ class RankTrainer:
                 "clip_grad_norm, or check the data of this step")
 
 
+@dataclass
+class RunRecord:
+    """What a rank's run has produced so far: the history metrics.json and checkpoints carry."""
+
+    start_step: int = 0
+    resumed_from: str | None = None
+    losses: list[float] = field(default_factory=list)
+    lrs: list[float | None] = field(default_factory=list)
+    grad_norms: list[float | None] = field(default_factory=list)
+    eval_losses: list[dict] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    busy: list[float] = field(default_factory=list)
+    schedule_times: list[float] = field(default_factory=list)
+    last_events: list[dict] = field(default_factory=list)
+    # the events of the last few steps after warm-up: what the run's own per-stage costs are taken from
+    window: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW_STEPS))
+    checkpoints: list[str] = field(default_factory=list)
+
+    @classmethod
+    def resumed(cls, cfg: dict, trainer: RankTrainer) -> RunRecord:
+        """A fresh record, or the one a checkpoint carries (its weights and states loaded too)."""
+        if not cfg.get("resume_from"):
+            return cls()
+        meta = checkpoint.load(Path(cfg["resume_from"]), trainer.modules, trainer.optimizer, trainer.lr_scheduler,
+                               trainer.ctx)
+        return cls(meta["step"], cfg["resume_from"], list(meta.get("losses", [])), list(meta.get("lrs", [])),
+                   list(meta.get("grad_norms", [])), list(meta.get("eval_losses", [])))
+
+    def add(self, step: int, outcome: StepOutcome, warmup_steps: int) -> None:
+        self.schedule_times.append(outcome.schedule_s)
+        self.losses.append(outcome.loss)
+        self.lrs.append(outcome.lr)
+        self.grad_norms.append(outcome.grad_norm)
+        self.step_times.append(outcome.elapsed_s)
+        self.busy.append(sum(e["end_s"] - e["start_s"] for e in outcome.events))
+        self.last_events = outcome.events
+        if step >= self.start_step + warmup_steps:
+            self.window.append((step, outcome.events))
+
+
 def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None,
                callbacks: Sequence[Callback] = ()) -> dict:
     """Run steps up to `cfg["steps"]` (from a checkpoint when resuming); rank 0 reports progress and
     writes metrics.json into run_dir."""
     trainer = RankTrainer(cfg, plan, ctx, callbacks)
-    slots, schedule = trainer.slots, plan.schedule
-    # what the rank held before its model's tensors: measured once the stages exist (building them
-    # imports and traces, which costs the process tens of MB that no plan can shrink), minus them
-    held = sum(t.numel() * t.element_size()
-               for t in [*trainer.params, *{id(b): b for m in trainer.modules for b in m.buffers()}.values()])
-    at_start = current_memory_bytes(ctx.device) - held
-    # tokens for language models; samples for image models
-    tokens_per_step = cfg["batch_size"] * (trainer.spec.input_shape[0] if trainer.spec.input_dtype == torch.long else 1)
-    ckpt_cfg = cfg.get("checkpoint") or {}
-    ckpt_root = Path(ckpt_cfg["dir"]) if ckpt_cfg.get("dir") else (run_dir / "checkpoints" if run_dir else None)
-    losses: list[float] = []
-    lrs: list[float | None] = []
-    grad_norms: list[float | None] = []
-    eval_losses: list[dict] = []
-    start_step, resumed = 0, None
-    if cfg.get("resume_from"):
-        meta = checkpoint.load(Path(cfg["resume_from"]), trainer.modules, trainer.optimizer, trainer.lr_scheduler, ctx)
-        start_step, resumed = meta["step"], cfg["resume_from"]
-        losses, lrs = list(meta.get("losses", [])), list(meta.get("lrs", []))
-        grad_norms, eval_losses = list(meta.get("grad_norms", [])), list(meta.get("eval_losses", []))
-    step_times: list[float] = []
-    busy: list[float] = []
-    schedule_times: list[float] = []
-    last_events: list[dict] = []
-    # the events of the last few steps after warm-up: what the run's own per-stage costs are taken from
-    window: deque[tuple[int, list[dict]]] = deque(maxlen=COST_WINDOW_STEPS)
-    written: list[str] = []
+    at_start = _memory_before_model(trainer)
+    tokens_per_step = _tokens_per_step(cfg, trainer)
+    record = RunRecord.resumed(cfg, trainer)
     reset_peak(ctx.device)
     tracker = Tracker(cfg, run_dir) if ctx.rank == 0 else None
-    progress = Progress(cfg["steps"], tokens_per_step, cfg.get("log_every", 1), start_step) if ctx.rank == 0 else None
-    every = int(ckpt_cfg.get("every") or 0)
-    eval_cfg = cfg.get("eval") or {}
-    eval_every, eval_batches = int(eval_cfg.get("every") or 0), int(eval_cfg.get("batches") or 1)
-
-    for step in range(start_step, cfg["steps"]):
+    progress = Progress(cfg["steps"], tokens_per_step, cfg.get("log_every", 1), record.start_step) \
+        if ctx.rank == 0 else None
+    for step in range(record.start_step, cfg["steps"]):
         trainer.heartbeat.phase(hb.STEP_START, step)
         fault_injection(cfg.get("debug"), ctx.rank, step, trainer.heartbeat)
         outcome = trainer.step(step)
         for callback in trainer.callbacks:
             callback.after_step(trainer, step, outcome)
-        loss, elapsed, events = outcome.loss, outcome.elapsed_s, outcome.events
-        if not math.isfinite(loss):
+        if not math.isfinite(outcome.loss):
             # every rank gathered the same facts: whichever fails first, the report is the whole one
-            raise FloatingPointError(trainer.nonfinite_report(step, loss))
-        schedule_times.append(outcome.schedule_s)
-        losses.append(loss)
-        lrs.append(outcome.lr)
-        grad_norms.append(outcome.grad_norm)
-        step_times.append(elapsed)
-        busy.append(sum(e["end_s"] - e["start_s"] for e in events))
-        last_events = events
-        if step >= start_step + cfg.get("warmup_steps", 0):
-            window.append((step, events))
+            raise FloatingPointError(trainer.nonfinite_report(step, outcome.loss))
+        record.add(step, outcome, cfg.get("warmup_steps", 0))
         if tracker is not None:
-            values = {"loss": loss, "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed}
+            values = {"loss": outcome.loss, "step_time_s": outcome.elapsed_s,
+                      "tokens_per_s": tokens_per_step / outcome.elapsed_s}
             values.update({k: v for k, v in (("lr", outcome.lr), ("grad_norm", outcome.grad_norm)) if v is not None})
             tracker.log_step(step, values)
         if progress is not None:
-            progress.update(step, loss, elapsed)
-        last = step + 1 == cfg["steps"]
-        if eval_every and ((step + 1) % eval_every == 0 or last):
-            eval_loss = trainer.evaluate(eval_batches)
-            eval_losses.append({"step": step, "eval_loss": eval_loss})
-            if tracker is not None:
-                tracker.log_step(step, {"eval_loss": eval_loss})
-            if ctx.rank == 0:
-                print(f"step {step:>4}/{cfg['steps']} | eval_loss {eval_loss:.4f} ({eval_batches} held-out batches, "
-                      "after this step's update)", flush=True)
-        if every and ckpt_root is not None and ((step + 1) % every == 0 or last):
-            meta = {"samples_seen": (step + 1) * cfg["batch_size"], "batch_size": cfg["batch_size"],
-                    "losses": losses, "lrs": lrs, "grad_norms": grad_norms, "eval_losses": eval_losses,
-                    "model": plan.model, "model_config": cfg["model"],
-                    "layout": {"pp": plan.pp, "dp": plan.dp, "schedule": schedule.name,
-                               "partition": (plan.meta.get("partition") or {}).get("method")}}
-            trainer.heartbeat.phase(hb.CHECKPOINT)
-            path = checkpoint.save(ckpt_root, step + 1, trainer.modules, trainer.optimizer, trainer.lr_scheduler,
-                                   ctx, meta)
-            written.append(str(path))
-            if ctx.rank == 0:
-                checkpoint.prune(ckpt_root, int(ckpt_cfg.get("keep", 0) or 0))
+            progress.update(step, outcome.loss, outcome.elapsed_s)
+        _maybe_evaluate(trainer, record, step, tracker)
+        _maybe_checkpoint(trainer, record, step, run_dir)
     if progress is not None:
         progress.close()
     if trainer.record_p2p:
         trainer.verify_p2p_order()
     trainer.heartbeat.phase(hb.FINISHED)
+    return _finish(trainer, record, at_start, tokens_per_step, tracker, run_dir)
 
-    warm = cfg.get("warmup_steps", 0)
-    median_step = _median_after_warmup(step_times, warm) if step_times else 0.0
-    median_busy = _median_after_warmup(busy, warm) if busy else 0.0
+
+def _memory_before_model(trainer: RankTrainer) -> float:
+    """What the rank held before its model's tensors: measured once the stages exist (building them
+    imports and traces, which costs the process tens of MB that no plan can shrink), minus them."""
+    held = sum(t.numel() * t.element_size()
+               for t in [*trainer.params, *{id(b): b for m in trainer.modules for b in m.buffers()}.values()])
+    return current_memory_bytes(trainer.ctx.device) - held
+
+
+def _tokens_per_step(cfg: dict, trainer: RankTrainer) -> int:
+    """Tokens for language models; samples for image models."""
+    return cfg["batch_size"] * (trainer.spec.input_shape[0] if trainer.spec.input_dtype == torch.long else 1)
+
+
+def _maybe_evaluate(trainer: RankTrainer, record: RunRecord, step: int, tracker: Tracker | None) -> None:
+    """The held-out loss every `eval.every` steps and after the last one (collective)."""
+    cfg = trainer.cfg
+    eval_cfg = cfg.get("eval") or {}
+    every, batches = int(eval_cfg.get("every") or 0), int(eval_cfg.get("batches") or 1)
+    if not every or not ((step + 1) % every == 0 or step + 1 == cfg["steps"]):
+        return
+    eval_loss = trainer.evaluate(batches)
+    record.eval_losses.append({"step": step, "eval_loss": eval_loss})
+    if tracker is not None:
+        tracker.log_step(step, {"eval_loss": eval_loss})
+    if trainer.ctx.rank == 0:
+        print(f"step {step:>4}/{cfg['steps']} | eval_loss {eval_loss:.4f} ({batches} held-out batches, "
+              "after this step's update)", flush=True)
+
+
+def _maybe_checkpoint(trainer: RankTrainer, record: RunRecord, step: int, run_dir: Path | None) -> None:
+    """A checkpoint every `checkpoint.every` steps and after the last one (collective); rank 0
+    prunes all but the newest `checkpoint.keep`."""
+    cfg, plan = trainer.cfg, trainer.plan
+    ckpt_cfg = cfg.get("checkpoint") or {}
+    root = Path(ckpt_cfg["dir"]) if ckpt_cfg.get("dir") else (run_dir / "checkpoints" if run_dir else None)
+    every = int(ckpt_cfg.get("every") or 0)
+    if not every or root is None or not ((step + 1) % every == 0 or step + 1 == cfg["steps"]):
+        return
+    meta = {"samples_seen": (step + 1) * cfg["batch_size"], "batch_size": cfg["batch_size"],
+            "losses": record.losses, "lrs": record.lrs, "grad_norms": record.grad_norms,
+            "eval_losses": record.eval_losses, "model": plan.model, "model_config": cfg["model"],
+            "layout": {"pp": plan.pp, "dp": plan.dp, "schedule": plan.schedule.name,
+                       "partition": (plan.meta.get("partition") or {}).get("method")}}
+    trainer.heartbeat.phase(hb.CHECKPOINT)
+    path = checkpoint.save(root, step + 1, trainer.modules, trainer.optimizer, trainer.lr_scheduler, trainer.ctx,
+                           meta)
+    record.checkpoints.append(str(path))
+    if trainer.ctx.rank == 0:
+        checkpoint.prune(root, int(ckpt_cfg.get("keep", 0) or 0))
+
+
+def _rank_info(trainer: RankTrainer, record: RunRecord, at_start: float) -> dict:
+    """This rank's part of metrics.json: where it ran, its memory, its busy time and events."""
+    ctx, plan, slots = trainer.ctx, trainer.plan, trainer.slots
+    warm = trainer.cfg.get("warmup_steps", 0)
+    median_step = _median_after_warmup(record.step_times, warm) if record.step_times else 0.0
+    median_busy = _median_after_warmup(record.busy, warm) if record.busy else 0.0
     peak = peak_memory_bytes(ctx.device)
-    rank_info = {
+    return {
         "rank": ctx.rank,
         "pp_rank": ctx.pp_rank,
         "dp_rank": ctx.dp_rank,
@@ -345,41 +387,51 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None,
         "huge_pages": huge_pages_active(),
         # pretrained weights this rank read by name (model.path): its own stages' tensors only
         "weights_read": list(getattr(trainer.spec.load, "read", [])),
-        "events": last_events if ctx.dp_rank == 0 else [],
-        "cost_events": [{**e, "step": s} for s, step_events in window for e in step_events] if ctx.dp_rank == 0
-        else [],
+        "events": record.last_events if ctx.dp_rank == 0 else [],
+        "cost_events": [{**e, "step": s} for s, step_events in record.window for e in step_events]
+        if ctx.dp_rank == 0 else [],
     }
+
+
+def _finish(trainer: RankTrainer, record: RunRecord, at_start: float, tokens_per_step: int,
+            tracker: Tracker | None, run_dir: Path | None) -> dict:
+    """Gather every rank's facts on rank 0, which writes metrics.json and the artifacts; return
+    this rank's result (losses, its facts, what the callbacks add; rank 0: metrics and events)."""
+    cfg, plan, ctx = trainer.cfg, trainer.plan, trainer.ctx
+    rank_info = _rank_info(trainer, record, at_start)
     gathered: list[dict] | None = [None] * ctx.world_size if ctx.rank == 0 else None
     dist.gather_object(rank_info, gathered, dst=0)
-    result: dict = {"losses": losses, "rank_info": rank_info}
+    result: dict = {"losses": record.losses, "rank_info": rank_info}
     for callback in trainer.callbacks:
         result.update(callback.result(trainer))
-    if ctx.rank == 0:
-        metrics = {
-            "config": cfg,
-            "losses": losses,
-            "lr": lrs,
-            "eval_loss": eval_losses,
-            "start_step": start_step,
-            "resumed_from": resumed,
-            "checkpoints": written,
-            "step_time_s": median_step,
-            "step_times_s": step_times,
-            "tokens_per_s": tokens_per_step / median_step if median_step else 0.0,
-            "ranks": gathered,
-            "schedule": schedule.name,
-            "stages": stage_rows(plan),
-            "partition": plan.meta.get("partition"),
-        }
-        if trainer.clip is not None:
-            metrics["grad_norm"] = grad_norms
-        overhead = (_median_after_warmup([t - s for t, s in zip(step_times, schedule_times, strict=True)], warm)
-                    if step_times else 0.0)
-        result["metrics"], result["events"] = metrics, _report(metrics, plan, cfg, overhead, run_dir)
-        tracker.finish({k: metrics[k] for k in ("step_time_s", "tokens_per_s", "predicted_step_time_s") if k in metrics})
-    else:
+    if ctx.rank != 0:
         rank_info.pop("events")
         rank_info.pop("cost_events")
+        return result
+    warm = cfg.get("warmup_steps", 0)
+    median_step = _median_after_warmup(record.step_times, warm) if record.step_times else 0.0
+    metrics = {
+        "config": cfg,
+        "losses": record.losses,
+        "lr": record.lrs,
+        "eval_loss": record.eval_losses,
+        "start_step": record.start_step,
+        "resumed_from": record.resumed_from,
+        "checkpoints": record.checkpoints,
+        "step_time_s": median_step,
+        "step_times_s": record.step_times,
+        "tokens_per_s": tokens_per_step / median_step if median_step else 0.0,
+        "ranks": gathered,
+        "schedule": plan.schedule.name,
+        "stages": stage_rows(plan),
+        "partition": plan.meta.get("partition"),
+    }
+    if trainer.clip is not None:
+        metrics["grad_norm"] = record.grad_norms
+    overhead = (_median_after_warmup([t - s for t, s in zip(record.step_times, record.schedule_times, strict=True)],
+                                     warm) if record.step_times else 0.0)
+    result["metrics"], result["events"] = metrics, _report(metrics, plan, cfg, overhead, run_dir)
+    tracker.finish({k: metrics[k] for k in ("step_time_s", "tokens_per_s", "predicted_step_time_s") if k in metrics})
     return result
 
 
