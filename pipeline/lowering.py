@@ -28,7 +28,6 @@ from collections.abc import Iterable
 
 from pipeline.ir import Action, Kind, Schedule
 
-FORWARD_CONSUMERS = (Kind.F, Kind.R)
 BACKWARD_KINDS = (Kind.B, Kind.I)
 
 

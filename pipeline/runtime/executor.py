@@ -304,18 +304,16 @@ class Executor:
         else:
             input_grads, state.stash = backward_input(roots, grads, leaves, self._params[s])
             state.outputs = state.loss = None
-        for name, x in leaves.items():
-            g = input_grads.get(name)
-            if g is None:
-                g = torch.zeros_like(x)
+        # an input the graph did not reach gets a zero gradient: its producer still waits for one
+        grads = {n: g if (g := input_grads.get(n)) is not None else torch.zeros_like(x) for n, x in leaves.items()}
+        for name, g in grads.items():
             prod = slot.inputs[name]
             if slot.peer_of[prod] is None:
                 self._bwd_box[(prod, mb, name, s)] = g
         for p in self._remote_in[s]:
-            names = [n for n in slot.read_from(p) if n in leaves]
+            names = [n for n in slot.read_from(p) if n in grads]
             if names:
-                self._outbox[(Kind.B, s, mb, p)] = [input_grads.get(n) if input_grads.get(n) is not None
-                                                    else torch.zeros_like(leaves[n]) for n in names]
+                self._outbox[(Kind.B, s, mb, p)] = [grads[n] for n in names]
 
 
 def save_rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
