@@ -18,3 +18,23 @@ def test_a_rank_imports_no_planning_code() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def _imports(path) -> set[str]:
+    """Every module a file imports, at its top or inside a function."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+    return found
+
+
+def test_the_library_never_imports_the_launcher() -> None:
+    """pipeline/ and models/ sit below launcher/: the launcher drives them, never the reverse."""
+    offenders = {str(p.relative_to(ROOT)): sorted(m for m in _imports(p) if m.split(".")[0] == "launcher")
+                 for folder in ("pipeline", "models") for p in (ROOT / folder).rglob("*.py")}
+    assert {k: v for k, v in offenders.items() if v} == {}
