@@ -4,7 +4,7 @@ Hypothesis draws overrides from the whole config space: every top-level key and 
 fields of group options, valid and invalid values, wrong types, unknown options and unknown keys.
 Each drawn command line goes through what `python train.py ... mode=plan` does before any rank
 exists (the override rewrite, Hydra's composition, `prepare`); anything but success or a
-ConfigError is a bug. The case count is printed and recorded in the README.
+ConfigError is a bug. The case count is printed (docs/config.md says how to see it).
 """
 
 from __future__ import annotations

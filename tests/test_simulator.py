@@ -107,7 +107,7 @@ def test_uniform_and_resplit() -> None:
 
 
 def test_large_schedule_builds_and_simulates_exactly() -> None:
-    """pp=64, m=128 ZBV: the closed-form makespan. How long it takes is measured in the README's
+    """pp=64, m=128 ZBV: the closed-form makespan. How long it takes is measured in bench/RESULTS.md's
     plan-time figures, not asserted here (wall-clock asserts fail on a shared machine: 2.06 s once)."""
     sched = build_schedule(ZBV(), v_shape(64), 128)
     res = simulate(sched, CostModel.uniform(128))
