@@ -153,11 +153,13 @@ def test_recompute_replays_the_forward_s_dropout(tmp_path) -> None:
     assert by_case[("1f1b", "none")][0]["losses"][0] != pytest.approx(plain["losses"][0], rel=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_v_and_wave_schedules_with_many_micro_batches_match_single_process(tmp_path) -> None:
     """zbv and hanayo at pp=4 with m = 2p: one pair of ranks carries forward messages of one
     stage edge and gradients of another in the same direction, which only the posting order
-    tells apart (tags are 0), and the steady state runs long."""
+    tells apart (tags are 0), and the steady state runs long. (The default suite runs both at
+    pp=2 with m = 2p, in world2.)"""
     cases = [(sched, compose_cfg([*FAST, f"scheduler={sched}", "pp=4", "microbatches=8", "batch_size=32"]))
              for sched in ("zbv", "hanayo")]
     results = run_jobs([cfg for _, cfg in cases], tmp_path / "logs")

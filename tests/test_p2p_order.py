@@ -116,7 +116,7 @@ def _ready(action: tuple[str, int, int], done: set[tuple[str, int, int]], num_st
     return ("F", s, mb) in done and (s + 1 == num_stages or ("B", s + 1, mb) in done)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(programs())
 def test_any_valid_compute_order_lowers_to_a_program_nccl_runs(drawn) -> None:
     schedule, edges = drawn
