@@ -112,6 +112,10 @@ class Executor:
                            for s, slot in slots.items()}
         self._remote_out = {s: [c for c in sorted({c for cs in slot.outputs.values() for c in cs})
                                 if slot.peer_of[c] is not None] for s, slot in slots.items()}
+        # per (stage, remote neighbour): the values of its messages, in the order both ends use
+        self._reads = {(s, p): slot.read_from(p) for s, slot in slots.items() for p in self._remote_in[s]}
+        self._grads_back = {(s, c): [n for n in slot.sent_to(c) if slot.grad_flows(n)]
+                            for s, slot in slots.items() for c in self._remote_out[s]}
 
     # ---- one step -------------------------------------------------------------------------
     def run_step(
@@ -165,11 +169,11 @@ class Executor:
         kind, s, mb, other = action.kind, action.stage, action.mb, action.peer
         slot = self.slots[s]
         if kind is Kind.RECV_F:
-            names = slot.read_from(other)
+            names = self._reads[(s, other)]
             self.p2p.post_recv((Kind.F, s, mb, other), message_label("F", other, s, mb), slot.peer_of[other],
                                [slot.values[n] for n in names], pos)
         elif kind is Kind.RECV_B:
-            names = [n for n in slot.sent_to(other) if slot.grad_flows(n)]
+            names = self._grads_back[(s, other)]
             self.p2p.post_recv((Kind.B, s, mb, other), message_label("B", s, other, mb), slot.peer_of[other],
                                [slot.values[n] for n in names], pos)
         elif kind is Kind.SEND_F:
@@ -192,14 +196,13 @@ class Executor:
         """Wait for what a compute action reads from other ranks: a forward its inputs, a backward
         the gradients of its outputs."""
         kind, s, mb = action.kind, action.stage, action.mb
-        slot = self.slots[s]
         if kind is Kind.F:
             for p in self._remote_in[s]:
-                for name, t in zip(slot.read_from(p), self._wait((Kind.F, s, mb, p)), strict=True):
+                for name, t in zip(self._reads[(s, p)], self._wait((Kind.F, s, mb, p)), strict=True):
                     self._fwd_box[(s, mb, name)] = t
         elif kind in (Kind.B, Kind.I):
             for c in self._remote_out[s]:
-                names = [n for n in slot.sent_to(c) if slot.grad_flows(n)]
+                names = self._grads_back[(s, c)]
                 if names:
                     for name, t in zip(names, self._wait((Kind.B, s, mb, c)), strict=True):
                         self._bwd_box[(s, mb, name, c)] = t
@@ -311,7 +314,7 @@ class Executor:
             if slot.peer_of[prod] is None:
                 self._bwd_box[(prod, mb, name, s)] = g
         for p in self._remote_in[s]:
-            names = [n for n in slot.read_from(p) if n in grads]
+            names = [n for n in self._reads[(s, p)] if n in grads]
             if names:
                 self._outbox[(Kind.B, s, mb, p)] = [grads[n] for n in names]
 
