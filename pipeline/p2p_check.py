@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeline.ir import Action, Kind, Schedule
@@ -304,9 +304,3 @@ def _readers(schedule: Schedule, rank: int) -> dict[tuple[str, int, int], int]:
         elif a.kind in (Kind.B, Kind.I):
             out[("B", a.stage, a.mb)] = pos
     return out
-
-
-def edges_messages(edges: Iterable[tuple[int, int]]) -> dict[tuple[int, int], tuple[list[TensorSpec], list[TensorSpec]]]:
-    """One float tensor per edge each way: for checking schedules without a model (tests, benches)."""
-    spec: list[TensorSpec] = [("x", (1,), "float32")]
-    return {(p, c): (spec, spec) for p, c in edges}

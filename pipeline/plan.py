@@ -77,11 +77,6 @@ class Plan:
     def stages_of(self, pp_rank: int) -> list[StagePlan]:
         return [s for s in self.stages if s.rank == pp_rank]
 
-    def edges(self) -> list[tuple[int, int, str]]:
-        """Every (producer stage, consumer stage, value) crossing a stage boundary, in a fixed
-        order: its position is the edge id both ends of a message derive their tag from."""
-        return sorted((p, s.index, name) for s in self.stages for name, p in s.inputs.items() if p is not None)
-
     def shared_param_ranks(self) -> dict[str, list[int]]:
         """Tied parameter -> the pipeline ranks holding a copy (only those on more than one rank)."""
         out = {}

@@ -8,6 +8,7 @@ with the ranks and actions named."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 
 import pytest
 from hypothesis import given, settings
@@ -17,12 +18,18 @@ from launcher.validate import prepare
 from pipeline.errors import ConfigError
 from pipeline.ir import Action, Kind, Schedule
 from pipeline.lowering import lower, sequential_edges
-from pipeline.p2p_check import P2POrderError, check_p2p, check_plan, edges_messages
+from pipeline.p2p_check import P2POrderError, TensorSpec, check_p2p, check_plan
 from pipeline.schedules import build_schedule
 from pipeline.schedules.inference import Inference
 from pipeline.schedules.registry import GENERATORS, placement_for
 from tests.harness import FAST, compose_cfg
 from tests.test_graph_equivalence import MODELS
+
+
+def edges_messages(edges: Iterable[tuple[int, int]]) -> dict[tuple[int, int], tuple[list[TensorSpec], list[TensorSpec]]]:
+    """One float tensor per edge each way: for checking schedules without a model."""
+    spec: list[TensorSpec] = [("x", (1,), "float32")]
+    return {(p, c): (spec, spec) for p, c in edges}
 
 
 def _built_in(pp: int):

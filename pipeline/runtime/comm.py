@@ -85,11 +85,6 @@ class P2P:
                 work.wait()
         self._sends.clear()
 
-    @property
-    def in_flight_bytes(self) -> int:
-        """Bytes of sent tensors not yet released."""
-        return sum(t.numel() * t.element_size() for _, ts in self._sends for t in ts)
-
 
 def _batch(ops: list[dist.P2POp]) -> list[dist.Work]:
     return dist.batch_isend_irecv(ops) if ops else []
