@@ -26,12 +26,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from launcher.spawn import environment  # noqa: E402
-from launcher.worker import set_up_rank_process  # noqa: E402
 from models.gpt import gpt  # noqa: E402
 from models.spec import ModelSpec, causal_lm_loss  # noqa: E402
+from pipeline.core.plan import Plan  # noqa: E402
 from pipeline.data.synthetic import SyntheticTokens  # noqa: E402
-from pipeline.plan import Plan  # noqa: E402
 from pipeline.runtime.host_allocator import rank_environment  # noqa: E402
+from pipeline.runtime.rank import set_up_rank_process  # noqa: E402
 
 #: our scheduler name -> the torch.distributed.pipelining class with the same schedule.
 TORCH_SCHEDULES: dict[str, str] = {

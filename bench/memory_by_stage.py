@@ -33,7 +33,7 @@ VARIANTS = {"chain": [], "tied": ["+model.tie_embeddings=true"]}
 
 def baseline_rss() -> int:
     """Peak RSS of a process that imported what a rank imports, and nothing else."""
-    code = ("import resource, launcher.worker, pipeline.runtime.trainer, torch; "
+    code = ("import resource, pipeline.runtime.rank, pipeline.runtime.trainer, torch; "
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
     return int(subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip())

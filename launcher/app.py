@@ -18,7 +18,8 @@ from launcher.config import group_configs
 from launcher.diagnose import where_ranks_were
 from launcher.joined import export_submitit_env, joined_rank_env
 from launcher.validate import OBJECTIVES, Prepared, on_cuda, prepare
-from pipeline.errors import ConfigError, RankFailed
+from pipeline.core.errors import ConfigError, RankFailed
+from pipeline.report.artifacts import report_run
 from pipeline.report.tables import device_memory_table, format_prediction, stage_table
 from pipeline.report.timeline import draw_timeline
 from pipeline.runtime.flight_recorder import dump_prefix, nccl_environment
@@ -56,7 +57,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     if resolved["mode"] == "plan":
         return dry_run(prepared, run_dir)
     from launcher.spawn import spawn_ranks  # the runtime is imported only when there is something to run
-    from launcher.worker import RankJob
+    from pipeline.runtime.rank import RankJob
 
     job = RankJob(resolved, plan, str(run_dir))
     plan.write(run_dir / "plan.json")
@@ -74,7 +75,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     except RankFailed as err:
         where = where_ranks_were(beats, plan, flight, since=started)
         raise RankFailed(f"{err}\n{where}" if where else str(err)) from None
-    metrics = results[0]["metrics"]
+    metrics = report_run(results[0], plan, link(resolved), run_dir)
     if prepared.prediction is not None:  # what the plan predicted before any rank started
         metrics["planned_step_time_s"] = prepared.prediction.step_s
         metrics["planned_schedule_s"] = prepared.prediction.schedule_s
@@ -108,15 +109,36 @@ def adopt_search_winner(resolved: dict, prepared: Prepared) -> None:
 def join(resolved: dict, run_dir: Path) -> dict:
     """This process is one rank started by torchrun or SLURM. Every rank validates the config
     (cheap, deterministic, no profile); the Plan itself is built by rank 0 inside the process group
-    and broadcast, since a profiled plan (auto, balanced, milp, cost-aware orders) depends on
-    timings and every rank must run the very same one."""
+    (profiled on its own device) and broadcast, since a profiled plan (auto, balanced, milp,
+    cost-aware orders) depends on timings and every rank must run the very same one. Rank 0 then
+    writes the report, as the launcher does for the ranks it spawns."""
     resolved["resume_from"] = prepare(resolved, profile=False).resume_from
     os.environ.setdefault(HEARTBEAT_DIR, str(run_dir / "heartbeat"))  # where each rank is, on a shared disk
     run_dir.mkdir(parents=True, exist_ok=True)
-    from launcher.worker import RankJob, rank_main
+    from pipeline.runtime.rank import (
+        RankJob,
+        broadcast_plan,
+        join_process_group,
+        leave_process_group,
+        run_job,
+    )
 
-    result = rank_main(RankJob(resolved, None, str(run_dir)))
-    return result.get("metrics", {})
+    rank, device = join_process_group(resolved, str(run_dir))
+    plan = None
+    if rank == 0:
+        plan = prepare(resolved, device=device).plan
+        plan.write(run_dir / "plan.json")
+        print(stage_table(plan), flush=True)
+    plan = broadcast_plan(plan)
+    result = run_job(RankJob(resolved, plan, str(run_dir)), rank, device)
+    metrics = report_run(result, plan, link(resolved), run_dir) if rank == 0 else {}
+    leave_process_group()
+    return metrics
+
+
+def link(resolved: dict) -> tuple[float, float]:
+    """The simulator's link model: (seconds per message, bytes per second)."""
+    return resolved["link_latency_s"], resolved["link_bandwidth"]
 
 
 def dry_run(prepared: Prepared, run_dir: Path) -> dict:

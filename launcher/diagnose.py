@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.ir import Action, Kind
-from pipeline.plan import Plan
+from pipeline.core.ir import Action, Kind
+from pipeline.core.plan import Plan
 from pipeline.runtime import flight_recorder, heartbeat
 
 WINDOW = 3  # actions shown on each side of the current one

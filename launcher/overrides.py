@@ -15,7 +15,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 #: group -> (its explicit option, the key a list goes to)

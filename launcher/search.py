@@ -16,13 +16,14 @@ from hydra.utils import instantiate
 
 from launcher.config import group_configs
 from models.spec import ModelSpec
-from pipeline.errors import ConfigError
-from pipeline.graph.profile import apply_profile, profile_graph, profiled_nodes
+from pipeline.core.errors import ConfigError
+from pipeline.core.plan import Plan
 from pipeline.graph.trace import TracedModel
-from pipeline.plan import Plan
 from pipeline.planner import plugin_name
 from pipeline.planner.fit import fit_budget
 from pipeline.planner.predict import Prediction, predict, profiling_threads
+from pipeline.planner.profile import apply_profile, profile_graph, profiled_nodes
+from pipeline.planner.schedules.base import ScheduleGenerator
 from pipeline.planner.search import (
     Candidate,
     SearchResult,
@@ -34,8 +35,6 @@ from pipeline.planner.search import (
 )
 from pipeline.runtime.context import cpu_threads
 from pipeline.runtime.host_allocator import configure_host_allocator
-from pipeline.schedules.base import ScheduleGenerator
-from pipeline.stage import trace_spec
 
 #: scheduler options that are not a training schedule to compare
 NOT_CANDIDATES = ("AutoSchedule", "Inference")
@@ -65,7 +64,7 @@ class TracedModels:
             try:
                 if self.model is None:
                     self.model = self.spec.build_meta()
-                traced = trace_spec(self.spec, micro_batch_size, self.model)
+                traced = self.spec.trace(micro_batch_size, self.model)
             except ConfigError:
                 raise
             except Exception as err:  # noqa: BLE001 - a model that cannot be built from these values
@@ -116,7 +115,7 @@ def _profile_child(cfg: dict, micro_batch_size: int, device: str) -> tuple[dict[
     """The child's side: rebuild and retrace the model (deterministic: the same node names), then
     profile it on its GPU."""
     spec = instantiate(cfg["model"])
-    traced = trace_spec(spec, micro_batch_size, spec.build_meta())
+    traced = spec.trace(micro_batch_size, spec.build_meta())
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(torch.device(device))
     profile_traced(spec, cfg, traced, micro_batch_size, torch.device(device))

@@ -17,9 +17,9 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from launcher.worker import RankJob, rank_main
-from pipeline.errors import RankFailed
+from pipeline.core.errors import RankFailed
 from pipeline.runtime.progress import PROGRESS_TTY
+from pipeline.runtime.rank import RankJob, rank_main
 
 
 def failure_report(err: ChildFailedError) -> str:

@@ -17,21 +17,21 @@ from hydra.utils import instantiate
 
 from launcher.search import TracedModels, instantiate_scheduler, micro_batch_size, search, search_space
 from models.spec import ModelSpec
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
+from pipeline.core.plan import Plan, dtype_name, dtype_of
+from pipeline.graph.init import uncovered_tensors
 from pipeline.graph.trace import TracedModel
-from pipeline.init import uncovered_tensors
-from pipeline.plan import Plan, dtype_name, dtype_of
 from pipeline.planner import build_plan, needs_profile, plugin
 from pipeline.planner.fit import fit_budget
 from pipeline.planner.memory import optimizer_states
 from pipeline.planner.predict import Prediction, optimizer_seconds_per_byte, predict
+from pipeline.planner.schedules import REMAT_CHOICES
+from pipeline.planner.schedules.auto import AutoSchedule
+from pipeline.planner.schedules.base import ScheduleGenerator
 from pipeline.planner.search import Candidate, SearchResult
 from pipeline.runtime.context import available_cores, bound_to_one_gpu, cpu_threads
 from pipeline.runtime.cpu_affinity import CPU_AFFINITY_CHOICES
 from pipeline.runtime.host_allocator import HOST_ALLOCATOR_CHOICES
-from pipeline.schedules import REMAT_CHOICES
-from pipeline.schedules.auto import AutoSchedule
-from pipeline.schedules.base import ScheduleGenerator
 
 DEVICES = ("auto", "cpu", "cuda")
 MODES = ("train", "plan")
@@ -237,7 +237,7 @@ def _number(value, key: str, low: float, high: float | None = None, strict: bool
 
 def check_training_keys(cfg: dict) -> None:
     """LR schedule, clipping, precision, evaluation, checkpoints, resume and fault injection."""
-    from pipeline.precision import PRECISIONS
+    from pipeline.core.precision import PRECISIONS
 
     lr = cfg.get("lr_scheduler") or {}
     if lr:
@@ -302,7 +302,7 @@ def prepare(cfg: dict, profile: bool | None = None, device: torch.device | None 
     uncovered = uncovered_tensors(models.model, spec.init)
     if uncovered:
         warnings.warn(f"model {spec.name}: no initialiser writes {', '.join(uncovered[:8])}"
-                      f"{' ...' if len(uncovered) > 8 else ''}; they start from pipeline.init.fallback_fill "
+                      f"{' ...' if len(uncovered) > 8 else ''}; they start from pipeline.graph.init.fallback_fill "
                       "(give their module a reset_parameters() to choose)", stacklevel=2)
     states = optimizer_states(cfg["optimizer"])
     reserve = reserve_bytes(cfg)
@@ -362,8 +362,8 @@ def rank_slots(cfg: dict) -> float | None:
 def with_precision(plan: Plan, traced, spec: ModelSpec, mbs: int, cfg: dict) -> Plan:
     """Under precision=bf16, every value crossing a stage boundary gets the dtype autocast gives it
     on the run's device type (what the sender produces, so what the receiver allocates)."""
-    from pipeline.graph.precision import autocast_dtypes
-    from pipeline.precision import PRECISIONS
+    from pipeline.core.precision import PRECISIONS
+    from pipeline.planner.autocast import autocast_dtypes
 
     dtype = PRECISIONS[cfg.get("precision", "fp32")]
     if dtype is None:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from models.spec import ModelSpec, causal_lm_loss
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 
 class CausalLM(nn.Module):

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
 from models.spec import ModelSpec, causal_lm_loss
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "cross_entropy": nn.functional.cross_entropy,

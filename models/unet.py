@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from models.spec import ModelSpec, require_positive_ints
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 
 class ConvBlock(nn.Module):

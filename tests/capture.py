@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from launcher.worker import RankJob, join_process_group, leave_process_group, run_job
 from pipeline.runtime.executor import StageSlot
+from pipeline.runtime.rank import RankJob, join_process_group, leave_process_group, run_job
 from pipeline.runtime.trainer import Callback, StepOutcome
 
 

@@ -13,8 +13,8 @@ from omegaconf import OmegaConf
 from launcher.config import register_configs
 from launcher.spawn import spawn_ranks
 from launcher.validate import prepare
-from launcher.worker import RankJob
 from pipeline.runtime.host_allocator import rank_environment
+from pipeline.runtime.rank import RankJob
 from tests.capture import CaptureState, rank_main_many
 
 ROOT = Path(__file__).resolve().parents[1]

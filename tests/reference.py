@@ -12,7 +12,7 @@ import torch
 from hydra.utils import instantiate
 
 from models.spec import ModelSpec
-from pipeline.precision import PRECISIONS
+from pipeline.core.precision import PRECISIONS
 from pipeline.runtime.optim import build_optimizer
 
 

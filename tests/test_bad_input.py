@@ -7,7 +7,7 @@ import pytest
 
 from launcher.overrides import compose_checked, rewrite_lists
 from launcher.validate import prepare
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 from tests.test_cli import train
 
 CASES = [

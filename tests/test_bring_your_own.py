@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from launcher.validate import prepare
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 from tests.harness import assert_state_close, compose_cfg, merge_state, run_jobs
 from tests.test_cli import metrics, train
 

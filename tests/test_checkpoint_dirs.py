@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 from pipeline.runtime import checkpoint
 
 

@@ -69,7 +69,7 @@ def test_text_data_reads_the_standard_library() -> None:
 
 
 def test_data_must_match_the_model() -> None:
-    from pipeline.errors import ConfigError
+    from pipeline.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="data=images"):
         prepare(compose_cfg(["model=unet", "data=synthetic", "data.vocab_size=8", "data.seq_len=8"]))

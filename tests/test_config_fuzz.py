@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from launcher.overrides import compose_checked, rewrite_lists
 from launcher.validate import prepare
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 BAD_NUMBERS = ["0", "-1", "-4", "abc", "2.5", "null", "[1,2]", "1e40"]
 VALUES: dict[str, list[str]] = {

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 from pipeline.runtime.cpu_affinity import rank_cores
 from tests.harness import FAST, compose_cfg, run_jobs
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from launcher.validate import prepare
-from pipeline.errors import ConfigError
-from pipeline.schedules.registry import GENERATORS
+from pipeline.core.errors import ConfigError
+from pipeline.planner.schedules.registry import GENERATORS
 from tests.harness import FAST, assert_state_close, compose_cfg, merge_state, run_jobs
 from tests.reference import reference_forward, reference_run
 

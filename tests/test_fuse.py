@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.ir import Kind, Schedule
-from pipeline.placement import v_shape
-from pipeline.schedules.base import makespan
-from pipeline.schedules.fuse import MAX_WORK, fuse_slack_backwards
-from pipeline.schedules.zbv import ZBV
-from pipeline.schedules.zero_bubble import ZBH2
-from pipeline.simulate import validate
+from pipeline.core.ir import Kind, Schedule
+from pipeline.planner.placement import v_shape
+from pipeline.planner.schedules.base import makespan
+from pipeline.planner.schedules.fuse import MAX_WORK, fuse_slack_backwards
+from pipeline.planner.schedules.zbv import ZBV
+from pipeline.planner.schedules.zero_bubble import ZBH2
+from pipeline.planner.simulate import validate
 
 
 def count_fused(schedule: Schedule) -> int:

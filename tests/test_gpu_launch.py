@@ -20,10 +20,10 @@ from torch import nn
 
 from launcher.diagnose import where_ranks_were
 from launcher.validate import check_scalars, prepare
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 from pipeline.graph import profile as profile_mod
-from pipeline.graph.precision import autocast_dtypes
 from pipeline.graph.trace import trace_model
+from pipeline.planner.autocast import autocast_dtypes
 from pipeline.runtime import flight_recorder
 from pipeline.runtime.context import select_device
 from pipeline.runtime.heartbeat import Heartbeat
@@ -198,7 +198,7 @@ def test_a_gpu_run_is_profiled_by_a_child_on_rank_0s_gpu_and_a_rank_on_its_own(f
     def child(cfg, micro_batch_size, device):  # stands in for the child process: profile on the CPU
         asked.append(("child", device))
         spec = search.instantiate(cfg["model"])
-        traced = search.trace_spec(spec, micro_batch_size, spec.build_meta())
+        traced = spec.trace(micro_batch_size, spec.build_meta())
         search.profile_traced(spec, cfg, traced, micro_batch_size, torch.device("cpu"))
         return search.profiled_nodes(traced.graph), False
 
@@ -226,7 +226,7 @@ def test_the_profiling_child_retraces_to_the_same_nodes(tmp_path, monkeypatch) -
     monkeypatch.setenv("PIPELAUNCH_CACHE", str(tmp_path))
     cfg = compose_cfg([*FAST, "pp=2"])
     spec = search.instantiate(cfg["model"])
-    traced = search.trace_spec(spec, 4, spec.build_meta())
+    traced = spec.trace(4, spec.build_meta())
     nodes, cached = search.profile_in_child(cfg, 4, torch.device("cpu"))
     profile_mod.apply_profile(traced.graph, nodes)
     assert cached is False and all(traced.graph.nodes[n]["forward_s"] > 0 for n in traced.graph.nodes)

@@ -14,10 +14,10 @@ from models.gpt import DecoderBlock, LMHead, gpt
 from models.resnet import resnet
 from models.spec import causal_lm_loss
 from models.unet import unet
-from pipeline.errors import ConfigError
-from pipeline.graph.profile import CacheEvictor, last_level_cache_bytes, measure_op, profile_graph
+from pipeline.core.errors import ConfigError
 from pipeline.graph.trace import TraceError, trace_model
-from pipeline.partition import balanced, manual, milp_partition, uniform, validate_assignment
+from pipeline.planner.partition import balanced, manual, milp_partition, uniform, validate_assignment
+from pipeline.planner.profile import CacheEvictor, last_level_cache_bytes, measure_op, profile_graph
 from pipeline.runtime.backward import backward_input, backward_weight
 
 

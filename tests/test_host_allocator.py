@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 from tests.harness import compose_cfg
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,13 +18,13 @@ from hypothesis import strategies as st
 
 from launcher.spawn import spawn_ranks
 from launcher.validate import prepare
-from launcher.worker import RankJob
+from pipeline.core.plan import Plan
 from pipeline.graph.recompute import recompute_modules
-from pipeline.plan import Plan
 from pipeline.planner.remat import RecomputeInfeasible, RecomputeOption, choose_recompute, recompute_options
 from pipeline.runtime.backward import backward_input, backward_weight
 from pipeline.runtime.host_allocator import rank_environment
-from pipeline.stage import StageModule, build_stage_modules, trace_spec
+from pipeline.runtime.rank import RankJob
+from pipeline.runtime.stage import StageModule, build_stage_modules
 from tests.capture import CaptureState, rank_main_many
 from tests.harness import FAST, assert_state_close, compose_cfg, merge_state
 from tests.reference import reference_run
@@ -144,7 +144,7 @@ def test_recompute_names_must_be_leaf_module_nodes_of_the_stage() -> None:
         _stage(cfg, plan, 1, ["layer3", "layer0"])
     cfg, plan = _plan(["scheduler=1f1b", "pp=2", "model.granularity=op"])
     spec = instantiate(cfg["model"])
-    gm = trace_spec(spec, plan.micro_batch_size).gm
+    gm = spec.trace(plan.micro_batch_size).gm
     not_a_module = next(n.name for n in gm.graph.nodes if n.op == "call_function")
     with pytest.raises(ValueError, match=not_a_module):
         recompute_modules(gm, [not_a_module])
@@ -155,7 +155,7 @@ def test_recompute_names_must_be_leaf_module_nodes_of_the_stage() -> None:
 
 def _mixed(cfg: dict, plan: Plan, stages: list[int], offset: int) -> dict[int, list[str]]:
     """Every other leaf-module node (from `offset`) of the given stages: some modules, not all."""
-    graph = trace_spec(instantiate(cfg["model"]), plan.micro_batch_size).graph
+    graph = instantiate(cfg["model"]).trace(plan.micro_batch_size).graph
     out = {}
     for s in stages:
         leaves = [n for n in plan.stages[s].blocks if graph.nodes[n]["op"] == "call_module"]
@@ -292,7 +292,7 @@ def test_options_from_a_cost_graph() -> None:
 
 def test_options_of_a_traced_gpt_are_its_blocks() -> None:
     cfg, plan = _plan(["scheduler=1f1b", "pp=2"])
-    graph = trace_spec(instantiate(cfg["model"]), plan.micro_batch_size).graph
+    graph = instantiate(cfg["model"]).trace(plan.micro_batch_size).graph
     for n in graph.nodes:
         graph.nodes[n].update(activation_bytes=10 * graph.nodes[n]["output_bytes"], forward_s=1.0)
     options = recompute_options(graph, plan.assignment, False)

@@ -9,11 +9,11 @@ import torch
 
 from models.gpt import gpt
 from models.unet import unet
+from pipeline.graph.init import FALLBACK_STD, uncovered_tensors
+from pipeline.graph.materialize import materialize
 from pipeline.graph.split import split_model
-from pipeline.init import FALLBACK_STD, uncovered_tensors
-from pipeline.materialize import materialize
-from pipeline.partition import uniform
-from pipeline.stage import meta_tensor_names, trace_spec
+from pipeline.planner.partition import uniform
+from pipeline.runtime.stage import meta_tensor_names
 from tests.ecosystem_models import bare, gpt2
 
 SPECS = {
@@ -42,10 +42,10 @@ def test_every_stage_built_alone_equals_the_reference(name: str, stages: int) ->
     reference = spec.build_full(seed=7)
     ref = {n: t for n, t in [*reference.named_parameters(remove_duplicate=False),
                              *reference.named_buffers(remove_duplicate=False)]}
-    assignment = uniform(trace_spec(spec, 2).graph, stages).assignment
+    assignment = uniform(spec.trace(2).graph, stages).assignment
     for s in range(stages):
         model = spec.build_meta()
-        traced = trace_spec(spec, 2, model)
+        traced = spec.trace(2, model)
         stage = split_model(traced, assignment, stages).stages[s]
         names = meta_tensor_names(stage)
         materialize(model, 7, torch.device("cpu"), spec.init, names={traced.param_aliases.get(n, n) for n in names},
@@ -63,7 +63,7 @@ def test_ties_survive_materialisation_and_the_launcher_holds_no_weights() -> Non
     spec = SPECS["gpt_tied"]()
     model = spec.build_full(0)
     assert model.head.proj.weight is model.embed.tokens.weight
-    traced = trace_spec(spec, 2)
+    traced = spec.trace(2)
     assert _real_bytes(traced.gm) == 0  # traced on the meta device
 
 

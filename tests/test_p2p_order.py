@@ -1,4 +1,4 @@
-"""NCCL's point-to-point rules, proven on lowered programs without a process (pipeline/p2p_check.py).
+"""NCCL's point-to-point rules, proven on lowered programs without a process (pipeline/planner/p2p_check.py).
 
 Every built-in schedule on every placement it supports, pp 2-8, with and without recompute,
 training and evaluation programs; programs drawn by hypothesis over skip-connected stage graphs;
@@ -15,13 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from launcher.validate import prepare
-from pipeline.errors import ConfigError
-from pipeline.ir import Action, Kind, Schedule
-from pipeline.lowering import lower, sequential_edges
-from pipeline.p2p_check import P2POrderError, TensorSpec, check_p2p, check_plan
-from pipeline.schedules import build_schedule
-from pipeline.schedules.inference import Inference
-from pipeline.schedules.registry import GENERATORS, placement_for
+from pipeline.core.errors import ConfigError
+from pipeline.core.ir import Action, Kind, Schedule
+from pipeline.planner.lowering import lower, sequential_edges
+from pipeline.planner.p2p_check import P2POrderError, TensorSpec, check_p2p, check_plan
+from pipeline.planner.schedules import build_schedule
+from pipeline.planner.schedules.inference import Inference
+from pipeline.planner.schedules.registry import GENERATORS, placement_for
 from tests.harness import FAST, compose_cfg
 from tests.test_graph_equivalence import MODELS
 

@@ -8,8 +8,8 @@ import random
 import networkx as nx
 import pytest
 
-from pipeline.errors import ConfigError
-from pipeline.partition import (
+from pipeline.core.errors import ConfigError
+from pipeline.planner.partition import (
     balanced,
     coarsen,
     evaluate,
@@ -19,7 +19,7 @@ from pipeline.partition import (
     uniform,
     validate_assignment,
 )
-from pipeline.partition.common import assignment_from_order
+from pipeline.planner.partition.common import assignment_from_order
 from tests.synthetic import chain, synthetic_dag
 
 

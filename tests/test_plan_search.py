@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from launcher.validate import prepare
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 from pipeline.planner.memory import BudgetExceeded, DeviceMemory
 from pipeline.planner.search import (
     Candidate,
@@ -17,7 +17,7 @@ from pipeline.planner.search import (
     run_search,
     scheduler_variants,
 )
-from pipeline.simulate import CostModel, simulate
+from pipeline.planner.simulate import CostModel, simulate
 from tests.harness import FAST, assert_state_close, compose_cfg, merge_state, run_jobs
 from tests.reference import reference_run
 
@@ -61,9 +61,9 @@ class _Pred:
 
 
 def simulate_one(step_s: float):
-    from pipeline.ir import Schedule
-    from pipeline.schedules import build_schedule
-    from pipeline.schedules.one_f_one_b import OneFOneB
+    from pipeline.core.ir import Schedule
+    from pipeline.planner.schedules import build_schedule
+    from pipeline.planner.schedules.one_f_one_b import OneFOneB
 
     schedule: Schedule = build_schedule(OneFOneB(), [0], 1)
     return simulate(schedule, CostModel.uniform(1, f=step_s / 2, i=step_s / 4, w=step_s / 4))
@@ -183,7 +183,7 @@ def test_ranks_sharing_too_few_cores_are_predicted_taking_turns(monkeypatch) -> 
     """Four one-thread ranks on two cores: the prediction plays the schedule with busy ranks
     sharing the cores, which is never faster than each rank alone or all the work over the cores."""
     import launcher.validate
-    from pipeline.shared_cores import shared_makespan
+    from pipeline.planner.shared_cores import shared_makespan
 
     monkeypatch.setattr(launcher.validate, "available_cores", lambda: 2)
     p = prepare(compose_cfg([*FAST, "pp=4", "threads=1", "predict=true", "scheduler=1f1b"])).prediction
@@ -221,7 +221,7 @@ def test_a_split_backward_is_priced_as_profiled_not_as_a_share_of_the_fused_one(
     backward in W at the fused price. The simulator reads exactly these."""
     import json
 
-    from pipeline.costs import cost_model_from_plan
+    from pipeline.planner.costs import cost_model_from_plan
 
     monkeypatch.setenv("PIPELAUNCH_CACHE", str(tmp_path))
     plan = prepare(compose_cfg([*FAST, "partitioner=balanced", "scheduler=zbv", "pp=2", "microbatches=4"])).plan

@@ -21,10 +21,10 @@ PACKAGE = '''
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pipeline.ir import B, F
-from pipeline.partition import evaluate
-from pipeline.partition.common import assignment_from_order, topo_order
-from pipeline.schedules.base import ScheduleGenerator
+from pipeline.core.ir import B, F
+from pipeline.planner.partition import evaluate
+from pipeline.planner.partition.common import assignment_from_order, topo_order
+from pipeline.planner.schedules.base import ScheduleGenerator
 
 
 @dataclass

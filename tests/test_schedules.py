@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.errors import ConfigError
-from pipeline.ir import Action, Kind
-from pipeline.placement import classify, from_kind, interleaved, linear, v_shape, wave
-from pipeline.schedules import build_schedule
-from pipeline.schedules.auto import AutoSchedule
-from pipeline.schedules.gpipe import GPipe
-from pipeline.schedules.hanayo import Hanayo
-from pipeline.schedules.interleaved import Interleaved1F1B
-from pipeline.schedules.one_f_one_b import OneFOneB
-from pipeline.schedules.registry import GENERATORS, placement_for, valid_generators
-from pipeline.schedules.zbv import ZBV
-from pipeline.schedules.zero_bubble import ZBH1, ZBH2
-from pipeline.simulate import CostModel, simulate
+from pipeline.core.errors import ConfigError
+from pipeline.core.ir import Action, Kind
+from pipeline.planner.placement import classify, from_kind, interleaved, linear, v_shape, wave
+from pipeline.planner.schedules import build_schedule
+from pipeline.planner.schedules.auto import AutoSchedule
+from pipeline.planner.schedules.gpipe import GPipe
+from pipeline.planner.schedules.hanayo import Hanayo
+from pipeline.planner.schedules.interleaved import Interleaved1F1B
+from pipeline.planner.schedules.one_f_one_b import OneFOneB
+from pipeline.planner.schedules.registry import GENERATORS, placement_for, valid_generators
+from pipeline.planner.schedules.zbv import ZBV
+from pipeline.planner.schedules.zero_bubble import ZBH1, ZBH2
+from pipeline.planner.simulate import CostModel, simulate
 
 EXPECTED = {"gpipe", "1f1b", "interleaved_1f1b", "hanayo", "zb_h1", "zb_h2", "zbv", "inference"}
 
@@ -209,7 +209,7 @@ def test_auto_picks_fastest_and_reports_all() -> None:
 def test_zbv_runs_each_w_right_after_its_i_until_the_cool_down(pp: int) -> None:
     """At unit costs the eager-W order loses nothing, so ZBV keeps it: each W follows its I while
     the rank still has forwards (the W reuses what its I just touched); only the cool-down defers W."""
-    from pipeline.schedules.zbv import ZBV
+    from pipeline.planner.schedules.zbv import ZBV
 
     for acts in ZBV().compute_actions(v_shape(pp), 4 * pp):
         last_f = max(i for i, a in enumerate(acts) if a.kind is Kind.F)
@@ -220,9 +220,9 @@ def test_zbv_runs_each_w_right_after_its_i_until_the_cool_down(pp: int) -> None:
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_play_through_keeps_eager_w_only_when_the_simulator_finds_it_no_slower(pp: int) -> None:
-    from pipeline.schedules.base import makespan
-    from pipeline.schedules.zbv import ZBV
-    from pipeline.schedules.zero_bubble import list_schedule
+    from pipeline.planner.schedules.base import makespan
+    from pipeline.planner.schedules.zbv import ZBV
+    from pipeline.planner.schedules.zero_bubble import list_schedule
 
     m, placement = 4 * pp, v_shape(pp)
     f = ([1.0, 2.0, 1.5, 3.0] * pp)[: 2 * pp]

@@ -11,11 +11,11 @@ from torch import nn
 from models.gpt import gpt
 from models.resnet import resnet
 from models.unet import unet
+from pipeline.graph.init import init_by_name
 from pipeline.graph.split import split_model
 from pipeline.graph.trace import trace_model
-from pipeline.init import init_by_name
-from pipeline.partition import balanced, milp_partition, uniform
-from pipeline.partition.common import assignment_from_order, topo_order
+from pipeline.planner.partition import balanced, milp_partition, uniform
+from pipeline.planner.partition.common import assignment_from_order, topo_order
 from tests.stages import run_stages
 
 

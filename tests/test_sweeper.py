@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 import launcher.app as app
 from launcher.app import SweeperDirection, failed_value, objective_value, run_safely
 from launcher.validate import prepare
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 from tests.harness import FAST, compose_cfg
 from tests.test_cli import train
 

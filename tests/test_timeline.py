@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 
-from pipeline.placement import linear, v_shape
+from pipeline.planner.placement import linear, v_shape
+from pipeline.planner.schedules import build_schedule
+from pipeline.planner.schedules.one_f_one_b import OneFOneB
+from pipeline.planner.schedules.zbv import ZBV
+from pipeline.planner.simulate import CostModel, simulate
 from pipeline.report.timeline import draw_timeline, write_chrome_trace
-from pipeline.schedules import build_schedule
-from pipeline.schedules.one_f_one_b import OneFOneB
-from pipeline.schedules.zbv import ZBV
-from pipeline.simulate import CostModel, simulate
 
 
 def _events():
@@ -59,10 +59,10 @@ def test_a_runs_own_costs_are_medians_over_the_steps_after_warm_up() -> None:
         origin += 1000.0
     last = [e for e in window if e["step"] == 2]
     metrics = {"ranks": []}
-    add_predictions(metrics, plan, last, {}, 0.0, window)
+    add_predictions(metrics, plan, last, (5e-5, 1e9), 0.0, window)
     assert metrics["stage_costs"]["forward_s"] == pytest.approx([2.0, 2.0])  # the median step's
     one_step = simulate(plan.schedule, CostModel.uniform(2, f=2.0, i=2.0, w=2.0)).makespan_s
     assert metrics["measured_schedule_s"] == pytest.approx(one_step)
     only_last = {"ranks": []}
-    add_predictions(only_last, plan, last, {}, 0.0)
+    add_predictions(only_last, plan, last, (5e-5, 1e9), 0.0)
     assert only_last["stage_costs"]["forward_s"] == pytest.approx([10.0, 10.0])

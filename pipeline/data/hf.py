@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.errors import ConfigError
-from pipeline.init import name_seed
+from pipeline.core.errors import ConfigError
+from pipeline.graph.init import name_seed
 
 #: file suffix -> the `datasets` builder that reads it
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}

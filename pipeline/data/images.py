@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.init import name_seed
+from pipeline.graph.init import name_seed
 
 
 @dataclass

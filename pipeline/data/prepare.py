@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from pipeline.core.errors import ConfigError
 from pipeline.data.hf import load_documents, load_tokenizer, token_batches, tokenize
-from pipeline.errors import ConfigError
 
 
 def token_dtype(vocab: int, asked: str = "auto") -> str:

@@ -7,7 +7,7 @@ output) need, and `SplitModel.io` says who produces and who consumes each of the
 has to route names.
 
 Parameters stay under their full-model qualified names (fx copies referenced submodules and
-attributes by path), so `pipeline.init.init_by_name` and state-dict comparisons line up. A parameter
+attributes by path), so `pipeline.graph.init.init_by_name` and state-dict comparisons line up. A parameter
 read by several stages (tied weights) is copied into each and listed in `shared_params`; whoever runs
 the stages must sum its gradients across those stages (and keep the copies equal).
 """

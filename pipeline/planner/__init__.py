@@ -12,21 +12,21 @@ from collections.abc import Sequence
 import networkx as nx
 from hydra.utils import get_method
 
-from pipeline.costs import split_backward_cost
-from pipeline.errors import ConfigError
-from pipeline.graph.atomic import contract_unsendable
+from pipeline.core.errors import ConfigError
+from pipeline.core.plan import Plan, StagePlan, dtype_name
 from pipeline.graph.split import split_model
 from pipeline.graph.trace import TracedModel
-from pipeline.lowering import lower
-from pipeline.p2p_check import check_p2p, edge_messages
-from pipeline.partition import Partition, PartitionRequest, evaluate
-from pipeline.partition.common import assignment_from_order, topo_order
-from pipeline.partition.rank_balance import rank_balanced_starts
-from pipeline.plan import Plan, StagePlan, dtype_name
 from pipeline.planner.budget import device_view, partition_request, reprice_for_schedule, reprice_split
-from pipeline.schedules import build_schedule
-from pipeline.schedules.base import ScheduleGenerator
-from pipeline.schedules.inference import Inference
+from pipeline.planner.costs import split_backward_cost
+from pipeline.planner.lowering import lower
+from pipeline.planner.p2p_check import check_p2p, edge_messages
+from pipeline.planner.partition import Partition, PartitionRequest, evaluate
+from pipeline.planner.partition.atomic import contract_unsendable
+from pipeline.planner.partition.common import assignment_from_order, topo_order
+from pipeline.planner.partition.rank_balance import rank_balanced_starts
+from pipeline.planner.schedules import build_schedule
+from pipeline.planner.schedules.base import ScheduleGenerator
+from pipeline.planner.schedules.inference import Inference
 
 #: keys of a partitioner or placement YAML that are not arguments of its callable
 RESERVED = ("_target_", "_partial_", "name")
@@ -91,7 +91,7 @@ def partition_graph(
     part = fn(cut_graph, num_stages, request, **options)
     if not isinstance(part, Partition):
         raise ConfigError("partitioner", f"{partitioner_cfg.get('_target_')} returned {type(part).__name__}, "
-                                         f"not a pipeline.partition.Partition")
+                                         f"not a pipeline.planner.partition.Partition")
     if len(set(placement)) < num_stages and getattr(fn, "needs_profile", True):
         part = _rank_balanced(part, cut_graph, placement, request)
     if contraction is not None:

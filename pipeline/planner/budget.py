@@ -15,10 +15,10 @@ from collections.abc import Sequence
 
 import networkx as nx
 
-from pipeline.ir import Schedule
-from pipeline.partition import Partition, PartitionRequest, evaluate
-from pipeline.schedules import build_schedule
-from pipeline.schedules.base import ScheduleGenerator
+from pipeline.core.ir import Schedule
+from pipeline.planner.partition import Partition, PartitionRequest, evaluate
+from pipeline.planner.schedules import build_schedule
+from pipeline.planner.schedules.base import ScheduleGenerator
 
 
 def partition_request(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from pipeline.plan import Plan
+from pipeline.core.plan import Plan
 from pipeline.planner.memory import BudgetExceeded, over_budget
 from pipeline.planner.predict import Prediction, predict
 from pipeline.planner.remat import RecomputeInfeasible, RecomputeOption, choose_recompute, recompute_options

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 MIB = 2**20
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 import torch
 from hydra.utils import instantiate
 
-from pipeline.costs import cost_model_from_plan
-from pipeline.plan import Plan
+from pipeline.core.plan import Plan
+from pipeline.planner.costs import cost_model_from_plan
 from pipeline.planner.memory import DeviceMemory, device_memory
-from pipeline.shared_cores import shared_makespan
-from pipeline.simulate import CostModel, SimResult, simulate
+from pipeline.planner.shared_cores import shared_makespan
+from pipeline.planner.simulate import CostModel, SimResult, simulate
 
 
 @dataclass
@@ -68,7 +68,7 @@ def predict(plan: Plan, latency_s: float, bandwidth: float) -> Prediction:
     plan.meta["device_memory"] = [d.to_dict() for d in devices]
     schedule_s = result.makespan_s
     slots = plan.meta.get("rank_slots")
-    if slots:  # more local ranks than cores: busy ranks share them (pipeline/shared_cores.py)
+    if slots:  # more local ranks than cores: busy ranks share them (pipeline/planner/shared_cores.py)
         schedule_s = shared_makespan(plan.schedule, cost, slots, plan.dp)
     per_byte = float(plan.meta.get("optimizer_s_per_byte") or 0.0)
     optimizer = [d.params * per_byte for d in devices]

@@ -8,15 +8,17 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipeline.costs import cost_model_from_events
-from pipeline.plan import Plan
+from pipeline.core.plan import Plan
+from pipeline.planner.costs import cost_model_from_events
+from pipeline.planner.simulate import simulate
+from pipeline.report.tables import stage_rows
 from pipeline.report.timeline import draw_timeline, write_chrome_trace
-from pipeline.simulate import simulate
 
 
-def add_predictions(metrics: dict, plan: Plan, events: Sequence[dict], cfg: dict, overhead_s: float,
+def add_predictions(metrics: dict, plan: Plan, events: Sequence[dict], link: tuple[float, float], overhead_s: float,
                     window: Sequence[dict] | None = None) -> list[dict]:
-    """Simulate this run's schedule on the costs measured in this run and record both side by side.
+    """Simulate this run's schedule on the costs measured in this run and record both side by side
+    (`link`: the simulator's latency in seconds and bandwidth in bytes/s).
 
     The costs are the medians of each (stage, kind) over `window`, the events of the steps after
     warm-up (each tagged with its `step`), or over `events`, the last step's; one step alone
@@ -28,7 +30,7 @@ def add_predictions(metrics: dict, plan: Plan, events: Sequence[dict], cfg: dict
     if not events:
         return []
     priced = window or events
-    cost = cost_model_from_events(plan, priced, cfg.get("link_latency_s", 5e-5), cfg.get("link_bandwidth", 1e9))
+    cost = cost_model_from_events(plan, priced, *link)
     result = simulate(plan.schedule, cost)
     metrics["predicted_schedule_s"] = result.makespan_s
     metrics["predicted_step_time_s"] = result.makespan_s + overhead_s
@@ -54,3 +56,17 @@ def write_run_artifacts(run_dir: Path, metrics: dict, events: Sequence[dict], si
         write_chrome_trace(run_dir / "trace.json", events)
         title = f"{metrics.get('schedule')} pp={metrics['config']['pp']} m={metrics['config']['microbatches']}"
         draw_timeline(run_dir / "timeline.png", events, simulated or None, title=title)
+
+
+def report_run(rank0: dict, plan: Plan, link: tuple[float, float], run_dir: Path | None) -> dict:
+    """What the launcher does with rank 0's result once the ranks are done: the stage table, the
+    run's own step simulated on the costs it measured beside what it measured, and, with a run
+    directory, metrics.json, trace.json and timeline.png. Done here, not in the rank, so that no
+    rank imports the simulator. Returns the metrics."""
+    metrics, events = rank0["metrics"], rank0.get("events", [])
+    metrics["stages"] = stage_rows(plan)
+    simulated = add_predictions(metrics, plan, events, link, rank0.get("overhead_s", 0.0),
+                                rank0.get("cost_events") or None)
+    if run_dir is not None:
+        write_run_artifacts(run_dir, metrics, events, simulated)
+    return metrics

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeline.plan import Plan
-from pipeline.simulate import SimResult
+from pipeline.core.plan import Plan
+from pipeline.planner.simulate import SimResult
 
 
 def block_summary(blocks: list[str], keep: int = 8) -> str:

@@ -19,7 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from pipeline.ir import COMM_KINDS, Action  # noqa: E402
+from pipeline.core.ir import COMM_KINDS, Action  # noqa: E402
 
 #: Slice colours by action kind; communication is drawn thin and grey.
 COLORS = {

@@ -20,7 +20,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from pipeline.ir import Action, Kind, Schedule
+from pipeline.core.ir import Action, Kind, Schedule
 from pipeline.runtime.backward import WeightGradStash, backward_input, backward_weight
 from pipeline.runtime.comm import P2P
 from pipeline.runtime.heartbeat import Heartbeat

@@ -18,7 +18,7 @@ when it times out. The launcher gives its ranks:
 - `TORCH_NCCL_DUMP_ON_TIMEOUT=1` and `TORCH_NCCL_DEBUG_INFO_TEMP_FILE` (`TORCH_FR_DUMP_TEMP_FILE`):
   on a timeout every rank writes its record to `<run dir>/logs/nccl_trace_rank_<rank>`.
 
-The timeout itself is `timeout_s`, passed to `init_process_group` (launcher/worker.py).
+The timeout itself is `timeout_s`, passed to `init_process_group` (pipeline/runtime/rank.py).
 `where_ranks` turns the dumps into one line per rank:
 `recv from rank 1, [4, 8, 32] Float (P2P #3), started, not completed`.
 """

@@ -20,11 +20,9 @@ from hydra.utils import instantiate
 from torch import nn
 
 from models.spec import ModelSpec
-from pipeline.init import name_seed
-from pipeline.plan import Plan, dtype_of
-from pipeline.precision import PRECISIONS
-from pipeline.report.artifacts import add_predictions, write_run_artifacts
-from pipeline.report.tables import stage_rows
+from pipeline.core.plan import Plan, dtype_of
+from pipeline.core.precision import PRECISIONS
+from pipeline.graph.init import name_seed
 from pipeline.runtime import checkpoint
 from pipeline.runtime import heartbeat as hb
 from pipeline.runtime.comm import verify_posting_order
@@ -37,8 +35,8 @@ from pipeline.runtime.host_allocator import huge_pages_active
 from pipeline.runtime.memory import current_memory_bytes, peak_memory_bytes, reset_peak
 from pipeline.runtime.optim import build_optimizer, clip_gradients
 from pipeline.runtime.progress import Progress
+from pipeline.runtime.stage import build_stage_modules
 from pipeline.runtime.tracking import Tracker
-from pipeline.stage import build_stage_modules
 
 #: steps after warm-up whose events price the run's own per-stage costs (bounded: every rank sends
 #: them to rank 0 at the end)
@@ -273,8 +271,8 @@ class RunRecord:
 
 def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None,
                callbacks: Sequence[Callback] = ()) -> dict:
-    """Run steps up to `cfg["steps"]` (from a checkpoint when resuming); rank 0 reports progress and
-    writes metrics.json into run_dir."""
+    """Run steps up to `cfg["steps"]` (from a checkpoint when resuming); rank 0 reports progress,
+    and its result carries what the launcher's report writes (`_finish`)."""
     trainer = RankTrainer(cfg, plan, ctx, callbacks)
     at_start = _memory_before_model(trainer)
     tokens_per_step = _tokens_per_step(cfg, trainer)
@@ -307,7 +305,7 @@ def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None,
     if trainer.record_p2p:
         trainer.verify_p2p_order()
     trainer.heartbeat.phase(hb.FINISHED)
-    return _finish(trainer, record, at_start, tokens_per_step, tracker, run_dir)
+    return _finish(trainer, record, at_start, tokens_per_step, tracker)
 
 
 def _memory_before_model(trainer: RankTrainer) -> float:
@@ -394,9 +392,12 @@ def _rank_info(trainer: RankTrainer, record: RunRecord, at_start: float) -> dict
 
 
 def _finish(trainer: RankTrainer, record: RunRecord, at_start: float, tokens_per_step: int,
-            tracker: Tracker | None, run_dir: Path | None) -> dict:
-    """Gather every rank's facts on rank 0, which writes metrics.json and the artifacts; return
-    this rank's result (losses, its facts, what the callbacks add; rank 0: metrics and events)."""
+            tracker: Tracker | None) -> dict:
+    """Gather every rank's facts on rank 0; return this rank's result (losses, its facts, what the
+    callbacks add; rank 0 also: `metrics`, every rank's last-step `events` on one clock, the
+    `cost_events` of the steps after warm-up and the step's time outside the schedule
+    `overhead_s`, from which the report (pipeline.report.artifacts, run by the launcher) predicts
+    this run's step and writes metrics.json, the trace and the timeline)."""
     cfg, plan, ctx = trainer.cfg, trainer.plan, trainer.ctx
     rank_info = _rank_info(trainer, record, at_start)
     gathered: list[dict] | None = [None] * ctx.world_size if ctx.rank == 0 else None
@@ -423,15 +424,17 @@ def _finish(trainer: RankTrainer, record: RunRecord, at_start: float, tokens_per
         "tokens_per_s": tokens_per_step / median_step if median_step else 0.0,
         "ranks": gathered,
         "schedule": plan.schedule.name,
-        "stages": stage_rows(plan),
         "partition": plan.meta.get("partition"),
     }
     if trainer.clip is not None:
         metrics["grad_norm"] = record.grad_norms
-    overhead = (_median_after_warmup([t - s for t, s in zip(record.step_times, record.schedule_times, strict=True)],
-                                     warm) if record.step_times else 0.0)
-    result["metrics"], result["events"] = metrics, _report(metrics, plan, cfg, overhead, run_dir)
-    tracker.finish({k: metrics[k] for k in ("step_time_s", "tokens_per_s", "predicted_step_time_s") if k in metrics})
+    result["overhead_s"] = (_median_after_warmup(
+        [t - s for t, s in zip(record.step_times, record.schedule_times, strict=True)], warm)
+        if record.step_times else 0.0)
+    result["events"] = _one_clock(gathered)
+    result["cost_events"] = [e for info in gathered for e in info.pop("cost_events", [])]
+    result["metrics"] = metrics
+    tracker.finish({k: metrics[k] for k in ("step_time_s", "tokens_per_s")})
     return result
 
 
@@ -445,15 +448,10 @@ def _median_after_warmup(values: list[float], warmup: int) -> float:
     return statistics.median(values[warmup:] if len(values) > warmup else values)
 
 
-def _report(metrics: dict, plan: Plan, cfg: dict, overhead_s: float, run_dir: Path | None) -> list[dict]:
-    """Rank 0: put every rank's last-step events on one clock, add predictions (priced on the
-    steps after warm-up), write artifacts."""
-    events = sorted((e for info in metrics["ranks"] for e in info.pop("events")), key=lambda e: e["start_s"])
-    window = [e for info in metrics["ranks"] for e in info.pop("cost_events", [])]
+def _one_clock(ranks: list[dict]) -> list[dict]:
+    """Every rank's last-step events, sorted, with time 0 at the first one's start."""
+    events = sorted((e for info in ranks for e in info.pop("events")), key=lambda e: e["start_s"])
     t0 = events[0]["start_s"] if events else 0.0
     for e in events:
         e["start_s"], e["end_s"] = e["start_s"] - t0, e["end_s"] - t0
-    simulated = add_predictions(metrics, plan, events, cfg, overhead_s, window or None)
-    if run_dir is not None:
-        write_run_artifacts(run_dir, metrics, events, simulated)
     return events

@@ -1,0 +1,1 @@
+"""What every layer shares: the schedule IR, the Plan, errors and dtype names."""

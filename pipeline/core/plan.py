@@ -1,0 +1,122 @@
+"""The Plan: everything a rank needs to know before it runs, as plain data with a JSON form.
+
+Built once by the planner (in the launcher before spawning, or by rank 0 when joining), written as
+plan.json in the run directory and handed to every rank. It holds data only: the planner
+(`pipeline.planner`) makes it, the report (`pipeline.report`) prints it, and a rank builds its own
+stages from it (`pipeline.runtime.stage`) without importing any planning code.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+from pipeline.core.ir import Schedule
+
+
+@dataclass
+class StagePlan:
+    """One stage: where it runs, what it holds, and the named values it reads and writes.
+
+    `inputs[name]` is the producing stage (None: the model input from the data); `outputs[name]`
+    lists the later stages that read it. `values[name]` = [shape, dtype] of one micro-batch, for
+    every value crossing a stage boundary. `loss_value` names the model output the loss is taken
+    on (last stage only). `recompute` names call_module nodes of this stage (leaf modules) whose
+    forward is run again in the backward instead of keeping their saved activations: memory for
+    time, chosen per layer (`pipeline.planner.remat`), unlike an `R` action, which recomputes the
+    whole stage.
+    """
+
+    index: int
+    rank: int  # pipeline rank (0..pp-1) within each data-parallel replica
+    blocks: list[str]  # the traced graph's nodes it runs (a chain's blocks are its leaf modules)
+    inputs: dict[str, int | None]
+    outputs: dict[str, list[int]]
+    values: dict[str, list]
+    loss_value: str | None = None
+    recompute: list[str] = field(default_factory=list)
+
+    def value_bytes(self, name: str) -> int:
+        shape, dtype = self.values[name]
+        n = 1
+        for d in shape:
+            n *= int(d)
+        return n * torch.empty((), dtype=dtype_of(dtype)).element_size()
+
+    @property
+    def send_bytes(self) -> int:
+        """Bytes this stage sends per micro-batch (one message per consuming stage)."""
+        return sum(self.value_bytes(n) * len(c) for n, c in self.outputs.items())
+
+    @property
+    def recv_bytes(self) -> int:
+        return sum(self.value_bytes(n) for n, p in self.inputs.items() if p is not None)
+
+
+@dataclass
+class Plan:
+    pp: int
+    dp: int
+    microbatches: int
+    micro_batch_size: int
+    model: str
+    stages: list[StagePlan]
+    schedule: Schedule
+    #: traced node -> stage: how a rank cuts the model it traced into stage modules
+    assignment: dict[str, int] = field(default_factory=dict)
+    #: parameter held by several stages (tied weights) -> those stages
+    shared_params: dict[str, list[int]] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+    #: the forward-only program for the same stages and placement (evaluation: `eval.every`)
+    eval_schedule: Schedule | None = None
+
+    def stages_of(self, pp_rank: int) -> list[StagePlan]:
+        return [s for s in self.stages if s.rank == pp_rank]
+
+    def shared_param_ranks(self) -> dict[str, list[int]]:
+        """Tied parameter -> the pipeline ranks holding a copy (only those on more than one rank)."""
+        out = {}
+        for name, stages in self.shared_params.items():
+            ranks = sorted({self.stages[s].rank for s in stages})
+            if len(ranks) > 1:
+                out[name] = ranks
+        return out
+
+    def to_dict(self) -> dict:
+        # not asdict(self): it would deep-copy every Action of both schedules only to drop them
+        # (2 s of a pp=64, 128-micro-batch plan)
+        data = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)
+                if f.name not in ("schedule", "eval_schedule", "stages")}
+        data["stages"] = [asdict(s) for s in self.stages]
+        data["schedule"] = self.schedule.to_dict()
+        data["eval_schedule"] = self.eval_schedule.to_dict() if self.eval_schedule is not None else None
+        return data
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Plan:
+        """The inverse of `to_dict` (JSON turns int keys into strings; stage inputs keep theirs)."""
+        fields = dict(data)
+        fields["stages"] = [StagePlan(**s) for s in data["stages"]]
+        fields["schedule"] = Schedule.from_dict(data["schedule"])
+        if data.get("eval_schedule"):
+            fields["eval_schedule"] = Schedule.from_dict(data["eval_schedule"])
+        return cls(**fields)
+
+    @classmethod
+    def read(cls, path: Path) -> Plan:
+        return cls.from_dict(json.loads(path.read_text()))
+
+
+def dtype_of(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,95 @@
+"""From a meta-device model to real tensors: all of them (the reference) or one rank's stages only.
+
+Why not `module.to_empty()`: it gives every holder of a tied tensor its own new tensor (the tie
+breaks), and on an fx stage module it replaces the tensors a `get_attr` copied without touching the
+full model the initialisers walk. Here each selected meta tensor gets exactly one real tensor, put
+into every module that holds it (in the full model and in any stage module cut from it), so ties
+survive and `pipeline.graph.init.init_by_name` sees the real tensors under their full-model names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+
+import torch
+from torch import nn
+
+from pipeline.graph.init import init_by_name
+
+
+def _holders(modules: Iterable[nn.Module]) -> Iterable[tuple[dict, str, torch.Tensor]]:
+    seen: set[int] = set()
+    for mod in modules:
+        for sub in mod.modules():
+            if id(sub) in seen:
+                continue
+            seen.add(id(sub))
+            for store in (sub._parameters, sub._buffers):
+                for name, t in store.items():
+                    if t is not None:
+                        yield store, name, t
+
+
+def lookup(root: nn.Module, name: str) -> torch.Tensor:
+    """The parameter or buffer at a fully-qualified name."""
+    owner, _, attr = name.rpartition(".")
+    mod = root.get_submodule(owner) if owner else root
+    t = mod._parameters.get(attr, mod._buffers.get(attr))
+    if t is None:
+        raise KeyError(f"the model has no parameter or buffer named {name!r}")
+    return t
+
+
+@torch.no_grad()
+def materialize(
+    root: nn.Module,
+    seed: int,
+    device: torch.device,
+    family_init=None,
+    names: Collection[str] | None = None,
+    also: Iterable[nn.Module] = (),
+    load=None,
+) -> list[str]:
+    """Replace the meta tensors of `root` at the fully-qualified `names` (all when None) by real
+    ones, initialise them by name, and move them to `device`. Modules in `also` (stage modules cut
+    from `root`, whose tensors sit at the same qualified names) get the very same tensors. Returns
+    the names that got the fallback initialisation. With `load` (pretrained weights, e.g.
+    `models.hf.SafetensorsDir`), the tensors it holds are then read by name, each under any of its
+    names (tied), and only those: a tensor it lacks keeps its initial value."""
+    wanted = None if names is None else {id(lookup(root, n)) for n in names}
+    fresh: dict[int, torch.Tensor] = {}
+    for store, name, t in list(_holders([root])):
+        if t.device.type != "meta" or (wanted is not None and id(t) not in wanted):
+            continue
+        new = fresh.get(id(t))
+        if new is None:
+            new = torch.empty_like(t, device="cpu")
+            if isinstance(t, nn.Parameter):
+                new = nn.Parameter(new, requires_grad=t.requires_grad)
+            fresh[id(t)] = new
+        store[name] = new
+    made = {id(t): t for t in fresh.values()}  # the new real tensors, by their own identity
+    constants = []
+    for module in also:
+        for path, sub in module.named_modules(remove_duplicate=False):
+            for store in (sub._parameters, sub._buffers):
+                for attr, t in list(store.items()):
+                    if t is not None and t.device.type == "meta":
+                        store[attr] = lookup(root, f"{path}.{attr}" if path else attr)
+                    elif t is not None and id(t) not in made:
+                        constants.append((store, attr, t))  # a value the trace baked in (export's lifted constants)
+    fell_back = init_by_name(root, seed, family_init)  # on the CPU generator, whatever the device
+    if load is not None and made:
+        names_of: dict[int, list[str]] = {}
+        for name, t in [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]:
+            if id(t) in made:
+                names_of.setdefault(id(t), []).append(name)
+        aliases = {ns[0]: ns[1:] for ns in names_of.values()}
+        missing = set(load.load([(ns[0], made[i]) for i, ns in names_of.items()], aliases))
+        fell_back = [n for n in fell_back if n in missing]
+    if device.type != "cpu":
+        for t in made.values():
+            t.data = t.data.to(device)
+    for store, attr, t in constants:
+        store[attr] = t.to(device)
+    return fell_back

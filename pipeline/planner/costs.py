@@ -1,0 +1,106 @@
+"""Cost models for the simulator, from the plan's profile (before a run) or from a run's own events.
+
+Both give per-stage F, I, W and recompute times plus activation and transfer bytes, so the same
+simulator predicts a run before it starts and explains it afterwards.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+
+from pipeline.core.plan import Plan, StagePlan
+from pipeline.planner.simulate import CostModel
+
+#: share of a measured backward that is weight-gradient work when only B was timed.
+DEFAULT_WEIGHT_SHARE = 0.5
+
+
+def split_backward_cost(backward_s: Sequence[float], weight_share: float = DEFAULT_WEIGHT_SHARE) -> tuple[list[float], list[float]]:
+    """(I, W) per stage from measured backward times. Stage 0 reads only the data, so it has no
+    input gradient: its I is free and its W is the whole backward."""
+    w = [b * weight_share for b in backward_s]
+    i = [b - x for b, x in zip(backward_s, w, strict=True)]
+    if backward_s:
+        i[0], w[0] = 0.0, float(backward_s[0])
+    return i, w
+
+
+def cost_model_from_events(
+    plan: Plan, events: Sequence[dict], latency_s: float, bandwidth: float, fallback: CostModel | None = None
+) -> CostModel:
+    """Median measured duration of each (stage, kind) in this run; B splits into I/W when only B ran,
+    and where a fused B ran beside split ones (schedules/fuse.py) it keeps its own, lower cost."""
+    durations: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for e in events:
+        durations[(e["stage"], e["kind"])].append(e["end_s"] - e["start_s"])
+
+    def med(stage: int, kind: str) -> float | None:
+        values = durations.get((stage, kind))
+        return statistics.median(values) if values else None
+
+    n = len(plan.stages)
+    fwd, bwd_i, bwd_w, rec, bwd = [], [], [], [], []
+    for s in range(n):
+        f = med(s, "F") or (fallback.forward_s[s] if fallback else 0.0)
+        i, w, b = med(s, "I"), med(s, "W"), med(s, "B")
+        if i is None or w is None:
+            total = b if b is not None else (fallback.backward_s[s] if fallback else 0.0)
+            w = total if s == 0 else total * DEFAULT_WEIGHT_SHARE  # stage 0 has no input gradient
+            i = total - w
+        r = med(s, "R") or f
+        fwd.append(f)
+        bwd_i.append(i)
+        bwd_w.append(w)
+        bwd.append(b if b is not None else i + w)
+        rec.append(r)
+    act = fallback.activation_bytes if fallback else None
+    inp = [float(p.recv_bytes) for p in plan.stages]
+    out = [float(p.send_bytes) for p in plan.stages]
+    # memory as the fallback (the plan's profile) prices it; a run's events carry no bytes
+    memory = {} if fallback is None else {"held_after_input_grad": fallback.held_after_input_grad,
+                                          "weight_stash_bytes": fallback.weight_stash_bytes,
+                                          "input_grad_freed_bytes": fallback.input_grad_freed_bytes}
+    return CostModel(fwd, bwd_i, bwd_w, rec, act, inp, out, latency_s, bandwidth, backward_s=bwd, **memory)
+
+
+def held_output_bytes(stage: StagePlan) -> float:
+    """Bytes of the values a stage keeps per micro-batch until its backward: each output once
+    (however many stages read it), and on the last stage the model output."""
+    names = set(stage.outputs) | ({stage.loss_value} if stage.loss_value else set())
+    return float(sum(stage.value_bytes(n) for n in names if n in stage.values))
+
+
+def cost_model_from_plan(plan: Plan, latency_s: float, bandwidth: float) -> CostModel:
+    """A profiled plan carries the per-stage forward/backward sums of its nodes."""
+    fwd = list(plan.meta["stage_forward_s"])
+    bwd = [float(b) for b in plan.meta["stage_backward_s"]]
+    if "stage_backward_input_s" in plan.meta:  # the split backward as profiled: dearer than B
+        bwd_i = [float(x) for x in plan.meta["stage_backward_input_s"]]
+        bwd_w = [float(x) for x in plan.meta["stage_backward_weight_s"]]
+    else:
+        bwd_i, bwd_w = split_backward_cost(bwd, DEFAULT_WEIGHT_SHARE)
+    # modules recomputed inside a backward (per-layer remat): their forward runs again in B, and in
+    # a split backward once in I and once more in W (each is its own autograd pass; stage 0 has no
+    # input gradient, its whole backward is W)
+    for s, extra in enumerate(plan.meta.get("stage_recompute_s") or []):
+        bwd[s] += extra
+        bwd_w[s] += extra
+        if s > 0:
+            bwd_i[s] += extra
+    # a stage holds its saved tensors and, until its backward, the outputs it produced (the last
+    # stage: the model output the loss was taken on, e.g. an LM's logits)
+    held = [held_output_bytes(s) for s in plan.stages]
+    act = [float(a) + h for a, h in zip(plan.meta["partition"]["stage_activation_bytes"], held, strict=True)]
+    # A split backward's I keeps the autograd graph for W (retain_graph) except what lies above
+    # the nodes W restarts from: the outputs and the loss's saved tensors go, and the gradients
+    # W restarts from come (runtime/backward.py; both profiled, see graph/profile.py).
+    loss = plan.meta.get("stage_loss_activation_bytes") or [0.0] * len(held)
+    stash = plan.meta.get("stage_weight_stash_bytes")
+    return CostModel(
+        fwd, bwd_i, bwd_w, None, act,
+        [float(s.recv_bytes) for s in plan.stages], [float(s.send_bytes) for s in plan.stages], latency_s, bandwidth,
+        backward_s=bwd, weight_stash_bytes=[float(b) for b in stash] if stash is not None else None,
+        input_grad_freed_bytes=[h + float(x) for h, x in zip(held, loss, strict=True)],
+    )

@@ -1,0 +1,91 @@
+"""Keep values that cannot travel between ranks inside one stage.
+
+Why: a graph traced down to single operators has nodes whose output is not one tensor: shape
+integers (`b, t, d = x.shape`), tuples from `chunk`/`unbind` before their `getitem`s. P2P sends
+tensors, so no stage boundary may fall on an edge out of such a node. Rather than teach every
+partitioner that rule, the cost graph is contracted first: each such node joins its consumers in
+one unit, together with every node on a path between them (so the contracted graph stays acyclic).
+Partitioners cut the contracted graph; the assignment is expanded back to the original nodes and
+priced on the original graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+from networkx.utils import UnionFind
+
+from pipeline.planner.partition.common import topo_order
+
+
+def sends_as_tensor(graph: nx.DiGraph, node: str) -> bool:
+    """True when the node's output is one tensor (tracing records `single_tensor`; absent = yes)."""
+    return bool(graph.nodes[node].get("single_tensor", True))
+
+
+@dataclass
+class Contraction:
+    """The contracted graph and, for each of its nodes, the original nodes it stands for."""
+
+    graph: nx.DiGraph
+    members: dict[str, list[str]]
+
+    def expand(self, assignment: dict[str, int]) -> dict[str, int]:
+        return {m: stage for unit, stage in assignment.items() for m in self.members[unit]}
+
+
+def contract_unsendable(graph: nx.DiGraph) -> Contraction | None:
+    """The contracted graph, or None when every node's output can be sent as it is and no leaf
+    module spans several nodes. Nodes of one leaf module (an export trace's ops of one decoder
+    layer) form one unit too."""
+    unsendable = [n for n in graph.nodes if not sends_as_tensor(graph, n) and graph.out_degree(n)]
+    by_leaf: dict[str, list[str]] = {}
+    for n in graph.nodes:
+        if graph.nodes[n].get("leaf"):
+            by_leaf.setdefault(graph.nodes[n]["leaf"], []).append(n)
+    split_leaves = [ms for ms in by_leaf.values() if len(ms) > 1]
+    if not unsendable and not split_leaves:
+        return None
+    groups = UnionFind(graph.nodes)
+    for n in unsendable:
+        groups.union(n, *graph.successors(n))
+    for members in split_leaves:
+        groups.union(*members)
+    changed = True
+    while changed:  # convex closure: whatever lies between two members of a unit joins it
+        changed = False
+        for members in list(groups.to_sets()):
+            if len(members) < 2:
+                continue
+            below = set().union(*(nx.descendants(graph, m) for m in members))
+            above = set().union(*(nx.ancestors(graph, m) for m in members))
+            between = (below & above) - members
+            if between:
+                groups.union(next(iter(members)), *between)
+                changed = True
+    order = topo_order(graph)
+    pos = {n: i for i, n in enumerate(order)}
+    units = sorted((sorted(ms, key=pos.__getitem__) for ms in groups.to_sets()), key=lambda ms: pos[ms[0]])
+    unit_of = {m: ms[0] for ms in units for m in ms}
+    q = nx.DiGraph(**graph.graph)
+    for ms in units:
+        data = [graph.nodes[m] for m in ms]
+        params = sorted({p for d in data for p in d.get("params") or []})
+        leaving = [m for m in ms if any(unit_of[s] != ms[0] for s in graph.successors(m))]
+        q.add_node(
+            ms[0],
+            forward_s=sum(float(d.get("forward_s", 0.0)) for d in data),
+            backward_s=sum(float(d.get("backward_s", 0.0)) for d in data),
+            activation_bytes=sum(int(d.get("activation_bytes", 0)) for d in data),
+            stash_bytes=sum(int(d.get("stash_bytes", 0)) for d in data),
+            loss_activation_bytes=sum(int(d.get("loss_activation_bytes", 0)) for d in data),
+            output_bytes=sum(int(graph.nodes[m].get("output_bytes", 0)) for m in leaving),
+            params=params,
+            param_bytes=sum(int(d.get("param_bytes", 0)) for d in data),
+            order=pos[ms[0]],
+        )
+    for u, v in graph.edges:
+        if unit_of[u] != unit_of[v]:
+            q.add_edge(unit_of[u], unit_of[v], bytes=graph.edges[u, v].get("bytes", 0))
+    return Contraction(q, {ms[0]: ms for ms in units})

@@ -1,0 +1,458 @@
+"""Measure per-node (or per-block) forward time, backward time and memory, with an on-disk cache.
+
+Why measure each node's backward instead of assuming backward = 2 x forward: the ratio varies a lot
+between ops (an embedding's backward is a scatter, a LayerNorm's is cheaper than a matmul's), and the
+partitioner's balance is only as good as these numbers. Each node's op is re-run in isolation on the
+inputs it saw during one real forward pass, with autograd on, and its backward is timed on its own.
+
+Why the timings come from several passes over the graph rather than back-to-back repeats of each node:
+a shared machine slows down in bursts that last longer than one node's repeats. Timed back to back,
+a burst lands on every sample of one node (in one profile an LM head's backward measured 12% dear);
+timed in passes, it lands on one pass, and the median over passes leaves it out.
+
+The model may live on the meta device: each node runs on real inputs with only the module it calls
+materialised for it, so profiling never holds the model's weights.
+
+Activation bytes are the tensors autograd saves for backward (seen through saved_tensors_hooks),
+excluding parameters. A tensor saved by two consumer nodes is counted by both: a small overestimate
+that keeps the numbers per-node and additive.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+import torch
+from torch import fx, nn
+
+from pipeline.graph.trace import COMPUTE_OPS, TracedModel, retarget
+from pipeline.runtime.backward import WeightGradStash, backward_input, backward_weight
+
+#: what is timed per node: forward, fused backward, and the runtime's split backward (I, then W)
+TIMES = ("forward_s", "backward_s", "backward_input_s", "backward_weight_s")
+PROFILE_FIELDS = (*TIMES, "activation_bytes", "output_bytes", "stash_bytes", "loss_activation_bytes", "param_bytes")
+MIN_TIME_S = 1e-7  # a measured op never reports zero: it at least paid the Python call
+PASSES = 3  # passes over the graph that share a node's timed repeats
+_LOSS = "\0loss"  # the loss's own entry while passes are pooled (no graph node has this name)
+
+
+# ---------------------------------------------------------------------------------------------- cache
+
+
+def cache_dir() -> Path:
+    """Where profiles live: $PIPELAUNCH_CACHE or ~/.cache/pipelaunch/profiles."""
+    env = os.environ.get("PIPELAUNCH_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "pipelaunch" / "profiles"
+
+
+def _describe_inputs(inputs: Sequence[Any]) -> list[Any]:
+    out: list[Any] = []
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            out.append([list(x.shape), str(x.dtype)])
+        elif isinstance(x, (list, tuple)):
+            out.append(_describe_inputs(x))
+        else:
+            out.append(repr(x))
+    return out
+
+
+def device_label(device: str | torch.device) -> str:
+    """The device a profile's timings belong to: `cpu`, or a GPU by its model name
+    (`cuda:NVIDIA H100 80GB HBM3`), whatever its index, so that a profile taken on one GPU of a
+    node serves the others and a profile from another GPU model is never reused. Asking a GPU its
+    name initialises CUDA: call it only where the profile runs on that GPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return device.type if device.index is None else str(device)
+
+
+def profile_key(model_config: Mapping[str, Any], inputs: Sequence[Any], device: str | torch.device) -> str:
+    """Hash of (model config, micro-batch input shapes/dtypes, device (a GPU by its name:
+    `device_label`), torch version, how it was timed)."""
+    payload = {
+        "passes": PASSES,
+        "cache": "evicted",
+        "model": model_config,
+        "inputs": _describe_inputs(inputs),
+        "device": device_label(device),
+        "torch": torch.__version__,
+    }
+    blob = json.dumps(payload, sort_keys=True, default=repr)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def load_cached(key: str) -> dict[str, Any] | None:
+    """The cached profile for `key`, or None (a corrupt file counts as a miss)."""
+    path = cache_dir() / f"{key}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def save_cached(key: str, data: dict[str, Any]) -> Path:
+    """Write atomically, so concurrent sweep jobs never read half a file."""
+    directory = cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{key}.json"
+    tmp = directory / f".{key}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    tmp.replace(path)
+    return path
+
+
+# ------------------------------------------------------------------------------------------- timing
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _leafify(value: Any) -> Any:
+    """Detached copies of recorded inputs; floating tensors require grad so input-gradients are timed."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        if t.is_floating_point() or t.is_complex():
+            t.requires_grad_(True)
+        return t
+    if isinstance(value, (list, tuple)):
+        if not _tensors(value) or hasattr(value, "_fields") or isinstance(value, torch.Size):
+            return value
+        return type(value)(_leafify(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _leafify(v) for k, v in value.items()}
+    return value
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class CacheEvictor:
+    """Writes a buffer twice the size of the device's last-level cache, so that the op timed next
+    finds its weights and inputs in memory, as it does inside a pipeline.
+
+    Why: timed back to back, an op reruns on weights and inputs it just touched. Inside a run,
+    other micro-batches and stages pass through the cache between a stage's ops and their
+    backward: gpt_bench's stage forwards ran 7-26% above the hot profile in interleaved 1F1B, and
+    from 1% below to 12% above the profile evicted before each timed forward and backward. Ops whose
+    warm-up takes under `min_s` are timed without it: the write (a few milliseconds) would cost
+    more than the cache could change."""
+
+    min_s = 1e-3
+
+    def __init__(self, device: torch.device) -> None:
+        self.buffer = torch.empty(2 * last_level_cache_bytes(device) // 4, device=device)
+
+    def __call__(self) -> None:
+        self.buffer.fill_(1.0)
+
+
+def last_level_cache_bytes(device: torch.device) -> int:
+    """The device's largest cache (a CPU's L3 as sysfs reports it, a GPU's L2); 32 MiB if unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).L2_cache_size)
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip()
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        try:
+            sizes.append(int(text.rstrip("KMG")) * scale)
+        except ValueError:
+            continue
+    return max(sizes, default=32 * 2**20)
+
+
+def measure_op(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    params: Sequence[torch.Tensor],
+    device: torch.device,
+    repeats: int,
+    evict: CacheEvictor | None = None,
+) -> dict[str, Any]:
+    """Like `_measure`, degrading gracefully for ops autograd refuses (in-place ops on leaves)."""
+    try:
+        return _measure(fn, args, kwargs, params, device, repeats, True, evict)
+    except RuntimeError:
+        return _measure(fn, args, kwargs, params, device, repeats, False, evict)
+
+
+def _measure(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    params: Sequence[torch.Tensor],
+    device: torch.device,
+    repeats: int,
+    input_grads: bool,
+    evict: CacheEvictor | None = None,
+) -> dict[str, Any]:
+    """Median forward and backward seconds of `fn(*args, **kwargs)` (and, under `samples`, every
+    timing, for pooling over passes), its saved and output bytes, and what a split backward keeps
+    for W."""
+    param_ptrs = {p.data_ptr() for p in params}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in param_ptrs:
+            saved[t.data_ptr()] = max(saved.get(t.data_ptr(), 0), _nbytes(t))
+        return t
+
+    leaf_args = _leafify(list(args)) if input_grads else list(args)
+    leaf_kwargs = _leafify(dict(kwargs)) if input_grads else dict(kwargs)
+    grad_inputs = [t for t in _tensors([leaf_args, leaf_kwargs]) if t.requires_grad]
+    grad_params = [p for p in params if p.requires_grad]
+    t0 = time.perf_counter()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*leaf_args, **leaf_kwargs)  # also the warm-up run
+    _sync(device)
+    if evict is not None and time.perf_counter() - t0 < evict.min_s:
+        evict = None
+
+    def cold() -> None:
+        if evict is not None:
+            evict()
+            _sync(device)
+    outs = [t for t in _tensors(out) if t.requires_grad]
+    output_bytes = sum(_nbytes(t) for t in _tensors(out))
+    differentiable = bool(outs) and bool(grad_inputs or grad_params)
+    grads = [torch.ones_like(t) for t in outs]
+    if differentiable:
+        torch.autograd.backward(outs, grads, inputs=grad_inputs + grad_params)
+
+    samples: dict[str, list[float]] = {k: [] for k in TIMES}
+    leaves = {str(i): x for i, x in enumerate(grad_inputs)}
+    kept = 0
+    # Even repeats time the fused backward (B), odd ones the runtime's split backward (I, then W):
+    # splitting costs extra work (autograd runs twice; W restarts node by node), 4-7% of a gpt_bench
+    # stage's backward, which zero-bubble schedules pay on every micro-batch they split.
+    for k in range(max(repeats, 2) if differentiable else repeats):
+        cold()
+        _sync(device)
+        t0 = time.perf_counter()
+        out = fn(*leaf_args, **leaf_kwargs)
+        _sync(device)
+        samples["forward_s"].append(time.perf_counter() - t0)
+        if not differentiable:
+            continue
+        outs = [t for t in _tensors(out) if t.requires_grad]
+        cold()
+        t0 = time.perf_counter()
+        if k % 2 == 0:
+            torch.autograd.backward(outs, grads, inputs=grad_inputs + grad_params)
+            _sync(device)
+            samples["backward_s"].append(time.perf_counter() - t0)
+            continue
+        _, weight_stash = backward_input(outs, grads, leaves, grad_params)
+        _sync(device)
+        samples["backward_input_s"].append(time.perf_counter() - t0)
+        kept = _stash_bytes(weight_stash) if grad_params else 0  # untimed, between I and W
+        t0 = time.perf_counter()
+        backward_weight(weight_stash)
+        _sync(device)
+        samples["backward_weight_s"].append(time.perf_counter() - t0)
+    for t in grad_inputs + grad_params:
+        t.grad = None
+    return {
+        **_medians(samples),
+        "activation_bytes": int(sum(saved.values())),
+        "output_bytes": int(output_bytes),
+        "stash_bytes": int(kept),
+        "samples": samples,
+    }
+
+
+def _medians(samples: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    """Each timing's median (never below `MIN_TIME_S`); a node with no backward has none."""
+    return {k: max(statistics.median(v), MIN_TIME_S) if v else 0.0 for k, v in samples.items()}
+
+
+def _pool(first: dict[str, Any], later: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One node's result: the first pass's bytes, and medians over every pass's timings."""
+    pooled = {k: [t for r in (first, *later) for t in r["samples"][k]] for k in TIMES}
+    return {**{k: v for k, v in first.items() if k != "samples"}, **_medians(pooled)}
+
+
+def _stash_bytes(stash: WeightGradStash) -> int:
+    """Bytes the runtime's split backward keeps for W after an op's I: the gradients captured
+    where W restarts (runtime/backward.py), e.g. a linear layer's output gradient. They sit beside
+    the saved activations from I to W, so zero-bubble schedules that defer W hold them too."""
+    held = [g for _, grads, _ in stash.restarts for g in grads] + [g for g in stash.root_grads if g is not None] \
+        + [g for _, g in stash.direct]
+    return sum({g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in held}.values())
+
+
+def _node_callable(gm: fx.GraphModule, node: fx.Node, module: nn.Module | None) -> tuple[Callable[..., Any], list[torch.Tensor]]:
+    if node.op == "call_module":
+        assert module is not None
+        return module, list(module.parameters())
+    if node.op == "call_method":
+        return (lambda self_, *a, **k: getattr(self_, node.target)(*a, **k)), []
+    return node.target, []
+
+
+def _real_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A stand-in for a parameter or buffer read by `get_attr`: only its shape matters for timing."""
+    if t.is_floating_point():
+        real = torch.randn(t.shape, dtype=t.dtype, device=device) * 0.02
+    else:
+        real = torch.zeros(t.shape, dtype=t.dtype, device=device)
+    return nn.Parameter(real, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else real
+
+
+class _LeafwiseProfiler(fx.Interpreter):
+    """Runs a meta-device graph on one real micro-batch, node by node. Each module a node calls is
+    materialised just for that node (a copy, initialised), measured, and dropped; each parameter a
+    `get_attr` reads lives until its last reader. So the peak is one leaf's weights plus the
+    activations still needed, never the model."""
+
+    def __init__(self, gm: fx.GraphModule, device: torch.device, repeats: int, seed: int,
+                 evict: CacheEvictor | None = None) -> None:
+        super().__init__(gm)
+        self.device, self.repeats, self.seed, self.evict = device, repeats, seed, evict
+        self.results: dict[str, dict[str, Any]] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op == "get_attr":
+            value = _fetch(self.module, n.target)  # a tensor, or a submodule of a higher-order op
+            return _real_like(value, self.device) if isinstance(value, torch.Tensor) and value.is_meta else value
+        if n.op not in COMPUTE_OPS:
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        module = None
+        if n.op == "call_module":
+            from pipeline.graph.materialize import materialize
+
+            module = copy.deepcopy(self.module.get_submodule(n.target))
+            materialize(module, self.seed, self.device)
+        fn, params = _node_callable(self.module, n, module)
+        params = params + [a for a in _tensors([args, kwargs]) if isinstance(a, nn.Parameter)]
+        self.results[n.name] = measure_op(fn, args, kwargs, params, self.device, self.repeats, evict=self.evict)
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+
+
+def _fetch(gm: nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def profiled_nodes(graph: nx.DiGraph) -> dict[str, dict[str, Any]]:
+    """Every node's profile fields (what `apply_profile` puts back), e.g. to carry a profile taken
+    in another process."""
+    return {name: {k: graph.nodes[name][k] for k in PROFILE_FIELDS if k in graph.nodes[name]} for name in graph.nodes}
+
+
+def apply_profile(graph: nx.DiGraph, nodes: Mapping[str, Mapping[str, Any]]) -> None:
+    """Annotate `graph` with a profile taken elsewhere (`profiled_nodes` of the same model traced
+    the same way: tracing is deterministic, so the node names match)."""
+    if set(nodes) != set(graph.nodes) or not all(set(PROFILE_FIELDS) <= set(v) for v in nodes.values()):
+        missing = sorted(set(graph.nodes) ^ set(nodes))
+        raise RuntimeError(f"the profile does not fit this graph (nodes differ: {missing[:6]})")
+    _apply(graph, nodes)
+
+
+def _apply(graph: nx.DiGraph, nodes: Mapping[str, Mapping[str, Any]]) -> None:
+    for name, values in nodes.items():
+        if name in graph:
+            graph.nodes[name].update({k: values[k] for k in PROFILE_FIELDS if k in values})
+    for u, v in graph.edges:
+        graph.edges[u, v]["bytes"] = graph.nodes[u]["output_bytes"]
+
+
+def profile_graph(
+    traced: TracedModel,
+    example_inputs: Any,
+    device: str | torch.device = "cpu",
+    repeats: int = 5,
+    model_config: Mapping[str, Any] | None = None,
+    use_cache: bool = True,
+    loss: tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], torch.Tensor] | None = None,
+    seed: int = 0,
+) -> None:
+    """Annotate every cost-graph node with forward_s, backward_s, activation/output/param bytes.
+
+    `traced` may live on the meta device: each node is measured on real inputs with only the
+    module it calls materialised (`_LeafwiseProfiler`). `example_inputs` is one real micro-batch.
+    With `loss = (loss_fn, target)` the loss is measured too and charged to the node producing the
+    model output, since the last stage pays for it. With `model_config` (the config dict that built
+    the model) the result is cached under `cache_dir()`, so a sweep profiles each
+    model/shape/device once; `traced.graph.graph["profile_cached"]` says whether this call hit.
+    """
+    device = torch.device(device)
+    args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    key = profile_key({"model": model_config, "loss": loss is not None}, args, device) if model_config is not None else None
+    if key and use_cache:
+        cached = load_cached(key)
+        if cached is not None and set(cached.get("nodes", {})) == set(traced.graph.nodes) \
+                and all(set(PROFILE_FIELDS) <= set(v) for v in cached["nodes"].values()):
+            _apply(traced.graph, cached["nodes"])
+            traced.graph.graph["profile_cached"] = True
+            return
+
+    args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    retarget(traced.gm, device)
+    passes = max(1, min(PASSES, repeats))
+    per_pass = -(-repeats // passes)
+    loss_of = None
+    if loss is not None and traced.graph.graph.get("outputs"):
+        loss_fn, target = loss
+        target = target.to(device)
+
+        def loss_of(x: torch.Tensor) -> torch.Tensor:
+            return loss_fn(x, target)
+
+    evict = CacheEvictor(device)
+    runs: list[dict[str, dict[str, Any]]] = []
+    for _ in range(passes):
+        runner = _LeafwiseProfiler(traced.gm, device, per_pass, seed, evict=evict)
+        value = next(iter(_tensors(runner.run(*args))), None)
+        if loss_of is not None and value is not None:
+            runner.results[_LOSS] = measure_op(loss_of, (value,), {}, [], device, per_pass, evict=evict)
+        runs.append(runner.results)
+    del evict
+    results = {name: _pool(first, [r[name] for r in runs[1:]]) for name, first in runs[0].items()}
+    loss_stats = results.pop(_LOSS, None)
+    if loss_stats is not None:
+        producer = traced.graph.graph["outputs"][0]
+        if producer in results:
+            for k in ("forward_s", "backward_s", "activation_bytes"):
+                results[producer][k] += loss_stats[k]
+            # the loss has no weights: a split backward runs its backward in I
+            results[producer]["backward_input_s"] += loss_stats["backward_s"]
+            # kept apart too: a split backward frees them at I (runtime/backward.py keeps only
+            # what lies below the nodes W restarts from)
+            results[producer]["loss_activation_bytes"] = loss_stats["activation_bytes"]
+    for name in traced.graph.nodes:
+        results[name]["param_bytes"] = traced.graph.nodes[name]["param_bytes"]
+        results[name].setdefault("loss_activation_bytes", 0)
+    _apply(traced.graph, results)
+    traced.graph.graph["profile_cached"] = False
+    if key and use_cache:
+        save_cached(key, {"nodes": results, "torch": torch.__version__, "device": device_label(device)})

@@ -1,0 +1,122 @@
+"""What every schedule generator is: a pure function of (placement, micro-batches) plus its rules.
+
+A generator is a small dataclass so that Hydra can build it from `conf/scheduler/<name>.yaml`
+(`_target_` + option fields). It declares which placement `placement=auto` should give it, checks
+its own requirements, and returns compute actions per rank; sends and receives come from
+`pipeline.planner.lowering`, never from the generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pipeline.core.errors import ConfigError
+from pipeline.core.ir import Action, Schedule
+
+
+@dataclass
+class ScheduleGenerator:
+    """Base class: subclasses set the class variables and implement `compute_actions`."""
+
+    name: ClassVar[str] = "base"
+    #: placement kind `placement=auto` resolves to ("linear", "interleaved" or "v").
+    default_placement: ClassVar[str] = "linear"
+    #: placement kinds the generator can run on ("explicit" = any list).
+    supported_placements: ClassVar[tuple[str, ...]] = ("linear",)
+    #: whether the backward is split into I and W actions.
+    split_backward: ClassVar[bool] = False
+    #: False for forward-only schedules.
+    training: ClassVar[bool] = True
+
+    def stages_per_rank(self) -> int:
+        return 1
+
+    def use_stage_costs(
+        self, forward_s: list[float], backward_input_s: list[float], backward_weight_s: list[float],
+        backward_s: list[float] | None = None,
+    ) -> None:
+        """Hand a measured per-stage profile to generators that order actions by a simulated
+        play-through (`cost_aware` ones); others ignore it. `backward_s`: the fused backward, when
+        profiled apart (it costs less than I + W), so that fusing a pair is credited its saving."""
+        self._stage_costs = (list(forward_s), list(backward_input_s), list(backward_weight_s))
+        self._fused_backward = list(backward_s) if backward_s is not None else None
+
+    def play_through(self, play, placement: list[int], microbatches: int, **kwargs) -> list[list[Action]]:
+        """Run a list-scheduling play-through on the measured costs when cost-aware; if real costs
+        would leave the greedy stuck under the memory cap, keep the unit-cost order (always valid).
+
+        With a split backward, the order that runs each W right after its I (`eager_w`) is kept
+        when the simulator, on the same costs, finds it no slower: the W then reuses what its I
+        just touched while it is still in cache, and frees the micro-batch's memory sooner. With
+        `fuse_backward`, I/W pairs whose split buys nothing then run as one B (schedules/fuse.py)."""
+        costs = self.play_costs()
+        if not kwargs.get("split_backward"):
+            return self._play_once(play, placement, microbatches, costs, **kwargs)
+        eager = self._play_once(play, placement, microbatches, costs, eager_w=True, **kwargs)
+        deferred = self._play_once(play, placement, microbatches, costs, **kwargs)
+        slower = makespan(eager, placement, microbatches, costs) > (
+            makespan(deferred, placement, microbatches, costs) * (1 + 1e-9))
+        programs = deferred if slower else eager
+        if getattr(self, "fuse_backward", False):
+            from pipeline.planner.schedules.fuse import fuse_slack_backwards
+
+            fused = getattr(self, "_fused_backward", None) if costs != (1, 1, 1) else None
+            programs = fuse_slack_backwards(programs, placement, microbatches, costs, fused)
+        return programs
+
+    @staticmethod
+    def _play_once(play, placement, microbatches, costs, **kwargs) -> list[list[Action]]:
+        if costs != (1, 1, 1):
+            try:
+                return play(placement, microbatches, costs=costs, reserve_deeper=True, **kwargs)
+            except ConfigError:
+                pass
+        return play(placement, microbatches, **kwargs)
+
+    def play_costs(self) -> tuple:
+        """(F, I, W) for the play-through: the measured per-stage costs when cost-aware, else units."""
+        costs = getattr(self, "_stage_costs", None)
+        return costs if costs is not None and getattr(self, "cost_aware", False) else (1, 1, 1)
+
+    def check(self, pp: int, microbatches: int, placement: list[int]) -> None:
+        """Raise ConfigError if this schedule cannot run with these settings."""
+        from pipeline.planner.placement import classify
+
+        kind = classify(placement) if pp > 1 else "linear"
+        if kind not in self.supported_placements and "explicit" not in self.supported_placements:
+            raise ConfigError(
+                "placement",
+                f"scheduler {self.name!r} cannot run on a {kind} placement {placement}; "
+                f"it supports: {', '.join(self.supported_placements)} (placement=auto picks "
+                f"{self.default_placement!r})",
+            )
+        if len(placement) != pp * self.stages_per_rank() and "explicit" not in self.supported_placements:
+            raise ConfigError(
+                "placement",
+                f"scheduler {self.name!r} needs {self.stages_per_rank()} stage(s) per rank, "
+                f"i.e. {pp * self.stages_per_rank()} stages for pp={pp}, but the placement has {len(placement)}",
+            )
+
+    def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
+        raise NotImplementedError
+
+
+def require_microbatches_at_least(name: str, microbatches: int, minimum: int, why: str) -> None:
+    if microbatches < minimum:
+        raise ConfigError(
+            "microbatches",
+            f"scheduler {name!r} needs microbatches >= {minimum} ({why}); got {microbatches}",
+        )
+
+
+def makespan(programs: list[list[Action]], placement: list[int], microbatches: int, costs: tuple,
+             backward: list[float] | None = None) -> float:
+    """Simulated step time of compute-only programs under (F, I, W) costs (numbers or per stage);
+    a fused B costs `backward` per stage when given, else I + W."""
+    from pipeline.planner.simulate import CostModel, simulate  # the simulator imports schedules' IR only
+
+    n = len(placement)
+    f, i, w = ([float(x)] * n if not isinstance(x, (list, tuple)) else [float(v) for v in x] for x in costs)
+    schedule = Schedule("play-through", n, microbatches, list(placement), programs)
+    return simulate(schedule, CostModel(f, i, w, backward_s=backward), check=False).makespan_s

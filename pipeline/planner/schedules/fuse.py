@@ -1,0 +1,57 @@
+"""Fuse an I and its W back into one B wherever the split buys nothing.
+
+Why: splitting a backward into I and W costs extra work (autograd runs twice over the stage and
+the weight-gradient nodes are restarted one by one: about 5-10% of the backward on gpt_bench
+blocks). The split pays off only where the input gradient is on the critical path: in the
+warm-up and cool-down of a zero-bubble schedule. In the steady state of ZBV a rank's I is
+usually followed right away by its own W (the eager-W order) and the rank downstream has other
+work until it needs that gradient, so running both as one fused B loses nothing.
+
+The pass walks each rank's program in order and replaces an adjacent `I(s, mb) W(s, mb)` by
+`B(s, mb)` when the simulator finds the step no longer. B is priced as profiled when the profile
+timed both (`graph/profile.py`: the split costs 4-7% more on gpt_bench stages), else at I + W
+(no credit for the saving); either way the real run is then faster by what the fused backward saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pipeline.core.ir import Action, Kind
+
+#: above this many (pair x action) simulations the pass is skipped: it stays well under a second
+#: for the schedules people train with, and plan mode must answer for pp=64 in seconds
+MAX_WORK = 400_000
+
+
+def _is_pair(acts: list[Action], i: int) -> bool:
+    """acts[i] is an I immediately followed by its own W."""
+    a = acts[i]
+    return a.kind is Kind.I and i + 1 < len(acts) and acts[i + 1] == Action(a.stage, Kind.W, a.mb)
+
+
+def fuse_slack_backwards(
+    programs: list[list[Action]], placement: Sequence[int], microbatches: int, costs: tuple,
+    backward: list[float] | None = None,
+) -> list[list[Action]]:
+    """Programs with I/W pairs fused into B wherever the simulated step does not grow (B costing
+    `backward` per stage when given, else I + W)."""
+    from pipeline.planner.schedules.base import makespan
+
+    pairs = sum(_is_pair(acts, i) for acts in programs for i in range(len(acts)))
+    if not pairs or pairs * sum(len(acts) for acts in programs) > MAX_WORK:
+        return programs
+    programs = [list(acts) for acts in programs]
+    best = makespan(programs, placement, microbatches, costs, backward)
+    for r, acts in enumerate(programs):
+        i = 0
+        while i < len(acts):  # the list shrinks as pairs fuse
+            if _is_pair(acts, i):
+                a = acts[i]
+                trial = acts[:i] + [Action(a.stage, Kind.B, a.mb)] + acts[i + 2 :]
+                span = makespan(programs[:r] + [trial] + programs[r + 1 :], placement, microbatches, costs, backward)
+                if span <= best * (1 + 1e-9):
+                    programs[r] = acts = trial
+                    best = min(best, span)
+            i += 1
+    return programs

@@ -1,0 +1,514 @@
+"""Discrete-event simulation of a schedule against a cost model: makespan, bubbles, peak memory.
+
+Why a simulator: it is how a schedule is validated (every (stage, micro-batch) forwarded and
+backwarded exactly once, on the right rank, without deadlock) and how `scheduler=auto` and the
+post-run report predict a run without starting processes.
+
+Semantics (the same contract the executor follows):
+
+* A rank runs its actions strictly in program order; one action at a time.
+* F(s, mb) starts once F(s-1, mb) has finished (plus a transfer if s-1 lives on another rank).
+* B/I(s, mb) start once F(s, mb) and B/I(s+1, mb) have finished (plus a transfer if cross-rank).
+  W(s, mb) needs I(s, mb); R(s, mb) needs F(s, mb).
+* Sends are asynchronous: a transfer of `output_bytes[s]` takes `latency_s + bytes / bandwidth`
+  and never blocks the sender. Links have no contention (each transfer is independent).
+  A lowered schedule's RECV actions are therefore implied by the compute dependencies.
+
+Memory accounting per rank (activation memory only, weights excluded):
+
+* F(s, mb) holds `activation_bytes[s]` from its start, or only `input_bytes[s]` when (s, mb) is
+  rematerialised (it has an R action); R(s, mb) then adds `activation_bytes[s]` again.
+* B frees everything held by (s, mb). I frees `input_grad_freed_bytes[s]` of the stage's
+  activations (by default all but the share `held_after_input_grad` that stands for what the
+  weight gradient still needs) and adds `weight_stash_bytes[s]`, the gradients captured where W
+  restarts; W frees the rest and the stash, together with any inputs.
+* A lowered program also holds its P2P buffers: a receive from its post to the compute that
+  reads it, a send from its producer's end until its transfer is over (`_in_flight`).
+* `peak_activation_microbatches` counts (stage, micro-batch) pairs holding activations (F done
+  without remat, or R done) that are not yet fully freed; pairs holding only their remat inputs
+  do not count.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pipeline.core.ir import Action, Kind, Schedule
+
+COMPUTE = (Kind.F, Kind.B, Kind.I, Kind.W, Kind.R)
+
+
+class ScheduleError(ValueError):
+    """A schedule is incomplete, misplaced or deadlocks; the message names the actions."""
+
+
+@dataclass
+class CostModel:
+    """Per-stage costs (seconds, bytes) and a link model. A fused backward B costs `backward_s`
+    when it was measured (running I and W as one pass is cheaper than the two apart), else I + W."""
+
+    forward_s: list[float]
+    backward_input_s: list[float]
+    backward_weight_s: list[float]
+    recompute_s: list[float] | None = None
+    activation_bytes: list[float] | None = None
+    input_bytes: list[float] | None = None
+    output_bytes: list[float] | None = None
+    latency_s: float = 0.0
+    bandwidth_bytes_per_s: float = math.inf
+    backward_s: list[float] | None = None
+    #: share of a stage's activations still held between its I and its W
+    held_after_input_grad: float = 0.5
+    #: bytes a stage's I adds per micro-batch for its W (the gradients W restarts from)
+    weight_stash_bytes: list[float] | None = None
+    #: bytes of its activations a stage's I frees per micro-batch (default: all but
+    #: `held_after_input_grad` of them)
+    input_grad_freed_bytes: list[float] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.forward_s)
+        if self.backward_s is None:
+            self.backward_s = [i + w for i, w in zip(self.backward_input_s, self.backward_weight_s, strict=False)]
+        if self.recompute_s is None:
+            self.recompute_s = list(self.forward_s)
+        if self.activation_bytes is None:
+            self.activation_bytes = [1.0] * n
+        if self.input_bytes is None:
+            self.input_bytes = [0.0] * n
+        if self.output_bytes is None:
+            self.output_bytes = [0.0] * n
+        if self.weight_stash_bytes is None:
+            self.weight_stash_bytes = [0.0] * n
+        if self.input_grad_freed_bytes is None:
+            self.input_grad_freed_bytes = [a * (1.0 - self.held_after_input_grad) for a in self.activation_bytes]
+        for label in ("backward_input_s", "backward_weight_s", "backward_s", "recompute_s", "activation_bytes",
+                      "input_bytes", "output_bytes", "weight_stash_bytes", "input_grad_freed_bytes"):
+            if len(getattr(self, label)) != n:
+                raise ValueError(f"CostModel.{label} has {len(getattr(self, label))} entries, expected {n}")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.forward_s)
+
+    @classmethod
+    def uniform(
+        cls,
+        num_stages: int,
+        f: float = 1.0,
+        i: float = 1.0,
+        w: float = 1.0,
+        r: float | None = None,
+        activation_bytes: float = 1.0,
+        input_bytes: float = 0.0,
+        output_bytes: float = 0.0,
+        latency_s: float = 0.0,
+        bandwidth_bytes_per_s: float = math.inf,
+    ) -> CostModel:
+        """Every stage alike: the textbook setting in which bubble formulas are stated."""
+        n = num_stages
+        return cls(
+            forward_s=[f] * n,
+            backward_input_s=[i] * n,
+            backward_weight_s=[w] * n,
+            recompute_s=[f if r is None else r] * n,
+            activation_bytes=[activation_bytes] * n,
+            input_bytes=[input_bytes] * n,
+            output_bytes=[output_bytes] * n,
+            latency_s=latency_s,
+            bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+        )
+
+    def resplit(self, num_stages: int) -> CostModel:
+        """The same model cut into `num_stages` equal parts (cost assumed uniform inside a stage).
+
+        Lets one profile compare schedules that need different stage counts (1F1B vs ZBV).
+        """
+        if num_stages == self.num_stages:
+            return self
+        n = self.num_stages
+
+        def spread(values: Sequence[float]) -> list[float]:
+            # Stage j of the new split covers [j*n/S, (j+1)*n/S) of the old stages, pro rata.
+            out = []
+            for j in range(num_stages):
+                lo, hi = j * n / num_stages, (j + 1) * n / num_stages
+                total = 0.0
+                for k in range(int(lo), min(n, math.ceil(hi))):
+                    total += values[k] * max(0.0, min(hi, k + 1) - max(lo, k))
+                out.append(total)
+            return out
+
+        def boundary(values: Sequence[float]) -> list[float]:
+            # What crosses the cut after new stage j: the output of the old stage holding the cut.
+            return [values[min(n - 1, max(0, math.ceil((j + 1) * n / num_stages) - 1))]
+                    for j in range(num_stages)]
+
+        return CostModel(
+            forward_s=spread(self.forward_s),
+            backward_input_s=spread(self.backward_input_s),
+            backward_weight_s=spread(self.backward_weight_s),
+            backward_s=spread(self.backward_s or []),
+            recompute_s=spread(self.recompute_s or self.forward_s),
+            activation_bytes=spread(self.activation_bytes or []),
+            input_bytes=boundary(self.input_bytes or []),
+            output_bytes=boundary(self.output_bytes or []),
+            latency_s=self.latency_s,
+            bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
+            held_after_input_grad=self.held_after_input_grad,
+            weight_stash_bytes=spread(self.weight_stash_bytes or []),
+            input_grad_freed_bytes=spread(self.input_grad_freed_bytes or []),
+        )
+
+    def transfer_s(self, nbytes: float) -> float:
+        if math.isinf(self.bandwidth_bytes_per_s):
+            return self.latency_s
+        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+
+@dataclass
+class SimResult:
+    """What a simulated step looks like; per-rank lists are indexed by pipeline rank."""
+
+    makespan_s: float
+    busy_s: list[float]
+    #: idle share of the makespan per rank (includes the unavoidable ramp at either end).
+    bubble: list[float]
+    #: idle share between the rank's first start and last end (the part a schedule controls).
+    internal_bubble: list[float]
+    #: a makespan no schedule can beat on this cost model (fill time of the first micro-batch + work).
+    lower_bound_s: float
+    peak_activation_bytes: list[float]
+    peak_activation_microbatches: list[int]
+    events: list[dict] = field(default_factory=list)
+
+    @property
+    def mean_bubble(self) -> float:
+        return sum(self.bubble) / len(self.bubble) if self.bubble else 0.0
+
+    @property
+    def excess_bubble(self) -> float:
+        """Share of the makespan above `lower_bound_s`: 0 means only the unavoidable pipeline fill."""
+        return 1.0 - self.lower_bound_s / self.makespan_s if self.makespan_s > 0 else 0.0
+
+    @property
+    def idle_s(self) -> list[float]:
+        return [self.makespan_s - b for b in self.busy_s]
+
+    def summary(self) -> dict:
+        return {
+            "makespan_s": self.makespan_s,
+            "bubble": self.mean_bubble,
+            "excess_bubble": self.excess_bubble,
+            "max_bubble": max(self.bubble, default=0.0),
+            "peak_activation_bytes": max(self.peak_activation_bytes, default=0.0),
+            "peak_activation_microbatches": max(self.peak_activation_microbatches, default=0),
+        }
+
+
+def validate(schedule: Schedule) -> None:
+    """Check completeness and placement: one F and one backward (B, or I and W) per (stage, mb).
+
+    Raises ScheduleError naming the offending actions. Ordering problems show up as deadlocks in
+    `simulate`.
+    """
+    placement = schedule.placement
+    num_stages, m = schedule.num_stages, schedule.num_microbatches
+    problems: list[str] = []
+    if len(schedule.actions) != max(placement) + 1:
+        problems.append(f"{len(schedule.actions)} rank programs for a placement over {max(placement) + 1} ranks")
+    # counts[kind][stage * m + mb]
+    counts = {k: [0] * (num_stages * m) for k in COMPUTE}
+    for rank, acts in enumerate(schedule.actions):
+        for act in acts:
+            kind = act.kind
+            if kind not in counts:
+                continue
+            s, mb = act.stage, act.mb
+            if not (0 <= s < num_stages and 0 <= mb < m):
+                problems.append(f"{act} on rank {rank} is out of range ({num_stages} stages, {m} micro-batches)")
+                continue
+            if placement[s] != rank:
+                problems.append(f"{act} runs on rank {rank} but stage {s} lives on rank {placement[s]}")
+            counts[kind][s * m + mb] += 1
+    cf, cb, ci, cw, cr = (counts[k] for k in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.R))
+    for idx in range(num_stages * m):
+        s, mb = divmod(idx, m)
+        if cf[idx] != 1:
+            problems.append(f"{s}F{mb} appears {cf[idx]} times (expected once)")
+        nb, ni, nw, nr = cb[idx], ci[idx], cw[idx], cr[idx]
+        if not schedule.training:
+            if nb or ni or nw or nr:
+                problems.append(f"forward-only schedule has backward/recompute actions for stage {s} mb {mb}")
+            continue
+        if not ((nb == 1 and ni == 0 and nw == 0) or (nb == 0 and ni == 1 and nw == 1)):
+            problems.append(f"stage {s} mb {mb} has B x{nb}, I x{ni}, W x{nw} "
+                            f"(expected one {s}B{mb}, or one {s}I{mb} and one {s}W{mb})")
+        if nr > 1:
+            problems.append(f"{s}R{mb} appears {nr} times (expected at most once)")
+    if problems:
+        shown = problems[:20]
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise ScheduleError(f"schedule {schedule.name!r} is invalid:\n  " + "\n  ".join(shown) + more)
+
+
+_F, _G, _W, _R = 0, 1, 2, 3  # dependency classes: forward, input gradient (B or I), W, R
+_CODE = {Kind.F: 0, Kind.B: 1, Kind.I: 2, Kind.W: 3, Kind.R: 4}
+
+
+def transfer_delays(schedule: Schedule, cost: CostModel) -> list[float]:
+    """Per stage s: the delay from s finishing to its neighbour s+1 (forward) or s (backward)
+    being able to use the result; zero where both live on one rank."""
+    placement, n = schedule.placement, schedule.num_stages
+    out_b = cost.output_bytes or [0.0] * n
+    return [cost.transfer_s(out_b[s]) if s + 1 < n and placement[s] != placement[s + 1] else 0.0 for s in range(n)]
+
+
+def simulate(schedule: Schedule, cost: CostModel, check: bool = True) -> SimResult:
+    """Run `schedule` on `cost`; raises ScheduleError if it is invalid or deadlocks."""
+    # Lowering would only add SEND/RECV actions whose effect the dependencies already model, so an
+    # unlowered schedule is simulated as is (this keeps pp=64 x hundreds of micro-batches fast);
+    # a lowered one has its communication actions skipped.
+    if check:
+        validate(schedule)
+    if cost.num_stages != schedule.num_stages:
+        raise ValueError(f"cost model has {cost.num_stages} stages, schedule {schedule.num_stages}")
+    placement = schedule.placement
+    num_stages = schedule.num_stages
+    m = schedule.num_microbatches
+    pp = schedule.pp
+    # Programs are compute-only: RECVs are implied by dependencies, SENDs are asynchronous.
+    programs = [[a for a in acts if a.kind in _CODE] for acts in schedule.actions]
+    coded = [[(_CODE[a.kind], a.stage, a.mb) for a in acts] for acts in programs]
+    remat = {(s, mb) for acts in coded for code, s, mb in acts if code == 4}
+    fwd, bi, bw, rc = cost.forward_s, cost.backward_input_s, cost.backward_weight_s, cost.recompute_s
+    fb = cost.backward_s
+    act_b, in_b, out_b = cost.activation_bytes, cost.input_bytes, cost.output_bytes
+    stash_b, freed_b = cost.weight_stash_bytes, cost.input_grad_freed_bytes
+    assert rc is not None and fb is not None and act_b is not None and in_b is not None and out_b is not None
+    assert stash_b is not None and freed_b is not None
+    hop = transfer_delays(schedule, cost)
+
+    n = num_stages * m
+    training = schedule.training
+    done = [[None] * n for _ in range(4)]  # finish times per dependency class, index s * m + mb
+    waiters: dict[tuple[int, int], list[int]] = {}
+    pos = [0] * pp
+    free_at = [0.0] * pp
+    busy = [0.0] * pp
+    first = [math.inf] * pp
+    last = [0.0] * pp
+    mem_events: list[list[tuple[float, int, float, int]]] = [[] for _ in range(pp)]
+    raw_events: list[tuple[int, int, float, float]] = []  # (rank, index in program, start, end)
+    done_f, done_g, done_w, done_r = done
+
+    ready = list(range(pp))
+    remaining = sum(len(p) for p in programs)
+    while ready:
+        rank = ready.pop()
+        prog = coded[rank]
+        while pos[rank] < len(prog):
+            code, s, mb = prog[pos[rank]]
+            idx = s * m + mb
+            start = free_at[rank]
+            blocked = None
+            if code == 0:  # F
+                if s > 0:
+                    t = done_f[idx - m]
+                    if t is None:
+                        blocked = (_F, idx - m)
+                    else:
+                        start = max(start, t + hop[s - 1])
+            elif code <= 2:  # B or I
+                t = done_f[idx]
+                if t is None:
+                    blocked = (_F, idx)
+                else:
+                    start = max(start, t)
+                    if (s, mb) in remat:
+                        t = done_r[idx]
+                        if t is None:
+                            blocked = (_R, idx)
+                        else:
+                            start = max(start, t)
+                    if blocked is None and s + 1 < num_stages:
+                        t = done_g[idx + m]
+                        if t is None:
+                            blocked = (_G, idx + m)
+                        else:
+                            start = max(start, t + hop[s])
+            elif code == 3:  # W
+                t = done_g[idx]
+                if t is None:
+                    blocked = (_G, idx)
+                else:
+                    start = max(start, t)
+            else:  # R
+                t = done_f[idx]
+                if t is None:
+                    blocked = (_F, idx)
+                else:
+                    start = max(start, t)
+            if blocked is not None:
+                waiters.setdefault(blocked, []).append(rank)
+                break
+            is_remat = (s, mb) in remat if remat else False
+            if not training:  # forward-only: nothing is kept for a backward
+                dur, cls = fwd[s], _F
+            elif code == 0:
+                dur, cls = fwd[s], _F
+                mem_events[rank].append((start, 1, in_b[s] if is_remat else act_b[s], 0 if is_remat else 1))
+            elif code == 1:
+                dur, cls = fb[s], _G
+                mem_events[rank].append((start + dur, 0, -(act_b[s] + (in_b[s] if is_remat else 0.0)), -1))
+            elif code == 2:
+                dur, cls = bi[s], _G
+                mem_events[rank].append((start + dur, 0, stash_b[s] - freed_b[s], 0))
+            elif code == 3:
+                dur, cls = bw[s], _W
+                left = act_b[s] - freed_b[s] + stash_b[s] + (in_b[s] if is_remat else 0.0)
+                mem_events[rank].append((start + dur, 0, -left, -1))
+            else:
+                dur, cls = rc[s], _R
+                mem_events[rank].append((start, 1, act_b[s], 1))
+            end = start + dur
+            done[cls][idx] = end
+            free_at[rank] = end
+            busy[rank] += dur
+            if start < first[rank]:
+                first[rank] = start
+            last[rank] = end
+            raw_events.append((rank, pos[rank], start, end))
+            pos[rank] += 1
+            remaining -= 1
+            woken = waiters.pop((cls, idx), None)
+            if woken:
+                ready.extend(woken)
+    if remaining:
+        raise ScheduleError(_deadlock_message(schedule.name, placement, m, programs, pos, done, remat))
+    if schedule.lowered:
+        _in_flight(schedule, cost, raw_events, mem_events)
+
+    makespan = max(last, default=0.0)
+    bubble = [(makespan - b) / makespan if makespan > 0 else 0.0 for b in busy]
+    internal = []
+    for r in range(pp):
+        span = last[r] - first[r] if busy[r] > 0 else 0.0
+        internal.append(max(0.0, (span - busy[r]) / span) if span > 0 else 0.0)
+    peak_bytes, peak_mbs = [], []
+    for r in range(pp):
+        cur_b = cur_n = 0.0
+        best_b = best_n = 0.0
+        # Frees (flag 0) sort before allocations (flag 1) at the same instant.
+        for _t, _flag, db, dn in sorted(mem_events[r], key=lambda e: (e[0], e[1])):
+            cur_b += db
+            cur_n += dn
+            best_b = max(best_b, cur_b)
+            best_n = max(best_n, cur_n)
+        peak_bytes.append(best_b)
+        peak_mbs.append(int(best_n))
+    kind_str = {k: k.value for k in Kind}
+    raw_events.sort(key=lambda e: (e[0], e[2]))
+    events = []
+    for rank, i, start, end in raw_events:
+        act = programs[rank][i]
+        kind = kind_str[act.kind]
+        events.append({"rank": rank, "action": f"{act.stage}{kind}{act.mb}", "kind": kind, "stage": act.stage,
+                       "mb": act.mb, "start_s": start, "end_s": end})
+    return SimResult(
+        makespan_s=makespan,
+        busy_s=busy,
+        bubble=bubble,
+        internal_bubble=internal,
+        lower_bound_s=_lower_bound(schedule, cost, busy),
+        peak_activation_bytes=peak_bytes,
+        peak_activation_microbatches=peak_mbs,
+        events=events,
+    )
+
+
+def _in_flight(schedule: Schedule, cost: CostModel, raw_events: list[tuple[int, int, float, float]],
+               mem_events: list[list[tuple[float, int, float, int]]]) -> None:
+    """Add the P2P buffers of a lowered program to each rank's memory: a receive buffer from the
+    moment its group is posted (when the compute before it in the program ends) until the
+    compute that reads it starts, and a sent tensor from the end of the compute that made it
+    until its transfer is over (the runtime releases it then)."""
+    times = {(rank, i): (start, end) for rank, i, start, end in raw_events}
+    in_b, out_b = cost.input_bytes or [0.0] * schedule.num_stages, cost.output_bytes or [0.0] * schedule.num_stages
+    for rank, acts in enumerate(schedule.actions):
+        reader: dict[tuple[str, int, int], int] = {}
+        i = 0
+        for a in acts:
+            if a.kind in _CODE:
+                reader[("F" if a.kind is Kind.F else "G" if a.kind in (Kind.B, Kind.I) else "", a.stage, a.mb)] = i
+                i += 1
+        done = 0  # compute actions before the current position
+        for a in acts:
+            if a.kind in _CODE:
+                done += 1
+                continue
+            made_end = times[(rank, done - 1)][1] if done else 0.0
+            if a.kind in (Kind.RECV_F, Kind.RECV_B):
+                nbytes = in_b[a.stage] if a.kind is Kind.RECV_F else out_b[a.stage]
+                read = reader.get(("F" if a.kind is Kind.RECV_F else "G", a.stage, a.mb))
+                if read is not None and nbytes:
+                    mem_events[rank].append((made_end, 1, nbytes, 0))
+                    mem_events[rank].append((times[(rank, read)][0], 0, -nbytes, 0))
+            else:
+                nbytes = out_b[a.stage] if a.kind is Kind.SEND_F else in_b[a.stage]
+                if nbytes:
+                    mem_events[rank].append((made_end, 1, nbytes, 0))
+                    mem_events[rank].append((made_end + cost.transfer_s(nbytes), 0, -nbytes, 0))
+
+
+def _lower_bound(schedule: Schedule, cost: CostModel, busy: list[float]) -> float:
+    """No schedule beats this: a rank cannot start before micro-batch 0 reaches its first stage
+    (forwards back to back, transfers included), and then still has all its work to do."""
+    arrive = [0.0] * schedule.num_stages
+    t = 0.0
+    for s in range(schedule.num_stages):
+        arrive[s] = t
+        t += cost.forward_s[s]
+        if s + 1 < schedule.num_stages and schedule.placement[s] != schedule.placement[s + 1]:
+            t += cost.transfer_s((cost.output_bytes or [0.0] * schedule.num_stages)[s])
+    bound = 0.0
+    for rank in range(schedule.pp):
+        stages = schedule.stages_of(rank)
+        if stages:
+            bound = max(bound, min(arrive[s] for s in stages) + busy[rank])
+    return bound
+
+
+_KIND_NAME = {"F": "F", "G": "B/I", "W": "W", "R": "R"}
+
+
+def _deadlock_message(name: str, placement: list[int], m: int, programs: list[list[Action]],
+                      pos: list[int], done: list[list[float | None]], remat: set[tuple[int, int]]) -> str:
+    lines = [f"schedule {name!r} deadlocks: no rank can progress"]
+    for rank, prog in enumerate(programs):
+        if pos[rank] >= len(prog):
+            lines.append(f"  rank {rank}: finished")
+            continue
+        act = prog[pos[rank]]
+        s, mb, k = act.stage, act.mb, act.kind
+        needs: list[tuple[int, int, str]] = []
+        if k is Kind.F and s > 0:
+            needs.append((_F, s - 1, "F"))
+        elif k in (Kind.B, Kind.I):
+            needs.append((_F, s, "F"))
+            if (s, mb) in remat:
+                needs.append((_R, s, "R"))
+            if s + 1 < len(placement):
+                needs.append((_G, s + 1, "B/I"))
+        elif k is Kind.W:
+            needs.append((_G, s, "I"))
+        elif k is Kind.R:
+            needs.append((_F, s, "F"))
+        missing = [f"{st}{label}{mb} (rank {placement[st]})" for cls, st, label in needs
+                   if done[cls][st * m + mb] is None]
+        lines.append(f"  rank {rank}: stuck at {act} (action #{pos[rank]}), waiting for {', '.join(missing)}")
+    return "\n".join(lines)
+
+
+__all__ = ["CostModel", "ScheduleError", "SimResult", "simulate", "validate"]

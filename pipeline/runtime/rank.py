@@ -1,0 +1,102 @@
+"""The entry point of every rank: join the process group, train, leave cleanly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pipeline.core.plan import Plan
+from pipeline.runtime.context import RankContext, backend_for, cpu_threads, env_int, make_mesh, select_device
+from pipeline.runtime.cpu_affinity import bind_rank_to_cores
+from pipeline.runtime.flight_recorder import apply_nccl_environment
+from pipeline.runtime.host_allocator import configure_host_allocator
+from pipeline.runtime.trainer import train_rank
+
+
+@dataclass
+class RankJob:
+    """Everything a rank needs, picklable: the resolved config, the plan and where to write."""
+
+    cfg: dict
+    plan: Plan
+    run_dir: str | None
+    #: observers of the rank's training (pipeline.runtime.trainer.Callback), picklable
+    callbacks: tuple = ()
+
+
+def rank_main(job: RankJob) -> dict:
+    """Run one rank of one job: join the process group, train, leave it."""
+    rank, device = join_process_group(job.cfg, job.run_dir)
+    result = run_job(job, rank, device)
+    leave_process_group()
+    return result
+
+
+def set_up_rank_process(host_allocator: str, cpu_affinity: str, local_rank: int, local_world: int,
+                        threads: int) -> None:
+    """The process settings a rank gets before training: malloc tuning and core binding (huge
+    pages come from the environment it was spawned with, host_allocator.rank_environment)."""
+    configure_host_allocator(host_allocator)
+    bind_rank_to_cores(cpu_affinity, local_rank, local_world, threads)
+
+
+def join_process_group(cfg: dict, run_dir: str | None) -> tuple[int, torch.device]:
+    """Take this rank's device, set up its process (threads, malloc, cores) and join the process
+    group of WORLD_SIZE ranks; returns (global rank, device)."""
+    rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
+    local_rank, local_world = env_int("LOCAL_RANK", 0), env_int("LOCAL_WORLD_SIZE", world)
+    pp, dp = cfg["pp"], cfg["dp"]
+    if world != pp * dp:
+        raise RuntimeError(f"WORLD_SIZE={world} but pp x dp = {pp} x {dp} = {pp * dp}; start pp x dp ranks")
+    device = select_device(cfg["device"], local_rank)
+    threads = cpu_threads(cfg.get("threads", 0), local_world)
+    set_up_rank_process(cfg.get("host_allocator", "retain"), cfg.get("cpu_affinity", "auto"),
+                        local_rank, local_world, threads)
+    if device.type == "cpu":
+        torch.set_num_threads(threads)
+    backend = backend_for(device)
+    if backend == "nccl" and run_dir:
+        # the launcher puts these in the environment of the ranks it spawns; ranks torchrun or
+        # SLURM started get them here, before the process group reads them (a user's own win)
+        apply_nccl_environment(Path(run_dir) / "logs")
+    dist.init_process_group(
+        backend,
+        rank=rank,
+        world_size=world,
+        # on NCCL too: the watchdog aborts an operation that runs longer, after the flight recorder dump
+        timeout=timedelta(seconds=cfg.get("timeout_s", 120)),
+        device_id=device if device.type == "cuda" else None,
+    )
+    # No try/finally around what follows: a rank that raises keeps its connections open until its
+    # process exits, so torch elastic writes its error file before the peers fail on closed sockets
+    # and the cause is on record (tearing the group down first let a peer's "connection closed"
+    # win the race).
+    return rank, device
+
+
+def run_job(job: RankJob, rank: int, device: torch.device) -> dict:
+    """Train one job in the process group this rank has joined."""
+    world = dist.get_world_size()
+    local_rank, local_world = env_int("LOCAL_RANK", 0), env_int("LOCAL_WORLD_SIZE", world)
+    ctx = RankContext(rank, world, local_rank, local_world, job.plan.pp, job.plan.dp, device)
+    ctx.mesh = make_mesh(ctx)
+    run_dir = Path(job.run_dir) if job.run_dir else None
+    return train_rank(job.cfg, job.plan, ctx, run_dir, job.callbacks)
+
+
+def leave_process_group() -> None:
+    """Destroy the process group, so a sequential multirun can start the next job cleanly."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def broadcast_plan(plan: Plan | None) -> Plan:
+    """Every rank gets rank 0's Plan (ranks started by torchrun or SLURM: only rank 0 plans, since a
+    profiled Plan depends on timings and every rank must run the very same one)."""
+    holder: list = [plan]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]

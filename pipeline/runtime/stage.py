@@ -1,0 +1,79 @@
+"""The stage modules a rank runs, built from the Plan: trace on meta, cut, materialise own stages.
+
+Why retrace on the rank instead of shipping modules: tracing is deterministic, so every rank (and
+the planner before it) derives the same graph from the model config; the Plan then only needs the
+node -> stage assignment. Everything happens on the meta device until the rank materialises the
+tensors of its own stages (`pipeline.graph.materialize`), so a rank's parameter memory is its stages'
+bytes, never the model's. This module is runtime: it imports no planner, partitioner or schedule.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.spec import ModelSpec
+from pipeline.core.plan import Plan
+from pipeline.graph.materialize import materialize
+from pipeline.graph.recompute import recompute_modules
+from pipeline.graph.split import split_model
+from pipeline.graph.trace import retarget
+
+
+class StageModule(nn.Module):
+    """A stage cut out of a traced model: forward(**named values) -> dict of named values."""
+
+    def __init__(self, index: int, gm: torch.fx.GraphModule, aliases: dict[str, str]) -> None:
+        super().__init__()
+        self.index = index
+        self.gm = gm
+        self.aliases = aliases
+
+    def forward(self, **values: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.gm(**values)
+
+    def named_model_parameters(self):
+        """Parameters under the full model's own (canonical) names: a tied alias maps to its owner."""
+        for name, p in self.gm.named_parameters():
+            yield self.aliases.get(name, name), p
+
+
+def meta_tensor_names(module: nn.Module) -> set[str]:
+    """Qualified names of a stage's tensors still on the meta device (what it must materialise;
+    constants an export trace baked in are real already)."""
+    return {n for n, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+            if t.device.type == "meta"}
+
+
+def build_stage_modules(
+    spec: ModelSpec, plan: Plan, pp_rank: int, seed: int, device: torch.device
+) -> dict[int, StageModule]:
+    """This rank's stage modules with real, name-initialised tensors on `device`; the rest of the
+    model stays on the meta device and is dropped. Stages of one rank that share a parameter share
+    the very same tensor. The leaf modules a stage lists in `recompute` run checkpointed."""
+    model = spec.build_meta()
+    traced = spec.trace(plan.micro_batch_size, model)
+    retarget(traced.gm, device)
+    split = split_model(traced, plan.assignment, len(plan.stages))
+    own = {s.index: split.stages[s.index] for s in plan.stages_of(pp_rank)}
+    for i, gm in own.items():
+        recompute_modules(gm, plan.stages[i].recompute)
+    names = set().union(*(meta_tensor_names(gm) for gm in own.values()))
+    materialize(model, seed, device, spec.init, names={traced.param_aliases.get(n, n) for n in names},
+                also=own.values(), load=spec.load)
+    for gm in own.values():
+        _constants_to(gm, device)
+    return {i: StageModule(i, gm, dict(split.param_aliases)) for i, gm in own.items()}
+
+
+def _constants_to(gm: torch.fx.GraphModule, device: torch.device) -> None:
+    """Tensors an export trace keeps as plain attributes (lifted constants) go where the stage runs."""
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        owner_path, _, attr = node.target.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        value = getattr(owner, attr)
+        if (isinstance(value, torch.Tensor) and attr not in owner._parameters and attr not in owner._buffers
+                and value.device != device):
+            setattr(owner, attr, value.to(device))
