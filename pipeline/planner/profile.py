@@ -201,6 +201,109 @@ def measure_op(
         return _measure(fn, args, kwargs, params, device, repeats, False, evict)
 
 
+class _Op:
+    """One op ready to time: its call on detached inputs, what its backward differentiates, and the
+    cache eviction before each timed run (dropped for ops too quick for it to matter)."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: list[Any],
+        kwargs: dict[str, Any],
+        params: Sequence[torch.Tensor],
+        device: torch.device,
+        evict: CacheEvictor | None,
+    ) -> None:
+        self.fn, self.args, self.kwargs, self.device, self.evict = fn, args, kwargs, device, evict
+        self.grad_inputs = [t for t in _tensors([args, kwargs]) if t.requires_grad]
+        self.grad_params = [p for p in params if p.requires_grad]
+        self.leaves = {str(i): x for i, x in enumerate(self.grad_inputs)}
+
+    def __call__(self) -> Any:
+        return self.fn(*self.args, **self.kwargs)
+
+    def cold(self) -> None:
+        if self.evict is not None:
+            self.evict()
+            _sync(self.device)
+
+    def backward(self, outs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        torch.autograd.backward(outs, grads, inputs=self.grad_inputs + self.grad_params)
+
+
+def _requiring_grad(out: Any) -> list[torch.Tensor]:
+    return [t for t in _tensors(out) if t.requires_grad]
+
+
+def _warm_up(op: _Op, params: Sequence[torch.Tensor]) -> tuple[Any, int]:
+    """The first, untimed run: its output and the bytes autograd saves for backward (parameters
+    excluded); the op's eviction is dropped when this run took under `CacheEvictor.min_s`."""
+    param_ptrs = {p.data_ptr() for p in params}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in param_ptrs:
+            saved[t.data_ptr()] = max(saved.get(t.data_ptr(), 0), _nbytes(t))
+        return t
+
+    t0 = time.perf_counter()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = op()
+    _sync(op.device)
+    if op.evict is not None and time.perf_counter() - t0 < op.evict.min_s:
+        op.evict = None
+    return out, int(sum(saved.values()))
+
+
+def _time_forward(op: _Op) -> tuple[Any, float]:
+    op.cold()
+    _sync(op.device)
+    t0 = time.perf_counter()
+    out = op()
+    _sync(op.device)
+    return out, time.perf_counter() - t0
+
+
+def _time_split_backward(op: _Op, outs: list[torch.Tensor], grads: list[torch.Tensor]) -> tuple[float, float, int]:
+    """Seconds of the runtime's I and W steps, and the bytes W keeps between them (untimed)."""
+    t0 = time.perf_counter()
+    _, weight_stash = backward_input(outs, grads, op.leaves, op.grad_params)
+    _sync(op.device)
+    input_s = time.perf_counter() - t0
+    kept = _stash_bytes(weight_stash) if op.grad_params else 0
+    t0 = time.perf_counter()
+    backward_weight(weight_stash)
+    _sync(op.device)
+    return input_s, time.perf_counter() - t0, kept
+
+
+def _timed_repeats(op: _Op, grads: list[torch.Tensor] | None, repeats: int) -> tuple[dict[str, list[float]], int]:
+    """Every timing of `repeats` runs (`grads` None: forward only) and the bytes a split backward keeps.
+
+    Even repeats time the fused backward (B), odd ones the runtime's split backward (I, then W):
+    splitting costs extra work (autograd runs twice; W restarts node by node), 4-7% of a gpt_bench
+    stage's backward, which zero-bubble schedules pay on every micro-batch they split."""
+    samples: dict[str, list[float]] = {k: [] for k in TIMES}
+    kept = 0
+    for k in range(max(repeats, 2) if grads is not None else repeats):
+        out, forward_s = _time_forward(op)
+        samples["forward_s"].append(forward_s)
+        if grads is None:
+            continue
+        outs = _requiring_grad(out)
+        op.cold()
+        if k % 2 == 0:
+            t0 = time.perf_counter()
+            op.backward(outs, grads)
+            _sync(op.device)
+            samples["backward_s"].append(time.perf_counter() - t0)
+            continue
+        input_s, weight_s, kept = _time_split_backward(op, outs, grads)
+        samples["backward_input_s"].append(input_s)
+        samples["backward_weight_s"].append(weight_s)
+    return samples, kept
+
+
 def _measure(
     fn: Callable[..., Any],
     args: Sequence[Any],
@@ -214,72 +317,23 @@ def _measure(
     """Median forward and backward seconds of `fn(*args, **kwargs)` (and, under `samples`, every
     timing, for pooling over passes), its saved and output bytes, and what a split backward keeps
     for W."""
-    param_ptrs = {p.data_ptr() for p in params}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.data_ptr() not in param_ptrs:
-            saved[t.data_ptr()] = max(saved.get(t.data_ptr(), 0), _nbytes(t))
-        return t
-
     leaf_args = _leafify(list(args)) if input_grads else list(args)
     leaf_kwargs = _leafify(dict(kwargs)) if input_grads else dict(kwargs)
-    grad_inputs = [t for t in _tensors([leaf_args, leaf_kwargs]) if t.requires_grad]
-    grad_params = [p for p in params if p.requires_grad]
-    t0 = time.perf_counter()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(*leaf_args, **leaf_kwargs)  # also the warm-up run
-    _sync(device)
-    if evict is not None and time.perf_counter() - t0 < evict.min_s:
-        evict = None
-
-    def cold() -> None:
-        if evict is not None:
-            evict()
-            _sync(device)
-    outs = [t for t in _tensors(out) if t.requires_grad]
+    op = _Op(fn, leaf_args, leaf_kwargs, params, device, evict)
+    out, activation_bytes = _warm_up(op, params)
+    outs = _requiring_grad(out)
     output_bytes = sum(_nbytes(t) for t in _tensors(out))
-    differentiable = bool(outs) and bool(grad_inputs or grad_params)
+    differentiable = bool(outs) and bool(op.grad_inputs or op.grad_params)
     grads = [torch.ones_like(t) for t in outs]
     if differentiable:
-        torch.autograd.backward(outs, grads, inputs=grad_inputs + grad_params)
-
-    samples: dict[str, list[float]] = {k: [] for k in TIMES}
-    leaves = {str(i): x for i, x in enumerate(grad_inputs)}
-    kept = 0
-    # Even repeats time the fused backward (B), odd ones the runtime's split backward (I, then W):
-    # splitting costs extra work (autograd runs twice; W restarts node by node), 4-7% of a gpt_bench
-    # stage's backward, which zero-bubble schedules pay on every micro-batch they split.
-    for k in range(max(repeats, 2) if differentiable else repeats):
-        cold()
-        _sync(device)
-        t0 = time.perf_counter()
-        out = fn(*leaf_args, **leaf_kwargs)
-        _sync(device)
-        samples["forward_s"].append(time.perf_counter() - t0)
-        if not differentiable:
-            continue
-        outs = [t for t in _tensors(out) if t.requires_grad]
-        cold()
-        t0 = time.perf_counter()
-        if k % 2 == 0:
-            torch.autograd.backward(outs, grads, inputs=grad_inputs + grad_params)
-            _sync(device)
-            samples["backward_s"].append(time.perf_counter() - t0)
-            continue
-        _, weight_stash = backward_input(outs, grads, leaves, grad_params)
-        _sync(device)
-        samples["backward_input_s"].append(time.perf_counter() - t0)
-        kept = _stash_bytes(weight_stash) if grad_params else 0  # untimed, between I and W
-        t0 = time.perf_counter()
-        backward_weight(weight_stash)
-        _sync(device)
-        samples["backward_weight_s"].append(time.perf_counter() - t0)
-    for t in grad_inputs + grad_params:
+        op.backward(outs, grads)  # the warm-up backward
+    del out, outs
+    samples, kept = _timed_repeats(op, grads if differentiable else None, repeats)
+    for t in op.grad_inputs + op.grad_params:
         t.grad = None
     return {
         **_medians(samples),
-        "activation_bytes": int(sum(saved.values())),
+        "activation_bytes": activation_bytes,
         "output_bytes": int(output_bytes),
         "stash_bytes": int(kept),
         "samples": samples,

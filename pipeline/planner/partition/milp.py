@@ -142,6 +142,152 @@ class _Rows:
         return LinearConstraint(a, np.array(self.lb), np.array(self.ub))
 
 
+class _Program:
+    """The MILP's columns and rows for k stages over a coarse graph of n nodes.
+
+    Columns: z[v, s] (v in 0..n-1, s in 1..k-1) first, then T, then whatever `extra` hands out
+    (send variables g, then shared-parameter variables p), in the order they are asked for."""
+
+    def __init__(self, n: int, k: int) -> None:
+        self.n, self.k = n, k
+        self.n_z = n * (k - 1)
+        self.t_col = self.n_z
+        self.n_vars = self.n_z + 1
+        self.rows = _Rows()
+
+    def z(self, v: int, s: int) -> int:
+        """Column of z[v, s], s in 1..k-1."""
+        return v * (self.k - 1) + (s - 1)
+
+    def x(self, v: int, s: int, coef: float, row: dict[int, float]) -> float:
+        """Add coef * x[v,s] to row; returns the constant part (moved to the bounds by the caller)."""
+        const = 0.0
+        if s == 0:
+            const += coef
+        else:
+            row[self.z(v, s)] = row.get(self.z(v, s), 0.0) + coef
+        if s + 1 <= self.k - 1:
+            row[self.z(v, s + 1)] = row.get(self.z(v, s + 1), 0.0) - coef
+        return const
+
+    def extra(self) -> int:
+        """A new continuous column in [0, 1]."""
+        self.n_vars += 1
+        return self.n_vars - 1
+
+
+def _add_order_rows(prog: _Program, coarse: Coarse) -> None:
+    """z[v, s] falls with s, no edge goes to an earlier stage, and every stage holds a node."""
+    n, k, rows = prog.n, prog.k, prog.rows
+    for v in range(n):
+        for s in range(1, k - 1):
+            rows.add({prog.z(v, s + 1): 1.0, prog.z(v, s): -1.0}, -np.inf, 0.0)
+    for u, v in coarse.graph.edges:
+        for s in range(1, k):
+            rows.add({prog.z(u, s): 1.0, prog.z(v, s): -1.0}, -np.inf, 0.0)
+    for s in range(k):
+        row: dict[int, float] = {}
+        const = sum(prog.x(v, s, 1.0, row) for v in range(n))
+        rows.add(row, 1.0 - const, np.inf)
+
+
+def _add_time_rows(prog: _Program, graph: nx.DiGraph, coarse: Coarse, cost: list[float], bandwidth: float) -> None:
+    """Each stage's compute plus the sends it starts stays under T; a send g[u, s, t] (one per value
+    crossing groups and s < t) is forced to 1 when u's group is in s and a consumer's group in t."""
+    n, k, rows = prog.n, prog.k, prog.rows
+    inv_bw = 0.0 if not bandwidth or bandwidth == float("inf") else 1.0 / bandwidth
+    time_rows: list[dict[int, float]] = [{} for _ in range(k)]
+    time_const = [0.0] * k
+    for s in range(k):
+        for v in range(n):
+            time_const[s] += prog.x(v, s, cost[v], time_rows[s])
+    if inv_bw and k > 1:
+        for u in graph.nodes:
+            gu = coarse.group_of[u]
+            consumers = sorted({coarse.group_of[w] for w in graph.successors(u)} - {gu})
+            nbytes = float(graph.nodes[u].get("output_bytes", 0))
+            if not consumers or nbytes <= 0:
+                continue
+            for s in range(k - 1):
+                for t in range(s + 1, k):
+                    col = prog.extra()
+                    time_rows[s][col] = nbytes * inv_bw
+                    for cv in consumers:
+                        row = {col: -1.0}
+                        const = prog.x(gu, s, 1.0, row) + prog.x(cv, t, 1.0, row)
+                        rows.add(row, -np.inf, 1.0 - const)
+    for s in range(k):
+        time_rows[s][prog.t_col] = -1.0
+        rows.add(time_rows[s], -np.inf, -time_const[s])
+
+
+def _add_memory_rows(
+    prog: _Program, graph: nx.DiGraph, coarse: Coarse, flights: list[int], memory_cap: float
+) -> None:
+    """Each stage's parameters and in-flight activations stay under the cap; a parameter used by
+    several coarse nodes is counted once per stage, through p[param, s] >= x[v, s] for each user v."""
+    n, k, rows = prog.n, prog.k, prog.rows
+    act = [sum(float(graph.nodes[v].get("activation_bytes", 0)) for v in g) for g in coarse.groups]
+    users: dict[str, set[int]] = {}
+    sizes: dict[str, int] = {}
+    for v, g in enumerate(coarse.groups):
+        for node in g:
+            for p, size in _node_params(graph, node).items():
+                users.setdefault(p, set()).add(v)
+                sizes[p] = size
+    own = [0.0] * n
+    shared = {p: vs for p, vs in users.items() if len(vs) > 1}
+    for p, vs in users.items():
+        if len(vs) == 1:
+            own[next(iter(vs))] += sizes[p]
+    p_cols = {(p, s): prog.extra() for p in shared for s in range(k)}
+    for s in range(k):
+        row: dict[int, float] = {}
+        const = sum(prog.x(v, s, own[v] + act[v] * flights[s], row) for v in range(n))
+        for p in shared:
+            row[p_cols[p, s]] = float(sizes[p])
+        rows.add(row, -np.inf, memory_cap - const)
+        for p, vs in shared.items():
+            for v in vs:
+                prow = {p_cols[p, s]: -1.0}
+                pconst = prog.x(v, s, 1.0, prow)
+                rows.add(prow, -np.inf, -pconst)
+
+
+def _run_highs(prog: _Program, lb_t: float, time_limit: float, mip_gap: float) -> tuple[list[int] | None, dict]:
+    """Minimise T (at least `lb_t`) with integral z; each coarse node's stage and the solver's facts."""
+    n_vars = prog.n_vars
+    c = np.zeros(n_vars)
+    c[prog.t_col] = 1.0
+    integrality = np.zeros(n_vars)
+    integrality[: prog.n_z] = 1
+    lower = np.zeros(n_vars)
+    upper = np.ones(n_vars)
+    lower[prog.t_col], upper[prog.t_col] = lb_t, np.inf
+    t0 = time.perf_counter()
+    res = milp(
+        c,
+        integrality=integrality,
+        bounds=Bounds(lower, upper),
+        constraints=[prog.rows.constraint(n_vars)],
+        options={"time_limit": float(time_limit), "mip_rel_gap": float(mip_gap), "disp": False},
+    )
+    facts = {
+        "solve_s": time.perf_counter() - t0,
+        "status": int(res.status),
+        "message": str(res.message),
+        "coarse_nodes": prog.n,
+        "variables": n_vars,
+        "constraints": len(prog.rows.lb),
+        "objective": float(res.fun) if res.x is not None else None,
+        "mip_gap": float(getattr(res, "mip_gap", float("nan")) or 0.0) if res.x is not None else None,
+    }
+    if res.x is None:
+        return None, facts
+    zs = np.round(res.x[: prog.n_z]).astype(int).reshape(prog.n, prog.k - 1)
+    return [int(r.sum()) for r in zs], facts
+
+
 def _solve(
     graph: nx.DiGraph,
     coarse: Coarse,
@@ -153,131 +299,14 @@ def _solve(
     mip_gap: float,
 ) -> tuple[list[int] | None, dict]:
     """Stage of each coarse node (None if no feasible solution in time) and solver facts."""
-    n = len(coarse.groups)
     cost = [sum(node_cost(graph, v) for v in g) for g in coarse.groups]
-    act = [sum(float(graph.nodes[v].get("activation_bytes", 0)) for v in g) for g in coarse.groups]
-    inv_bw = 0.0 if not bandwidth or bandwidth == float("inf") else 1.0 / bandwidth
-
-    def z(v: int, s: int) -> int:  # column of z[v, s], s in 1..k-1
-        return v * (k - 1) + (s - 1)
-
-    n_z = n * (k - 1)
-    t_col = n_z
-    n_vars = n_z + 1
-
-    def x(v: int, s: int, coef: float, row: dict[int, float]) -> float:
-        """Add coef * x[v,s] to row; returns the constant part (moved to the bounds by the caller)."""
-        const = 0.0
-        if s == 0:
-            const += coef
-        else:
-            row[z(v, s)] = row.get(z(v, s), 0.0) + coef
-        if s + 1 <= k - 1:
-            row[z(v, s + 1)] = row.get(z(v, s + 1), 0.0) - coef
-        return const
-
-    rows = _Rows()
-    for v in range(n):
-        for s in range(1, k - 1):
-            rows.add({z(v, s + 1): 1.0, z(v, s): -1.0}, -np.inf, 0.0)
-    for u, v in coarse.graph.edges:
-        for s in range(1, k):
-            rows.add({z(u, s): 1.0, z(v, s): -1.0}, -np.inf, 0.0)
-    for s in range(k):
-        row: dict[int, float] = {}
-        const = sum(x(v, s, 1.0, row) for v in range(n))
-        rows.add(row, 1.0 - const, np.inf)
-
-    # communication variables g[u, s, t], one per (value crossing groups, s < t)
-    time_rows: list[dict[int, float]] = [{} for _ in range(k)]
-    time_const = [0.0] * k
-    for s in range(k):
-        for v in range(n):
-            time_const[s] += x(v, s, cost[v], time_rows[s])
-    n_g = 0
-    if inv_bw and k > 1:
-        for u in graph.nodes:
-            gu = coarse.group_of[u]
-            consumers = sorted({coarse.group_of[w] for w in graph.successors(u)} - {gu})
-            nbytes = float(graph.nodes[u].get("output_bytes", 0))
-            if not consumers or nbytes <= 0:
-                continue
-            for s in range(k - 1):
-                for t in range(s + 1, k):
-                    col = n_vars + n_g
-                    n_g += 1
-                    time_rows[s][col] = nbytes * inv_bw
-                    for cv in consumers:
-                        row = {col: -1.0}
-                        const = x(gu, s, 1.0, row) + x(cv, t, 1.0, row)
-                        rows.add(row, -np.inf, 1.0 - const)
-    n_vars += n_g
-    for s in range(k):
-        time_rows[s][t_col] = -1.0
-        rows.add(time_rows[s], -np.inf, -time_const[s])
-
-    n_p = 0
+    prog = _Program(len(coarse.groups), k)
+    _add_order_rows(prog, coarse)
+    _add_time_rows(prog, graph, coarse, cost, bandwidth)
     if memory_cap is not None:
-        users: dict[str, set[int]] = {}
-        sizes: dict[str, int] = {}
-        for v, g in enumerate(coarse.groups):
-            for node in g:
-                for p, size in _node_params(graph, node).items():
-                    users.setdefault(p, set()).add(v)
-                    sizes[p] = size
-        own = [0.0] * n
-        shared = {p: vs for p, vs in users.items() if len(vs) > 1}
-        for p, vs in users.items():
-            if len(vs) == 1:
-                own[next(iter(vs))] += sizes[p]
-        p_cols: dict[tuple[str, int], int] = {}
-        for p in shared:
-            for s in range(k):
-                p_cols[p, s] = n_vars + n_p
-                n_p += 1
-        n_vars += n_p
-        for s in range(k):
-            row = {}
-            const = sum(x(v, s, own[v] + act[v] * flights[s], row) for v in range(n))
-            for p in shared:
-                row[p_cols[p, s]] = float(sizes[p])
-            rows.add(row, -np.inf, memory_cap - const)
-            for p, vs in shared.items():
-                for v in vs:
-                    prow = {p_cols[p, s]: -1.0}
-                    pconst = x(v, s, 1.0, prow)
-                    rows.add(prow, -np.inf, -pconst)
-
+        _add_memory_rows(prog, graph, coarse, flights, memory_cap)
     lb_t = max(sum(cost) / k, max(cost, default=0.0))
-    c = np.zeros(n_vars)
-    c[t_col] = 1.0
-    integrality = np.zeros(n_vars)
-    integrality[:n_z] = 1
-    lower = np.zeros(n_vars)
-    upper = np.ones(n_vars)
-    lower[t_col], upper[t_col] = lb_t, np.inf
-    t0 = time.perf_counter()
-    res = milp(
-        c,
-        integrality=integrality,
-        bounds=Bounds(lower, upper),
-        constraints=[rows.constraint(n_vars)],
-        options={"time_limit": float(time_limit), "mip_rel_gap": float(mip_gap), "disp": False},
-    )
-    facts = {
-        "solve_s": time.perf_counter() - t0,
-        "status": int(res.status),
-        "message": str(res.message),
-        "coarse_nodes": n,
-        "variables": n_vars,
-        "constraints": len(rows.lb),
-        "objective": float(res.fun) if res.x is not None else None,
-        "mip_gap": float(getattr(res, "mip_gap", float("nan")) or 0.0) if res.x is not None else None,
-    }
-    if res.x is None:
-        return None, facts
-    zs = np.round(res.x[:n_z]).astype(int).reshape(n, k - 1)
-    return [int(r.sum()) for r in zs], facts
+    return _run_highs(prog, lb_t, time_limit, mip_gap)
 
 
 def milp_partition(
