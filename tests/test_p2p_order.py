@@ -1,6 +1,6 @@
 """NCCL's point-to-point rules, proven on lowered programs without a process (pipeline/planner/p2p_check.py).
 
-Every built-in schedule on every placement it supports, pp 2-8, with and without recompute,
+Every schedule of the scheduler config group on every placement it supports, pp 2-8, with and without recompute,
 training and evaluation programs; programs drawn by hypothesis over skip-connected stage graphs;
 and hand-made programs that NCCL would mismatch or deadlock on, which the checker must refuse
 with the ranks and actions named."""
@@ -19,10 +19,11 @@ from pipeline.core.errors import ConfigError
 from pipeline.core.ir import Action, Kind, Schedule
 from pipeline.planner.lowering import lower, sequential_edges
 from pipeline.planner.p2p_check import P2POrderError, TensorSpec, check_p2p, check_plan
+from pipeline.planner.placement import placement_for
 from pipeline.planner.schedules import build_schedule
 from pipeline.planner.schedules.inference import Inference
-from pipeline.planner.schedules.registry import GENERATORS, placement_for
 from tests.harness import FAST, compose_cfg
+from tests.schedules import build, schedules
 from tests.test_graph_equivalence import MODELS
 
 
@@ -32,10 +33,9 @@ def edges_messages(edges: Iterable[tuple[int, int]]) -> dict[tuple[int, int], tu
     return {(p, c): (spec, spec) for p, c in edges}
 
 
-def _built_in(pp: int):
-    """(name, placement kind, m, remat, schedule) for every built-in schedule valid at pp."""
-    for name, cls in GENERATORS.items():
-        gen = cls()
+def _every_schedule(pp: int):
+    """(name, placement kind, m, remat, schedule) for every schedule of the scheduler group valid at pp."""
+    for name, gen in schedules().items():
         for kind in [None, *sorted(gen.supported_placements)]:
             for m in sorted({pp, 2 * pp, 3 * pp + 1}):
                 for remat in ("none", "full") if gen.training else ("none",):
@@ -48,9 +48,9 @@ def _built_in(pp: int):
 
 
 @pytest.mark.parametrize("pp", [2, 3, 4, 8])
-def test_every_built_in_schedule_lowers_to_a_program_nccl_runs(pp: int) -> None:
+def test_every_schedule_lowers_to_a_program_nccl_runs(pp: int) -> None:
     seen = set()
-    for name, kind, m, remat, schedule in _built_in(pp):
+    for name, kind, m, remat, schedule in _every_schedule(pp):
         edges = sequential_edges(schedule.num_stages)
         lowered = lower(schedule, edges)
         groups = check_p2p(lowered, edges_messages(edges))
@@ -62,7 +62,7 @@ def test_every_built_in_schedule_lowers_to_a_program_nccl_runs(pp: int) -> None:
         check_p2p(evaluation, edges_messages(edges))
         seen.add(name)
     if pp == 8:
-        assert seen == set(GENERATORS)
+        assert seen == set(schedules())
 
 
 @pytest.mark.parametrize("overrides", [
@@ -131,7 +131,7 @@ def test_any_valid_compute_order_lowers_to_a_program_nccl_runs(drawn) -> None:
 
 
 def _lowered_1f1b() -> Schedule:
-    gen = GENERATORS["1f1b"]()
+    gen = build("1f1b")
     return lower(build_schedule(gen, placement_for(gen, 2), 4))
 
 

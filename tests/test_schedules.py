@@ -1,24 +1,35 @@
-"""Every registered schedule: valid, complete, deadlock-free, and its known bubble/memory results."""
+"""Every schedule of the scheduler config group (tests/schedules.py): valid, complete, deadlock-free,
+and the built-ins' known bubble/memory results."""
 
 from __future__ import annotations
 
-import pytest
+import importlib
+import inspect
+import pkgutil
 
+import pytest
+from hydra.utils import get_object
+
+from launcher.config import group_configs
 from pipeline.core.errors import ConfigError
 from pipeline.core.ir import Action, Kind
-from pipeline.planner.placement import classify, from_kind, interleaved, linear, v_shape, wave
+from pipeline.planner import schedules as schedules_package
+from pipeline.planner.placement import classify, from_kind, interleaved, linear, placement_for, v_shape, wave
 from pipeline.planner.schedules import build_schedule
 from pipeline.planner.schedules.auto import AutoSchedule
+from pipeline.planner.schedules.base import ScheduleGenerator
 from pipeline.planner.schedules.gpipe import GPipe
 from pipeline.planner.schedules.hanayo import Hanayo
 from pipeline.planner.schedules.interleaved import Interleaved1F1B
 from pipeline.planner.schedules.one_f_one_b import OneFOneB
-from pipeline.planner.schedules.registry import GENERATORS, placement_for, valid_generators
 from pipeline.planner.schedules.zbv import ZBV
 from pipeline.planner.schedules.zero_bubble import ZBH1, ZBH2
 from pipeline.planner.simulate import CostModel, simulate
+from tests.schedules import build, schedules, training_schedules
 
 EXPECTED = {"gpipe", "1f1b", "interleaved_1f1b", "hanayo", "zb_h1", "zb_h2", "zbv", "inference"}
+#: every schedule option of conf/scheduler/ (the built-ins and any YAML added there)
+NAMES = sorted(schedules())
 
 
 def unit(schedule) -> CostModel:
@@ -37,15 +48,34 @@ def valid_schedules(gen, pps, extra_microbatches: tuple[int, ...] = ()):
             yield pp, m, build_schedule(gen, placement, m)
 
 
-def test_registry_lists_every_schedule() -> None:
-    assert set(GENERATORS) == EXPECTED
-    for name, cls in GENERATORS.items():
-        assert cls.name == name
+def _generator_classes() -> set[type[ScheduleGenerator]]:
+    """Every concrete ScheduleGenerator subclass defined in pipeline/planner/schedules/."""
+    found = set()
+    for info in pkgutil.iter_modules(schedules_package.__path__, f"{schedules_package.__name__}."):
+        module = importlib.import_module(info.name)
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if issubclass(cls, ScheduleGenerator) and cls is not ScheduleGenerator and cls.__module__ == module.__name__:
+                found.add(cls)
+    return found
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_every_schedule_class_has_a_yaml_in_the_scheduler_group() -> None:
+    """A schedule without a YAML would be invisible to the launcher (by name and in scheduler=auto)
+    and to these tests; each built-in option is named as its class names itself."""
+    targets = {}
+    for option, cfg in group_configs("scheduler").items():
+        targets.setdefault(get_object(cfg["_target_"]), []).append(option)
+    classes = _generator_classes()
+    assert EXPECTED | {"auto"} <= {cls.name for cls in classes}
+    for cls in classes:
+        assert cls in targets, f"{cls.__module__}.{cls.__qualname__} has no conf/scheduler/*.yaml"
+        assert cls.name in targets[cls], (cls, targets[cls])
+    assert set(schedules()) == EXPECTED  # `auto` is the search over the others, not a schedule
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_every_schedule_is_complete_on_the_right_ranks(name: str) -> None:
-    gen = GENERATORS[name]()
+    gen = build(name)
     for pp, m, sched in valid_schedules(gen, range(1, 9), extra_microbatches=(1,)):
         placement = sched.placement
         result = simulate(sched, unit(sched))  # validates, raises on deadlock
@@ -70,8 +100,14 @@ def test_every_schedule_is_complete_on_the_right_ranks(name: str) -> None:
 
 def test_every_schedule_accepts_some_microbatch_counts() -> None:
     for pp in (1, 2, 4, 8):
-        names = {g.name for g in valid_generators(pp, 2 * pp)}
-        assert names == EXPECTED, f"pp={pp}: {EXPECTED - names} reject m=2pp"
+        names = set()
+        for name, gen in schedules().items():
+            try:
+                gen.check(pp, 2 * pp, placement_for(gen, pp))
+            except ConfigError:
+                continue
+            names.add(name)
+        assert names == set(NAMES), f"pp={pp}: {set(NAMES) - names} reject m=2pp"
 
 
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 13), (8, 8), (8, 32)])
@@ -176,6 +212,7 @@ def test_interleaved_stages_per_rank_is_field_and_callable() -> None:
     gen = Interleaved1F1B(stages_per_rank=3)
     assert gen.stages_per_rank == 3 and gen.stages_per_rank() == 3
     assert placement_for(gen, 4) == interleaved(4, 3)
+    assert placement_for(gen, 4, "auto") == placement_for(gen, 4, "interleaved") == interleaved(4, 3)
 
 
 def test_remat_full_simulates_with_less_memory() -> None:
@@ -188,21 +225,25 @@ def test_remat_full_simulates_with_less_memory() -> None:
         assert any(e["kind"] == "R" for e in remat.events)
 
 
-def test_auto_picks_fastest_and_reports_all() -> None:
-    chooser = AutoSchedule()
-    gen, table = chooser.choose(4, 8, CostModel.uniform(4))
-    names = {row["name"] for row in table}
-    assert "inference" not in names and {"1f1b", "zbv", "zb_h1"} <= names
-    best = min(row["makespan_s"] for row in table)
-    chosen = [row for row in table if row["chosen"]]
-    assert len(chosen) == 1 and chosen[0]["makespan_s"] == best and chosen[0]["name"] == gen.name
-    for row in table:
-        assert {"name", "makespan_s", "bubble", "peak_activation_bytes"} <= set(row)
-    # Restricted to a linear placement, only one-stage-per-rank schedules compete.
-    gen, table = chooser.choose(4, 8, CostModel.uniform(4), placement_kind="linear")
-    assert all(row["placement"] == "linear" for row in table)
-    sched = build_schedule(chooser, linear(4), 8)
-    simulate(sched, CostModel.uniform(4))
+def test_auto_is_the_search_over_the_training_schedules_and_builds_none_itself() -> None:
+    """scheduler=auto compares the group's training options (the launcher's plan search,
+    tests/test_plan_search.py); the option itself refuses to be built as a schedule."""
+    names = set(training_schedules())
+    assert "inference" not in names and "auto" not in names and {"1f1b", "zbv", "zb_h1"} <= names
+    for pp, m in ((4, 8), (2, 4)):
+        simulated = 0
+        for gen in training_schedules().values():
+            try:
+                sched = build_schedule(gen, placement_for(gen, pp), m)
+            except ConfigError:
+                continue
+            simulated += 1
+            assert simulate(sched, CostModel.uniform(sched.num_stages)).makespan_s > 0
+        assert simulated >= 3
+    with pytest.raises(ConfigError, match="scheduler=auto is a search"):
+        build_schedule(AutoSchedule(), linear(4), 8)
+    with pytest.raises(ConfigError, match="scheduler=auto is a search"):
+        AutoSchedule().compute_actions(linear(4), 8)
 
 
 @pytest.mark.parametrize("pp", [2, 4])
@@ -236,12 +277,12 @@ def test_play_through_keeps_eager_w_only_when_the_simulator_finds_it_no_slower(p
         assert chosen <= makespan(other, placement, m, costs) + 1e-9
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
+@pytest.mark.parametrize("name", NAMES)
 def test_in_flight_counts_per_stage_agree_with_the_simulated_memory(name: str) -> None:
     """Schedule.peak_in_flight (what a memory budget makes room for) against the simulator's
     time-based peak per rank: equal where a rank holds one stage, between the largest and the sum of
     its stages' counts where it holds several; GPipe holds all m, 1F1B p - s."""
-    gen = GENERATORS[name]()
+    gen = build(name)
     for pp, m, sched in valid_schedules(gen, (1, 2, 4)):
         placement = sched.placement
         counts = sched.peak_in_flight()

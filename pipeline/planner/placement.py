@@ -93,9 +93,17 @@ def classify(placement: Sequence[int]) -> str:
 # -- the plug-ins `conf/placement/*.yaml` name: placement(pp, schedule, **options) -> stage ranks --
 
 
+def placement_for(schedule, pp: int, kind: str | None = None) -> list[int]:
+    """The placement of the named kind (the schedule's own `default_placement` for None or "auto"),
+    sized to the schedule's stages per rank."""
+    if kind in (None, "auto"):
+        kind = schedule.default_placement
+    return from_kind(kind, pp, schedule.stages_per_rank())
+
+
 def place_auto(pp: int, schedule) -> list[int]:
     """Whatever the schedule wants: linear for gpipe/1f1b, round-robin for interleaved, V for zbv."""
-    return from_kind(schedule.default_placement, pp, schedule.stages_per_rank())
+    return placement_for(schedule, pp)
 
 
 def place_linear(pp: int, schedule) -> list[int]:

@@ -1,106 +1,40 @@
-"""`scheduler=auto`: simulate every valid training schedule on the cost model, keep the fastest.
+"""`scheduler=auto`: the option that asks the launcher to search the schedules.
 
-Why: which schedule wins depends on the stage costs, the link and the micro-batch count (ZBV's
-zero bubble needs m >= 2p, interleaving pays in messages); simulating is cheap and says so in
-numbers. `choose` returns the winner and a table the caller can print or log.
+Why a class at all: `conf/scheduler/auto.yaml` names it as its `_target_`, so that `scheduler=auto`
+is an option of the group like any other, and the launcher recognises it as "search the schedules":
+`plan=auto` with only the schedule varying (`pipeline.planner.search`), over every training option
+of the scheduler config group on the run's search path, a user's own too. It is no schedule itself:
+building one from it is refused, naming what to do instead.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import ClassVar, NoReturn
 
 from pipeline.core.errors import ConfigError
 from pipeline.core.ir import Action
-from pipeline.planner.placement import classify
 from pipeline.planner.schedules.base import ScheduleGenerator
 
 
 @dataclass
 class AutoSchedule(ScheduleGenerator):
-    """Picks a concrete schedule by simulation; `chosen` holds the last pick."""
+    """Marks `scheduler=auto`; the launcher's plan search picks the concrete schedule."""
 
     name: ClassVar[str] = "auto"
     supported_placements: ClassVar[tuple[str, ...]] = ("linear", "interleaved", "v", "explicit")
 
-    chosen: ScheduleGenerator | None = field(default=None, repr=False)
-
-    def choose(
-        self,
-        pp: int,
-        microbatches: int,
-        cost_model: object,
-        placement_kind: str | None = None,
-    ) -> tuple[ScheduleGenerator, list[dict]]:
-        """Simulate each valid training schedule; return (fastest, table sorted by makespan).
-
-        `cost_model` is a `pipeline.planner.simulate.CostModel`; it is re-split to each candidate's stage
-        count (`CostModel.resplit`), so one profile compares 1F1B (p stages) with ZBV (2p stages).
-        Ties on makespan go to the lower peak activation memory. (The launcher's `scheduler=auto`
-        is `plan=auto` with only the schedule varying, `pipeline.planner.search`, which
-        re-partitions the measured profile per candidate instead.)
-        """
-        from pipeline.planner.schedules import build_schedule
-        from pipeline.planner.schedules.registry import placement_for, valid_generators
-        from pipeline.planner.simulate import CostModel, simulate
-
-        assert isinstance(cost_model, CostModel)
-
-        def candidates():
-            for gen in valid_generators(pp, microbatches, placement_kind):
-                if gen.training:
-                    placement = placement_for(gen, pp, placement_kind)
-                    schedule = build_schedule(gen, placement, microbatches)
-                    yield gen, classify(placement), simulate(schedule, cost_model.resplit(len(placement)))
-
-        winner, _, rows = pick_fastest(candidates(), pp, microbatches, placement_kind)
-        self.chosen = winner
-        return winner, rows
-
     def check(self, pp: int, microbatches: int, placement: list[int]) -> None:
-        from pipeline.planner.schedules.registry import valid_generators
-
-        kind = classify(placement) if pp > 1 else "linear"
-        if not [g for g in valid_generators(pp, microbatches, kind) if g.training]:
-            raise ConfigError("scheduler", f"no training schedule fits pp={pp}, microbatches={microbatches} "
-                                           f"on a {kind} placement {placement}")
+        self._refuse()
 
     def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
-        """Without a profile: choose on unit costs among schedules for this placement, then delegate."""
-        from pipeline.planner.simulate import CostModel
+        self._refuse()
 
-        pp = max(placement) + 1
-        kind = classify(placement) if pp > 1 else "linear"
-        gen, _ = self.choose(pp, microbatches, CostModel.uniform(len(placement)), kind)
-        return gen.compute_actions(placement, microbatches)
-
-
-def pick_fastest(candidates, pp: int, microbatches: int, placement_kind: str | None = None):
-    """Rank simulated candidates `(generator, placement label, SimResult or payload with .result)`:
-    return (fastest generator, its payload, rows sorted by makespan with the winner marked).
-    Ties on makespan go to the lower peak activation memory."""
-    rows: list[dict] = []
-    best = None
-    for gen, label, payload in candidates:
-        result = getattr(payload, "result", payload)
-        row = {
-            "name": gen.name,
-            "placement": label,
-            "makespan_s": result.makespan_s,
-            "bubble": result.mean_bubble,
-            "peak_activation_bytes": max(result.peak_activation_bytes),
-        }
-        rows.append(row)
-        key = (row["makespan_s"], row["peak_activation_bytes"], len(rows))
-        if best is None or key < best[0]:
-            best = (key, gen, payload)
-    if best is None:
+    @staticmethod
+    def _refuse() -> NoReturn:
         raise ConfigError(
             "scheduler",
-            f"no schedule can run pp={pp}, microbatches={microbatches}"
-            + (f" on a {placement_kind} placement" if placement_kind else ""),
+            "scheduler=auto is a search the launcher runs over the scheduler group's options "
+            "(plan=auto with only the schedule varying), not a schedule: build a concrete one by its "
+            "option name instead, e.g. scheduler=1f1b",
         )
-    rows.sort(key=lambda r: (r["makespan_s"], r["peak_activation_bytes"]))
-    for row in rows:
-        row["chosen"] = row["name"] == best[1].name
-    return best[1], best[2], rows
