@@ -1,6 +1,8 @@
 """A schedule and a partitioner from a package outside the project: one callable and one YAML each,
 found through Hydra's search path, run by name, and compared by scheduler=auto with the built-ins.
-This is what docs/design.md ("adding a schedule, a partitioner, a model") tells a user to do."""
+This is what docs/design.md ("adding a schedule, a partitioner, a model") tells a user to do. A
+schedule added by a YAML alone (an existing class with other options) is an option like the others:
+the launcher's group listing and the tests' (tests/schedules.py) both see it."""
 
 from __future__ import annotations
 
@@ -10,9 +12,17 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
 
-from tests.harness import FAST, ROOT, compose_cfg
+from launcher.config import group_configs, register_configs
+from pipeline.planner.placement import placement_for
+from pipeline.planner.schedules import build_schedule
+from pipeline.planner.simulate import CostModel, simulate
+from tests.harness import CONF, FAST, ROOT, compose_cfg
 from tests.reference import reference_run
+from tests.schedules import schedules
 from tests.test_cli import metrics, train
 
 PACKAGE = '''
@@ -94,3 +104,39 @@ def test_a_users_schedule_and_partitioner_run_by_name_and_in_auto(user_package, 
     table = proc.stdout.split("scheduler=auto planned and simulated", 1)[1]
     assert "lifo" in table and "1f1b" in table and "zbv" in table, table
     assert metrics(tmp_path / "auto")["losses"] == pytest.approx(mine["losses"], rel=1e-5)
+
+
+def test_a_schedule_added_only_by_yaml_is_an_option_the_launcher_and_the_tests_see(
+        user_package, tmp_path, monkeypatch) -> None:
+    """`scheduler/interleaved_3.yaml` on the user's search path: no code, an existing class with
+    other options. Composed as train.py composes (hydra.searchpath), it is selectable by name and
+    listed by `group_configs` (what scheduler=auto and plan=auto compare) beside the user's own
+    class and the built-ins; the tests' schedule list, read the same way, builds and simulates it."""
+    conf, _ = user_package
+    (conf / "scheduler" / "interleaved_3.yaml").write_text(textwrap.dedent("""\
+        _target_: pipeline.planner.schedules.interleaved.Interleaved1F1B
+        stages_per_rank: 3
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))  # the user's package (myplugins) for `lifo`
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+        cfg = compose(config_name="train", return_hydra_config=True,
+                      overrides=[f"hydra.searchpath=[file://{conf}]", "scheduler=interleaved_3"])
+    assert cfg.scheduler.stages_per_rank == 3
+    assert "interleaved_3" not in group_configs("scheduler")  # outside the app: the project's conf/ only
+    HydraConfig.instance().set_config(cfg)
+    try:
+        options = group_configs("scheduler")
+        found = schedules()
+    finally:
+        HydraConfig.instance().cfg = None
+    assert options["interleaved_3"] == {"_target_": "pipeline.planner.schedules.interleaved.Interleaved1F1B",
+                                        "stages_per_rank": 3}
+    assert {"interleaved_3", "lifo", "interleaved_1f1b", "1f1b", "auto"} <= set(options)
+    assert {"interleaved_3", "lifo", "1f1b"} <= set(found) and "auto" not in found
+    gen = found["interleaved_3"]
+    assert gen.stages_per_rank() == 3
+    sched = build_schedule(gen, placement_for(gen, 2), 4)
+    assert sched.num_stages == 6
+    assert simulate(sched, CostModel.uniform(6)).makespan_s > 0
