@@ -32,10 +32,10 @@ def run(cap: float, steps: int, out: Path, extra: list[str]) -> dict:
     if proc.returncode != 0:
         return {"cap": cap, "error": proc.stderr.strip().splitlines()[-1:]}
     m = json.loads((run_dir / "metrics.json").read_text())
-    return {"cap": cap, "plan": m["config"]["plan_chosen"]["label"], "measured_s": m["step_time_s"],
-            "planned_s": m["planned_step_time_s"], "search_s": m["config"]["plan_search"]["seconds"],
-            "candidates": m["config"]["plan_search"]["candidates"],
-            "over_budget": m["config"]["plan_search"]["over_budget"],
+    return {"cap": cap, "plan": m["plan_search"]["chosen"]["label"], "measured_s": m["step_time_s"],
+            "planned_s": m["planned_step_time_s"], "search_s": m["plan_search"]["seconds"],
+            "candidates": m["plan_search"]["candidates"],
+            "over_budget": m["plan_search"]["over_budget"],
             "predicted_peak": [r["predicted_peak_bytes"] for r in m["ranks"]],
             "measured_peak": [r["peak_above_start_bytes"] for r in m["ranks"]]}
 

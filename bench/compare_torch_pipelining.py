@@ -110,7 +110,7 @@ def measure(config: Config, cfg: BenchConfig, plans: dict, tmp: Path, round_no: 
     if config.kind.startswith("ours"):
         metrics = run_ours(config.arg, cfg, tmp / f"{config.kind}_{config.arg}_r{round_no}", EXTRA[config.kind])
         if config.kind == "ours-auto":
-            search = metrics["config"]["plan_search"]
+            search = metrics["plan_search"]
             print(f"  plan=auto chose {search['winner']['label']} after {search['candidates']} candidates in "
                   f"{search['seconds']:.1f} s", flush=True)
         written = metrics["plan_json"]

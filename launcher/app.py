@@ -14,11 +14,13 @@ import torch
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from launcher.config import group_configs
+from launcher.config import typed_config
 from launcher.diagnose import where_ranks_were
 from launcher.joined import export_submitit_env, joined_rank_env
-from launcher.validate import OBJECTIVES, Prepared, on_cuda, prepare
+from launcher.validate import Prepared, group_options, on_cuda, prepare
+from pipeline.core.config import OBJECTIVE_DIRECTION, TrainConfig
 from pipeline.core.errors import ConfigError, RankFailed
+from pipeline.core.plan import Plan
 from pipeline.report.artifacts import report_run
 from pipeline.report.tables import device_memory_table, format_prediction, stage_table
 from pipeline.report.timeline import draw_timeline
@@ -29,44 +31,31 @@ from pipeline.runtime.memory import peak_memory_bytes
 from pipeline.runtime.progress import launcher_terminal
 
 
-def resolve(cfg: DictConfig) -> dict:
-    """A plain dict with every interpolation resolved: spawned ranks cannot resolve ${hydra:...}."""
-    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
-
-
-def run(cfg: DictConfig, run_dir: Path) -> dict:
+def run(cfg: TrainConfig, run_dir: Path) -> dict:
     """Validate, plan, then spawn ranks (or join as one); returns rank 0's metrics."""
-    resolved = resolve(cfg)
-    if resolved["plan"].get("search") or str(resolved["scheduler"].get("_target_", "")).endswith("AutoSchedule"):
-        # the options of the scheduler and partitioner groups on this run's search path (a user's own too)
-        resolved["plan"]["scheduler_options"] = group_configs("scheduler")
-        resolved["plan"]["partitioner_options"] = group_configs("partitioner")
-    ckpt = resolved.setdefault("checkpoint", {})
-    ckpt["dir"] = str(Path(ckpt.get("dir") or run_dir / "checkpoints").absolute())
     export_submitit_env()
-    if joined_rank_env() and resolved["mode"] == "train":
-        return join(resolved, run_dir)
-    prepared = prepare(resolved)
+    if joined_rank_env() and cfg.mode == "train":
+        return join(cfg, run_dir)
+    prepared = prepare(cfg, run_dir=run_dir)
     plan = prepared.plan
-    resolved["resume_from"] = prepared.resume_from
     if prepared.resume_from:
         print(f"resuming from {prepared.resume_from}", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     if prepared.search is not None:
-        adopt_search_winner(resolved, prepared)
-    if resolved["mode"] == "plan":
+        print_search(cfg, prepared)
+    if cfg.mode == "plan":
         return dry_run(prepared, run_dir)
     from launcher.spawn import spawn_ranks  # the runtime is imported only when there is something to run
     from pipeline.runtime.rank import RankJob
 
-    job = RankJob(resolved, plan, str(run_dir))
+    job = RankJob(cfg, plan, str(run_dir), resume_from=prepared.resume_from)
     plan.write(run_dir / "plan.json")
     print(stage_table(plan), flush=True)
     print(f"schedule {plan.schedule.name}: pp={plan.pp} dp={plan.dp} microbatches={plan.microbatches}", flush=True)
     beats = run_dir / "heartbeat"
-    env = {**rank_environment(resolved["huge_pages"]), **launcher_terminal(), HEARTBEAT_DIR: str(beats)}
+    env = {**rank_environment(cfg.huge_pages), **launcher_terminal(), HEARTBEAT_DIR: str(beats)}
     flight = None
-    if on_cuda(resolved):  # NCCL: a stuck operation ends with the watchdog's abort and a flight recorder dump
+    if on_cuda(cfg):  # NCCL: a stuck operation ends with the watchdog's abort and a flight recorder dump
         env.update({k: v for k, v in nccl_environment(run_dir / "logs").items() if k not in os.environ})
         flight = dump_prefix(run_dir / "logs")
     started = time.time()
@@ -75,13 +64,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     except RankFailed as err:
         where = where_ranks_were(beats, plan, flight, since=started)
         raise RankFailed(f"{err}\n{where}" if where else str(err)) from None
-    metrics = report_run(results[0], plan, link(resolved), run_dir)
-    if prepared.prediction is not None:  # what the plan predicted before any rank started
-        metrics["planned_step_time_s"] = prepared.prediction.step_s
-        metrics["planned_schedule_s"] = prepared.prediction.schedule_s
-    # the launcher plans on the meta device: its own peak stays far below the model's size
-    metrics["launcher_peak_memory_bytes"] = peak_memory_bytes(torch.device("cpu"))
-    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=1, default=str))
+    metrics = finish_report(results[0], plan, cfg, run_dir)
     if plan.meta.get("device_memory"):
         print(device_memory_table(plan, metrics["ranks"]), flush=True)
     print(
@@ -92,27 +75,38 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     return metrics
 
 
-def adopt_search_winner(resolved: dict, prepared: Prepared) -> None:
-    """Print what plan=auto (or scheduler=auto) compared and why the winner won; the run goes on
-    with the winner's settings, recorded in the config the ranks and metrics.json see."""
+def finish_report(rank0: dict, plan: Plan, cfg: TrainConfig, run_dir: Path) -> dict:
+    """metrics.json and the run's pictures from rank 0's result, with what the plan predicted
+    before any rank started and what a search chose."""
+    metrics = rank0["metrics"]
+    predicted = plan.meta.get("prediction")
+    if predicted:
+        metrics["planned_step_time_s"] = predicted["step_time_s"]
+        metrics["planned_schedule_s"] = predicted["schedule_s"]
+    if plan.meta.get("search"):
+        metrics["plan_search"] = plan.meta["search"]
+    # the launcher plans on the meta device: its own peak stays far below the model's size
+    metrics["launcher_peak_memory_bytes"] = peak_memory_bytes(torch.device("cpu"))
+    return report_run(rank0, plan, cfg.link, run_dir)
+
+
+def print_search(cfg: TrainConfig, prepared: Prepared) -> None:
+    """What plan=auto (or scheduler=auto) compared and why the winner won; the run goes on with
+    the winner's settings, which the Plan holds (its meta["search"] says what was chosen)."""
     result = prepared.search
-    win = result.winner.candidate
-    what = "plan=auto" if (resolved.get("plan") or {}).get("search") else "scheduler=auto"
+    what = "plan=auto" if cfg.plan.search else "scheduler=auto"
     print(f"{what} planned and simulated {len(result.outcomes)} candidates in {result.seconds:.1f} s on this "
           f"model's measured profile:\n{result.table()}\nwhy: {result.why()}", flush=True)
-    resolved["scheduler_chosen"] = win.scheduler
-    resolved["plan_chosen"] = {"label": win.label, **win.overrides()}
-    resolved["plan_search"] = result.to_dict()
-    resolved["microbatches"], resolved["remat"] = win.microbatches, win.remat
 
 
-def join(resolved: dict, run_dir: Path) -> dict:
+def join(cfg: TrainConfig, run_dir: Path) -> dict:
     """This process is one rank started by torchrun or SLURM. Every rank validates the config
     (cheap, deterministic, no profile); the Plan itself is built by rank 0 inside the process group
     (profiled on its own device) and broadcast, since a profiled plan (auto, balanced, milp,
     cost-aware orders) depends on timings and every rank must run the very same one. Rank 0 then
     writes the report, as the launcher does for the ranks it spawns."""
-    resolved["resume_from"] = prepare(resolved, profile=False).resume_from
+    options = group_options(cfg)  # read once here: the same options on every rank
+    resume_from = prepare(cfg, profile=False, options=options, run_dir=run_dir).resume_from
     os.environ.setdefault(HEARTBEAT_DIR, str(run_dir / "heartbeat"))  # where each rank is, on a shared disk
     run_dir.mkdir(parents=True, exist_ok=True)
     from pipeline.runtime.rank import (
@@ -123,22 +117,20 @@ def join(resolved: dict, run_dir: Path) -> dict:
         run_job,
     )
 
-    rank, device = join_process_group(resolved, str(run_dir))
+    rank, device = join_process_group(cfg, str(run_dir))
     plan = None
     if rank == 0:
-        plan = prepare(resolved, device=device).plan
+        prepared = prepare(cfg, device=device, options=options, run_dir=run_dir)
+        plan = prepared.plan
+        if prepared.search is not None:
+            print_search(cfg, prepared)
         plan.write(run_dir / "plan.json")
         print(stage_table(plan), flush=True)
     plan = broadcast_plan(plan)
-    result = run_job(RankJob(resolved, plan, str(run_dir)), rank, device)
-    metrics = report_run(result, plan, link(resolved), run_dir) if rank == 0 else {}
+    result = run_job(RankJob(cfg, plan, str(run_dir), resume_from=resume_from), rank, device)
+    metrics = finish_report(result, plan, cfg, run_dir) if rank == 0 else {}
     leave_process_group()
     return metrics
-
-
-def link(resolved: dict) -> tuple[float, float]:
-    """The simulator's link model: (seconds per message, bytes per second)."""
-    return resolved["link_latency_s"], resolved["link_bandwidth"]
 
 
 def dry_run(prepared: Prepared, run_dir: Path) -> dict:
@@ -157,8 +149,8 @@ def dry_run(prepared: Prepared, run_dir: Path) -> dict:
                "planned_tokens_per_s": tokens_per_step / pred.step_s if pred.step_s > 0 else 0.0,
                "bubble_per_rank": pred.result.bubble, "peak_activation_bytes_per_rank": pred.result.peak_activation_bytes,
                "device_memory": [d.to_dict() for d in pred.devices]}
-    if prepared.search is not None:
-        summary["plan_search"] = prepared.search.to_dict()
+    if plan.meta.get("search"):
+        summary["plan_search"] = plan.meta["search"]
     (run_dir / "prediction.json").write_text(json.dumps(summary, indent=1))
     print(f"wrote {run_dir / 'plan.json'}, {run_dir / 'prediction.json'} and {run_dir / 'timeline.png'}")
     return summary
@@ -167,7 +159,7 @@ def dry_run(prepared: Prepared, run_dir: Path) -> dict:
 def objective_value(objective: str, result: dict) -> float | None:
     """The run's `objective`, read from its metrics (or, for a dry run, its prediction.json), in
     their unit. tokens_per_s is maximised; step_time_s, loss (the final training loss) and
-    eval_loss (the last held-out loss) are minimised (OBJECTIVES). A dry run has only the planned
+    eval_loss (the last held-out loss) are minimised (OBJECTIVE_DIRECTION). A dry run has only the planned
     step (planned_step_time_s, planned_tokens_per_s); validation refuses loss objectives there.
     None for a rank of a torchrun/SLURM job other than rank 0, which holds no metrics (the launcher
     reads rank 0's return); NaN when the value is missing."""
@@ -203,7 +195,8 @@ def run_safely(cfg: DictConfig, run_dir: Path, multirun: bool, sweeper: str = ""
     metrics.json and return `failed_value` instead of raising, so the sweep goes on to its next
     job and its summary still happens."""
     try:
-        value = objective_value(str(cfg.get("objective", "tokens_per_s")), run(cfg, run_dir))
+        typed = typed_config(cfg)
+        value = objective_value(str(typed.objective), run(typed, run_dir))
     except (ConfigError, RankFailed) as err:
         kind = "config error" if isinstance(err, ConfigError) else "a rank failed"
         print(f"error ({kind}): {err}", file=sys.stderr, flush=True)
@@ -219,14 +212,14 @@ class SweeperDirection(Callback):
     """Optuna minimises unless told otherwise, and objective=tokens_per_s is maximised: a sweep
     that does not say would search for the slowest configuration. So before the sweeper starts,
     a sweeper with a single `direction` (Optuna's) takes the objective's direction
-    (OBJECTIVES) unless the command line names hydra.sweeper.direction; a direction given there
+    (OBJECTIVE_DIRECTION) unless the command line names hydra.sweeper.direction; a direction given there
     is kept, with a warning when it contradicts the objective. Other sweepers name their
     direction otherwise (Nevergrad: hydra.sweeper.optim.maximize) and are left as they are."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         sweeper = config.hydra.sweeper
         objective = str(config.get("objective"))
-        wanted = OBJECTIVES.get(objective)
+        wanted = OBJECTIVE_DIRECTION.get(objective)
         if "direction" not in sweeper or wanted is None:  # a bad objective: validation names it in each job
             return
         current = sweeper.direction

@@ -13,8 +13,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
+from pipeline.core.config import TrainConfig
 from pipeline.core.errors import ConfigError
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -53,21 +52,23 @@ def _key_of(message: str, overrides: list[str]) -> str:
     return "overrides"
 
 
-def compose_checked(overrides: list[str], config_dir: Path = CONF, config_name: str = "train") -> dict:
-    """Compose and resolve the config like train.py does; Hydra's refusals become ConfigErrors."""
+def compose_checked(overrides: list[str], config_dir: Path = CONF, config_name: str = "train") -> TrainConfig:
+    """Compose the config like train.py does, as the typed object; Hydra's refusals become ConfigErrors."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from launcher.config import register_configs
+    from launcher.config import register_configs, typed_config
 
     register_configs()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(version_base="1.3", config_dir=str(config_dir)):
             cfg = compose(config_name=config_name, overrides=overrides)
-        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+        return typed_config(cfg)
+    except ConfigError:
+        raise
     except (HydraException, OmegaConfBaseException, ValueError, TypeError) as err:
         raise compose_error(err, overrides) from None
     finally:
@@ -85,6 +86,10 @@ def compose_error(err: Exception, overrides: list[str]) -> ConfigError:
     if found and (CONF / found.group(1)).is_dir():
         group, option = found.groups()
         return ConfigError(group, f"{option!r} is not an option; valid: {', '.join(group_options(group))}")
+    enum = re.search(r"Invalid value '([^']*)', expected one of \[([^\]]*)\].*?full_key: ([\w.]+)", message)
+    if enum:
+        value, valid, key = enum.groups()
+        return ConfigError(key, f"got {value!r}; valid: {valid}")
     if "not in struct" in message or "Could not override" in message or "Could not append" in message:
         key = _key_of(message, overrides)
         return ConfigError(key, f"{message}. Use an existing key (see `python train.py --cfg job`), or `+key=value` "

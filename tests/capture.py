@@ -48,8 +48,8 @@ def rank_main_many(jobs: list[RankJob]) -> list[dict]:
     rank, device = join_process_group(jobs[0].cfg, jobs[0].run_dir)
     results = []
     for job in jobs:
-        world = job.cfg["pp"] * job.cfg["dp"]
-        if world != jobs[0].cfg["pp"] * jobs[0].cfg["dp"]:
+        world = job.cfg.pp * job.cfg.dp
+        if world != jobs[0].cfg.pp * jobs[0].cfg.dp:
             raise RuntimeError(f"jobs of one spawn must have one world size, got {world}")
         results.append(run_job(job, rank, device))
     leave_process_group()

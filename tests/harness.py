@@ -3,16 +3,18 @@ single-process reference."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
+from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import OmegaConf
 
 from launcher.config import register_configs
+from launcher.overrides import compose_checked
 from launcher.spawn import spawn_ranks
 from launcher.validate import prepare
+from pipeline.core.config import TrainConfig
 from pipeline.runtime.host_allocator import rank_environment
 from pipeline.runtime.rank import RankJob
 from tests.capture import CaptureState, rank_main_many
@@ -27,13 +29,9 @@ FAST = [
 ]
 
 
-def compose_cfg(overrides: list[str]) -> dict:
-    """Compose conf/train.yaml with overrides and resolve it, exactly as train.py would."""
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
-        cfg = compose(config_name="train", overrides=overrides)
-    return OmegaConf.to_container(cfg, resolve=True)
+def compose_cfg(overrides: list[str]) -> TrainConfig:
+    """Compose conf/train.yaml with overrides into the typed config, exactly as train.py would."""
+    return compose_checked(overrides)
 
 
 def group_options(group: str) -> list[str]:
@@ -43,18 +41,17 @@ def group_options(group: str) -> list[str]:
         return GlobalHydra.instance().config_loader().get_group_options(group)
 
 
-def run_jobs(cfgs: list[dict], log_dir: Path) -> list[list[dict]]:
+def run_jobs(cfgs: list[TrainConfig], log_dir: Path) -> list[list[dict]]:
     """Run configs of the same world size in one spawn; returns per config the list of rank results."""
     jobs = []
     for cfg in cfgs:
         # NCCL's semantics on gloo: tags are always 0, and every pair's posting order is checked
         # at the end of the run (debug.record_p2p)
-        cfg["debug"] = {**(cfg.get("debug") or {}), "record_p2p": True}
+        cfg = replace(cfg, debug=replace(cfg.debug, record_p2p=True))
         prepared = prepare(cfg)
-        cfg["resume_from"] = prepared.resume_from
-        jobs.append(RankJob(cfg, prepared.plan, None, callbacks=(CaptureState(),)))
+        jobs.append(RankJob(cfg, prepared.plan, None, callbacks=(CaptureState(),), resume_from=prepared.resume_from))
     world = jobs[0].plan.pp * jobs[0].plan.dp
-    env = rank_environment(cfgs[0].get("huge_pages", True))
+    env = rank_environment(cfgs[0].huge_pages)
     per_rank = spawn_ranks(jobs, world, log_dir, echo_rank0=False, entry=rank_main_many, env=env)
     return [[per_rank[r][i] for r in range(world)] for i in range(len(jobs))]
 

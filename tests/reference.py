@@ -17,16 +17,16 @@ from pipeline.runtime.optim import build_optimizer
 
 
 def reference_run(cfg: dict, capture_state: bool = True) -> dict:
-    spec: ModelSpec = instantiate(cfg["model"])
-    data = instantiate(cfg["data"])
-    model = spec.build_full(cfg["seed"])
+    spec: ModelSpec = instantiate(cfg.model)
+    data = instantiate(cfg.data)
+    model = spec.build_full(cfg.seed)
     optimizer, lr_scheduler = build_optimizer(cfg, list(model.parameters()))
-    autocast = PRECISIONS[cfg.get("precision", "fp32")]
-    clip = cfg.get("clip_grad_norm")
-    dp, m, batch = cfg["dp"], cfg["microbatches"], cfg["batch_size"]
+    autocast = PRECISIONS[str(cfg.precision)]
+    clip = cfg.clip_grad_norm
+    dp, m, batch = cfg.dp, cfg.microbatches, cfg.batch_size
     losses: list[float] = []
     out: dict = {}
-    for step in range(cfg["steps"]):
+    for step in range(cfg.steps):
         inputs, targets = data.batch(step, batch)
         total = 0.0
         for x_share, y_share in zip(inputs.chunk(dp), targets.chunk(dp), strict=True):
@@ -43,8 +43,8 @@ def reference_run(cfg: dict, capture_state: bool = True) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         lr_scheduler.step()
-        every = (cfg.get("eval") or {}).get("every") or 0
-        if every and ((step + 1) % every == 0 or step + 1 == cfg["steps"]):
+        every = cfg.eval.every
+        if every and ((step + 1) % every == 0 or step + 1 == cfg.steps):
             out.setdefault("eval_losses", []).append(
                 {"step": step, "eval_loss": reference_eval(cfg, spec, model, data, autocast)})
     out["losses"] = losses
@@ -56,8 +56,8 @@ def reference_run(cfg: dict, capture_state: bool = True) -> dict:
 @torch.no_grad()
 def reference_eval(cfg: dict, spec: ModelSpec, model: torch.nn.Module, data, autocast: torch.dtype | None) -> float:
     """Mean loss over the held-out batches, each the mean of its micro-batches' losses."""
-    dp, m, batch = cfg["dp"], cfg["microbatches"], cfg["batch_size"]
-    batches = (cfg.get("eval") or {}).get("batches", 1)
+    dp, m, batch = cfg.dp, cfg.microbatches, cfg.batch_size
+    batches = cfg.eval.batches
     model.eval()
     total = 0.0
     for index in range(batches):
@@ -71,5 +71,5 @@ def reference_eval(cfg: dict, spec: ModelSpec, model: torch.nn.Module, data, aut
 
 @torch.no_grad()
 def reference_forward(cfg: dict, inputs: torch.Tensor) -> torch.Tensor:
-    spec: ModelSpec = instantiate(cfg["model"])
-    return spec.build_full(cfg["seed"])(inputs)
+    spec: ModelSpec = instantiate(cfg.model)
+    return spec.build_full(cfg.seed)(inputs)

@@ -35,7 +35,7 @@ def test_each_mistake_names_its_key(overrides, key, fragment) -> None:
 
 def test_a_list_placement_is_an_explicit_one() -> None:
     cfg = compose_checked(rewrite_lists(["placement=[0,1,1,0]", "pp=2", "scheduler=gpipe"]))
-    assert cfg["placement"]["ranks"] == [0, 1, 1, 0]
+    assert cfg.placement["ranks"] == [0, 1, 1, 0]
     assert prepare(cfg, profile=False).plan.schedule.placement == [0, 1, 1, 0]
 
 

@@ -27,14 +27,14 @@ UNET = ["model=module", "data=images", "data.channels=3", "data.image_size=8", "
 def _check(cases: list[tuple[str, dict]], tmp_path) -> None:
     from tests.reference import reference_run
 
-    worlds = sorted({cfg["pp"] * cfg["dp"] for _, cfg in cases})
-    by_world = {w: [(what, cfg) for what, cfg in cases if cfg["pp"] * cfg["dp"] == w] for w in worlds}
+    worlds = sorted({cfg.pp * cfg.dp for _, cfg in cases})
+    by_world = {w: [(what, cfg) for what, cfg in cases if cfg.pp * cfg.dp == w] for w in worlds}
     done = [(case, ranks) for w, group in by_world.items()
             for case, ranks in zip(group, run_jobs([cfg for _, cfg in group], tmp_path / f"logs{w}"), strict=True)]
     for (what, cfg), ranks in done:
         ref = reference_run(cfg)
         assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
-        for d in range(cfg["dp"]):
+        for d in range(cfg.dp):
             assert_state_close(merge_state(ranks, "grads_step0", d), ref["grads_step0"], f"{what} replica {d} grads")
             assert_state_close(merge_state(ranks, "params_final", d), ref["params_final"], f"{what} replica {d} weights")
 
@@ -123,7 +123,7 @@ def test_token_file_trains_the_same_under_any_layout(tmp_path) -> None:
     _check([("tokens pp=2 dp=2", cfg)], tmp_path)
     from hydra.utils import instantiate
 
-    data = instantiate(cfg["data"])
+    data = instantiate(cfg.data)
     first, again = data.batch(1, 16), data.batch(1, 16)
     assert torch.equal(first[0], again[0]) and torch.equal(first[0][:, 1:], first[1][:, :-1])
     assert not torch.equal(first[0], data.batch(2, 16)[0])
@@ -171,7 +171,7 @@ def test_hf_documents_train_the_same_under_any_layout(tmp_path) -> None:
 
     cfg = compose_cfg([*COMMON, *_hf_data(tmp_path), "model.dim=32", "model.layers=4", "pp=2", "dp=2"])
     _check([("hf documents pp=2 dp=2", cfg)], tmp_path)
-    data = instantiate(cfg["data"])
+    data = instantiate(cfg.data)
     tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
     from tests.corpora import DOCS
 
@@ -183,7 +183,7 @@ def test_hf_documents_train_the_same_under_any_layout(tmp_path) -> None:
         assert torch.equal(x[:, 1:], y[:, :-1])
         seen += [tuple(row) for row in torch.cat([x, y[:, -1:]], dim=1).tolist()]
     assert set(seen[:len(windows)]) == windows and len(set(seen[:len(windows)])) == len(windows)
-    assert torch.equal(data.batch(3, 16)[0], instantiate(cfg["data"]).batch(3, 16)[0])
+    assert torch.equal(data.batch(3, 16)[0], instantiate(cfg.data).batch(3, 16)[0])
 
 
 @pytest.mark.timeout(300)

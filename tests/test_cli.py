@@ -161,4 +161,4 @@ def test_auto_scheduler_says_what_it_chose(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "scheduler=auto planned and simulated" in proc.stdout and "<- runs" in proc.stdout
     m = metrics(tmp_path / "run")
-    assert m["schedule"] == m["config"]["scheduler_chosen"] != "auto"
+    assert m["schedule"] == m["plan_search"]["chosen"]["scheduler_option"] != "auto"

@@ -62,7 +62,7 @@ def test_every_group_option_composes_and_plans(group: str) -> None:
 def test_text_data_reads_the_standard_library() -> None:
     from hydra.utils import instantiate
 
-    data = instantiate(compose_cfg([*FAST, "data=text", "model.vocab_size=256"])["data"])
+    data = instantiate(compose_cfg([*FAST, "data=text", "model.vocab_size=256"]).data)
     x, y = data.batch(0, 4)
     assert x.shape == (4, 8) and int(x.max()) < 256
     assert (x[:, 1:] == y[:, :-1]).all()

@@ -8,6 +8,8 @@ other, so the matrix costs four spawns.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -58,7 +60,7 @@ def test_gradients_and_weights_match_single_process(world: int, remats: tuple[st
     for (cfg, what), ranks in zip(cases, results, strict=True):
         ref = reference_run(cfg)
         assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
-        for d in range(cfg["dp"]):
+        for d in range(cfg.dp):
             assert_state_close(merge_state(ranks, "grads_step0", d), ref["grads_step0"], f"{what} replica {d} grads")
             assert_state_close(merge_state(ranks, "params_final", d), ref["params_final"], f"{what} replica {d} weights")
 
@@ -103,13 +105,13 @@ def test_remat_auto_recomputes_modules_only_on_the_devices_over_budget_and_match
         assert plan.schedule.remat_stages() == []  # chosen modules, not whole stages
         for s in plan.stages:  # not every module of the stage: only what closes the gap
             assert len(s.recompute) < len(s.blocks), (s.index, s.recompute)
-        assert prepared.prediction.peak_bytes <= cfg["memory"]["cap_bytes"]
+        assert prepared.prediction.peak_bytes <= cfg.memory.cap_bytes
         assert plan.meta["stage_recompute_s"][plan.stages[0].index] >= 0
     results = run_jobs(cfgs, tmp_path / "logs")
     for cfg, ranks, what in zip(cfgs, results, ["1f1b pp=4 remat=auto", "gpipe pp=2 dp=2 remat=auto"], strict=True):
         ref = reference_run(cfg)
         assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
-        for d in range(cfg["dp"]):
+        for d in range(cfg.dp):
             assert_state_close(merge_state(ranks, "grads_step0", d), ref["grads_step0"], f"{what} replica {d} grads")
             assert_state_close(merge_state(ranks, "params_final", d), ref["params_final"], f"{what} replica {d} weights")
 
@@ -127,10 +129,10 @@ def test_inference_outputs_equal_single_process_forward(tmp_path) -> None:
         holder = next(r for r in ranks if "outputs" in r)
         from hydra.utils import instantiate
 
-        inputs, _ = instantiate(cfg["data"]).batch(0, cfg["batch_size"])
+        inputs, _ = instantiate(cfg.data).batch(0, cfg.batch_size)
         expected = reference_forward(cfg, inputs)
         torch.testing.assert_close(holder["outputs"], expected, rtol=1e-5, atol=1e-5)
-        ref = reference_run({**cfg, "steps": 1}, capture_state=False)
+        ref = reference_run(replace(cfg, steps=1), capture_state=False)
         # no optimizer step happens, so step 0's loss is the plain forward loss
         assert ranks[0]["losses"][0] == pytest.approx(ref["losses"][0], rel=1e-5)
 

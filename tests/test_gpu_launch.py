@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from launcher.diagnose import where_ranks_were
-from launcher.validate import check_scalars, prepare
+from launcher.validate import check_config, prepare
 from pipeline.core.errors import ConfigError
-from pipeline.graph import profile as profile_mod
 from pipeline.graph.trace import trace_model
+from pipeline.planner import profile as profile_mod
 from pipeline.planner.autocast import autocast_dtypes
 from pipeline.runtime import flight_recorder
 from pipeline.runtime.context import select_device
@@ -67,7 +67,7 @@ def fake_gpus(monkeypatch):
 def test_node_with_fewer_gpus_than_ranks_is_refused_before_spawning(fake_gpus, device) -> None:
     fake_gpus(2)
     with pytest.raises(ConfigError) as info:
-        check_scalars(compose_cfg([*FAST, "pp=2", "dp=2", f"device={device}"]))
+        check_config(compose_cfg([*FAST, "pp=2", "dp=2", f"device={device}"]))
     err = str(info.value)
     assert info.value.key == "device"
     assert "pp x dp = 2 x 2 = 4 ranks on this node need 4 GPUs" in err
@@ -80,9 +80,9 @@ def test_node_with_fewer_gpus_than_ranks_is_refused_before_spawning(fake_gpus, d
 
 def test_enough_gpus_a_dry_run_and_the_cpu_are_not_refused(fake_gpus) -> None:
     fake_gpus(2)
-    check_scalars(compose_cfg([*FAST, "pp=2", "device=cuda"]))
-    check_scalars(compose_cfg([*FAST, "pp=4", "device=cuda", "mode=plan"]))  # plans for a larger node
-    check_scalars(compose_cfg([*FAST, "pp=4", "device=cpu"]))
+    check_config(compose_cfg([*FAST, "pp=2", "device=cuda"]))
+    check_config(compose_cfg([*FAST, "pp=4", "device=cuda", "mode=plan"]))  # plans for a larger node
+    check_config(compose_cfg([*FAST, "pp=4", "device=cpu"]))
 
 
 def test_joined_ranks_are_counted_by_local_world_size(fake_gpus, monkeypatch) -> None:
@@ -93,13 +93,13 @@ def test_joined_ranks_are_counted_by_local_world_size(fake_gpus, monkeypatch) ->
     monkeypatch.setenv("MASTER_PORT", "29500")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with pytest.raises(ConfigError) as info:
-        check_scalars(compose_cfg([*FAST, "pp=4", "dp=2", "device=cuda"]))
+        check_config(compose_cfg([*FAST, "pp=4", "dp=2", "device=cuda"]))
     err = str(info.value)
     assert "LOCAL_WORLD_SIZE=4 ranks on this node need 4 GPUs" in err
     assert "CUDA_VISIBLE_DEVICES=<unset>" in err
     assert "torchrun --nproc-per-node 2" in err and "tasks_per_node=2" in err
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two nodes x four would fit two per node on eight
-    check_scalars(compose_cfg([*FAST, "pp=4", "dp=2", "device=cuda"]))
+    check_config(compose_cfg([*FAST, "pp=4", "dp=2", "device=cuda"]))
 
 
 def test_a_task_bound_to_its_own_gpu_by_the_scheduler_runs_on_it(fake_gpus, monkeypatch) -> None:
@@ -110,13 +110,13 @@ def test_a_task_bound_to_its_own_gpu_by_the_scheduler_runs_on_it(fake_gpus, monk
     for name, value in (("RANK", "6"), ("WORLD_SIZE", "8"), ("MASTER_ADDR", "node0"), ("MASTER_PORT", "29500"),
                         ("LOCAL_RANK", "2"), ("LOCAL_WORLD_SIZE", "4")):
         monkeypatch.setenv(name, value)
-    check_scalars(compose_cfg([*FAST, "pp=4", "dp=2", "device=cuda"]))
+    check_config(compose_cfg([*FAST, "pp=4", "dp=2", "device=cuda"]))
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     assert select_device("cuda", 2) == torch.device("cuda", 0)
     for name in JOINED:
         monkeypatch.delenv(name)
     with pytest.raises(ConfigError, match="4 ranks on this node need 4 GPUs"):
-        check_scalars(compose_cfg([*FAST, "pp=4", "device=cuda"]))
+        check_config(compose_cfg([*FAST, "pp=4", "device=cuda"]))
 
 
 def test_a_rank_takes_its_own_gpu_and_never_wraps_around(fake_gpus, monkeypatch) -> None:
@@ -190,14 +190,14 @@ def test_profile_cache_key_names_the_gpu_model_not_its_index(monkeypatch) -> Non
 
 
 def test_a_gpu_run_is_profiled_by_a_child_on_rank_0s_gpu_and_a_rank_on_its_own(fake_gpus, monkeypatch) -> None:
-    from launcher import search
+    from pipeline.planner import traced as search
 
     fake_gpus(2, accelerator=False)  # the stand-ins below profile on the CPU for real
     asked = []
 
     def child(cfg, micro_batch_size, device):  # stands in for the child process: profile on the CPU
         asked.append(("child", device))
-        spec = search.instantiate(cfg["model"])
+        spec = search.instantiate(cfg.model)
         traced = spec.trace(micro_batch_size, spec.build_meta())
         search.profile_traced(spec, cfg, traced, micro_batch_size, torch.device("cpu"))
         return search.profiled_nodes(traced.graph), False
@@ -216,16 +216,16 @@ def test_a_gpu_run_is_profiled_by_a_child_on_rank_0s_gpu_and_a_rank_on_its_own(f
     monkeypatch.setattr(search, "profile_graph", here)
     asked.clear()
     prepare(cfg, device=torch.device("cuda", 1))  # rank 0 of a joined run, on GPU 1 of its node
-    assert asked == [("here", torch.device("cuda", 1), {"model": cfg["model"]})]  # no CPU threads in the key
+    assert asked == [("here", torch.device("cuda", 1), {"model": cfg.model})]  # no CPU threads in the key
 
 
 def test_the_profiling_child_retraces_to_the_same_nodes(tmp_path, monkeypatch) -> None:
     """The real child process (on the CPU here): its profile fits the parent's trace node for node."""
-    from launcher import search
+    from pipeline.planner import traced as search
 
     monkeypatch.setenv("PIPELAUNCH_CACHE", str(tmp_path))
     cfg = compose_cfg([*FAST, "pp=2"])
-    spec = search.instantiate(cfg["model"])
+    spec = search.instantiate(cfg.model)
     traced = spec.trace(4, spec.build_meta())
     nodes, cached = search.profile_in_child(cfg, 4, torch.device("cpu"))
     profile_mod.apply_profile(traced.graph, nodes)

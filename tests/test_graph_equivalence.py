@@ -128,7 +128,7 @@ def test_tied_weights_on_one_rank_and_skips_with_zero_bubble(tmp_path) -> None:
 def _ecosystem(factory: str, base: list[str], **model) -> dict:
     cfg = compose_cfg([*base, "batch_size=16", "steps=3", "warmup_steps=0", "optimizer=sgd", "timeout_s=90",
                        "threads=1", "microbatches=4", "pp=2"])
-    cfg["model"] = {"_target_": f"tests.ecosystem_models.{factory}", **model}
+    cfg.model = {"_target_": f"tests.ecosystem_models.{factory}", **model}
     return cfg
 
 

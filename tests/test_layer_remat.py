@@ -54,8 +54,8 @@ def test_recompute_round_trips_through_plan_json_and_old_plans_load(tmp_path: Pa
 
 def _stage(cfg: dict, plan: Plan, index: int, recompute: list[str]) -> StageModule:
     plan.stages[index].recompute = recompute
-    spec = instantiate(cfg["model"])
-    return build_stage_modules(spec, plan, plan.stages[index].rank, cfg["seed"], torch.device("cpu"))[index]
+    spec = instantiate(cfg.model)
+    return build_stage_modules(spec, plan, plan.stages[index].rank, cfg.seed, torch.device("cpu"))[index]
 
 
 def _count_forwards(stage: StageModule, names: list[str]) -> dict[str, int]:
@@ -143,7 +143,7 @@ def test_recompute_names_must_be_leaf_module_nodes_of_the_stage() -> None:
     with pytest.raises(ValueError, match="layer0"):
         _stage(cfg, plan, 1, ["layer3", "layer0"])
     cfg, plan = _plan(["scheduler=1f1b", "pp=2", "model.granularity=op"])
-    spec = instantiate(cfg["model"])
+    spec = instantiate(cfg.model)
     gm = spec.trace(plan.micro_batch_size).gm
     not_a_module = next(n.name for n in gm.graph.nodes if n.op == "call_function")
     with pytest.raises(ValueError, match=not_a_module):
@@ -155,7 +155,7 @@ def test_recompute_names_must_be_leaf_module_nodes_of_the_stage() -> None:
 
 def _mixed(cfg: dict, plan: Plan, stages: list[int], offset: int) -> dict[int, list[str]]:
     """Every other leaf-module node (from `offset`) of the given stages: some modules, not all."""
-    graph = instantiate(cfg["model"]).trace(plan.micro_batch_size).graph
+    graph = instantiate(cfg.model).trace(plan.micro_batch_size).graph
     out = {}
     for s in stages:
         leaves = [n for n in plan.stages[s].blocks if graph.nodes[n]["op"] == "call_module"]
@@ -168,10 +168,9 @@ def _run(cases: list[tuple[dict, Plan]], log_dir: Path) -> list[list[dict]]:
     """`tests.harness.run_jobs` with the plans given (carrying their recompute choices)."""
     jobs = []
     for cfg, plan in cases:
-        cfg["resume_from"] = prepare(cfg).resume_from
-        jobs.append(RankJob(cfg, plan, None, callbacks=(CaptureState(),)))
+        jobs.append(RankJob(cfg, plan, None, callbacks=(CaptureState(),), resume_from=prepare(cfg).resume_from))
     world = cases[0][1].pp * cases[0][1].dp
-    env = rank_environment(cases[0][0].get("huge_pages", True))
+    env = rank_environment(cases[0][0].huge_pages)
     per_rank = spawn_ranks(jobs, world, log_dir, echo_rank0=False, entry=rank_main_many, env=env)
     return [[per_rank[r][i] for r in range(world)] for i in range(len(jobs))]
 
@@ -201,7 +200,7 @@ def test_layer_recompute_matches_single_process(world: int, tmp_path: Path) -> N
     for (cfg, _, what), ranks in zip(cases, results, strict=True):
         ref = reference_run(cfg)
         assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
-        for d in range(cfg["dp"]):
+        for d in range(cfg.dp):
             assert_state_close(merge_state(ranks, "grads_step0", d), ref["grads_step0"], f"{what} replica {d} grads")
             assert_state_close(merge_state(ranks, "params_final", d), ref["params_final"], f"{what} replica {d} weights")
 
@@ -292,7 +291,7 @@ def test_options_from_a_cost_graph() -> None:
 
 def test_options_of_a_traced_gpt_are_its_blocks() -> None:
     cfg, plan = _plan(["scheduler=1f1b", "pp=2"])
-    graph = instantiate(cfg["model"]).trace(plan.micro_batch_size).graph
+    graph = instantiate(cfg.model).trace(plan.micro_batch_size).graph
     for n in graph.nodes:
         graph.nodes[n].update(activation_bytes=10 * graph.nodes[n]["output_bytes"], forward_s=1.0)
     options = recompute_options(graph, plan.assignment, False)

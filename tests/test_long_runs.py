@@ -128,7 +128,7 @@ def test_clipping_lr_schedule_eval_and_bf16_match_one_process(tmp_path) -> None:
         cfg = cases[what]
         ref = reference_run(cfg)
         assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
-        for d in range(cfg["dp"]):
+        for d in range(cfg.dp):
             assert_state_close(merge_state(ranks, "grads_step0", d), ref["grads_step0"], f"{what} grads")
             assert_state_close(merge_state(ranks, "params_final", d), ref["params_final"], f"{what} weights")
         m = ranks[0]["metrics"]

@@ -169,7 +169,7 @@ def test_plan_auto_under_a_budget_lists_each_excluded_candidate_with_its_device_
 @pytest.mark.timeout(300)
 def test_plan_auto_winner_trains_like_one_process(tmp_path) -> None:
     cfg = compose_cfg([*AUTO, "optimizer=sgd"])
-    cfg["microbatches"] = prepare(cfg).plan.microbatches  # what the launcher records for the ranks
+    cfg.microbatches = prepare(cfg).plan.microbatches  # what the launcher records for the ranks
     (ranks,) = run_jobs([cfg], tmp_path / "logs")
     ref = reference_run(cfg)
     assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
@@ -182,15 +182,15 @@ def test_plan_auto_winner_trains_like_one_process(tmp_path) -> None:
 def test_ranks_sharing_too_few_cores_are_predicted_taking_turns(monkeypatch) -> None:
     """Four one-thread ranks on two cores: the prediction plays the schedule with busy ranks
     sharing the cores, which is never faster than each rank alone or all the work over the cores."""
-    import launcher.validate
+    import pipeline.planner
     from pipeline.planner.shared_cores import shared_makespan
 
-    monkeypatch.setattr(launcher.validate, "available_cores", lambda: 2)
+    monkeypatch.setattr(pipeline.planner, "available_cores", lambda: 2)
     p = prepare(compose_cfg([*FAST, "pp=4", "threads=1", "predict=true", "scheduler=1f1b"])).prediction
     assert p.plan.meta["rank_slots"] == 2
     assert p.schedule_s == pytest.approx(shared_makespan(p.plan.schedule, p.cost, 2))
     assert p.schedule_s >= max(p.result.makespan_s, sum(p.result.busy_s) / 2) - 1e-9
-    monkeypatch.setattr(launcher.validate, "available_cores", lambda: 4)  # a core each: the makespan
+    monkeypatch.setattr(pipeline.planner, "available_cores", lambda: 4)  # a core each: the makespan
     alone = prepare(compose_cfg([*FAST, "pp=4", "threads=1", "predict=true", "scheduler=1f1b"])).prediction
     assert "rank_slots" not in alone.plan.meta or not alone.plan.meta["rank_slots"]
     assert alone.schedule_s == pytest.approx(alone.result.makespan_s)

@@ -59,7 +59,7 @@ def test_optuna_sweep_runs_its_trials_and_names_the_best(tmp_path) -> None:
     ("tokens_per_s", 2500.0), ("step_time_s", 0.05), ("loss", 4.25), ("eval_loss", 4.3)])
 def test_the_task_returns_the_objective_in_the_data_unit(objective, expected, tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(app, "run", lambda cfg, run_dir: METRICS)
-    cfg = OmegaConf.create({"objective": objective})
+    cfg = OmegaConf.structured(compose_cfg([f"objective={objective}", "eval.every=1"]))
     for multirun, sweeper in ((False, ""), (True, OPTUNA), (True, BASIC)):
         value = run_safely(cfg, tmp_path, multirun=multirun, sweeper=sweeper)
         assert isinstance(value, float) and value == pytest.approx(expected)
@@ -74,7 +74,7 @@ def test_a_dry_run_returns_the_planned_step() -> None:
 
 
 def test_a_failed_job_returns_what_its_sweeper_counts_as_a_failure(tmp_path, monkeypatch) -> None:
-    cfg = OmegaConf.create(compose_cfg([*TWO_STEPS, "batch_size=15"]))  # a config error, before any rank
+    cfg = OmegaConf.structured(compose_cfg([*TWO_STEPS, "batch_size=15"]))  # a config error, before any rank
     assert run_safely(cfg, tmp_path / "optuna", multirun=True, sweeper=OPTUNA) is None
     assert json.loads((tmp_path / "optuna" / "metrics.json").read_text())["status"] == "failed"
     assert math.isnan(run_safely(cfg, tmp_path / "basic", multirun=True, sweeper=BASIC))
@@ -83,12 +83,12 @@ def test_a_failed_job_returns_what_its_sweeper_counts_as_a_failure(tmp_path, mon
     assert stopped.value.code == 2
     # a diverged loss is no value either
     monkeypatch.setattr(app, "run", lambda cfg, run_dir: {**METRICS, "losses": [float("nan")]})
-    assert run_safely(OmegaConf.create({"objective": "loss"}), tmp_path, multirun=True, sweeper=OPTUNA) is None
+    assert run_safely(OmegaConf.structured(compose_cfg(["objective=loss"])), tmp_path, multirun=True, sweeper=OPTUNA) is None
     assert failed_value(OPTUNA) is None and math.isnan(failed_value(BASIC))
 
 
 @pytest.mark.parametrize(("overrides", "fragment"), [
-    (["objective=accuracy"], "valid: tokens_per_s (maximised), step_time_s, loss, eval_loss"),
+    (["objective=accuracy"], "valid: tokens_per_s, step_time_s, loss, eval_loss"),
     (["objective=eval_loss"], "eval.every=0 never evaluates; set eval.every=<steps>"),
     (["objective=loss", "mode=plan"], "mode=plan trains nothing"),
 ])
@@ -124,7 +124,7 @@ def test_optuna_direction_follows_the_objective_unless_the_command_line_sets_it(
 
 @pytest.mark.timeout(120)
 def test_mode_plan_returns_the_predicted_step(tmp_path) -> None:
-    cfg = OmegaConf.create(compose_cfg([*TWO_STEPS, "mode=plan", "objective=step_time_s"]))
+    cfg = OmegaConf.structured(compose_cfg([*TWO_STEPS, "mode=plan", "objective=step_time_s"]))
     value = run_safely(cfg, tmp_path, multirun=True, sweeper=OPTUNA)
     prediction = json.loads((tmp_path / "prediction.json").read_text())
     assert value == prediction["planned_step_time_s"] > 0

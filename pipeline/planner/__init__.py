@@ -1,273 +1,158 @@
-"""The one planning path, for every model: place -> count in-flight micro-batches -> partition ->
-price stages -> schedule -> passes (recompute, fuse, lower) -> Plan.
+"""Everything that runs before ranks exist, behind one entry point: `make_plan`.
 
-Pure functions of (config, traced graph, profile): no process, no real weights. A chain of blocks
-and a U-Net go through the same steps; only their graphs differ.
+From the typed config and the model's spec to the finished Plan: trace on the meta device,
+profile when something reads costs, search (`plan=auto`, `scheduler=auto`) or build the one plan
+the config names, give boundary values their autocast dtypes, predict each device's memory and
+the step, fit the memory budget. What the search compared and why the winner won is part of the
+Plan (`meta["search"]`), as is the prediction (`meta["prediction"]`); nothing edits the Plan once
+`make_plan` returns it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from dataclasses import dataclass
 
-import networkx as nx
-from hydra.utils import get_method
+import torch
 
+from models.spec import ModelSpec
+from pipeline.core.config import TrainConfig
 from pipeline.core.errors import ConfigError
-from pipeline.core.plan import Plan, StagePlan, dtype_name
-from pipeline.graph.split import split_model
+from pipeline.core.plan import Plan
+from pipeline.core.precision import PRECISIONS
 from pipeline.graph.trace import TracedModel
-from pipeline.planner.budget import device_view, partition_request, reprice_for_schedule, reprice_split
-from pipeline.planner.costs import split_backward_cost
-from pipeline.planner.lowering import lower
-from pipeline.planner.p2p_check import check_p2p, edge_messages
-from pipeline.planner.partition import Partition, PartitionRequest, evaluate
-from pipeline.planner.partition.atomic import contract_unsendable
-from pipeline.planner.partition.common import assignment_from_order, topo_order
-from pipeline.planner.partition.rank_balance import rank_balanced_starts
-from pipeline.planner.schedules import build_schedule
+from pipeline.planner.build import PlanRequest, build_plan, needs_profile, plugin_name
+from pipeline.planner.fit import fit_budget
+from pipeline.planner.memory import optimizer_states
+from pipeline.planner.predict import Prediction, optimizer_seconds_per_byte, predict
 from pipeline.planner.schedules.base import ScheduleGenerator
-from pipeline.planner.schedules.inference import Inference
-
-#: keys of a partitioner or placement YAML that are not arguments of its callable
-RESERVED = ("_target_", "_partial_", "name")
-
-
-def plugin(cfg: dict, group: str):
-    """The callable a `conf/<group>/*.yaml` names, and its own options (the YAML's other keys)."""
-    target = cfg.get("_target_")
-    if not isinstance(target, str):
-        raise ConfigError(group, f"needs a `_target_` naming a callable (got {cfg!r}); see conf/{group}/")
-    try:
-        fn = get_method(target)
-    except Exception as err:  # noqa: BLE001 - Hydra raises several kinds for a bad path
-        raise ConfigError(f"{group}._target_", f"cannot import {target!r}: {err}") from None
-    return fn, {k: v for k, v in cfg.items() if k not in RESERVED}
+from pipeline.planner.search import Candidate, SearchResult
+from pipeline.planner.space import GroupOptions, instantiate_scheduler, is_auto, search, search_space
+from pipeline.planner.traced import TracedModels, micro_batch_size
+from pipeline.runtime.context import available_cores, cpu_threads
 
 
-def plugin_name(cfg: dict) -> str:
-    """How a plug-in is shown: its `name` key, or its callable's name."""
-    return str(cfg.get("name") or str(cfg.get("_target_", "?")).rsplit(".", 1)[-1])
+@dataclass(frozen=True)
+class Planned:
+    """The finished Plan, and the planner's working objects a dry run draws (the simulated step,
+    each device's memory) and a search printed."""
+
+    plan: Plan
+    prediction: Prediction | None = None
+    search: SearchResult | None = None
+    #: the model as the launcher built it on the meta device (checks against a checkpoint read it)
+    model: torch.nn.Module | None = None
 
 
-def resolve_placement(placement_cfg: dict, generator: ScheduleGenerator, pp: int) -> list[int]:
-    """Stage -> pipeline rank, from the placement plug-in: `fn(pp, schedule, **options)`."""
-    fn, options = plugin(placement_cfg, "placement")
-    try:
-        return [int(r) for r in fn(pp, generator, **options)]
-    except TypeError as err:
-        raise ConfigError("placement", f"{placement_cfg.get('_target_')} cannot be called as "
-                                       f"placement(pp, schedule, **{options}): {err}") from None
+def make_plan(cfg: TrainConfig, spec: ModelSpec, options: GroupOptions, *, profile: bool | None = None,
+              device: torch.device | None = None, cuda: bool = False) -> Planned:
+    """The Plan of this run. Profiled (on `device`, or for a GPU run in the launcher a child on
+    cuda:0 when `cuda`) whenever something reads costs; `profile=False` only validates that the
+    config can be planned (joined ranks before rank 0 plans for all)."""
+    generator = _scheduler(cfg)
+    searching = cfg.plan.search or is_auto(cfg.scheduler)
+    if profile is None:
+        profile = needs_profiling(cfg, generator)
+    models = TracedModels(spec, cfg, profile, cuda=cuda, device=device)
+    traced = models.get(micro_batch_size(cfg, cfg.microbatches))
+    facts = _machine_facts(cfg, cuda, profile)
+
+    def build(gen: ScheduleGenerator, traced: TracedModel, c: Candidate | None = None) -> Plan:
+        return build_plan(traced, gen, _request(cfg, spec, traced, c, facts, profile, cuda))
+
+    if searching and not profile:
+        return Planned(_first_plannable(cfg, options, models, build, traced), model=models.model)
+    if searching:
+        cands, given = search_space(cfg, options, traced.graph)
+        result = search(cfg, models, build, cands, given)
+        prediction = result.winner.prediction
+        return Planned(_finished(prediction.plan, prediction, result), prediction, result, models.model)
+    plan = build(generator, traced)
+    if not profile:
+        return Planned(_finished(plan, None, None), model=models.model)
+    prediction = fit_budget(plan, predict(plan, *cfg.link), traced.graph, cfg.memory.cap_bytes, *cfg.link)
+    return Planned(_finished(prediction.plan, prediction, None), prediction, model=models.model)
 
 
-def needs_profile(partitioner_cfg: dict) -> bool:
-    """Whether the partitioner reads measured costs (those that do not set `needs_profile = False`)."""
-    fn, _ = plugin(partitioner_cfg, "partitioner")
-    return bool(getattr(fn, "needs_profile", True))
+def needs_profiling(cfg: TrainConfig, generator: ScheduleGenerator) -> bool:
+    """Whether anything reads measured costs: a search, a dry run, `predict`, a partitioner or a
+    schedule that reads them, or a memory budget."""
+    return bool(cfg.plan.search or is_auto(cfg.scheduler) or cfg.mode == "plan" or cfg.predict
+                or needs_profile(cfg.partitioner) or getattr(generator, "cost_aware", False)
+                or cfg.memory.cap_bytes is not None)
 
 
-def partition_graph(
-    partitioner_cfg: dict, graph: nx.DiGraph, placement: Sequence[int], request: PartitionRequest,
-    param_factor: float = 1.0,
-) -> Partition:
-    """Cut the traced graph into stages with the partitioner plug-in, then price the split with the
-    one judge (`evaluate`), recomputing stages picked, on the real graph. Values that are not one
-    tensor never cross a boundary (the graph is contracted first). When a rank holds several
-    stages, a profiled split is re-balanced so that the busiest rank, not only the slowest stage,
-    is as light as it can be. Under a memory cap the partitioner sees every parameter byte
-    `param_factor` times (gradient and optimizer state too: `budget.device_view`)."""
-    num_stages = len(placement)
-    if num_stages > graph.number_of_nodes():
-        raise ConfigError(
-            "pp",
-            f"{num_stages} pipeline stages need at least {num_stages} graph nodes (blocks), but the traced model "
-            f"has {graph.number_of_nodes()} ({', '.join(list(graph.nodes)[:12])}); lower pp, use a schedule "
-            f"with fewer stages per rank, or a model with more layers (e.g. model.layers), or model.granularity=op",
-        )
-    fn, options = plugin(partitioner_cfg, "partitioner")
-    contraction = contract_unsendable(graph)  # cut only where single tensors cross
-    cut_graph = graph if contraction is None else contraction.graph
-    if request.memory_cap is not None:
-        cut_graph = device_view(cut_graph, param_factor)
-    part = fn(cut_graph, num_stages, request, **options)
-    if not isinstance(part, Partition):
-        raise ConfigError("partitioner", f"{partitioner_cfg.get('_target_')} returned {type(part).__name__}, "
-                                         f"not a pipeline.planner.partition.Partition")
-    if len(set(placement)) < num_stages and getattr(fn, "needs_profile", True):
-        part = _rank_balanced(part, cut_graph, placement, request)
-    if contraction is not None:
-        part.assignment = contraction.expand(part.assignment)
-    return reprice_split(part, graph, **request.pricing())
+def _scheduler(cfg: TrainConfig) -> ScheduleGenerator:
+    return instantiate_scheduler(plugin_name(cfg.scheduler), cfg.scheduler)
 
 
-def _rank_balanced(part: Partition, graph: nx.DiGraph, placement: Sequence[int], request: PartitionRequest) -> Partition:
-    """Move the boundaries of a contiguous split while the busiest rank gets lighter; kept only
-    within the memory cap (the stage-balanced split is the one that fits otherwise)."""
-    order = topo_order(graph)
-    stages = [part.assignment[n] for n in order]
-    if stages != sorted(stages):  # not contiguous in program order (a MILP DAG split): leave it
-        return part
-    starts = [stages.index(s) for s in range(part.num_stages)]
-    costs = [float(graph.nodes[n].get("forward_s", 0.0)) + float(graph.nodes[n].get("backward_s", 0.0))
-             for n in order]
-    starts = rank_balanced_starts(costs, starts, placement)
-    rebalanced = evaluate(graph, assignment_from_order(order, starts), part.num_stages,
-                          method=f"{part.method}+ranks", **request.pricing())
-    cap = request.memory_cap
-    if cap is not None and max(rebalanced.stage_memory_bytes) > cap:
-        return part
-    rebalanced.info = dict(part.info)
-    return rebalanced
+def _machine_facts(cfg: TrainConfig, cuda: bool, profile: bool) -> dict:
+    """What the prediction reads of this machine: how many ranks' worth of cores it has when the
+    local ranks need more (CPU), and the optimizer's time per parameter byte."""
+    threads = cpu_threads(cfg.threads, cfg.world_size)
+    return {"rank_slots": rank_slots(cfg, cuda),
+            "optimizer_s_per_byte": optimizer_seconds_per_byte(cfg.optimizer, threads) if profile else 0.0}
 
 
-def _value_meta(traced: TracedModel, name: str) -> list:
-    node = next(n for n in traced.gm.graph.nodes if n.name == name)
-    meta = node.meta.get("tensor_meta")
-    if meta is None or not hasattr(meta, "shape"):
-        raise ConfigError("model", f"value {name!r} crossing a stage boundary is not a single tensor; "
-                                   f"make the module producing it a leaf (model leaf_modules) or move the split")
-    return [list(meta.shape), dtype_name(meta.dtype)]
+def rank_slots(cfg: TrainConfig, cuda: bool) -> float | None:
+    """On CPU, how many ranks' worth of cores this machine has when its local ranks need more
+    (pp x dp ranks of `threads` threads on fewer cores take turns); None when each has its own."""
+    if cuda:
+        return None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or cfg.world_size)
+    threads = cpu_threads(cfg.threads, local)
+    cores = available_cores()
+    return cores / threads if local * threads > cores else None
 
 
-def build_plan(
-    traced: TracedModel,
-    generator: ScheduleGenerator,
-    *,
-    model_name: str,
-    pp: int,
-    dp: int,
-    microbatches: int,
-    batch_size: int,
-    placement_cfg: dict,
-    partitioner_cfg: dict,
-    memory_cap: float | None = None,
-    remat: str = "none",
-    bandwidth: float = 1e9,
-    profiled: bool = True,
-    optimizer_states: int = 0,
-    reserve_bytes: float = 0.0,
-) -> Plan:
-    """Place, count, partition, price, schedule and lower: a pure function of the config and the
-    traced (and, when `profiled`, measured) graph. `optimizer_states`: optimizer tensors per
-    parameter, for the memory a device holds (`pipeline.planner.memory`); `reserve_bytes`: what a
-    device holds beyond the model's tensors, which the partitioners leave out of the cap."""
-    placement = resolve_placement(placement_cfg, generator, pp)
-    generator.check(pp, microbatches, list(placement))  # schedule rules first: clearer than a split error
-    k = len(placement)
-    if memory_cap is not None and memory_cap <= reserve_bytes:
-        raise ConfigError("memory.cap_bytes", f"{memory_cap:.0f} bytes per device leaves nothing for the model once "
-                                              f"memory.reserve_bytes={reserve_bytes:.0f} (what a rank holds beyond "
-                                              "its tensors) is set aside; raise the cap or lower the reserve")
-    stage_cap = None if memory_cap is None else memory_cap - reserve_bytes
-    request = partition_request(generator, placement, microbatches, remat, stage_cap, bandwidth)
-    try:
-        part = partition_graph(partitioner_cfg, traced.graph, placement, request, 2 + optimizer_states)
-    except ConfigError as err:
-        if err.key != "memory.cap_bytes" or not reserve_bytes:
-            raise
-        raise ConfigError(err.key, f"{str(err).split(': ', 1)[1]} (A stage's bytes above leave out the "
-                                   f"memory.reserve_bytes={reserve_bytes:.0f} every device also holds: add them "
-                                   "to any cap stated here.)") from None
-    forward, backward = [0.0] * k, [0.0] * k
-    for node, s in part.assignment.items():
-        forward[s] += traced.graph.nodes[node].get("forward_s", 0.0)
-        backward[s] += traced.graph.nodes[node].get("backward_s", 0.0)
-    if profiled:
-        split_costs = stage_split_backward(traced, part.assignment, backward)
-        generator.use_stage_costs(forward, *split_costs, backward_s=backward)
-    schedule = build_schedule(generator, placement, microbatches, remat, part.remat_stages)
-    reprice_for_schedule(part, schedule)
-    split = split_model(traced, part.assignment, k)
-    outputs = list(split.model_outputs)
-    if len(outputs) != 1 or split.model_outputs[outputs[0]] != k - 1:
-        raise ConfigError(
-            "partitioner",
-            f"the model output {outputs} must be produced by the last stage ({k - 1}), but the partition puts it "
-            f"in stage(s) {list(split.model_outputs.values())}",
-        )
-    stages = []
-    for io in split.io:
-        crossing = [n for n, p in io.inputs.items() if p is not None] + list(io.outputs)
-        if any(p is None for p in io.inputs.values()) and len(split.input_names) != 1:
-            raise ConfigError("model", f"a model must take one input tensor, got {split.input_names}")
-        stages.append(StagePlan(
-            index=io.index,
-            rank=placement[io.index],
-            blocks=[n for n, s in part.assignment.items() if s == io.index],
-            inputs=dict(io.inputs),
-            outputs={n: list(c) for n, c in io.outputs.items() if c},
-            values={n: _value_meta(traced, n) for n in crossing},
-            loss_value=outputs[0] if io.index == k - 1 else None,
-        ))
-    messages = edge_messages(stages)
-    # gradients flow back only along edges carrying a floating-point value
-    schedule = lower(schedule, messages, grad_edges=[e for e, (_, grads) in messages.items() if grads])
-    # evaluation runs the same stages on the same ranks, forward only
-    eval_schedule = lower(build_schedule(Inference(), placement, microbatches), messages)
-    meta: dict = {"remat": remat, "optimizer_states": optimizer_states, "memory_cap": memory_cap,
-                  "reserve_bytes": reserve_bytes, "remat_stages": schedule.remat_stages(), "partitioner": plugin_name(partitioner_cfg),
-                  "partition": partition_summary(part), "profiled": profiled,
-                  "model_param_bytes": sum(traced.graph.graph.get("param_sizes", {}).values()),
-                  "stage_tensors": [sorted({traced.param_aliases.get(n, n) for n, _ in [
-                      *gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]})
-                      for gm in split.stages]}
-    if profiled:
-        meta["stage_forward_s"], meta["stage_backward_s"] = forward, backward
-        meta["stage_backward_input_s"], meta["stage_backward_weight_s"] = split_costs
-        # a backward's transient gradients: its stage's largest node's activations (planner/memory.py)
-        meta["stage_workspace_bytes"] = [max((float(traced.graph.nodes[n].get("activation_bytes", 0)) for n in s.blocks),
-                                             default=0.0) for s in stages]
-        meta["stage_weight_stash_bytes"] = [weight_stash_bytes(traced, s) for s in stages]
-        meta["stage_loss_activation_bytes"] = [sum(float(traced.graph.nodes[n].get("loss_activation_bytes", 0))
-                                                   for n in s.blocks) for s in stages]
-    # NCCL's rules, proven on the programs the ranks will run: a plan that breaks them never spawns
-    check_p2p(schedule, messages)
-    check_p2p(eval_schedule, messages)
-    return Plan(pp, dp, microbatches, batch_size // (dp * microbatches), model_name, stages, schedule,
-                assignment=dict(part.assignment),
-                shared_params={n: list(v) for n, v in split.shared_params.items()}, meta=meta,
-                eval_schedule=eval_schedule)
+def _request(cfg: TrainConfig, spec: ModelSpec, traced: TracedModel, c: Candidate | None, facts: dict,
+             profile: bool, cuda: bool) -> PlanRequest:
+    microbatches = c.microbatches if c else cfg.microbatches
+    return PlanRequest(
+        model_name=spec.name, pp=cfg.pp, dp=cfg.dp, microbatches=microbatches, batch_size=cfg.batch_size,
+        placement=cfg.placement, partitioner=c.partitioner_cfg if c else cfg.partitioner,
+        remat=c.remat if c else str(cfg.remat), memory_cap=cfg.memory.cap_bytes,
+        reserve_bytes=cfg.memory.reserve_bytes, optimizer_states=optimizer_states(cfg.optimizer),
+        bandwidth=cfg.link_bandwidth, profiled=profile, precision=str(cfg.precision),
+        value_dtypes=_autocast_dtypes(cfg, spec, traced, micro_batch_size(cfg, microbatches), cuda),
+        **facts)
 
 
-def stage_split_backward(traced: TracedModel, assignment: dict[str, int],
-                         backward: list[float]) -> tuple[list[float], list[float]]:
-    """(I, W) per stage as profiled: each node's split backward summed, which costs more than its
-    fused one (`graph/profile.py`). Stage 0 receives no input: its I does nothing and W runs the
-    whole backward, at the fused price. A profile without split timings (none of its nodes has
-    one) falls back to an even split of the fused backward."""
-    nodes = traced.graph.nodes
-    if not any("backward_input_s" in nodes[n] for n in assignment):
-        return split_backward_cost(backward)
-    i, w = [0.0] * len(backward), [0.0] * len(backward)
-    for node, s in assignment.items():
-        i[s] += float(nodes[node].get("backward_input_s", 0.0))
-        w[s] += float(nodes[node].get("backward_weight_s", 0.0))
-    if backward:
-        i[0], w[0] = 0.0, float(backward[0])
-    return i, w
+def _autocast_dtypes(cfg: TrainConfig, spec: ModelSpec, traced: TracedModel, mbs: int,
+                     cuda: bool) -> dict[str, torch.dtype] | None:
+    """Under precision=bf16, the dtype autocast gives every value on the run's device type (what
+    a sender produces, so what its receiver allocates); found on fake tensors, no GPU touched."""
+    from pipeline.planner.autocast import autocast_dtypes
+
+    dtype = PRECISIONS[str(cfg.precision)]
+    if dtype is None:
+        return None
+    return autocast_dtypes(traced, spec.meta_input(mbs), torch.device("cuda" if cuda else "cpu"), dtype)
 
 
-def weight_stash_bytes(traced: TracedModel, stage: StagePlan) -> float:
-    """What a stage's split backward keeps per micro-batch from its I to its W beside the saved
-    activations: the gradients captured where W restarts, summed over its nodes as profiled. A
-    stage that receives no input (the first) has no input gradient to compute: its I does
-    nothing and W runs the whole backward from the gradients of its outputs, which it keeps."""
-    if any(producer is not None for producer in stage.inputs.values()):
-        return sum(float(traced.graph.nodes[n].get("stash_bytes", 0)) for n in stage.blocks)
-    return float(sum(stage.value_bytes(n) for n in stage.outputs if n in stage.values))
+def _first_plannable(cfg: TrainConfig, options: GroupOptions, models: TracedModels, build, traced: TracedModel) -> Plan:
+    """Validation without a profile: any candidate that builds shows the config can be planned."""
+    cands, _ = search_space(cfg, options, traced.graph)
+    errors = []
+    for c in cands:
+        try:
+            gen = instantiate_scheduler(c.scheduler, dict(c.scheduler_cfg))
+            return _finished(build(gen, models.get(micro_batch_size(cfg, c.microbatches)), c), None, None)
+        except ConfigError as err:
+            errors.append(err)
+    raise errors[0] if errors else ConfigError("scheduler", "scheduler=auto has no candidate schedules")
 
 
-def partition_summary(partition: Partition) -> dict:
-    return {
-        "bottleneck_s": partition.bottleneck_s,
-        "lower_bound_s": partition.lower_bound_s,
-        "stage_time_s": partition.stage_time_s,
-        "stage_compute_s": partition.stage_compute_s,
-        "stage_param_bytes": partition.stage_param_bytes,
-        "stage_activation_bytes": partition.stage_activation_bytes,
-        "stage_comm_bytes": partition.stage_comm_bytes,
-        "stage_memory_bytes": partition.stage_memory_bytes,
-        "stage_in_flight": partition.stage_in_flight,
-        "stage_full_in_flight": partition.stage_full_in_flight,
-        "stage_input_bytes": partition.stage_input_bytes,
-        "remat_stages": partition.remat_stages,
-    }
+def _finished(plan: Plan, prediction: Prediction | None, result: SearchResult | None) -> Plan:
+    """The plan with what the planner predicted and what its search chose recorded in it."""
+    if prediction is not None:
+        plan.meta["device_memory"] = [d.to_dict() for d in prediction.devices]
+        plan.meta["prediction"] = {"step_time_s": prediction.step_s, "schedule_s": prediction.schedule_s,
+                                   "makespan_s": prediction.result.makespan_s,
+                                   "bubble_per_rank": prediction.result.bubble,
+                                   "peak_activation_bytes_per_rank": prediction.result.peak_activation_bytes}
+    if result is not None:
+        win = result.winner.candidate
+        plan.meta["search"] = {"chosen": {"label": win.label, **win.overrides(), "scheduler_option": win.scheduler},
+                               "why": result.why(), **result.to_dict()}
+    return plan

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pipeline.core.config import PluginConfig
 from pipeline.core.errors import ConfigError
 
 MIB = 2**20
@@ -31,7 +32,7 @@ STATES_PER_PARAM = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, 
 UNKNOWN_STATES = 2
 
 
-def optimizer_states(optimizer_cfg: dict) -> int:
+def optimizer_states(optimizer_cfg: PluginConfig) -> int:
     """State tensors per parameter for the configured optimizer (its `_target_` and options)."""
     name = str(optimizer_cfg.get("_target_", "")).rsplit(".", 1)[-1]
     states = STATES_PER_PARAM.get(name, UNKNOWN_STATES)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from hydra.utils import instantiate
 
+from pipeline.core.config import PluginConfig
 from pipeline.core.plan import Plan
 from pipeline.planner.costs import cost_model_from_plan
 from pipeline.planner.memory import DeviceMemory, device_memory
@@ -58,14 +59,13 @@ def profiling_threads(threads: int) -> Iterator[None]:
 
 def predict(plan: Plan, latency_s: float, bandwidth: float) -> Prediction:
     """Simulate a profiled plan's schedule on its per-stage costs, and price each device's memory
-    at the simulated peak (recorded in `plan.meta["device_memory"]`)."""
+    at the simulated peak (the planner records the winner's in `plan.meta["device_memory"]`)."""
     cost = cost_model_from_plan(plan, latency_s, bandwidth)
     result = simulate(plan.schedule, cost)
     part = plan.meta["partition"]
     devices = device_memory(part["stage_param_bytes"], plan.schedule.placement, result.peak_activation_bytes,
                             int(plan.meta.get("optimizer_states", 0)), plan.meta.get("stage_recompute_region_bytes"),
                             plan.meta.get("stage_workspace_bytes"), float(plan.meta.get("reserve_bytes") or 0.0))
-    plan.meta["device_memory"] = [d.to_dict() for d in devices]
     schedule_s = result.makespan_s
     slots = plan.meta.get("rank_slots")
     if slots:  # more local ranks than cores: busy ranks share them (pipeline/planner/shared_cores.py)
@@ -75,7 +75,7 @@ def predict(plan: Plan, latency_s: float, bandwidth: float) -> Prediction:
     return Prediction(plan, cost, result, devices, schedule_s, optimizer)
 
 
-def optimizer_seconds_per_byte(optimizer_cfg: dict, threads: int, numel: int = 1 << 20) -> float:
+def optimizer_seconds_per_byte(optimizer_cfg: PluginConfig, threads: int, numel: int = 1 << 20) -> float:
     """Time one step of the configured optimizer over a parameter of `numel` floats, per byte of
     parameter (median of a few steps, at the ranks' thread count): its cost grows with the bytes
     it updates, and a stage's parameter bytes are known before any rank exists."""

@@ -6,19 +6,18 @@ import os
 import signal
 import time
 
+from pipeline.core.config import DebugConfig
 from pipeline.runtime import heartbeat as hb
 
 
-def fault_injection(debug: dict | None, rank: int, step: int, heartbeat: hb.Heartbeat | None = None) -> None:
+def fault_injection(debug: DebugConfig, rank: int, step: int, heartbeat: hb.Heartbeat | None = None) -> None:
     """`debug.kill_rank=R debug.kill_step=S`: global rank R kills itself with SIGKILL as step S
     begins, as a node failure or the OOM killer would: no Python cleanup, no error file.
     `debug.hang_rank=R debug.hang_step=S`: rank R stops answering as step S begins (it sleeps for
     good, as a deadlocked or stuck process would); its peers time out after `timeout_s`."""
-    if not debug:
-        return
-    if debug.get("kill_rank") == rank and debug.get("kill_step") == step:
+    if debug.kill_rank == rank and debug.kill_step == step:
         os.kill(os.getpid(), signal.SIGKILL)
-    if debug.get("hang_rank") == rank and debug.get("hang_step") == step:
+    if debug.hang_rank == rank and debug.hang_step == step:
         if heartbeat is not None:
             heartbeat.phase(hb.HUNG, step)
         while True:

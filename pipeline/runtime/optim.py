@@ -17,6 +17,8 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from torch.optim.lr_scheduler import LambdaLR
 
+from pipeline.core.config import TrainConfig
+
 
 def _warm(step: int, warmup_steps: int) -> float | None:
     """Linear warm-up: step 0 gets 1/warmup of the LR, step warmup-1 the full LR."""
@@ -49,10 +51,10 @@ def linear(step: int, warmup_steps: int = 0, min_lr_ratio: float = 0.0, total_st
     return 1.0 - (1 - min_lr_ratio) * _progress(step, warmup_steps, total_steps)
 
 
-def build_optimizer(cfg: dict, params: list[torch.nn.Parameter]) -> tuple[torch.optim.Optimizer, LambdaLR]:
+def build_optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> tuple[torch.optim.Optimizer, LambdaLR]:
     """The configured optimizer over `params` and its LR schedule (positioned at step 0)."""
-    optimizer = instantiate(cfg["optimizer"])(params)
-    factor: Callable[[int], float] = instantiate(cfg["lr_scheduler"]) if cfg.get("lr_scheduler") else constant
+    optimizer = instantiate(cfg.optimizer)(params)
+    factor: Callable[[int], float] = instantiate(cfg.lr_scheduler) if cfg.lr_scheduler else constant
     return optimizer, LambdaLR(optimizer, factor)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pipeline.core.config import TrainConfig
 from pipeline.core.plan import Plan
 from pipeline.runtime.context import RankContext, backend_for, cpu_threads, env_int, make_mesh, select_device
 from pipeline.runtime.cpu_affinity import bind_rank_to_cores
@@ -21,11 +22,13 @@ from pipeline.runtime.trainer import train_rank
 class RankJob:
     """Everything a rank needs, picklable: the resolved config, the plan and where to write."""
 
-    cfg: dict
+    cfg: TrainConfig
     plan: Plan
     run_dir: str | None
     #: observers of the rank's training (pipeline.runtime.trainer.Callback), picklable
     callbacks: tuple = ()
+    #: the checkpoint this run resumes from (checked by the launcher), or None for a fresh start
+    resume_from: str | None = None
 
 
 def rank_main(job: RankJob) -> dict:
@@ -44,17 +47,17 @@ def set_up_rank_process(host_allocator: str, cpu_affinity: str, local_rank: int,
     bind_rank_to_cores(cpu_affinity, local_rank, local_world, threads)
 
 
-def join_process_group(cfg: dict, run_dir: str | None) -> tuple[int, torch.device]:
+def join_process_group(cfg: TrainConfig, run_dir: str | None) -> tuple[int, torch.device]:
     """Take this rank's device, set up its process (threads, malloc, cores) and join the process
     group of WORLD_SIZE ranks; returns (global rank, device)."""
     rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
     local_rank, local_world = env_int("LOCAL_RANK", 0), env_int("LOCAL_WORLD_SIZE", world)
-    pp, dp = cfg["pp"], cfg["dp"]
+    pp, dp = cfg.pp, cfg.dp
     if world != pp * dp:
         raise RuntimeError(f"WORLD_SIZE={world} but pp x dp = {pp} x {dp} = {pp * dp}; start pp x dp ranks")
-    device = select_device(cfg["device"], local_rank)
-    threads = cpu_threads(cfg.get("threads", 0), local_world)
-    set_up_rank_process(cfg.get("host_allocator", "retain"), cfg.get("cpu_affinity", "auto"),
+    device = select_device(str(cfg.device), local_rank)
+    threads = cpu_threads(cfg.threads, local_world)
+    set_up_rank_process(str(cfg.host_allocator), str(cfg.cpu_affinity),
                         local_rank, local_world, threads)
     if device.type == "cpu":
         torch.set_num_threads(threads)
@@ -68,7 +71,7 @@ def join_process_group(cfg: dict, run_dir: str | None) -> tuple[int, torch.devic
         rank=rank,
         world_size=world,
         # on NCCL too: the watchdog aborts an operation that runs longer, after the flight recorder dump
-        timeout=timedelta(seconds=cfg.get("timeout_s", 120)),
+        timeout=timedelta(seconds=cfg.timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
     # No try/finally around what follows: a rank that raises keeps its connections open until its
@@ -85,7 +88,7 @@ def run_job(job: RankJob, rank: int, device: torch.device) -> dict:
     ctx = RankContext(rank, world, local_rank, local_world, job.plan.pp, job.plan.dp, device)
     ctx.mesh = make_mesh(ctx)
     run_dir = Path(job.run_dir) if job.run_dir else None
-    return train_rank(job.cfg, job.plan, ctx, run_dir, job.callbacks)
+    return train_rank(job.cfg, job.plan, ctx, run_dir, job.callbacks, job.resume_from)
 
 
 def leave_process_group() -> None:

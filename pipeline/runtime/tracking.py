@@ -5,13 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pipeline.core.config import TrainConfig
+
 
 class Tracker:
     """`logger=console` prints; `logger=wandb` also logs to a wandb run (offline by default)."""
 
-    def __init__(self, cfg: dict, run_dir: Path | None) -> None:
+    def __init__(self, cfg: TrainConfig, run_dir: Path | None) -> None:
         self.run: Any = None
-        logger_cfg = cfg.get("logger") or {}
+        logger_cfg = cfg.logger
         if logger_cfg.get("name") == "wandb":
             import wandb
 
@@ -20,7 +22,7 @@ class Tracker:
                 mode=logger_cfg.get("mode", "offline"),
                 group=logger_cfg.get("group"),
                 tags=list(logger_cfg.get("tags") or []),
-                config=cfg,
+                config=cfg.to_dict(),
                 dir=str(run_dir) if run_dir else None,
                 reinit="finish_previous",  # a sequential multirun starts a new run per job
             )

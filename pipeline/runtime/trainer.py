@@ -20,6 +20,7 @@ from hydra.utils import instantiate
 from torch import nn
 
 from models.spec import ModelSpec
+from pipeline.core.config import TrainConfig
 from pipeline.core.plan import Plan, dtype_of
 from pipeline.core.precision import PRECISIONS
 from pipeline.graph.init import name_seed
@@ -104,16 +105,16 @@ class RankTrainer:
     """This rank's stages, executor and optimizer, built once; `step` runs one training step.
     train_rank loops over it, and bench/paired_runtimes.py interleaves it with torch's runtime."""
 
-    def __init__(self, cfg: dict, plan: Plan, ctx: RankContext, callbacks: Sequence[Callback] = ()) -> None:
+    def __init__(self, cfg: TrainConfig, plan: Plan, ctx: RankContext, callbacks: Sequence[Callback] = ()) -> None:
         self.cfg, self.plan, self.ctx = cfg, plan, ctx
         self.callbacks = list(callbacks)
         self.heartbeat = Heartbeat(ctx.rank)
-        self.spec: ModelSpec = instantiate(cfg["model"])
-        self.data = instantiate(cfg["data"])
-        self.slots = build_slots(self.spec, plan, ctx, cfg["seed"])
+        self.spec: ModelSpec = instantiate(cfg.model)
+        self.data = instantiate(cfg.data)
+        self.slots = build_slots(self.spec, plan, ctx, cfg.seed)
         # the stream dropout draws from: set by (seed, rank), so a run repeats itself and DP
         # replicas draw different masks (a resume then restores the stream it saved)
-        torch.manual_seed(name_seed(cfg["seed"], f"train:rank{ctx.rank}"))
+        torch.manual_seed(name_seed(cfg.seed, f"train:rank{ctx.rank}"))
         self.modules: list[nn.Module] = [s.module for s in self.slots.values()]
         named = {n: p for m in self.modules for n, p in m.named_model_parameters()}  # stages may share one
         self.params = list({id(p): p for p in named.values()}.values())
@@ -125,11 +126,11 @@ class RankTrainer:
         # a stage of parameter-free ops (masks, position ids of an op-level trace) has nothing to update
         self.optimizer, self.lr_scheduler = (build_optimizer(cfg, self.params) if self.training and self.params
                                              else (None, None))
-        self.clip = cfg.get("clip_grad_norm")
-        self.record_p2p = bool((cfg.get("debug") or {}).get("record_p2p"))
+        self.clip = cfg.clip_grad_norm
+        self.record_p2p = cfg.debug.record_p2p
         self.executor = Executor(
             plan.schedule, ctx.pp_rank, self.slots, self.spec.loss_fn, ctx.device,
-            loss_scale=float(plan.microbatches * plan.dp), autocast=PRECISIONS[cfg.get("precision", "fp32")],
+            loss_scale=float(plan.microbatches * plan.dp), autocast=PRECISIONS[str(cfg.precision)],
             heartbeat=self.heartbeat, record_p2p=self.record_p2p,
         )
         self.has_first = any(p is None for s in self.slots.values() for p in s.inputs.values())
@@ -146,7 +147,7 @@ class RankTrainer:
         if not (self.has_first or self.has_last):
             return None, None
         ctx, m = self.ctx, self.plan.microbatches
-        inputs, targets = draw(index, self.cfg["batch_size"])
+        inputs, targets = draw(index, self.cfg.batch_size)
         in_mbs = replica_microbatches(inputs, ctx.dp_rank, ctx.dp, m, ctx.device) if self.has_first else None
         tgt_mbs = replica_microbatches(targets, ctx.dp_rank, ctx.dp, m, ctx.device) if self.has_last else None
         return in_mbs, tgt_mbs
@@ -248,13 +249,13 @@ class RunRecord:
     checkpoints: list[str] = field(default_factory=list)
 
     @classmethod
-    def resumed(cls, cfg: dict, trainer: RankTrainer) -> RunRecord:
+    def resumed(cls, resume_from: str | None, trainer: RankTrainer) -> RunRecord:
         """A fresh record, or the one a checkpoint carries (its weights and states loaded too)."""
-        if not cfg.get("resume_from"):
+        if not resume_from:
             return cls()
-        meta = checkpoint.load(Path(cfg["resume_from"]), trainer.modules, trainer.optimizer, trainer.lr_scheduler,
+        meta = checkpoint.load(Path(resume_from), trainer.modules, trainer.optimizer, trainer.lr_scheduler,
                                trainer.ctx)
-        return cls(meta["step"], cfg["resume_from"], list(meta.get("losses", [])), list(meta.get("lrs", [])),
+        return cls(meta["step"], resume_from, list(meta.get("losses", [])), list(meta.get("lrs", [])),
                    list(meta.get("grad_norms", [])), list(meta.get("eval_losses", [])))
 
     def add(self, step: int, outcome: StepOutcome, warmup_steps: int) -> None:
@@ -269,28 +270,28 @@ class RunRecord:
             self.window.append((step, outcome.events))
 
 
-def train_rank(cfg: dict, plan: Plan, ctx: RankContext, run_dir: Path | None,
-               callbacks: Sequence[Callback] = ()) -> dict:
-    """Run steps up to `cfg["steps"]` (from a checkpoint when resuming); rank 0 reports progress,
+def train_rank(cfg: TrainConfig, plan: Plan, ctx: RankContext, run_dir: Path | None,
+               callbacks: Sequence[Callback] = (), resume_from: str | None = None) -> dict:
+    """Run steps up to `cfg.steps` (from `resume_from`, a checkpoint, when resuming); rank 0 reports progress,
     and its result carries what the launcher's report writes (`_finish`)."""
     trainer = RankTrainer(cfg, plan, ctx, callbacks)
     at_start = _memory_before_model(trainer)
     tokens_per_step = _tokens_per_step(cfg, trainer)
-    record = RunRecord.resumed(cfg, trainer)
+    record = RunRecord.resumed(resume_from, trainer)
     reset_peak(ctx.device)
     tracker = Tracker(cfg, run_dir) if ctx.rank == 0 else None
-    progress = Progress(cfg["steps"], tokens_per_step, cfg.get("log_every", 1), record.start_step) \
+    progress = Progress(cfg.steps, tokens_per_step, cfg.log_every, record.start_step) \
         if ctx.rank == 0 else None
-    for step in range(record.start_step, cfg["steps"]):
+    for step in range(record.start_step, cfg.steps):
         trainer.heartbeat.phase(hb.STEP_START, step)
-        fault_injection(cfg.get("debug"), ctx.rank, step, trainer.heartbeat)
+        fault_injection(cfg.debug, ctx.rank, step, trainer.heartbeat)
         outcome = trainer.step(step)
         for callback in trainer.callbacks:
             callback.after_step(trainer, step, outcome)
         if not math.isfinite(outcome.loss):
             # every rank gathered the same facts: whichever fails first, the report is the whole one
             raise FloatingPointError(trainer.nonfinite_report(step, outcome.loss))
-        record.add(step, outcome, cfg.get("warmup_steps", 0))
+        record.add(step, outcome, cfg.warmup_steps)
         if tracker is not None:
             values = {"loss": outcome.loss, "step_time_s": outcome.elapsed_s,
                       "tokens_per_s": tokens_per_step / outcome.elapsed_s}
@@ -316,24 +317,23 @@ def _memory_before_model(trainer: RankTrainer) -> float:
     return current_memory_bytes(trainer.ctx.device) - held
 
 
-def _tokens_per_step(cfg: dict, trainer: RankTrainer) -> int:
+def _tokens_per_step(cfg: TrainConfig, trainer: RankTrainer) -> int:
     """Tokens for language models; samples for image models."""
-    return cfg["batch_size"] * (trainer.spec.input_shape[0] if trainer.spec.input_dtype == torch.long else 1)
+    return cfg.batch_size * (trainer.spec.input_shape[0] if trainer.spec.input_dtype == torch.long else 1)
 
 
 def _maybe_evaluate(trainer: RankTrainer, record: RunRecord, step: int, tracker: Tracker | None) -> None:
     """The held-out loss every `eval.every` steps and after the last one (collective)."""
     cfg = trainer.cfg
-    eval_cfg = cfg.get("eval") or {}
-    every, batches = int(eval_cfg.get("every") or 0), int(eval_cfg.get("batches") or 1)
-    if not every or not ((step + 1) % every == 0 or step + 1 == cfg["steps"]):
+    every, batches = cfg.eval.every, cfg.eval.batches
+    if not every or not ((step + 1) % every == 0 or step + 1 == cfg.steps):
         return
     eval_loss = trainer.evaluate(batches)
     record.eval_losses.append({"step": step, "eval_loss": eval_loss})
     if tracker is not None:
         tracker.log_step(step, {"eval_loss": eval_loss})
     if trainer.ctx.rank == 0:
-        print(f"step {step:>4}/{cfg['steps']} | eval_loss {eval_loss:.4f} ({batches} held-out batches, "
+        print(f"step {step:>4}/{cfg.steps} | eval_loss {eval_loss:.4f} ({batches} held-out batches, "
               "after this step's update)", flush=True)
 
 
@@ -341,14 +341,13 @@ def _maybe_checkpoint(trainer: RankTrainer, record: RunRecord, step: int, run_di
     """A checkpoint every `checkpoint.every` steps and after the last one (collective); rank 0
     prunes all but the newest `checkpoint.keep`."""
     cfg, plan = trainer.cfg, trainer.plan
-    ckpt_cfg = cfg.get("checkpoint") or {}
-    root = Path(ckpt_cfg["dir"]) if ckpt_cfg.get("dir") else (run_dir / "checkpoints" if run_dir else None)
-    every = int(ckpt_cfg.get("every") or 0)
-    if not every or root is None or not ((step + 1) % every == 0 or step + 1 == cfg["steps"]):
+    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else (run_dir / "checkpoints" if run_dir else None)
+    every = cfg.checkpoint.every
+    if not every or root is None or not ((step + 1) % every == 0 or step + 1 == cfg.steps):
         return
-    meta = {"samples_seen": (step + 1) * cfg["batch_size"], "batch_size": cfg["batch_size"],
+    meta = {"samples_seen": (step + 1) * cfg.batch_size, "batch_size": cfg.batch_size,
             "losses": record.losses, "lrs": record.lrs, "grad_norms": record.grad_norms,
-            "eval_losses": record.eval_losses, "model": plan.model, "model_config": cfg["model"],
+            "eval_losses": record.eval_losses, "model": plan.model, "model_config": cfg.model,
             "layout": {"pp": plan.pp, "dp": plan.dp, "schedule": plan.schedule.name,
                        "partition": (plan.meta.get("partition") or {}).get("method")}}
     trainer.heartbeat.phase(hb.CHECKPOINT)
@@ -356,13 +355,13 @@ def _maybe_checkpoint(trainer: RankTrainer, record: RunRecord, step: int, run_di
                            meta)
     record.checkpoints.append(str(path))
     if trainer.ctx.rank == 0:
-        checkpoint.prune(root, int(ckpt_cfg.get("keep", 0) or 0))
+        checkpoint.prune(root, cfg.checkpoint.keep)
 
 
 def _rank_info(trainer: RankTrainer, record: RunRecord, at_start: float) -> dict:
     """This rank's part of metrics.json: where it ran, its memory, its busy time and events."""
     ctx, plan, slots = trainer.ctx, trainer.plan, trainer.slots
-    warm = trainer.cfg.get("warmup_steps", 0)
+    warm = trainer.cfg.warmup_steps
     median_step = _median_after_warmup(record.step_times, warm) if record.step_times else 0.0
     median_busy = _median_after_warmup(record.busy, warm) if record.busy else 0.0
     peak = peak_memory_bytes(ctx.device)
@@ -409,10 +408,10 @@ def _finish(trainer: RankTrainer, record: RunRecord, at_start: float, tokens_per
         rank_info.pop("events")
         rank_info.pop("cost_events")
         return result
-    warm = cfg.get("warmup_steps", 0)
+    warm = cfg.warmup_steps
     median_step = _median_after_warmup(record.step_times, warm) if record.step_times else 0.0
     metrics = {
-        "config": cfg,
+        "config": cfg.to_dict(),
         "losses": record.losses,
         "lr": record.lrs,
         "eval_loss": record.eval_losses,

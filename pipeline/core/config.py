@@ -1,0 +1,217 @@
+"""The typed config of a run: what `python train.py ...` composes, as one object.
+
+Hydra composes `conf/` against `TrainConfig` (registered in its ConfigStore by
+`launcher.config`), so a value of the wrong type or outside an Enum is refused at composition,
+naming the key. The composed config becomes a `TrainConfig` instance (`OmegaConf.to_object`) that
+flows unchanged through the launcher, the planner and every rank: nothing writes into it. Each
+default is stated here once.
+
+Plug-in groups (`model`, `data`, `scheduler`, `partitioner`, `placement`, `optimizer`,
+`lr_scheduler`, `logger`) stay open mappings: each option names its callable by `_target_` and
+carries that callable's own arguments. The fixed-shape groups (`memory`, `plan`, `eval`,
+`checkpoint`, `debug`) are typed here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from omegaconf import MISSING, OmegaConf
+
+#: one option of a plug-in group: `_target_` (the callable) and that callable's own arguments
+PluginConfig = Mapping[str, Any]
+
+
+class Choice(str, Enum):
+    """An enum-like key: compares equal to its value and prints as it (`device=cuda`)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class Device(Choice):
+    auto = "auto"  # cuda where CUDA is available, else cpu
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Remat(Choice):
+    none = "none"
+    full = "full"  # keep only stage inputs in the forward, recompute in the backward
+    auto = "auto"  # under a memory cap: recompute only what would not fit otherwise
+
+
+class Mode(Choice):
+    train = "train"
+    plan = "plan"  # dry run: plan, simulate, draw; no ranks
+
+
+class Precision(Choice):
+    fp32 = "fp32"
+    bf16 = "bf16"  # autocast for compute; weights, gradients and optimizer state stay fp32
+
+
+class HostAllocator(Choice):
+    retain = "retain"  # keep freed host memory for reuse: no page faults on every new activation
+    system = "system"
+
+
+class CpuAffinity(Choice):
+    auto = "auto"  # bind each local rank to its own `threads` cores when they cover all ranks
+    none = "none"
+
+
+class Objective(Choice):
+    """What a run returns to a Hydra sweeper, in metrics.json's unit."""
+
+    tokens_per_s = "tokens_per_s"  # maximised
+    step_time_s = "step_time_s"  # minimised, as are the two below
+    loss = "loss"  # the final training loss
+    eval_loss = "eval_loss"  # the last held-out loss; needs eval.every > 0
+
+
+#: the direction a sweeper optimises each objective in
+OBJECTIVE_DIRECTION = {"tokens_per_s": "maximize", "step_time_s": "minimize", "loss": "minimize",
+                       "eval_loss": "minimize"}
+
+#: the simulator's default link: seconds per message, bytes per second
+LINK_LATENCY_S = 5e-5
+LINK_BANDWIDTH = 1e9
+
+
+@dataclass
+class EvalConfig:
+    #: a forward-only pass over held-out batches every this many steps (and after the last); 0 = never
+    every: int = 0
+    #: held-out batches per evaluation (each a full global batch of `batch_size` sequences)
+    batches: int = 2
+
+
+@dataclass
+class CheckpointConfig:
+    #: save every this many steps and at the end of the run; 0 = no checkpoints
+    every: int = 0
+    #: complete checkpoints kept (the oldest are deleted); 0 = keep all
+    keep: int = 3
+    #: where step_<N>/ directories go; null = <run dir>/checkpoints (the launcher fills it in)
+    dir: str | None = None
+
+
+@dataclass
+class DebugConfig:
+    """Fault injection, for testing the launcher's failure handling (never set in real runs)."""
+
+    #: this global rank kills itself with SIGKILL at the start of step `kill_step`
+    kill_rank: int | None = None
+    kill_step: int | None = None
+    #: this global rank stops answering (sleeps for good) at the start of step `hang_step`
+    hang_rank: int | None = None
+    hang_step: int | None = None
+    #: log each rank's P2P posting order (first training step and first evaluation) and check, at
+    #: the end, that every pair's k-th messages complement each other, as NCCL needs (tags are 0)
+    record_p2p: bool = False
+
+
+@dataclass
+class MemoryConfig:
+    """`memory=unlimited|budget`: the per-device budget the planner fits the plan under."""
+
+    #: bytes one device may hold (parameters, gradients, optimizer state, activations); null = no cap
+    cap_bytes: float | None = None
+    #: what a rank holds beyond the model's tensors (runtime, allocator slack), set aside from the cap
+    reserve_bytes: float = 50e6
+
+
+@dataclass
+class PlanConfig:
+    """`plan=manual|auto`: whether the planner searches schedule, partition, micro-batches and
+    recomputation jointly (auto), and over what (conf/plan/auto.yaml explains each key)."""
+
+    search: bool = False
+    #: scheduler options to try; null = every training schedule of the scheduler group
+    schedulers: list[str] | None = None
+    #: per scheduler option, settings to try each value of (e.g. stages_per_rank: [2, 4])
+    variants: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
+    partitioners: list[str] = field(default_factory=lambda: ["uniform", "balanced", "milp"])
+    #: micro-batch counts to try; null = pp, 2pp, 4pp, 8pp and the configured count
+    microbatches: list[int] | None = None
+    #: remat values to try; null = none and auto (auto only under a memory cap)
+    remat: list[Remat] | None = None
+    #: candidates predicted within this share of the fastest count as tied
+    tie: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    model: dict[str, Any] = MISSING
+    data: dict[str, Any] = MISSING
+    scheduler: dict[str, Any] = MISSING
+    partitioner: dict[str, Any] = MISSING
+    placement: dict[str, Any] = MISSING
+    optimizer: dict[str, Any] = MISSING
+    lr_scheduler: dict[str, Any] = MISSING
+    logger: dict[str, Any] = MISSING
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    #: pipeline-parallel degree: ranks per pipeline
+    pp: int = 2
+    #: data-parallel degree: number of pipeline replicas
+    dp: int = 1
+    #: micro-batches per step in each replica
+    microbatches: int = 4
+    #: the global batch (sequences per optimizer step), the same whatever pp and dp are
+    batch_size: int = 16
+    steps: int = 10
+    #: steps excluded from timing (the first ones pay for allocation and warm caches)
+    warmup_steps: int = 2
+    seed: int = 0
+    device: Device = Device.auto
+    remat: Remat = Remat.none
+    mode: Mode = Mode.train
+    #: what the run returns to a Hydra sweeper (Optuna, Nevergrad, Ax); a dry run (mode=plan)
+    #: returns the planned step_time_s or tokens_per_s; a failed job in a multirun returns what its
+    #: sweeper counts as a failed trial (launcher/app.py failed_value)
+    objective: Objective = Objective.tokens_per_s
+    #: profile and simulate the plan before training even when nothing else needs it, so that the
+    #: run reports the predicted step and per-device peak beside the measured ones
+    predict: bool = False
+    #: print a line every this many steps on rank 0
+    log_every: int = 1
+    #: seconds any collective or P2P wait may take before the job fails
+    timeout_s: int = 120
+    #: CPU threads per rank; 0 = cores / local ranks, at least 1
+    threads: int = 0
+    host_allocator: HostAllocator = HostAllocator.retain
+    #: back rank heaps with transparent huge pages (glibc tunable, set for the ranks the launcher spawns)
+    huge_pages: bool = True
+    cpu_affinity: CpuAffinity = CpuAffinity.auto
+    #: clip gradients to this global norm (over every parameter of the model, tied ones once); null = off
+    clip_grad_norm: float | None = None
+    precision: Precision = Precision.fp32
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    #: none | auto (the latest complete checkpoint under checkpoint.dir) | a step_<N> directory
+    resume: str = "none"
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    #: link model for the simulator's predictions (seconds per message, bytes per second)
+    link_latency_s: float = LINK_LATENCY_S
+    link_bandwidth: float = LINK_BANDWIDTH
+
+    @property
+    def link(self) -> tuple[float, float]:
+        """The simulator's link model: (seconds per message, bytes per second)."""
+        return self.link_latency_s, self.link_bandwidth
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp
+
+    def to_dict(self) -> dict:
+        """Plain data (enums as their values): metrics.json's `config`, wandb's run config."""
+        return OmegaConf.to_container(OmegaConf.structured(self), enum_to_str=True)

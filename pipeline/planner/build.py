@@ -1,0 +1,322 @@
+"""One Plan from one request, for every model: place -> count in-flight micro-batches -> partition
+-> price stages -> schedule -> passes (recompute, fuse, lower) -> Plan.
+
+Pure functions of (config, traced graph, profile): no process, no real weights. A chain of blocks
+and a U-Net go through the same steps; only their graphs differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import networkx as nx
+import torch
+from hydra.utils import get_method
+
+from pipeline.core.config import LINK_BANDWIDTH, PluginConfig
+from pipeline.core.errors import ConfigError
+from pipeline.core.plan import Plan, StagePlan, dtype_name
+from pipeline.graph.split import split_model
+from pipeline.graph.trace import TracedModel
+from pipeline.planner.budget import device_view, partition_request, reprice_for_schedule, reprice_split
+from pipeline.planner.costs import split_backward_cost
+from pipeline.planner.lowering import lower
+from pipeline.planner.p2p_check import check_p2p, edge_messages
+from pipeline.planner.partition import Partition, PartitionRequest, evaluate
+from pipeline.planner.partition.atomic import contract_unsendable
+from pipeline.planner.partition.common import assignment_from_order, topo_order
+from pipeline.planner.partition.rank_balance import rank_balanced_starts
+from pipeline.planner.schedules import build_schedule
+from pipeline.planner.schedules.base import ScheduleGenerator
+from pipeline.planner.schedules.inference import Inference
+
+#: keys of a partitioner or placement YAML that are not arguments of its callable
+RESERVED = ("_target_", "_partial_", "name")
+
+
+def plugin(cfg: PluginConfig, group: str):
+    """The callable a `conf/<group>/*.yaml` names, and its own options (the YAML's other keys)."""
+    target = cfg.get("_target_")
+    if not isinstance(target, str):
+        raise ConfigError(group, f"needs a `_target_` naming a callable (got {cfg!r}); see conf/{group}/")
+    try:
+        fn = get_method(target)
+    except Exception as err:  # noqa: BLE001 - Hydra raises several kinds for a bad path
+        raise ConfigError(f"{group}._target_", f"cannot import {target!r}: {err}") from None
+    return fn, {k: v for k, v in cfg.items() if k not in RESERVED}
+
+
+def plugin_name(cfg: PluginConfig) -> str:
+    """How a plug-in is shown: its `name` key, or its callable's name."""
+    return str(cfg.get("name") or str(cfg.get("_target_", "?")).rsplit(".", 1)[-1])
+
+
+def resolve_placement(placement_cfg: PluginConfig, generator: ScheduleGenerator, pp: int) -> list[int]:
+    """Stage -> pipeline rank, from the placement plug-in: `fn(pp, schedule, **options)`."""
+    fn, options = plugin(placement_cfg, "placement")
+    try:
+        return [int(r) for r in fn(pp, generator, **options)]
+    except TypeError as err:
+        raise ConfigError("placement", f"{placement_cfg.get('_target_')} cannot be called as "
+                                       f"placement(pp, schedule, **{options}): {err}") from None
+
+
+def needs_profile(partitioner_cfg: PluginConfig) -> bool:
+    """Whether the partitioner reads measured costs (those that do not set `needs_profile = False`)."""
+    fn, _ = plugin(partitioner_cfg, "partitioner")
+    return bool(getattr(fn, "needs_profile", True))
+
+
+def partition_graph(
+    partitioner_cfg: PluginConfig, graph: nx.DiGraph, placement: Sequence[int], request: PartitionRequest,
+    param_factor: float = 1.0,
+) -> Partition:
+    """Cut the traced graph into stages with the partitioner plug-in, then price the split with the
+    one judge (`evaluate`), recomputing stages picked, on the real graph. Values that are not one
+    tensor never cross a boundary (the graph is contracted first). When a rank holds several
+    stages, a profiled split is re-balanced so that the busiest rank, not only the slowest stage,
+    is as light as it can be. Under a memory cap the partitioner sees every parameter byte
+    `param_factor` times (gradient and optimizer state too: `budget.device_view`)."""
+    num_stages = len(placement)
+    if num_stages > graph.number_of_nodes():
+        raise ConfigError(
+            "pp",
+            f"{num_stages} pipeline stages need at least {num_stages} graph nodes (blocks), but the traced model "
+            f"has {graph.number_of_nodes()} ({', '.join(list(graph.nodes)[:12])}); lower pp, use a schedule "
+            f"with fewer stages per rank, or a model with more layers (e.g. model.layers), or model.granularity=op",
+        )
+    fn, options = plugin(partitioner_cfg, "partitioner")
+    contraction = contract_unsendable(graph)  # cut only where single tensors cross
+    cut_graph = graph if contraction is None else contraction.graph
+    if request.memory_cap is not None:
+        cut_graph = device_view(cut_graph, param_factor)
+    part = fn(cut_graph, num_stages, request, **options)
+    if not isinstance(part, Partition):
+        raise ConfigError("partitioner", f"{partitioner_cfg.get('_target_')} returned {type(part).__name__}, "
+                                         f"not a pipeline.planner.partition.Partition")
+    if len(set(placement)) < num_stages and getattr(fn, "needs_profile", True):
+        part = _rank_balanced(part, cut_graph, placement, request)
+    if contraction is not None:
+        part.assignment = contraction.expand(part.assignment)
+    return reprice_split(part, graph, **request.pricing())
+
+
+def _rank_balanced(part: Partition, graph: nx.DiGraph, placement: Sequence[int], request: PartitionRequest) -> Partition:
+    """Move the boundaries of a contiguous split while the busiest rank gets lighter; kept only
+    within the memory cap (the stage-balanced split is the one that fits otherwise)."""
+    order = topo_order(graph)
+    stages = [part.assignment[n] for n in order]
+    if stages != sorted(stages):  # not contiguous in program order (a MILP DAG split): leave it
+        return part
+    starts = [stages.index(s) for s in range(part.num_stages)]
+    costs = [float(graph.nodes[n].get("forward_s", 0.0)) + float(graph.nodes[n].get("backward_s", 0.0))
+             for n in order]
+    starts = rank_balanced_starts(costs, starts, placement)
+    rebalanced = evaluate(graph, assignment_from_order(order, starts), part.num_stages,
+                          method=f"{part.method}+ranks", **request.pricing())
+    cap = request.memory_cap
+    if cap is not None and max(rebalanced.stage_memory_bytes) > cap:
+        return part
+    rebalanced.info = dict(part.info)
+    return rebalanced
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What one Plan is built for: the run's shape and the options of its plug-ins. `profiled`:
+    the traced graph carries measured costs. `value_dtypes`: under bf16, the dtype autocast gives
+    each value on the run's device type (a sender's output, so what its receiver allocates).
+    `rank_slots` and `optimizer_s_per_byte` are this machine's facts the prediction reads."""
+
+    model_name: str
+    pp: int
+    dp: int
+    microbatches: int
+    batch_size: int
+    placement: Mapping
+    partitioner: Mapping
+    remat: str = "none"
+    memory_cap: float | None = None
+    #: what a device holds beyond the model's tensors, left out of the cap by the partitioners
+    reserve_bytes: float = 0.0
+    #: optimizer tensors per parameter (pipeline.planner.memory)
+    optimizer_states: int = 0
+    bandwidth: float = LINK_BANDWIDTH
+    profiled: bool = True
+    precision: str = "fp32"
+    value_dtypes: Mapping[str, torch.dtype] | None = None
+    rank_slots: float | None = None
+    optimizer_s_per_byte: float = 0.0
+
+
+def _value_meta(traced: TracedModel, name: str, dtypes: Mapping[str, torch.dtype] | None) -> list:
+    node = next(n for n in traced.gm.graph.nodes if n.name == name)
+    meta = node.meta.get("tensor_meta")
+    if meta is None or not hasattr(meta, "shape"):
+        raise ConfigError("model", f"value {name!r} crossing a stage boundary is not a single tensor; "
+                                   f"make the module producing it a leaf (model leaf_modules) or move the split")
+    dtype = meta.dtype if dtypes is None else dtypes.get(name, meta.dtype)
+    return [list(meta.shape), dtype_name(dtype)]
+
+
+def build_plan(traced: TracedModel, generator: ScheduleGenerator, req: PlanRequest) -> Plan:
+    """Place, count, partition, price, schedule and lower: a pure function of the request and the
+    traced (and, when `req.profiled`, measured) graph."""
+    placement = resolve_placement(dict(req.placement), generator, req.pp)
+    generator.check(req.pp, req.microbatches, list(placement))  # schedule rules first: clearer than a split error
+    part = _partition(traced, generator, placement, req)
+    forward, backward, split_costs = _stage_costs(traced, part, len(placement), req.profiled)
+    if req.profiled:
+        generator.use_stage_costs(forward, *split_costs, backward_s=backward)
+    schedule = build_schedule(generator, placement, req.microbatches, req.remat, part.remat_stages)
+    reprice_for_schedule(part, schedule)
+    split = split_model(traced, part.assignment, len(placement))
+    stages = _stage_plans(traced, split, part, placement, req.value_dtypes)
+    messages = edge_messages(stages)
+    # gradients flow back only along edges carrying a floating-point value
+    schedule = lower(schedule, messages, grad_edges=[e for e, (_, grads) in messages.items() if grads])
+    # evaluation runs the same stages on the same ranks, forward only
+    eval_schedule = lower(build_schedule(Inference(), placement, req.microbatches), messages)
+    # NCCL's rules, proven on the programs the ranks will run: a plan that breaks them never spawns
+    check_p2p(schedule, messages)
+    check_p2p(eval_schedule, messages)
+    meta = _plan_meta(traced, split, part, stages, req, schedule)
+    if req.profiled:
+        meta.update(_profiled_meta(traced, stages, forward, backward, split_costs))
+    return Plan(req.pp, req.dp, req.microbatches, req.batch_size // (req.dp * req.microbatches), req.model_name,
+                stages, schedule, assignment=dict(part.assignment),
+                shared_params={n: list(v) for n, v in split.shared_params.items()}, meta=meta,
+                eval_schedule=eval_schedule)
+
+
+def _partition(traced: TracedModel, generator: ScheduleGenerator, placement: list[int], req: PlanRequest) -> Partition:
+    """The split under the cap, less what every device holds beyond the model's tensors."""
+    if req.memory_cap is not None and req.memory_cap <= req.reserve_bytes:
+        raise ConfigError("memory.cap_bytes", f"{req.memory_cap:.0f} bytes per device leaves nothing for the model "
+                                              f"once memory.reserve_bytes={req.reserve_bytes:.0f} (what a rank holds "
+                                              "beyond its tensors) is set aside; raise the cap or lower the reserve")
+    stage_cap = None if req.memory_cap is None else req.memory_cap - req.reserve_bytes
+    request = partition_request(generator, placement, req.microbatches, req.remat, stage_cap, req.bandwidth)
+    try:
+        return partition_graph(dict(req.partitioner), traced.graph, placement, request, 2 + req.optimizer_states)
+    except ConfigError as err:
+        if err.key != "memory.cap_bytes" or not req.reserve_bytes:
+            raise
+        raise ConfigError(err.key, f"{str(err).split(': ', 1)[1]} (A stage's bytes above leave out the "
+                                   f"memory.reserve_bytes={req.reserve_bytes:.0f} every device also holds: add them "
+                                   "to any cap stated here.)") from None
+
+
+def _stage_costs(traced: TracedModel, part: Partition, k: int, profiled: bool
+                 ) -> tuple[list[float], list[float], tuple[list[float], list[float]]]:
+    """Per stage: forward, fused backward and (input, weight) halves of the backward, as profiled."""
+    forward, backward = [0.0] * k, [0.0] * k
+    for node, s in part.assignment.items():
+        forward[s] += traced.graph.nodes[node].get("forward_s", 0.0)
+        backward[s] += traced.graph.nodes[node].get("backward_s", 0.0)
+    split_costs = stage_split_backward(traced, part.assignment, backward) if profiled else ([], [])
+    return forward, backward, split_costs
+
+
+def _stage_plans(traced: TracedModel, split, part: Partition, placement: list[int],
+                 dtypes: Mapping[str, torch.dtype] | None) -> list[StagePlan]:
+    """Each stage: its rank, its nodes, and the named values it reads and writes."""
+    k = len(placement)
+    outputs = list(split.model_outputs)
+    if len(outputs) != 1 or split.model_outputs[outputs[0]] != k - 1:
+        raise ConfigError(
+            "partitioner",
+            f"the model output {outputs} must be produced by the last stage ({k - 1}), but the partition puts it "
+            f"in stage(s) {list(split.model_outputs.values())}",
+        )
+    stages = []
+    for io in split.io:
+        crossing = [n for n, p in io.inputs.items() if p is not None] + list(io.outputs)
+        if any(p is None for p in io.inputs.values()) and len(split.input_names) != 1:
+            raise ConfigError("model", f"a model must take one input tensor, got {split.input_names}")
+        stages.append(StagePlan(
+            index=io.index,
+            rank=placement[io.index],
+            blocks=[n for n, s in part.assignment.items() if s == io.index],
+            inputs=dict(io.inputs),
+            outputs={n: list(c) for n, c in io.outputs.items() if c},
+            values={n: _value_meta(traced, n, dtypes) for n in crossing},
+            loss_value=outputs[0] if io.index == k - 1 else None,
+        ))
+    return stages
+
+
+def _plan_meta(traced: TracedModel, split, part: Partition, stages: list[StagePlan], req: PlanRequest,
+               schedule) -> dict:
+    """What the runtime, the report and the prediction read besides the stages and schedules."""
+    return {"remat": req.remat, "optimizer_states": req.optimizer_states, "memory_cap": req.memory_cap,
+            "reserve_bytes": req.reserve_bytes, "remat_stages": schedule.remat_stages(),
+            "partitioner": plugin_name(req.partitioner), "partition": partition_summary(part),
+            "profiled": req.profiled, "precision": req.precision, "rank_slots": req.rank_slots,
+            "optimizer_s_per_byte": req.optimizer_s_per_byte,
+            "model_param_bytes": sum(traced.graph.graph.get("param_sizes", {}).values()),
+            "stage_tensors": [sorted({traced.param_aliases.get(n, n) for n, _ in [
+                *gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]})
+                for gm in split.stages]}
+
+
+def _profiled_meta(traced: TracedModel, stages: list[StagePlan], forward: list[float], backward: list[float],
+                   split_costs: tuple[list[float], list[float]]) -> dict:
+    """The measured per-stage costs the prediction reads."""
+    nodes = traced.graph.nodes
+    return {
+        "stage_forward_s": forward, "stage_backward_s": backward,
+        "stage_backward_input_s": split_costs[0], "stage_backward_weight_s": split_costs[1],
+        # a backward's transient gradients: its stage's largest node's activations (planner/memory.py)
+        "stage_workspace_bytes": [max((float(nodes[n].get("activation_bytes", 0)) for n in s.blocks), default=0.0)
+                                  for s in stages],
+        "stage_weight_stash_bytes": [weight_stash_bytes(traced, s) for s in stages],
+        "stage_loss_activation_bytes": [sum(float(nodes[n].get("loss_activation_bytes", 0)) for n in s.blocks)
+                                        for s in stages],
+    }
+
+
+def stage_split_backward(traced: TracedModel, assignment: dict[str, int],
+                         backward: list[float]) -> tuple[list[float], list[float]]:
+    """(I, W) per stage as profiled: each node's split backward summed, which costs more than its
+    fused one (`graph/profile.py`). Stage 0 receives no input: its I does nothing and W runs the
+    whole backward, at the fused price. A profile without split timings (none of its nodes has
+    one) falls back to an even split of the fused backward."""
+    nodes = traced.graph.nodes
+    if not any("backward_input_s" in nodes[n] for n in assignment):
+        return split_backward_cost(backward)
+    i, w = [0.0] * len(backward), [0.0] * len(backward)
+    for node, s in assignment.items():
+        i[s] += float(nodes[node].get("backward_input_s", 0.0))
+        w[s] += float(nodes[node].get("backward_weight_s", 0.0))
+    if backward:
+        i[0], w[0] = 0.0, float(backward[0])
+    return i, w
+
+
+def weight_stash_bytes(traced: TracedModel, stage: StagePlan) -> float:
+    """What a stage's split backward keeps per micro-batch from its I to its W beside the saved
+    activations: the gradients captured where W restarts, summed over its nodes as profiled. A
+    stage that receives no input (the first) has no input gradient to compute: its I does
+    nothing and W runs the whole backward from the gradients of its outputs, which it keeps."""
+    if any(producer is not None for producer in stage.inputs.values()):
+        return sum(float(traced.graph.nodes[n].get("stash_bytes", 0)) for n in stage.blocks)
+    return float(sum(stage.value_bytes(n) for n in stage.outputs if n in stage.values))
+
+
+def partition_summary(partition: Partition) -> dict:
+    return {
+        "bottleneck_s": partition.bottleneck_s,
+        "lower_bound_s": partition.lower_bound_s,
+        "stage_time_s": partition.stage_time_s,
+        "stage_compute_s": partition.stage_compute_s,
+        "stage_param_bytes": partition.stage_param_bytes,
+        "stage_activation_bytes": partition.stage_activation_bytes,
+        "stage_comm_bytes": partition.stage_comm_bytes,
+        "stage_memory_bytes": partition.stage_memory_bytes,
+        "stage_in_flight": partition.stage_in_flight,
+        "stage_full_in_flight": partition.stage_full_in_flight,
+        "stage_input_bytes": partition.stage_input_bytes,
+        "remat_stages": partition.remat_stages,
+    }

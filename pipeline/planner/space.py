@@ -1,0 +1,129 @@
+"""What `plan=auto` and `scheduler=auto` compare: the candidates built from the config groups'
+options, and one planning call per candidate.
+
+`scheduler=auto` is the same search with only the schedule varying. The options of the
+scheduler and partitioner groups come from the launcher (`GroupOptions`: every option on the
+run's search path, a user's own too), never from a list kept in code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import networkx as nx
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+
+from pipeline.core.config import TrainConfig
+from pipeline.core.errors import ConfigError
+from pipeline.core.plan import Plan
+from pipeline.planner.build import plugin_name
+from pipeline.planner.fit import fit_budget
+from pipeline.planner.predict import Prediction, predict
+from pipeline.planner.schedules.base import ScheduleGenerator
+from pipeline.planner.search import (
+    Candidate,
+    SearchResult,
+    candidates,
+    microbatch_counts,
+    remat_values,
+    run_search,
+    scheduler_variants,
+)
+from pipeline.planner.traced import TracedModels, micro_batch_size
+
+#: scheduler options that are not a training schedule to compare
+NOT_CANDIDATES = ("AutoSchedule", "Inference")
+
+
+@dataclass(frozen=True)
+class GroupOptions:
+    """Every option of the `scheduler` and `partitioner` config groups (name -> its YAML as a
+    dict), as the launcher found them on this run's search path."""
+
+    scheduler: Mapping[str, dict] = field(default_factory=dict)
+    partitioner: Mapping[str, dict] = field(default_factory=dict)
+
+
+def is_auto(scheduler_cfg: Mapping) -> bool:
+    """Whether the scheduler option is `scheduler=auto` (search the schedules)."""
+    return str(scheduler_cfg.get("_target_", "")).endswith("AutoSchedule")
+
+
+def training_schedules(options: GroupOptions) -> dict[str, dict]:
+    """Training schedules of the scheduler config group (a user's own on the search path too)."""
+    return {name: opt for name, opt in options.scheduler.items()
+            if not str(opt.get("_target_", "")).endswith(NOT_CANDIDATES)}
+
+
+def instantiate_scheduler(option: str, option_cfg: Mapping) -> ScheduleGenerator:
+    try:
+        gen = instantiate({k: v for k, v in option_cfg.items() if k != "name"})
+    except InstantiationException as exc:
+        raise ConfigError(f"scheduler ({option})", f"could not build {option_cfg.get('_target_')}: "
+                                                   f"{exc.__cause__ or exc}") from exc
+    if not isinstance(gen, ScheduleGenerator):
+        raise ConfigError(f"scheduler ({option})", f"{option_cfg.get('_target_')} is not a ScheduleGenerator")
+    return gen
+
+
+def search_space(cfg: TrainConfig, options: GroupOptions, graph: nx.DiGraph
+                 ) -> tuple[list[Candidate], Candidate | None]:
+    """The candidates of `plan=auto` (or of `scheduler=auto`: only the schedule varies) and the
+    one the config names as given, when it names a concrete one."""
+    space = cfg.plan
+    schedules = training_schedules(options)
+    if not schedules:
+        raise ConfigError("scheduler", "no training schedule found in the scheduler config group")
+    given_part = {plugin_name(cfg.partitioner): dict(cfg.partitioner)}
+    remat = str(cfg.remat)
+    if not space.search:  # scheduler=auto alone
+        return candidates(scheduler_variants(schedules, None, None), given_part, [cfg.microbatches], [remat]), None
+    chosen = scheduler_variants(schedules, space.schedulers, space.variants)
+    partitioners = _partitioners(space.partitioners, options, graph)
+    counts = microbatch_counts(cfg.pp, cfg.dp, cfg.batch_size, cfg.microbatches, space.microbatches)
+    rematting = [str(r) for r in space.remat] if space.remat else None
+    cands = candidates(chosen, partitioners, counts, remat_values(rematting, cfg.memory.cap_bytes is not None))
+    given = None
+    if not is_auto(cfg.scheduler):
+        given = next((c for c in cands if c.scheduler_cfg.get("_target_") == cfg.scheduler.get("_target_")
+                      and all(c.scheduler_cfg.get(k) == v for k, v in cfg.scheduler.items() if k != "name")
+                      and c.partitioner == plugin_name(cfg.partitioner) and c.microbatches == cfg.microbatches
+                      and c.remat == remat), None)
+    return cands, given
+
+
+def _partitioners(names: list[str], options: GroupOptions, graph: nx.DiGraph) -> dict[str, dict]:
+    """The partitioner options `plan.partitioners` names (milp dropped on a chain, where the
+    contiguous optimum is balanced's: the same split, slower)."""
+    names = list(names)
+    unknown = [n for n in names if n not in options.partitioner]
+    if unknown:
+        raise ConfigError("plan.partitioners", f"unknown partitioner option(s) {unknown}; valid: "
+                                               f"{sorted(options.partitioner)}")
+    if "milp" in names and _is_chain(graph) and "balanced" in names:
+        names.remove("milp")
+    return {n: dict(options.partitioner[n]) for n in names}
+
+
+def _is_chain(graph: nx.DiGraph) -> bool:
+    return graph.number_of_edges() == graph.number_of_nodes() - 1 and all(
+        graph.in_degree(n) <= 1 and graph.out_degree(n) <= 1 for n in graph.nodes)
+
+
+def search(cfg: TrainConfig, models: TracedModels, build: Callable[..., Plan], cands: list[Candidate],
+           given: Candidate | None) -> SearchResult:
+    """Plan, simulate and fit every candidate; `build(generator, traced, candidate)` makes its Plan."""
+    cap = cfg.memory.cap_bytes
+
+    def evaluate(c: Candidate) -> Prediction:
+        gen = instantiate_scheduler(c.scheduler, dict(c.scheduler_cfg))  # fresh: cost-aware ones keep costs
+        traced = models.get(micro_batch_size(cfg, c.microbatches))
+        plan = build(gen, traced, c)
+        return fit_budget(plan, predict(plan, *cfg.link), traced.graph, cap, *cfg.link)
+
+    tie = cfg.plan.tie
+    if not 0.0 <= tie < 1.0:
+        raise ConfigError("plan.tie", f"got {tie}; valid: a share of the fastest prediction in [0, 1), e.g. 0.03")
+    return run_search(cands, evaluate, cap, given, tie)

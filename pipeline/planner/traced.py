@@ -1,0 +1,109 @@
+"""The model traced on the meta device, and measured, once per micro-batch size.
+
+A candidate with more micro-batches runs smaller ones, whose per-op times do not scale linearly,
+so `plan=auto` asks for each size it tries. The profile is taken on the device the run trains on.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+from hydra.utils import instantiate
+
+from models.spec import ModelSpec
+from pipeline.core.config import TrainConfig
+from pipeline.core.errors import ConfigError
+from pipeline.graph.trace import TracedModel
+from pipeline.planner.predict import profiling_threads
+from pipeline.planner.profile import apply_profile, profile_graph, profiled_nodes
+from pipeline.runtime.context import cpu_threads
+from pipeline.runtime.host_allocator import configure_host_allocator
+
+
+class TracedModels:
+    """The model traced (and, with `profile`, measured) once per micro-batch size: a candidate with
+    more micro-batches runs smaller ones, whose per-op times do not scale linearly.
+
+    Measured on the device the run trains on. On the CPU, here. On a GPU, `device` is the rank's
+    own GPU when this runs inside a rank (rank 0 of ranks torchrun or SLURM started, which plans
+    for all); in the launcher (`device=None` for a GPU run) the profile is taken by a child process
+    on cuda:0, the GPU local rank 0 will train on, which ends before any rank starts, so that the
+    launcher itself never opens a CUDA context (it would hold GPU memory on GPU 0 for the whole
+    run)."""
+
+    def __init__(self, spec: ModelSpec, cfg: TrainConfig, profile: bool, cuda: bool = False,
+                 device: torch.device | None = None) -> None:
+        self.spec, self.cfg, self.profile = spec, cfg, profile
+        #: where to profile: this process's device (None: a child process on cuda:0)
+        self.device = device if device is not None else (None if cuda else torch.device("cpu"))
+        self.model = None
+        self._traced: dict[int, TracedModel] = {}
+
+    def get(self, micro_batch_size: int) -> TracedModel:
+        if micro_batch_size not in self._traced:
+            try:
+                if self.model is None:
+                    self.model = self.spec.build_meta()
+                traced = self.spec.trace(micro_batch_size, self.model)
+            except ConfigError:
+                raise
+            except Exception as err:  # noqa: BLE001 - a model that cannot be built from these values
+                raise ConfigError("model", f"model={self.spec.name} could not be built and traced with these "
+                                           f"options: {type(err).__name__}: {err}") from err
+            if self.profile:
+                if self.device is None:
+                    nodes, cached = profile_in_child(self.cfg, micro_batch_size, torch.device("cuda", 0))
+                    apply_profile(traced.graph, nodes)
+                    traced.graph.graph["profile_cached"] = cached
+                else:
+                    profile_traced(self.spec, self.cfg, traced, micro_batch_size, self.device)
+            self._traced[micro_batch_size] = traced
+        return self._traced[micro_batch_size]
+
+
+def profile_traced(spec: ModelSpec, cfg: TrainConfig, traced: TracedModel, micro_batch_size: int,
+                   device: torch.device) -> None:
+    """Measure `traced` on one real micro-batch on `device` (cached on disk)."""
+    x, y = spec.example_batch(micro_batch_size, cfg.seed)
+    if device.type == "cuda":
+        # what CPU profiles add to the key (threads, malloc) does not change a GPU's timings;
+        # the GPU's name does (profile_key)
+        profile_graph(traced, (x,), device=device, loss=(spec.loss_fn, y), seed=cfg.seed,
+                      model_config={"model": cfg.model})
+        return
+    # Timed as the ranks will run: their thread count, and their malloc (with glibc's defaults an
+    # 8 MiB logits buffer is mapped afresh on some repeats and not on others: the head measured
+    # 1.22-1.49x a block, 1.25-1.27x with freed memory kept).
+    allocator = str(cfg.host_allocator)
+    threads = cpu_threads(cfg.threads, cfg.world_size)
+    configure_host_allocator(allocator)
+    with profiling_threads(threads):
+        profile_graph(traced, (x,), device=device, loss=(spec.loss_fn, y), seed=cfg.seed,
+                      model_config={"model": cfg.model, "threads": threads, "host_allocator": allocator})
+
+
+def profile_in_child(cfg: TrainConfig, micro_batch_size: int, device: torch.device) -> tuple[dict[str, dict], bool]:
+    """Profile the model of `cfg` on `device` in a fresh process that exits before this returns,
+    taking its CUDA context with it; returns every node's profile fields and whether the on-disk
+    cache had them."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(_profile_child, cfg, micro_batch_size, str(device)).result()
+
+
+def _profile_child(cfg: TrainConfig, micro_batch_size: int, device: str) -> tuple[dict[str, dict], bool]:
+    """The child's side: rebuild and retrace the model (deterministic: the same node names), then
+    profile it on its GPU."""
+    spec = instantiate(cfg.model)
+    traced = spec.trace(micro_batch_size, spec.build_meta())
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(torch.device(device))
+    profile_traced(spec, cfg, traced, micro_batch_size, torch.device(device))
+    return profiled_nodes(traced.graph), bool(traced.graph.graph.get("profile_cached"))
+
+
+def micro_batch_size(cfg: TrainConfig, microbatches: int) -> int:
+    """Sequences per micro-batch when each replica's share of the batch is cut into `microbatches`."""
+    return cfg.batch_size // (cfg.dp * microbatches)
