@@ -7,11 +7,10 @@ import pytest
 
 from pipeline.core.ir import Kind, Schedule
 from pipeline.planner.placement import v_shape
-from pipeline.planner.schedules.base import makespan
 from pipeline.planner.schedules.fuse import MAX_WORK, fuse_slack_backwards
 from pipeline.planner.schedules.zbv import ZBV
 from pipeline.planner.schedules.zero_bubble import ZBH2
-from pipeline.planner.simulate import validate
+from pipeline.planner.simulate import makespan, validate
 
 
 def count_fused(schedule: Schedule) -> int:

@@ -5,8 +5,9 @@ more ranks are busy, and at full speed while the others wait in their bubbles. `
 each rank a core of its own, and the bound "all ranks' work over the cores" ignores the bubbles
 and the order. Here every busy rank progresses at `min(1, slots / busy)` of its own speed (the
 kernel shares cores fairly among runnable processes; a rank waiting for a transfer is not
-runnable), with the dependencies and transfers of `simulate`. Data-parallel replicas run the same
-program at the same time, so each busy pipeline rank counts `replicas` times.
+runnable), with the dependency rules of `pipeline.planner.dependencies` and the transfers of
+`simulate`. Data-parallel replicas run the same program at the same time, so each busy pipeline
+rank counts `replicas` times.
 
 All busy ranks progress at one rate, so time is kept as work done per busy rank (`virtual`): an
 action that starts at virtual work v and costs c seconds ends when the virtual clock reaches
@@ -19,79 +20,88 @@ from __future__ import annotations
 import heapq
 import math
 
-from pipeline.core.ir import Schedule
-from pipeline.planner.simulate import _CODE, _F, _G, _R, _W, CostModel, ScheduleError, transfer_delays
-
-#: what the end of an action (by its code in `_CODE`: F, B, I, W, R) completes
-_CLASS = (_F, _G, _G, _W, _R)
+from pipeline.core.ir import Action, Kind, Schedule
+from pipeline.planner.dependencies import COMPLETES, Progress, remat_pairs, wait_table
+from pipeline.planner.simulate import CostModel, ScheduleError, transfer_delays
 
 
 def shared_makespan(schedule: Schedule, cost: CostModel, slots: float, replicas: int = 1) -> float:
     """Seconds one step of `schedule` takes when `replicas` copies of its ranks share `slots`
     ranks' worth of cores (raises ScheduleError on a deadlock; `simulate` names the actions)."""
-    m, pp, stages = schedule.num_microbatches, schedule.pp, schedule.num_stages
-    programs = [[(_CODE[a.kind], a.stage, a.mb) for a in acts if a.kind in _CODE] for acts in schedule.actions]
-    remat = {(s, mb) for prog in programs for code, s, mb in prog if code == 4}
-    hop = transfer_delays(schedule, cost)
-    work = (cost.forward_s, cost.backward_s, cost.backward_input_s, cost.backward_weight_s, cost.recompute_s)
-    done: list[list[float | None]] = [[None] * (stages * m) for _ in range(4)]
-    waiters: dict[tuple[int, int], list[int]] = {}
-    pos = [0] * pp
-    running: list[tuple[float, int]] = []  # (virtual work at which its action ends, rank)
-    pending: list[tuple[float, int]] = []  # (time its next action may start, rank)
-    now = virtual = 0.0
-    left = sum(len(p) for p in programs)
+    return _SharedPlay(schedule, cost, slots, replicas).run()
 
-    def needs(rank: int) -> list[tuple[int, int, float]]:
-        """(class, index, delay) of what the rank's next action waits for."""
-        code, s, mb = programs[rank][pos[rank]]
-        idx = s * m + mb
-        if code == 0:
-            return [(_F, idx - m, hop[s - 1])] if s > 0 else []
-        if code in (1, 2):
-            deps = [(_F, idx, 0.0)] + ([(_R, idx, 0.0)] if (s, mb) in remat else [])
-            return deps + ([(_G, idx + m, hop[s])] if s + 1 < stages else [])
-        return [(_G, idx, 0.0)] if code == 3 else [(_F, idx, 0.0)]
 
-    def try_start(rank: int) -> None:
-        if pos[rank] >= len(programs[rank]):
+class _SharedPlay:
+    """The play-through: ranks start actions as `pipeline.planner.dependencies` allows; the busy
+    ones advance one virtual clock together."""
+
+    def __init__(self, schedule: Schedule, cost: CostModel, slots: float, replicas: int) -> None:
+        self.name, self.slots, self.replicas = schedule.name, slots, replicas
+        self.programs: list[list[Action]] = [[a for a in acts if a.kind in COMPLETES] for acts in schedule.actions]
+        remat = remat_pairs(self.programs)
+        waits = wait_table(schedule.num_stages, transfer_delays(schedule, cost))
+        self.waits = [[waits[(a.kind, (a.stage, a.mb) in remat)][a.stage] for a in acts] for acts in self.programs]
+        self.work = {Kind.F: cost.forward_s, Kind.B: cost.backward_s, Kind.I: cost.backward_input_s,
+                     Kind.W: cost.backward_weight_s, Kind.R: cost.recompute_s}
+        self.progress = Progress(schedule.num_stages, schedule.num_microbatches)
+        self.pos = [0] * schedule.pp
+        self.running: list[tuple[float, int]] = []  # (virtual work at which its action ends, rank)
+        self.pending: list[tuple[float, int]] = []  # (time its next action may start, rank)
+        self.now = self.virtual = 0.0
+        self.left = sum(len(p) for p in self.programs)
+
+    def run(self) -> float:
+        for rank in range(len(self.programs)):
+            self._try_start(rank)
+        while self.left:
+            if not self.running and not self.pending:
+                raise ScheduleError(f"schedule {self.name!r} deadlocks")
+            self._advance_clock()
+            for rank in self._finish_due() + self._pending_due():
+                self._try_start(rank)
+        return self.now
+
+    def _try_start(self, rank: int) -> None:
+        """Start `rank`'s next action now, or queue it for when its inputs arrive, or leave it
+        waiting (in `progress`) for an action that has not finished."""
+        i = self.pos[rank]
+        if i >= len(self.programs[rank]):
             return
-        ready = now
-        for cls, idx, delay in needs(rank):
-            t = done[cls][idx]
-            if t is None:
-                waiters.setdefault((cls, idx), []).append(rank)
-                return
-            ready = max(ready, t + delay)
-        if ready > now:
-            heapq.heappush(pending, (ready, rank))
+        act = self.programs[rank][i]
+        ready = self.progress.earliest_start(self.waits[rank][i], act.mb, self.now, rank)
+        if ready is None:
+            return
+        if ready > self.now:
+            heapq.heappush(self.pending, (ready, rank))
         else:
-            code, s, _ = programs[rank][pos[rank]]
-            heapq.heappush(running, (virtual + work[code][s], rank))
+            heapq.heappush(self.running, (self.virtual + self.work[act.kind][act.stage], rank))  # type: ignore[index]
 
-    for rank in range(pp):
-        try_start(rank)
-    while left:
-        if not running and not pending:
-            raise ScheduleError(f"schedule {schedule.name!r} deadlocks")
-        rate = min(1.0, slots / (len(running) * replicas)) if running else 0.0
-        t_end = now + (running[0][0] - virtual) / rate if running else math.inf
+    def _advance_clock(self) -> None:
+        """Move time to the next end of a running action or start of a pending one."""
+        running, pending = self.running, self.pending
+        rate = min(1.0, self.slots / (len(running) * self.replicas)) if running else 0.0
+        t_end = self.now + (running[0][0] - self.virtual) / rate if running else math.inf
         t_start = pending[0][0] if pending else math.inf
         t = min(t_end, t_start)
-        virtual += rate * (t - now)
-        now = t
+        self.virtual += rate * (t - self.now)
+        self.now = t
+
+    def _finish_due(self) -> list[int]:
+        """End the running actions whose work is done; their ranks and those that waited on them."""
         woken: list[int] = []
+        running, virtual = self.running, self.virtual
         while running and running[0][0] <= virtual + 1e-12 * max(1.0, virtual):
             _, rank = heapq.heappop(running)
-            code, s, mb = programs[rank][pos[rank]]
-            key = (_CLASS[code], s * m + mb)
-            done[key[0]][key[1]] = now
-            pos[rank] += 1
-            left -= 1
+            act = self.programs[rank][self.pos[rank]]
+            self.pos[rank] += 1
+            self.left -= 1
             woken.append(rank)
-            woken.extend(waiters.pop(key, ()))
-        while pending and pending[0][0] <= now:
-            woken.append(heapq.heappop(pending)[1])
-        for rank in woken:
-            try_start(rank)
-    return now
+            woken.extend(self.progress.finish(COMPLETES[act.kind], act.stage, act.mb, self.now))
+        return woken
+
+    def _pending_due(self) -> list[int]:
+        """The queued ranks whose next action may start now."""
+        due = []
+        while self.pending and self.pending[0][0] <= self.now:
+            due.append(heapq.heappop(self.pending)[1])
+        return due

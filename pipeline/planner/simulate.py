@@ -7,9 +7,9 @@ post-run report predict a run without starting processes.
 Semantics (the same contract the executor follows):
 
 * A rank runs its actions strictly in program order; one action at a time.
-* F(s, mb) starts once F(s-1, mb) has finished (plus a transfer if s-1 lives on another rank).
-* B/I(s, mb) start once F(s, mb) and B/I(s+1, mb) have finished (plus a transfer if cross-rank).
-  W(s, mb) needs I(s, mb); R(s, mb) needs F(s, mb).
+* An action starts once what it waits for has finished, by the rules of
+  `pipeline.planner.dependencies` (F after the previous stage's F, B/I after its own F, R and the
+  next stage's B/I, W after its I, R after its F), plus a transfer where the wait crosses ranks.
 * Sends are asynchronous: a transfer of `output_bytes[s]` takes `latency_s + bytes / bandwidth`
   and never blocks the sender. Links have no contention (each transfer is independent).
   A lowered schedule's RECV actions are therefore implied by the compute dependencies.
@@ -34,8 +34,19 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pipeline.core.ir import Action, Kind, Schedule
+from pipeline.planner.dependencies import (
+    COMPLETES,
+    READS,
+    Progress,
+    Step,
+    Wait,
+    needs,
+    remat_pairs,
+    wait_table,
+)
 
 COMPUTE = (Kind.F, Kind.B, Kind.I, Kind.W, Kind.R)
 
@@ -253,10 +264,6 @@ def validate(schedule: Schedule) -> None:
         raise ScheduleError(f"schedule {schedule.name!r} is invalid:\n  " + "\n  ".join(shown) + more)
 
 
-_F, _G, _W, _R = 0, 1, 2, 3  # dependency classes: forward, input gradient (B or I), W, R
-_CODE = {Kind.F: 0, Kind.B: 1, Kind.I: 2, Kind.W: 3, Kind.R: 4}
-
-
 def transfer_delays(schedule: Schedule, cost: CostModel) -> list[float]:
     """Per stage s: the delay from s finishing to its neighbour s+1 (forward) or s (backward)
     being able to use the result; zero where both live on one rank."""
@@ -274,158 +281,177 @@ def simulate(schedule: Schedule, cost: CostModel, check: bool = True) -> SimResu
         validate(schedule)
     if cost.num_stages != schedule.num_stages:
         raise ValueError(f"cost model has {cost.num_stages} stages, schedule {schedule.num_stages}")
-    placement = schedule.placement
-    num_stages = schedule.num_stages
-    m = schedule.num_microbatches
-    pp = schedule.pp
-    # Programs are compute-only: RECVs are implied by dependencies, SENDs are asynchronous.
-    programs = [[a for a in acts if a.kind in _CODE] for acts in schedule.actions]
-    coded = [[(_CODE[a.kind], a.stage, a.mb) for a in acts] for acts in programs]
-    remat = {(s, mb) for acts in coded for code, s, mb in acts if code == 4}
-    fwd, bi, bw, rc = cost.forward_s, cost.backward_input_s, cost.backward_weight_s, cost.recompute_s
-    fb = cost.backward_s
-    act_b, in_b, out_b = cost.activation_bytes, cost.input_bytes, cost.output_bytes
-    stash_b, freed_b = cost.weight_stash_bytes, cost.input_grad_freed_bytes
-    assert rc is not None and fb is not None and act_b is not None and in_b is not None and out_b is not None
-    assert stash_b is not None and freed_b is not None
-    hop = transfer_delays(schedule, cost)
-
-    n = num_stages * m
-    training = schedule.training
-    done = [[None] * n for _ in range(4)]  # finish times per dependency class, index s * m + mb
-    waiters: dict[tuple[int, int], list[int]] = {}
-    pos = [0] * pp
-    free_at = [0.0] * pp
-    busy = [0.0] * pp
-    first = [math.inf] * pp
-    last = [0.0] * pp
-    mem_events: list[list[tuple[float, int, float, int]]] = [[] for _ in range(pp)]
-    raw_events: list[tuple[int, int, float, float]] = []  # (rank, index in program, start, end)
-    done_f, done_g, done_w, done_r = done
-
-    ready = list(range(pp))
-    remaining = sum(len(p) for p in programs)
-    while ready:
-        rank = ready.pop()
-        prog = coded[rank]
-        while pos[rank] < len(prog):
-            code, s, mb = prog[pos[rank]]
-            idx = s * m + mb
-            start = free_at[rank]
-            blocked = None
-            if code == 0:  # F
-                if s > 0:
-                    t = done_f[idx - m]
-                    if t is None:
-                        blocked = (_F, idx - m)
-                    else:
-                        start = max(start, t + hop[s - 1])
-            elif code <= 2:  # B or I
-                t = done_f[idx]
-                if t is None:
-                    blocked = (_F, idx)
-                else:
-                    start = max(start, t)
-                    if (s, mb) in remat:
-                        t = done_r[idx]
-                        if t is None:
-                            blocked = (_R, idx)
-                        else:
-                            start = max(start, t)
-                    if blocked is None and s + 1 < num_stages:
-                        t = done_g[idx + m]
-                        if t is None:
-                            blocked = (_G, idx + m)
-                        else:
-                            start = max(start, t + hop[s])
-            elif code == 3:  # W
-                t = done_g[idx]
-                if t is None:
-                    blocked = (_G, idx)
-                else:
-                    start = max(start, t)
-            else:  # R
-                t = done_f[idx]
-                if t is None:
-                    blocked = (_F, idx)
-                else:
-                    start = max(start, t)
-            if blocked is not None:
-                waiters.setdefault(blocked, []).append(rank)
-                break
-            is_remat = (s, mb) in remat if remat else False
-            if not training:  # forward-only: nothing is kept for a backward
-                dur, cls = fwd[s], _F
-            elif code == 0:
-                dur, cls = fwd[s], _F
-                mem_events[rank].append((start, 1, in_b[s] if is_remat else act_b[s], 0 if is_remat else 1))
-            elif code == 1:
-                dur, cls = fb[s], _G
-                mem_events[rank].append((start + dur, 0, -(act_b[s] + (in_b[s] if is_remat else 0.0)), -1))
-            elif code == 2:
-                dur, cls = bi[s], _G
-                mem_events[rank].append((start + dur, 0, stash_b[s] - freed_b[s], 0))
-            elif code == 3:
-                dur, cls = bw[s], _W
-                left = act_b[s] - freed_b[s] + stash_b[s] + (in_b[s] if is_remat else 0.0)
-                mem_events[rank].append((start + dur, 0, -left, -1))
-            else:
-                dur, cls = rc[s], _R
-                mem_events[rank].append((start, 1, act_b[s], 1))
-            end = start + dur
-            done[cls][idx] = end
-            free_at[rank] = end
-            busy[rank] += dur
-            if start < first[rank]:
-                first[rank] = start
-            last[rank] = end
-            raw_events.append((rank, pos[rank], start, end))
-            pos[rank] += 1
-            remaining -= 1
-            woken = waiters.pop((cls, idx), None)
-            if woken:
-                ready.extend(woken)
-    if remaining:
-        raise ScheduleError(_deadlock_message(schedule.name, placement, m, programs, pos, done, remat))
+    play = _Play(schedule, cost)
+    play.run()
     if schedule.lowered:
-        _in_flight(schedule, cost, raw_events, mem_events)
+        _in_flight(schedule, cost, play.raw_events, play.mem_events)
+    return play.result()
 
-    makespan = max(last, default=0.0)
-    bubble = [(makespan - b) / makespan if makespan > 0 else 0.0 for b in busy]
-    internal = []
-    for r in range(pp):
-        span = last[r] - first[r] if busy[r] > 0 else 0.0
-        internal.append(max(0.0, (span - busy[r]) / span) if span > 0 else 0.0)
-    peak_bytes, peak_mbs = [], []
-    for r in range(pp):
-        cur_b = cur_n = 0.0
-        best_b = best_n = 0.0
-        # Frees (flag 0) sort before allocations (flag 1) at the same instant.
-        for _t, _flag, db, dn in sorted(mem_events[r], key=lambda e: (e[0], e[1])):
-            cur_b += db
-            cur_n += dn
-            best_b = max(best_b, cur_b)
-            best_n = max(best_n, cur_n)
-        peak_bytes.append(best_b)
-        peak_mbs.append(int(best_n))
-    kind_str = {k: k.value for k in Kind}
-    raw_events.sort(key=lambda e: (e[0], e[2]))
-    events = []
-    for rank, i, start, end in raw_events:
-        act = programs[rank][i]
-        kind = kind_str[act.kind]
-        events.append({"rank": rank, "action": f"{act.stage}{kind}{act.mb}", "kind": kind, "stage": act.stage,
-                       "mb": act.mb, "start_s": start, "end_s": end})
-    return SimResult(
-        makespan_s=makespan,
-        busy_s=busy,
-        bubble=bubble,
-        internal_bubble=internal,
-        lower_bound_s=_lower_bound(schedule, cost, busy),
-        peak_activation_bytes=peak_bytes,
-        peak_activation_microbatches=peak_mbs,
-        events=events,
-    )
+
+#: memory events: (time, order, bytes, micro-batches); at one instant frees (order 0) come first
+_FREE, _ALLOC = 0, 1
+
+
+class _Effect(NamedTuple):
+    """What an action of one kind on one stage does in the simulation, whatever its micro-batch."""
+
+    waits: tuple[Wait, ...]
+    completes: int  # the `Step` its end fills in
+    duration: float
+    #: its memory event: (at its end rather than its start, order, bytes, micro-batches); None if
+    #: the schedule is forward-only
+    memory: tuple[bool, int, float, int] | None
+
+
+class _Play:
+    """One simulated step: every rank runs its compute program in order, each action starting once
+    the rules of `pipeline.planner.dependencies` allow it; the loop follows ranks as they unblock."""
+
+    def __init__(self, schedule: Schedule, cost: CostModel) -> None:
+        self.schedule, self.cost = schedule, cost
+        pp = schedule.pp
+        # Programs are compute-only: RECVs are implied by dependencies, SENDs are asynchronous.
+        self.programs = [[a for a in acts if a.kind in COMPLETES] for acts in schedule.actions]
+        self.remat = remat = remat_pairs(self.programs)
+        effects = self._effects()
+        #: per rank, its program as (stage, mb, effect)
+        self.jobs = [[(a.stage, a.mb, effects[(a.kind, bool(remat) and (a.stage, a.mb) in remat)][a.stage])
+                      for a in acts] for acts in self.programs]
+        self.progress = Progress(schedule.num_stages, schedule.num_microbatches)
+        self.pos = [0] * pp
+        self.free_at = [0.0] * pp
+        self.busy = [0.0] * pp
+        self.first = [math.inf] * pp
+        self.last = [0.0] * pp
+        self.mem_events: list[list[tuple[float, int, float, int]]] = [[] for _ in range(pp)]
+        self.raw_events: list[tuple[int, int, float, float]] = []  # (rank, index in program, start, end)
+        self.remaining = sum(len(p) for p in self.programs)
+
+    def _effects(self) -> dict[tuple[Kind, bool], list[_Effect]]:
+        """effects[(kind, rematerialised)][stage]: waits from the dependency rules, costs and memory."""
+        schedule, cost = self.schedule, self.cost
+        waits = wait_table(schedule.num_stages, transfer_delays(schedule, cost))
+        durations = {Kind.F: cost.forward_s, Kind.B: cost.backward_s, Kind.I: cost.backward_input_s,
+                     Kind.W: cost.backward_weight_s, Kind.R: cost.recompute_s}
+        table: dict[tuple[Kind, bool], list[_Effect]] = {}
+        for (kind, remat), per_stage in waits.items():
+            if not schedule.training:  # forward-only: every action costs and completes a forward
+                table[(kind, remat)] = [_Effect(per_stage[s], Step.FORWARD, cost.forward_s[s], None)
+                                        for s in range(schedule.num_stages)]
+            else:
+                table[(kind, remat)] = [_Effect(per_stage[s], COMPLETES[kind], durations[kind][s],  # type: ignore[index]
+                                                self._memory(kind, s, remat))
+                                        for s in range(schedule.num_stages)]
+        return table
+
+    def _memory(self, kind: Kind, s: int, remat: bool) -> tuple[bool, int, float, int]:
+        """The memory event of a training action (see the module docstring's accounting)."""
+        cost = self.cost
+        act_b, in_b = cost.activation_bytes, cost.input_bytes
+        stash_b, freed_b = cost.weight_stash_bytes, cost.input_grad_freed_bytes
+        assert act_b is not None and in_b is not None and stash_b is not None and freed_b is not None
+        if kind is Kind.F:
+            return (False, _ALLOC, in_b[s] if remat else act_b[s], 0 if remat else 1)
+        if kind is Kind.B:
+            return (True, _FREE, -(act_b[s] + (in_b[s] if remat else 0.0)), -1)
+        if kind is Kind.I:
+            return (True, _FREE, stash_b[s] - freed_b[s], 0)
+        if kind is Kind.W:
+            return (True, _FREE, -(act_b[s] - freed_b[s] + stash_b[s] + (in_b[s] if remat else 0.0)), -1)
+        return (False, _ALLOC, act_b[s], 1)  # R
+
+    def run(self) -> None:
+        """Play every rank as far as it goes; raise ScheduleError if some never finish."""
+        ready = list(range(self.schedule.pp))
+        while ready:
+            ready.extend(self._advance(ready.pop()))
+        if self.remaining:
+            raise ScheduleError(self._deadlock_message())
+
+    def _advance(self, rank: int) -> list[int]:
+        """Run `rank`'s next actions until one must wait; the ranks whose waits its actions ended."""
+        prog, pos, mem, events = self.jobs[rank], self.pos[rank], self.mem_events[rank], self.raw_events
+        earliest_start, finish = self.progress.earliest_start, self.progress.finish
+        start0 = pos
+        free_at = self.free_at[rank]
+        woken: list[int] = []
+        while pos < len(prog):
+            s, mb, (waits, step, duration, memory) = prog[pos]
+            start = earliest_start(waits, mb, free_at, rank)
+            if start is None:
+                break
+            free_at = end = start + duration
+            if memory is not None:
+                at_end, order, nbytes, count = memory
+                mem.append((end if at_end else start, order, nbytes, count))
+            self.busy[rank] += duration
+            if start < self.first[rank]:
+                self.first[rank] = start
+            events.append((rank, pos, start, end))
+            pos += 1
+            woken.extend(finish(step, s, mb, end))
+        if pos > start0:
+            self.pos[rank], self.free_at[rank], self.last[rank] = pos, free_at, free_at
+            self.remaining -= pos - start0
+        return woken
+
+    def result(self) -> SimResult:
+        pp, busy, first, last = self.schedule.pp, self.busy, self.first, self.last
+        makespan = max(last, default=0.0)
+        bubble = [(makespan - b) / makespan if makespan > 0 else 0.0 for b in busy]
+        internal = []
+        for r in range(pp):
+            span = last[r] - first[r] if busy[r] > 0 else 0.0
+            internal.append(max(0.0, (span - busy[r]) / span) if span > 0 else 0.0)
+        peaks = [_peak(events) for events in self.mem_events]
+        return SimResult(
+            makespan_s=makespan,
+            busy_s=busy,
+            bubble=bubble,
+            internal_bubble=internal,
+            lower_bound_s=_lower_bound(self.schedule, self.cost, busy),
+            peak_activation_bytes=[b for b, _ in peaks],
+            peak_activation_microbatches=[n for _, n in peaks],
+            events=self._event_dicts(),
+        )
+
+    def _event_dicts(self) -> list[dict]:
+        self.raw_events.sort(key=lambda e: (e[0], e[2]))
+        kind_str = {k: k.value for k in Kind}  # a dict lookup is cheaper than the enum's property
+        events = []
+        for rank, i, start, end in self.raw_events:
+            act = self.programs[rank][i]
+            kind = kind_str[act.kind]
+            events.append({"rank": rank, "action": f"{act.stage}{kind}{act.mb}", "kind": kind, "stage": act.stage,
+                           "mb": act.mb, "start_s": start, "end_s": end})
+        return events
+
+    def _deadlock_message(self) -> str:
+        placement, num_stages = self.schedule.placement, self.schedule.num_stages
+        lines = [f"schedule {self.schedule.name!r} deadlocks: no rank can progress"]
+        for rank, prog in enumerate(self.programs):
+            if self.pos[rank] >= len(prog):
+                lines.append(f"  rank {rank}: finished")
+                continue
+            act = prog[self.pos[rank]]
+            s, mb = act.stage, act.mb
+            missing = [f"{n.stage}{n.label}{mb} (rank {placement[n.stage]})"
+                       for n in needs(act.kind, s, num_stages, (s, mb) in self.remat)
+                       if not self.progress.finished(n.step, n.stage, mb)]
+            lines.append(f"  rank {rank}: stuck at {act} (action #{self.pos[rank]}), waiting for {', '.join(missing)}")
+        return "\n".join(lines)
+
+
+def _peak(events: list[tuple[float, int, float, int]]) -> tuple[float, int]:
+    """The most bytes and activation-holding micro-batches a rank's memory events reach at once."""
+    cur_b = cur_n = 0.0
+    best_b = best_n = 0.0
+    for _t, _order, db, dn in sorted(events, key=lambda e: (e[0], e[1])):
+        cur_b += db
+        cur_n += dn
+        best_b = max(best_b, cur_b)
+        best_n = max(best_n, cur_n)
+    return best_b, int(best_n)
 
 
 def _in_flight(schedule: Schedule, cost: CostModel, raw_events: list[tuple[int, int, float, float]],
@@ -437,29 +463,25 @@ def _in_flight(schedule: Schedule, cost: CostModel, raw_events: list[tuple[int, 
     times = {(rank, i): (start, end) for rank, i, start, end in raw_events}
     in_b, out_b = cost.input_bytes or [0.0] * schedule.num_stages, cost.output_bytes or [0.0] * schedule.num_stages
     for rank, acts in enumerate(schedule.actions):
-        reader: dict[tuple[str, int, int], int] = {}
-        i = 0
-        for a in acts:
-            if a.kind in _CODE:
-                reader[("F" if a.kind is Kind.F else "G" if a.kind in (Kind.B, Kind.I) else "", a.stage, a.mb)] = i
-                i += 1
+        compute = [a for a in acts if a.kind in COMPLETES]
+        reader = {(COMPLETES[a.kind], a.stage, a.mb): i for i, a in enumerate(compute)}
         done = 0  # compute actions before the current position
         for a in acts:
-            if a.kind in _CODE:
+            if a.kind in COMPLETES:
                 done += 1
                 continue
             made_end = times[(rank, done - 1)][1] if done else 0.0
-            if a.kind in (Kind.RECV_F, Kind.RECV_B):
+            if a.kind in READS:
                 nbytes = in_b[a.stage] if a.kind is Kind.RECV_F else out_b[a.stage]
-                read = reader.get(("F" if a.kind is Kind.RECV_F else "G", a.stage, a.mb))
+                read = reader.get((READS[a.kind], a.stage, a.mb))
                 if read is not None and nbytes:
-                    mem_events[rank].append((made_end, 1, nbytes, 0))
-                    mem_events[rank].append((times[(rank, read)][0], 0, -nbytes, 0))
+                    mem_events[rank].append((made_end, _ALLOC, nbytes, 0))
+                    mem_events[rank].append((times[(rank, read)][0], _FREE, -nbytes, 0))
             else:
                 nbytes = out_b[a.stage] if a.kind is Kind.SEND_F else in_b[a.stage]
                 if nbytes:
-                    mem_events[rank].append((made_end, 1, nbytes, 0))
-                    mem_events[rank].append((made_end + cost.transfer_s(nbytes), 0, -nbytes, 0))
+                    mem_events[rank].append((made_end, _ALLOC, nbytes, 0))
+                    mem_events[rank].append((made_end + cost.transfer_s(nbytes), _FREE, -nbytes, 0))
 
 
 def _lower_bound(schedule: Schedule, cost: CostModel, busy: list[float]) -> float:
@@ -480,35 +502,15 @@ def _lower_bound(schedule: Schedule, cost: CostModel, busy: list[float]) -> floa
     return bound
 
 
-_KIND_NAME = {"F": "F", "G": "B/I", "W": "W", "R": "R"}
+def makespan(programs: list[list[Action]], placement: list[int], microbatches: int, costs: tuple,
+             backward: list[float] | None = None) -> float:
+    """Simulated step time of compute-only programs under (F, I, W) costs (numbers or per stage);
+    a fused B costs `backward` per stage when given, else I + W. What schedule generators compare
+    candidate orders by."""
+    n = len(placement)
+    f, i, w = ([float(x)] * n if not isinstance(x, (list, tuple)) else [float(v) for v in x] for x in costs)
+    schedule = Schedule("play-through", n, microbatches, list(placement), programs)
+    return simulate(schedule, CostModel(f, i, w, backward_s=backward), check=False).makespan_s
 
 
-def _deadlock_message(name: str, placement: list[int], m: int, programs: list[list[Action]],
-                      pos: list[int], done: list[list[float | None]], remat: set[tuple[int, int]]) -> str:
-    lines = [f"schedule {name!r} deadlocks: no rank can progress"]
-    for rank, prog in enumerate(programs):
-        if pos[rank] >= len(prog):
-            lines.append(f"  rank {rank}: finished")
-            continue
-        act = prog[pos[rank]]
-        s, mb, k = act.stage, act.mb, act.kind
-        needs: list[tuple[int, int, str]] = []
-        if k is Kind.F and s > 0:
-            needs.append((_F, s - 1, "F"))
-        elif k in (Kind.B, Kind.I):
-            needs.append((_F, s, "F"))
-            if (s, mb) in remat:
-                needs.append((_R, s, "R"))
-            if s + 1 < len(placement):
-                needs.append((_G, s + 1, "B/I"))
-        elif k is Kind.W:
-            needs.append((_G, s, "I"))
-        elif k is Kind.R:
-            needs.append((_F, s, "F"))
-        missing = [f"{st}{label}{mb} (rank {placement[st]})" for cls, st, label in needs
-                   if done[cls][st * m + mb] is None]
-        lines.append(f"  rank {rank}: stuck at {act} (action #{pos[rank]}), waiting for {', '.join(missing)}")
-    return "\n".join(lines)
-
-
-__all__ = ["CostModel", "ScheduleError", "SimResult", "simulate", "validate"]
+__all__ = ["CostModel", "ScheduleError", "SimResult", "makespan", "simulate", "transfer_delays", "validate"]

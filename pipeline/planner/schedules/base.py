@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from pipeline.core.errors import ConfigError
-from pipeline.core.ir import Action, Schedule
+from pipeline.core.ir import Action
+from pipeline.planner.schedules.fuse import fuse_slack_backwards
+from pipeline.planner.simulate import makespan
 
 
 @dataclass
@@ -59,8 +61,6 @@ class ScheduleGenerator:
             makespan(deferred, placement, microbatches, costs) * (1 + 1e-9))
         programs = deferred if slower else eager
         if getattr(self, "fuse_backward", False):
-            from pipeline.planner.schedules.fuse import fuse_slack_backwards
-
             fused = getattr(self, "_fused_backward", None) if costs != (1, 1, 1) else None
             programs = fuse_slack_backwards(programs, placement, microbatches, costs, fused)
         return programs
@@ -110,13 +110,4 @@ def require_microbatches_at_least(name: str, microbatches: int, minimum: int, wh
         )
 
 
-def makespan(programs: list[list[Action]], placement: list[int], microbatches: int, costs: tuple,
-             backward: list[float] | None = None) -> float:
-    """Simulated step time of compute-only programs under (F, I, W) costs (numbers or per stage);
-    a fused B costs `backward` per stage when given, else I + W."""
-    from pipeline.planner.simulate import CostModel, simulate  # the simulator imports schedules' IR only
-
-    n = len(placement)
-    f, i, w = ([float(x)] * n if not isinstance(x, (list, tuple)) else [float(v) for v in x] for x in costs)
-    schedule = Schedule("play-through", n, microbatches, list(placement), programs)
-    return simulate(schedule, CostModel(f, i, w, backward_s=backward), check=False).makespan_s
+__all__ = ["ScheduleGenerator", "makespan", "require_microbatches_at_least"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipeline.core.ir import Action, Kind
+from pipeline.planner.simulate import makespan
 
 #: above this many (pair x action) simulations the pass is skipped: it stays well under a second
 #: for the schedules people train with, and plan mode must answer for pp=64 in seconds
@@ -36,8 +37,6 @@ def fuse_slack_backwards(
 ) -> list[list[Action]]:
     """Programs with I/W pairs fused into B wherever the simulated step does not grow (B costing
     `backward` per stage when given, else I + W)."""
-    from pipeline.planner.schedules.base import makespan
-
     pairs = sum(_is_pair(acts, i) for acts in programs for i in range(len(acts)))
     if not pairs or pairs * sum(len(acts) for acts in programs) > MAX_WORK:
         return programs

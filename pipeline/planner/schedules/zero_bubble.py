@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 from pipeline.core.errors import ConfigError
 from pipeline.core.ir import Action, B, F, I, Kind, W
+from pipeline.planner.dependencies import Progress, Step, released_stage, wait_table
 from pipeline.planner.schedules.base import ScheduleGenerator, require_microbatches_at_least
 
 
@@ -63,152 +64,222 @@ def list_schedule(
     deferred as usual to fill the bubbles.
     Raises ConfigError("microbatches", ...) if the caps leave the pipeline stuck.
     """
-    num_stages = len(placement)
-    pp = max(placement) + 1
-    m = microbatches
-    cf, ci, cw = (list(c) if isinstance(c, Sequence) else [c] * num_stages for c in costs)
-    cb = [i + w for i, w in zip(ci, cw, strict=True)]
-    stages_of = [[s for s in range(num_stages) if placement[s] == r] for r in range(pp)]
-    if forward_priority == "deepest":
-        f_order = [sorted(st, reverse=True) for st in stages_of]
-    elif forward_priority == "earliest":
-        f_order = [list(st) for st in stages_of]
-    else:
+    if forward_priority not in ("deepest", "earliest"):
         raise ValueError(f"forward_priority must be 'deepest' or 'earliest', got {forward_priority!r}")
-    bkeys = {
-        "earliest": lambda s, mb: (mb, -s),
-        "deepest": lambda s, mb: (-s, mb),
-        "shallowest": lambda s, mb: (s, mb),
-    }
-    bkey = bkeys[backward_priority]
-    inf = float("inf")
-    f_end = [[inf] * m for _ in range(num_stages)]  # finish time of F(s, mb)
-    g_end = [[inf] * m for _ in range(num_stages)]  # finish time of B/I(s, mb)
-    next_f = [0] * num_stages
-    next_b = [0] * num_stages
-    pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(pp)]
-    inflight = [0] * pp
-    waiting_b = [0] * pp  # forwarded but not yet I/B: what 1F1B's warm-up bounds
-    cap_b = list(cap_unbackwarded) if cap_unbackwarded is not None else list(cap)
-    max_w = list(max_deferred_w) if max_deferred_w is not None else [num_stages * m] * pp
-    programs: list[list[Action]] = [[] for _ in range(pp)]
-    just_i: list[tuple[int, int] | None] = [None] * pp  # eager_w: the I whose W runs next
-    releases: list[list[tuple[int, int]]] = [[] for _ in range(pp)]  # (time, rank-local frees)
-    remaining = num_stages * m * (3 if split_backward else 2)
+    num_stages, pp = len(placement), max(placement) + 1
+    rules = _Rules(
+        split_backward=split_backward,
+        cap=list(cap),
+        cap_unbackwarded=list(cap_unbackwarded) if cap_unbackwarded is not None else list(cap),
+        max_deferred_w=list(max_deferred_w) if max_deferred_w is not None else [num_stages * microbatches] * pp,
+        deepest_forward_first=forward_priority == "deepest",
+        backward_key=_BACKWARD_KEYS[backward_priority],
+        forward_first=forward_first,
+        reserve_deeper=reserve_deeper,
+        eager_w=eager_w,
+    )
+    return _ListScheduler(placement, microbatches, rules, costs).run()
 
-    def reserved(r: int, s: int) -> int:
-        if not reserve_deeper:
-            return 0
-        return sum(1 for d in stages_of[r] if d > s and next_f[d] < m and next_f[d] <= next_f[s])
 
-    def pick_f(r: int, t: int) -> tuple[Action, int] | None:
-        if inflight[r] < cap[r] and waiting_b[r] < cap_b[r]:
-            for s in f_order[r]:
-                mb = next_f[s]
-                if mb < m and (s == 0 or f_end[s - 1][mb] <= t) and inflight[r] + reserved(r, s) < cap[r]:
-                    next_f[s] += 1
-                    f_end[s][mb] = t + cf[s]
-                    inflight[r] += 1
-                    waiting_b[r] += 1
-                    return F(s, mb), cf[s]
-        return None
+#: the order among ready backwards of (stage, mb), by `backward_priority`
+_BACKWARD_KEYS: dict[str, Callable[[int, int], tuple[int, int]]] = {
+    "earliest": lambda s, mb: (mb, -s),
+    "deepest": lambda s, mb: (-s, mb),
+    "shallowest": lambda s, mb: (s, mb),
+}
 
-    def forwards_left(r: int) -> bool:
-        return any(next_f[s] < m for s in stages_of[r])
 
-    def pick(r: int, t: int) -> tuple[Action, int] | None:
-        if eager_w and just_i[r] is not None:
-            s, mb = just_i[r]
-            just_i[r] = None
-            pending_w[r].remove((s, mb))
-            releases[r].append((t + cw[s], 1))
-            return W(s, mb), cw[s]
-        if forward_first:
-            got = pick_f(r, t)
-            if got is not None:
-                return got
-        best: tuple[int, int] | None = None
-        for s in stages_of[r]:
-            mb = next_b[s]
-            if mb < next_f[s] and f_end[s][mb] <= t and (s + 1 == num_stages or g_end[s + 1][mb] <= t):
-                if best is None or bkey(s, mb) < bkey(*best):
-                    best = (s, mb)
-        if best is not None:
-            s, mb = best
-            next_b[s] += 1
-            waiting_b[r] -= 1
-            if split_backward:
-                g_end[s][mb] = t + ci[s]
-                pending_w[r].append((s, mb))
-                if eager_w and forwards_left(r):
-                    just_i[r] = (s, mb)
-                return I(s, mb), ci[s]
-            g_end[s][mb] = t + cb[s]
-            releases[r].append((t + cb[s], 1))
-            return B(s, mb), cb[s]
-        if pending_w[r] and len(pending_w[r]) > max_w[r]:
-            s, mb = pending_w[r].popleft()
-            releases[r].append((t + cw[s], 1))
-            return W(s, mb), cw[s]
-        got = pick_f(r, t)
-        if got is not None:
-            return got
-        if pending_w[r]:
-            s, mb = pending_w[r].popleft()
-            releases[r].append((t + cw[s], 1))
-            return W(s, mb), cw[s]
-        return None
+@dataclass(frozen=True)
+class _Rules:
+    """The choices of one `list_schedule` call (see its docstring)."""
+
+    split_backward: bool
+    cap: list[int]
+    cap_unbackwarded: list[int]
+    max_deferred_w: list[int]
+    deepest_forward_first: bool
+    backward_key: Callable[[int, int], tuple[int, int]]
+    forward_first: bool
+    reserve_deeper: bool
+    eager_w: bool
+
+
+class _ListScheduler:
+    """One play-through. Time advances from one action end to the next; at each, the ranks that
+    may have something new to do pick by the rules' priorities (`_pick`), and what they pick is
+    appended to their programs. Readiness follows `pipeline.planner.dependencies` without
+    transfers; `progress` holds when each picked F and B/I ends."""
+
+    def __init__(self, placement: Sequence[int], microbatches: int, rules: _Rules, costs: tuple) -> None:
+        self.placement, self.m, self.rules = placement, microbatches, rules
+        self.num_stages = n = len(placement)
+        self.pp = pp = max(placement) + 1
+        self.cf, self.ci, self.cw = (list(c) if isinstance(c, Sequence) else [c] * n for c in costs)
+        self.cb = [i + w for i, w in zip(self.ci, self.cw, strict=True)]
+        self.stages_of = [[s for s in range(n) if placement[s] == r] for r in range(pp)]
+        self.f_order = [sorted(st, reverse=True) if rules.deepest_forward_first else list(st) for st in self.stages_of]
+        waits = wait_table(n)  # the play-through has no transfers
+        self.f_waits, self.b_waits = waits[(Kind.F, False)], waits[(Kind.I, False)]
+        self.progress = Progress(n, microbatches)
+        self.next_f = [0] * n
+        self.next_b = [0] * n
+        self.pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(pp)]
+        self.inflight = [0] * pp
+        self.waiting_b = [0] * pp  # forwarded but not yet I/B: what 1F1B's warm-up bounds
+        self.just_i: list[tuple[int, int] | None] = [None] * pp  # eager_w: the I whose W runs next
+        self.releases: list[list[tuple[float, int]]] = [[] for _ in range(pp)]  # (time, in-flight slots freed)
+        self.programs: list[list[Action]] = [[] for _ in range(pp)]
+        self.remaining = n * microbatches * (3 if rules.split_backward else 2)
 
     # Event loop. A rank that found nothing to do stays asleep until something it waits on
     # changes: its own action ends (which also frees its in-flight slots and makes its pending
-    # W runnable), the forward of the stage before one of its stages ends, or the backward of
-    # the stage after. Polling every idle rank at every event instead made this O(pp) slower
-    # (pp=64 ZBV: 1.7M polls for 49k actions).
-    busy: list[tuple[float, int, int, bool]] = []  # heap of (free time, rank, stage, was a forward)
-    idle = set(range(pp))
-    woken = set(range(pp))
-    t = 0
-    while remaining:
-        for r in sorted(idle):
+    # W runnable), or an action ends that `released_stage` says may let one of its stages start.
+    # Polling every idle rank at every event instead made this O(pp) slower (pp=64 ZBV: 1.7M
+    # polls for 49k actions).
+
+    def run(self) -> list[list[Action]]:
+        self.busy: list[tuple[float, int, Action]] = []  # heap of (free time, rank, its action)
+        self.idle = set(range(self.pp))
+        woken = set(range(self.pp))
+        t: float = 0
+        while True:
+            self._start_woken(t, woken)
+            if not self.remaining:
+                return self.programs
+            if not self.busy:
+                raise self._stuck()
+            t, woken = self._next_ends()
+
+    def _start_woken(self, t: float, woken: set[int]) -> None:
+        """Let each woken idle rank, lowest first, pick and start its next action at `t`."""
+        for r in sorted(self.idle):
             if r not in woken:
                 continue
-            rel = releases[r]
-            if rel:
-                inflight[r] -= sum(n for when, n in rel if when <= t)
-                releases[r] = [x for x in rel if x[0] > t]
-            got = pick(r, t)
-            if got is not None:
-                act, dur = got
-                programs[r].append(act)
-                remaining -= 1
-                idle.discard(r)
-                heapq.heappush(busy, (t + dur, r, act.stage, act.kind is Kind.F))
-                if dur == 0:  # done already: a later rank of this same pass may use it, as it ends now
-                    woken.add(_neighbour_rank(placement, act.stage, act.kind is Kind.F))
-        if not remaining:
-            break
-        if not busy:
-            stuck = ", ".join(f"rank {r} after {len(programs[r])} actions" for r in sorted(idle))
-            raise ConfigError(
-                "microbatches",
-                f"the in-flight caps {list(cap)} leave the pipeline stuck ({stuck}); "
-                f"raise the cap or change microbatches",
-            )
-        t = busy[0][0]
+            self._release_slots(r, t)
+            got = self._pick(r, t)
+            if got is None:
+                continue
+            act, dur = got
+            self.programs[r].append(act)
+            self.remaining -= 1
+            self.idle.discard(r)
+            heapq.heappush(self.busy, (t + dur, r, act))
+            if dur == 0:  # done already: a later rank of this same pass may use it, as it ends now
+                woken.add(self._released_rank(act))
+
+    def _next_ends(self) -> tuple[float, set[int]]:
+        """Advance to the next action end; the ranks it frees and those it may let start."""
+        t = self.busy[0][0]
         woken = set()
-        while busy and busy[0][0] == t:
-            _, r, s, forward = heapq.heappop(busy)
-            idle.add(r)
+        while self.busy and self.busy[0][0] == t:
+            _, r, act = heapq.heappop(self.busy)
+            self.idle.add(r)
             woken.add(r)
-            woken.add(_neighbour_rank(placement, s, forward))
-    return programs
+            woken.add(self._released_rank(act))
+        return t, woken
 
+    def _released_rank(self, act: Action) -> int:
+        """The rank of the other stage whose action the end of `act` may let start; -1 for none."""
+        stage = released_stage(act.kind, act.stage, self.num_stages)
+        return self.placement[stage] if stage is not None else -1
 
-def _neighbour_rank(placement: Sequence[int], stage: int, forward: bool) -> int:
-    """The rank that an action of `stage` ending may unblock: the next stage's after a forward
-    (its input), the previous stage's after a backward (its output gradient); -1 for none."""
-    neighbour = stage + 1 if forward else stage - 1
-    return placement[neighbour] if 0 <= neighbour < len(placement) else -1
+    def _release_slots(self, r: int, t: float) -> None:
+        rel = self.releases[r]
+        if rel:
+            self.inflight[r] -= sum(n for when, n in rel if when <= t)
+            self.releases[r] = [x for x in rel if x[0] > t]
+
+    def _stuck(self) -> ConfigError:
+        stuck = ", ".join(f"rank {r} after {len(self.programs[r])} actions" for r in sorted(self.idle))
+        return ConfigError(
+            "microbatches",
+            f"the in-flight caps {self.rules.cap} leave the pipeline stuck ({stuck}); "
+            f"raise the cap or change microbatches",
+        )
+
+    # Picking: what a free rank runs next, by the priorities of the module docstring.
+
+    def _pick(self, r: int, t: float) -> tuple[Action, float] | None:
+        rules = self.rules
+        if rules.eager_w and self.just_i[r] is not None:
+            return self._eager_w(r, t)
+        if rules.forward_first:
+            got = self._pick_forward(r, t)
+            if got is not None:
+                return got
+        best = self._ready_backward(r, t)
+        if best is not None:
+            return self._start_backward(r, t, *best)
+        if self.pending_w[r] and len(self.pending_w[r]) > rules.max_deferred_w[r]:
+            return self._deferred_w(r, t)
+        got = self._pick_forward(r, t)
+        if got is not None:
+            return got
+        if self.pending_w[r]:
+            return self._deferred_w(r, t)
+        return None
+
+    def _pick_forward(self, r: int, t: float) -> tuple[Action, float] | None:
+        cap = self.rules.cap
+        if self.inflight[r] >= cap[r] or self.waiting_b[r] >= self.rules.cap_unbackwarded[r]:
+            return None
+        for s in self.f_order[r]:
+            mb = self.next_f[s]
+            if (mb < self.m and self.progress.done_by(self.f_waits[s], mb, t)
+                    and self.inflight[r] + self._reserved(r, s) < cap[r]):
+                self.next_f[s] += 1
+                self.progress.finish(Step.FORWARD, s, mb, t + self.cf[s])
+                self.inflight[r] += 1
+                self.waiting_b[r] += 1
+                return F(s, mb), self.cf[s]
+        return None
+
+    def _reserved(self, r: int, s: int) -> int:
+        """In-flight slots kept for the rank's deeper stages that still have forwards to run."""
+        if not self.rules.reserve_deeper:
+            return 0
+        next_f = self.next_f
+        return sum(1 for d in self.stages_of[r] if d > s and next_f[d] < self.m and next_f[d] <= next_f[s])
+
+    def _ready_backward(self, r: int, t: float) -> tuple[int, int] | None:
+        """The (stage, mb) of the rank's ready backward that goes first, if any."""
+        key = self.rules.backward_key
+        best: tuple[int, int] | None = None
+        for s in self.stages_of[r]:
+            mb = self.next_b[s]
+            if mb < self.next_f[s] and self.progress.done_by(self.b_waits[s], mb, t):
+                if best is None or key(s, mb) < key(*best):
+                    best = (s, mb)
+        return best
+
+    def _start_backward(self, r: int, t: float, s: int, mb: int) -> tuple[Action, float]:
+        self.next_b[s] += 1
+        self.waiting_b[r] -= 1
+        if self.rules.split_backward:
+            self.progress.finish(Step.INPUT_GRAD, s, mb, t + self.ci[s])
+            self.pending_w[r].append((s, mb))
+            if self.rules.eager_w and any(self.next_f[d] < self.m for d in self.stages_of[r]):
+                self.just_i[r] = (s, mb)
+            return I(s, mb), self.ci[s]
+        self.progress.finish(Step.INPUT_GRAD, s, mb, t + self.cb[s])
+        self.releases[r].append((t + self.cb[s], 1))
+        return B(s, mb), self.cb[s]
+
+    def _eager_w(self, r: int, t: float) -> tuple[Action, float]:
+        """The W of the I the rank just ran."""
+        s, mb = self.just_i[r]  # type: ignore[misc]
+        self.just_i[r] = None
+        self.pending_w[r].remove((s, mb))
+        return self._start_w(r, t, s, mb)
+
+    def _deferred_w(self, r: int, t: float) -> tuple[Action, float]:
+        """The rank's oldest pending W."""
+        s, mb = self.pending_w[r].popleft()
+        return self._start_w(r, t, s, mb)
+
+    def _start_w(self, r: int, t: float, s: int, mb: int) -> tuple[Action, float]:
+        self.releases[r].append((t + self.cw[s], 1))
+        return W(s, mb), self.cw[s]
 
 
 def _linear_check(gen: ScheduleGenerator, pp: int, microbatches: int, placement: list[int]) -> None:
