@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 
 from pipeline.core.config import TrainConfig
 from pipeline.core.errors import ConfigError
@@ -33,9 +33,6 @@ from pipeline.planner.search import (
 )
 from pipeline.planner.traced import TracedModels, micro_batch_size
 
-#: scheduler options that are not a training schedule to compare
-NOT_CANDIDATES = ("AutoSchedule", "Inference")
-
 
 @dataclass(frozen=True)
 class GroupOptions:
@@ -52,9 +49,18 @@ def is_auto(scheduler_cfg: Mapping) -> bool:
 
 
 def training_schedules(options: GroupOptions) -> dict[str, dict]:
-    """Training schedules of the scheduler config group (a user's own on the search path too)."""
-    return {name: opt for name, opt in options.scheduler.items()
-            if not str(opt.get("_target_", "")).endswith(NOT_CANDIDATES)}
+    """Training schedules of the scheduler config group (a user's own on the search path too):
+    the options whose class trains (`training`), leaving out `auto` itself."""
+    from pipeline.planner.schedules.auto import AutoSchedule
+
+    def trains(option: Mapping) -> bool:
+        try:
+            cls = get_class(str(option.get("_target_")))
+        except Exception:  # noqa: BLE001 - not importable: instantiate_scheduler names it if chosen
+            return True
+        return not issubclass(cls, AutoSchedule) and bool(getattr(cls, "training", True))
+
+    return {name: opt for name, opt in options.scheduler.items() if trains(opt)}
 
 
 def instantiate_scheduler(option: str, option_cfg: Mapping) -> ScheduleGenerator:

@@ -1,35 +1,51 @@
-"""Experiment tracking on global rank 0: the console line per step, and wandb when asked."""
+"""Experiment tracking on global rank 0: the `logger` config group's plug-ins.
+
+Each option of `conf/logger/` names a `Tracker` subclass by `_target_` (a user's own too): it is
+built on rank 0 with the run's config as plain data and the run directory, then told each step's
+values and, at the end, the run's summary. The console line per step is the progress display's
+(`pipeline.runtime.progress`), whatever the logger.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from hydra.utils import get_class
 
 from pipeline.core.config import TrainConfig
 
 
 class Tracker:
-    """`logger=console` prints; `logger=wandb` also logs to a wandb run (offline by default)."""
+    """`logger=console`: nothing beyond the progress line. The interface every logger keeps."""
 
-    def __init__(self, cfg: TrainConfig, run_dir: Path | None) -> None:
-        self.run: Any = None
-        logger_cfg = cfg.logger
-        if logger_cfg.get("name") == "wandb":
-            import wandb
-
-            self.run = wandb.init(
-                project=logger_cfg.get("project", "pipelaunch"),
-                mode=logger_cfg.get("mode", "offline"),
-                group=logger_cfg.get("group"),
-                tags=list(logger_cfg.get("tags") or []),
-                config=cfg.to_dict(),
-                dir=str(run_dir) if run_dir else None,
-                reinit="finish_previous",  # a sequential multirun starts a new run per job
-            )
+    def __init__(self, run_config: dict, run_dir: Path | None) -> None:
+        self.run_config, self.run_dir = run_config, run_dir
 
     def log_step(self, step: int, values: dict[str, float]) -> None:
-        if self.run is not None:
-            self.run.log(values, step=step)
+        """The values of one step (loss, lr, tokens/s, eval_loss)."""
+
+    def finish(self, summary: dict[str, Any] | None = None) -> None:
+        """The run's summary (median step time, tokens/s); the last call."""
+
+
+class WandbTracker(Tracker):
+    """`logger=wandb`: a wandb run, offline by default (`wandb sync` uploads it later)."""
+
+    def __init__(self, run_config: dict, run_dir: Path | None, project: str = "pipelaunch", mode: str = "offline",
+                 group: str | None = None, tags: Sequence[str] = ()) -> None:
+        import wandb
+
+        super().__init__(run_config, run_dir)
+        self.run: Any = wandb.init(
+            project=project, mode=mode, group=group, tags=list(tags), config=run_config,
+            dir=str(run_dir) if run_dir else None,
+            reinit="finish_previous",  # a sequential multirun starts a new run per job
+        )
+
+    def log_step(self, step: int, values: dict[str, float]) -> None:
+        self.run.log(values, step=step)
 
     def finish(self, summary: dict[str, Any] | None = None) -> None:
         if self.run is not None:
@@ -37,3 +53,11 @@ class Tracker:
                 self.run.summary.update(summary)
             self.run.finish()
             self.run = None
+
+
+def make_tracker(cfg: TrainConfig, run_dir: Path | None) -> Tracker:
+    """The `logger` option's tracker for this run: its `_target_` class, called with the run's
+    config as plain data (not instantiated), the run directory and the option's other keys (its
+    `name` only labels the option)."""
+    options = {k: v for k, v in cfg.logger.items() if k not in ("name", "_target_")}
+    return get_class(cfg.logger["_target_"])(cfg.to_dict(), run_dir, **options)

@@ -37,7 +37,7 @@ from pipeline.runtime.memory import current_memory_bytes, peak_memory_bytes, res
 from pipeline.runtime.optim import build_optimizer, clip_gradients
 from pipeline.runtime.progress import Progress
 from pipeline.runtime.stage import build_stage_modules
-from pipeline.runtime.tracking import Tracker
+from pipeline.runtime.tracking import Tracker, make_tracker
 
 #: steps after warm-up whose events price the run's own per-stage costs (bounded: every rank sends
 #: them to rank 0 at the end)
@@ -279,7 +279,7 @@ def train_rank(cfg: TrainConfig, plan: Plan, ctx: RankContext, run_dir: Path | N
     tokens_per_step = _tokens_per_step(cfg, trainer)
     record = RunRecord.resumed(resume_from, trainer)
     reset_peak(ctx.device)
-    tracker = Tracker(cfg, run_dir) if ctx.rank == 0 else None
+    tracker = make_tracker(cfg, run_dir) if ctx.rank == 0 else None
     progress = Progress(cfg.steps, tokens_per_step, cfg.log_every, record.start_step) \
         if ctx.rank == 0 else None
     for step in range(record.start_step, cfg.steps):
