@@ -30,6 +30,7 @@ def _imports(path) -> set[str]:
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
     return found
 
 
@@ -38,3 +39,68 @@ def test_the_library_never_imports_the_launcher() -> None:
     offenders = {str(p.relative_to(ROOT)): sorted(m for m in _imports(p) if m.split(".")[0] == "launcher")
                  for folder in ("pipeline", "models") for p in (ROOT / folder).rglob("*.py")}
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+#: package -> the packages it may import: the flow's layers, each above the ones it lists
+#: (the planner reads the runtime's backward split, thread and malloc settings to measure and
+#: predict what a rank will do; the runtime never reads the planner)
+LAYERS = {
+    "pipeline.core": set(),
+    "pipeline.graph": {"pipeline.core"},
+    "models": {"pipeline.core", "pipeline.graph"},
+    "pipeline.data": {"pipeline.core", "pipeline.graph"},
+    "pipeline.runtime": {"pipeline.core", "pipeline.graph", "models", "pipeline.data"},
+    "pipeline.planner": {"pipeline.core", "pipeline.graph", "models", "pipeline.runtime"},
+    "pipeline.report": {"pipeline.core", "pipeline.planner"},
+    "launcher": {"pipeline.core", "pipeline.graph", "models", "pipeline.data", "pipeline.runtime",
+                 "pipeline.planner", "pipeline.report"},
+}
+
+
+def _module_graph():
+    """Every import between the product's modules (at a file's top or inside a function)."""
+    import networkx as nx
+
+    def name(path) -> str:
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    modules = {name(p): p for folder in ("pipeline", "launcher", "models") for p in (ROOT / folder).rglob("*.py")}
+    graph = nx.DiGraph()
+    graph.add_nodes_from(modules)
+    for module, path in modules.items():
+        for imported in _imports(path):
+            if imported in modules and imported != module:
+                graph.add_edge(module, imported)
+    return graph
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "pipeline" and len(parts) > 1 else parts[0]
+
+
+def test_packages_import_only_the_layers_below_them_and_no_module_cycles() -> None:
+    import networkx as nx
+
+    graph = _module_graph()
+    assert list(nx.simple_cycles(graph)) == []
+    upward = sorted(f"{a} -> {b}" for a, b in graph.edges
+                    if _package(a) != _package(b) and _package(b) not in LAYERS[_package(a)])
+    assert upward == []
+    assert {_package(m) for m in graph} <= set(LAYERS) | {"pipeline"}
+
+
+def test_no_product_module_is_used_only_by_the_tests() -> None:
+    """Everything under pipeline/ is reached from an entry point (the launcher, a module run as a
+    command, a plug-in conf/ names), not only from tests."""
+    import networkx as nx
+
+    graph = _module_graph()
+    targets = {line.split(":", 1)[1].strip().rsplit(".", 1)[0] for path in (ROOT / "conf").rglob("*.yaml")
+               for line in path.read_text().splitlines() if line.strip().startswith("_target_:")}
+    files = {m: ROOT / (m.replace(".", "/") + ".py") for m in graph}
+    commands = {m for m, f in files.items() if f.is_file() and "__main__" in f.read_text()}
+    roots = {m for m in graph if m.startswith("launcher")} | {t for t in targets if t in graph} | commands
+    reached = roots | {d for r in roots for d in nx.descendants(graph, r)}
+    assert sorted(m for m in graph if m.startswith("pipeline.") and files[m].is_file() and m not in reached) == []
