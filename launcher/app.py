@@ -65,7 +65,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict:
         where = where_ranks_were(beats, plan, flight, since=started)
         raise RankFailed(f"{err}\n{where}" if where else str(err)) from None
     metrics = finish_report(results[0], plan, cfg, run_dir)
-    if plan.meta.get("device_memory"):
+    if plan.meta.device_memory:
         print(device_memory_table(plan, metrics["ranks"]), flush=True)
     print(
         f"done: median step {metrics['step_time_s'] * 1e3:.1f} ms, {metrics['tokens_per_s']:.0f} tokens/s, "
@@ -79,12 +79,12 @@ def finish_report(rank0: dict, plan: Plan, cfg: TrainConfig, run_dir: Path) -> d
     """metrics.json and the run's pictures from rank 0's result, with what the plan predicted
     before any rank started and what a search chose."""
     metrics = rank0["metrics"]
-    predicted = plan.meta.get("prediction")
+    predicted = plan.meta.prediction
     if predicted:
         metrics["planned_step_time_s"] = predicted["step_time_s"]
         metrics["planned_schedule_s"] = predicted["schedule_s"]
-    if plan.meta.get("search"):
-        metrics["plan_search"] = plan.meta["search"]
+    if plan.meta.search:
+        metrics["plan_search"] = plan.meta.search
     # the launcher plans on the meta device: its own peak stays far below the model's size
     metrics["launcher_peak_memory_bytes"] = peak_memory_bytes(torch.device("cpu"))
     return report_run(rank0, plan, cfg.link, run_dir)
@@ -92,7 +92,7 @@ def finish_report(rank0: dict, plan: Plan, cfg: TrainConfig, run_dir: Path) -> d
 
 def print_search(cfg: TrainConfig, prepared: Prepared) -> None:
     """What plan=auto (or scheduler=auto) compared and why the winner won; the run goes on with
-    the winner's settings, which the Plan holds (its meta["search"] says what was chosen)."""
+    the winner's settings, which the Plan holds (its meta.search says what was chosen)."""
     result = prepared.search
     what = "plan=auto" if cfg.plan.search else "scheduler=auto"
     print(f"{what} planned and simulated {len(result.outcomes)} candidates in {result.seconds:.1f} s on this "
@@ -149,8 +149,8 @@ def dry_run(prepared: Prepared, run_dir: Path) -> dict:
                "planned_tokens_per_s": tokens_per_step / pred.step_s if pred.step_s > 0 else 0.0,
                "bubble_per_rank": pred.result.bubble, "peak_activation_bytes_per_rank": pred.result.peak_activation_bytes,
                "device_memory": [d.to_dict() for d in pred.devices]}
-    if plan.meta.get("search"):
-        summary["plan_search"] = plan.meta["search"]
+    if plan.meta.search:
+        summary["plan_search"] = plan.meta.search
     (run_dir / "prediction.json").write_text(json.dumps(summary, indent=1))
     print(f"wrote {run_dir / 'plan.json'}, {run_dir / 'prediction.json'} and {run_dir / 'timeline.png'}")
     return summary

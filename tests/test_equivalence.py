@@ -106,7 +106,7 @@ def test_remat_auto_recomputes_modules_only_on_the_devices_over_budget_and_match
         for s in plan.stages:  # not every module of the stage: only what closes the gap
             assert len(s.recompute) < len(s.blocks), (s.index, s.recompute)
         assert prepared.prediction.peak_bytes <= cfg.memory.cap_bytes
-        assert plan.meta["stage_recompute_s"][plan.stages[0].index] >= 0
+        assert plan.meta.stage_recompute_s[plan.stages[0].index] >= 0
     results = run_jobs(cfgs, tmp_path / "logs")
     for cfg, ranks, what in zip(cfgs, results, ["1f1b pp=4 remat=auto", "gpipe pp=2 dp=2 remat=auto"], strict=True):
         ref = reference_run(cfg)

@@ -139,7 +139,7 @@ def test_planning_bf16_for_cuda_never_initialises_cuda(fake_gpus, profile) -> No
     fake_gpus(2)
     cfg = compose_cfg([*FAST, "pp=2", "precision=bf16", "device=cuda"])
     plan = prepare(cfg, profile=profile).plan
-    assert plan.meta["precision"] == "bf16"
+    assert plan.meta.precision == "bf16"
     assert {dtype for stage in plan.stages for _, dtype in stage.values.values()} == {"float32", "bfloat16"}
     assert not torch.cuda.is_initialized()
 

@@ -39,7 +39,7 @@ def _plan(overrides: list[str]) -> tuple[dict, Plan]:
 
 def test_recompute_round_trips_through_plan_json_and_old_plans_load(tmp_path: Path) -> None:
     _, plan = _plan(["scheduler=1f1b", "pp=2"])
-    plan.stages[1].recompute = ["layer3", "layer5"]
+    plan = plan.with_recompute({1: ["layer3", "layer5"]})
     assert Plan.from_dict(plan.to_dict()).stages[1].recompute == ["layer3", "layer5"]
     plan.write(tmp_path / "plan.json")
     assert [s.recompute for s in Plan.read(tmp_path / "plan.json").stages] == [[], ["layer3", "layer5"]]
@@ -53,7 +53,7 @@ def test_recompute_round_trips_through_plan_json_and_old_plans_load(tmp_path: Pa
 
 
 def _stage(cfg: dict, plan: Plan, index: int, recompute: list[str]) -> StageModule:
-    plan.stages[index].recompute = recompute
+    plan = plan.with_recompute({index: recompute})
     spec = instantiate(cfg.model)
     return build_stage_modules(spec, plan, plan.stages[index].rank, cfg.seed, torch.device("cpu"))[index]
 
@@ -177,8 +177,7 @@ def _run(cases: list[tuple[dict, Plan]], log_dir: Path) -> list[list[dict]]:
 
 def _case(overrides: list[str], stages: list[int], offset: int) -> tuple[dict, Plan, str]:
     cfg, plan = _plan(overrides)
-    for s, nodes in _mixed(cfg, plan, stages, offset).items():
-        plan.stages[s].recompute = nodes
+    plan = plan.with_recompute(_mixed(cfg, plan, stages, offset))
     what = " ".join(overrides) + f" recompute={ {s.index: s.recompute for s in plan.stages if s.recompute} }"
     return cfg, plan, what
 

@@ -134,7 +134,7 @@ def test_plan_auto_searches_jointly_and_wins_over_the_config_as_given() -> None:
     assert {o.candidate.microbatches for o in result.outcomes} == {2, 4, 8, 16}
     assert {o.candidate.partitioner for o in result.outcomes} == {"uniform", "balanced"}  # milp: a chain
     win = result.winner
-    assert prepared.plan is win.prediction.plan and prepared.plan.microbatches == win.candidate.microbatches
+    assert prepared.plan.schedule is win.prediction.plan.schedule and prepared.plan.microbatches == win.candidate.microbatches
     fastest = result.ranked[0].prediction
     assert win.prediction.step_s <= fastest.step_s * (1 + result.tie)  # plan.tie: 0.03
     tied = [o for o in result.ranked if o.prediction.step_s <= fastest.step_s * (1 + result.tie)]
@@ -187,12 +187,12 @@ def test_ranks_sharing_too_few_cores_are_predicted_taking_turns(monkeypatch) -> 
 
     monkeypatch.setattr(pipeline.planner, "available_cores", lambda: 2)
     p = prepare(compose_cfg([*FAST, "pp=4", "threads=1", "predict=true", "scheduler=1f1b"])).prediction
-    assert p.plan.meta["rank_slots"] == 2
+    assert p.plan.meta.rank_slots == 2
     assert p.schedule_s == pytest.approx(shared_makespan(p.plan.schedule, p.cost, 2))
     assert p.schedule_s >= max(p.result.makespan_s, sum(p.result.busy_s) / 2) - 1e-9
     monkeypatch.setattr(pipeline.planner, "available_cores", lambda: 4)  # a core each: the makespan
     alone = prepare(compose_cfg([*FAST, "pp=4", "threads=1", "predict=true", "scheduler=1f1b"])).prediction
-    assert "rank_slots" not in alone.plan.meta or not alone.plan.meta["rank_slots"]
+    assert not alone.plan.meta.rank_slots
     assert alone.schedule_s == pytest.approx(alone.result.makespan_s)
 
 
@@ -228,7 +228,7 @@ def test_a_split_backward_is_priced_as_profiled_not_as_a_share_of_the_fused_one(
     (profile,) = tmp_path.glob("*.json")
     nodes = json.loads(profile.read_text())["nodes"]
     meta = plan.meta
-    i, w, b = meta["stage_backward_input_s"], meta["stage_backward_weight_s"], meta["stage_backward_s"]
+    i, w, b = meta.stage_backward_input_s, meta.stage_backward_weight_s, meta.stage_backward_s
     assert i[0] == 0.0 and w[0] == b[0]
     for s in range(1, len(plan.stages)):
         blocks = plan.stages[s].blocks

@@ -93,15 +93,16 @@ def test_device_memory_counts_gradients_optimizer_state_and_the_simulated_activa
     activations are the simulated peak of all its stages together (two under zbv)."""
     base = [*FAST, "pp=2", "microbatches=4", "memory=budget", "memory.cap_bytes=1e12"]
     for optimizer, states in (["optimizer=adamw"], 2), (["optimizer=sgd"], 0), (["optimizer=sgd", "optimizer.momentum=0.9"], 1):
-        pred = prepare(compose_cfg([*base, *optimizer, "scheduler=zbv"])).prediction
+        prepared = prepare(compose_cfg([*base, *optimizer, "scheduler=zbv"]))
+        pred = prepared.prediction
         for d in pred.devices:
             assert d.grads == d.params > 0 and d.optimizer == states * d.params, optimizer
             assert d.activations == pred.result.peak_activation_bytes[d.rank]
-        stage_params = pred.plan.meta["partition"]["stage_param_bytes"]
+        stage_params = pred.plan.meta.partition["stage_param_bytes"]
         assert pred.devices[0].params == stage_params[0] + stage_params[3]  # V placement: stages 0 and 3 on rank 0
         assert all(d.reserve == 50e6 and d.workspace > 0 for d in pred.devices)  # conf/memory: reserve_bytes
-    plan = pred.plan
-    assert [d["total"] for d in plan.meta["device_memory"]] == [d.total for d in pred.devices]
+    plan = prepared.plan  # the finished Plan records each device's predicted memory
+    assert [d["total"] for d in plan.meta.device_memory] == [d.total for d in pred.devices]
 
 
 def test_budget_makes_room_for_the_schedules_own_in_flight_microbatches() -> None:
@@ -118,8 +119,8 @@ def test_budget_makes_room_for_the_schedules_own_in_flight_microbatches() -> Non
     # the device check then adds what the split does not price (the backward's workspace, the held
     # outputs): remat=auto absorbs it by recomputing a module or two
     plan = prepare(compose_cfg([*FAST, *base, "scheduler=1f1b", f"memory.cap_bytes={cap}", "remat=auto"])).plan
-    assert plan.meta["partition"]["stage_in_flight"] == [4, 3, 2, 1]
-    assert max(plan.meta["partition"]["stage_memory_bytes"]) <= cap
+    assert plan.meta.partition["stage_in_flight"] == [4, 3, 2, 1]
+    assert max(plan.meta.partition["stage_memory_bytes"]) <= cap
     rows = stage_table(plan).splitlines()[1:5]  # the stage table shows the counts the budget used
     assert [int(row.split()[7]) for row in rows] == [4, 3, 2, 1]
     assert _error([*base, "scheduler=gpipe", f"memory.cap_bytes={cap}"]).key == "memory.cap_bytes"
@@ -161,7 +162,7 @@ def test_remat_full_budget_prices_the_inputs_kept_for_recomputation() -> None:
 
 def test_remat_auto_without_a_budget_recomputes_nothing_and_milp_is_named() -> None:
     plan = prepare(compose_cfg([*FAST, "remat=auto", "pp=2"])).plan
-    assert plan.meta["remat_stages"] == [] == plan.schedule.remat_stages()
+    assert plan.meta.remat_stages == [] == plan.schedule.remat_stages()
     err = _error(["remat=auto", "pp=2", "memory=budget", "memory.cap_bytes=1e12", "partitioner=milp"])
     assert err.key == "remat" and "partitioner=balanced" in str(err)
     assert "auto" in str(_error(["remat=some"]))
@@ -173,10 +174,10 @@ def test_remat_full_split_is_priced_with_its_recomputation_by_every_partitioner(
         base = [*FAST, "pp=2", "memory=budget", "memory.cap_bytes=1e12", f"partitioner={part}"]
         plain = prepare(compose_cfg([*base, "remat=none"])).plan.meta
         full = prepare(compose_cfg([*base, "remat=full"])).plan.meta
-        assert full["partition"]["remat_stages"] == [0, 1]
+        assert full.partition["remat_stages"] == [0, 1]
         # whatever the split, the stages together compute everything once plus every forward again
-        assert sum(full["partition"]["stage_compute_s"]) == pytest.approx(
-            sum(plain["partition"]["stage_compute_s"]) + sum(full["stage_forward_s"]), rel=1e-6), part
+        assert sum(full.partition["stage_compute_s"]) == pytest.approx(
+            sum(plain.partition["stage_compute_s"]) + sum(full.stage_forward_s), rel=1e-6), part
 
 
 def test_impossible_budget_suggests_recomputing_only_when_it_was_not_counted() -> None:

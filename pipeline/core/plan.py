@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from pipeline.core.ir import Schedule
 
 
-@dataclass
+@dataclass(frozen=True)
 class StagePlan:
     """One stage: where it runs, what it holds, and the named values it reads and writes.
 
@@ -57,7 +58,57 @@ class StagePlan:
         return sum(self.value_bytes(n) for n, p in self.inputs.items() if p is not None)
 
 
-@dataclass
+@dataclass(frozen=True)
+class PlanMeta:
+    """What the planner decided, measured and predicted besides the stages and schedules; the
+    runtime, the report and the prediction read it. Per-stage lists are indexed by stage."""
+
+    remat: str = "none"
+    #: the partitioner option and its split, priced by the one judge (`partition.evaluate`): each
+    #: stage's time, compute, parameter/activation/communication/memory bytes, in-flight counts
+    partitioner: str = ""
+    partition: dict[str, Any] = field(default_factory=dict)
+    precision: str = "fp32"
+    #: the graph carried measured costs (the stage_*_s lists below are filled)
+    profiled: bool = False
+    optimizer_states: int = 0
+    memory_cap: float | None = None
+    reserve_bytes: float = 0.0
+    #: stages that recompute entirely (`R` actions)
+    remat_stages: list[int] = field(default_factory=list)
+    #: per stage, the model's parameter and buffer names it holds (checkpoints by name)
+    stage_tensors: list[list[str]] = field(default_factory=list)
+    model_param_bytes: int = 0
+    #: this machine: ranks' worth of cores when local ranks need more (CPU), optimizer s per byte
+    rank_slots: float | None = None
+    optimizer_s_per_byte: float = 0.0
+    #: profiled per-stage costs: forward, backward, its input and weight halves; a backward's
+    #: transient gradients; what a split backward keeps from I to W; the loss's saved tensors
+    stage_forward_s: list[float] = field(default_factory=list)
+    stage_backward_s: list[float] = field(default_factory=list)
+    stage_backward_input_s: list[float] = field(default_factory=list)
+    stage_backward_weight_s: list[float] = field(default_factory=list)
+    stage_workspace_bytes: list[float] | None = None
+    stage_weight_stash_bytes: list[float] | None = None
+    stage_loss_activation_bytes: list[float] | None = None
+    #: remat=auto under a budget: modules recomputed per stage, their added time, their buffer
+    recompute: dict[str, list[str]] = field(default_factory=dict)
+    stage_recompute_s: list[float] | None = None
+    stage_recompute_region_bytes: list[float] | None = None
+    #: the prediction of the plan as run: each pipeline rank's memory, and the step
+    device_memory: list[dict] | None = None
+    prediction: dict[str, Any] | None = None
+    #: plan=auto / scheduler=auto: what was compared, what was chosen and why
+    search: dict[str, Any] | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PlanMeta:
+        """Known keys only (a plan.json from another version loads)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass(frozen=True)
 class Plan:
     pp: int
     dp: int
@@ -70,7 +121,7 @@ class Plan:
     assignment: dict[str, int] = field(default_factory=dict)
     #: parameter held by several stages (tied weights) -> those stages
     shared_params: dict[str, list[int]] = field(default_factory=dict)
-    meta: dict = field(default_factory=dict)
+    meta: PlanMeta = field(default_factory=PlanMeta)
     #: the forward-only program for the same stages and placement (evaluation: `eval.every`)
     eval_schedule: Schedule | None = None
 
@@ -86,11 +137,16 @@ class Plan:
                 out[name] = ranks
         return out
 
+    def with_recompute(self, chosen: dict[int, list[str]]) -> Plan:
+        """This plan with `chosen[stage]` recomputed inside each stage's backward (no others)."""
+        return replace(self, stages=[replace(s, recompute=sorted(chosen.get(s.index, []))) for s in self.stages])
+
     def to_dict(self) -> dict:
         # not asdict(self): it would deep-copy every Action of both schedules only to drop them
         # (2 s of a pp=64, 128-micro-batch plan)
         data = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)
-                if f.name not in ("schedule", "eval_schedule", "stages")}
+                if f.name not in ("schedule", "eval_schedule", "stages", "meta")}
+        data["meta"] = asdict(self.meta)
         data["stages"] = [asdict(s) for s in self.stages]
         data["schedule"] = self.schedule.to_dict()
         data["eval_schedule"] = self.eval_schedule.to_dict() if self.eval_schedule is not None else None
@@ -104,6 +160,7 @@ class Plan:
         """The inverse of `to_dict` (JSON turns int keys into strings; stage inputs keep theirs)."""
         fields = dict(data)
         fields["stages"] = [StagePlan(**s) for s in data["stages"]]
+        fields["meta"] = PlanMeta.from_dict(data.get("meta") or {})
         fields["schedule"] = Schedule.from_dict(data["schedule"])
         if data.get("eval_schedule"):
             fields["eval_schedule"] = Schedule.from_dict(data["eval_schedule"])

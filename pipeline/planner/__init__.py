@@ -4,14 +4,14 @@ From the typed config and the model's spec to the finished Plan: trace on the me
 profile when something reads costs, search (`plan=auto`, `scheduler=auto`) or build the one plan
 the config names, give boundary values their autocast dtypes, predict each device's memory and
 the step, fit the memory budget. What the search compared and why the winner won is part of the
-Plan (`meta["search"]`), as is the prediction (`meta["prediction"]`); nothing edits the Plan once
-`make_plan` returns it.
+Plan (`meta.search`), as is the prediction (`meta.prediction`, `meta.device_memory`); the Plan is frozen:
+nothing edits it once `make_plan` returns it.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -145,14 +145,15 @@ def _first_plannable(cfg: TrainConfig, options: GroupOptions, models: TracedMode
 
 def _finished(plan: Plan, prediction: Prediction | None, result: SearchResult | None) -> Plan:
     """The plan with what the planner predicted and what its search chose recorded in it."""
+    found: dict = {}
     if prediction is not None:
-        plan.meta["device_memory"] = [d.to_dict() for d in prediction.devices]
-        plan.meta["prediction"] = {"step_time_s": prediction.step_s, "schedule_s": prediction.schedule_s,
-                                   "makespan_s": prediction.result.makespan_s,
-                                   "bubble_per_rank": prediction.result.bubble,
-                                   "peak_activation_bytes_per_rank": prediction.result.peak_activation_bytes}
+        found["device_memory"] = [d.to_dict() for d in prediction.devices]
+        found["prediction"] = {"step_time_s": prediction.step_s, "schedule_s": prediction.schedule_s,
+                               "makespan_s": prediction.result.makespan_s,
+                               "bubble_per_rank": prediction.result.bubble,
+                               "peak_activation_bytes_per_rank": prediction.result.peak_activation_bytes}
     if result is not None:
         win = result.winner.candidate
-        plan.meta["search"] = {"chosen": {"label": win.label, **win.overrides(), "scheduler_option": win.scheduler},
-                               "why": result.why(), **result.to_dict()}
-    return plan
+        found["search"] = {"chosen": {"label": win.label, **win.overrides(), "scheduler_option": win.scheduler},
+                           "why": result.why(), **result.to_dict()}
+    return replace(plan, meta=replace(plan.meta, **found))

@@ -16,7 +16,7 @@ from hydra.utils import get_method
 
 from pipeline.core.config import LINK_BANDWIDTH, PluginConfig
 from pipeline.core.errors import ConfigError
-from pipeline.core.plan import Plan, StagePlan, dtype_name
+from pipeline.core.plan import Plan, PlanMeta, StagePlan, dtype_name
 from pipeline.graph.split import split_model
 from pipeline.graph.trace import TracedModel
 from pipeline.planner.budget import device_view, partition_request, reprice_for_schedule, reprice_split
@@ -186,7 +186,7 @@ def build_plan(traced: TracedModel, generator: ScheduleGenerator, req: PlanReque
         meta.update(_profiled_meta(traced, stages, forward, backward, split_costs))
     return Plan(req.pp, req.dp, req.microbatches, req.batch_size // (req.dp * req.microbatches), req.model_name,
                 stages, schedule, assignment=dict(part.assignment),
-                shared_params={n: list(v) for n, v in split.shared_params.items()}, meta=meta,
+                shared_params={n: list(v) for n, v in split.shared_params.items()}, meta=PlanMeta(**meta),
                 eval_schedule=eval_schedule)
 
 

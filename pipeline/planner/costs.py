@@ -74,17 +74,17 @@ def held_output_bytes(stage: StagePlan) -> float:
 
 def cost_model_from_plan(plan: Plan, latency_s: float, bandwidth: float) -> CostModel:
     """A profiled plan carries the per-stage forward/backward sums of its nodes."""
-    fwd = list(plan.meta["stage_forward_s"])
-    bwd = [float(b) for b in plan.meta["stage_backward_s"]]
-    if "stage_backward_input_s" in plan.meta:  # the split backward as profiled: dearer than B
-        bwd_i = [float(x) for x in plan.meta["stage_backward_input_s"]]
-        bwd_w = [float(x) for x in plan.meta["stage_backward_weight_s"]]
+    fwd = list(plan.meta.stage_forward_s)
+    bwd = [float(b) for b in plan.meta.stage_backward_s]
+    if plan.meta.stage_backward_input_s:  # the split backward as profiled: dearer than B
+        bwd_i = [float(x) for x in plan.meta.stage_backward_input_s]
+        bwd_w = [float(x) for x in plan.meta.stage_backward_weight_s]
     else:
         bwd_i, bwd_w = split_backward_cost(bwd, DEFAULT_WEIGHT_SHARE)
     # modules recomputed inside a backward (per-layer remat): their forward runs again in B, and in
     # a split backward once in I and once more in W (each is its own autograd pass; stage 0 has no
     # input gradient, its whole backward is W)
-    for s, extra in enumerate(plan.meta.get("stage_recompute_s") or []):
+    for s, extra in enumerate(plan.meta.stage_recompute_s or []):
         bwd[s] += extra
         bwd_w[s] += extra
         if s > 0:
@@ -92,12 +92,12 @@ def cost_model_from_plan(plan: Plan, latency_s: float, bandwidth: float) -> Cost
     # a stage holds its saved tensors and, until its backward, the outputs it produced (the last
     # stage: the model output the loss was taken on, e.g. an LM's logits)
     held = [held_output_bytes(s) for s in plan.stages]
-    act = [float(a) + h for a, h in zip(plan.meta["partition"]["stage_activation_bytes"], held, strict=True)]
+    act = [float(a) + h for a, h in zip(plan.meta.partition["stage_activation_bytes"], held, strict=True)]
     # A split backward's I keeps the autograd graph for W (retain_graph) except what lies above
     # the nodes W restarts from: the outputs and the loss's saved tensors go, and the gradients
     # W restarts from come (runtime/backward.py; both profiled, see graph/profile.py).
-    loss = plan.meta.get("stage_loss_activation_bytes") or [0.0] * len(held)
-    stash = plan.meta.get("stage_weight_stash_bytes")
+    loss = plan.meta.stage_loss_activation_bytes or [0.0] * len(held)
+    stash = plan.meta.stage_weight_stash_bytes
     return CostModel(
         fwd, bwd_i, bwd_w, None, act,
         [float(s.recv_bytes) for s in plan.stages], [float(s.send_bytes) for s in plan.stages], latency_s, bandwidth,

@@ -11,6 +11,8 @@ new simulation and the ILP asked again for what is still missing.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import networkx as nx
 
 from pipeline.core.plan import Plan
@@ -33,14 +35,14 @@ def fit_budget(plan: Plan, prediction: Prediction, graph: nx.DiGraph, cap: float
     if not over:
         return prediction
     assert cap is not None
-    if plan.meta.get("remat") != "auto":
+    if plan.meta.remat != "auto":
         raise BudgetExceeded(over, cap, REMEDIES, prediction)
     return _recompute_layers(plan, prediction, graph, cap, latency_s, bandwidth)
 
 
 def _recompute_layers(plan: Plan, prediction: Prediction, graph: nx.DiGraph, cap: float, latency_s: float,
                       bandwidth: float) -> Prediction:
-    part = plan.meta["partition"]
+    part = plan.meta.partition
     plain_act = list(part["stage_activation_bytes"])
     whole = set(plan.schedule.remat_stages())  # stages that already recompute entirely (R actions)
     split = {s.index for s in plan.stages if s.index > 0} if plan.schedule.meta.get("split_backward") else set()
@@ -54,7 +56,7 @@ def _recompute_layers(plan: Plan, prediction: Prediction, graph: nx.DiGraph, cap
         except RecomputeInfeasible as err:
             raise BudgetExceeded(over_budget(prediction.devices, cap), cap,
                                  f"remat=auto cannot close it: {err}. " + REMEDIES, prediction) from None
-        _apply(plan, graph, options, chosen, plain_act)
+        plan = _apply(plan, graph, options, chosen, plain_act)
         prediction = predict(plan, latency_s, bandwidth)
         still = over_budget(prediction.devices, cap)
         if not still:
@@ -66,20 +68,19 @@ def _recompute_layers(plan: Plan, prediction: Prediction, graph: nx.DiGraph, cap
 
 
 def _apply(plan: Plan, graph: nx.DiGraph, options: list[RecomputeOption], chosen: dict[int, list[str]],
-           plain_act: list[float]) -> None:
-    """Record the choice in the plan: per stage the recomputed nodes, the activations they no
+           plain_act: list[float]) -> Plan:
+    """The plan with the choice recorded: per stage the recomputed nodes, the activations they no
     longer hold, the forward time they add to the backward and the largest one's buffer."""
     saves = {(o.stage, o.node): o.saves_bytes for o in options}
-    part = plan.meta["partition"]
+    plan = plan.with_recompute(chosen)
     k = len(plan.stages)
-    recompute_s, region = [0.0] * k, [0.0] * k
+    activation, recompute_s, region = list(plain_act), [0.0] * k, [0.0] * k
     for stage in plan.stages:
-        nodes = sorted(chosen.get(stage.index, []))
-        stage.recompute = nodes
-        s = stage.index
-        part["stage_activation_bytes"][s] = plain_act[s] - sum(saves[(s, n)] for n in nodes)
+        s, nodes = stage.index, stage.recompute
+        activation[s] = plain_act[s] - sum(saves[(s, n)] for n in nodes)
         recompute_s[s] = sum(float(graph.nodes[n].get("forward_s", 0.0)) for n in nodes)
         region[s] = max((float(graph.nodes[n].get("activation_bytes", 0)) for n in nodes), default=0.0)
-    plan.meta["stage_recompute_s"] = recompute_s
-    plan.meta["stage_recompute_region_bytes"] = region
-    plan.meta["recompute"] = {str(s.index): s.recompute for s in plan.stages if s.recompute}
+    return replace(plan, meta=replace(
+        plan.meta, partition={**plan.meta.partition, "stage_activation_bytes": activation},
+        stage_recompute_s=recompute_s, stage_recompute_region_bytes=region,
+        recompute={str(s.index): s.recompute for s in plan.stages if s.recompute}))

@@ -59,18 +59,18 @@ def profiling_threads(threads: int) -> Iterator[None]:
 
 def predict(plan: Plan, latency_s: float, bandwidth: float) -> Prediction:
     """Simulate a profiled plan's schedule on its per-stage costs, and price each device's memory
-    at the simulated peak (the planner records the winner's in `plan.meta["device_memory"]`)."""
+    at the simulated peak (the planner records the winner's in `plan.meta.device_memory`)."""
     cost = cost_model_from_plan(plan, latency_s, bandwidth)
     result = simulate(plan.schedule, cost)
-    part = plan.meta["partition"]
+    part = plan.meta.partition
     devices = device_memory(part["stage_param_bytes"], plan.schedule.placement, result.peak_activation_bytes,
-                            int(plan.meta.get("optimizer_states", 0)), plan.meta.get("stage_recompute_region_bytes"),
-                            plan.meta.get("stage_workspace_bytes"), float(plan.meta.get("reserve_bytes") or 0.0))
+                            int(plan.meta.optimizer_states), plan.meta.stage_recompute_region_bytes,
+                            plan.meta.stage_workspace_bytes, float(plan.meta.reserve_bytes or 0.0))
     schedule_s = result.makespan_s
-    slots = plan.meta.get("rank_slots")
+    slots = plan.meta.rank_slots
     if slots:  # more local ranks than cores: busy ranks share them (pipeline/planner/shared_cores.py)
         schedule_s = shared_makespan(plan.schedule, cost, slots, plan.dp)
-    per_byte = float(plan.meta.get("optimizer_s_per_byte") or 0.0)
+    per_byte = float(plan.meta.optimizer_s_per_byte or 0.0)
     optimizer = [d.params * per_byte for d in devices]
     return Prediction(plan, cost, result, devices, schedule_s, optimizer)
 

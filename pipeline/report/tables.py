@@ -18,7 +18,7 @@ def block_summary(blocks: list[str], keep: int = 8) -> str:
 
 def stage_rows(plan: Plan) -> list[dict]:
     """One dict per stage for metrics.json: placement, blocks and, with a profile, its costs."""
-    part = plan.meta.get("partition") or {}
+    part = plan.meta.partition or {}
     rows = []
     for s in plan.stages:
         row = {"stage": s.index, "rank": s.rank, "blocks": list(s.blocks), "send_bytes": s.send_bytes,
@@ -27,9 +27,8 @@ def stage_rows(plan: Plan) -> list[dict]:
                     "stage_comm_bytes"):
             if key in part:
                 row[key.removeprefix("stage_")] = part[key][s.index]
-        for key in ("stage_forward_s", "stage_backward_s"):
-            if key in plan.meta:
-                row[key.removeprefix("stage_")] = plan.meta[key][s.index]
+        if plan.meta.stage_forward_s:
+            row["forward_s"], row["backward_s"] = plan.meta.stage_forward_s[s.index], plan.meta.stage_backward_s[s.index]
         rows.append(row)
     return rows
 
@@ -38,13 +37,13 @@ def stage_table(plan: Plan) -> str:
     """Per stage: rank and blocks; with a profile also time, parameter and activation bytes, the
     micro-batches the schedule keeps in flight there and what that holds (what a memory budget
     caps), and send bytes."""
-    part = plan.meta.get("partition")
-    if part is None or "stage_forward_s" not in plan.meta:
+    part = plan.meta.partition
+    if not part or not plan.meta.stage_forward_s:
         lines = [f"{'stage':>5} {'rank':>4}  blocks"]
         lines += [f"{s.index:>5} {s.rank:>4}  {block_summary(s.blocks)}" for s in plan.stages]
         return "\n".join(lines)
     mib = 2**20
-    fwd, bwd = plan.meta["stage_forward_s"], plan.meta["stage_backward_s"]
+    fwd, bwd = plan.meta.stage_forward_s, plan.meta.stage_backward_s
     remat = set(plan.schedule.remat_stages())
     in_flight = [f"{n}{'*' if i in remat else ''}" for i, n in enumerate(part.get("stage_in_flight") or [])]
     in_flight = in_flight or ["?"] * len(plan.stages)
@@ -66,10 +65,10 @@ def stage_table(plan: Plan) -> str:
     if layers:
         lines.append("recomputed in the backward (remat=auto, chosen modules): "
                      + "; ".join(f"stage {s.index}: {block_summary(s.recompute)}" for s in layers))
-    if plan.meta.get("device_memory"):
+    if plan.meta.device_memory:
         lines.append(device_memory_table(plan))
     lines.append(
-        f"partition ({plan.meta['partitioner']}): bottleneck {part['bottleneck_s'] * 1e3:.2f} ms, lower bound "
+        f"partition ({plan.meta.partitioner}): bottleneck {part['bottleneck_s'] * 1e3:.2f} ms, lower bound "
         f"max(total / stages, slowest block) {part['lower_bound_s'] * 1e3:.2f} ms "
         f"({part['bottleneck_s'] / max(part['lower_bound_s'], 1e-12):.2f}x)"
     )
@@ -80,7 +79,7 @@ def device_memory_table(plan: Plan, ranks: Sequence[dict] | None = None) -> str:
     """Per pipeline rank, the predicted peak by what holds it; with the ranks' run reports, the
     measured peak beside it (on CPU: above what the process held before building its stages)."""
     mib = 2**20
-    cap = plan.meta.get("memory_cap")
+    cap = plan.meta.memory_cap
     head = (f"{'rank':>5} {'params':>8} {'grads':>8} {'optim':>8} {'act':>8} {'recomp':>7} {'wkspace':>7} "
             f"{'reserve':>7} {'predicted':>10}"
             + (f" {'measured':>9} {'ratio':>6}" if ranks else ""))
@@ -88,7 +87,7 @@ def device_memory_table(plan: Plan, ranks: Sequence[dict] | None = None) -> str:
     measured = {}
     for r in ranks or []:
         measured.setdefault(r["pp_rank"], []).append(r.get("peak_above_start_bytes", r.get("peak_memory_bytes", 0)))
-    for d in plan.meta["device_memory"]:
+    for d in plan.meta.device_memory:
         row = (f"{d['rank']:>5} {d['params'] / mib:>8.1f} {d['grads'] / mib:>8.1f} {d['optimizer'] / mib:>8.1f} "
                f"{d['activations'] / mib:>8.1f} {d['recompute'] / mib:>7.1f} {d['workspace'] / mib:>7.1f} "
                f"{d['reserve'] / mib:>7.1f} {d['total'] / mib:>10.1f}")

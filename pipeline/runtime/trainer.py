@@ -349,7 +349,7 @@ def _maybe_checkpoint(trainer: RankTrainer, record: RunRecord, step: int, run_di
             "losses": record.losses, "lrs": record.lrs, "grad_norms": record.grad_norms,
             "eval_losses": record.eval_losses, "model": plan.model, "model_config": cfg.model,
             "layout": {"pp": plan.pp, "dp": plan.dp, "schedule": plan.schedule.name,
-                       "partition": (plan.meta.get("partition") or {}).get("method")}}
+                       "partition": (plan.meta.partition or {}).get("method")}}
     trainer.heartbeat.phase(hb.CHECKPOINT)
     path = checkpoint.save(root, step + 1, trainer.modules, trainer.optimizer, trainer.lr_scheduler, trainer.ctx,
                            meta)
@@ -423,7 +423,7 @@ def _finish(trainer: RankTrainer, record: RunRecord, at_start: float, tokens_per
         "tokens_per_s": tokens_per_step / median_step if median_step else 0.0,
         "ranks": gathered,
         "schedule": plan.schedule.name,
-        "partition": plan.meta.get("partition"),
+        "partition": plan.meta.partition,
     }
     if trainer.clip is not None:
         metrics["grad_norm"] = record.grad_norms
@@ -438,7 +438,7 @@ def _finish(trainer: RankTrainer, record: RunRecord, at_start: float, tokens_per
 
 
 def _predicted_peak(plan: Plan, pp_rank: int) -> float | None:
-    devices = plan.meta.get("device_memory")
+    devices = plan.meta.device_memory
     return float(devices[pp_rank]["total"]) if devices else None
 
 
