@@ -65,12 +65,10 @@ def test_progress_notes_waiters_and_wakes_them() -> None:
     progress = Progress(num_stages=2, microbatches=3)
     waits = wait_table(2, [1.5])[(Kind.F, False)][1]
     assert progress.earliest_start(waits, 2, 0.0, rank=1) is None
-    assert not progress.done_by(waits, 2, 100.0)
     assert list(progress.finish(Step.FORWARD, 0, 2, 4.0)) == [1]
     assert progress.finished(Step.FORWARD, 0, 2) and not progress.finished(Step.FORWARD, 0, 1)
     assert progress.earliest_start(waits, 2, 0.0, rank=1) == 5.5
     assert progress.earliest_start(waits, 2, 7.0, rank=1) == 7.0
-    assert progress.done_by(waits, 2, 5.5) and not progress.done_by(waits, 2, 5.0)
     assert list(progress.finish(Step.FORWARD, 0, 2, 4.0)) == []
 
 

@@ -121,7 +121,8 @@ def wait_table(num_stages: int, hop: Sequence[float] | None = None) -> dict[tupl
 
 class Progress:
     """When each step of each (stage, micro-batch) finished during a play-through, and which ranks
-    wait on the ones that have not: the bookkeeping every player shares."""
+    wait on the ones that have not: the bookkeeping of the simulator and the core-sharing model
+    (the list scheduler, which picks rather than waits, keeps end times of its own)."""
 
     __slots__ = ("end", "m", "waiting")
 
@@ -144,15 +145,6 @@ class Progress:
             if t > start:
                 start = t
         return start
-
-    def done_by(self, waits: tuple[Wait, ...], mb: int, now: float) -> bool:
-        """Whether everything `waits` lists for `mb` is there (finished, transfers included) by `now`."""
-        m, end = self.m, self.end
-        for step, stage, delay in waits:
-            t = end[step][stage * m + mb]
-            if t is None or t + delay > now:
-                return False
-        return True
 
     def finish(self, step: int, stage: int, mb: int, t: float) -> Sequence[int]:
         """Record `step` of (stage, mb) as finished at `t`; the ranks that were waiting on it."""

@@ -313,9 +313,15 @@ class _Play:
         # Programs are compute-only: RECVs are implied by dependencies, SENDs are asynchronous.
         self.programs = [[a for a in acts if a.kind in COMPLETES] for acts in schedule.actions]
         self.remat = remat = remat_pairs(self.programs)
-        effects = self._effects()
-        #: per rank, its program as (stage, mb, effect)
-        self.jobs = [[(a.stage, a.mb, effects[(a.kind, bool(remat) and (a.stage, a.mb) in remat)][a.stage])
+        self.effects: list[_Effect] = []
+        starts: dict[tuple[Kind, bool], int] = {}  # where each (kind, remat)'s effects (one per stage) begin
+        for key, per_stage in self._effects().items():
+            starts[key] = len(self.effects)
+            self.effects.extend(per_stage)
+        offset = {kind: (starts[(kind, False)], starts[(kind, True)]) for kind in COMPLETES}
+        #: per rank, its program as (stage, mb, index in `effects`): plain ints, so that the garbage
+        #: collector untracks them (tuples holding objects made full collections run mid-play)
+        self.jobs = [[(a.stage, a.mb, offset[a.kind][bool(remat) and (a.stage, a.mb) in remat] + a.stage)
                       for a in acts] for acts in self.programs]
         self.progress = Progress(schedule.num_stages, schedule.num_microbatches)
         self.pos = [0] * pp
@@ -371,12 +377,13 @@ class _Play:
     def _advance(self, rank: int) -> list[int]:
         """Run `rank`'s next actions until one must wait; the ranks whose waits its actions ended."""
         prog, pos, mem, events = self.jobs[rank], self.pos[rank], self.mem_events[rank], self.raw_events
+        effects = self.effects
         earliest_start, finish = self.progress.earliest_start, self.progress.finish
-        start0 = pos
-        free_at = self.free_at[rank]
+        start0, free_at, busy = pos, self.free_at[rank], self.busy[rank]
         woken: list[int] = []
         while pos < len(prog):
-            s, mb, (waits, step, duration, memory) = prog[pos]
+            s, mb, e = prog[pos]
+            waits, step, duration, memory = effects[e]
             start = earliest_start(waits, mb, free_at, rank)
             if start is None:
                 break
@@ -384,14 +391,14 @@ class _Play:
             if memory is not None:
                 at_end, order, nbytes, count = memory
                 mem.append((end if at_end else start, order, nbytes, count))
-            self.busy[rank] += duration
-            if start < self.first[rank]:
+            busy += duration
+            if pos == 0:  # a rank's starts never decrease: its first is its earliest
                 self.first[rank] = start
             events.append((rank, pos, start, end))
             pos += 1
             woken.extend(finish(step, s, mb, end))
         if pos > start0:
-            self.pos[rank], self.free_at[rank], self.last[rank] = pos, free_at, free_at
+            self.pos[rank], self.free_at[rank], self.last[rank], self.busy[rank] = pos, free_at, free_at, busy
             self.remaining -= pos - start0
         return woken
 

@@ -20,6 +20,7 @@ The same scheduler, with other placements and caps, serves ZBV and Hanayo.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from typing import ClassVar
 
 from pipeline.core.errors import ConfigError
 from pipeline.core.ir import Action, B, F, I, Kind, W
-from pipeline.planner.dependencies import Progress, Step, released_stage, wait_table
+from pipeline.planner.dependencies import Step, Wait, released_stage, wait_table
 from pipeline.planner.schedules.base import ScheduleGenerator, require_microbatches_at_least
 
 
@@ -66,19 +67,12 @@ def list_schedule(
     """
     if forward_priority not in ("deepest", "earliest"):
         raise ValueError(f"forward_priority must be 'deepest' or 'earliest', got {forward_priority!r}")
-    num_stages, pp = len(placement), max(placement) + 1
-    rules = _Rules(
-        split_backward=split_backward,
-        cap=list(cap),
-        cap_unbackwarded=list(cap_unbackwarded) if cap_unbackwarded is not None else list(cap),
-        max_deferred_w=list(max_deferred_w) if max_deferred_w is not None else [num_stages * microbatches] * pp,
-        deepest_forward_first=forward_priority == "deepest",
-        backward_key=_BACKWARD_KEYS[backward_priority],
-        forward_first=forward_first,
-        reserve_deeper=reserve_deeper,
+    return _ListScheduler(
+        placement, microbatches, costs, split_backward=split_backward, cap=cap, cap_unbackwarded=cap_unbackwarded,
+        max_deferred_w=max_deferred_w, deepest_forward_first=forward_priority == "deepest",
+        backward_key=_BACKWARD_KEYS[backward_priority], forward_first=forward_first, reserve_deeper=reserve_deeper,
         eager_w=eager_w,
-    )
-    return _ListScheduler(placement, microbatches, rules, costs).run()
+    ).run()
 
 
 #: the order among ready backwards of (stage, mb), by `backward_priority`
@@ -89,38 +83,42 @@ _BACKWARD_KEYS: dict[str, Callable[[int, int], tuple[int, int]]] = {
 }
 
 
-@dataclass(frozen=True)
-class _Rules:
-    """The choices of one `list_schedule` call (see its docstring)."""
-
-    split_backward: bool
-    cap: list[int]
-    cap_unbackwarded: list[int]
-    max_deferred_w: list[int]
-    deepest_forward_first: bool
-    backward_key: Callable[[int, int], tuple[int, int]]
-    forward_first: bool
-    reserve_deeper: bool
-    eager_w: bool
-
-
 class _ListScheduler:
     """One play-through. Time advances from one action end to the next; at each, the ranks that
-    may have something new to do pick by the rules' priorities (`_pick`), and what they pick is
-    appended to their programs. Readiness follows `pipeline.planner.dependencies` without
-    transfers; `progress` holds when each picked F and B/I ends."""
+    may have something new to do pick by the priorities of the module docstring (`_pick`), and
+    what they pick is appended to their programs. Readiness follows
+    `pipeline.planner.dependencies` without transfers; `ends` holds when each picked F and B/I
+    ends. The options are `list_schedule`'s."""
 
-    def __init__(self, placement: Sequence[int], microbatches: int, rules: _Rules, costs: tuple) -> None:
-        self.placement, self.m, self.rules = placement, microbatches, rules
+    def __init__(
+        self, placement: Sequence[int], microbatches: int, costs: tuple, *, split_backward: bool,
+        cap: Sequence[int], cap_unbackwarded: Sequence[int] | None, max_deferred_w: Sequence[int] | None,
+        deepest_forward_first: bool, backward_key: Callable[[int, int], tuple[int, int]], forward_first: bool,
+        reserve_deeper: bool, eager_w: bool,
+    ) -> None:
+        self.placement, self.m = placement, microbatches
         self.num_stages = n = len(placement)
         self.pp = pp = max(placement) + 1
+        self.split_backward, self.forward_first, self.reserve_deeper, self.eager_w = (
+            split_backward, forward_first, reserve_deeper, eager_w)
+        self.cap = list(cap)
+        self.cap_unbackwarded = list(cap_unbackwarded) if cap_unbackwarded is not None else list(cap)
+        self.max_deferred_w = list(max_deferred_w) if max_deferred_w is not None else [n * microbatches] * pp
+        self.backward_key = backward_key
         self.cf, self.ci, self.cw = (list(c) if isinstance(c, Sequence) else [c] * n for c in costs)
         self.cb = [i + w for i, w in zip(self.ci, self.cw, strict=True)]
         self.stages_of = [[s for s in range(n) if placement[s] == r] for r in range(pp)]
-        self.f_order = [sorted(st, reverse=True) if rules.deepest_forward_first else list(st) for st in self.stages_of]
+        self.f_order = [sorted(st, reverse=True) if deepest_forward_first else list(st) for st in self.stages_of]
+        #: ends[step][stage * m + mb]: when the picked action completing that step ends (inf: not picked)
+        self.ends = [[math.inf] * (n * microbatches) for _ in Step]
+        self.f_ends, self.g_ends = self.ends[Step.FORWARD], self.ends[Step.INPUT_GRAD]
         waits = wait_table(n)  # the play-through has no transfers
-        self.f_waits, self.b_waits = waits[(Kind.F, False)], waits[(Kind.I, False)]
-        self.progress = Progress(n, microbatches)
+        self.f_checks = [self._checks(w) for w in waits[(Kind.F, False)]]
+        self.b_checks = [self._checks(w) for w in waits[(Kind.I, False)]]
+        #: released_rank[kind][stage]: the rank of the other stage whose action an end may let start, -1 for none
+        self.released_rank = {kind: [placement[x] if x is not None else -1
+                                     for x in (released_stage(kind, s, n) for s in range(n))]
+                              for kind in (Kind.F, Kind.B, Kind.I, Kind.W)}
         self.next_f = [0] * n
         self.next_b = [0] * n
         self.pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(pp)]
@@ -129,7 +127,13 @@ class _ListScheduler:
         self.just_i: list[tuple[int, int] | None] = [None] * pp  # eager_w: the I whose W runs next
         self.releases: list[list[tuple[float, int]]] = [[] for _ in range(pp)]  # (time, in-flight slots freed)
         self.programs: list[list[Action]] = [[] for _ in range(pp)]
-        self.remaining = n * microbatches * (3 if rules.split_backward else 2)
+        self.remaining = n * microbatches * (3 if split_backward else 2)
+
+    def _checks(self, waits: tuple[Wait, ...]) -> tuple[tuple[list[float], int], ...]:
+        """A stage's waits as (the ends of their step, the offset of their stage): an action of
+        micro-batch mb may start at t when ends[offset + mb] <= t for each."""
+        assert all(w.delay == 0 for w in waits)
+        return tuple((self.ends[w.step], w.stage * self.m) for w in waits)
 
     # Event loop. A rank that found nothing to do stays asleep until something it waits on
     # changes: its own action ends (which also frees its in-flight slots and makes its pending
@@ -138,7 +142,7 @@ class _ListScheduler:
     # polls for 49k actions).
 
     def run(self) -> list[list[Action]]:
-        self.busy: list[tuple[float, int, Action]] = []  # heap of (free time, rank, its action)
+        self.busy: list[tuple[float, int, int]] = []  # heap of (free time, rank, the rank its action may release)
         self.idle = set(range(self.pp))
         woken = set(range(self.pp))
         t: float = 0
@@ -155,7 +159,8 @@ class _ListScheduler:
         for r in sorted(self.idle):
             if r not in woken:
                 continue
-            self._release_slots(r, t)
+            if self.releases[r]:
+                self._release_slots(r, t)
             got = self._pick(r, t)
             if got is None:
                 continue
@@ -163,54 +168,49 @@ class _ListScheduler:
             self.programs[r].append(act)
             self.remaining -= 1
             self.idle.discard(r)
-            heapq.heappush(self.busy, (t + dur, r, act))
+            released = self.released_rank[act.kind][act.stage]
+            heapq.heappush(self.busy, (t + dur, r, released))
             if dur == 0:  # done already: a later rank of this same pass may use it, as it ends now
-                woken.add(self._released_rank(act))
+                woken.add(released)
 
     def _next_ends(self) -> tuple[float, set[int]]:
         """Advance to the next action end; the ranks it frees and those it may let start."""
         t = self.busy[0][0]
         woken = set()
         while self.busy and self.busy[0][0] == t:
-            _, r, act = heapq.heappop(self.busy)
+            _, r, released = heapq.heappop(self.busy)
             self.idle.add(r)
             woken.add(r)
-            woken.add(self._released_rank(act))
+            woken.add(released)
         return t, woken
 
-    def _released_rank(self, act: Action) -> int:
-        """The rank of the other stage whose action the end of `act` may let start; -1 for none."""
-        stage = released_stage(act.kind, act.stage, self.num_stages)
-        return self.placement[stage] if stage is not None else -1
-
     def _release_slots(self, r: int, t: float) -> None:
+        """Give back the in-flight slots of the rank's B and W that have ended by `t`."""
         rel = self.releases[r]
-        if rel:
-            self.inflight[r] -= sum(n for when, n in rel if when <= t)
-            self.releases[r] = [x for x in rel if x[0] > t]
+        self.inflight[r] -= sum(n for when, n in rel if when <= t)
+        self.releases[r] = [x for x in rel if x[0] > t]
 
     def _stuck(self) -> ConfigError:
         stuck = ", ".join(f"rank {r} after {len(self.programs[r])} actions" for r in sorted(self.idle))
         return ConfigError(
             "microbatches",
-            f"the in-flight caps {self.rules.cap} leave the pipeline stuck ({stuck}); "
+            f"the in-flight caps {self.cap} leave the pipeline stuck ({stuck}); "
             f"raise the cap or change microbatches",
         )
 
     # Picking: what a free rank runs next, by the priorities of the module docstring.
 
     def _pick(self, r: int, t: float) -> tuple[Action, float] | None:
-        rules = self.rules
-        if rules.eager_w and self.just_i[r] is not None:
+        if self.eager_w and self.just_i[r] is not None:
             return self._eager_w(r, t)
-        if rules.forward_first:
+        if self.forward_first:
             got = self._pick_forward(r, t)
             if got is not None:
                 return got
         best = self._ready_backward(r, t)
         if best is not None:
             return self._start_backward(r, t, *best)
-        if self.pending_w[r] and len(self.pending_w[r]) > rules.max_deferred_w[r]:
+        if self.pending_w[r] and len(self.pending_w[r]) > self.max_deferred_w[r]:
             return self._deferred_w(r, t)
         got = self._pick_forward(r, t)
         if got is not None:
@@ -220,15 +220,22 @@ class _ListScheduler:
         return None
 
     def _pick_forward(self, r: int, t: float) -> tuple[Action, float] | None:
-        cap = self.rules.cap
-        if self.inflight[r] >= cap[r] or self.waiting_b[r] >= self.rules.cap_unbackwarded[r]:
+        inflight, cap = self.inflight[r], self.cap[r]
+        if inflight >= cap or self.waiting_b[r] >= self.cap_unbackwarded[r]:
             return None
+        next_f, f_checks, m = self.next_f, self.f_checks, self.m
         for s in self.f_order[r]:
-            mb = self.next_f[s]
-            if (mb < self.m and self.progress.done_by(self.f_waits[s], mb, t)
-                    and self.inflight[r] + self._reserved(r, s) < cap[r]):
-                self.next_f[s] += 1
-                self.progress.finish(Step.FORWARD, s, mb, t + self.cf[s])
+            mb = next_f[s]
+            if mb >= m:
+                continue
+            for ends, offset in f_checks[s]:
+                if ends[offset + mb] > t:  # its input is not there yet
+                    break
+            else:  # ready: all it waits for ended by t
+                if self.reserve_deeper and inflight + self._reserved(r, s) >= cap:
+                    continue
+                next_f[s] += 1
+                self.f_ends[s * m + mb] = t + self.cf[s]
                 self.inflight[r] += 1
                 self.waiting_b[r] += 1
                 return F(s, mb), self.cf[s]
@@ -236,18 +243,21 @@ class _ListScheduler:
 
     def _reserved(self, r: int, s: int) -> int:
         """In-flight slots kept for the rank's deeper stages that still have forwards to run."""
-        if not self.rules.reserve_deeper:
-            return 0
         next_f = self.next_f
         return sum(1 for d in self.stages_of[r] if d > s and next_f[d] < self.m and next_f[d] <= next_f[s])
 
     def _ready_backward(self, r: int, t: float) -> tuple[int, int] | None:
         """The (stage, mb) of the rank's ready backward that goes first, if any."""
-        key = self.rules.backward_key
+        key, next_b, next_f, b_checks = self.backward_key, self.next_b, self.next_f, self.b_checks
         best: tuple[int, int] | None = None
         for s in self.stages_of[r]:
-            mb = self.next_b[s]
-            if mb < self.next_f[s] and self.progress.done_by(self.b_waits[s], mb, t):
+            mb = next_b[s]
+            if mb >= next_f[s]:
+                continue
+            for ends, offset in b_checks[s]:
+                if ends[offset + mb] > t:  # its F or the next stage's gradient is not there yet
+                    break
+            else:  # ready: all it waits for ended by t
                 if best is None or key(s, mb) < key(*best):
                     best = (s, mb)
         return best
@@ -255,13 +265,13 @@ class _ListScheduler:
     def _start_backward(self, r: int, t: float, s: int, mb: int) -> tuple[Action, float]:
         self.next_b[s] += 1
         self.waiting_b[r] -= 1
-        if self.rules.split_backward:
-            self.progress.finish(Step.INPUT_GRAD, s, mb, t + self.ci[s])
+        if self.split_backward:
+            self.g_ends[s * self.m + mb] = t + self.ci[s]
             self.pending_w[r].append((s, mb))
-            if self.rules.eager_w and any(self.next_f[d] < self.m for d in self.stages_of[r]):
+            if self.eager_w and any(self.next_f[d] < self.m for d in self.stages_of[r]):
                 self.just_i[r] = (s, mb)
             return I(s, mb), self.ci[s]
-        self.progress.finish(Step.INPUT_GRAD, s, mb, t + self.cb[s])
+        self.g_ends[s * self.m + mb] = t + self.cb[s]
         self.releases[r].append((t + self.cb[s], 1))
         return B(s, mb), self.cb[s]
 
