@@ -6,6 +6,7 @@ file per rank, and when one rank raises it stops the others and raises ChildFail
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -70,11 +71,40 @@ def spawn_ranks(
         logs_specs=logs,
         log_line_prefix_template="[rank${rank}]:",
     )
+    # multiprocessing's resource tracker (started with the ranks) warns, at exit, about the
+    # semaphores of ranks that were torn down after a failure, and unlinks them itself
+    quiet = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), "ignore:resource_tracker:UserWarning"]))
     try:
-        with environment(env or {}):
+        with environment({**(env or {}), "PYTHONWARNINGS": quiet}), elastic_log_to(log_dir / "launcher.log"):
             return elastic_launch(config, entry)(job)
     except ChildFailedError as err:
-        raise RankFailed(failure_report(err)) from None
+        logs = sorted(log_dir.glob(f"{config.run_id}*/attempt_0"))
+        where = f"\neach rank's full output: {logs[0]}/<rank>/stderr.log (and error.json)" if logs else ""
+        raise RankFailed(failure_report(err) + where) from None
+
+
+#: loggers that print a failed rank's whole traceback (and the tear-down of the others) on the
+#: console; it goes to logs/launcher.log instead, and the launcher prints its own short report
+ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
+
+
+@contextmanager
+def elastic_log_to(path: Path) -> Iterator[None]:
+    """While ranks run, torch elastic's own log lines go to `path`, not to the console."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    saved = []
+    for name in ELASTIC_LOGGERS:
+        logger = logging.getLogger(name)
+        saved.append((logger, logger.propagate, list(logger.handlers)))
+        logger.handlers = [handler]
+        logger.propagate = False
+    try:
+        yield
+    finally:
+        for logger, propagate, handlers in saved:
+            logger.handlers, logger.propagate = handlers, propagate
+        handler.close()
 
 
 @contextmanager
