@@ -68,7 +68,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict:
     if plan.meta.device_memory:
         print(device_memory_table(plan, metrics["ranks"]), flush=True)
     print(
-        f"done: median step {metrics['step_time_s'] * 1e3:.1f} ms, {metrics['tokens_per_s']:.0f} tokens/s, "
+        f"done: median step {metrics['step_time_s'] * 1e3:.1f} ms, {metrics['tokens_per_s']:.0f} {metrics.get('throughput_unit', 'tokens')}/s, "
         f"final loss {metrics['losses'][-1]:.4f}; metrics in {run_dir / 'metrics.json'}",
         flush=True,
     )

@@ -48,9 +48,12 @@ def _width(file: IO[str]) -> int:
 class Progress:
     """Report each step: `update(step, loss, seconds)`, then `close()`."""
 
-    def __init__(self, steps: int, tokens_per_step: int, log_every: int = 1, start: int = 0) -> None:
-        """`steps` in all, the first `start` of them done before (a resumed run)."""
+    def __init__(self, steps: int, tokens_per_step: int, log_every: int = 1, start: int = 0,
+                 unit: str = "tokens") -> None:
+        """`steps` in all, the first `start` of them done before (a resumed run); throughput in
+        `unit` (tokens for language models, samples for image models) per second."""
         self.steps, self.tokens_per_step, self.log_every = steps, tokens_per_step, max(1, log_every)
+        self.unit = unit
         self.start, self.started = start, time.perf_counter()
         self.bar = None
         self._file = _terminal() if steps - start >= MIN_BAR_STEPS else None
@@ -63,13 +66,13 @@ class Progress:
     def update(self, step: int, loss: float, seconds: float) -> None:
         rate = self.tokens_per_step / seconds if seconds > 0 else float("inf")
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:.0f}", refresh=False)
+            self.bar.set_postfix(loss=f"{loss:.4f}", **{f"{self.unit[:3]}_s": f"{rate:.0f}"}, refresh=False)
             self.bar.update(1)
         if step % self.log_every == 0 or step == self.steps - 1:
             done = step + 1
             eta = (time.perf_counter() - self.started) / (done - self.start) * (self.steps - done)
             line = (f"step {step:>4}/{self.steps} | loss {loss:.4f} | step time {seconds * 1e3:8.1f} ms | "
-                    f"{rate:10.0f} tokens/s | eta {eta:6.1f} s")
+                    f"{rate:10.0f} {self.unit}/s | eta {eta:6.1f} s")
             if self.bar is not None and sys.stdout.isatty():
                 self.bar.write(line, file=sys.stdout)  # above the bar, which is redrawn below it
             else:

@@ -280,7 +280,7 @@ def train_rank(cfg: TrainConfig, plan: Plan, ctx: RankContext, run_dir: Path | N
     record = RunRecord.resumed(resume_from, trainer)
     reset_peak(ctx.device)
     tracker = make_tracker(cfg, run_dir) if ctx.rank == 0 else None
-    progress = Progress(cfg.steps, tokens_per_step, cfg.log_every, record.start_step) \
+    progress = Progress(cfg.steps, tokens_per_step, cfg.log_every, record.start_step, _unit(trainer)) \
         if ctx.rank == 0 else None
     for step in range(record.start_step, cfg.steps):
         trainer.heartbeat.phase(hb.STEP_START, step)
@@ -315,6 +315,11 @@ def _memory_before_model(trainer: RankTrainer) -> float:
     held = sum(t.numel() * t.element_size()
                for t in [*trainer.params, *{id(b): b for m in trainer.modules for b in m.buffers()}.values()])
     return current_memory_bytes(trainer.ctx.device) - held
+
+
+def _unit(trainer: RankTrainer) -> str:
+    """What `tokens_per_s` counts: tokens for a language model, samples (images) otherwise."""
+    return "tokens" if trainer.spec.input_dtype == torch.long else "samples"
 
 
 def _tokens_per_step(cfg: TrainConfig, trainer: RankTrainer) -> int:
@@ -421,6 +426,7 @@ def _finish(trainer: RankTrainer, record: RunRecord, at_start: float, tokens_per
         "step_time_s": median_step,
         "step_times_s": record.step_times,
         "tokens_per_s": tokens_per_step / median_step if median_step else 0.0,
+        "throughput_unit": _unit(trainer),
         "ranks": gathered,
         "schedule": plan.schedule.name,
         "partition": plan.meta.partition,
