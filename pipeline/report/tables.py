@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipeline.core.plan import Plan
+from pipeline.planner.partition.uniform import layer_container
 from pipeline.planner.simulate import SimResult
 
 
@@ -14,6 +15,54 @@ def block_summary(blocks: list[str], keep: int = 8) -> str:
     if len(blocks) <= keep:
         return ", ".join(blocks)
     return f"{', '.join(blocks[:3])} ... {', '.join(blocks[-3:])} ({len(blocks)} nodes)"
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
+
+
+def layer_summaries(plan: Plan, keep: int = 8) -> list[str] | None:
+    """Per stage, what it holds in layers when its nodes are too many to list (an operator-level
+    trace of a layer list): `embed_tokens + layers 0-1 (170 nodes)`, `layers 6-7 + norm, lm_head
+    (...)`, a layer whose tensors several stages share marked `part of layer 3`. None when every
+    stage's blocks fit in a row or the stages' tensors show no layer list."""
+    tensors = plan.meta.stage_tensors
+    if len(tensors) != len(plan.stages) or all(len(s.blocks) <= keep for s in plan.stages):
+        return None
+    found = layer_container({t for ts in tensors for t in ts})
+    if found is None:
+        return None
+    _, layer_of = found
+    holders: dict[int, set[int]] = {}
+    for s, ts in enumerate(tensors):
+        for t in ts:
+            if t in layer_of:
+                holders.setdefault(layer_of[t], set()).add(s)
+    first_layer = min(holders, default=0)
+    out = []
+    for s, ts in enumerate(tensors):
+        mine = sorted({layer_of[t] for t in ts if t in layer_of})
+        whole = [i for i in mine if holders[i] == {s}]
+        part = [i for i in mine if holders[i] != {s}]
+        others = list(dict.fromkeys(t.rsplit(".", 1)[0].rsplit(".", 1)[-1] for t in ts if t not in layer_of))
+        held = []
+        if whole:
+            held.append(f"layer{'s' if len(whole) > 1 else ''} {_ranges(whole)}")
+        if part:
+            held.append(f"part of layer{'s' if len(part) > 1 else ''} {_ranges(part)}")
+        text = ", ".join(held)
+        if others:
+            text = (f"{', '.join(others)} + {text}" if first_layer in mine else f"{text} + {', '.join(others)}") \
+                if text else ", ".join(others)
+        out.append(f"{text} ({len(plan.stages[s].blocks)} nodes)" if text else block_summary(plan.stages[s].blocks))
+    return out
 
 
 def stage_rows(plan: Plan) -> list[dict]:
@@ -34,13 +83,15 @@ def stage_rows(plan: Plan) -> list[dict]:
 
 
 def stage_table(plan: Plan) -> str:
-    """Per stage: rank and blocks; with a profile also time, parameter and activation bytes, the
+    """Per stage: rank and blocks (on an operator-level trace, the layers and other modules it
+    holds: `layer_summaries`); with a profile also time, parameter and activation bytes, the
     micro-batches the schedule keeps in flight there and what that holds (what a memory budget
     caps), and send bytes."""
     part = plan.meta.partition
+    held = layer_summaries(plan) or [block_summary(s.blocks) for s in plan.stages]
     if not part or not plan.meta.stage_forward_s:
         lines = [f"{'stage':>5} {'rank':>4}  blocks"]
-        lines += [f"{s.index:>5} {s.rank:>4}  {block_summary(s.blocks)}" for s in plan.stages]
+        lines += [f"{s.index:>5} {s.rank:>4}  {held[s.index]}" for s in plan.stages]
         return "\n".join(lines)
     mib = 2**20
     fwd, bwd = plan.meta.stage_forward_s, plan.meta.stage_backward_s
@@ -55,7 +106,7 @@ def stage_table(plan: Plan) -> str:
             f"{i:>5} {s.rank:>4} {fwd[i] * 1e3:>7.2f} {bwd[i] * 1e3:>7.2f} {part['stage_time_s'][i] * 1e3:>8.2f} "
             f"{part['stage_param_bytes'][i] / mib:>9.2f} {part['stage_activation_bytes'][i] / mib:>7.2f} "
             f"{in_flight[i]:>5} {part['stage_memory_bytes'][i] / mib:>8.2f} "
-            f"{part['stage_comm_bytes'][i] / mib:>7.2f}  {block_summary(s.blocks)}"
+            f"{part['stage_comm_bytes'][i] / mib:>7.2f}  {held[i]}"
         )
     if remat:
         lines.append("* recomputes its forward in the backward (remat): full activations for "

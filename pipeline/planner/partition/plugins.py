@@ -32,23 +32,30 @@ from pipeline.planner.partition.common import (
 )
 from pipeline.planner.partition.manual import manual
 from pipeline.planner.partition.milp import milp_partition
-from pipeline.planner.partition.uniform import uniform
+from pipeline.planner.partition.uniform import layer_starts, uniform
 
 
 def uniform_split(graph: nx.DiGraph, num_stages: int, request: PartitionRequest) -> Partition:
-    """Equal numbers of blocks per stage: of the nodes that hold parameters (a chain's blocks, a
-    transformers model's decoder layers), the parameter-free ops in between riding with the block
-    after them. Counting every node instead would give whole stages to the mask and position ops
-    of an operator-level trace. A graph with fewer parameter nodes than stages is cut by node count."""
+    """Equal numbers of layers per stage. On an operator-level trace of a layer list (a transformers
+    model's decoder layers): whole layers, the counts differing by at most one, the embedding with
+    the first stage and the final norm and head with the last, not counted as layers
+    (`layer_starts`). Otherwise equal numbers of blocks: of the nodes that hold parameters (a
+    chain's blocks), the parameter-free ops in between riding with the block after them; counting
+    every node instead would give whole stages to the mask and position ops of an operator-level
+    trace. A graph with fewer layers than stages is cut that way too, and one with fewer parameter
+    nodes than stages by node count."""
     order = topo_order(graph)
-    holders = [i for i, n in enumerate(order) if graph.nodes[n].get("param_bytes") or graph.nodes[n].get("params")]
-    if len(holders) < num_stages:
-        return uniform(graph, num_stages, request.bandwidth, request.in_flight)
-    base, extra = divmod(len(holders), num_stages)
-    starts, at = [0], 0
-    for s in range(num_stages - 1):
-        at += base + (1 if s < extra else 0)
-        starts.append(holders[at])
+    starts = layer_starts(graph, order, num_stages)
+    if starts is None:
+        holders = [i for i, n in enumerate(order)
+                   if graph.nodes[n].get("param_bytes") or graph.nodes[n].get("params")]
+        if len(holders) < num_stages:
+            return uniform(graph, num_stages, request.bandwidth, request.in_flight)
+        base, extra = divmod(len(holders), num_stages)
+        starts, at = [0], 0
+        for s in range(num_stages - 1):
+            at += base + (1 if s < extra else 0)
+            starts.append(holders[at])
     return evaluate(graph, assignment_from_order(order, starts), num_stages, request.bandwidth, request.in_flight,
                     "uniform")
 
