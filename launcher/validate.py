@@ -218,18 +218,57 @@ def prepare(cfg: TrainConfig, profile: bool | None = None, device: torch.device 
 
 def check_data(cfg: TrainConfig, spec: ModelSpec) -> None:
     """The data must give what the model takes, with ids it can embed; missing files, a wrong
-    dtype or a short corpus are refused here, not in a rank."""
+    dtype or a short corpus are refused here, not in a rank. For `model=module` (its input set
+    by hand) each disagreement names the model key to set and its value."""
     data_vocab, model_vocab = cfg.data.get("vocab_size"), spec.meta.get("vocab_size")
     data_kind = cfg.data.get("kind", "tokens")
     model_kind = "tokens" if spec.input_dtype == torch.long else "images"
+    adapter = "input" in cfg.model  # model=module: input, target and loss are the user's
     if data_kind != model_kind:
+        if adapter:
+            want, gives = ("int64", "token ids") if data_kind == "tokens" else ("float32", "float tensors")
+            raise ConfigError("model.input.dtype", f"is {str(spec.input_dtype).removeprefix('torch.')} but the data "
+                                                   f"gives {gives}; set model.input.dtype={want}")
         raise ConfigError("data", f"model={spec.name} takes {model_kind} but the data gives {data_kind}; use "
                                   f"data={'synthetic, text, tokens or hf' if model_kind == 'tokens' else 'images'}")
+    if data_kind == "tokens":
+        _check_token_windows(cfg, spec, adapter)
     if data_vocab is not None and model_vocab is not None and data_vocab > model_vocab:
         raise ConfigError("data.vocab_size", f"{data_vocab} exceeds model.vocab_size={model_vocab}")
     data = _build("data", cfg.data)
     if model_vocab is not None and hasattr(data, "check_vocabulary"):
         data.check_vocabulary(model_vocab)  # ids the model cannot embed
+
+
+def _check_token_windows(cfg: TrainConfig, spec: ModelSpec, adapter: bool) -> None:
+    """Token data gives (seq_len,) ids in and the next (seq_len,) ids as targets: the window must
+    be set and equal the model's input, and the loss must score a token per position."""
+    data_len, model_len = cfg.data.get("seq_len"), cfg.model.get("seq_len")
+    sample = spec.input_shape[0] if len(spec.input_shape) == 1 else None
+    if "seq_len" in cfg.data and data_len is None:
+        raise ConfigError("model.seq_len", f"is unset, and the data cuts windows of model.seq_len tokens; set "
+                                           f"model.seq_len={sample if sample is not None else '<tokens per sample>'}")
+    if data_len is None or sample is None:
+        return
+    if model_len is not None and data_len != model_len:
+        raise ConfigError("data.seq_len", f"{data_len} differs from model.seq_len={model_len}; set "
+                                          f"data.seq_len={model_len} or leave it out (it follows model.seq_len)")
+    if sample != data_len:
+        key = "model.input.shape" if adapter else "model.seq_len"
+        raise ConfigError(key, f"the model takes {sample} tokens per sample but the data gives windows of {data_len} "
+                               f"(model.seq_len); set 'model.input.shape=[{data_len}]' or leave model.input.shape "
+                               f"out (it follows model.seq_len)" if adapter else
+                               f"the model takes {sample} tokens per sample but the data gives {data_len}; set "
+                               f"model.seq_len={sample}")
+    if adapter and (spec.target_shape != spec.input_shape or spec.target_dtype != torch.long):
+        loss = cfg.model.get("loss")
+        if isinstance(loss, str) and loss != "causal_lm":
+            raise ConfigError("model.loss", f"{loss} scores {'one label per sample' if loss == 'cross_entropy' else 'float targets'}, "
+                                            f"but token data gives the next token id at each of the {data_len} positions; "
+                                            "set model.loss=causal_lm")
+        raise ConfigError("model.target", f"shape {list(spec.target_shape)} {str(spec.target_dtype).removeprefix('torch.')} "
+                                          f"but token data gives the next token id at each of the {data_len} positions; "
+                                          f"set 'model.target.shape=[{data_len}]' model.target.dtype=int64 (or model.target=null)")
 
 
 def _warn_uncovered(spec: ModelSpec, planned: Planned) -> None:

@@ -1,5 +1,7 @@
 """`model=module`: any callable that returns an `nn.Module`, pipelined as it is.
 
+    python train.py model=module model.module._target_=mymodel.tiny_lm model.seq_len=64 \
+        data=tokens data.path=train.bin
     python train.py model=module model.module._target_=diffusers.UNet2DModel \
         +model.module.sample_size=32 ... 'model.input.shape=[3,32,32]' model.input.dtype=float32 \
         model.output=sample 'model.extra_inputs=[10]' model.loss=mse
@@ -7,6 +9,10 @@
 The module is built on the meta device like every model (its factory must not load weights
 itself); `output` picks an attribute or key of what it returns (`logits`, `sample`), and
 `extra_inputs` are constant positional arguments after the data (a diffusion timestep).
+
+On token data (`data.kind: tokens`, which module.yaml passes as `data_kind`) the defaults are a
+language model's: input `[seq_len]` int64 ids, loss `causal_lm`; elsewhere float32 input and
+`cross_entropy`. What still disagrees with the data is refused in `launcher.validate.check_data`.
 """
 
 from __future__ import annotations
@@ -67,22 +73,50 @@ def _loss(loss: str | dict) -> Callable[[torch.Tensor, torch.Tensor], torch.Tens
         raise ConfigError("model.loss", f"could not build {loss.get('_target_')}: {err}") from None
 
 
+def _input(input: dict | None, seq_len: int | None, tokens: bool) -> tuple[tuple[int, ...], torch.dtype]:  # noqa: A002
+    """One sample's shape and dtype: on token data `[seq_len]` int64 unless given."""
+    input = dict(input or {})  # noqa: A001
+    dtype = _dtype(str(input.get("dtype") or ("int64" if tokens else "float32")), "model.input.dtype")
+    shape = input.get("shape")
+    if shape is None:
+        if seq_len is None:
+            if tokens or not dtype.is_floating_point:
+                raise ConfigError("model.seq_len", "is unset: token data is cut into windows of model.seq_len ids; "
+                                                   "set model.seq_len=<tokens per sample>, e.g. model.seq_len=64")
+            raise ConfigError("model.input.shape", "is unset: give one sample's shape, e.g. 'model.input.shape=[3,32,32]'")
+        shape = [seq_len]
+    return tuple(int(d) for d in shape), dtype
+
+
+def _target(loss: str | dict, in_shape: tuple[int, ...], in_dtype: torch.dtype) -> dict:
+    """What the loss scores, by default: mse the input's shape, causal_lm (or any loss on token
+    input but cross_entropy) a token per input position, cross_entropy one label."""
+    if loss == "mse":
+        return {"shape": list(in_shape), "dtype": "float32"}
+    if loss == "causal_lm" or (not isinstance(loss, str) and not in_dtype.is_floating_point):
+        return {"shape": list(in_shape), "dtype": "long"}
+    return {"shape": [], "dtype": "long"}
+
+
 def module(
     module: dict,
-    input: dict,  # noqa: A002 - the config key users write
+    input: dict | None = None,  # noqa: A002 - the config key users write
     target: dict | None = None,
     output: str | None = None,
     extra_inputs: Sequence[Any] = (),
-    loss: str | dict = "cross_entropy",
+    loss: str | dict | None = None,
     leaf_modules: Sequence[str] = (),
     name: str = "module",
     vocab_size: int | None = None,
     num_classes: int | None = None,
     seq_len: int | None = None,
+    data_kind: str | None = None,
 ) -> ModelSpec:
     """A ModelSpec around `instantiate(module)` (see the module docstring). `input`/`target`:
-    `{shape: [...], dtype: ...}` of one sample; the target defaults to what the loss needs
-    (mse: the input's shape; causal_lm: the input's token positions; cross_entropy: one label)."""
+    `{shape: [...], dtype: ...}` of one sample (shape null: `[seq_len]`; dtype null: int64 on
+    token data, else float32); `loss` null: causal_lm on integer input, else cross_entropy; the
+    target defaults to what the loss needs (mse: the input's shape; causal_lm: the input's token
+    positions; cross_entropy: one label). `data_kind`: the data's kind (`tokens`, `images`)."""
     module, input, target, loss = (OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig | ListConfig) else v
                                    for v in (module, input, target, loss))
     extra_inputs = list(extra_inputs)
@@ -90,12 +124,11 @@ def module(
     if not isinstance(module, dict) or "_target_" not in module:
         raise ConfigError("model.module", "needs a `_target_` naming a callable that returns an nn.Module, "
                                           "e.g. model.module._target_=diffusers.UNet2DModel")
-    in_shape = tuple(int(d) for d in input.get("shape") or ())
-    in_dtype = _dtype(str(input.get("dtype", "float32")), "model.input.dtype")
+    in_shape, in_dtype = _input(input, seq_len, data_kind == "tokens")
+    if loss is None:
+        loss = "cross_entropy" if in_dtype.is_floating_point else "causal_lm"
     if target is None:
-        target = {"mse": {"shape": list(in_shape), "dtype": "float32"},
-                  "causal_lm": {"shape": list(in_shape), "dtype": "long"}}.get(loss if isinstance(loss, str) else "",
-                                                                              {"shape": [], "dtype": "long"})
+        target = _target(loss, in_shape, in_dtype)
     factory_cfg = dict(module)
 
     def build() -> nn.Module:

@@ -5,6 +5,12 @@ Loss, gradients and weights against one process, on real gloo ranks."""
 from __future__ import annotations
 
 import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +18,7 @@ import torch
 
 from launcher.validate import prepare
 from pipeline.core.errors import ConfigError
-from tests.harness import assert_state_close, compose_cfg, merge_state, run_jobs
+from tests.harness import ROOT, assert_state_close, compose_cfg, merge_state, run_jobs
 from tests.test_cli import metrics, train
 
 COMMON = ["data=synthetic", "batch_size=16", "steps=3", "warmup_steps=0", "optimizer=sgd", "timeout_s=90",
@@ -251,3 +257,82 @@ def test_bad_hf_data_is_refused_before_any_rank(change, key, fragment, tmp_path)
     with pytest.raises(ConfigError) as info:
         prepare(cfg)
     assert info.value.key == key and fragment in str(info.value), str(info.value)
+
+
+def _readme_example(tmp_path: Path) -> list[str]:
+    """README's "A plain `nn.Module` and a token file" as typed: its mymodel.py and its token file
+    written into tmp_path, and its train command's arguments (the token file's path made absolute)."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### A plain `nn.Module` and a token file"):text.index("### A transformers model")]
+    (tmp_path / "mymodel.py").write_text(section.split("cat > mymodel.py <<'EOF'\n")[1].split("\nEOF\n")[0] + "\n")
+    lines = section.splitlines()
+    make = shlex.split(next(line for line in lines if line.startswith("python -c ")))
+    subprocess.run([sys.executable, *make[1:]], cwd=tmp_path, check=True, timeout=60)
+    command = shlex.split(next(line for line in lines if line.startswith("python train.py model=module")))
+    assert command[:2] == ["python", "train.py"]
+    return [f"data.path={tmp_path / 'train.bin'}" if a == "data.path=train.bin" else a for a in command[2:]]
+
+
+@pytest.fixture
+def readme_example(tmp_path, monkeypatch):
+    args = _readme_example(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("mymodel", None)
+    yield args
+    sys.modules.pop("mymodel", None)
+
+
+def test_readme_module_on_a_token_file_plans_as_typed(readme_example) -> None:
+    """The short command: int64 input of [model.seq_len], causal_lm and the data's windows by default."""
+    from models.spec import causal_lm_loss
+
+    prepared = prepare(compose_cfg([*readme_example, "mode=plan"]))
+    spec = prepared.spec
+    assert (spec.input_shape, spec.input_dtype, spec.target_shape, spec.target_dtype) == ((64,), torch.long, (64,),
+                                                                                         torch.long)
+    assert spec.loss_fn is causal_lm_loss
+    assert len(prepared.plan.stages) == 2
+
+
+@pytest.mark.timeout(300)
+def test_readme_module_on_a_token_file_trains_as_typed(tmp_path) -> None:
+    args = _readme_example(tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    run = tmp_path / "run"
+    proc = train([*args, "steps=2", "warmup_steps=0", "threads=1", "timeout_s=120"], run, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = metrics(run)["losses"]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert losses[0] == pytest.approx(math.log(256), rel=0.2)  # a next-token loss over 256 ids, untrained
+
+
+@pytest.mark.parametrize(("drop", "add", "key", "fix"), [
+    # a float input on token data (model.input.dtype defaults to int64 there; float32 set by hand)
+    ([], ["model.input.dtype=float32"], "model.input.dtype", "set model.input.dtype=int64"),
+    # no model.seq_len, the input's shape given: the data has no window length
+    (["model.seq_len=64"], ["model.input.shape=[64]"], "model.seq_len", "set model.seq_len=64"),
+    # no model.seq_len and no shape
+    (["model.seq_len=64"], [], "model.seq_len", "set model.seq_len=<tokens per sample>"),
+    # a window of 64 tokens for a model told it takes 32 (once SIGABRT in rank 1)
+    ([], ["model.input.shape=[32]"], "model.input.shape", "set 'model.input.shape=[64]'"),
+    # a loss that is not per token (once a target-size error in a rank)
+    ([], ["model.loss=cross_entropy"], "model.loss", "set model.loss=causal_lm"),
+    ([], ["model.loss=mse"], "model.loss", "set model.loss=causal_lm"),
+    # a target given by hand that is not the next token per position
+    ([], ["model.loss=causal_lm", "+model.target={shape:[],dtype:long}"], "model.target", "'model.target.shape=[64]'"),
+])
+def test_module_mistakes_on_token_data_name_the_key_and_its_value(readme_example, drop, add, key, fix) -> None:
+    cfg = compose_cfg([*(a for a in readme_example if a not in drop), *add, "mode=plan"])
+    with pytest.raises(ConfigError) as info:
+        prepare(cfg)
+    message = str(info.value)
+    assert info.value.key == key and fix in message and "\n" not in message, message
+
+
+def test_module_mistake_fails_in_the_launcher_before_any_rank(tmp_path) -> None:
+    args = _readme_example(tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    proc = train([*args, "model.input.shape=[32]"], tmp_path / "run", env=env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Invalid config `model.input.shape`" in proc.stderr and "model.input.shape=[64]" in proc.stderr
+    assert not (tmp_path / "run" / "metrics.json").exists()

@@ -48,6 +48,9 @@ class TokenFile:
     kind: str = "tokens"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) or self.seq_len < 1:
+            raise ConfigError("model.seq_len", f"got {self.seq_len!r}: data=tokens cuts windows of model.seq_len ids; "
+                                               "set model.seq_len=<tokens per sample>, e.g. model.seq_len=64")
         self._train = self._open(self.path, "data.path")
         self._val = self._open(self.val_path, "data.val_path") if self.val_path else None
 
