@@ -12,7 +12,7 @@ from models.gpt import gpt
 from pipeline.core.errors import ConfigError
 from pipeline.graph.split import split_model
 from pipeline.graph.trace import trace_model
-from pipeline.planner import partition_graph
+from pipeline.planner.build import partition_graph
 from pipeline.planner.partition import PartitionRequest, validate_assignment
 from pipeline.planner.partition.atomic import contract_unsendable, sends_as_tensor
 from tests.test_split import check_equivalence
