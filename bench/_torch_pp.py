@@ -28,6 +28,7 @@ if str(ROOT) not in sys.path:
 from launcher.spawn import environment  # noqa: E402
 from models.gpt import gpt  # noqa: E402
 from models.spec import ModelSpec, causal_lm_loss  # noqa: E402
+from pipeline.core.config import TrainConfig  # noqa: E402
 from pipeline.core.plan import Plan  # noqa: E402
 from pipeline.data.synthetic import SyntheticTokens  # noqa: E402
 from pipeline.runtime.host_allocator import rank_environment  # noqa: E402
@@ -112,22 +113,14 @@ def workload_overrides(cfg: BenchConfig) -> list[str]:
     ]
 
 
-def compose_our_run(schedule: str, cfg: BenchConfig) -> tuple[dict, Plan]:
-    """The resolved config and the Plan `train.py ... scheduler=<schedule>` would run (Hydra
+def compose_our_run(schedule: str, cfg: BenchConfig) -> tuple[TrainConfig, Plan]:
+    """The typed config and the Plan `train.py ... scheduler=<schedule>` would run (Hydra
     compose + our planner, profile included)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from launcher.app import resolve
-    from launcher.config import register_configs
+    from launcher.overrides import compose_checked
     from launcher.validate import prepare
 
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        composed = compose("train", overrides=[*workload_overrides(cfg), f"scheduler={schedule}"])
-    resolved = resolve(composed)
-    return resolved, prepare(resolved).plan
+    typed = compose_checked([*workload_overrides(cfg), f"scheduler={schedule}"])
+    return typed, prepare(typed).plan
 
 
 class TorchRank:

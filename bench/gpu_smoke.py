@@ -130,19 +130,10 @@ def check_planning(report: Report, device: str, env: dict) -> None:
     child process that ends before planning does), and a node with fewer GPUs than ranks is
     refused before spawning."""
     import torch
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf
 
-    from launcher.config import register_configs
+    from launcher.overrides import compose_checked as cfg_of
     from launcher.validate import prepare
     from pipeline.core.errors import ConfigError
-
-    def cfg_of(overrides: list[str]) -> dict:
-        register_configs()
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
-            return OmegaConf.to_container(compose(config_name="train", overrides=overrides), resolve=True)
 
     saved = os.environ.get("PIPELAUNCH_CACHE")
     os.environ["PIPELAUNCH_CACHE"] = env["PIPELAUNCH_CACHE"]
@@ -150,7 +141,7 @@ def check_planning(report: Report, device: str, env: dict) -> None:
         t0 = time.perf_counter()
         plan = prepare(cfg_of([*BASE, f"device={device}", "precision=bf16", "predict=true"])).plan
         report.check("launcher planning opens no CUDA context", not torch.cuda.is_initialized(),
-                     f"planned precision={plan.meta.get('precision')} with a profile in "
+                     f"planned precision={plan.meta.precision} with a profile in "
                      f"{time.perf_counter() - t0:.1f} s; torch.cuda.is_initialized() in the launcher: "
                      f"{torch.cuda.is_initialized()}")
         count = torch.cuda.device_count() if device == "cuda" else 0

@@ -48,6 +48,7 @@ from _torch_pp import (  # noqa: E402
 )
 
 from launcher.spawn import environment  # noqa: E402
+from pipeline.core.config import TrainConfig  # noqa: E402
 from pipeline.core.plan import Plan  # noqa: E402
 from pipeline.planner.costs import cost_model_from_events  # noqa: E402
 from pipeline.planner.simulate import simulate  # noqa: E402
@@ -60,7 +61,7 @@ from pipeline.runtime.trainer import RankTrainer  # noqa: E402
 class PairedJob:
     """One schedule: our resolved config and plan, and torch's job on the same split."""
 
-    cfg: dict
+    cfg: TrainConfig
     plan: Plan
     torch_job: PipelineJob
     steps: int  # warm-up included
