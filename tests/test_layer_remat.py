@@ -7,6 +7,10 @@ ILP is judged against brute force over every subset on small instances.
 from __future__ import annotations
 
 import itertools
+import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import networkx as nx
@@ -18,6 +22,7 @@ from hypothesis import strategies as st
 
 from launcher.spawn import spawn_ranks
 from launcher.validate import prepare
+from pipeline.core.errors import ConfigError
 from pipeline.core.plan import Plan
 from pipeline.graph.recompute import recompute_modules
 from pipeline.planner.remat import RecomputeInfeasible, RecomputeOption, choose_recompute, recompute_options
@@ -26,7 +31,7 @@ from pipeline.runtime.host_allocator import rank_environment
 from pipeline.runtime.rank import RankJob
 from pipeline.runtime.stage import StageModule, build_stage_modules
 from tests.capture import CaptureState, rank_main_many
-from tests.harness import FAST, assert_state_close, compose_cfg, merge_state
+from tests.harness import FAST, ROOT, assert_state_close, compose_cfg, merge_state
 from tests.reference import reference_run
 
 # ---------------------------------------------------------------------------------------------- plan
@@ -296,3 +301,67 @@ def test_options_of_a_traced_gpt_are_its_blocks() -> None:
     options = recompute_options(graph, plan.assignment, False)
     assert [o.node for o in options] == ["layer0", "layer1", "layer2", "layer3", "layer4", "layer5"]
     assert all(o.saves_bytes == 9 * graph.nodes[o.node]["output_bytes"] for o in options)
+
+
+# ------------------------------------------------------------------- block granularity under a cap
+
+#: README's example: gpt_bench at block granularity (the default), 1f1b, uniform, pp=4
+README_BUDGET = ["model=gpt_bench", "pp=4", "memory=budget"]
+#: between the remat=none peak (ranks 0 and 1, about 165 MiB) and what recomputing every block
+#: leaves (about 113 MiB)
+README_CAP = 140e6
+
+
+def test_a_cap_no_recompute_meets_is_met_by_recomputing_blocks_not_whole_stages() -> None:
+    with pytest.raises(ConfigError, match="memory.cap_bytes"):
+        prepare(compose_cfg([*README_BUDGET, f"memory.cap_bytes={README_CAP}"]))
+    prepared = prepare(compose_cfg([*README_BUDGET, f"memory.cap_bytes={README_CAP}", "remat=auto"]))
+    plan = prepared.plan
+    assert plan.schedule.remat_stages() == []  # blocks are recomputed, not whole stages
+    assert any(s.recompute for s in plan.stages)
+    assert all(set(s.recompute) <= set(s.blocks) for s in plan.stages)
+    assert max(d.total for d in prepared.prediction.devices) <= README_CAP
+
+
+def test_a_cap_below_what_recomputing_everything_leaves_names_the_smallest_cap_that_works() -> None:
+    with pytest.raises(ConfigError) as info:
+        prepare(compose_cfg([*README_BUDGET, "memory.cap_bytes=90e6", "remat=auto"]))
+    message = str(info.value)
+    assert "those are the peaks with every candidate module recomputed" in message and "(remat=auto)" not in message
+    smallest = re.search(r"smallest cap this split and schedule meet is [\d.]+ MiB \(memory.cap_bytes=(\d+e6)\)",
+                         message)
+    assert smallest, message
+    plan = prepare(compose_cfg([*README_BUDGET, f"memory.cap_bytes={smallest.group(1)}", "remat=auto"])).plan
+    assert any(s.recompute for s in plan.stages)
+
+
+@pytest.mark.timeout(420)
+def test_readme_budget_example_trains_with_every_rank_under_the_cap(tmp_path: Path) -> None:
+    """Measured, not only predicted: each rank's rise in resident memory while training (what the
+    cap prices: the model's tensors, activations, workspace and the reserve) stays under it."""
+    run = tmp_path / "run"
+    subprocess.run([sys.executable, "train.py", "remat=auto", *README_BUDGET, f"memory.cap_bytes={README_CAP:.0f}",
+                    "steps=3", f"hydra.run.dir={run}"], cwd=ROOT, check=True, timeout=400,
+                   capture_output=True, text=True)
+    ranks = json.loads((run / "metrics.json").read_text())["ranks"]
+    assert len(ranks) == 4
+    for r in ranks:
+        assert r["peak_above_start_bytes"] < README_CAP, (r["rank"], r["peak_above_start_bytes"])
+
+
+def test_plan_auto_remat_candidates_differ_from_their_twins_where_the_twin_is_over_the_cap() -> None:
+    """Every remat=auto candidate whose remat=none twin misses the cap either fits or reports a
+    lower peak on the twin's fullest device (everything recomputed): recomputation is never a no-op."""
+    search = prepare(compose_cfg([*README_BUDGET, "plan=auto", "memory.cap_bytes=120e6"])).search
+    by_key = {(o.candidate.label.replace("remat=auto", "remat=none"), o.candidate.remat): o for o in search.outcomes}
+    compared = 0
+    for (label, remat), auto in by_key.items():
+        twin = by_key.get((label, "none"))
+        if remat != "auto" or twin is None or twin.prediction is None or not twin.over:
+            continue
+        compared += 1
+        fullest = max(twin.over, key=lambda d: d.total)
+        if auto.over:
+            assert auto.prediction is not None, auto.candidate.label
+            assert auto.prediction.devices[fullest.rank].total < fullest.total, auto.candidate.label
+    assert compared >= 10

@@ -27,6 +27,7 @@ from pipeline.planner.partition import Partition, PartitionRequest, evaluate
 from pipeline.planner.partition.atomic import contract_unsendable
 from pipeline.planner.partition.common import assignment_from_order, topo_order
 from pipeline.planner.partition.rank_balance import rank_balanced_starts
+from pipeline.planner.remat import per_module_suffices
 from pipeline.planner.schedules import build_schedule
 from pipeline.planner.schedules.base import ScheduleGenerator
 from pipeline.planner.schedules.inference import Inference
@@ -169,7 +170,7 @@ def build_plan(traced: TracedModel, generator: ScheduleGenerator, req: PlanReque
     forward, backward, split_costs = _stage_costs(traced, part, len(placement), req.profiled)
     if req.profiled:
         generator.use_stage_costs(forward, *split_costs, backward_s=backward)
-    schedule = build_schedule(generator, placement, req.microbatches, req.remat, part.remat_stages)
+    schedule = build_schedule(generator, placement, req.microbatches, req.remat, _whole_stages(traced, part, req))
     reprice_for_schedule(part, schedule)
     split = split_model(traced, part.assignment, len(placement))
     stages = _stage_plans(traced, split, part, placement, req.value_dtypes)
@@ -206,6 +207,15 @@ def _partition(traced: TracedModel, generator: ScheduleGenerator, placement: lis
         raise ConfigError(err.key, f"{str(err).split(': ', 1)[1]} (A stage's bytes above leave out the "
                                    f"memory.reserve_bytes={req.reserve_bytes:.0f} every device also holds: add them "
                                    "to any cap stated here.)") from None
+
+
+def _whole_stages(traced: TracedModel, part: Partition, req: PlanRequest) -> list[int]:
+    """The stages that recompute whole (R actions): under remat=auto, only those over the cap that
+    recomputing chosen modules would not bring under it (`remat.per_module_suffices`)."""
+    if req.remat != "auto" or not part.remat_stages or req.memory_cap is None:
+        return list(part.remat_stages)
+    modules = per_module_suffices(traced.graph, part, req.memory_cap - req.reserve_bytes)
+    return [s for s in part.remat_stages if s not in modules]
 
 
 def _stage_costs(traced: TracedModel, part: Partition, k: int, profiled: bool

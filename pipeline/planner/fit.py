@@ -11,18 +11,21 @@ new simulation and the ILP asked again for what is still missing.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import networkx as nx
 
 from pipeline.core.plan import Plan
-from pipeline.planner.memory import BudgetExceeded, over_budget
+from pipeline.planner.memory import MIB, BudgetExceeded, over_budget
 from pipeline.planner.predict import Prediction, predict
 from pipeline.planner.remat import RecomputeInfeasible, RecomputeOption, choose_recompute, recompute_options
 
-REMEDIES = ("Recompute chosen modules (remat=auto), pick a schedule that holds fewer micro-batches "
-            "(1f1b rather than gpipe), use more stages or a memory-aware split (partitioner=balanced), "
-            "or let plan=auto search for a configuration that fits.")
+#: what helps besides recomputation
+OTHER_REMEDIES = ("pick a schedule that holds fewer micro-batches (1f1b rather than gpipe), use more stages or a "
+                  "memory-aware split (partitioner=balanced), or let plan=auto search for a configuration that fits.")
+REMEDIES = "Recompute chosen modules (remat=auto), " + OTHER_REMEDIES
+AUTO_REMEDIES = "Otherwise: " + OTHER_REMEDIES
 #: rounds of (choose, simulate) before giving up on a device whose peak moves with the choice
 ROUNDS = 6
 
@@ -30,7 +33,8 @@ ROUNDS = 6
 def fit_budget(plan: Plan, prediction: Prediction, graph: nx.DiGraph, cap: float | None, latency_s: float,
                bandwidth: float) -> Prediction:
     """The prediction of a plan within `cap` on every device (recomputing where remat=auto allows);
-    raises BudgetExceeded naming each device over it, its breakdown and the excess."""
+    raises BudgetExceeded naming each device over it, its breakdown and the excess (under
+    remat=auto: with everything recomputed, the least the plan can hold)."""
     over = over_budget(prediction.devices, cap)
     if not over:
         return prediction
@@ -53,9 +57,10 @@ def _recompute_layers(plan: Plan, prediction: Prediction, graph: nx.DiGraph, cap
     for _ in range(ROUNDS):
         try:
             chosen = choose_recompute(options, held, rank_of, excess, plan.microbatches)
-        except RecomputeInfeasible as err:
-            raise BudgetExceeded(over_budget(prediction.devices, cap), cap,
-                                 f"remat=auto cannot close it: {err}. " + REMEDIES, prediction) from None
+        except RecomputeInfeasible:
+            floor = _floor(plan, graph, options, plain_act, latency_s, bandwidth)
+            why = _floor_message(plan, prediction, floor) + AUTO_REMEDIES
+            raise BudgetExceeded(over_budget(floor.devices, cap), cap, why, floor) from None
         plan = _apply(plan, graph, options, chosen, plain_act)
         prediction = predict(plan, latency_s, bandwidth)
         still = over_budget(prediction.devices, cap)
@@ -64,7 +69,29 @@ def _recompute_layers(plan: Plan, prediction: Prediction, graph: nx.DiGraph, cap
         for d in still:  # ask for what is still missing on top of what was asked
             excess[d.rank] = excess.get(d.rank, 0.0) + d.total - cap
     raise BudgetExceeded(over_budget(prediction.devices, cap), cap,
-                         "remat=auto found no recomputation that keeps it under the cap. " + REMEDIES, prediction)
+                         "remat=auto found no recomputation that keeps it under the cap. " + AUTO_REMEDIES, prediction)
+
+
+def _floor(plan: Plan, graph: nx.DiGraph, options: list[RecomputeOption], plain_act: list[float],
+           latency_s: float, bandwidth: float) -> Prediction:
+    """The plan's prediction with every candidate module recomputed: the least each device can hold
+    under remat=auto with this split and schedule."""
+    every: dict[int, list[str]] = {}
+    for o in options:
+        every.setdefault(o.stage, []).append(o.node)
+    return predict(_apply(plan, graph, options, every, plain_act), latency_s, bandwidth)
+
+
+def _floor_message(plan: Plan, plain: Prediction, floor: Prediction) -> str:
+    """Why recomputation cannot close the gap, in the numbers a user sets the cap by: the peaks
+    above are those with everything recomputed; the smallest cap this plan meets is the largest of
+    each device's least (recomputing may cost a device more than it frees: its rerun buffer)."""
+    whole = plan.schedule.remat_stages()
+    what = (f"stages {', '.join(map(str, whole))} recomputed whole and every other candidate module recomputed"
+            if whole else "every candidate module recomputed")
+    least = max(min(p.total, f.total) for p, f in zip(plain.devices, floor.devices, strict=True))
+    return (f"remat=auto cannot close it: those are the peaks with {what}, so the smallest cap this split and "
+            f"schedule meet is {least / MIB:.1f} MiB (memory.cap_bytes={math.ceil(least / 1e6)}e6). ")
 
 
 def _apply(plan: Plan, graph: nx.DiGraph, options: list[RecomputeOption], chosen: dict[int, list[str]],

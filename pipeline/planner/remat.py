@@ -121,3 +121,24 @@ def _cover(
         if sum(f for f, x in zip(frees, res.x, strict=True) if x > 0.5) >= excess:
             return pick
     return options  # no solution in time: recomputing everything is feasible (checked by the caller)
+
+
+def per_module_suffices(graph: nx.DiGraph, part, stage_cap: float) -> set[int]:
+    """The stages the partition marked to recompute whole that recomputing their candidate modules
+    would bring under `stage_cap` (priced as the partition prices a stage: its parameters, its
+    activations per micro-batch held, less what every candidate frees, plus the largest one rerun).
+
+    Why prefer modules: a whole-stage rerun (an `R` action) holds the full activations of the
+    micro-batch being recomputed on top of every held input, while recomputing blocks holds one
+    block's at a time; at block granularity the per-module choice frees more for no more
+    forward time. remat=auto's ILP then picks only what the simulated schedule needs."""
+    options = recompute_options(graph, part.assignment, False)
+    keep = set()
+    for s in part.remat_stages:
+        mine = [o for o in options if o.stage == s]
+        region = max((float(graph.nodes[o.node].get("activation_bytes", 0)) for o in mine), default=0.0)
+        held = part.stage_in_flight[s]
+        least = part.stage_param_bytes[s] + held * (part.stage_activation_bytes[s] - sum(o.saves_bytes for o in mine))
+        if mine and least + region <= stage_cap:
+            keep.add(s)
+    return keep
