@@ -87,7 +87,9 @@ def finish_report(rank0: dict, plan: Plan, cfg: TrainConfig, run_dir: Path) -> d
         metrics["plan_search"] = plan.meta.search
     # the launcher plans on the meta device: its own peak stays far below the model's size
     metrics["launcher_peak_memory_bytes"] = peak_memory_bytes(torch.device("cpu"))
-    return report_run(rank0, plan, cfg.link, run_dir)
+    latency = cfg.link[0] if plan.meta.link_latency_s is None else plan.meta.link_latency_s
+    metrics["link_latency_s"], metrics["action_overhead_s"] = latency, plan.meta.action_overhead_s
+    return report_run(rank0, plan, (latency, cfg.link_bandwidth), run_dir)
 
 
 def print_search(cfg: TrainConfig, prepared: Prepared) -> None:

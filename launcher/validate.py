@@ -80,8 +80,11 @@ def check_config(cfg: TrainConfig) -> None:
     for key, low in (("threads", 0), ("timeout_s", 1), ("log_every", 1), ("seed", 0), ("pp", 1), ("dp", 1),
                      ("microbatches", 1), ("batch_size", 1), ("steps", 1), ("warmup_steps", 0)):
         _integer(getattr(cfg, key), key, low)
-    for key in ("link_latency_s", "link_bandwidth"):
-        _number(getattr(cfg, key), key, 0.0, strict=True, what=" (the simulator's link model)")
+    _number(cfg.link_bandwidth, "link_bandwidth", 0.0, strict=True, what=" (the simulator's link model)")
+    if cfg.link_latency_s is not None:
+        _number(cfg.link_latency_s, "link_latency_s", 0.0, strict=True, what=" (the simulator's link model; null: measured)")
+    if cfg.action_overhead_s is not None:
+        _number(cfg.action_overhead_s, "action_overhead_s", 0.0, what=" (seconds per compute action; null: measured)")
     batch, dp, m = cfg.batch_size, cfg.dp, cfg.microbatches
     if batch % (dp * m):
         raise ConfigError(

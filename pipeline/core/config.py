@@ -199,14 +199,20 @@ class TrainConfig:
     #: none | auto (the latest complete checkpoint under checkpoint.dir) | a step_<N> directory
     resume: str = "none"
     debug: DebugConfig = field(default_factory=DebugConfig)
-    #: link model for the simulator's predictions (seconds per message, bytes per second)
-    link_latency_s: float = LINK_LATENCY_S
+    #: link model for the simulator's predictions (seconds per message, bytes per second); a
+    #: null latency is measured on CPU/gloo once per machine (`pipeline.planner.overheads`), and is
+    #: LINK_LATENCY_S on a GPU
+    link_latency_s: float | None = None
     link_bandwidth: float = LINK_BANDWIDTH
+    #: the runtime's fixed seconds per compute action, priced by the predictions; null: measured
+    #: with the latency on CPU, 0 on a GPU
+    action_overhead_s: float | None = None
 
     @property
     def link(self) -> tuple[float, float]:
-        """The simulator's link model: (seconds per message, bytes per second)."""
-        return self.link_latency_s, self.link_bandwidth
+        """The link model as configured, LINK_LATENCY_S standing for a latency left to measure
+        (the Plan carries the one its predictions used: `PlanMeta.link_latency_s`)."""
+        return (LINK_LATENCY_S if self.link_latency_s is None else self.link_latency_s), self.link_bandwidth
 
     @property
     def world_size(self) -> int:

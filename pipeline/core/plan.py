@@ -82,6 +82,10 @@ class PlanMeta:
     #: this machine: ranks' worth of cores when local ranks need more (CPU), optimizer s per byte
     rank_slots: float | None = None
     optimizer_s_per_byte: float = 0.0
+    #: what the runtime pays beyond compute: seconds per message (the predictions' link latency)
+    #: and per compute action (`pipeline.planner.overheads`)
+    link_latency_s: float | None = None
+    action_overhead_s: float = 0.0
     #: profiled per-stage costs: forward, backward, its input and weight halves; a backward's
     #: transient gradients; what a split backward keeps from I to W; the loss's saved tensors
     stage_forward_s: list[float] = field(default_factory=list)

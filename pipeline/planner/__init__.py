@@ -24,6 +24,7 @@ from pipeline.graph.trace import TracedModel
 from pipeline.planner.build import PlanRequest, build_plan, needs_profile, plugin_name
 from pipeline.planner.fit import fit_budget
 from pipeline.planner.memory import optimizer_states
+from pipeline.planner.overheads import cached_overheads
 from pipeline.planner.predict import Prediction, optimizer_seconds_per_byte, predict
 from pipeline.planner.schedules.base import ScheduleGenerator
 from pipeline.planner.search import Candidate, SearchResult
@@ -56,6 +57,7 @@ def make_plan(cfg: TrainConfig, spec: ModelSpec, options: GroupOptions, *, profi
     models = TracedModels(spec, cfg, profile, cuda=cuda, device=device)
     traced = models.get(micro_batch_size(cfg, cfg.microbatches))
     facts = _machine_facts(cfg, cuda, profile)
+    link = (facts["link_latency_s"], cfg.link_bandwidth)
 
     def build(gen: ScheduleGenerator, traced: TracedModel, c: Candidate | None = None) -> Plan:
         return build_plan(traced, gen, _request(cfg, spec, traced, c, facts, profile, cuda))
@@ -64,13 +66,13 @@ def make_plan(cfg: TrainConfig, spec: ModelSpec, options: GroupOptions, *, profi
         return Planned(_first_plannable(cfg, options, models, build, traced), model=models.model)
     if searching:
         cands, given = search_space(cfg, options, traced.graph)
-        result = search(cfg, models, build, cands, given)
+        result = search(cfg, models, build, cands, given, link)
         prediction = result.winner.prediction
         return Planned(_finished(prediction.plan, prediction, result), prediction, result, models.model)
     plan = build(generator, traced)
     if not profile:
         return Planned(_finished(plan, None, None), model=models.model)
-    prediction = fit_budget(plan, predict(plan, *cfg.link), traced.graph, cfg.memory.cap_bytes, *cfg.link)
+    prediction = fit_budget(plan, predict(plan, *link), traced.graph, cfg.memory.cap_bytes, *link)
     return Planned(_finished(prediction.plan, prediction, None), prediction, model=models.model)
 
 
@@ -88,10 +90,26 @@ def _scheduler(cfg: TrainConfig) -> ScheduleGenerator:
 
 def _machine_facts(cfg: TrainConfig, cuda: bool, profile: bool) -> dict:
     """What the prediction reads of this machine: how many ranks' worth of cores it has when the
-    local ranks need more (CPU), and the optimizer's time per parameter byte."""
+    local ranks need more (CPU), the optimizer's time per parameter byte, and the runtime's
+    latency per message and fixed cost per compute action (`overheads`)."""
     threads = cpu_threads(cfg.threads, cfg.world_size)
+    latency, action = runtime_overheads(cfg, cuda, profile, threads)
     return {"rank_slots": rank_slots(cfg, cuda),
-            "optimizer_s_per_byte": optimizer_seconds_per_byte(cfg.optimizer, threads) if profile else 0.0}
+            "optimizer_s_per_byte": optimizer_seconds_per_byte(cfg.optimizer, threads) if profile else 0.0,
+            "link_latency_s": latency, "action_overhead_s": action}
+
+
+def runtime_overheads(cfg: TrainConfig, cuda: bool, profile: bool, threads: int) -> tuple[float, float]:
+    """(seconds per message, seconds per compute action) the predictions price: as configured, or,
+    left null, measured once on this machine when a CPU run with several ranks reads costs;
+    otherwise the default latency and no action cost."""
+    latency, action = cfg.link_latency_s, cfg.action_overhead_s
+    if (latency is None or action is None) and profile and not cuda and cfg.world_size > 1:
+        measured = cached_overheads(threads)
+        if measured is not None:
+            latency = measured.latency_s if latency is None else latency
+            action = measured.action_s if action is None else action
+    return (cfg.link[0] if latency is None else latency), (0.0 if action is None else action)
 
 
 def rank_slots(cfg: TrainConfig, cuda: bool) -> float | None:

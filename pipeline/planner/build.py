@@ -14,7 +14,7 @@ import networkx as nx
 import torch
 from hydra.utils import get_method
 
-from pipeline.core.config import LINK_BANDWIDTH, PluginConfig
+from pipeline.core.config import LINK_BANDWIDTH, LINK_LATENCY_S, PluginConfig
 from pipeline.core.errors import ConfigError
 from pipeline.core.plan import Plan, PlanMeta, StagePlan, dtype_name
 from pipeline.graph.split import split_model
@@ -149,6 +149,8 @@ class PlanRequest:
     value_dtypes: Mapping[str, torch.dtype] | None = None
     rank_slots: float | None = None
     optimizer_s_per_byte: float = 0.0
+    link_latency_s: float = LINK_LATENCY_S
+    action_overhead_s: float = 0.0
 
 
 def _value_meta(traced: TracedModel, name: str, dtypes: Mapping[str, torch.dtype] | None) -> list:
@@ -265,6 +267,7 @@ def _plan_meta(traced: TracedModel, split, part: Partition, stages: list[StagePl
             "partitioner": plugin_name(req.partitioner), "partition": partition_summary(part),
             "profiled": req.profiled, "precision": req.precision, "rank_slots": req.rank_slots,
             "optimizer_s_per_byte": req.optimizer_s_per_byte,
+            "link_latency_s": req.link_latency_s, "action_overhead_s": req.action_overhead_s,
             "model_param_bytes": sum(traced.graph.graph.get("param_sizes", {}).values()),
             "stage_tensors": [sorted({traced.param_aliases.get(n, n) for n, _ in [
                 *gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]})

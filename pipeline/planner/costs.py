@@ -89,6 +89,10 @@ def cost_model_from_plan(plan: Plan, latency_s: float, bandwidth: float) -> Cost
         bwd_w[s] += extra
         if s > 0:
             bwd_i[s] += extra
+    # the runtime's fixed cost per compute action (measured: pipeline.planner.overheads)
+    fixed = float(plan.meta.action_overhead_s or 0.0)
+    if fixed:
+        fwd, bwd, bwd_i, bwd_w = ([x + fixed for x in xs] for xs in (fwd, bwd, bwd_i, bwd_w))
     # a stage holds its saved tensors and, until its backward, the outputs it produced (the last
     # stage: the model output the loss was taken on, e.g. an LM's logits)
     held = [held_output_bytes(s) for s in plan.stages]

@@ -119,15 +119,16 @@ def _is_chain(graph: nx.DiGraph) -> bool:
 
 
 def search(cfg: TrainConfig, models: TracedModels, build: Callable[..., Plan], cands: list[Candidate],
-           given: Candidate | None) -> SearchResult:
-    """Plan, simulate and fit every candidate; `build(generator, traced, candidate)` makes its Plan."""
+           given: Candidate | None, link: tuple[float, float]) -> SearchResult:
+    """Plan, simulate and fit every candidate; `build(generator, traced, candidate)` makes its Plan;
+    `link`: the (latency, bandwidth) the predictions price."""
     cap = cfg.memory.cap_bytes
 
     def evaluate(c: Candidate) -> Prediction:
         gen = instantiate_scheduler(c.scheduler, dict(c.scheduler_cfg))  # fresh: cost-aware ones keep costs
         traced = models.get(micro_batch_size(cfg, c.microbatches))
         plan = build(gen, traced, c)
-        return fit_budget(plan, predict(plan, *cfg.link), traced.graph, cap, *cfg.link)
+        return fit_budget(plan, predict(plan, *link), traced.graph, cap, *link)
 
     tie = cfg.plan.tie
     if not 0.0 <= tie < 1.0:

@@ -1,0 +1,98 @@
+"""What the runtime pays per action and per transfer beyond the model's own compute, measured once.
+
+Why: the profile times each node alone, but a rank also pays a fixed cost for every action it
+runs (preparing inputs, the autograd call, the non-finite check) and a latency for every
+message (posting, the peer's thread waking up, gloo's socket round trip). On a large stage these
+are noise; on the default model's 2-3 ms stages they decide between schedules: an interleaved
+schedule runs twice the actions and sends three times the messages of 1F1B, and priced at zero
+it wins on paper and loses on the machine.
+
+Measured with the runtime's own code (`pipeline.runtime.comm.P2P`) by two spawned gloo ranks of
+`threads` threads each: a ping-pong of one-element messages gives the one-way latency, and a
+forward and a backward of a tiny stage, done the way the executor does them, the fixed cost per
+compute action. Cached per machine, torch version, thread count and core count, like the profile,
+in `$PIPELAUNCH_CACHE`. On a GPU both stay at the configured defaults: NCCL's latency needs two
+GPUs to measure, and a GPU action's fixed cost is host time the device's queue hides.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.planner.profile import cache_dir
+from pipeline.runtime.context import available_cores
+
+#: the repository root: where `python -m pipeline.runtime.probe` finds the package
+ROOT = Path(__file__).resolve().parents[2]
+#: the probe gives up (the defaults stand) after this long
+PROBE_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Seconds a message takes beyond its bytes, and a compute action beyond its module's work."""
+
+    latency_s: float
+    action_s: float
+
+
+def cached_overheads(threads: int) -> Overheads | None:
+    """This machine's overheads for ranks of `threads` threads: from the cache, else measured and
+    cached. None when the probe cannot run here (its error is not the run's problem: the
+    configured defaults stand)."""
+    path = cache_path(threads)
+    if path.exists():
+        return Overheads(**json.loads(path.read_text()))
+    found = measure_overheads(threads)
+    if found is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(found)))
+        tmp.replace(path)  # complete or invisible: concurrent planners never read half a file
+    return found
+
+
+def cache_path(threads: int) -> Path:
+    """Where `cached_overheads(threads)` keeps its figures."""
+    return cache_dir() / "overheads" / f"{_key(threads)}.json"
+
+
+def _key(threads: int) -> str:
+    return "-".join([platform.node() or "host", torch.__version__.replace("+", "_"), f"t{threads}",
+                     f"c{available_cores()}"])
+
+
+def measure_overheads(threads: int) -> Overheads | None:
+    """Start two probe ranks (gloo on 127.0.0.1) and read their figures; None if either fails or
+    runs past PROBE_TIMEOUT_S."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    procs = [subprocess.Popen([sys.executable, "-m", "pipeline.runtime.probe", str(rank), str(port), str(threads)],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                              cwd=ROOT, start_new_session=True)
+             for rank in range(2)]
+    try:
+        results = [json.loads(p.communicate(timeout=PROBE_TIMEOUT_S)[0]) for p in procs]
+    except (subprocess.TimeoutExpired, json.JSONDecodeError):
+        return None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(p.returncode for p in procs):
+        return None
+    latency = next(r["latency_s"] for r in results if "latency_s" in r)
+    return Overheads(latency_s=latency, action_s=statistics.mean(r["action_s"] for r in results))

@@ -1,0 +1,84 @@
+"""The probe `pipeline.planner.overheads` starts: two ranks measuring what the runtime pays per
+message and per compute action, with the runtime's own P2P. Its own program
+(`python -m pipeline.runtime.probe RANK PORT THREADS`, one JSON line out), so that a probe
+process imports torch and this module, not the launcher's or the planner's."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from pipeline.runtime.comm import P2P
+
+#: round trips timed (after as many warm-up ones) and tiny actions timed per probe
+ROUNDS = 200
+ACTIONS = 200
+
+
+def probe(rank: int, port: int, threads: int) -> dict:
+    """One probe rank: the ping-pong with its peer, then tiny actions while the peer does the same
+    (both ranks busy, as in a step)."""
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        latency = _ping_pong(rank)
+        dist.barrier()
+        return {"action_s": _tiny_actions(), **({"latency_s": latency} if rank == 0 else {})}
+    finally:
+        dist.destroy_process_group()
+
+
+def _ping_pong(rank: int) -> float:
+    """One-way seconds per message: half a round trip, through the runtime's P2P."""
+    p2p, peer = P2P(torch.device("cpu")), 1 - rank
+    x, shapes = torch.zeros(1), [((1,), torch.float32)]
+
+    def trip(i: int) -> None:
+        if rank == 0:
+            p2p.send("ping", peer, [x])
+            p2p.post_recv(i, "pong", peer, shapes, 0)
+            p2p.wait_recv(i)
+        else:
+            p2p.post_recv(i, "ping", peer, shapes, 0)
+            p2p.wait_recv(i)
+            p2p.send("pong", peer, [x])
+        p2p.release_completed()
+
+    for i in range(ROUNDS):
+        trip(i)
+    start = time.perf_counter()
+    for i in range(ROUNDS):
+        trip(i)
+    p2p.wait_sends()
+    return (time.perf_counter() - start) / ROUNDS / 2
+
+
+def _tiny_actions() -> float:
+    """Seconds per compute action of a stage whose own work is negligible: an input made a leaf,
+    a forward and its non-finite check, then a backward from the output's gradient, as the
+    executor runs them."""
+    layer = torch.nn.Linear(4, 4)
+    x, grad = torch.randn(2, 4), torch.ones(2, 4)
+    flag = torch.zeros((), dtype=torch.bool)
+
+    def action_pair() -> None:
+        nonlocal flag
+        inp = x.detach().requires_grad_(True)
+        out = layer(inp)
+        flag |= ~torch.isfinite(out.detach()).all()
+        torch.autograd.backward([out], [grad])
+
+    for _ in range(ACTIONS // 4):
+        action_pair()
+    start = time.perf_counter()
+    for _ in range(ACTIONS):
+        action_pair()
+    return (time.perf_counter() - start) / ACTIONS / 2
+
+
+if __name__ == "__main__":
+    print(json.dumps(probe(*map(int, sys.argv[1:4]))))
