@@ -19,7 +19,7 @@ train: install
 	$(BIN)/python train.py $(ARGS)
 
 test: install
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q --durations=25 $(ARGS)
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow $(ARGS)

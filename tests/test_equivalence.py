@@ -66,7 +66,8 @@ def test_gradients_and_weights_match_single_process(world: int, remats: tuple[st
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("pp", [2, 4])
+# pp=4 in the slow suite: pp=2 runs the same partitioners, and every schedule runs at pp=4 above
+@pytest.mark.parametrize("pp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_profiled_partitioners_match_single_process(pp: int, tmp_path) -> None:
     parts = ["partitioner=balanced", "partitioner=milp", "partitioner=manual"]
     splits = {2: "[layer3]", 4: "[layer1,layer3,layer5]"}
