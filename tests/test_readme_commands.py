@@ -1,0 +1,404 @@
+"""Every command README.md and docs/*.md show, typed into bash as shown (#24).
+
+Each scenario runs a doc's commands in order in a fresh scratch checkout (tests/readme_commands.py:
+train.py and README.md copied, the rest of the tree symlinked, files a user creates landing in the
+scratch directory). Training commands get `steps=2` and a run directory inside the scratch
+directory appended, dry runs only the run directory, everything else nothing. A bad-input example
+must exit 2 (a failing run 1) and print the error the doc shows, whitespace normalised, where `...`
+stands for any text and a duration for any duration. Commands a test cannot run (a cluster, a GPU,
+the network, rebuilding the venv, the suite itself) are in SKIPPED with the reason, and reported as
+skipped. A command shown in a doc that is neither run nor skipped fails test_every_command_is_classified.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.readme_commands import (
+    DocCommand,
+    extract,
+    extract_all,
+    make_checkout,
+    normalise,
+    run_bash,
+    shown_pattern,
+)
+
+COMMANDS, FILES = extract_all()
+
+
+@dataclass(frozen=True)
+class Step:
+    command: str  # the command's key (DocCommand.key): whitespace normalised, comment cut
+    append: str = ""  # what the harness appends; {run} is a directory inside the scratch directory
+    expect: str = "ok"  # "ok" (exit 0), "refused" (exit 2, a config error), "failed" (exit 1), "prelude"
+    produces: str | None = None  # a file the command must leave, relative to the checkout or under {run}
+
+
+def train(command: str, steps: int = 2) -> Step:
+    return Step(command, f"steps={steps} hydra.run.dir={{run}}", produces="{run}/metrics.json")
+
+
+def sweep(command: str) -> Step:
+    return Step(command, "steps=2 hydra.sweep.dir={run}", produces="{run}/summary.json")
+
+
+def plan(command: str) -> Step:
+    return Step(command, "hydra.run.dir={run}", produces="{run}/plan.json")
+
+
+def typed(command: str, produces: str | None = None) -> Step:
+    return Step(command, produces=produces)
+
+
+def refused(command: str) -> Step:
+    return Step(command, expect="refused")
+
+
+def prelude(command: str) -> Step:
+    """A line the doc's later commands run after in the same shell (`source ...`, `RUN=...`)."""
+    return Step(command, expect="prelude")
+
+
+def user_documents(checkout: Path) -> None:
+    """What README's "Documents and a tokenizer" assumes the user has: documents and a tokenizer."""
+    from tests.corpora import make_tokenizer, write_docs
+
+    write_docs(checkout / "docs.jsonl")
+    make_tokenizer(checkout / "my_tokenizer")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    doc: str
+    steps: tuple[Step, ...]
+    slow: bool = False
+    timeout: int = 120  # seconds per command
+    files: tuple[str, ...] = ()  # files the doc shows in full, written first
+    user_files: object = None  # a function making the files the doc assumes a user brings
+
+    @property
+    def runs(self) -> int:
+        return sum(s.expect != "prelude" for s in self.steps)
+
+
+ACTIVATE = prelude("source .venv/bin/activate")
+RUN = ('RUN="optimizer=adamw lr_scheduler=cosine lr_scheduler.warmup_steps=100 clip_grad_norm=1.0 precision=bf16 '
+       'eval.every=100 eval.batches=4 checkpoint.every=200 checkpoint.dir=ckpt/run1 steps=2000"')
+
+# The default suite runs every bad-input example and the hung-rank report, the quick start's first
+# run and dry run, README's own module on its own token file, --help/--cfg and torchrun: 16 commands,
+# each 4-26 s, 128 s in all on 2 cores (about 105 s of CPU; a warm profile cache). Slow: sweeps,
+# 8 ranks, plan=auto's searches, transformers and diffusers models (35-120 s a scenario) and, to keep
+# the default suite within 3 minutes, the 15-35 s runs of kinds it already covers (text files,
+# plug-ins, resume, plan=auto's lists, SLURM's local twin): 26 commands, about 23 minutes.
+SCENARIOS = [
+    # README
+    Scenario("quick-start", "README.md", (ACTIVATE, train("python train.py"))),
+    Scenario("quick-start-zbv-pp4-dp2", "README.md", (ACTIVATE, train("python train.py scheduler=zbv pp=4 dp=2")),
+             slow=True, timeout=300),
+    Scenario("quick-start-plan", "README.md", (ACTIVATE, plan("python train.py mode=plan scheduler=zbv pp=4"))),
+    Scenario("quick-start-plan-auto", "README.md", (ACTIVATE, train("python train.py plan=auto")), slow=True,
+             timeout=300),
+    Scenario("quick-start-sweep", "README.md", (ACTIVATE, sweep("python train.py -m scheduler=gpipe,1f1b")),
+             slow=True, timeout=300),
+    Scenario("your-module-and-token-file", "README.md", (
+        typed("cat > mymodel.py <<'EOF'", produces="mymodel.py"),
+        typed("python -c \"import numpy as np, pathlib, os; text = b''.join(p.read_bytes() for p in "
+              "sorted(pathlib.Path(os.__file__).parent.glob('*.py'))); "
+              "np.frombuffer(text, np.uint8).astype(np.uint16).tofile('train.bin')\"", produces="train.bin"),
+        train("python train.py model=module model.module._target_=mymodel.tiny_lm model.seq_len=64 data=tokens "
+              "data.path=train.bin pp=2"),
+    )),
+    Scenario("transformers", "README.md", (
+        train("python train.py model=hf_llama_tiny scheduler=zbv pp=2 partitioner=balanced"),
+        typed("python -c \"from transformers import LlamaConfig, LlamaForCausalLM; LlamaForCausalLM(LlamaConfig("
+              "hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, vocab_size=256))"
+              ".save_pretrained('llama_dir')\"", produces="llama_dir/config.json"),
+        train("python train.py model=hf model.path=llama_dir model.vocab_size=256 model.seq_len=128 pp=2"),
+    ), slow=True, timeout=300),
+    Scenario("diffusers", "README.md", (
+        train("python train.py model=module model.module._target_=diffusers.UNet2DModel +model.module.sample_size=8 "
+              "'+model.module.block_out_channels=[8,16]' +model.module.layers_per_block=1 "
+              "+model.module.norm_num_groups=4 '+model.module.down_block_types=[DownBlock2D,DownBlock2D]' "
+              "'+model.module.up_block_types=[UpBlock2D,UpBlock2D]' 'model.input.shape=[3,8,8]' "
+              "model.output=sample 'model.extra_inputs=[10]' model.loss=mse data=images data.channels=3 "
+              "data.image_size=8 data.task=regression data.out_channels=3 scheduler=zbv"),
+    ), slow=True, timeout=300),
+    Scenario("documents-and-tokenizer", "README.md", (
+        train("python train.py data=hf 'data.files=[docs.jsonl]' data.tokenizer=my_tokenizer "
+              "model.vocab_size=50304 pp=2"),
+        typed("python -m pipeline.data.prepare docs.jsonl --tokenizer my_tokenizer --out docs.bin",
+              produces="docs.bin"),
+        train("python train.py data=tokens data.path=docs.bin model.vocab_size=50304 pp=2"),
+    ), slow=True, timeout=300, user_files=user_documents),
+    Scenario("text-files", "README.md", (train("python train.py data=text 'data.paths=[README.md,launcher]'"),),
+             slow=True),
+    # the block's own steps=2000 with checkpoints at 200 and 400 is minutes of training: 2 steps, then
+    # 2 more resumed from the checkpoint the first run wrote at its end
+    Scenario("long-runs", "README.md", (
+        prelude(RUN),
+        train("python train.py $RUN"),
+        train("python train.py $RUN resume=auto", steps=4),
+    ), slow=True, timeout=300),
+    Scenario("plan-auto", "README.md", (train("python train.py plan=auto model=gpt_bench pp=2"),), slow=True,
+             timeout=300),
+    Scenario("plan-auto-budget", "README.md",
+             (train("python train.py plan=auto model=gpt_bench pp=4 memory=budget memory.cap_bytes=150e6"),),
+             slow=True, timeout=300),
+    Scenario("remat-auto", "docs/planner.md",
+             (train("python train.py remat=auto memory=budget memory.cap_bytes=140e6 model=gpt_bench pp=4"),),
+             slow=True, timeout=300),
+    Scenario("refused-remat-auto-budget", "docs/planner.md",
+             (refused("python train.py remat=auto memory=budget memory.cap_bytes=90e6 model=gpt_bench pp=4"),)),
+    Scenario("scheduler-auto", "README.md", (train("python train.py scheduler=auto pp=2 microbatches=8"),),
+             slow=True, timeout=300),
+    Scenario("sweep-4-jobs", "README.md",
+             (sweep("python train.py -m scheduler=gpipe,1f1b partitioner=uniform,balanced"),), slow=True,
+             timeout=400),
+    Scenario("sweep-matrix", "README.md", (sweep("python train.py -m +sweep=schedules"),), slow=True, timeout=600),
+    Scenario("optuna-throughput", "README.md", (
+        sweep("python train.py -m hydra/sweeper=optuna hydra.sweeper.n_trials=8 'microbatches=choice(2,4,8)' "
+              "'scheduler=choice(1f1b,zbv)'"),), slow=True, timeout=600),
+    Scenario("optuna-loss", "README.md", (
+        sweep("python train.py -m hydra/sweeper=optuna hydra.sweeper.n_trials=8 objective=loss "
+              "'optimizer.lr=tag(log,interval(1e-4,1e-2))'"),), slow=True, timeout=600),
+    Scenario("torchrun-one-machine", "README.md", (
+        Step("torchrun --standalone --nproc-per-node 2 train.py pp=2 hydra.run.dir=out/tr", "steps=2",
+             produces="out/tr/metrics.json"),)),
+    Scenario("submitit-local", "README.md", (
+        sweep("python train.py -m hydra/launcher=submitit_local hydra.launcher.tasks_per_node=2 pp=2"),), slow=True,
+             timeout=400),
+    Scenario("refused-model-unet", "README.md", (refused("python train.py model=unet"),)),
+    Scenario("hung-rank-report", "README.md", (
+        Step("python train.py pp=2 timeout_s=8 debug.hang_rank=1 debug.hang_step=2", "hydra.run.dir={run}",
+             expect="failed"),)),
+    # docs/config.md
+    Scenario("help-and-config", "docs/config.md",
+             (typed("python train.py --cfg job"), typed("python train.py --help"))),
+    Scenario("refusals", "docs/config.md", (
+        refused("python train.py pp=4 microbatches=2"),
+        refused("python train.py batch_size=10"),
+        refused("python train.py device=tpu"),
+        refused("python train.py clip_grad_norm=0"),
+    )),
+    # docs/design.md: the plug-ins it shows, in your own package and config directory
+    Scenario("plugins", "docs/design.md", (
+        train("PYTHONPATH=. python train.py hydra.searchpath=[file://$PWD/myconf] scheduler=lifo "
+              "partitioner=head_first"),
+        train("PYTHONPATH=. python train.py hydra.searchpath=[file://$PWD/myconf] scheduler=auto"),
+    ), slow=True, timeout=300,
+             files=("myplugins/__init__.py", "myconf/scheduler/lifo.yaml", "myconf/partitioner/head_first.yaml")),
+    # docs/planner.md
+    Scenario("plan-unet", "docs/planner.md", (plan("python train.py mode=plan model=unet data=images pp=2"),)),
+    Scenario("plan-auto-dry-run", "docs/planner.md",
+             (plan("python train.py plan=auto mode=plan model=gpt_bench pp=2"),), slow=True, timeout=300),
+    Scenario("plan-auto-lists", "docs/planner.md", (
+        train("python train.py plan=auto 'plan.schedulers=[1f1b,zbv]' 'plan.microbatches=[8,16]' "
+              "'plan.remat=[none]'"),), slow=True, timeout=300),
+]
+
+CLUSTER = "needs a cluster: a second machine named node0 (tests/test_two_nodes.py runs two torchrun agents on one)"
+SLURM = "needs a SLURM cluster (its local twin, hydra/launcher=submitit_local, runs: scenario submitit-local)"
+GPU = "needs CUDA GPUs; this machine has none (tests/test_gpu_launch.py checks the GPU path without one)"
+NETWORK = "installs packages from the network into the environment the tests run in"
+SUITE = "runs the test suite, or part of it, which includes this test"
+SKIPPED = {
+    "make train": "rebuilds .venv from the network, then runs `python train.py` (run here: scenario quick-start)",
+    "make test": "rebuilds .venv from the network, then runs the whole suite, this test included",
+    'pip install "torch==2.13.0"': NETWORK,
+    'pip install -e ".[dev,hf]"': NETWORK,
+    'pip install -e ".[dev]"': NETWORK,
+    "pytest -q": SUITE,
+    "pytest -m slow": SUITE,
+    "pytest tests/test_config_fuzz.py -s": SUITE,
+    "python train.py $RUN pp=4 dp=2 scheduler=zbv partitioner=milp resume=ckpt/run1/step_0000400":
+        "resumes from step 400 of the block's 2000-step run, minutes of training here (resuming on another "
+        "layout: tests/test_long_runs.py)",
+    "python -m launcher.export ckpt/run1/step_0002000 exported/":
+        "exports step 2000 of the block's 2000-step run, minutes of training here (export: tests/test_long_runs.py)",
+    "torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint node0:29500 "
+    "train.py pp=2 dp=2 hydra.run.dir=/shared/runs/two_nodes": CLUSTER,
+    "torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint node0:29500 "
+    "train.py device=cuda pp=2 dp=2 hydra.run.dir=/shared/runs/two_nodes": CLUSTER + "; and GPUs",
+    "python train.py -m hydra/launcher=submitit_slurm hydra.launcher.nodes=2 hydra.launcher.tasks_per_node=4 "
+    "hydra.launcher.gpus_per_node=4 hydra.launcher.timeout_min=600 pp=4 dp=2 device=cuda checkpoint.every=500 "
+    "checkpoint.dir=/shared/ckpt/run1 resume=auto": SLURM,
+    "python train.py -m hydra/launcher=submitit_slurm hydra.launcher.nodes=2 hydra.launcher.tasks_per_node=4 "
+    "hydra.launcher.gpus_per_node=4 pp=4 dp=2 device=cuda checkpoint.dir=/shared/ckpt/run1 resume=auto": SLURM,
+    "python train.py device=cuda scheduler=zbv pp=4 dp=2": GPU,
+    "python train.py device=cuda pp=4": GPU,
+    "python train.py device=cuda pp=4 dp=2": GPU,
+    "CUDA_VISIBLE_DEVICES=4,5 python train.py device=cuda pp=2": GPU,
+    "make gpu-check": GPU,
+    "python train.py device=cuda ...": GPU + " (and `...` stands for the runs bench/gpu_smoke.py makes)",
+    "python -m torch.distributed.flight_recorder.fr_trace <run dir>/logs --prefix nccl_trace_rank_":
+        "reads the NCCL flight-recorder dumps of a GPU run (`<run dir>` is a placeholder)",
+    "bash ../shared/gpu/prepare.sh": "downloads wheels from the network, for a GPU machine",
+    "source .gpu/setup.sh && python bench/gpu_smoke.py --out $OUT": GPU + " and the .gpu/ prepare.sh builds",
+    "python -m launcher.export": "named in prose without its arguments (README's whole command is listed above)",
+    "python -m pipeline.runtime.probe": "names, without its arguments (RANK PORT THREADS), the program the planner "
+        "starts itself to price the runtime's overheads, as it does in every profiled run above",
+}
+
+
+def shown(doc: str, key: str) -> DocCommand:
+    found = [c for c in COMMANDS if c.doc == doc and c.key == key]
+    assert found, f"{doc} no longer shows `{key}`"
+    return found[0]
+
+
+def test_every_command_is_classified() -> None:
+    """Each command the docs show is run by a scenario or skipped with a reason, and each entry
+    here is still shown somewhere."""
+    run = {step.command for s in SCENARIOS for step in s.steps}
+    classified = run | set(SKIPPED)
+    unclassified = [f"{c.where_shown}: {c.key}" for c in COMMANDS if c.key not in classified]
+    assert not unclassified, (
+        "commands the docs show that tests/test_readme_commands.py neither runs (SCENARIOS) nor skips "
+        "(SKIPPED, with the reason):\n" + "\n".join(unclassified))
+    keys = {c.key for c in COMMANDS}
+    stale = sorted(classified - keys)
+    assert not stale, "classified here but no longer shown in README.md or docs/*.md:\n" + "\n".join(stale)
+    assert not run & set(SKIPPED), sorted(run & set(SKIPPED))
+    assert len({s.name for s in SCENARIOS}) == len(SCENARIOS)
+
+
+def test_scenarios_follow_their_doc() -> None:
+    """A scenario's commands are its doc's, in the doc's order; the files it writes are its doc's."""
+    for s in SCENARIOS:
+        lines = [shown(s.doc, step.command).line for step in s.steps]
+        assert lines == sorted(lines), f"{s.name}: not in {s.doc}'s order: {lines}"
+        for path in s.files:
+            assert [f for f in FILES if f.doc == s.doc and f.path == path], f"{s.doc} no longer shows {path}"
+
+
+def test_extraction_reads_each_shell_form() -> None:
+    """Comments, heredocs, continuations, `$ ` prompts with their output, inline commands, files
+    shown side by side."""
+    markdown = "\n".join([
+        "Run `python train.py pp=4` or `make` (one word: not a command); `python -m",
+        "launcher.export a b` spans lines.",
+        "```bash",
+        "# a comment line",
+        "python train.py a=1 \\",
+        "    'b=[1, 2]'   # a trailing comment, 'quoted # not a comment' before it: c='#x'",
+        "cat > f.py <<'EOF'",
+        "x = 1  # kept",
+        "EOF",
+        "```",
+        "```",
+        "$ python train.py bad=1",
+        "error (config error): it",
+        "```",
+        "```yaml",
+        "# a/one.yaml        # b/two.yaml",
+        "k: 1                j: 2",
+        "                    i: 3",
+        "```",
+    ])
+    commands, files = extract("X.md", markdown)
+    assert [(c.where, c.text) for c in commands] == [
+        ("inline", "python train.py pp=4"),
+        ("inline", "python -m launcher.export a b"),
+        ("bash", "python train.py a=1     'b=[1, 2]'"),
+        ("bash", "cat > f.py <<'EOF'\nx = 1  # kept\nEOF"),
+        ("prompt", "python train.py bad=1"),
+    ]
+    assert commands[3].key == "cat > f.py <<'EOF'" and commands[4].output == "error (config error): it"
+    assert [(f.path, f.text) for f in files] == [("a/one.yaml", "k: 1\n"), ("b/two.yaml", "j: 2\ni: 3\n")]
+    assert shown_pattern("rank 0: step 2, for 9.9 s ... [RECV_B(0,0<1)] 0B0").search(
+        "x rank 0: step 2, for 12.25 s SEND_F(0,1>1) [RECV_B(0,0<1)] 0B0 y")
+    assert shown_pattern("cap by 27.0 MiB; [...] remat=auto").search("cap by 27.0 MiB; more text remat=auto")
+    assert not shown_pattern("cap by 27.0 MiB").search("cap by 27.5 MiB")
+
+
+@pytest.mark.timeout(30)
+def test_runner_kills_what_outlives_its_command(tmp_path) -> None:
+    """Past its timeout a command's process group is killed, and a process that left the group
+    (setsid) is found by the marker in its environment and killed too; one left running after the
+    command exits is reported."""
+    hung = run_bash("setsid sleep 60 & sleep 60", tmp_path, timeout=1)
+    assert hung.timed_out and hung.left_behind == []
+    assert marked_processes_gone(hung)
+    left = run_bash("setsid sleep 60 &", tmp_path, timeout=10, grace_s=0.5)
+    assert not left.timed_out and left.returncode == 0 and len(left.left_behind) == 1
+    assert marked_processes_gone(left)
+
+
+def marked_processes_gone(result) -> bool:
+    return not [pid for pid in result.left_behind if Path(f"/proc/{pid}").exists()
+                and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]]
+
+
+def check_output(step: Step, command: DocCommand, out: str) -> None:
+    """The output the doc shows under a `$ ` command: an error in full (as a pattern); a
+    successful run's lines without digits (headers: its numbers vary run to run)."""
+    if not command.output:
+        return
+    if step.expect in ("refused", "failed"):
+        assert shown_pattern(command.output).search(normalise(out)), (
+            f"{command.where_shown} shows\n{command.output}\nbut the command printed\n{out[-4000:]}")
+        return
+    real = normalise(out)
+    for line in command.output.splitlines():
+        if line.strip() and line.strip() != "..." and not re.search(r"\d", line):
+            assert normalise(line) in real, f"{command.where_shown} shows the line {line!r}; printed:\n{out[-4000:]}"
+
+
+EXPECTED_EXIT = {"ok": 0, "refused": 2, "failed": 1}
+
+
+def run_scenario(s: Scenario, tmp: Path) -> None:
+    checkout = make_checkout(tmp / "checkout")
+    for path in s.files:
+        (f,) = [f for f in FILES if f.doc == s.doc and f.path == path]
+        (checkout / path).parent.mkdir(parents=True, exist_ok=True)
+        (checkout / path).write_text(f.text)
+    if s.user_files is not None:
+        s.user_files(checkout)
+    prelude = "set -e\n"
+    for i, step in enumerate(s.steps):
+        command = shown(s.doc, step.command)
+        if step.expect == "prelude":
+            prelude += command.text + "\n"
+            continue
+        run = tmp / "runs" / str(i)
+        typed_in = command.text + (" " + step.append.format(run=run) if step.append else "")
+        result = run_bash(typed_in, checkout, timeout=s.timeout, prelude=prelude)
+        print(f"{command.where_shown}: exit {result.returncode}, {result.seconds:.1f} s "
+              f"({result.cpu_seconds:.1f} s CPU): {command.key[:100]}")
+        assert not result.timed_out, f"{command.where_shown}: still running after {s.timeout} s\n{result.tail()}"
+        assert not result.left_behind, f"{command.where_shown}: left processes {result.left_behind}\n{result.tail()}"
+        assert result.returncode == EXPECTED_EXIT[step.expect], f"{command.where_shown}:\n{result.tail()}"
+        if step.expect == "refused":
+            assert result.stderr.startswith("error (config error): "), result.tail()
+            assert "Traceback" not in result.stderr, result.tail()
+        check_output(step, command, result.stdout + "\n" + result.stderr)
+        if step.produces:
+            made = Path(step.produces.format(run=run))
+            assert (checkout / made).exists(), f"{command.where_shown}: wrote no {made}\n{result.tail()}"
+
+
+def scenario_params():
+    for s in SCENARIOS:
+        marks = [pytest.mark.timeout(s.timeout * s.runs + 120)]
+        if s.slow:
+            marks.append(pytest.mark.slow)
+        yield pytest.param(s, marks=marks, id=s.name)
+
+
+@pytest.mark.parametrize("scenario", list(scenario_params()))
+def test_doc_commands_run_as_typed(scenario: Scenario, tmp_path) -> None:
+    run_scenario(scenario, tmp_path)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("key", sorted(SKIPPED))
+def test_doc_commands_not_run_here(key: str) -> None:
+    pytest.skip(f"`{key}`: {SKIPPED[key]}")
