@@ -22,6 +22,7 @@ from torch import nn
 
 from models.spec import ModelSpec, causal_lm_loss
 from pipeline.core.errors import ConfigError
+from pipeline.graph.materialize import to_meta_parameters
 
 
 class CausalLM(nn.Module):
@@ -58,6 +59,35 @@ def _config(config: dict | None, path: str | None):
         raise ConfigError("model.config", f"transformers cannot build a config from {config}: {err}") from None
 
 
+def constructed(make) -> nn.Module:
+    """`make()` under a fixed seed, and under the meta device (when called there) every parameter on it.
+
+    Why: a constructor may make a parameter with a factory the meta-device context does not reach
+    (DiffLlama's `nn.Parameter(torch.normal(0, std, size=...))` lands on the CPU, drawn from
+    whatever the global generator holds). Left real, each rank would keep its own draw and never
+    initialise or load it. On meta it is materialised, initialised and read by name like every
+    other weight. Buffers a constructor computes for real stay as computed, the same on every rank
+    under the fixed seed."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = make()
+    if torch.empty(0).device.type == "meta":
+        to_meta_parameters(model)
+    return model
+
+
+def no_dropout(config: Any) -> None:
+    """Every dropout probability of a config and of its sub-configs (a multimodal model's text
+    and vision configs) to 0."""
+    for key, value in config.to_dict().items():
+        if ("dropout" in key or key.endswith("_pdrop")) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    for key in getattr(config, "sub_configs", None) or ():
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            no_dropout(sub)
+
+
 def decoder_layers(model: nn.Module) -> list[str]:
     """Qualified names of the modules transformers never splits (its decoder layers)."""
     classes = set(getattr(model, "_no_split_modules", None) or ())
@@ -73,26 +103,26 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
     cfg = _config(dict(config) if config else None, path)
     as_given = copy.deepcopy(cfg)  # what an export writes back: dropout as the user's config has it
     if not dropout:
-        for key, value in cfg.to_dict().items():
-            if ("dropout" in key or key.endswith("_pdrop")) and isinstance(value, float):
-                setattr(cfg, key, 0.0)
+        no_dropout(cfg)
+    text = cfg.get_text_config()  # a multimodal model's vocabulary and positions are its text model's
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # ids outside a tiny vocabulary only warn
         value = getattr(cfg, key, None)
-        if isinstance(value, int) and value >= cfg.vocab_size:
+        if isinstance(value, int) and value >= text.vocab_size:
             setattr(cfg, key, None)
-    if vocab_size is not None and int(vocab_size) != cfg.vocab_size:
-        raise ConfigError("model.vocab_size", f"{vocab_size} differs from the model's own vocabulary of {cfg.vocab_size}"
+    if vocab_size is not None and int(vocab_size) != text.vocab_size:
+        raise ConfigError("model.vocab_size", f"{vocab_size} differs from the model's own vocabulary of {text.vocab_size}"
                                               " (the data is drawn below model.vocab_size)")
-    positions = getattr(cfg, "max_position_embeddings", getattr(cfg, "n_positions", None))
+    positions = getattr(text, "max_position_embeddings", getattr(text, "n_positions", None))
     if positions is not None and seq_len > positions:
         raise ConfigError("model.seq_len", f"{seq_len} exceeds the model's {positions} positions")
 
     def build() -> nn.Module:
-        return CausalLM(AutoModelForCausalLM.from_config(cfg))
+        return CausalLM(constructed(lambda: AutoModelForCausalLM.from_config(cfg)))
 
+    with torch.device("meta"):
+        meta_model = constructed(lambda: AutoModelForCausalLM.from_config(cfg))
     if leaf_modules is None:
-        with torch.device("meta"):
-            leaf_modules = [f"model.{n}" for n in decoder_layers(AutoModelForCausalLM.from_config(cfg))]
+        leaf_modules = [f"model.{n}" for n in decoder_layers(meta_model)]
     spec = ModelSpec(
         name=name or f"hf_{cfg.model_type}",
         build=build,
@@ -101,32 +131,92 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
         target_shape=(seq_len,),
         leaf_modules=leaf_modules,
         init=transformers_init,
-        meta={"vocab_size": cfg.vocab_size, "seq_len": seq_len, "hf_model_type": cfg.model_type},
+        meta={"vocab_size": text.vocab_size, "seq_len": seq_len, "hf_model_type": cfg.model_type},
     )
     if path is not None:
-        spec.load = SafetensorsDir(Path(path), prefix="model.")
+        spec.load = SafetensorsDir(Path(path), prefix="model.", model=meta_model)
+        check_complete(meta_model, spec.load, path)
     spec.save = partial(save_pretrained_dir, as_given)
+    if not dropout:
+        spec.trace = partial(deterministic_trace, spec)  # type: ignore[method-assign]
     return spec
 
 
-def save_pretrained_dir(config: Any, tensors: dict[str, torch.Tensor], directory: Path) -> None:
-    """A directory `from_pretrained` reads: config.json and model.safetensors under transformers'
-    own names (our `CausalLM` wrapper's `model.` dropped). A tied output embedding is stored once,
-    under its owner's name, as transformers itself saves it."""
-    from safetensors.torch import save_file
+def deterministic_trace(spec: ModelSpec, micro_batch_size: int, model: nn.Module | None = None):
+    """`ModelSpec.trace`, refusing a model whose training forward draws random numbers (dropout
+    aside, which is off): ranks draw from other generator states than one process, so no pipeline
+    could train it exactly as transformers does. Checked on the trace, so before any rank starts."""
+    from pipeline.graph.trace import random_ops
 
+    traced = ModelSpec.trace(spec, micro_batch_size, model)
+    found = random_ops(traced.gm)
+    if found:
+        ops = sorted({op for op, _ in found})
+        where = sorted({m.removeprefix("model.") for _, m in found if m})
+        raise ConfigError("model", f"model={spec.name} draws random numbers in its training forward ({', '.join(ops)} "
+                                   f"in {', '.join(where[:3]) or 'its forward'}{' ...' if len(where) > 3 else ''}), "
+                                   "beyond dropout: a pipeline's ranks draw from other generator states than one "
+                                   "process, so it could not train as transformers does. Turn the sampling off in "
+                                   "the model's config if it has a switch (router jitter or sampling), or set "
+                                   "+model.dropout=true to accept a run that differs from one process")
+    return traced
+
+
+def check_complete(model: nn.Module, load: SafetensorsDir, path: str) -> None:
+    """Refuse a checkpoint that lacks a tensor the model keeps in its state dict: the run would
+    start that tensor from its initialiser, where `from_pretrained` draws its own random values,
+    so the two would differ from step 0. (A tied tensor stored once under another name is there.)"""
+    held = load.keys()
+    names: dict[int, list[str]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(t), []).append(f"model.{name}")
+    lacking = [ns[0].removeprefix("model.") for ns in names.values() if not any(n in held for n in ns)]
+    if lacking:
+        raise ConfigError("model.path", f"{path} lacks {len(lacking)} tensor(s) the model holds "
+                                        f"({', '.join(lacking[:6])}{' ...' if len(lacking) > 6 else ''}), read through "
+                                        "transformers' own checkpoint conversions; from_pretrained would start them "
+                                        "from random values this run cannot reproduce. Save the model with "
+                                        "save_pretrained (all its weights), or train from the config instead "
+                                        "(model.config=..., no model.path)")
+
+
+def save_pretrained_dir(config: Any, tensors: dict[str, torch.Tensor], directory: Path) -> None:
+    """A directory `from_pretrained` reads, written by transformers' own `save_pretrained`: the
+    trained tensors (our `CausalLM` wrapper's `model.` dropped) are put into a model built on the
+    meta device, so the files hold exactly what transformers saves for it: its checkpoint names
+    and layouts (Mixtral's experts one matrix each), a tied output embedding once."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    own = {k.removeprefix("model."): v for k, v in tensors.items()}
+    model.load_state_dict(own, strict=False, assign=True)
+    model.tie_weights()
+    lacking = [n for n, t in model.state_dict().items() if t.device.type == "meta"]
+    if lacking:
+        raise ConfigError("checkpoint", f"the checkpoint lacks {', '.join(lacking[:6])} of the model; nothing written")
     directory.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(directory)
-    save_file({k.removeprefix("model."): v.contiguous() for k, v in tensors.items()}, directory / "model.safetensors",
-              metadata={"format": "pt"})
+    model.save_pretrained(directory)
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
 
 
 class SafetensorsDir:
     """Reads tensors by name from a `save_pretrained` directory, opening only the files that hold
     the names asked for and reading only those tensors (`safe_open`). `prefix` is what our module
-    tree puts before the checkpoint's own names (the `CausalLM` wrapper's `model.`)."""
+    tree puts before the checkpoint's own names (the `CausalLM` wrapper's `model.`).
 
-    def __init__(self, directory: Path, prefix: str = "") -> None:
+    Why a map and not the names as they are: transformers saves many architectures under older
+    names and layouts than its modules have (GPT-NeoX's `embed_out` is `lm_head`; Mixtral's experts
+    are stored one matrix each, the module holds them stacked) and converts them when it loads.
+    Given the model (on the meta device), the checkpoint's names go through transformers' own
+    conversions (`CheckpointMap`), so each module tensor is read from the stored tensors it comes
+    from, converted as `from_pretrained` converts it."""
+
+    def __init__(self, directory: Path, prefix: str = "", model: nn.Module | None = None) -> None:
         self.directory, self.prefix = directory, prefix
         index = directory / "model.safetensors.index.json"
         if index.is_file():
@@ -140,34 +230,105 @@ class SafetensorsDir:
 
             with safe_open(single, "pt") as f:
                 self.file_of = {k: single for k in f.keys()}  # noqa: SIM118 - safe_open has keys(), not iteration
+        self.map = CheckpointMap(model, self._shapes()) if model is not None else None
         self.read: list[str] = []
 
+    def _shapes(self) -> dict[str, torch.Tensor]:
+        """Every stored tensor as a meta tensor of its shape and dtype (read from the headers only)."""
+        from safetensors import safe_open
+
+        out = {}
+        for path in dict.fromkeys(self.file_of.values()):
+            with safe_open(path, "pt") as f:
+                for key in f.keys():  # noqa: SIM118
+                    view = f.get_slice(key)
+                    out[key] = torch.empty(view.get_shape(), dtype=_DTYPES.get(view.get_dtype(), torch.float32),
+                                           device="meta")
+        return out
+
     def keys(self) -> set[str]:
-        return {self.prefix + k for k in self.file_of}
+        """The model's own names (with `prefix`) this checkpoint holds a value for."""
+        names = self.map.targets if self.map is not None else self.file_of
+        return {self.prefix + k for k in names}
+
+    def _get(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self.file_of[key], "pt") as f:
+            self.read.append(key)
+            return f.get_tensor(key)
 
     def load(self, tensors: Iterable[tuple[str, torch.Tensor]], aliases: dict[str, str]) -> list[str]:
         """Copy each (name, real tensor) from the checkpoint; a name the checkpoint lacks is read
-        under its tied alias (`aliases`: name -> the name it shares a tensor with). Returns the
+        under its tied alias (`aliases`: name -> the names it shares a tensor with). Returns the
         names found nowhere (left to the initialisers)."""
-        from safetensors import safe_open
-
-        by_file: dict[Path, list[tuple[str, str, torch.Tensor]]] = {}
-        missing = []
+        known = self.keys()
+        missing, wanted = [], {}
         for name, t in tensors:
-            key = next((k.removeprefix(self.prefix) for k in (name, *aliases.get(name, ()))
-                        if k.startswith(self.prefix) and k.removeprefix(self.prefix) in self.file_of), None)
+            key = next((k.removeprefix(self.prefix) for k in (name, *aliases.get(name, ())) if k in known), None)
             if key is None:
                 missing.append(name)
             else:
-                by_file.setdefault(self.file_of[key], []).append((name, key, t))
-        for path, items in by_file.items():
-            with safe_open(path, "pt") as f:
-                for _, key, t in items:
-                    value: Any = f.get_tensor(key)
-                    if tuple(value.shape) != tuple(t.shape):
-                        raise ConfigError("model.path", f"{key} in {path.name} has shape {tuple(value.shape)}, the model "
-                                                        f"expects {tuple(t.shape)}")
-                    with torch.no_grad():
-                        t.copy_(value)
-                    self.read.append(key)
+                wanted[key] = t
+        values = self.map.read(wanted, self._get) if self.map is not None else {k: self._get(k) for k in wanted}
+        for key, t in wanted.items():
+            value: Any = values[key]
+            if tuple(value.shape) != tuple(t.shape):
+                raise ConfigError("model.path", f"{key} in {self.directory} has shape {tuple(value.shape)}, the model "
+                                                f"expects {tuple(t.shape)}")
+            with torch.no_grad():
+                t.copy_(value)
         return missing
+
+
+class CheckpointMap:
+    """How each of a transformers model's tensors comes from a checkpoint's stored tensors:
+    transformers' own renamings and converters (`conversion_mapping.get_model_conversion_mapping`,
+    applied by name as `from_pretrained` applies them). Each group of stored tensors that one
+    converter turns into module tensors is converted once on the meta device here, so the names
+    and shapes it yields are known before anything is read."""
+
+    def __init__(self, model: nn.Module, stored: dict[str, torch.Tensor]) -> None:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            dot_natural_key,
+            rename_source_key,
+        )
+
+        self.model = model
+        meta = model.state_dict()
+        transforms = get_model_conversion_mapping(model)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        self.converter_of = {p: c for c in converters for p in c.source_patterns}
+        #: first target name -> [(stored key, converter source pattern or None)]
+        self.groups: dict[str, list[tuple[str, str | None]]] = {}
+        for key in sorted(stored, key=dot_natural_key):
+            target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+            if target not in meta and key in meta:
+                target, pattern = key, None
+            if target in meta:
+                self.groups.setdefault(target, []).append((key, pattern))
+        self.targets: dict[str, str] = {}  # module tensor name -> its group
+        for first, members in self.groups.items():
+            for name in self._convert(first, members, stored.__getitem__):
+                self.targets[name] = first
+
+    def _convert(self, first: str, members: list[tuple[str, str | None]], get) -> dict[str, torch.Tensor]:
+        pattern = members[0][1]
+        if pattern is None:
+            return {first: get(members[0][0])}
+        converter = copy.deepcopy(self.converter_of[pattern])
+        for key, pat in members:
+            converter.add_tensor(first, key, pat, get(key))
+        out = converter.convert(first, model=self.model, config=self.model.config)
+        return {k: v[0] if isinstance(v, list) else v for k, v in out.items()}
+
+    def read(self, wanted: Iterable[str], get) -> dict[str, torch.Tensor]:
+        """The module tensors named in `wanted`, each read (`get(stored key)`) and converted once per group."""
+        out: dict[str, torch.Tensor] = {}
+        for first in dict.fromkeys(self.targets[n] for n in wanted):
+            out.update(self._convert(first, self.groups[first], get))
+        return {n: out[n] for n in wanted}

@@ -40,6 +40,25 @@ def lookup(root: nn.Module, name: str) -> torch.Tensor:
     return t
 
 
+def to_meta_parameters(root: nn.Module) -> list[str]:
+    """Put every parameter of `root` that is not on the meta device there (ties kept), and return
+    their names: a model built under `torch.device("meta")` whose constructor still made some
+    parameter for real (a factory the device context does not reach) then has every weight
+    materialised, initialised and loaded by name like the rest, instead of keeping a value no
+    initialiser chose."""
+    moved: dict[int, nn.Parameter] = {}
+    names = []
+    for mod_name, mod in root.named_modules(remove_duplicate=False):
+        for attr, p in list(mod._parameters.items()):
+            if p is None or p.device.type == "meta":
+                continue
+            if id(p) not in moved:
+                moved[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                names.append(f"{mod_name}.{attr}" if mod_name else attr)
+            mod._parameters[attr] = moved[id(p)]
+    return names
+
+
 @torch.no_grad()
 def materialize(
     root: nn.Module,

@@ -277,6 +277,28 @@ def _metadata(val: Any) -> Any:
     return None
 
 
+def random_ops(gm: fx.GraphModule) -> list[tuple[str, str]]:
+    """(operator, innermost module) of every node whose result depends on the random generator
+    (torch's `nondeterministic_seeded` tag: rand, bernoulli, exponential_...), leaving out a dropout
+    or attention dropout of probability 0, which draws nothing that matters."""
+    found = []
+    for node in gm.graph.nodes:
+        op = node.target
+        if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+            continue
+        if torch.Tag.nondeterministic_seeded not in op.tags:
+            continue
+        names = [a.name for a in op._schema.arguments]
+        p_name = next((n for n in ("p", "dropout_p") if n in names), None)
+        if p_name is not None:
+            i = names.index(p_name)
+            p = node.kwargs.get(p_name, node.args[i] if i < len(node.args) else op._schema.arguments[i].default_value)
+            if p == 0:
+                continue
+        found.append((str(op.overloadpacket.__name__), _innermost_module(node) or ""))
+    return found
+
+
 def retarget(gm: fx.GraphModule, device: torch.device) -> None:
     """Point every device an export trace baked into the graph (`arange(..., device=cpu)`: export
     traces on the CPU) at `device`, the one the graph will really run on."""
@@ -292,9 +314,26 @@ def retarget(gm: fx.GraphModule, device: torch.device) -> None:
         gm.recompile()
 
 
-def meta_bytes(meta: Any) -> int:
-    """Bytes of every tensor in a ShapeProp `tensor_meta` value (which may be nested)."""
+def is_static(meta: Any) -> bool:
+    """True when every size in a `tensor_meta` value is a plain integer. An export trace keeps a
+    size that depends on the data as a symbol (how many tokens an MoE router sends to an expert):
+    the graph computes it for any batch, but nothing may be sized from it ahead of time."""
     if isinstance(meta, TensorMetadata):
+        return all(isinstance(d, int) for d in meta.shape)
+    if isinstance(meta, (list, tuple)):
+        return all(is_static(m) for m in meta)
+    if isinstance(meta, dict):
+        return all(is_static(m) for m in meta.values())
+    return True
+
+
+def meta_bytes(meta: Any) -> int:
+    """Bytes of every tensor in a ShapeProp `tensor_meta` value (which may be nested); a tensor
+    whose size depends on the data counts as 0 (it never crosses a stage boundary, see
+    `build_cost_graph`)."""
+    if isinstance(meta, TensorMetadata):
+        if not is_static(meta):
+            return 0
         numel = 1
         for d in meta.shape:
             numel *= int(d)
@@ -308,6 +347,8 @@ def meta_bytes(meta: Any) -> int:
 
 def _meta_shape(meta: Any) -> Any:
     if isinstance(meta, TensorMetadata):
+        if not is_static(meta):
+            return None
         return [list(map(int, meta.shape)), str(meta.dtype).replace("torch.", "")]
     if isinstance(meta, (list, tuple)):
         return [_meta_shape(m) for m in meta]
@@ -399,7 +440,9 @@ def build_cost_graph(gm: fx.GraphModule, leaves: Iterable[str] = ()) -> nx.DiGra
             param_bytes=sum(param_sizes.get(p, 0) for p in params),
             shape=_meta_shape(meta),
             output_bytes=meta_bytes(meta),
-            single_tensor=isinstance(meta, TensorMetadata),
+            # a value sized by the data is contracted with its consumers like a tuple: never sent,
+            # since a receiver allocates from shapes fixed at plan time
+            single_tensor=isinstance(meta, TensorMetadata) and is_static(meta),
             reads_inputs=[i.name for i in node.all_input_nodes if i.op == "placeholder"],
             order=order,
             leaf=_leaf_of(node, leaves),
