@@ -113,7 +113,7 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
         raise ConfigError("model.vocab_size", f"{vocab_size} differs from the model's own vocabulary of {text.vocab_size}"
                                               " (the data is drawn below model.vocab_size)")
     positions = getattr(text, "max_position_embeddings", getattr(text, "n_positions", None))
-    if positions is not None and seq_len > positions:
+    if isinstance(positions, int) and 0 < positions < seq_len:
         raise ConfigError("model.seq_len", f"{seq_len} exceeds the model's {positions} positions")
 
     def build() -> nn.Module:
@@ -136,20 +136,29 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
     if path is not None:
         spec.load = SafetensorsDir(Path(path), prefix="model.", model=meta_model)
         check_complete(meta_model, spec.load, path)
+    uncomputed = uncomputed_buffers(meta_model, spec.load.keys() if spec.load is not None else set())
     spec.save = partial(save_pretrained_dir, as_given)
-    if not dropout:
-        spec.trace = partial(deterministic_trace, spec)  # type: ignore[method-assign]
+    spec.trace = partial(checked_trace, spec, uncomputed, not dropout)  # type: ignore[method-assign]
     return spec
 
 
-def deterministic_trace(spec: ModelSpec, micro_batch_size: int, model: nn.Module | None = None):
-    """`ModelSpec.trace`, refusing a model whose training forward draws random numbers (dropout
-    aside, which is off): ranks draw from other generator states than one process, so no pipeline
-    could train it exactly as transformers does. Checked on the trace, so before any rank starts."""
+def checked_trace(spec: ModelSpec, uncomputed: set[str], deterministic: bool, micro_batch_size: int,
+                  model: nn.Module | None = None):
+    """`ModelSpec.trace`, refusing what no rank could reproduce, before any rank starts: a buffer
+    the traced forward reads that no initialiser computes (`uncomputed_buffers`), and, unless
+    dropout was asked for, a training forward that draws random numbers (ranks draw from other
+    generator states than one process, so no pipeline could train it exactly as transformers does)."""
     from pipeline.graph.trace import random_ops
 
     traced = ModelSpec.trace(spec, micro_batch_size, model)
-    found = random_ops(traced.gm)
+    read = sorted(uncomputed & {n for n, _ in traced.gm.named_buffers(remove_duplicate=False)})
+    if read:
+        raise ConfigError("model", f"model={spec.name}: no initialiser recomputes the buffer(s) "
+                                   f"{', '.join(n.removeprefix('model.') for n in read[:6])} its constructor "
+                                   "computes and its forward reads, so every rank would start them from zeros; "
+                                   "transformers' _init_weights for this architecture does not cover them. Start "
+                                   "from a save_pretrained directory that holds them (model.path=...)")
+    found = random_ops(traced.gm) if deterministic else []
     if found:
         ops = sorted({op for op, _ in found})
         where = sorted({m.removeprefix("model.") for _, m in found if m})
@@ -160,6 +169,17 @@ def deterministic_trace(spec: ModelSpec, micro_batch_size: int, model: nn.Module
                                    "the model's config if it has a switch (router jitter or sampling), or set "
                                    "+model.dropout=true to accept a run that differs from one process")
     return traced
+
+
+def uncomputed_buffers(model: nn.Module, stored: set[str]) -> set[str]:
+    """Buffers (our names) the constructor computes on the meta device, so without a value, that
+    neither transformers' own initialiser computes again nor the checkpoint (`stored`) holds: a
+    rank would start them from the generic fallback (zeros). transformers recomputes the buffers
+    it knows (rotary `inv_freq`...) in `_init_weights`, as its own `from_pretrained` needs."""
+    from pipeline.graph.init import uncovered_tensors
+
+    buffers = {f"model.{n}" for n, t in model.named_buffers() if t.device.type == "meta"} - stored
+    return buffers & set(uncovered_tensors(CausalLM(model), transformers_init)) if buffers else set()
 
 
 def check_complete(model: nn.Module, load: SafetensorsDir, path: str) -> None:
