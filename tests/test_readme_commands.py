@@ -92,11 +92,12 @@ RUN = ('RUN="optimizer=adamw lr_scheduler=cosine lr_scheduler.warmup_steps=100 c
        'eval.every=100 eval.batches=4 checkpoint.every=200 checkpoint.dir=ckpt/run1 steps=2000"')
 
 # The default suite runs every bad-input example and the hung-rank report, the quick start's first
-# run and dry run, README's own module on its own token file, --help/--cfg and torchrun: 16 commands,
-# each 4-26 s, 128 s in all on 2 cores (about 105 s of CPU; a warm profile cache). Slow: sweeps,
+# run and dry run, README's own module on its own token file, --help/--cfg, torchrun and
+# scheduler=torch's dry run: 17 commands, each 4-26 s, 128 s in all on 2 cores before the last was added
+# (about 105 s of CPU; a warm profile cache; the torch dry run: 9 s). Slow: sweeps,
 # 8 ranks, plan=auto's searches, transformers and diffusers models (35-120 s a scenario) and, to keep
 # the default suite within 3 minutes, the 15-35 s runs of kinds it already covers (text files,
-# plug-ins, resume, plan=auto's lists, SLURM's local twin): 26 commands, about 23 minutes.
+# plug-ins, resume, plan=auto's lists, SLURM's local twin, a scheduler=torch run): 27 commands, about 23 minutes.
 SCENARIOS = [
     # README
     Scenario("quick-start", "README.md", (ACTIVATE, train("python train.py"))),
@@ -187,6 +188,12 @@ SCENARIOS = [
         refused("python train.py device=tpu"),
         refused("python train.py clip_grad_norm=0"),
     )),
+    # docs/schedules.md: torch.distributed.pipelining's orders
+    Scenario("torch-schedule-plan", "docs/schedules.md",
+             (plan("python train.py mode=plan scheduler=torch scheduler.schedule=DualPipeV pp=4 microbatches=8"),)),
+    Scenario("torch-schedule-train", "docs/schedules.md",
+             (train("python train.py scheduler=torch scheduler.schedule=InterleavedZeroBubble "
+                    "scheduler.stages_per_rank=4 pp=2"),), slow=True, timeout=300),
     # docs/design.md: the plug-ins it shows, in your own package and config directory
     Scenario("plugins", "docs/design.md", (
         train("PYTHONPATH=. python train.py hydra.searchpath=[file://$PWD/myconf] scheduler=lifo "
