@@ -18,7 +18,7 @@ from launcher.config import typed_config
 from launcher.diagnose import where_ranks_were
 from launcher.joined import export_submitit_env, joined_rank_env
 from launcher.validate import Prepared, group_options, on_cuda, prepare
-from pipeline.core.config import OBJECTIVE_DIRECTION, TrainConfig
+from pipeline.core.config import OBJECTIVE_DIRECTION, CheckSplit, TrainConfig
 from pipeline.core.errors import ConfigError, RankFailed
 from pipeline.core.plan import Plan
 from pipeline.report.artifacts import report_run
@@ -46,11 +46,13 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict:
     if cfg.mode == "plan":
         return dry_run(prepared, run_dir)
     from launcher.spawn import spawn_ranks  # the runtime is imported only when there is something to run
+    from launcher.split_check import check_split
     from pipeline.runtime.rank import RankJob
 
     job = RankJob(cfg, plan, str(run_dir), resume_from=prepared.resume_from)
     plan.write(run_dir / "plan.json")
     print(stage_table(plan), flush=True)
+    print(check_split(cfg, prepared.spec, plan, prepared.model), flush=True)
     print(f"schedule {plan.schedule.name}: pp={plan.pp} dp={plan.dp} microbatches={plan.microbatches}", flush=True)
     beats = run_dir / "heartbeat"
     env = {**rank_environment(cfg.huge_pages), **launcher_terminal(), HEARTBEAT_DIR: str(beats)}
@@ -129,6 +131,9 @@ def join(cfg: TrainConfig, run_dir: Path) -> dict:
         plan.write(run_dir / "plan.json")
         print(stage_table(plan), flush=True)
     plan = broadcast_plan(plan)
+    if rank == 0 and cfg.check_split != CheckSplit.never:  # a check here would hold every other rank
+        print("check_split: skipped: ranks started by torchrun or SLURM plan on rank 0 inside the process group; "
+              "the same command through the launcher (python train.py ... steps=1) checks the split", flush=True)
     result = run_job(RankJob(cfg, plan, str(run_dir), resume_from=resume_from), rank, device)
     metrics = finish_report(result, plan, cfg, run_dir) if rank == 0 else {}
     leave_process_group()

@@ -38,6 +38,8 @@ class Prepared:
     search: SearchResult | None = None
     #: the checkpoint `resume` names (auto: the latest complete one), or None for a fresh start
     resume_from: str | None = None
+    #: the model as the planner built it, on the meta device (its size decides check_split=auto)
+    model: torch.nn.Module | None = None
 
 
 def _integer(value, key: str, minimum: int = 1, maximum: int | None = None, what: str = "") -> int:
@@ -216,7 +218,7 @@ def prepare(cfg: TrainConfig, profile: bool | None = None, device: torch.device 
                         device=device, cuda=on_cuda(cfg))
     resume_from = resume_checkpoint(cfg, planned.model, checkpoint_root(cfg, run_dir))
     _warn_uncovered(spec, planned)
-    return Prepared(spec, planned.plan, planned.prediction, planned.search, resume_from)
+    return Prepared(spec, planned.plan, planned.prediction, planned.search, resume_from, planned.model)
 
 
 def check_data(cfg: TrainConfig, spec: ModelSpec) -> None:
@@ -276,6 +278,9 @@ def _check_token_windows(cfg: TrainConfig, spec: ModelSpec, adapter: bool) -> No
 
 def _warn_uncovered(spec: ModelSpec, planned: Planned) -> None:
     uncovered = uncovered_tensors(planned.model, spec.init) if planned.model is not None else []
+    if uncovered and spec.load is not None:  # read by name: a checkpoint's, or the constructor's buffers
+        held = spec.load.keys()
+        uncovered = [n for n in uncovered if n not in held]
     if uncovered:
         warnings.warn(f"model {spec.name}: no initialiser writes {', '.join(uncovered[:8])}"
                       f"{' ...' if len(uncovered) > 8 else ''}; they start from pipeline.graph.init.fallback_fill "

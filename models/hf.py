@@ -236,6 +236,9 @@ class SafetensorsDir:
     conversions (`CheckpointMap`), so each module tensor is read from the stored tensors it comes
     from, converted as `from_pretrained` converts it."""
 
+    #: pretrained values: the split check gives the unsplit reference these very tensors
+    checkpoint = True
+
     def __init__(self, directory: Path, prefix: str = "", model: nn.Module | None = None) -> None:
         self.directory, self.prefix = directory, prefix
         index = directory / "model.safetensors.index.json"

@@ -8,7 +8,11 @@
 
 The module is built on the meta device like every model (its factory must not load weights
 itself); `output` picks an attribute or key of what it returns (`logits`, `sample`), and
-`extra_inputs` are constant positional arguments after the data (a diffusion timestep).
+`extra_inputs` are constant positional arguments after the data: a value (a diffusion timestep),
+or a tensor described by a mapping (`extra_tensor`: a text encoder's states for a conditioned
+UNet, a class label), the same for every sample of a batch. Buffers the module's constructor
+computes (a rotary `inv_freq`, a sin-cos position table) reach every rank by name, as the
+constructor computes them (`pipeline.graph.buffers.ConstructorBuffers`).
 
 On token data (`data.kind: tokens`, which module.yaml passes as `data_kind`) the defaults are a
 language model's: input `[seq_len]` int64 ids, loss `causal_lm`; elsewhere float32 input and
@@ -17,7 +21,7 @@ language model's: input `[seq_len]` int64 ids, loss `causal_lm`; elsewhere float
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +31,7 @@ from torch import nn
 
 from models.spec import ModelSpec, causal_lm_loss
 from pipeline.core.errors import ConfigError
+from pipeline.graph.buffers import ConstructorBuffers
 
 LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "cross_entropy": nn.functional.cross_entropy,
@@ -38,17 +43,55 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 class Adapted(nn.Module):
-    """The user's module, called with the data plus constant extra inputs, its output picked."""
+    """The user's module, called with the data plus constant extra inputs, its output picked. A
+    tensor extra input is a non-persistent buffer `extra_<position>` (one sample's), expanded to
+    the batch on each call."""
 
     def __init__(self, inner: nn.Module, output: str | None, extra_inputs: Sequence[Any]) -> None:
         super().__init__()
-        self.inner, self.output, self.extra_inputs = inner, output, tuple(extra_inputs)
+        self.inner, self.output = inner, output
+        self.extra_inputs: tuple[Any, ...] = tuple(extra_inputs)
+        for i, item in enumerate(self.extra_inputs):
+            if isinstance(item, Mapping):
+                self.register_buffer(f"extra_{i}", extra_tensor(item, i), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.inner(x, *self.extra_inputs)
+        args = []
+        for i, item in enumerate(self.extra_inputs):
+            if isinstance(item, Mapping):
+                value = getattr(self, f"extra_{i}")
+                args.append(value.expand(x.shape[0], *value.shape))
+            else:
+                args.append(item)
+        out = self.inner(x, *args)
         if self.output is None:
             return out
         return out[self.output] if isinstance(out, dict) and self.output in out else getattr(out, self.output)
+
+
+EXTRA_KEYS = ("shape", "dtype", "fill", "seed")
+
+
+def extra_tensor(item: Mapping, index: int) -> torch.Tensor:
+    """One sample's tensor extra input, `{shape: [...], dtype: float32, fill: null, seed: 0}`: `fill`
+    everywhere, or else drawn from N(0, 1) with `seed` (a float dtype). Made on the CPU and put on
+    the device being built on (meta, where the rank then reads the value by name)."""
+    key = f"model.extra_inputs[{index}]"
+    unknown = sorted(set(item) - set(EXTRA_KEYS))
+    shape = item.get("shape")
+    if unknown or not isinstance(shape, Sequence) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise ConfigError(key, f"got {dict(item)}; a tensor input is {{shape: [sizes of one sample], dtype: float32, "
+                               "fill: <a number, or null: N(0,1) values>, seed: 0}, e.g. {shape:[4,16]}")
+    dtype = _dtype(str(item.get("dtype") or "float32"), f"{key}.dtype")
+    fill = item.get("fill")
+    if fill is None and not dtype.is_floating_point:
+        raise ConfigError(f"{key}.fill", f"is null for a {dtype} tensor; random values are float: give a fill value")
+    if fill is not None:
+        value = torch.full(tuple(shape), fill, dtype=dtype, device="cpu")
+    else:
+        gen = torch.Generator().manual_seed(int(item.get("seed") or 0))
+        value = torch.randn(tuple(shape), generator=gen, device="cpu").to(dtype)
+    return value.to(torch.get_default_device())
 
 
 def _family_init(root: nn.Module, module: nn.Module) -> None:
@@ -117,8 +160,9 @@ def module(
     token data, else float32); `loss` null: causal_lm on integer input, else cross_entropy; the
     target defaults to what the loss needs (mse: the input's shape; causal_lm: the input's token
     positions; cross_entropy: one label). `data_kind`: the data's kind (`tokens`, `images`)."""
-    module, input, target, loss = (OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig | ListConfig) else v
-                                   for v in (module, input, target, loss))
+    module, input, target, loss, extra_inputs = (
+        OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig | ListConfig) else v
+        for v in (module, input, target, loss, extra_inputs))
     extra_inputs = list(extra_inputs)
     leaf_modules = list(leaf_modules)
     if not isinstance(module, dict) or "_target_" not in module:
@@ -155,4 +199,5 @@ def module(
         target_shape=tuple(int(d) for d in target.get("shape") or ()),
         target_dtype=_dtype(str(target.get("dtype", "long")), "model.target.dtype"),
         leaf_modules=[f"inner.{n}" for n in leaf_modules], init=family, meta=meta,
+        load=ConstructorBuffers(build) if any(True for _ in probe.buffers()) else None,
     )

@@ -48,7 +48,9 @@ class ModelSpec:
     leaf_modules: Sequence[str] = ()
     init: FamilyInit | None = None
     meta: dict = field(default_factory=dict)
-    #: pretrained weights read by name (`models.hf.SafetensorsDir`): `load(tensors, aliases)`
+    #: tensors read by name after initialisation, `load(tensors, aliases)` and `keys()`: pretrained
+    #: weights (`models.hf.SafetensorsDir`, `checkpoint = True`) or the buffers the module's own
+    #: constructor computes (`pipeline.graph.buffers.ConstructorBuffers`, `checkpoint = False`)
     load: Any = None
     #: writes exported weights (name -> tensor, the full model's names) in the family's own format
     #: into a directory; None: one `model.safetensors` under those names (`launcher.export`)

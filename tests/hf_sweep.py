@@ -284,38 +284,31 @@ def traced_once():
 
 def pipeline(directory: Path, pp: int, data) -> Trained:
     """Every rank's stages built as a rank builds them (`build_stage_modules`: fresh meta model,
-    only its stages materialised, weights read by name), run in order in this process."""
+    only its stages materialised, weights read by name), run in order in this process: the
+    launcher's split check builds and runs them the same way (`launcher.split_check`)."""
     from hydra.utils import instantiate
 
+    from launcher.split_check import every_stage, stage_parameters
     from launcher.validate import prepare
-    from pipeline.graph.split import split_model
-    from pipeline.runtime.stage import build_stage_modules
+    from pipeline.graph.split import run_in_order
     from tests.harness import compose_cfg
-    from tests.stages import run_stages
 
     cfg = compose_cfg(overrides(directory, pp))
     prepared = prepare(cfg)
-    plan, spec = prepared.plan, instantiate(cfg.model)
-    stages = {}
-    for rank in range(pp):
-        stages.update(build_stage_modules(spec, plan, rank, cfg.seed, torch.device("cpu")))
-    split = split_model(spec.trace(plan.micro_batch_size), plan.assignment, len(plan.stages))
-    mods = [stages[i].train() for i in range(len(plan.stages))]
-    params: dict[str, list[torch.Tensor]] = {}
-    for mod in mods:
-        for name, p in mod.named_model_parameters():
-            if p.requires_grad:
-                params.setdefault(name, []).append(p)
-    return _train(params, lambda x: run_stages(split, x, stages=mods), data)
+    split, mods = every_stage(instantiate(cfg.model), prepared.plan, cfg.seed)
+    params = {n: [p for p in ts if p.requires_grad] for n, ts in stage_parameters(mods).items()}
+    return _train({n: ts for n, ts in params.items() if ts}, lambda x: run_in_order(split, x, stages=mods), data)
 
 
 def worst(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[float, str]:
-    """The largest relative difference over tensors (relative to its own norm, or to 1e-4 of the
-    largest norm for a tensor that is zero in exact arithmetic), and its name."""
+    """The largest relative difference over tensors (`launcher.split_check.relative_differences`:
+    relative to its own norm, or to 1e-4 of the largest norm for a tensor that is zero in exact
+    arithmetic), and its name."""
+    from launcher.split_check import relative_differences
+
     if set(got) != set(ref):
         return float("inf"), f"names differ: {sorted(set(got) ^ set(ref))[:4]}"  # inf: "differs by" below
-    floor = 1e-4 * max((float(r.norm()) for r in ref.values()), default=0.0) + 1e-12
-    rels = {n: float((got[n] - r).norm()) / max(float(r.norm()), floor) for n, r in ref.items()}
+    rels = relative_differences(got, ref)
     name = max(rels, key=rels.get, default="")
     return rels.get(name, 0.0), name
 

@@ -51,6 +51,7 @@ def test_default_command_prints_step_lines(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     step_lines = [line for line in proc.stdout.splitlines() if "| loss" in line]
     assert len(step_lines) == 3, proc.stdout
+    assert "check_split: the 2 stages match the unsplit module on one micro-batch" in proc.stdout  # before spawning
     assert all("tokens/s" in line and "step time" in line for line in step_lines)
 
 
@@ -118,6 +119,7 @@ def test_torchrun_ranks_join_instead_of_spawning(tmp_path) -> None:
     m = metrics(run_dir)
     assert len(m["ranks"]) == 2 and len(m["losses"]) == 3
     assert not (run_dir / "logs").exists()  # nothing was spawned: the two processes were the ranks
+    assert "check_split: skipped: ranks started by torchrun or SLURM plan on rank 0" in proc.stdout
 
 
 @pytest.mark.timeout(300)

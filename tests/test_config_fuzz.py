@@ -33,6 +33,7 @@ VALUES: dict[str, list[str]] = {
     "plan": ["manual", "auto", "best"],
     "plan.microbatches": ["[2,4]", "[3]", "abc", "[x]"],
     "predict": ["true", "false", "maybe"],
+    "check_split": ["auto", "always", "never", "on"],
     "log_every": ["1", "5", *BAD_NUMBERS],
     "timeout_s": ["30", "120", *BAD_NUMBERS],
     "threads": ["0", "1", "2", *BAD_NUMBERS],

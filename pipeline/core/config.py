@@ -67,6 +67,14 @@ class CpuAffinity(Choice):
     none = "none"
 
 
+class CheckSplit(Choice):
+    """Whether the launcher runs every rank's stages against the unsplit module before spawning."""
+
+    auto = "auto"  # when the model's parameters and buffers take at most 1 GiB (launcher/split_check.py)
+    always = "always"
+    never = "never"
+
+
 class Objective(Choice):
     """What a run returns to a Hydra sweeper, in metrics.json's unit."""
 
@@ -178,6 +186,9 @@ class TrainConfig:
     #: returns the planned step_time_s or tokens_per_s; a failed job in a multirun returns what its
     #: sweeper counts as a failed trial (launcher/app.py failed_value)
     objective: Objective = Objective.tokens_per_s
+    #: before spawning, run every rank's stages against the unsplit module on one micro-batch and
+    #: refuse the run when a tensor differs (launcher/split_check.py); auto: models up to 1 GiB
+    check_split: CheckSplit = CheckSplit.auto
     #: profile and simulate the plan before training even when nothing else needs it, so that the
     #: run reports the predicted step and per-device peak beside the measured ones
     predict: bool = False

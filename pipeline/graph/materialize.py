@@ -14,6 +14,7 @@ from collections.abc import Collection, Iterable
 import torch
 from torch import nn
 
+from pipeline.core.errors import ConfigError
 from pipeline.graph.init import init_by_name
 
 
@@ -38,6 +39,18 @@ def lookup(root: nn.Module, name: str) -> torch.Tensor:
     if t is None:
         raise KeyError(f"the model has no parameter or buffer named {name!r}")
     return t
+
+
+def _held_by(root: nn.Module, name: str) -> torch.Tensor:
+    """`lookup`, for a meta tensor a stage module holds: one the full model lacks is a tensor the
+    module keeps as a plain attribute (fx made it a stage buffer), which nothing can give a value."""
+    try:
+        return lookup(root, name)
+    except KeyError:
+        raise ConfigError("model", f"{name} is a tensor the module keeps as a plain attribute, not a parameter or "
+                                   "buffer: built on the meta device it has no value and nothing can give it one; "
+                                   f"register it with register_buffer({name.rsplit('.', 1)[-1]!r}, ..., "
+                                   "persistent=False)") from None
 
 
 def to_meta_parameters(root: nn.Module) -> list[str]:
@@ -75,7 +88,7 @@ def materialize(
     the names that got the fallback initialisation. With `load` (pretrained weights, e.g.
     `models.hf.SafetensorsDir`), the tensors it holds are then read by name, each under any of its
     names (tied), and only those: a tensor it lacks keeps its initial value."""
-    wanted = None if names is None else {id(lookup(root, n)) for n in names}
+    wanted = None if names is None else {id(_held_by(root, n)) for n in names}
     fresh: dict[int, torch.Tensor] = {}
     for store, name, t in list(_holders([root])):
         if t.device.type != "meta" or (wanted is not None and id(t) not in wanted):
@@ -94,7 +107,7 @@ def materialize(
             for store in (sub._parameters, sub._buffers):
                 for attr, t in list(store.items()):
                     if t is not None and t.device.type == "meta":
-                        store[attr] = lookup(root, f"{path}.{attr}" if path else attr)
+                        store[attr] = _held_by(root, f"{path}.{attr}" if path else attr)
                     elif t is not None and id(t) not in made:
                         constants.append((store, attr, t))  # a value the trace baked in (export's lifted constants)
     fell_back = init_by_name(root, seed, family_init)  # on the CPU generator, whatever the device

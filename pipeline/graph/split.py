@@ -14,11 +14,12 @@ the stages must sum its gradients across those stages (and keep the copies equal
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch import fx
+from torch import fx, nn
+from torch.utils import _pytree as pytree
 
 from pipeline.graph.assignment import validate_assignment
 from pipeline.graph.trace import COMPUTE_OPS, TracedModel
@@ -176,3 +177,20 @@ def split_model(
         param_aliases=dict(traced.param_aliases),
         out_spec=traced.out_spec,
     )
+
+
+def run_in_order(split: SplitModel, *args: Any, stages: Sequence[nn.Module] | None = None) -> Any:
+    """Every stage run in order in this process, values routed by name; returns the model's output.
+    What a pipeline computes, without one: the launcher's split check (`launcher.split_check`)
+    runs the ranks' stages this way against the unsplit module. `stages` may replace
+    `split.stages` (each rank's own stage modules, or deep copies)."""
+    mods = list(stages) if stages is not None else split.stages
+    if len(args) != len(split.input_names):
+        raise TypeError(f"model takes {len(split.input_names)} inputs {split.input_names}, got {len(args)}")
+    env: dict[str, Any] = dict(zip(split.input_names, args, strict=True))
+    for io, mod in zip(split.io, mods, strict=True):
+        env.update(mod(**{name: env[name] for name in io.inputs}))
+    result = rebuild_outputs(split.output_structure, env)
+    if split.out_spec is not None:
+        result = pytree.tree_unflatten(list(result), split.out_spec)
+    return result

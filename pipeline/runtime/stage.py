@@ -17,7 +17,7 @@ from pipeline.core.plan import Plan
 from pipeline.graph.materialize import materialize
 from pipeline.graph.recompute import recompute_modules
 from pipeline.graph.split import split_model
-from pipeline.graph.trace import retarget
+from pipeline.graph.trace import TracedModel, retarget
 
 
 class StageModule(nn.Module):
@@ -46,13 +46,16 @@ def meta_tensor_names(module: nn.Module) -> set[str]:
 
 
 def build_stage_modules(
-    spec: ModelSpec, plan: Plan, pp_rank: int, seed: int, device: torch.device
+    spec: ModelSpec, plan: Plan, pp_rank: int, seed: int, device: torch.device, traced: TracedModel | None = None
 ) -> dict[int, StageModule]:
     """This rank's stage modules with real, name-initialised tensors on `device`; the rest of the
     model stays on the meta device and is dropped. Stages of one rank that share a parameter share
-    the very same tensor. The leaf modules a stage lists in `recompute` run checkpointed."""
+    the very same tensor. The leaf modules a stage lists in `recompute` run checkpointed.
+    `traced`: a trace of this model at the plan's micro-batch size made earlier, used up here (the
+    launcher's split check builds every rank's stages from copies of one: tracing is deterministic,
+    and the stages' tensors come by name from the model materialised here, never from the trace)."""
     model = spec.build_meta()
-    traced = spec.trace(plan.micro_batch_size, model)
+    traced = spec.trace(plan.micro_batch_size, model) if traced is None else traced
     retarget(traced.gm, device)
     split = split_model(traced, plan.assignment, len(plan.stages))
     own = {s.index: split.stages[s.index] for s in plan.stages_of(pp_rank)}
