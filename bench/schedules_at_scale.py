@@ -232,8 +232,31 @@ def compare(rows: list[Row]) -> tuple[Row, Row, Row | None, list[tuple[Row, Row 
     return best_ours, best_torch, best_within(best_torch.mem), losses
 
 
-def print_summary_line(case: Case, lat: str, rows: list[Row], lost: list[str]) -> None:
+class Tally:
+    """Per torch order: the points where no order of ours matches it, and the widest gap."""
+
+    def __init__(self) -> None:
+        self.points: dict[str, int] = {}
+        self.worst: dict[str, tuple[float, str]] = {}
+
+    def add(self, where: str, losses: list[tuple[Row, Row | None]]) -> None:
+        for t, mine in losses:
+            self.points[t.label] = self.points.get(t.label, 0) + 1
+            gap = mine.bubble - t.bubble if mine else math.inf
+            if gap > self.worst.get(t.label, (-1.0, ""))[0]:
+                self.worst[t.label] = (gap, f"{where}: {t.bubble:.4f} against ours "
+                                            + (f"{mine.label} {mine.bubble:.4f}" if mine else "(none fits)"))
+
+    def print(self, points: int) -> None:
+        print(f"\n| torch order | points it beats ours at no more memory (of {points}) | widest gap |\n|---|---|---|")
+        for label, count in sorted(self.points.items(), key=lambda kv: -kv[1]):
+            gap, where = self.worst[label]
+            print(f"| {label} | {count} | {gap:+.4f} ({where}) |")
+
+
+def print_summary_line(case: Case, lat: str, rows: list[Row], lost: list[str], tally: Tally) -> None:
     best_ours, best_torch, within, losses = compare(rows)
+    tally.add(f"p={case.p} m={case.m} {case.shape} lat={lat}", losses)
     worst = max(losses, key=lambda x: x[1].bubble - x[0].bubble if x[1] else math.inf, default=None)
     flag = ""
     if worst:
@@ -266,7 +289,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1, help="processes simulating points side by side")
     args = parser.parse_args()
     start = time.perf_counter()
-    todo, lost, points = list(cases(args.p, args.m, args.shapes, args.latency)), [], 0
+    todo, lost, points, tally = list(cases(args.p, args.m, args.shapes, args.latency)), [], 0, Tally()
     if args.summary:
         print("| p | m | shape | latency | ours best | torch best | ours at <= torch best's mem | published best "
               "| loses |\n|---|---|---|---|---|---|---|---|---|")
@@ -275,7 +298,7 @@ def main() -> None:
             for lat, hop, rows in results:
                 points += 1
                 if args.summary:
-                    print_summary_line(case, lat, rows, lost)
+                    print_summary_line(case, lat, rows, lost, tally)
                 else:
                     print_point(case, lat, hop, rows)
             print(f"[{time.perf_counter() - start:7.1f} s] p={case.p} m={case.m} {case.shape}: {count} schedules",
@@ -283,6 +306,7 @@ def main() -> None:
     if args.summary:
         print(f"\n{len(lost)} of {points} points where a torch order beats every order of ours at no more memory:")
         print("\n".join(f"- {line}" for line in lost) or "- none")
+        tally.print(points)
     cpu = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
               for f in ("ru_utime", "ru_stime"))
     print(f"\n{points} points in {time.perf_counter() - start:.0f} s wall, {cpu:.0f} s CPU ({args.jobs} job(s))")
