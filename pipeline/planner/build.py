@@ -170,8 +170,10 @@ def build_plan(traced: TracedModel, generator: ScheduleGenerator, req: PlanReque
     generator.check(req.pp, req.microbatches, list(placement))  # schedule rules first: clearer than a split error
     part = _partition(traced, generator, placement, req)
     forward, backward, split_costs = _stage_costs(traced, part, len(placement), req.profiled)
-    if req.profiled:
-        generator.use_stage_costs(forward, *split_costs, backward_s=backward)
+    if req.profiled:  # as the prediction prices them: the runtime's fixed cost on every action
+        fixed = req.action_overhead_s
+        generator.use_stage_costs(*([x + fixed for x in xs] for xs in (forward, *split_costs)),
+                                  backward_s=[b + fixed for b in backward], hop_s=_hops(part, placement, req))
     schedule = build_schedule(generator, placement, req.microbatches, req.remat, _whole_stages(traced, part, req))
     reprice_for_schedule(part, schedule)
     split = split_model(traced, part.assignment, len(placement))
@@ -209,6 +211,14 @@ def _partition(traced: TracedModel, generator: ScheduleGenerator, placement: lis
         raise ConfigError(err.key, f"{str(err).split(': ', 1)[1]} (A stage's bytes above leave out the "
                                    f"memory.reserve_bytes={req.reserve_bytes:.0f} every device also holds: add them "
                                    "to any cap stated here.)") from None
+
+
+def _hops(part: Partition, placement: list[int], req: PlanRequest) -> list[float]:
+    """Per cut between stages s and s + 1, the time its values take to cross it: the link's latency
+    plus their bytes over its bandwidth where the cut joins two ranks, nothing on one rank."""
+    sent = part.stage_comm_bytes
+    return [req.link_latency_s + (sent[s] / req.bandwidth if s < len(sent) and req.bandwidth else 0.0)
+            if placement[s] != placement[s + 1] else 0.0 for s in range(len(placement) - 1)]
 
 
 def _whole_stages(traced: TracedModel, part: Partition, req: PlanRequest) -> list[int]:

@@ -509,15 +509,23 @@ def _lower_bound(schedule: Schedule, cost: CostModel, busy: list[float]) -> floa
     return bound
 
 
-def makespan(programs: list[list[Action]], placement: list[int], microbatches: int, costs: tuple,
-             backward: list[float] | None = None) -> float:
-    """Simulated step time of compute-only programs under (F, I, W) costs (numbers or per stage);
-    a fused B costs `backward` per stage when given, else I + W. What schedule generators compare
-    candidate orders by."""
+def simulate_programs(programs: list[list[Action]], placement: list[int], microbatches: int, costs: tuple,
+                      backward: list[float] | None = None, hop: Sequence[float] | None = None) -> SimResult:
+    """Simulate compute-only programs under (F, I, W) costs (numbers or per stage); a fused B costs
+    `backward` per stage when given, else I + W; `hop[s]`: the transfer over the cut after stage s
+    where it joins two ranks (none by default). What schedule generators compare candidates by."""
     n = len(placement)
     f, i, w = ([float(x)] * n if not isinstance(x, (list, tuple)) else [float(v) for v in x] for x in costs)
     schedule = Schedule("play-through", n, microbatches, list(placement), programs)
-    return simulate(schedule, CostModel(f, i, w, backward_s=backward), check=False).makespan_s
+    links = {} if hop is None else {"output_bytes": [*map(float, hop), 0.0][:n], "bandwidth_bytes_per_s": 1.0}
+    return simulate(schedule, CostModel(f, i, w, backward_s=backward, **links), check=False)
 
 
-__all__ = ["CostModel", "ScheduleError", "SimResult", "makespan", "simulate", "transfer_delays", "validate"]
+def makespan(programs: list[list[Action]], placement: list[int], microbatches: int, costs: tuple,
+             backward: list[float] | None = None, hop: Sequence[float] | None = None) -> float:
+    """The simulated step of compute-only programs (`simulate_programs`)."""
+    return simulate_programs(programs, placement, microbatches, costs, backward, hop).makespan_s
+
+
+__all__ = ["CostModel", "ScheduleError", "SimResult", "makespan", "simulate", "simulate_programs", "transfer_delays",
+           "validate"]

@@ -8,13 +8,38 @@ its own requirements, and returns compute actions per rank; sends and receives c
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from pipeline.core.errors import ConfigError
 from pipeline.core.ir import Action
 from pipeline.planner.schedules.fuse import fuse_slack_backwards
-from pipeline.planner.simulate import makespan
+from pipeline.planner.schedules.weight_fill import Filled, StageCosts, fill_weight_grads
+from pipeline.planner.simulate import makespan, simulate_programs
+
+
+class Candidate(NamedTuple):
+    """One way to order a schedule, for `ScheduleGenerator.best_filled`: a critical order (per rank
+    F, I and B, no W) whose W are placed under `cap` micro-batches per rank, or, with `cap` None,
+    finished programs taken as they are."""
+
+    orders: Sequence[Sequence[Action]]
+    cap: Sequence[int] | None = None
+    alpha: float = math.inf
+    glued: frozenset[Action] = frozenset()
+    backlog: Sequence[int] | None = None
+
+    def fill(self, placement: list[int], microbatches: int, costs: StageCosts) -> Filled:
+        if self.cap is None:
+            programs = [list(acts) for acts in self.orders]
+            triple = (list(costs.forward), list(costs.input_grad), list(costs.weight_grad))
+            fused = list(costs.backward) if costs.backward is not None else None
+            sim = simulate_programs(programs, placement, microbatches, triple, fused, costs.hop)
+            return Filled(programs, sim.makespan_s, max(sim.internal_bubble, default=0.0))
+        return fill_weight_grads(self.orders, placement, microbatches, costs, self.cap, alpha=self.alpha,
+                                 glued=self.glued, backlog=self.backlog)
 
 
 @dataclass
@@ -36,13 +61,49 @@ class ScheduleGenerator:
 
     def use_stage_costs(
         self, forward_s: list[float], backward_input_s: list[float], backward_weight_s: list[float],
-        backward_s: list[float] | None = None,
+        backward_s: list[float] | None = None, hop_s: list[float] | None = None,
     ) -> None:
         """Hand a measured per-stage profile to generators that order actions by a simulated
         play-through (`cost_aware` ones); others ignore it. `backward_s`: the fused backward, when
-        profiled apart (it costs less than I + W), so that fusing a pair is credited its saving."""
+        profiled apart (it costs less than I + W), so that fusing a pair is credited its saving.
+        `hop_s[s]`: the time a value takes from stage s to stage s + 1 (0 on one rank)."""
         self._stage_costs = (list(forward_s), list(backward_input_s), list(backward_weight_s))
         self._fused_backward = list(backward_s) if backward_s is not None else None
+        self._hop = list(hop_s) if hop_s is not None else None
+
+    def stage_costs(self, num_stages: int) -> StageCosts:
+        """The costs orders are chosen on: the measured ones when cost-aware and given (with the
+        hops), else F = I = W = 1 and free hops."""
+        costs = self.play_costs()
+        if costs == (1, 1, 1):
+            return StageCosts.of(num_stages, costs)
+        return StageCosts.of(num_stages, costs, getattr(self, "_hop", None) or 0.0,
+                             getattr(self, "_fused_backward", None))
+
+    def best_filled(self, candidates: Iterable[Candidate], placement: list[int], microbatches: int
+                    ) -> list[list[Action]]:
+        """The candidate whose programs take the shortest step on `stage_costs` (the first of equals):
+        a critical order whose W `weight_fill` places, or finished programs. With `fuse_backward`,
+        the I/W pairs whose split buys nothing then run as one B (schedules/fuse.py)."""
+        costs = self.stage_costs(len(placement))
+        best: Filled | None = None
+        error: ConfigError | None = None
+        for cand in candidates:
+            try:
+                got = cand.fill(placement, microbatches, costs)
+            except ConfigError as err:
+                error = error or err
+                continue
+            if got.better_than(best):
+                best = got
+        if best is None:
+            raise error or ConfigError("microbatches", f"scheduler {self.name!r} has no order for these settings")
+        programs = best.programs
+        if getattr(self, "fuse_backward", False):
+            triple = (list(costs.forward), list(costs.input_grad), list(costs.weight_grad))
+            fused = list(costs.backward) if costs.backward is not None else None
+            programs = fuse_slack_backwards(programs, placement, microbatches, triple, fused)
+        return programs
 
     def play_through(self, play, placement: list[int], microbatches: int, **kwargs) -> list[list[Action]]:
         """Run a list-scheduling play-through on the measured costs when cost-aware; if real costs
@@ -110,4 +171,4 @@ def require_microbatches_at_least(name: str, microbatches: int, minimum: int, wh
         )
 
 
-__all__ = ["ScheduleGenerator", "makespan", "require_microbatches_at_least"]
+__all__ = ["Candidate", "ScheduleGenerator", "makespan", "require_microbatches_at_least"]

@@ -17,8 +17,9 @@ from typing import ClassVar
 from pipeline.core.errors import ConfigError
 from pipeline.core.ir import Action
 from pipeline.planner.placement import v_shape
-from pipeline.planner.schedules.base import ScheduleGenerator, require_microbatches_at_least
-from pipeline.planner.schedules.zero_bubble import list_schedule
+from pipeline.planner.schedules.base import Candidate, ScheduleGenerator, require_microbatches_at_least
+from pipeline.planner.schedules.orders import zero_bubble_v
+from pipeline.planner.schedules.zero_bubble import ALPHAS, greedy_candidate
 
 
 @dataclass
@@ -48,5 +49,8 @@ class ZBV(ScheduleGenerator):
 
     def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
         pp = max(placement) + 1
-        return self.play_through(list_schedule, placement, microbatches, split_backward=True,
-                                 cap=[2 * pp] * pp, forward_first=True)
+        caps = [2 * pp] * pp
+        candidates = [Candidate(zero_bubble_v(pp, microbatches, extra), caps, alpha)
+                      for extra in (0, 1, 2) for alpha in ALPHAS]
+        greedy = greedy_candidate(self, placement, microbatches, cap=caps, forward_first=True)
+        return self.best_filled([*greedy, *candidates], placement, microbatches)

@@ -29,7 +29,9 @@ from typing import ClassVar
 from pipeline.core.errors import ConfigError
 from pipeline.core.ir import Action, B, F, I, Kind, W
 from pipeline.planner.dependencies import Step, Wait, released_stage, wait_table
-from pipeline.planner.schedules.base import ScheduleGenerator, require_microbatches_at_least
+from pipeline.planner.schedules.base import Candidate, ScheduleGenerator, require_microbatches_at_least
+from pipeline.planner.schedules.orders import one_f_one_b
+from pipeline.planner.schedules.weight_fill import StageCosts
 
 
 def list_schedule(
@@ -331,6 +333,50 @@ def zb_h1_programs(pp: int, microbatches: int) -> list[list[Action]]:
     return programs
 
 
+#: how far past a gap a weight-gradient pass may run (`weight_fill`'s alpha): inf fills only gaps it
+#: fits, smaller values also start W in shorter gaps; each is a candidate, the fastest is kept
+ALPHAS = (math.inf, 1.0, 0.5)
+
+#: stage-micro-batches above which the greedy play-through is not tried as one more candidate (it
+#: is the slow one, and at that size the templates win): plans for p = 64 stay within seconds
+GREEDY_LIMIT = 4096
+
+
+def greedy_candidate(gen: ScheduleGenerator, placement: list[int], microbatches: int, **play) -> list[Candidate]:
+    """The list scheduler's play-through (module docstring) as one finished candidate, where the
+    schedule is small enough; none above GREEDY_LIMIT."""
+    if len(placement) * microbatches > GREEDY_LIMIT:
+        return []
+    programs = gen.play_through(list_schedule, placement, microbatches, split_backward=True, **play)
+    return [Candidate(programs)]
+
+
+def fill_warmup(costs: StageCosts, pp: int) -> list[int]:
+    """Per rank of a linear pipeline, how many forwards it can run before micro-batch 0's input
+    gradient reaches it (micro-batch 0 forwarded down and its gradient passed back up, hops
+    included): the warm-up that leaves no gap before its first backward."""
+    f, i, hop = costs.forward, costs.input_grad, costs.hop
+    arrive = [0.0] * pp
+    for r in range(1, pp):
+        arrive[r] = arrive[r - 1] + f[r - 1] + hop[r - 1]
+    grad = [0.0] * pp
+    grad[pp - 1] = arrive[pp - 1] + f[pp - 1]
+    for r in range(pp - 2, -1, -1):
+        grad[r] = grad[r + 1] + i[r + 1] + hop[r]
+    return [max(1, int((grad[r] - arrive[r]) / f[r] + 1e-9)) if f[r] > 0 else pp for r in range(pp)]
+
+
+def linear_candidates(gen: ScheduleGenerator, pp: int, microbatches: int, cap: int) -> list[Candidate]:
+    """ZB-H1/ZB-H2 orders under `cap` micro-batches per rank: 1F1B's warm-up and the warm-up that
+    fills the time to the first input gradient, each with the W placed by every ALPHAS."""
+    one_f_one_b_warmup = [pp - 1 - r for r in range(pp)]
+    warmups = {tuple(min(cap - 1, w) for w in one_f_one_b_warmup),
+               tuple(min(cap - 1, w) for w in fill_warmup(gen.stage_costs(pp), pp))}
+    caps = [cap] * pp
+    return [Candidate(one_f_one_b(pp, microbatches, list(w)), caps, alpha)
+            for w in sorted(warmups) for alpha in ALPHAS]
+
+
 @dataclass
 class ZBH1(ScheduleGenerator):
     """ZB-H1: 1F1B's peak memory, a third of its bubble when F = I = W; any microbatches >= 1."""
@@ -342,8 +388,13 @@ class ZBH1(ScheduleGenerator):
         _linear_check(self, pp, microbatches, placement)
         require_microbatches_at_least(self.name, microbatches, 1, "it needs at least one micro-batch")
 
+    #: order and place the W on the measured per-stage costs (else F = I = W units)
+    cost_aware: bool = True
+
     def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
-        return zb_h1_programs(len(placement), microbatches)
+        pp = len(placement)
+        fixed = Candidate(zb_h1_programs(pp, microbatches))
+        return self.best_filled([fixed, *linear_candidates(self, pp, microbatches, pp)], placement, microbatches)
 
 
 @dataclass
@@ -365,5 +416,6 @@ class ZBH2(ScheduleGenerator):
 
     def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
         pp = len(placement)
-        return self.play_through(list_schedule, placement, microbatches, split_backward=True,
-                                 cap=[2 * pp - 1] * pp)
+        cap = 2 * pp - 1
+        greedy = greedy_candidate(self, placement, microbatches, cap=[cap] * pp)
+        return self.best_filled([*greedy, *linear_candidates(self, pp, microbatches, cap)], placement, microbatches)

@@ -1,0 +1,126 @@
+"""Critical orders: per rank, the order of its forwards and input-gradient passes (F, I or B).
+
+A zero-bubble schedule is a critical order plus the places of its W (`weight_fill`); these are the
+orders the schedules are built from. Each is a pure function of the shape (ranks, micro-batches) and a
+few counts, written out as the papers draw them; the W are left out (`weight_fill` places them on the
+measured costs).
+
+* `one_f_one_b`: rank r runs `warmup[r]` forwards, then alternates one forward and one backward, then
+  drains. 1F1B's warm-up is p - 1 - r; ZB-H2 forwards until its first input gradient comes back.
+* `zero_bubble_v`: the ZB-V order (Qi et al., "Zero Bubble Pipeline Parallelism", section 6) on the
+  V placement: chunk-0 forwards fill the pipeline, the two chunks' forwards and input gradients then
+  alternate, and the cool-down drains both chunks.
+* `dualpipe_v`: DeepSeek's DualPipeV order (DeepSeek-V3 report; deepseek-ai/DualPipe), whose steady
+  state pairs a forward of one chunk with the backward of the other (`DualOrder.overlapped`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from pipeline.core.ir import Action, B, F, I, Kind
+
+
+def one_f_one_b(pp: int, microbatches: int, warmup: Sequence[int], backward: Kind = Kind.I) -> list[list[Action]]:
+    """Linear placement (stage r on rank r): `warmup[r]` forwards, then forward/backward pairs, then
+    the remaining backwards."""
+    make = I if backward is Kind.I else B
+    orders = []
+    for r in range(pp):
+        w = min(microbatches, warmup[r])
+        acts = [F(r, j) for j in range(w)]
+        for j in range(microbatches - w):
+            acts += [F(r, w + j), make(r, j)]
+        acts += [make(r, j) for j in range(microbatches - w, microbatches)]
+        orders.append(acts)
+    return orders
+
+
+def zero_bubble_v(pp: int, microbatches: int, extra_warmup: int = 0) -> list[list[Action]]:
+    """The ZB-V order on the V placement (rank r holds stages r and 2p-1-r): 2(p-r)-1 chunk-0
+    forwards (plus `extra_warmup`), r chunk-1/chunk-0 forward pairs, p-r chunk-1 forward/backward
+    pairs, then F0 I0 F1 I1 until the forwards run out, then the backwards of both chunks."""
+    m, orders = microbatches, []
+    for r in range(pp):
+        c0, c1 = r, 2 * pp - 1 - r
+        seq = _VSequence(c0, c1, m)
+        seq.run((c0,), max(1, 2 * (pp - r) - 1 + extra_warmup), kinds=(Kind.F,))
+        seq.run((c1, c0), r, kinds=(Kind.F, Kind.F))
+        seq.run((c1, c1), pp - r, kinds=(Kind.F, Kind.I))
+        while seq.f[c1] < seq.f[c0] or seq.f[c0] < m:
+            seq.add(c0, Kind.F)
+            seq.add(c0, Kind.I)
+            seq.add(c1, Kind.F)
+            seq.add(c1, Kind.I)
+        while seq.b[c0] < m or seq.b[c1] < m:
+            seq.add(c0, Kind.I)
+            seq.add(c1, Kind.I)
+        orders.append(seq.acts)
+    return orders
+
+
+class DualOrder(NamedTuple):
+    """DualPipeV's order and the (forward, backward) pairs it runs as one overlapped action."""
+
+    orders: list[list[Action]]
+    overlapped: list[tuple[Action, Action]]
+
+
+def dualpipe_v(pp: int, microbatches: int) -> DualOrder:
+    """DualPipeV on the V placement, m >= 2p (steps as in DeepSeek's dualpipev.py): chunk-0 warm-up
+    forwards, forward pairs, chunk-1 backward/forward pairs, the overlapped steady state (a chunk-0
+    forward with a chunk-1 backward, a chunk-1 forward with a chunk-0 backward), then the drain, whose
+    second half splits the backward (I now, W later) to fill the cool-down."""
+    m, orders, pairs = microbatches, [], []
+    for r in range(pp):
+        c0, c1 = r, 2 * pp - 1 - r
+        seq = _VSequence(c0, c1, m)
+        seq.run((c0,), 2 * (pp - r - 1), kinds=(Kind.F,))
+        seq.run((c0, c1), r + 1, kinds=(Kind.F, Kind.F))
+        seq.run((c1, c1), pp - r - 1, kinds=(Kind.I, Kind.F))
+        for step in range(m - 2 * pp + r + 1):
+            if step == 0 and r == pp - 1:  # the last rank's first pair is not overlapped (shorter fill)
+                seq.add(c0, Kind.F)
+                seq.add(c1, Kind.B)
+            else:
+                pairs.append((seq.add(c0, Kind.F), seq.add(c1, Kind.B)))
+            pairs.append((seq.add(c1, Kind.F), seq.add(c0, Kind.B)))
+        for _ in range(pp - r - 1):
+            seq.add(c1, Kind.B)
+            pairs.append((seq.add(c1, Kind.F), seq.add(c0, Kind.B)))
+        split = False
+        for i in range(r + 1):
+            split = split or (i == (r + 1) // 2 and r % 2 == 1)
+            seq.add(c1, Kind.I if split else Kind.B)
+            split = split or (i == (r + 1) // 2 and r % 2 == 0)
+            seq.add(c0, Kind.I if split else Kind.B)
+        seq.run((c0,), pp - r - 1, kinds=(Kind.I if split else Kind.B,))
+        orders.append(seq.acts)
+    return DualOrder(orders, pairs)
+
+
+class _VSequence:
+    """A rank's order on two chunks being written: the next micro-batch of each (chunk, F or backward)."""
+
+    def __init__(self, c0: int, c1: int, microbatches: int) -> None:
+        self.m = microbatches
+        self.f = {c0: 0, c1: 0}
+        self.b = {c0: 0, c1: 0}
+        self.acts: list[Action] = []
+
+    def add(self, stage: int, kind: Kind) -> Action | None:
+        """Append the next action of `kind` on `stage`, if that stage has one left."""
+        count = self.f if kind is Kind.F else self.b
+        if count[stage] >= self.m:
+            return None
+        act = Action(stage, kind, count[stage])
+        count[stage] += 1
+        self.acts.append(act)
+        return act
+
+    def run(self, stages: tuple[int, ...], times: int, kinds: tuple[Kind, ...]) -> None:
+        """`times` rounds of `kinds[i]` on `stages[i]`."""
+        for _ in range(times):
+            for stage, kind in zip(stages, kinds, strict=True):
+                self.add(stage, kind)

@@ -1,0 +1,214 @@
+"""Place the weight-gradient passes (W) of a zero-bubble schedule around a fixed critical order.
+
+Why two parts: in a zero-bubble schedule the forwards and the input-gradient passes (F, I, or a
+fused B) form the critical path, while each W can run any time after its I on the same rank. So a
+schedule is chosen as a *critical order* per rank (a template such as 1F1B's or ZB-V's, or a greedy
+play-through: `pipeline.planner.schedules.orders`), and the W are then placed by this pass on the
+measured costs: a rank runs pending W in the gaps where it would otherwise wait for its next critical
+action's input, as long as they end before that input arrives, so they delay nothing; a W also runs
+when the rank is at its memory cap and the next forward needs a slot (a W frees its micro-batch);
+`alpha` lets a W start in a gap shorter than itself when the gap is at least `alpha` W long (it then
+delays the critical action by the rest). Whatever is left runs at the end. Greedy per-rank filling of a
+fixed order is how the Zero Bubble paper's heuristic fills its bubbles too; here the critical order is
+an input, so the same pass serves every placement (linear, V, interleaved) and memory budget.
+
+The placement is a play-through with exact end times: a rank's action starts when its rank is free
+and its inputs have arrived (the previous stage's F, or the next stage's B/I, plus the hop between
+their ranks), the rules of `pipeline.planner.dependencies`. Ranks advance in dependency order, each as
+far as its inputs allow, so the gap before every critical action is known when its W are placed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipeline.core.errors import ConfigError
+from pipeline.core.ir import Action, Kind, W
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Per stage: forward, input-gradient and weight-gradient times, the fused backward (defaults to
+    I + W), and per cut between stages s and s + 1 the time a value takes to cross it (0 within a
+    rank)."""
+
+    forward: tuple[float, ...]
+    input_grad: tuple[float, ...]
+    weight_grad: tuple[float, ...]
+    hop: tuple[float, ...]
+    backward: tuple[float, ...] | None = None
+
+    @classmethod
+    def of(cls, n: int, costs: tuple, hop: Sequence[float] | float = 0.0,
+           backward: Sequence[float] | None = None) -> StageCosts:
+        """From (F, I, W), each one number or one per stage, and one hop or one per cut."""
+        f, i, w = (tuple(float(v) for v in c) if isinstance(c, Sequence) else (float(c),) * n for c in costs)
+        hops = tuple(float(h) for h in hop) if isinstance(hop, Sequence) else (float(hop),) * max(0, n - 1)
+        fused = tuple(float(b) for b in backward) if backward is not None else None
+        return cls(f, i, w, hops, fused)
+
+    def fused(self, s: int) -> float:
+        return self.backward[s] if self.backward is not None else self.input_grad[s] + self.weight_grad[s]
+
+    def duration(self, kind: Kind, s: int) -> float:
+        if kind is Kind.F:
+            return self.forward[s]
+        if kind is Kind.I:
+            return self.input_grad[s]
+        if kind is Kind.W:
+            return self.weight_grad[s]
+        return self.fused(s)
+
+
+@dataclass(frozen=True)
+class Filled:
+    """Per-rank programs with their W placed, the step they take (the play-through's makespan) and
+    the largest share of a rank's span (first start to last end) it idles: the Zero Bubble paper's
+    bubble, what consecutive steps cost where nothing joins the ranks between steps."""
+
+    programs: list[list[Action]]
+    makespan: float
+    span_idle: float = 0.0
+
+    def better_than(self, other: Filled | None) -> bool:
+        """A shorter step; of equal steps (to rounding), the one idling less inside its spans."""
+        if other is None or self.makespan < other.makespan * (1 - 1e-9):
+            return True
+        return self.makespan <= other.makespan * (1 + 1e-9) and self.span_idle < other.span_idle - 1e-12
+
+
+def fill_weight_grads(
+    orders: Sequence[Sequence[Action]], placement: Sequence[int], microbatches: int, costs: StageCosts,
+    cap: Sequence[int], *, alpha: float = math.inf, glued: frozenset[Action] = frozenset(),
+    backlog: Sequence[int] | None = None,
+) -> Filled:
+    """Place the W of every I in `orders` (per rank: F, I and B actions, no W) as the module docstring
+    says. `cap[r]`: the most micro-batches rank r may hold, counted from a stage's F to its W or B.
+    `glued`: actions that must run right after the one before them (DualPipeV's overlapped pairs), so
+    no W goes before them. `backlog[r]`: the most W rank r may leave pending before a critical
+    action (the others run first, even if that delays it): a rank keeps as many as will fill its
+    idle time at the end of the step and no more. Raises ConfigError("microbatches") if the order needs more than the cap or
+    waits on itself."""
+    backlog = backlog if backlog is not None else [len(placement) * microbatches] * len(orders)
+    return _Fill(orders, placement, microbatches, costs, cap, alpha, glued, backlog).run()
+
+
+class _Fill:
+    """One placement: the state of `fill_weight_grads` (see there)."""
+
+    def __init__(self, orders, placement, microbatches, costs, cap, alpha, glued, backlog) -> None:
+        self.orders, self.m, self.costs, self.cap, self.alpha, self.glued = orders, microbatches, costs, cap, alpha, glued
+        self.backlog = backlog
+        self.n, self.pp = len(placement), len(orders)
+        self.f_end: list[float | None] = [None] * (self.n * microbatches)
+        self.g_end: list[float | None] = [None] * (self.n * microbatches)
+        self.free = [0.0] * self.pp
+        self.pos = [0] * self.pp
+        self.held = [0] * self.pp
+        self.pending: list[deque[tuple[int, int]]] = [deque() for _ in range(self.pp)]
+        self.programs: list[list[Action]] = [[] for _ in range(self.pp)]
+        self.first: list[float | None] = [None] * self.pp
+        self.busy = [0.0] * self.pp
+        self.waiting: dict[tuple[bool, int], list[int]] = {}
+
+    def run(self) -> Filled:
+        ready = list(range(self.pp))
+        while ready:
+            r = ready.pop()
+            ready.extend(self._advance(r))
+        stuck = [r for r in range(self.pp) if self.pos[r] < len(self.orders[r])]
+        if stuck:
+            raise ConfigError("microbatches", "the schedule's order waits on itself: " + ", ".join(
+                f"rank {r} at {self.orders[r][self.pos[r]]}" for r in stuck))
+        for r in range(self.pp):
+            while self.pending[r]:
+                self._put_w(r)
+        spans = [(self.free[r] - (self.first[r] or 0.0), self.busy[r]) for r in range(self.pp)]
+        idle = max(((span - busy) / span for span, busy in spans if span > 0), default=0.0)
+        return Filled(self.programs, max(self.free, default=0.0), idle)
+
+    def _advance(self, r: int) -> list[int]:
+        """Place rank r's critical actions until one waits for an input not placed yet; the ranks
+        that were waiting on what it placed."""
+        order, woken = self.orders[r], []
+        while self.pos[r] < len(order):
+            act = order[self.pos[r]]
+            ready = self._ready_at(act)
+            if ready is None:
+                self.waiting.setdefault(self._awaited(act), []).append(r)
+                break
+            if act not in self.glued:
+                self._fill_before(r, act, ready)
+            woken.extend(self._put(r, act, max(self.free[r], ready)))
+            self.pos[r] += 1
+        return woken
+
+    def _ready_at(self, act: Action) -> float | None:
+        """When `act`'s inputs are all there; None while one is not placed yet."""
+        s, mb, m = act.stage, act.mb, self.m
+        if act.kind is Kind.F:
+            if s == 0:
+                return 0.0
+            end = self.f_end[(s - 1) * m + mb]
+            return None if end is None else end + self.costs.hop[s - 1]
+        end = self.f_end[s * m + mb]
+        if end is None or s + 1 == self.n:
+            return end
+        grad = self.g_end[(s + 1) * m + mb]
+        return None if grad is None else max(end, grad + self.costs.hop[s])
+
+    def _awaited(self, act: Action) -> tuple[bool, int]:
+        """The (is a gradient, stage * m + mb) whose placement `act` waits for."""
+        s, mb, m = act.stage, act.mb, self.m
+        if act.kind is Kind.F:
+            return False, (s - 1) * m + mb
+        if self.f_end[s * m + mb] is None:
+            return False, s * m + mb
+        return True, (s + 1) * m + mb
+
+    def _fill_before(self, r: int, act: Action, ready: float) -> None:
+        """W that fit before `act` can start, those the cap forces out before a forward, and one more
+        if the gap left is at least `alpha` of it."""
+        pending, wg = self.pending[r], self.costs.weight_grad
+        if act.kind is Kind.F:
+            while self.held[r] >= self.cap[r]:
+                if not pending:
+                    raise ConfigError("microbatches", f"the schedule's order holds more than {self.cap[r]} "
+                                                      f"micro-batches on rank {r} before {act}")
+                self._put_w(r)
+        while len(pending) > self.backlog[r]:
+            self._put_w(r)
+        slack = ready + 1e-9 * max(1.0, abs(ready))  # a W that fits exactly fits, rounding aside
+        while pending and self.free[r] + wg[pending[0][0]] <= slack:
+            self._put_w(r)
+        if pending and ready > self.free[r] and ready - self.free[r] >= self.alpha * wg[pending[0][0]]:
+            self._put_w(r)
+
+    def _put(self, r: int, act: Action, start: float) -> list[int]:
+        s, idx = act.stage, act.stage * self.m + act.mb
+        duration = self.costs.duration(act.kind, s)
+        end = self.free[r] = start + duration
+        self.busy[r] += duration
+        if self.first[r] is None:
+            self.first[r] = start
+        self.programs[r].append(act)
+        if act.kind is Kind.F:
+            self.f_end[idx] = end
+            self.held[r] += 1
+            return self.waiting.pop((False, idx), [])
+        self.g_end[idx] = end
+        if act.kind is Kind.I:
+            self.pending[r].append((s, act.mb))
+        else:
+            self.held[r] -= 1
+        return self.waiting.pop((True, idx), [])
+
+    def _put_w(self, r: int) -> None:
+        s, mb = self.pending[r].popleft()
+        self.programs[r].append(W(s, mb))
+        self.free[r] += self.costs.weight_grad[s]
+        self.busy[r] += self.costs.weight_grad[s]
+        self.held[r] -= 1
