@@ -14,8 +14,8 @@ paper's published profiles (bench/_zb_profiles.py, source cited there) at their 
 tests/schedules.py finds them (a schedule added by YAML appears here), with the variants
 conf/plan/auto.yaml lists, except `torch`; and every torch class (interleaved ones at 2 and 4 stages
 per rank). A schedule with v stages per rank runs chunks of 1/v of a stage: its F, I, W per chunk are the
-stage's divided by v, given to cost-aware generators through `use_stage_costs`. Every cut between
-ranks costs the hop latency (CostModel.latency_s).
+stage's divided by v, given to cost-aware generators through `use_stage_costs` with the hop on every cut
+between ranks (`hop_s`). The simulator charges every such cut the hop latency (CostModel.latency_s).
 
 Columns:
 - bubble: the idle share of the step, averaged over ranks: mean of (makespan - busy_r) / makespan
@@ -71,7 +71,7 @@ EPS = 1e-9
 
 
 class Case(NamedTuple):
-    """One (costs, p, m): every schedule is built once, then simulated at each hop latency."""
+    """One (costs, p, m), at each of its hop latencies."""
 
     shape: str
     p: int
@@ -136,15 +136,17 @@ def entries() -> list[Entry]:
     return out
 
 
-def build(entry: Entry, case: Case) -> Schedule | None:
-    """The entry's order for this case, or None where it is not valid (its own ConfigError)."""
+def build(entry: Entry, case: Case, hop: float) -> Schedule | None:
+    """The entry's order for this case and hop latency, or None where it is not valid (its own
+    ConfigError)."""
     try:
         gen = entry.make()
         placement = placement_for(gen, case.p)
         n = len(placement)
         v = n / case.p
         f, i, w = (x / v for x in case.fiw)
-        gen.use_stage_costs([f] * n, [i] * n, [w] * n)
+        hops = [hop if placement[s] != placement[s + 1] else 0.0 for s in range(n - 1)]
+        gen.use_stage_costs([f] * n, [i] * n, [w] * n, hop_s=hops)
         schedule = build_schedule(gen, placement, case.m)
     except ConfigError:
         return None
@@ -272,9 +274,14 @@ def print_summary_line(case: Case, lat: str, rows: list[Row], lost: list[str], t
 
 
 def run_case(case: Case) -> tuple[int, list[tuple[str, float, list[Row]]]]:
-    """Every valid schedule built once for the case, simulated at each of its hop latencies."""
-    built = [(e, s) for e in entries() if (s := build(e, case)) is not None]
-    return len(built), [(lat, hop, [measure(e, s, case, hop) for e, s in built]) for lat, hop in case.hops]
+    """Every valid schedule built and simulated at each of the case's hop latencies (cost-aware
+    generators order for the hops they are given)."""
+    count, results = 0, []
+    for lat, hop in case.hops:
+        built = [(e, s) for e in entries() if (s := build(e, case, hop)) is not None]
+        count = max(count, len(built))
+        results.append((lat, hop, [measure(e, s, case, hop) for e, s in built]))
+    return count, results
 
 
 def main() -> None:
