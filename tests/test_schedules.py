@@ -27,7 +27,8 @@ from pipeline.planner.schedules.zero_bubble import ZBH1, ZBH2
 from pipeline.planner.simulate import CostModel, simulate
 from tests.schedules import build, schedules, training_schedules
 
-EXPECTED = {"gpipe", "1f1b", "interleaved_1f1b", "hanayo", "zb_h1", "zb_h2", "zbv", "inference", "torch"}
+EXPECTED = {"gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "hanayo", "zb_h1", "zb_h2", "zbv", "v_half", "v_min",
+            "dualpipev", "inference", "torch"}
 #: every schedule option of conf/scheduler/ (the built-ins and any YAML added there)
 NAMES = sorted(schedules())
 

@@ -46,6 +46,10 @@ def build_schedule(
         actions = insert_recompute(actions)
     elif remat == "auto" and remat_stages and generator.training:
         actions = insert_recompute(actions, set(remat_stages))
+    meta = {"remat": remat, "split_backward": generator.split_backward}
+    pairs = getattr(generator, "overlapped", None)
+    if pairs:  # run back to back as one overlapped action (DualPipeV): "0F4+1B2"
+        meta["overlapped"] = [f"{f}+{b}" for f, b in pairs]
     return Schedule(
         name=generator.name,
         num_stages=len(placement),
@@ -53,5 +57,5 @@ def build_schedule(
         placement=list(placement),
         actions=actions,
         training=generator.training,
-        meta={"remat": remat, "split_backward": generator.split_backward},
+        meta=meta,
     )

@@ -48,13 +48,13 @@ class Interleaved1F1B(ScheduleGenerator):
         if list(placement) != expected:
             raise ConfigError(
                 "placement",
-                f"scheduler 'interleaved_1f1b' with stages_per_rank={v} needs the round-robin placement "
+                f"scheduler {self.name!r} with stages_per_rank={v} needs the round-robin placement "
                 f"{expected} (placement=interleaved or auto), got {placement}",
             )
         if microbatches < 1 or microbatches % pp:
             raise ConfigError(
                 "microbatches",
-                f"scheduler 'interleaved_1f1b' needs microbatches to be a positive multiple of pp={pp} "
+                f"scheduler {self.name!r} needs microbatches to be a positive multiple of pp={pp} "
                 f"(e.g. {pp}, {2 * pp}, {3 * pp}); got {microbatches}",
             )
 

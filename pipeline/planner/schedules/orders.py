@@ -10,8 +10,9 @@ measured costs).
 * `zero_bubble_v`: the ZB-V order (Qi et al., "Zero Bubble Pipeline Parallelism", section 6) on the
   V placement: chunk-0 forwards fill the pipeline, the two chunks' forwards and input gradients then
   alternate, and the cool-down drains both chunks.
-* `dualpipe_v`: DeepSeek's DualPipeV order (DeepSeek-V3 report; deepseek-ai/DualPipe), whose steady
-  state pairs a forward of one chunk with the backward of the other (`DualOrder.overlapped`).
+* `dualpipe_v`: DeepSeek's DualPipeV (DeepSeek-V3 report; deepseek-ai/DualPipe), whose steady state
+  pairs a forward of one chunk with the backward of the other (`DualOrder.overlapped`); written with
+  its own W, which `weight_fill` may move.
 """
 
 from __future__ import annotations
@@ -61,43 +62,52 @@ def zero_bubble_v(pp: int, microbatches: int, extra_warmup: int = 0) -> list[lis
 
 
 class DualOrder(NamedTuple):
-    """DualPipeV's order and the (forward, backward) pairs it runs as one overlapped action."""
+    """DualPipeV's programs (W included) and the (forward, backward) pairs it runs as one overlapped
+    action."""
 
     orders: list[list[Action]]
     overlapped: list[tuple[Action, Action]]
 
 
 def dualpipe_v(pp: int, microbatches: int) -> DualOrder:
-    """DualPipeV on the V placement, m >= 2p (steps as in DeepSeek's dualpipev.py): chunk-0 warm-up
-    forwards, forward pairs, chunk-1 backward/forward pairs, the overlapped steady state (a chunk-0
-    forward with a chunk-1 backward, a chunk-1 forward with a chunk-0 backward), then the drain, whose
-    second half splits the backward (I now, W later) to fill the cool-down."""
+    """DualPipeV on the V placement, m >= 2p (steps as in DeepSeek's dualpipev.py), its W where
+    DualPipeV runs them: chunk-0 warm-up forwards, forward pairs, chunk-1 input-gradient/W/forward
+    triples, the overlapped steady state (a chunk-0 forward with a chunk-1 backward, a chunk-1 forward
+    with a chunk-0 backward), then the drain, whose second half splits the backward (I now, W later)
+    to fill the cool-down."""
     m, orders, pairs = microbatches, [], []
     for r in range(pp):
         c0, c1 = r, 2 * pp - 1 - r
         seq = _VSequence(c0, c1, m)
         seq.run((c0,), 2 * (pp - r - 1), kinds=(Kind.F,))
         seq.run((c0, c1), r + 1, kinds=(Kind.F, Kind.F))
-        seq.run((c1, c1), pp - r - 1, kinds=(Kind.I, Kind.F))
+        for _ in range(pp - r - 1):
+            seq.add(c1, Kind.I)
+            seq.weight()
+            seq.add(c1, Kind.F)
         for step in range(m - 2 * pp + r + 1):
             if step == 0 and r == pp - 1:  # the last rank's first pair is not overlapped (shorter fill)
                 seq.add(c0, Kind.F)
                 seq.add(c1, Kind.B)
             else:
-                pairs.append((seq.add(c0, Kind.F), seq.add(c1, Kind.B)))
-            pairs.append((seq.add(c1, Kind.F), seq.add(c0, Kind.B)))
+                pairs.append(seq.pair(c0, c1))
+            pairs.append(seq.pair(c1, c0))
         for _ in range(pp - r - 1):
             seq.add(c1, Kind.B)
-            pairs.append((seq.add(c1, Kind.F), seq.add(c0, Kind.B)))
+            pairs.append(seq.pair(c1, c0))
         split = False
         for i in range(r + 1):
             split = split or (i == (r + 1) // 2 and r % 2 == 1)
             seq.add(c1, Kind.I if split else Kind.B)
             split = split or (i == (r + 1) // 2 and r % 2 == 0)
             seq.add(c0, Kind.I if split else Kind.B)
-        seq.run((c0,), pp - r - 1, kinds=(Kind.I if split else Kind.B,))
+        for _ in range(pp - r - 1):
+            seq.weight()
+            seq.add(c0, Kind.I if split else Kind.B)
+        while seq.pending:
+            seq.weight()
         orders.append(seq.acts)
-    return DualOrder(orders, pairs)
+    return DualOrder(orders, [p for p in pairs if p is not None])
 
 
 class _VSequence:
@@ -108,6 +118,7 @@ class _VSequence:
         self.f = {c0: 0, c1: 0}
         self.b = {c0: 0, c1: 0}
         self.acts: list[Action] = []
+        self.pending: list[Action] = []  # the W of each I, oldest first
 
     def add(self, stage: int, kind: Kind) -> Action | None:
         """Append the next action of `kind` on `stage`, if that stage has one left."""
@@ -117,7 +128,19 @@ class _VSequence:
         act = Action(stage, kind, count[stage])
         count[stage] += 1
         self.acts.append(act)
+        if kind is Kind.I:
+            self.pending.append(Action(stage, Kind.W, act.mb))
         return act
+
+    def weight(self) -> None:
+        """Append the W of the oldest input-gradient pass still waiting for one, if any."""
+        if self.pending:
+            self.acts.append(self.pending.pop(0))
+
+    def pair(self, forward: int, backward: int) -> tuple[Action, Action] | None:
+        """A forward on one chunk and a full backward on the other, run as one overlapped action."""
+        f, b = self.add(forward, Kind.F), self.add(backward, Kind.B)
+        return (f, b) if f is not None and b is not None else None
 
     def run(self, stages: tuple[int, ...], times: int, kinds: tuple[Kind, ...]) -> None:
         """`times` rounds of `kinds[i]` on `stages[i]`."""

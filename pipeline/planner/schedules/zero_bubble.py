@@ -41,6 +41,7 @@ def list_schedule(
     split_backward: bool,
     cap: Sequence[int],
     cap_unbackwarded: Sequence[int] | None = None,
+    stage_cap: Sequence[int] | None = None,
     max_deferred_w: Sequence[int] | None = None,
     forward_priority: str = "deepest",
     backward_priority: str = "earliest",
@@ -55,7 +56,8 @@ def list_schedule(
     micro-batch sooner, so its memory frees sooner); "earliest" runs the lowest micro-batch first.
     `backward_priority`: which ready backward goes first: "earliest" micro-batch, "deepest" or
     "shallowest" stage. `forward_first` tries a forward before any backward (used by ZBV).
-    `cap_unbackwarded` bounds forwarded-but-not-I/B pairs separately; `max_deferred_w` forces a W
+    `cap_unbackwarded` bounds forwarded-but-not-I/B pairs separately, `stage_cap` the same per stage;
+    `max_deferred_w` forces a W
     before any forward once more W are pending.
     `costs` are the (F, I, W) durations used for the play-through, each one number or one per
     stage (a measured profile: the play-through then orders actions for the real, uneven stages);
@@ -70,7 +72,7 @@ def list_schedule(
     if forward_priority not in ("deepest", "earliest"):
         raise ValueError(f"forward_priority must be 'deepest' or 'earliest', got {forward_priority!r}")
     return _ListScheduler(
-        placement, microbatches, costs, split_backward=split_backward, cap=cap, cap_unbackwarded=cap_unbackwarded,
+        placement, microbatches, costs, split_backward=split_backward, cap=cap, cap_unbackwarded=cap_unbackwarded, stage_cap=stage_cap,
         max_deferred_w=max_deferred_w, deepest_forward_first=forward_priority == "deepest",
         backward_key=_BACKWARD_KEYS[backward_priority], forward_first=forward_first, reserve_deeper=reserve_deeper,
         eager_w=eager_w,
@@ -94,7 +96,8 @@ class _ListScheduler:
 
     def __init__(
         self, placement: Sequence[int], microbatches: int, costs: tuple, *, split_backward: bool,
-        cap: Sequence[int], cap_unbackwarded: Sequence[int] | None, max_deferred_w: Sequence[int] | None,
+        cap: Sequence[int], cap_unbackwarded: Sequence[int] | None, stage_cap: Sequence[int] | None,
+        max_deferred_w: Sequence[int] | None,
         deepest_forward_first: bool, backward_key: Callable[[int, int], tuple[int, int]], forward_first: bool,
         reserve_deeper: bool, eager_w: bool,
     ) -> None:
@@ -105,6 +108,7 @@ class _ListScheduler:
             split_backward, forward_first, reserve_deeper, eager_w)
         self.cap = list(cap)
         self.cap_unbackwarded = list(cap_unbackwarded) if cap_unbackwarded is not None else list(cap)
+        self.stage_cap = list(stage_cap) if stage_cap is not None else [microbatches] * n
         self.max_deferred_w = list(max_deferred_w) if max_deferred_w is not None else [n * microbatches] * pp
         self.backward_key = backward_key
         self.cf, self.ci, self.cw = (list(c) if isinstance(c, Sequence) else [c] * n for c in costs)
@@ -228,7 +232,7 @@ class _ListScheduler:
         next_f, f_checks, m = self.next_f, self.f_checks, self.m
         for s in self.f_order[r]:
             mb = next_f[s]
-            if mb >= m:
+            if mb >= m or mb - self.next_b[s] >= self.stage_cap[s]:
                 continue
             for ends, offset in f_checks[s]:
                 if ends[offset + mb] > t:  # its input is not there yet

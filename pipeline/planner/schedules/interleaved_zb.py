@@ -1,0 +1,53 @@
+"""Interleaved zero bubble (ZB-VPP): Megatron's interleaved 1F1B with the backward split and each W
+placed where the rank would otherwise wait.
+
+Why: interleaving v chunks per rank shortens the fill and drain v times; splitting the backward on
+top lets the input gradients of the drain run back to back while the weight gradients fill the gaps
+(torch.distributed.pipelining's ScheduleInterleavedZeroBubble does the same with a fixed W delay).
+Here the order of forwards and input gradients is interleaved 1F1B's, and `weight_fill` places the W
+on the measured costs within the activation memory interleaved 1F1B itself needs (a W may wait while
+its micro-batch's slot is not needed), so it never holds more than `interleaved_1f1b` at the same
+settings. Same placement and micro-batch rule as `interleaved_1f1b`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pipeline.core.ir import Action, I, Kind
+from pipeline.planner.schedules.base import Candidate
+from pipeline.planner.schedules.interleaved import Interleaved1F1B
+from pipeline.planner.schedules.zero_bubble import ALPHAS
+
+
+def peak_held(programs: list[list[Action]]) -> list[int]:
+    """Per rank, the most (stage, micro-batch) pairs a program holds at once: from the F to the B
+    (to the W with a split backward)."""
+    peaks = []
+    for acts in programs:
+        held = peak = 0
+        for a in acts:
+            held += 1 if a.kind is Kind.F else -1 if a.kind in (Kind.B, Kind.W) else 0
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
+@dataclass
+class InterleavedZB(Interleaved1F1B):
+    """Interleaved 1F1B's order with a split backward and W placed on the measured costs."""
+
+    name: ClassVar[str] = "interleaved_zb"
+    split_backward: ClassVar[bool] = True
+    #: order and place the W on the measured per-stage costs (else F = I = W units)
+    cost_aware: bool = True
+    #: run an I and its W as one fused B wherever the simulated step does not grow (schedules/fuse.py)
+    fuse_backward: bool = True
+
+    def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
+        fused = super().compute_actions(placement, microbatches)
+        caps = peak_held(fused)
+        critical = [[I(a.stage, a.mb) if a.kind is Kind.B else a for a in acts] for acts in fused]
+        candidates = [Candidate(critical, caps, alpha) for alpha in ALPHAS]
+        return self.best_filled([Candidate(fused), *candidates], placement, microbatches)
