@@ -284,11 +284,11 @@ def traced_once():
 
 def pipeline(directory: Path, pp: int, data) -> Trained:
     """Every rank's stages built as a rank builds them (`build_stage_modules`: fresh meta model,
-    only its stages materialised, weights read by name), run in order in this process: the
-    launcher's split check builds and runs them the same way (`launcher.split_check`)."""
+    only its stages materialised, weights read by name), run in order in this process, as the
+    launcher's split check builds and runs them (`launcher.split_compare`)."""
     from hydra.utils import instantiate
 
-    from launcher.split_check import every_stage, stage_parameters
+    from launcher.split_compare import every_stage, stage_parameters
     from launcher.validate import prepare
     from pipeline.graph.split import run_in_order
     from tests.harness import compose_cfg
@@ -301,10 +301,10 @@ def pipeline(directory: Path, pp: int, data) -> Trained:
 
 
 def worst(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[float, str]:
-    """The largest relative difference over tensors (`launcher.split_check.relative_differences`:
+    """The largest relative difference over tensors (`launcher.split_compare.relative_differences`:
     relative to its own norm, or to 1e-4 of the largest norm for a tensor that is zero in exact
     arithmetic), and its name."""
-    from launcher.split_check import relative_differences
+    from launcher.split_compare import relative_differences
 
     if set(got) != set(ref):
         return float("inf"), f"names differ: {sorted(set(got) ^ set(ref))[:4]}"  # inf: "differs by" below

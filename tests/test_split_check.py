@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launcher import split_check
+from launcher import split_check, split_compare
 from launcher.split_check import check_split
 from launcher.validate import prepare
 from pipeline.core.errors import ConfigError
@@ -69,9 +69,9 @@ def test_model_module_reads_the_buffers_its_constructor_computes() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         prepared = prepare(cfg)
-    stages = split_check.every_stage(prepared.spec, prepared.plan, cfg.seed)[1]
+    stages = split_compare.every_stage(prepared.spec, prepared.plan, cfg.seed)[1]
     expected = dict(rotary_lm().named_buffers())
-    held = split_check.stage_buffers(stages)
+    held = split_compare.stage_buffers(stages)
     assert len(held) == 4 and all(torch.equal(b, expected[n.removeprefix("inner.")]) for n, b in held.items())
     assert check_split(cfg, prepared.spec, prepared.plan, prepared.model).startswith("check_split: the 2 stages match")
 
@@ -99,7 +99,7 @@ def test_skipped_where_it_says_why_and_forced_on_or_off(monkeypatch) -> None:
     def unbuildable(spec):
         raise RuntimeError("needs CUDA")
 
-    monkeypatch.setattr(split_check, "built_for_real", unbuildable)
+    monkeypatch.setattr(split_compare, "built_for_real", unbuildable)
     monkeypatch.setattr(split_check, "AUTO_LIMIT_BYTES", 1 << 30)
     assert check_split(cfg, *args) == ("check_split: skipped: the unsplit module cannot be built on the CPU here "
                                        "(RuntimeError: needs CUDA)")
