@@ -1,5 +1,6 @@
 """Bring your own model and data: `model=hf` (transformers presets, a save_pretrained directory),
-`model=module` (any nn.Module factory: a diffusers UNet2DModel), `data=tokens` (a token file).
+`model=module` (any nn.Module factory: diffusers' UNet2DModel, UNet2DConditionModel and
+SD3Transformer2DModel), `data=tokens` (a token file).
 Loss, gradients and weights against one process, on real gloo ranks."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from launcher.split_check import check_split
 from launcher.validate import prepare
 from pipeline.core.errors import ConfigError
 from tests.harness import ROOT, assert_state_close, compose_cfg, merge_state, run_jobs
@@ -28,6 +30,32 @@ UNET = ["model=module", "data=images", "data.channels=3", "data.image_size=8", "
         "+model.module.block_out_channels=[8,16]", "+model.module.layers_per_block=1", "+model.module.norm_num_groups=4",
         "+model.module.down_block_types=[DownBlock2D,DownBlock2D]", "+model.module.up_block_types=[UpBlock2D,UpBlock2D]",
         "model.input.shape=[3,8,8]", "model.output=sample", "model.extra_inputs=[10]", "model.loss=mse"]
+# diffusion models on 4-channel 8x8 "latents", the noise prediction scored by mse
+LATENTS = ["model=module", "data=images", "data.channels=4", "data.image_size=8", "data.task=regression",
+           "data.out_channels=4", "model.input.shape=[4,8,8]", "model.output=sample", "model.loss=mse"]
+# a text-conditioned UNet: the timestep, then encoder hidden states (4 tokens of 16), a seeded tensor
+UNET_COND = [*LATENTS, "model.module._target_=diffusers.UNet2DConditionModel", "+model.module.sample_size=8",
+             "+model.module.in_channels=4", "+model.module.out_channels=4", "+model.module.layers_per_block=1",
+             "+model.module.block_out_channels=[8,16]", "+model.module.norm_num_groups=4",
+             "+model.module.cross_attention_dim=16", "+model.module.attention_head_dim=4",
+             "+model.module.down_block_types=[CrossAttnDownBlock2D,DownBlock2D]",
+             "+model.module.up_block_types=[UpBlock2D,CrossAttnUpBlock2D]", "model.extra_inputs=[10,{shape:[4,16]}]"]
+# Stable Diffusion 3's transformer (MMDiT; its position table a buffer its constructor computes):
+# text encoder states (4 tokens of 16), a pooled text projection (8) and the timestep, tensors after
+# the latents. (DiTTransformer2DModel drops class labels at random while training, hard-coded, so no
+# pipeline can train it as one process does, whose generator draws other numbers.)
+SD3 = [*LATENTS, "model.module._target_=diffusers.SD3Transformer2DModel", "+model.module.sample_size=8",
+       "+model.module.patch_size=2", "+model.module.in_channels=4", "+model.module.out_channels=4",
+       "+model.module.num_layers=2", "+model.module.num_attention_heads=2", "+model.module.attention_head_dim=8",
+       "+model.module.joint_attention_dim=16", "+model.module.caption_projection_dim=16",
+       "+model.module.pooled_projection_dim=8", "+model.module.pos_embed_max_size=8",
+       "model.extra_inputs=[{shape:[4,16]},{shape:[8]},{shape:[],fill:10}]"]
+
+
+#: traced through torch.export, its cross-attention UNet rounds otherwise than the eager module:
+#: every tensor stays within 1e-5 of one process relative to its norm (1.6e-6 at most, measured),
+#: while a gradient element near zero differs by 1e-8, past the element-wise bound
+ROUNDS_OTHERWISE = ("diffusers.UNet2DConditionModel",)
 
 
 def _check(cases: list[tuple[str, dict]], tmp_path) -> None:
@@ -40,31 +68,48 @@ def _check(cases: list[tuple[str, dict]], tmp_path) -> None:
     for (what, cfg), ranks in done:
         ref = reference_run(cfg)
         assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
+        exact = not what.startswith(ROUNDS_OTHERWISE)
         for d in range(cfg.dp):
-            assert_state_close(merge_state(ranks, "grads_step0", d), ref["grads_step0"], f"{what} replica {d} grads")
-            assert_state_close(merge_state(ranks, "params_final", d), ref["params_final"], f"{what} replica {d} weights")
+            assert_state_close(merge_state(ranks, "grads_step0", d), ref["grads_step0"], f"{what} replica {d} grads",
+                               exact)
+            assert_state_close(merge_state(ranks, "params_final", d), ref["params_final"],
+                               f"{what} replica {d} weights", exact)
 
 
 def _cfg(model: list[str], part: str, sched: str, pp: int, dp: int = 1) -> tuple[str, dict]:
-    what = f"{model[0]} {part} {sched} pp={pp} dp={dp}"
+    name = next((a.split("=", 1)[1] for a in model if a.startswith("model.module._target_=")), model[0])
+    what = f"{name} {part} {sched} pp={pp} dp={dp}"
     return what, compose_cfg([*COMMON, *model, f"partitioner={part}", f"scheduler={sched}", f"pp={pp}", f"dp={dp}"])
 
 
 @pytest.mark.timeout(600)
-def test_hf_presets_and_a_module_match_single_process(tmp_path) -> None:
+def test_hf_presets_and_diffusers_modules_match_single_process(tmp_path) -> None:
+    """transformers presets, and diffusers' UNet2DModel, UNet2DConditionModel (encoder hidden
+    states as a tensor extra input) and SD3Transformer2DModel at pp=2 on real gloo ranks: loss,
+    gradients and weights against one process; and the diffusers ones, built as the ranks build
+    them, against diffusers' own module built for real (the split check)."""
     cases = [
         _cfg(["model=hf_llama_tiny"], "balanced", "zbv", 2),
         _cfg(["model=hf_gpt2_tiny"], "milp", "1f1b", 2, dp=2),
         _cfg(UNET, "uniform", "zbv", 2),
+        _cfg(UNET_COND, "balanced", "1f1b", 2),
+        _cfg(SD3, "uniform", "zbv", 2),
     ]
     _check(cases, tmp_path)
+    for _, cfg in cases[3:]:
+        prepared = prepare(cfg)
+        line = check_split(cfg, prepared.spec, prepared.plan, prepared.model)
+        assert line.startswith(f"check_split: the {len(prepared.plan.stages)} stages match the unsplit module"), line
+
+
+MODULES = {"module": UNET, "unet_cond": UNET_COND, "sd3": SD3}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3000)
-@pytest.mark.parametrize("model", ["model=hf_llama_tiny", "model=hf_gpt2_tiny", "module"])
+@pytest.mark.parametrize("model", ["model=hf_llama_tiny", "model=hf_gpt2_tiny", *MODULES])
 def test_every_partitioner_and_schedule_on_models_users_bring(model: str, tmp_path) -> None:
-    spec = UNET if model == "module" else [model]
+    spec = MODULES.get(model, [model])
     cases = [_cfg(spec, part, sched, pp) for part in ("uniform", "balanced", "milp") for sched in ("1f1b", "zbv")
              for pp in (2, 4)]
     _check(cases, tmp_path)
@@ -336,3 +381,16 @@ def test_module_mistake_fails_in_the_launcher_before_any_rank(tmp_path) -> None:
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Invalid config `model.input.shape`" in proc.stderr and "model.input.shape=[64]" in proc.stderr
     assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+@pytest.mark.parametrize(("extra", "key", "fragment"), [
+    ("[10,{shape:[4,x]}]", "model.extra_inputs[1]", "a tensor input is {shape: [sizes of one sample]"),
+    ("[10,{size:[4,16]}]", "model.extra_inputs[1]", "a tensor input is {shape: [sizes of one sample]"),
+    ("[10,{shape:[4],dtype:int64}]", "model.extra_inputs[1].fill", "random values are float: give a fill value"),
+    ("[10,{shape:[4],dtype:complex}]", "model.extra_inputs[1].dtype", "got 'complex'; valid: float32"),
+])
+def test_a_bad_tensor_extra_input_is_refused_naming_it(extra, key, fragment) -> None:
+    cfg = compose_cfg([*COMMON, *UNET, f"model.extra_inputs={extra}", "mode=plan"])
+    with pytest.raises(ConfigError) as info:
+        prepare(cfg)
+    assert info.value.key == key and fragment in str(info.value), str(info.value)

@@ -130,6 +130,14 @@ SCENARIOS = [
               "'+model.module.up_block_types=[UpBlock2D,UpBlock2D]' 'model.input.shape=[3,8,8]' "
               "model.output=sample 'model.extra_inputs=[10]' model.loss=mse data=images data.channels=3 "
               "data.image_size=8 data.task=regression data.out_channels=3 scheduler=zbv"),
+        train("python train.py model=module model.module._target_=diffusers.SD3Transformer2DModel "
+              "+model.module.sample_size=8 +model.module.patch_size=2 +model.module.in_channels=4 "
+              "+model.module.out_channels=4 +model.module.num_layers=2 +model.module.num_attention_heads=2 "
+              "+model.module.attention_head_dim=8 +model.module.joint_attention_dim=16 "
+              "+model.module.caption_projection_dim=16 +model.module.pooled_projection_dim=8 "
+              "+model.module.pos_embed_max_size=8 'model.input.shape=[4,8,8]' model.output=sample "
+              "'model.extra_inputs=[{shape:[4,16]},{shape:[8]},{shape:[],fill:10}]' model.loss=mse data=images "
+              "data.channels=4 data.image_size=8 data.task=regression data.out_channels=4"),
     ), slow=True, timeout=300),
     Scenario("documents-and-tokenizer", "README.md", (
         train("python train.py data=hf 'data.files=[docs.jsonl]' data.tokenizer=my_tokenizer "
