@@ -12,8 +12,8 @@ F:I:W in {1:1:1, 1:1:0.5, 1:1.2:0.7} (F = 1), hop latency in {0, 5%, 10% of F}; 
 paper's published profiles (bench/_zb_profiles.py, source cited there) at their own p and m, hop latency
 0 or as published (`paper`). Schedules: every training option of the scheduler config group, found as
 tests/schedules.py finds them (a schedule added by YAML appears here), with the variants
-conf/plan/auto.yaml lists, except `torch`; and every torch class (interleaved ones at 2 and 4 stages
-per rank). A schedule with v stages per rank runs chunks of 1/v of a stage: its F, I, W per chunk are the
+conf/plan/auto.yaml lists (an option with `stages_per_rank` and no variant listed: 2 and 4), except
+`torch`; and every torch class (interleaved ones at 2 and 4 stages per rank). A schedule with v stages per rank runs chunks of 1/v of a stage: its F, I, W per chunk are the
 stage's divided by v, given to cost-aware generators through `use_stage_costs` with the hop on every cut
 between ranks (`hop_s`). The simulator charges every such cut the hop latency (CostModel.latency_s).
 
@@ -125,6 +125,9 @@ def entries() -> list[Entry]:
         if not (isinstance(target, type) and issubclass(target, AutoSchedule | TorchSchedule)):
             options[name] = {k: v for k, v in cfg.items() if k != "name"}
     variants = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "plan" / "auto.yaml"))["variants"]
+    for name, cfg in options.items():  # stages per rank 2 and 4, as torch's interleaved classes run below
+        if "stages_per_rank" in cfg and name not in variants:
+            variants[name] = {"stages_per_rank": [2, 4]}
     out = []
     for label, cfg in scheduler_variants(options, None, variants):
         if instantiate(cfg).training:
