@@ -207,6 +207,13 @@ class SimResult:
     def idle_s(self) -> list[float]:
         return [self.makespan_s - b for b in self.busy_s]
 
+    @property
+    def longest_span_s(self) -> float:
+        """The longest time from a rank's first start to its last end: what a step costs when
+        consecutive steps overlap (nothing joins the ranks between them)."""
+        return max((b / (1.0 - i) for b, i in zip(self.busy_s, self.internal_bubble, strict=True) if i < 1.0),
+                   default=0.0)
+
     def summary(self) -> dict:
         return {
             "makespan_s": self.makespan_s,

@@ -19,6 +19,11 @@ from pipeline.planner.schedules.fuse import fuse_slack_backwards
 from pipeline.planner.schedules.weight_fill import Filled, StageCosts, fill_weight_grads
 from pipeline.planner.simulate import makespan, simulate_programs
 
+#: actions the candidates of one schedule may place in all: past it (and once one candidate
+#: succeeded) the rest are skipped, so that large plans stay within seconds; candidates come most
+#: promising first
+CANDIDATE_WORK = 600_000
+
 
 class Candidate(NamedTuple):
     """One way to order a schedule, for `ScheduleGenerator.best_filled`: a critical order (per rank
@@ -37,7 +42,7 @@ class Candidate(NamedTuple):
             triple = (list(costs.forward), list(costs.input_grad), list(costs.weight_grad))
             fused = list(costs.backward) if costs.backward is not None else None
             sim = simulate_programs(programs, placement, microbatches, triple, fused, costs.hop)
-            return Filled(programs, sim.makespan_s, max(sim.internal_bubble, default=0.0))
+            return Filled(programs, sim.makespan_s, sim.longest_span_s)
         return fill_weight_grads(self.orders, placement, microbatches, costs, self.cap, alpha=self.alpha,
                                  glued=self.glued, backlog=self.backlog)
 
@@ -82,13 +87,18 @@ class ScheduleGenerator:
 
     def best_filled(self, candidates: Iterable[Candidate], placement: list[int], microbatches: int
                     ) -> list[list[Action]]:
-        """The candidate whose programs take the shortest step on `stage_costs` (the first of equals):
-        a critical order whose W `weight_fill` places, or finished programs. With `fuse_backward`,
+        """The candidate whose programs take the shortest step on `stage_costs` (of equal steps, the
+        one idling least inside the ranks' spans; then the first): a critical order whose W
+        `weight_fill` places, or finished programs; at most CANDIDATE_WORK actions in all. With `fuse_backward`,
         the I/W pairs whose split buys nothing then run as one B (schedules/fuse.py)."""
         costs = self.stage_costs(len(placement))
         best: Filled | None = None
         error: ConfigError | None = None
+        spent = 0
         for cand in candidates:
+            spent += sum(len(acts) for acts in cand.orders)
+            if best is not None and spent > CANDIDATE_WORK:
+                break
             try:
                 got = cand.fill(placement, microbatches, costs)
             except ConfigError as err:

@@ -66,18 +66,18 @@ class StageCosts:
 @dataclass(frozen=True)
 class Filled:
     """Per-rank programs with their W placed, the step they take (the play-through's makespan) and
-    the largest share of a rank's span (first start to last end) it idles: the Zero Bubble paper's
-    bubble, what consecutive steps cost where nothing joins the ranks between steps."""
+    the longest span of a rank (its first start to its last end): what consecutive steps cost where
+    nothing joins the ranks between steps, the cost behind the Zero Bubble paper's bubble rate."""
 
     programs: list[list[Action]]
     makespan: float
-    span_idle: float = 0.0
+    longest_span: float = math.inf
 
     def better_than(self, other: Filled | None) -> bool:
-        """A shorter step; of equal steps (to rounding), the one idling less inside its spans."""
+        """A shorter step; of equal steps (to rounding), the one with the shorter longest span."""
         if other is None or self.makespan < other.makespan * (1 - 1e-9):
             return True
-        return self.makespan <= other.makespan * (1 + 1e-9) and self.span_idle < other.span_idle - 1e-12
+        return self.makespan <= other.makespan * (1 + 1e-9) and self.longest_span < other.longest_span * (1 - 1e-12)
 
 
 def fill_weight_grads(
@@ -111,7 +111,6 @@ class _Fill:
         self.pending: list[deque[tuple[int, int]]] = [deque() for _ in range(self.pp)]
         self.programs: list[list[Action]] = [[] for _ in range(self.pp)]
         self.first: list[float | None] = [None] * self.pp
-        self.busy = [0.0] * self.pp
         self.waiting: dict[tuple[bool, int], list[int]] = {}
 
     def run(self) -> Filled:
@@ -126,9 +125,8 @@ class _Fill:
         for r in range(self.pp):
             while self.pending[r]:
                 self._put_w(r)
-        spans = [(self.free[r] - (self.first[r] or 0.0), self.busy[r]) for r in range(self.pp)]
-        idle = max(((span - busy) / span for span, busy in spans if span > 0), default=0.0)
-        return Filled(self.programs, max(self.free, default=0.0), idle)
+        span = max((self.free[r] - (self.first[r] or 0.0) for r in range(self.pp)), default=0.0)
+        return Filled(self.programs, max(self.free, default=0.0), span)
 
     def _advance(self, r: int) -> list[int]:
         """Place rank r's critical actions until one waits for an input not placed yet; the ranks
@@ -191,7 +189,6 @@ class _Fill:
         s, idx = act.stage, act.stage * self.m + act.mb
         duration = self.costs.duration(act.kind, s)
         end = self.free[r] = start + duration
-        self.busy[r] += duration
         if self.first[r] is None:
             self.first[r] = start
         self.programs[r].append(act)
@@ -210,5 +207,4 @@ class _Fill:
         s, mb = self.pending[r].popleft()
         self.programs[r].append(W(s, mb))
         self.free[r] += self.costs.weight_grad[s]
-        self.busy[r] += self.costs.weight_grad[s]
         self.held[r] -= 1

@@ -20,9 +20,10 @@ The same scheduler, with other placements and caps, serves ZBV and Hanayo.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -338,8 +339,9 @@ def zb_h1_programs(pp: int, microbatches: int) -> list[list[Action]]:
 
 
 #: how far past a gap a weight-gradient pass may run (`weight_fill`'s alpha): inf fills only gaps it
-#: fits, smaller values also start W in shorter gaps; each is a candidate, the fastest is kept
-ALPHAS = (math.inf, 1.0, 0.5)
+#: fits, smaller values also start W in shorter gaps; each is a candidate (most promising first),
+#: the fastest is kept
+ALPHAS = (0.5, math.inf, 0.0, 1.0)
 
 #: stage-micro-batches above which the greedy play-through is not tried as one more candidate (it
 #: is the slow one, and at that size the templates win): plans for p = 64 stay within seconds
@@ -370,15 +372,28 @@ def fill_warmup(costs: StageCosts, pp: int) -> list[int]:
     return [max(1, int((grad[r] - arrive[r]) / f[r] + 1e-9)) if f[r] > 0 else pp for r in range(pp)]
 
 
-def linear_candidates(gen: ScheduleGenerator, pp: int, microbatches: int, cap: int) -> list[Candidate]:
-    """ZB-H1/ZB-H2 orders under `cap` micro-batches per rank: 1F1B's warm-up and the warm-up that
-    fills the time to the first input gradient, each with the W placed by every ALPHAS."""
-    one_f_one_b_warmup = [pp - 1 - r for r in range(pp)]
-    warmups = {tuple(min(cap - 1, w) for w in one_f_one_b_warmup),
-               tuple(min(cap - 1, w) for w in fill_warmup(gen.stage_costs(pp), pp))}
-    caps = [cap] * pp
-    return [Candidate(one_f_one_b(pp, microbatches, list(w)), caps, alpha)
-            for w in sorted(warmups) for alpha in ALPHAS]
+#: how far each rank's warm-up goes from 1F1B's (0) to the one that fills the time to its first
+#: input gradient (1), most promising first
+WARMUP_MIX = (1.0, 0.5, 0.75, 0.25, 0.0)
+
+
+def linear_candidates(gen: ScheduleGenerator, pp: int, microbatches: int, caps: Sequence[int]) -> Iterator[Candidate]:
+    """ZB-H1/ZB-H2 orders, most promising first: under each of `caps` micro-batches per rank, warm-ups
+    from 1F1B's to the one that fills the time to the first input gradient (WARMUP_MIX), each with
+    the W placed by every ALPHAS, then with each rank's W backlog bounded by what fills its drain
+    (rank r waits about r input-gradient hops for the last gradient: ZB-H1's r deferred W at unit
+    costs)."""
+    costs = gen.stage_costs(pp)
+    backlog = [math.ceil(r * (costs.input_grad[r] + (costs.hop[r] if r < pp - 1 else 0.0))
+                         / max(costs.weight_grad[r], 1e-12)) for r in range(pp)]
+    fill = fill_warmup(costs, pp)
+    for limit in (None, backlog):
+        for cap in caps:
+            warmups = dict.fromkeys(tuple(min(cap - 1, round(x * fill[r] + (1 - x) * (pp - 1 - r))) for r in range(pp))
+                                    for x in WARMUP_MIX)
+            for w in warmups:
+                order = one_f_one_b(pp, microbatches, list(w))
+                yield from (Candidate(order, [cap] * pp, alpha, backlog=limit) for alpha in ALPHAS)
 
 
 @dataclass
@@ -398,7 +413,8 @@ class ZBH1(ScheduleGenerator):
     def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
         pp = len(placement)
         fixed = Candidate(zb_h1_programs(pp, microbatches))
-        return self.best_filled([fixed, *linear_candidates(self, pp, microbatches, pp)], placement, microbatches)
+        candidates = linear_candidates(self, pp, microbatches, [pp])
+        return self.best_filled(itertools.chain([fixed], candidates), placement, microbatches)
 
 
 @dataclass
@@ -422,4 +438,5 @@ class ZBH2(ScheduleGenerator):
         pp = len(placement)
         cap = 2 * pp - 1
         greedy = greedy_candidate(self, placement, microbatches, cap=[cap] * pp)
-        return self.best_filled([*greedy, *linear_candidates(self, pp, microbatches, cap)], placement, microbatches)
+        candidates = linear_candidates(self, pp, microbatches, [cap, pp])
+        return self.best_filled(itertools.chain(greedy, candidates), placement, microbatches)
