@@ -60,41 +60,31 @@ class Interleaved1F1B(ScheduleGenerator):
 
     def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
         pp = max(placement) + 1
-        v = len(placement) // pp
-        m = microbatches
-        total = m * v
+        return interleaved_order(pp, len(placement) // pp, microbatches)
 
-        def slot(k: int, backward: bool) -> tuple[int, int]:
-            group, within = divmod(k, pp * v)
-            chunk = within // pp
-            if backward:
-                chunk = v - 1 - chunk
-            return chunk, group * pp + within % pp
 
-        programs: list[list[Action]] = []
-        for r in range(pp):
-            warmup = total if m == pp and v > 1 else min(total, 2 * (pp - 1 - r) + (v - 1) * pp)
-            acts: list[Action] = []
-            nf = nb = 0
+def interleaved_order(pp: int, v: int, microbatches: int, hop_warmup: int = 2) -> list[list[Action]]:
+    """Megatron's interleaved 1F1B order (module docstring); `hop_warmup`: the extra warm-up forwards
+    per rank between r and the last rank (2 in Megatron; torch's interleaved zero bubble uses 1)."""
+    m = microbatches
+    total = m * v
 
-            def fwd(acts: list[Action] = acts, r: int = r) -> None:
-                nonlocal nf
-                chunk, mb = slot(nf, backward=False)
-                acts.append(F(chunk * pp + r, mb))
-                nf += 1
+    def slot(k: int, backward: bool) -> tuple[int, int]:
+        group, within = divmod(k, pp * v)
+        chunk = within // pp
+        if backward:
+            chunk = v - 1 - chunk
+        return chunk, group * pp + within % pp
 
-            def bwd(acts: list[Action] = acts, r: int = r) -> None:
-                nonlocal nb
-                chunk, mb = slot(nb, backward=True)
-                acts.append(B(chunk * pp + r, mb))
-                nb += 1
-
-            for _ in range(warmup):
-                fwd()
-            for _ in range(total - warmup):
-                fwd()
-                bwd()
-            while nb < total:
-                bwd()
-            programs.append(acts)
-        return programs
+    programs: list[list[Action]] = []
+    for r in range(pp):
+        warmup = total if m == pp and v > 1 else min(total, hop_warmup * (pp - 1 - r) + (v - 1) * pp)
+        acts: list[Action] = []
+        forwards = [F(chunk * pp + r, mb) for chunk, mb in (slot(k, False) for k in range(total))]
+        backwards = [B(chunk * pp + r, mb) for chunk, mb in (slot(k, True) for k in range(total))]
+        acts += forwards[:warmup]
+        for k in range(total - warmup):
+            acts += [forwards[warmup + k], backwards[k]]
+        acts += backwards[total - warmup:]
+        programs.append(acts)
+    return programs

@@ -4,20 +4,24 @@ placed where the rank would otherwise wait.
 Why: interleaving v chunks per rank shortens the fill and drain v times; splitting the backward on
 top lets the input gradients of the drain run back to back while the weight gradients fill the gaps
 (torch.distributed.pipelining's ScheduleInterleavedZeroBubble does the same with a fixed W delay).
-Here the order of forwards and input gradients is interleaved 1F1B's, and `weight_fill` places the W
-on the measured costs within the activation memory interleaved 1F1B itself needs (a W may wait while
-its micro-batch's slot is not needed), so it never holds more than `interleaved_1f1b` at the same
-settings. Same placement and micro-batch rule as `interleaved_1f1b`.
+Here the order of forwards and input gradients is interleaved 1F1B's, with Megatron's warm-up (two
+forwards per hop to the last rank) or torch's (one), and `weight_fill` places the W on the measured
+costs within the activation memory interleaved 1F1B itself needs (a W may wait while its
+micro-batch's slot is not needed), so it never holds more than `interleaved_1f1b` at the same
+settings; the fastest candidate is kept. Same placement and micro-batch rule as `interleaved_1f1b`.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
 from pipeline.core.ir import Action, I, Kind
 from pipeline.planner.schedules.base import Candidate
-from pipeline.planner.schedules.interleaved import Interleaved1F1B
+from pipeline.planner.schedules.interleaved import Interleaved1F1B, interleaved_order
+from pipeline.planner.schedules.weight_fill import deferred_by
 from pipeline.planner.schedules.zero_bubble import ALPHAS
 
 
@@ -46,8 +50,24 @@ class InterleavedZB(Interleaved1F1B):
     fuse_backward: bool = True
 
     def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
-        fused = super().compute_actions(placement, microbatches)
-        caps = peak_held(fused)
-        critical = [[I(a.stage, a.mb) if a.kind is Kind.B else a for a in acts] for acts in fused]
-        candidates = [Candidate(critical, caps, alpha) for alpha in ALPHAS]
-        return self.best_filled([Candidate(fused), *candidates], placement, microbatches)
+        pp = max(placement) + 1
+        v = len(placement) // pp
+        plain = interleaved_order(pp, v, microbatches)
+        memory = peak_held(plain)
+        return self.best_filled(itertools.chain([Candidate(plain)], self._candidates(pp, v, microbatches, memory)),
+                                placement, microbatches)
+
+    @staticmethod
+    def _candidates(pp: int, v: int, microbatches: int, memory: list[int]) -> Iterator[Candidate]:
+        """Torch's warm-up (one forward a hop to the last rank) and Megatron's (two), each with rank
+        r deferring r W (torch's rule) and with the W placed on the costs within that memory (and
+        within interleaved 1F1B's) by every ALPHAS."""
+        backlog = list(range(pp))
+        for hop_warmup in (1, 2):
+            critical = [[I(a.stage, a.mb) if a.kind is Kind.B else a for a in acts]
+                        for acts in interleaved_order(pp, v, microbatches, hop_warmup)]
+            reference = deferred_by(critical, backlog)
+            caps = [min(a, b) for a, b in zip(peak_held(reference), memory, strict=True)]
+            yield Candidate(reference)
+            yield from (Candidate(critical, caps, alpha, backlog=backlog) for alpha in ALPHAS)
+            yield from (Candidate(critical, caps, alpha) for alpha in ALPHAS)

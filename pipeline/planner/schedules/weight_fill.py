@@ -208,3 +208,22 @@ class _Fill:
         self.programs[r].append(W(s, mb))
         self.free[r] += self.costs.weight_grad[s]
         self.held[r] -= 1
+
+
+def deferred_by(orders: Sequence[Sequence[Action]], backlog: Sequence[int]) -> list[list[Action]]:
+    """Programs whose W come in a fixed pattern rather than by the costs: after each critical action,
+    the oldest pending W while rank r has more than `backlog[r]` pending, the rest at the end (ZB-H1's
+    and torch's interleaved zero bubble's rule: rank r defers r). A reference order, and the memory
+    bound its placement keeps."""
+    programs = []
+    for r, acts in enumerate(orders):
+        pending: deque[Action] = deque()
+        prog: list[Action] = []
+        for act in acts:
+            prog.append(act)
+            if act.kind is Kind.I:
+                pending.append(W(act.stage, act.mb))
+            while len(pending) > backlog[r]:
+                prog.append(pending.popleft())
+        programs.append(prog + list(pending))
+    return programs
