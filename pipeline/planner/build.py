@@ -291,8 +291,10 @@ def _profiled_meta(traced: TracedModel, stages: list[StagePlan], forward: list[f
     return {
         "stage_forward_s": forward, "stage_backward_s": backward,
         "stage_backward_input_s": split_costs[0], "stage_backward_weight_s": split_costs[1],
-        # a backward's transient gradients: its stage's largest node's activations (planner/memory.py)
+        # a backward's transient gradients: its stage's largest node's activations (planner/memory.py),
+        # and on the stage taking the loss the gradient of the model output, as large as that output
         "stage_workspace_bytes": [max((float(nodes[n].get("activation_bytes", 0)) for n in s.blocks), default=0.0)
+                                  + (s.value_bytes(s.loss_value) if s.loss_value in s.values else 0.0)
                                   for s in stages],
         "stage_weight_stash_bytes": [weight_stash_bytes(traced, s) for s in stages],
         "stage_loss_activation_bytes": [sum(float(nodes[n].get("loss_activation_bytes", 0)) for n in s.blocks)
