@@ -45,8 +45,9 @@ WORLDS = [
     pytest.param(1, ("none", "full"), id="world1"),
     pytest.param(2, ("none", "full"), id="world2"),
     pytest.param(4, ("none", "full"), id="world4"),
-    pytest.param(8, ("none",), id="world8"),
-    # remat=full at pp=4 runs in world4 already; every schedule again at dp=2 is for `-m slow`
+    # every schedule at dp=2 runs in world4 (pp=2 dp=2) and at pp=4 in world4 too; both together
+    # (pp=4 dp=2: tests/test_cli.py runs README's zbv command so) are for `-m slow`
+    pytest.param(8, ("none",), id="world8", marks=pytest.mark.slow),
     pytest.param(8, ("full",), id="world8-remat", marks=pytest.mark.slow),
 ]
 
