@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from launcher.config import typed_config
 from launcher.diagnose import where_ranks_were
+from launcher.gc_pause import few_full_collections
 from launcher.joined import export_submitit_env, joined_rank_env
 from launcher.validate import Prepared, group_options, on_cuda, prepare
 from pipeline.core.config import OBJECTIVE_DIRECTION, CheckSplit, TrainConfig
@@ -36,15 +37,16 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict:
     export_submitit_env()
     if joined_rank_env() and cfg.mode == "train":
         return join(cfg, run_dir)
-    prepared = prepare(cfg, run_dir=run_dir)
+    with few_full_collections():  # a pp=64 plan's millions of small objects (launcher/gc_pause.py)
+        prepared = prepare(cfg, run_dir=run_dir)
+        if prepared.resume_from:
+            print(f"resuming from {prepared.resume_from}", flush=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if prepared.search is not None:
+            print_search(cfg, prepared)
+        if cfg.mode == "plan":
+            return dry_run(prepared, run_dir)
     plan = prepared.plan
-    if prepared.resume_from:
-        print(f"resuming from {prepared.resume_from}", flush=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if prepared.search is not None:
-        print_search(cfg, prepared)
-    if cfg.mode == "plan":
-        return dry_run(prepared, run_dir)
     from launcher.spawn import spawn_ranks  # the runtime is imported only when there is something to run
     from launcher.split_check import check_split
     from pipeline.runtime.rank import RankJob
@@ -124,7 +126,8 @@ def join(cfg: TrainConfig, run_dir: Path) -> dict:
     rank, device = join_process_group(cfg, str(run_dir))
     plan = None
     if rank == 0:
-        prepared = prepare(cfg, device=device, options=options, run_dir=run_dir)
+        with few_full_collections():
+            prepared = prepare(cfg, device=device, options=options, run_dir=run_dir)
         plan = prepared.plan
         if prepared.search is not None:
             print_search(cfg, prepared)

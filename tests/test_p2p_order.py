@@ -195,3 +195,29 @@ def test_actions_with_a_peer_round_trip_through_text() -> None:
     for text in ("2SEND_F0>3", "3RECV_B11<4", "0F1"):
         assert str(Action.parse(text)) == text
     assert Action.parse("2SEND_F0>3").torch_name == "2SEND_F0"
+
+
+def test_lowering_posts_messages_in_one_causal_order() -> None:
+    """The exact programs the lowering gives (as before it was made linear per rank): a send right
+    after its producer, a receive as early as the causal order allows, a skip edge (0 -> 2) with no
+    gradient, and on the V placement the neighbours on one rank exchanging nothing."""
+    from pipeline.planner.placement import linear, v_shape
+    from pipeline.planner.schedules.one_f_one_b import OneFOneB
+    from pipeline.planner.schedules.zbv import ZBV
+
+    skip = lower(build_schedule(OneFOneB(), linear(3), 3), [(0, 1), (1, 2), (0, 2)], grad_edges=[(0, 1), (1, 2)])
+    assert [" ".join(map(str, acts)) for acts in skip.actions] == [
+        "0F0 0SEND_F0>1 0SEND_F0>2 0F1 0SEND_F1>1 0SEND_F1>2 0F2 0SEND_F2>1 0SEND_F2>2 0RECV_B0<1 0RECV_B1<1 "
+        "0RECV_B2<1 0B0 0B1 0B2",
+        "1RECV_F0<0 1RECV_F1<0 1F0 1SEND_F0>2 1RECV_F2<0 1F1 1SEND_F1>2 1RECV_B0<2 1B0 1SEND_B0>0 1F2 1SEND_F2>2 "
+        "1RECV_B1<2 1B1 1SEND_B1>0 1RECV_B2<2 1B2 1SEND_B2>0",
+        "2RECV_F0<0 2RECV_F1<0 2RECV_F0<1 2RECV_F2<0 2RECV_F1<1 2F0 2B0 2SEND_B0>1 2RECV_F2<1 2F1 2B1 2SEND_B1>1 "
+        "2F2 2B2 2SEND_B2>1",
+    ]
+    v = lower(build_schedule(ZBV(), v_shape(2), 2), [(0, 1), (1, 2), (2, 3), (0, 3)])
+    assert [" ".join(map(str, acts)) for acts in v.actions] == [
+        "0F0 0SEND_F0>1 0F1 0SEND_F1>1 3RECV_F0<2 3F0 3I0 3SEND_B0>2 3RECV_F1<2 0RECV_B0<1 3W0 3F1 0I0 3I1 "
+        "3SEND_B1>2 0RECV_B1<1 0W0 3W1 0B1",
+        "1RECV_F0<0 1RECV_F1<0 1F0 2F0 2SEND_F0>3 2RECV_B0<3 1F1 2F1 2SEND_F1>3 2I0 1I0 1SEND_B0>0 2RECV_B1<3 2W0 "
+        "1W0 2I1 1I1 1SEND_B1>0 2W1 1W1",
+    ]

@@ -179,3 +179,12 @@ def test_ranks_sharing_cores_take_turns() -> None:
             assert shared >= alone.makespan_s - 1e-9 and shared >= sum(alone.busy_s) / slots - 1e-9
         cost.latency_s = 0.0  # one core and instant transfers: never idle, all the work one after another
         assert shared_makespan(sched, cost, slots=1) == pytest.approx(sum(simulate(sched, cost).busy_s))
+
+
+def test_compute_end_times_are_the_simulated_ends_in_program_order() -> None:
+    from pipeline.planner.simulate import compute_end_times
+
+    sched = build_schedule(ZBV(), v_shape(4), 8)
+    cost = CostModel.uniform(8, f=1.0, i=1.5, w=0.5, output_bytes=2.0, latency_s=0.1, bandwidth_bytes_per_s=10.0)
+    ends = [[e["end_s"] for e in simulate(sched, cost).events if e["rank"] == r] for r in range(4)]
+    assert compute_end_times(sched, cost) == ends

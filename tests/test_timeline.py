@@ -66,3 +66,53 @@ def test_a_runs_own_costs_are_medians_over_the_steps_after_warm_up() -> None:
     only_last = {"ranks": []}
     add_predictions(only_last, plan, last, (5e-5, 1e9), 0.0)
     assert only_last["stage_costs"]["forward_s"] == pytest.approx([10.0, 10.0])
+
+
+def test_coverage_is_each_pixel_s_share_of_the_time() -> None:
+    """A pixel column takes each kind's colour in proportion to the time that kind covers of it
+    (what anti-aliased bars show); overlapping spans fill a pixel at most once."""
+    import numpy as np
+
+    from pipeline.report.timeline import _blend, _coverage
+
+    assert np.allclose(_coverage([(0.5, 1.0), (2.0, 0.25)], 1.0, 4), [0.5, 0.5, 0.25, 0.0])
+    assert np.allclose(_coverage([(0.0, 2.0), (1.0, 2.0)], 1.0, 4), [1.0, 1.0, 1.0, 0.0])
+    assert np.allclose(_coverage([(0.0, 10.0)], 0.5, 3), [1.0, 1.0, 1.0])  # clipped to the axes
+    half = _blend({"#000000": np.array([0.5, 0.0])})[0]
+    assert np.allclose(half, [[0.5] * 3, [1.0] * 3])  # half black over white; an idle pixel is white
+
+
+def _panel(events: list[dict]):
+    import matplotlib.pyplot as plt
+
+    from pipeline.report.timeline import _draw_panel, _set_margins
+
+    fig, ax = plt.subplots(figsize=(12, 3))
+    _set_margins(fig, 1, "rank 9")
+    _draw_panel(ax, events, "t", 0.0)
+    return fig, ax
+
+
+def test_a_timeline_with_more_actions_than_pixels_is_drawn_as_rows_of_pixels() -> None:
+    """64 ranks x 1000 actions would be bars narrower than their white edges: each rank becomes
+    one row of pixels whose colours follow the time each kind takes, with nothing left white
+    where the rank is busy; a small schedule keeps its bars and micro-batch labels."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import to_rgb
+
+    from pipeline.report.timeline import COLORS
+
+    busy = [{"rank": r, "action": f"0{'FB'[i % 2]}{i}", "kind": "FB"[i % 2], "mb": i, "start_s": float(i),
+             "end_s": i + 1.0} for r in range(3) for i in range(2000)]
+    fig, ax = _panel(busy)
+    assert len(ax.images) == 3 and not ax.collections and not ax.texts
+    row = np.asarray(ax.images[0].get_array())[0]
+    columns = row.shape[0]
+    covered = row[: int(columns * 2000 / 2020)]  # the axis runs 1% past the last action
+    mix = (np.asarray(to_rgb(COLORS["F"])) + np.asarray(to_rgb(COLORS["B"]))) / 2
+    assert np.allclose(covered.mean(axis=0), mix, atol=0.02)
+    plt.close(fig)
+    fig, ax = _panel(_events())
+    assert not ax.images and ax.collections and ax.texts
+    plt.close(fig)

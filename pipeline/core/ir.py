@@ -29,6 +29,9 @@ class Kind(str, Enum):
 COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.R})
 COMM_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
 
+_TEXT = {k: k.value for k in Kind}
+#: a message's arrow before its peer stage: sent to, received from
+_ARROW = {Kind.SEND_F: ">", Kind.SEND_B: ">", Kind.RECV_F: "<", Kind.RECV_B: "<"}
 _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W|R)(\d+)(?:([<>])(\d+))?$")
 
 
@@ -47,10 +50,11 @@ class Action(NamedTuple):
     def __str__(self) -> str:
         # torch.distributed.pipelining's compact spelling, e.g. "0F1", "3SEND_B2", with the peer
         # stage of a message after ">" (sent to) or "<" (received from): "2SEND_F0>3", "3RECV_F0<2"
+        # (the kinds' texts from a dict: the enum's `value` property costs a call, and a pp=64 plan
+        # writes 400k actions)
         if self.peer is None:
-            return f"{self.stage}{self.kind.value}{self.mb}"
-        arrow = ">" if self.kind in (Kind.SEND_F, Kind.SEND_B) else "<"
-        return f"{self.stage}{self.kind.value}{self.mb}{arrow}{self.peer}"
+            return f"{self.stage}{_TEXT[self.kind]}{self.mb}"
+        return f"{self.stage}{_TEXT[self.kind]}{self.mb}{_ARROW[self.kind]}{self.peer}"
 
     @property
     def torch_name(self) -> str:
@@ -115,7 +119,7 @@ class Schedule:
         return [s for s, r in enumerate(self.placement) if r == rank]
 
     def compute_only(self) -> list[list[Action]]:
-        return [[a for a in acts if a.is_compute] for acts in self.actions]
+        return [[a for a in acts if a.kind in COMPUTE_KINDS] for acts in self.actions]
 
     def peak_in_flight(self, held: bool = False) -> list[int]:
         """Per stage, the most micro-batches whose activations it holds at once: what a memory
@@ -128,15 +132,16 @@ class Schedule:
         if not self.training:
             return [1] * self.num_stages
         remat = set() if held else {(a.stage, a.mb) for acts in self.actions for a in acts if a.kind is Kind.R}
-        adds = (Kind.F,) if held else (Kind.F, Kind.R)
         current = [0] * self.num_stages
         peak = [0] * self.num_stages
         for acts in self.actions:
             for a in acts:
-                if a.kind in adds and (a.kind is Kind.R or (a.stage, a.mb) not in remat):
+                kind = a.kind
+                if (kind is Kind.F and not (remat and (a.stage, a.mb) in remat)) or (kind is Kind.R and not held):
                     current[a.stage] += 1
-                    peak[a.stage] = max(peak[a.stage], current[a.stage])
-                elif a.kind in (Kind.B, Kind.W):
+                    if current[a.stage] > peak[a.stage]:
+                        peak[a.stage] = current[a.stage]
+                elif kind is Kind.B or kind is Kind.W:
                     current[a.stage] -= 1
         return peak
 
@@ -146,11 +151,10 @@ class Schedule:
 
     def grid(self) -> str:
         """One line per rank, compute actions only: a quick human-readable view."""
-        width = max((len(str(a)) for acts in self.actions for a in acts), default=3)
-        lines = []
-        for rank, acts in enumerate(self.compute_only()):
-            lines.append(f"rank {rank}: " + " ".join(str(a).rjust(width) for a in acts))
-        return "\n".join(lines)
+        texts = [[(str(a), a.is_compute) for a in acts] for acts in self.actions]
+        width = max((len(t) for row in texts for t, _ in row), default=3)
+        return "\n".join(f"rank {rank}: " + " ".join(t.rjust(width) for t, compute in row if compute)
+                         for rank, row in enumerate(texts))
 
     def to_dict(self) -> dict:
         return {

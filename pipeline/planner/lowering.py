@@ -24,7 +24,10 @@ each stage feeds the next one. `grad_edges` lists the edges along which a gradie
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
+from operator import itemgetter
+from typing import NamedTuple
 
 from pipeline.core.ir import Action, Kind, Schedule
 
@@ -40,19 +43,14 @@ def causal_order(schedule: Schedule) -> dict[tuple[int, int], int]:
     which every action comes after the ones it depends on (and after its rank's earlier ones).
 
     Played with unit costs: every action lasts 1, so a consumer ends strictly after its producer;
-    ties between ranks are broken by rank."""
-    from pipeline.planner.simulate import CostModel, simulate
+    ties between ranks are broken by rank (a rank's ends all differ, and come in program order)."""
+    from pipeline.planner.simulate import CostModel, compute_end_times
 
     compute = Schedule(schedule.name, schedule.num_stages, schedule.num_microbatches, list(schedule.placement),
                        schedule.compute_only(), schedule.training)
-    events = simulate(compute, CostModel.uniform(schedule.num_stages), check=False).events
-    position: dict[tuple[int, int], int] = {}
-    index = [0] * schedule.pp
-    for e in sorted(events, key=lambda e: (e["end_s"], e["rank"], e["start_s"])):
-        rank = e["rank"]
-        position[(rank, index[rank])] = len(position)
-        index[rank] += 1
-    return position
+    ends = compute_end_times(compute, CostModel.uniform(schedule.num_stages))
+    keyed = sorted((end, rank, i) for rank, times in enumerate(ends) for i, end in enumerate(times))
+    return {(rank, i): position for position, (_, rank, i) in enumerate(keyed)}
 
 
 def lower(schedule: Schedule, edges: Iterable[tuple[int, int]] | None = None,
@@ -63,47 +61,18 @@ def lower(schedule: Schedule, edges: Iterable[tuple[int, int]] | None = None,
     action R never receives: it reuses the stage inputs kept by F."""
     if schedule.lowered:
         return schedule
-    placement = schedule.placement
-    edge_set = sorted(set(edges if edges is not None else sequential_edges(schedule.num_stages)))
+    placement, n, m = schedule.placement, schedule.num_stages, schedule.num_microbatches
+    edge_set = sorted(set(edges if edges is not None else sequential_edges(n)))
     remote = [(p, c) for p, c in edge_set if placement[p] != placement[c]]
     with_grad = set(remote) if grad_edges is None else set(grad_edges) & set(remote)
-    consumers: dict[int, list[int]] = {}
-    producers: dict[int, list[int]] = {}
+    links = _Links({}, {})
     for p, c in remote:
-        consumers.setdefault(p, []).append(c)
-        producers.setdefault(c, []).append(p)
+        links.consumers.setdefault(p, []).append((c, (p, c) in with_grad and schedule.training))
+        links.producers.setdefault(c, []).append((p, (p, c) in with_grad and schedule.training))
 
     programs = schedule.compute_only()
-    order = causal_order(schedule)
-    # who produces each (direction, producer-side stage, mb): the global rank of its compute action
-    made_at: dict[tuple[str, int, int], int] = {}
-    for rank, acts in enumerate(programs):
-        for i, a in enumerate(acts):
-            if a.kind is Kind.F:
-                made_at[("F", a.stage, a.mb)] = order[(rank, i)]
-            elif a.kind in BACKWARD_KINDS:
-                made_at[("B", a.stage, a.mb)] = order[(rank, i)]
-
-    # every rank's messages, keyed by (global rank of the producing compute, peer stage): the order
-    # both ends of each message post it in
-    messages: list[list[tuple[tuple[int, int], Action]]] = [[] for _ in range(schedule.pp)]
-    for rank, acts in enumerate(programs):
-        for a in acts:
-            s, mb = a.stage, a.mb
-            if a.kind is Kind.F:
-                for c in consumers.get(s, ()):
-                    messages[rank].append(((made_at[("F", s, mb)], c), Action(s, Kind.SEND_F, mb, c)))
-                for p in producers.get(s, ()):
-                    messages[rank].append(((made_at[("F", p, mb)], s), Action(s, Kind.RECV_F, mb, p)))
-            elif a.kind in BACKWARD_KINDS and schedule.training:
-                for p in producers.get(s, ()):
-                    if (p, s) in with_grad:
-                        messages[rank].append(((made_at[("B", s, mb)], p), Action(s, Kind.SEND_B, mb, p)))
-                for c in consumers.get(s, ()):
-                    if (s, c) in with_grad:
-                        messages[rank].append(((made_at[("B", c, mb)], s), Action(s, Kind.RECV_B, mb, c)))
-
-    lowered = [_interleave(acts, sorted(msgs, key=lambda m: m[0])) for acts, msgs in zip(programs, messages, strict=True)]
+    made = _made_at(programs, causal_order(schedule), n, m)
+    lowered = [_interleave(acts, _messages(acts, made, links, n)) for acts in programs]
     return Schedule(
         name=schedule.name,
         num_stages=schedule.num_stages,
@@ -116,32 +85,79 @@ def lower(schedule: Schedule, edges: Iterable[tuple[int, int]] | None = None,
     )
 
 
-def _interleave(compute: list[Action], messages: list[tuple[tuple[int, int], Action]]) -> list[Action]:
+class _Links(NamedTuple):
+    """The cross-rank edges of the stage graph, from each end: stage -> [(the other stage, whether
+    a gradient flows back along the edge)]."""
+
+    consumers: dict[int, list[tuple[int, bool]]]
+    producers: dict[int, list[tuple[int, bool]]]
+
+
+#: _Made[direction][stage][mb]: the causal position of the compute that makes a message's values
+_Made = tuple[list[list[int | None]], list[list[int | None]]]
+
+
+def _made_at(programs: list[list[Action]], order: dict[tuple[int, int], int], num_stages: int,
+             microbatches: int) -> _Made:
+    """Who produces each (direction, producer-side stage, mb): the causal position of its compute
+    action (the forward's outputs, or the backward's input gradients); the last one if repeated."""
+    forward: list[list[int | None]] = [[None] * microbatches for _ in range(num_stages)]
+    backward: list[list[int | None]] = [[None] * microbatches for _ in range(num_stages)]
+    for rank, acts in enumerate(programs):
+        for i, a in enumerate(acts):
+            if a.kind is Kind.F:
+                forward[a.stage][a.mb] = order[(rank, i)]
+            elif a.kind in BACKWARD_KINDS:
+                backward[a.stage][a.mb] = order[(rank, i)]
+    return forward, backward
+
+
+def _messages(acts: list[Action], made: _Made, links: _Links, num_stages: int) -> list[tuple[int, Action]]:
+    """One rank's messages, each keyed by (causal position of the compute producing it, peer
+    stage) as one integer: the order both ends of each message post it in."""
+    forward, backward = made
+    out: list[tuple[int, Action]] = []
+    for a in acts:
+        s, mb = a.stage, a.mb
+        if a.kind is Kind.F:
+            out.extend((forward[s][mb] * num_stages + c, Action(s, Kind.SEND_F, mb, c))  # type: ignore[operator]
+                       for c, _ in links.consumers.get(s, ()))
+            out.extend((forward[p][mb] * num_stages + s, Action(s, Kind.RECV_F, mb, p))  # type: ignore[operator]
+                       for p, _ in links.producers.get(s, ()))
+        elif a.kind in BACKWARD_KINDS:
+            out.extend((backward[s][mb] * num_stages + p, Action(s, Kind.SEND_B, mb, p))  # type: ignore[operator]
+                       for p, grad in links.producers.get(s, ()) if grad)
+            out.extend((backward[c][mb] * num_stages + s, Action(s, Kind.RECV_B, mb, c))  # type: ignore[operator]
+                       for c, grad in links.consumers.get(s, ()) if grad)
+    out.sort(key=itemgetter(0))  # stable: equal keys keep program order
+    return out
+
+
+def _interleave(compute: list[Action], messages: list[tuple[int, Action]]) -> list[Action]:
     """One rank's program: its compute actions in order, its messages in the global order, each
     receive posted as soon as the messages before it are, each send right after its producer."""
-    out: list[Action] = []
-    produced: set[tuple[Kind, int, int]] = set()
-    next_msg = 0
-
-    def post_ready() -> None:
-        nonlocal next_msg
-        while next_msg < len(messages):
-            act = messages[next_msg][1]
-            if act.kind in (Kind.SEND_F, Kind.SEND_B):
-                made_by = Kind.F if act.kind is Kind.SEND_F else Kind.B
-                if (made_by, act.stage, act.mb) not in produced:
-                    return
-            out.append(act)
-            next_msg += 1
-
-    post_ready()
-    for act in compute:
-        out.append(act)
+    made_by: dict[tuple[Kind, int, int], int] = {}  # (F or B, stage, mb) -> index of its first producer
+    for i, act in enumerate(compute):
         if act.kind is Kind.F:
-            produced.add((Kind.F, act.stage, act.mb))
+            made_by.setdefault((Kind.F, act.stage, act.mb), i)
         elif act.kind in BACKWARD_KINDS:
-            produced.add((Kind.B, act.stage, act.mb))
-        post_ready()
-    if next_msg != len(messages):  # a send whose producer never runs on this rank: not a valid schedule
-        raise ValueError(f"{messages[next_msg][1]} has no producing compute action on its rank")
+            made_by.setdefault((Kind.B, act.stage, act.mb), i)
+    # the compute after which each message is posted: its producer's, and never before the one ahead
+    after: list[float] = []
+    latest: float = -1
+    for _, act in messages:
+        if act.kind is Kind.SEND_F or act.kind is Kind.SEND_B:
+            need = made_by.get((Kind.F if act.kind is Kind.SEND_F else Kind.B, act.stage, act.mb), math.inf)
+            latest = max(latest, need)
+        after.append(latest)
+    out: list[Action] = []
+    k = 0
+    for i in range(-1, len(compute)):
+        if i >= 0:
+            out.append(compute[i])
+        while k < len(messages) and after[k] <= i:
+            out.append(messages[k][1])
+            k += 1
+    if k != len(messages):  # a send whose producer never runs on this rank: not a valid schedule
+        raise ValueError(f"{messages[k][1]} has no producing compute action on its rank")
     return out

@@ -18,15 +18,18 @@ that produces it, which is what the executor relies on.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipeline.core.ir import Action, Kind, Schedule
+from pipeline.core.ir import COMPUTE_KINDS, Action, Kind, Schedule
 
 SENDS = (Kind.SEND_F, Kind.SEND_B)
 RECVS = (Kind.RECV_F, Kind.RECV_B)
+#: per communication kind: (the message's direction, whether it sends, whether its stage is the
+#: producer end of the edge)
+_DIRECTION = {Kind.SEND_F: ("F", True, True), Kind.RECV_F: ("F", False, False),
+              Kind.SEND_B: ("B", True, False), Kind.RECV_B: ("B", False, True)}
 #: one tensor of a message: (value name, shape, dtype name)
 TensorSpec = tuple[str, tuple[int, ...], str]
 
@@ -80,32 +83,31 @@ def groups_of(schedule: Schedule, messages: dict[tuple[int, int], tuple[list[Ten
               ) -> list[list[Group]]:
     """Each rank's P2P groups in posting order (a group with no tensor is not posted)."""
     placement = schedule.placement
+    carried = {edge: (tuple(fwd), tuple(bwd)) for edge, (fwd, bwd) in messages.items()}
     out: list[list[Group]] = []
     problems: list[str] = []
     for rank, acts in enumerate(schedule.actions):
         mine: list[Group] = []
         for pos, a in enumerate(acts):
-            if a.kind not in SENDS and a.kind not in RECVS:
+            kind = a.kind
+            if kind not in _DIRECTION:
                 continue
             if a.peer is None:
                 problems.append(f"rank {rank}: {a} (action #{pos}) names no peer stage; lower the schedule with "
                                 "pipeline.planner.lowering.lower")
                 continue
-            forward = a.kind in (Kind.SEND_F, Kind.RECV_F)
-            producer, consumer = ((a.stage, a.peer) if a.kind in (Kind.SEND_F, Kind.RECV_B) else (a.peer, a.stage))
-            if (producer, consumer) not in messages:
+            direction, send, outgoing = _DIRECTION[kind]
+            edge = (a.stage, a.peer) if outgoing else (a.peer, a.stage)
+            if edge not in carried:
                 problems.append(f"rank {rank}: {a} (action #{pos}) is on no edge of the stage graph "
-                                f"({producer} -> {consumer})")
+                                f"({edge[0]} -> {edge[1]})")
                 continue
             if placement[a.peer] == rank:
                 problems.append(f"rank {rank}: {a} (action #{pos}) talks to stage {a.peer}, which is on this rank")
                 continue
-            fwd, bwd = messages[(producer, consumer)]
-            tensors = tuple(fwd if forward else bwd)
-            if not tensors:
-                continue
-            mine.append(Group(rank, pos, a, placement[a.peer], a.kind in SENDS,
-                              ("F" if forward else "B", producer, consumer, a.mb), tensors))
+            tensors = carried[edge][direction == "B"]
+            if tensors:
+                mine.append(Group(rank, pos, a, placement[a.peer], send, (direction, *edge, a.mb), tensors))
         out.append(mine)
     if problems:
         raise P2POrderError(_listing(schedule, "has communication actions NCCL cannot run", problems))
@@ -139,6 +141,36 @@ def _check_placement_in_program(schedule: Schedule, groups: list[list[Group]],
                                 messages: dict[tuple[int, int], tuple[list[TensorSpec], list[TensorSpec]]]) -> None:
     """Every message a compute needs is received before it on its rank, every message it makes is
     sent after it, each exactly once."""
+    wanted = _compute_messages(schedule, messages)
+    problems: list[str] = []
+    for rank, acts in enumerate(schedule.actions):
+        at: tuple[dict, dict] = ({}, {})  # [send] message -> its group on this rank
+        for g in groups[rank]:
+            if g.message in at[g.send]:
+                problems.append(f"rank {rank}: {g.action} (action #{g.position}) posts a message a second time")
+            at[g.send][g.message] = g
+        for pos, a in enumerate(acts):
+            for d, p, c, send in wanted.get((a.kind, a.stage), ()):
+                g = at[send].get((d, p, c, a.mb))
+                if g is None:
+                    problems.append(f"rank {rank}: {a} (action #{pos}) {'makes' if send else 'reads'} a message "
+                                    f"no action {'sends' if send else 'receives'} ({d} of edge {p} -> {c}, mb {a.mb})")
+                elif send and g.position < pos:
+                    problems.append(f"rank {rank}: {g.action} (action #{g.position}) sends before {a} "
+                                    f"(action #{pos}) has made it")
+                elif not send and g.position > pos:
+                    problems.append(f"rank {rank}: {a} (action #{pos}) runs before {g.action} (action "
+                                    f"#{g.position}) receives what it reads")
+    if problems:
+        raise P2POrderError(_listing(schedule, "posts messages where the executor cannot run them", problems))
+
+
+def _compute_messages(schedule: Schedule, messages: dict[tuple[int, int], tuple[list[TensorSpec], list[TensorSpec]]]
+                      ) -> dict[tuple[Kind, int], list[tuple[str, int, int, bool]]]:
+    """(compute kind, stage) -> the messages each of its actions reads (send False), then those it
+    makes (send True), as (direction, producer, consumer, send): a forward reads its remote inputs
+    and makes its remote outputs, a backward (B or I) reads its outputs' gradients and makes its
+    inputs'. Edges whose message carries no tensor are left out (nothing is posted for them)."""
     placement = schedule.placement
     into: dict[int, list[tuple[int, int]]] = {}  # stage -> remote edges it reads
     out_of: dict[int, list[tuple[int, int]]] = {}  # stage -> remote edges it feeds
@@ -146,41 +178,16 @@ def _check_placement_in_program(schedule: Schedule, groups: list[list[Group]],
         if placement[p] != placement[c]:
             into.setdefault(c, []).append((p, c))
             out_of.setdefault(p, []).append((p, c))
-    problems: list[str] = []
-    for rank, acts in enumerate(schedule.actions):
-        at: dict[tuple, Group] = {}
-        for g in groups[rank]:
-            key = g.message + (g.send,)
-            if key in at:
-                problems.append(f"rank {rank}: {g.action} (action #{g.position}) posts a message a second time")
-            at[key] = g
-        for pos, a in enumerate(acts):
-            if a.kind is Kind.F:
-                needs = [("F", p, c, a.mb, False) for p, c in into.get(a.stage, ()) if messages[(p, c)][0]]
-                makes = [("F", p, c, a.mb, True) for p, c in out_of.get(a.stage, ()) if messages[(p, c)][0]]
-            elif a.kind in (Kind.B, Kind.I) and schedule.training:
-                needs = [("B", p, c, a.mb, False) for p, c in out_of.get(a.stage, ()) if messages[(p, c)][1]]
-                makes = [("B", p, c, a.mb, True) for p, c in into.get(a.stage, ()) if messages[(p, c)][1]]
-            else:
-                continue
-            for key in needs:
-                g = at.get(key)
-                if g is None:
-                    problems.append(f"rank {rank}: {a} (action #{pos}) reads a message no action receives "
-                                    f"({key[0]} of edge {key[1]} -> {key[2]}, mb {key[3]})")
-                elif g.position > pos:
-                    problems.append(f"rank {rank}: {a} (action #{pos}) runs before {g.action} (action "
-                                    f"#{g.position}) receives what it reads")
-            for key in makes:
-                g = at.get(key)
-                if g is None:
-                    problems.append(f"rank {rank}: {a} (action #{pos}) makes a message no action sends "
-                                    f"({key[0]} of edge {key[1]} -> {key[2]}, mb {key[3]})")
-                elif g.position < pos:
-                    problems.append(f"rank {rank}: {g.action} (action #{g.position}) sends before {a} "
-                                    f"(action #{pos}) has made it")
-    if problems:
-        raise P2POrderError(_listing(schedule, "posts messages where the executor cannot run them", problems))
+    wanted: dict[tuple[Kind, int], list[tuple[str, int, int, bool]]] = {}
+    for stage in range(schedule.num_stages):
+        ins, outs = into.get(stage, []), out_of.get(stage, [])
+        wanted[(Kind.F, stage)] = ([("F", p, c, False) for p, c in ins if messages[(p, c)][0]]
+                                   + [("F", p, c, True) for p, c in outs if messages[(p, c)][0]])
+        if schedule.training:
+            backward = ([("B", p, c, False) for p, c in outs if messages[(p, c)][1]]
+                        + [("B", p, c, True) for p, c in ins if messages[(p, c)][1]])
+            wanted[(Kind.B, stage)] = wanted[(Kind.I, stage)] = backward
+    return wanted
 
 
 def _check_pairs(schedule: Schedule, groups: list[list[Group]]) -> None:
@@ -214,71 +221,91 @@ def _check_pairs(schedule: Schedule, groups: list[list[Group]]) -> None:
 
 
 def _check_progress(schedule: Schedule, groups: list[list[Group]]) -> None:
-    """Play the program on two streams per rank and raise if some group never meets its partner."""
-    pp = schedule.pp
-    computes = [[(pos, a) for pos, a in enumerate(acts) if a.is_compute] for acts in schedule.actions]
-    # per rank: how many computes a group waits for before it starts (all those queued before it),
-    # and per compute the receive groups it reads
-    after: list[list[int]] = []
-    waits: list[list[list[int]]] = []
-    for rank, mine in enumerate(groups):
-        positions = [pos for pos, _ in computes[rank]]
-        after.append([bisect_left(positions, g.position) for g in mine])
-        reader = _readers(schedule, rank)
-        ci_of = {pos: ci for ci, pos in enumerate(positions)}
-        reads: list[list[int]] = [[] for _ in positions]
-        for gi, g in enumerate(mine):
-            if not g.send:
-                pos = reader.get((g.message[0], g.message[1] if g.message[0] == "B" else g.message[2], g.message[3]))
-                if pos is not None:
-                    reads[ci_of[pos]].append(gi)
-        waits.append(reads)
-    index: dict[tuple, tuple[int, int]] = {}
-    for rank, mine in enumerate(groups):
-        for gi, g in enumerate(mine):
-            index[(*g.message, g.send)] = (rank, gi)
-    partner: list[list[tuple[int, int] | None]] = [
-        [index.get((*g.message, not g.send)) for g in mine] for mine in groups]
+    """Play the program on two streams per rank and raise if some group never meets its partner.
 
-    done_compute = [0] * pp  # computes finished, per rank
+    A rank's groups complete in posting order (a group completes only at the head of its stream),
+    so "the groups a compute reads have completed" is "the stream's head is past the last of them"."""
+    pp = schedule.pp
+    computes = [[(pos, a) for pos, a in enumerate(acts) if a.kind in COMPUTE_KINDS] for acts in schedule.actions]
+    # per rank: how many computes a group waits for (all those queued before it), and per compute
+    # the last of the groups it reads (-1: none)
+    facts = [_stream_facts(schedule.actions[r], groups[r]) for r in range(pp)]
+    after, last_read = [f[0] for f in facts], [f[1] for f in facts]
+    partner = _partners(groups)
+    done = [0] * pp  # computes finished, per rank
     head = [0] * pp  # next group on each rank's P2P stream
-    complete = [[False] * len(g) for g in groups]
     todo = deque(range(pp))
     queued = [True] * pp
     while todo:
         rank = todo.popleft()
         queued[rank] = False
-        mine, reads, done, n_compute = complete[rank], waits[rank], done_compute, len(computes[rank])
+        reads, waits, pairs, n_compute, n_groups = last_read[rank], after[rank], partner[rank], \
+            len(computes[rank]), len(groups[rank])
         while True:
             # the compute stream runs while what each compute reads has arrived
-            while done[rank] < n_compute and all(mine[gi] for gi in reads[done[rank]]):
+            while done[rank] < n_compute and reads[done[rank]] < head[rank]:
                 done[rank] += 1
             # a group starts once the compute queued before it has run; it ends with its partner
             gi = head[rank]
-            if gi >= len(mine) or done[rank] < after[rank][gi]:
+            if gi >= n_groups or done[rank] < waits[gi] or pairs[gi] is None:
                 break
-            other = partner[rank][gi]
-            if other is None:
-                break
-            orank, ogi = other
+            orank, ogi = pairs[gi]
             if head[orank] != ogi or done[orank] < after[orank][ogi]:
                 break  # the partner's rank looks again when its own stream moves
-            mine[gi] = complete[orank][ogi] = True
             head[rank] += 1
             head[orank] += 1
             if not queued[orank]:
                 todo.append(orank)
                 queued[orank] = True
-    if all(head[r] == len(groups[r]) and done_compute[r] == len(computes[r]) for r in range(pp)):
-        return
+    if any(head[r] != len(groups[r]) or done[r] != len(computes[r]) for r in range(pp)):
+        raise P2POrderError(_deadlock(schedule, groups, computes, partner, head, done))
+
+
+def _stream_facts(acts: Sequence[Action], mine: list[Group]) -> tuple[list[int], list[int]]:
+    """For one rank: per group, the computes posted before it; per compute, the index of the last
+    group it reads (-1 when it reads none). One pass over the program."""
+    reader: dict[tuple[str, int, int], int] = {}  # ("F"/"B", stage, mb) -> index of the compute reading it
+    count = 0
+    compute_before: dict[int, int] = {}  # position of a communication action -> computes before it
+    for pos, a in enumerate(acts):
+        if a.kind in COMPUTE_KINDS:
+            if a.kind is Kind.F:
+                reader[("F", a.stage, a.mb)] = count
+            elif a.kind is Kind.B or a.kind is Kind.I:
+                reader[("B", a.stage, a.mb)] = count
+            count += 1
+        else:
+            compute_before[pos] = count
+    last = [-1] * count
+    for gi, g in enumerate(mine):
+        if not g.send:
+            direction, producer, consumer, mb = g.message
+            ci = reader.get((direction, producer if direction == "B" else consumer, mb))
+            if ci is not None:
+                last[ci] = max(last[ci], gi)
+    return [compute_before[g.position] for g in mine], last
+
+
+def _partners(groups: list[list[Group]]) -> list[list[tuple[int, int] | None]]:
+    """Per group, (rank, index) of the group posting the same message the other way, if any."""
+    posted: tuple[dict, dict] = ({}, {})  # [send] message -> (rank, index); the last if posted twice
+    for rank, mine in enumerate(groups):
+        for gi, g in enumerate(mine):
+            posted[g.send][g.message] = (rank, gi)
+    return [[posted[not g.send].get(g.message) for g in mine] for mine in groups]
+
+
+def _deadlock(schedule: Schedule, groups: list[list[Group]], computes: list[list[tuple[int, Action]]],
+              partner: list[list[tuple[int, int] | None]], head: list[int], done: list[int]) -> str:
+    """Where each rank's streams stand when no group can meet its partner."""
     lines = []
-    for rank in range(pp):
-        if head[rank] == len(groups[rank]) and done_compute[rank] == len(computes[rank]):
+    for rank in range(schedule.pp):
+        if head[rank] == len(groups[rank]) and done[rank] == len(computes[rank]):
             lines.append(f"rank {rank}: finished")
             continue
         parts = []
-        if done_compute[rank] < len(computes[rank]):
-            pos, act = computes[rank][done_compute[rank]]
+        if done[rank] < len(computes[rank]):
+            pos, act = computes[rank][done[rank]]
             parts.append(f"compute stream at {act} (action #{pos})")
         if head[rank] < len(groups[rank]):
             g = groups[rank][head[rank]]
@@ -290,17 +317,5 @@ def _check_progress(schedule: Schedule, groups: list[list[Group]]) -> None:
                 where = f"which rank {og.rank} posts as its {og.action} (action #{og.position})"
             parts.append(f"P2P stream at {g.describe()}, {where}")
         lines.append(f"rank {rank}: " + "; ".join(parts))
-    raise P2POrderError(f"schedule {schedule.name!r} would deadlock under NCCL (each rank's batched P2P runs in "
-                        "posting order on one stream, after the compute queued before it):\n  " + "\n  ".join(lines))
-
-
-def _readers(schedule: Schedule, rank: int) -> dict[tuple[str, int, int], int]:
-    """("F", stage, mb) -> position of the forward reading stage's inputs; ("B", stage, mb) ->
-    position of the backward (B or I) reading its output gradients."""
-    out = {}
-    for pos, a in enumerate(schedule.actions[rank]):
-        if a.kind is Kind.F:
-            out[("F", a.stage, a.mb)] = pos
-        elif a.kind in (Kind.B, Kind.I):
-            out[("B", a.stage, a.mb)] = pos
-    return out
+    return (f"schedule {schedule.name!r} would deadlock under NCCL (each rank's batched P2P runs in "
+            "posting order on one stream, after the compute queued before it):\n  " + "\n  ".join(lines))

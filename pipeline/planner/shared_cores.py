@@ -40,15 +40,17 @@ class _SharedPlay:
         self.programs: list[list[Action]] = [[a for a in acts if a.kind in COMPLETES] for acts in schedule.actions]
         remat = remat_pairs(self.programs)
         waits = wait_table(schedule.num_stages, transfer_delays(schedule, cost))
-        self.waits = [[waits[(a.kind, (a.stage, a.mb) in remat)][a.stage] for a in acts] for acts in self.programs]
-        self.work = {Kind.F: cost.forward_s, Kind.B: cost.backward_s, Kind.I: cost.backward_input_s,
-                     Kind.W: cost.backward_weight_s, Kind.R: cost.recompute_s}
+        work = {Kind.F: cost.forward_s, Kind.B: cost.backward_s, Kind.I: cost.backward_input_s,
+                Kind.W: cost.backward_weight_s, Kind.R: cost.recompute_s}
+        #: per rank, its program as (waits, mb, seconds of work, step it completes, stage)
+        self.jobs = [[(waits[(a.kind, (a.stage, a.mb) in remat)][a.stage], a.mb, work[a.kind][a.stage],  # type: ignore[index]
+                       COMPLETES[a.kind], a.stage) for a in acts] for acts in self.programs]
         self.progress = Progress(schedule.num_stages, schedule.num_microbatches)
         self.pos = [0] * schedule.pp
         self.running: list[tuple[float, int]] = []  # (virtual work at which its action ends, rank)
         self.pending: list[tuple[float, int]] = []  # (time its next action may start, rank)
         self.now = self.virtual = 0.0
-        self.left = sum(len(p) for p in self.programs)
+        self.left = sum(len(p) for p in self.jobs)
 
     def run(self) -> float:
         for rank in range(len(self.programs)):
@@ -64,17 +66,17 @@ class _SharedPlay:
     def _try_start(self, rank: int) -> None:
         """Start `rank`'s next action now, or queue it for when its inputs arrive, or leave it
         waiting (in `progress`) for an action that has not finished."""
-        i = self.pos[rank]
-        if i >= len(self.programs[rank]):
+        i, jobs = self.pos[rank], self.jobs[rank]
+        if i >= len(jobs):
             return
-        act = self.programs[rank][i]
-        ready = self.progress.earliest_start(self.waits[rank][i], act.mb, self.now, rank)
+        waits, mb, work, _, _ = jobs[i]
+        ready = self.progress.earliest_start(waits, mb, self.now, rank)
         if ready is None:
             return
         if ready > self.now:
             heapq.heappush(self.pending, (ready, rank))
         else:
-            heapq.heappush(self.running, (self.virtual + self.work[act.kind][act.stage], rank))  # type: ignore[index]
+            heapq.heappush(self.running, (self.virtual + work, rank))
 
     def _advance_clock(self) -> None:
         """Move time to the next end of a running action or start of a pending one."""
@@ -89,14 +91,14 @@ class _SharedPlay:
     def _finish_due(self) -> list[int]:
         """End the running actions whose work is done; their ranks and those that waited on them."""
         woken: list[int] = []
-        running, virtual = self.running, self.virtual
+        running, virtual, pos, finish = self.running, self.virtual, self.pos, self.progress.finish
         while running and running[0][0] <= virtual + 1e-12 * max(1.0, virtual):
             _, rank = heapq.heappop(running)
-            act = self.programs[rank][self.pos[rank]]
-            self.pos[rank] += 1
+            _, mb, _, step, stage = self.jobs[rank][pos[rank]]
+            pos[rank] += 1
             self.left -= 1
             woken.append(rank)
-            woken.extend(self.progress.finish(COMPLETES[act.kind], act.stage, act.mb, self.now))
+            woken.extend(finish(step, stage, mb, self.now))
         return woken
 
     def _pending_due(self) -> list[int]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import NamedTuple
 
 from pipeline.core.ir import Action, Kind, Schedule
@@ -295,6 +296,18 @@ def simulate(schedule: Schedule, cost: CostModel, check: bool = True) -> SimResu
     return play.result()
 
 
+def compute_end_times(schedule: Schedule, cost: CostModel) -> list[list[float]]:
+    """Per rank, when each action of its compute program ends (program order), unchecked: the
+    play of `simulate` without the result (events, peaks), for callers that need only the times
+    (`pipeline.planner.lowering.causal_order`). Raises ScheduleError on a deadlock."""
+    play = _Play(schedule, cost)
+    play.run()
+    ends = [[0.0] * len(program) for program in play.programs]
+    for rank, i, _start, end in play.raw_events:
+        ends[rank][i] = end
+    return ends
+
+
 #: memory events: (time, order, bytes, micro-batches); at one instant frees (order 0) come first
 _FREE, _ALLOC = 0, 1
 
@@ -460,11 +473,13 @@ def _peak(events: list[tuple[float, int, float, int]]) -> tuple[float, int]:
     """The most bytes and activation-holding micro-batches a rank's memory events reach at once."""
     cur_b = cur_n = 0.0
     best_b = best_n = 0.0
-    for _t, _order, db, dn in sorted(events, key=lambda e: (e[0], e[1])):
+    for _t, _order, db, dn in sorted(events, key=itemgetter(0, 1)):  # stable: ties keep their order
         cur_b += db
         cur_n += dn
-        best_b = max(best_b, cur_b)
-        best_n = max(best_n, cur_n)
+        if cur_b > best_b:
+            best_b = cur_b
+        if cur_n > best_n:
+            best_n = cur_n
     return best_b, int(best_n)
 
 
@@ -474,28 +489,33 @@ def _in_flight(schedule: Schedule, cost: CostModel, raw_events: list[tuple[int, 
     moment its group is posted (when the compute before it in the program ends) until the
     compute that reads it starts, and a sent tensor from the end of the compute that made it
     until its transfer is over (the runtime releases it then)."""
-    times = {(rank, i): (start, end) for rank, i, start, end in raw_events}
+    starts: list[dict[int, float]] = [{} for _ in schedule.actions]  # [rank][index in compute program]
+    ends: list[dict[int, float]] = [{} for _ in schedule.actions]
+    for rank, i, start, end in raw_events:
+        starts[rank][i] = start
+        ends[rank][i] = end
     in_b, out_b = cost.input_bytes or [0.0] * schedule.num_stages, cost.output_bytes or [0.0] * schedule.num_stages
     for rank, acts in enumerate(schedule.actions):
-        compute = [a for a in acts if a.kind in COMPLETES]
-        reader = {(COMPLETES[a.kind], a.stage, a.mb): i for i, a in enumerate(compute)}
+        reader = {(COMPLETES[a.kind], a.stage, a.mb): i
+                  for i, a in enumerate(a for a in acts if a.kind in COMPLETES)}
+        mem, started, ended = mem_events[rank], starts[rank], ends[rank]
         done = 0  # compute actions before the current position
         for a in acts:
             if a.kind in COMPLETES:
                 done += 1
                 continue
-            made_end = times[(rank, done - 1)][1] if done else 0.0
+            made_end = ended[done - 1] if done else 0.0
             if a.kind in READS:
                 nbytes = in_b[a.stage] if a.kind is Kind.RECV_F else out_b[a.stage]
                 read = reader.get((READS[a.kind], a.stage, a.mb))
                 if read is not None and nbytes:
-                    mem_events[rank].append((made_end, _ALLOC, nbytes, 0))
-                    mem_events[rank].append((times[(rank, read)][0], _FREE, -nbytes, 0))
+                    mem.append((made_end, _ALLOC, nbytes, 0))
+                    mem.append((started[read], _FREE, -nbytes, 0))
             else:
                 nbytes = out_b[a.stage] if a.kind is Kind.SEND_F else in_b[a.stage]
                 if nbytes:
-                    mem_events[rank].append((made_end, _ALLOC, nbytes, 0))
-                    mem_events[rank].append((made_end + cost.transfer_s(nbytes), _FREE, -nbytes, 0))
+                    mem.append((made_end, _ALLOC, nbytes, 0))
+                    mem.append((made_end + cost.transfer_s(nbytes), _FREE, -nbytes, 0))
 
 
 def _lower_bound(schedule: Schedule, cost: CostModel, busy: list[float]) -> float:
@@ -534,5 +554,5 @@ def makespan(programs: list[list[Action]], placement: list[int], microbatches: i
     return simulate_programs(programs, placement, microbatches, costs, backward, hop).makespan_s
 
 
-__all__ = ["CostModel", "ScheduleError", "SimResult", "makespan", "simulate", "simulate_programs", "transfer_delays",
-           "validate"]
+__all__ = ["CostModel", "ScheduleError", "SimResult", "compute_end_times", "makespan", "simulate", "simulate_programs",
+           "transfer_delays", "validate"]
