@@ -1,16 +1,17 @@
 """Every schedule, ours and torch.distributed.pipelining's, simulated on the same costs from 4 to 64 ranks.
 
     python bench/schedules_at_scale.py --summary                  # the default grid, one line per point
-    python bench/schedules_at_scale.py --summary --m 1 2 4 8 --jobs 8   # the full grid (m up to 8p)
+    python bench/schedules_at_scale.py --summary --p 4 8 16 32 64 --m 1 2 4 8 --jobs 8   # the full grid
     python bench/schedules_at_scale.py --p 16 --shapes zb-arxiv-16-48   # one profile (hop 0 and as published), every schedule
 
 Why: our orders were tuned at p=2 with F = I = W; users pipeline over 8 to 64 ranks with a cheaper W and
 a latency on every hop (issue #26). torch's orders are lowered into our IR
 (pipeline/planner/schedules/torch_orders.py), so both run on one simulator and one cost model.
 
-Grid: p in {4, 8, 16, 32, 64}, m in {p, 2p, 4p} by default and 8p with `--m 1 2 4 8` (`--m` takes the
-multiples; the full grid takes about 22 CPU minutes, the default 12: m = 8p at p = 64 alone is a third of it,
-so spread it over cores with `--jobs`), per-stage cost shapes
+Grid: p in {4, 8, 16, 32, 64}, m in {p, 2p, 4p, 8p} (`--m` takes the multiples). The default leaves out
+p = 64 and m = 8p (`--p 4 8 16 32 64 --m 1 2 4 8` adds them): on a 2-core machine the default takes about
+10 CPU minutes, p = 64 up to m = 4p 9 more, and m = 8p doubles what it is added to; `--jobs` spreads points
+over cores. Per-stage cost shapes
 F:I:W in {1:1:1, 1:1:0.5, 1:1.2:0.7} (F = 1), hop latency in {0, 5%, 10% of F}; and the Zero Bubble
 paper's published profiles (bench/_zb_profiles.py, source cited there) at their own p and m, hop latency
 0 or as published (`paper`). Schedules: every training option of the scheduler config group, found as
@@ -292,7 +293,7 @@ def run_case(case: Case) -> tuple[int, list[tuple[str, float, list[Row]]]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--p", type=int, nargs="+", default=[4, 8, 16, 32, 64], help="ranks (pp)")
+    parser.add_argument("--p", type=int, nargs="+", default=[4, 8, 16, 32], help="ranks (the full grid: 4 8 16 32 64)")
     parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 4],
                         help="micro-batches as multiples of p (the full grid: 1 2 4 8)")
     parser.add_argument("--shapes", nargs="+", default=[*RATIOS, "zb"],
