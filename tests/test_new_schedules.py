@@ -165,3 +165,14 @@ def test_new_schedules_at_pp_8_train_like_one_process(tmp_path) -> None:
     cases = [(f"{s} pp=8", compose_cfg([*FAST, f"scheduler={s}", "pp=8", "microbatches=16", "batch_size=32",
                                         "model.layers=8"])) for s in NEW]
     _assert_all_match_single_process(cases, run_jobs([cfg for _, cfg in cases], tmp_path / "logs"))
+
+
+@pytest.mark.parametrize(("pp", "m"), [(1, 3), (2, 4), (3, 2), (4, 5), (4, 13), (8, 16)])
+def test_the_zb_v_order_with_its_own_w_is_torchs_zbv(pp: int, m: int) -> None:
+    """One of zbv's candidates is the ZB-V order with the W where the paper puts them: written from
+    the paper's pattern here, it equals torch's ZBVZeroBubble action for action, so zbv never takes a
+    longer step than torch's on the same costs."""
+    from pipeline.planner.schedules.orders import zero_bubble_v
+
+    theirs = TorchSchedule(schedule="ZBVZeroBubble").compute_actions(v_shape(pp), m)
+    assert zero_bubble_v(pp, m, weights=True) == [list(acts) for acts in theirs]

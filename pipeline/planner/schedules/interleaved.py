@@ -65,7 +65,8 @@ class Interleaved1F1B(ScheduleGenerator):
 
 def interleaved_order(pp: int, v: int, microbatches: int, hop_warmup: int = 2) -> list[list[Action]]:
     """Megatron's interleaved 1F1B order (module docstring); `hop_warmup`: the extra warm-up forwards
-    per rank between r and the last rank (2 in Megatron; torch's interleaved zero bubble uses 1)."""
+    per rank between r and the last rank (2 in Megatron, which with m = p runs every forward first;
+    torch's interleaved zero bubble uses 1, and keeps its warm-up at m = p too)."""
     m = microbatches
     total = m * v
 
@@ -78,7 +79,8 @@ def interleaved_order(pp: int, v: int, microbatches: int, hop_warmup: int = 2) -
 
     programs: list[list[Action]] = []
     for r in range(pp):
-        warmup = total if m == pp and v > 1 else min(total, hop_warmup * (pp - 1 - r) + (v - 1) * pp)
+        all_first = m == pp and v > 1 and hop_warmup == 2
+        warmup = total if all_first else min(total, hop_warmup * (pp - 1 - r) + (v - 1) * pp)
         acts: list[Action] = []
         forwards = [F(chunk * pp + r, mb) for chunk, mb in (slot(k, False) for k in range(total))]
         backwards = [B(chunk * pp + r, mb) for chunk, mb in (slot(k, True) for k in range(total))]

@@ -38,26 +38,40 @@ def one_f_one_b(pp: int, microbatches: int, warmup: Sequence[int], backward: Kin
     return orders
 
 
-def zero_bubble_v(pp: int, microbatches: int, extra_warmup: int = 0) -> list[list[Action]]:
+def zero_bubble_v(pp: int, microbatches: int, extra_warmup: int = 0, weights: bool = False) -> list[list[Action]]:
     """The ZB-V order on the V placement (rank r holds stages r and 2p-1-r): 2(p-r)-1 chunk-0
     forwards (plus `extra_warmup`), r chunk-1/chunk-0 forward pairs, p-r chunk-1 forward/backward
-    pairs, then F0 I0 F1 I1 until the forwards run out, then the backwards of both chunks."""
-    m, orders = microbatches, []
+    pairs, then F0 I0 F1 I1 until the forwards run out, then the backwards of both chunks. With
+    `weights`, each W where the paper's ZB-V (and torch's ZBVZeroBubble) puts it: right after its I
+    until the drain, whose last p-r chunk-0 input gradients each take one chunk-0 W along, the rest
+    at the end (chunk 1's first)."""
+    # written for at least 2p - 1 micro-batches (the pattern needs them), those past m then dropped
+    m, orders = max(microbatches, 2 * pp - 1), []
     for r in range(pp):
         c0, c1 = r, 2 * pp - 1 - r
-        seq = _VSequence(c0, c1, m)
+        seq = _VSequence(c0, c1, m, eager_weights=weights)
         seq.run((c0,), max(1, 2 * (pp - r) - 1 + extra_warmup), kinds=(Kind.F,))
         seq.run((c1, c0), r, kinds=(Kind.F, Kind.F))
-        seq.run((c1, c1), pp - r, kinds=(Kind.F, Kind.I))
-        while seq.f[c1] < seq.f[c0] or seq.f[c0] < m:
-            seq.add(c0, Kind.F)
-            seq.add(c0, Kind.I)
+        for _ in range(pp - r):
             seq.add(c1, Kind.F)
             seq.add(c1, Kind.I)
-        while seq.b[c0] < m or seq.b[c1] < m:
+            seq.eager(c1)
+        while seq.f[c1] < seq.f[c0] or seq.f[c0] < m:
+            for stage in (c0, c1):
+                seq.add(stage, Kind.F)
+                seq.add(stage, Kind.I)
+                seq.eager(stage)
+        while seq.b[c0] < m - (pp - r) or seq.b[c1] < m:
             seq.add(c0, Kind.I)
             seq.add(c1, Kind.I)
-        orders.append(seq.acts)
+        while seq.b[c0] < m:
+            seq.add(c0, Kind.I)
+            seq.eager(c0)
+        if weights:
+            for stage in (c1, c0):
+                while seq.weight(stage):
+                    pass
+        orders.append([a for a in seq.acts if a.mb < microbatches])
     return orders
 
 
@@ -113,8 +127,9 @@ def dualpipe_v(pp: int, microbatches: int) -> DualOrder:
 class _VSequence:
     """A rank's order on two chunks being written: the next micro-batch of each (chunk, F or backward)."""
 
-    def __init__(self, c0: int, c1: int, microbatches: int) -> None:
+    def __init__(self, c0: int, c1: int, microbatches: int, eager_weights: bool = False) -> None:
         self.m = microbatches
+        self.eager_weights = eager_weights
         self.f = {c0: 0, c1: 0}
         self.b = {c0: 0, c1: 0}
         self.acts: list[Action] = []
@@ -132,10 +147,19 @@ class _VSequence:
             self.pending.append(Action(stage, Kind.W, act.mb))
         return act
 
-    def weight(self) -> None:
-        """Append the W of the oldest input-gradient pass still waiting for one, if any."""
-        if self.pending:
-            self.acts.append(self.pending.pop(0))
+    def weight(self, stage: int | None = None) -> bool:
+        """Append the W of the oldest input-gradient pass (of `stage`, if given) still waiting for
+        one; whether there was one."""
+        for k, w in enumerate(self.pending):
+            if stage is None or w.stage == stage:
+                self.acts.append(self.pending.pop(k))
+                return True
+        return False
+
+    def eager(self, stage: int) -> None:
+        """With `eager_weights`, the W of the oldest input gradient of `stage` now."""
+        if self.eager_weights:
+            self.weight(stage)
 
     def pair(self, forward: int, backward: int) -> tuple[Action, Action] | None:
         """A forward on one chunk and a full backward on the other, run as one overlapped action."""

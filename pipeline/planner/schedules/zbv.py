@@ -50,7 +50,8 @@ class ZBV(ScheduleGenerator):
     def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
         pp = max(placement) + 1
         caps = [2 * pp] * pp
-        candidates = [Candidate(zero_bubble_v(pp, microbatches, extra), caps, alpha)
-                      for extra in (0, 1, 2) for alpha in ALPHAS]
+        candidates = [Candidate(zero_bubble_v(pp, microbatches, weights=True)),  # the paper's own W
+                      *(Candidate(zero_bubble_v(pp, microbatches, extra), caps, alpha)
+                        for extra in (0, 1, 2) for alpha in ALPHAS)]
         greedy = greedy_candidate(self, placement, microbatches, cap=caps, forward_first=True)
         return self.best_filled([*greedy, *candidates], placement, microbatches)
