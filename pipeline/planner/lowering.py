@@ -116,19 +116,23 @@ def _messages(acts: list[Action], made: _Made, links: _Links, num_stages: int) -
     """One rank's messages, each keyed by (causal position of the compute producing it, peer
     stage) as one integer: the order both ends of each message post it in."""
     forward, backward = made
+    consumers, producers = links
     out: list[tuple[int, Action]] = []
+    post = out.append
     for a in acts:
-        s, mb = a.stage, a.mb
-        if a.kind is Kind.F:
-            out.extend((forward[s][mb] * num_stages + c, Action(s, Kind.SEND_F, mb, c))  # type: ignore[operator]
-                       for c, _ in links.consumers.get(s, ()))
-            out.extend((forward[p][mb] * num_stages + s, Action(s, Kind.RECV_F, mb, p))  # type: ignore[operator]
-                       for p, _ in links.producers.get(s, ()))
-        elif a.kind in BACKWARD_KINDS:
-            out.extend((backward[s][mb] * num_stages + p, Action(s, Kind.SEND_B, mb, p))  # type: ignore[operator]
-                       for p, grad in links.producers.get(s, ()) if grad)
-            out.extend((backward[c][mb] * num_stages + s, Action(s, Kind.RECV_B, mb, c))  # type: ignore[operator]
-                       for c, grad in links.consumers.get(s, ()) if grad)
+        s, mb, kind = a.stage, a.mb, a.kind
+        if kind is Kind.F:
+            for c, _ in consumers.get(s, ()):
+                post((forward[s][mb] * num_stages + c, Action(s, Kind.SEND_F, mb, c)))  # type: ignore[operator]
+            for p, _ in producers.get(s, ()):
+                post((forward[p][mb] * num_stages + s, Action(s, Kind.RECV_F, mb, p)))  # type: ignore[operator]
+        elif kind in BACKWARD_KINDS:
+            for p, grad in producers.get(s, ()):
+                if grad:
+                    post((backward[s][mb] * num_stages + p, Action(s, Kind.SEND_B, mb, p)))  # type: ignore[operator]
+            for c, grad in consumers.get(s, ()):
+                if grad:
+                    post((backward[c][mb] * num_stages + s, Action(s, Kind.RECV_B, mb, c)))  # type: ignore[operator]
     out.sort(key=itemgetter(0))  # stable: equal keys keep program order
     return out
 
@@ -151,13 +155,15 @@ def _interleave(compute: list[Action], messages: list[tuple[int, Action]]) -> li
             latest = max(latest, need)
         after.append(latest)
     out: list[Action] = []
-    k = 0
-    for i in range(-1, len(compute)):
-        if i >= 0:
-            out.append(compute[i])
-        while k < len(messages) and after[k] <= i:
+    k, total = 0, len(messages)
+    while k < total and after[k] < 0:  # receives posted before any compute
+        out.append(messages[k][1])
+        k += 1
+    for i, act in enumerate(compute):
+        out.append(act)
+        while k < total and after[k] <= i:
             out.append(messages[k][1])
             k += 1
-    if k != len(messages):  # a send whose producer never runs on this rank: not a valid schedule
+    if k != total:  # a send whose producer never runs on this rank: not a valid schedule
         raise ValueError(f"{messages[k][1]} has no producing compute action on its rank")
     return out

@@ -398,14 +398,23 @@ class _Play:
         """Run `rank`'s next actions until one must wait; the ranks whose waits its actions ended."""
         prog, pos, mem, events = self.jobs[rank], self.pos[rank], self.mem_events[rank], self.raw_events
         effects = self.effects
-        earliest_start, finish = self.progress.earliest_start, self.progress.finish
+        # `Progress.earliest_start` and `finish` inlined (this loop runs once per action of every play)
+        ended, waiting, m = self.progress.end, self.progress.waiting, self.progress.m
         start0, free_at, busy = pos, self.free_at[rank], self.busy[rank]
         woken: list[int] = []
         while pos < len(prog):
             s, mb, e = prog[pos]
             waits, step, duration, memory = effects[e]
-            start = earliest_start(waits, mb, free_at, rank)
+            start = free_at
+            for w_step, w_stage, delay in waits:
+                t = ended[w_step][w_stage * m + mb]
+                if t is None:
+                    start = None
+                    break
+                if t + delay > start:
+                    start = t + delay
             if start is None:
+                self.progress.earliest_start(waits, mb, free_at, rank)  # notes the rank as waiting
                 break
             free_at = end = start + duration
             if memory is not None:
@@ -416,7 +425,8 @@ class _Play:
                 self.first[rank] = start
             events.append((rank, pos, start, end))
             pos += 1
-            woken.extend(finish(step, s, mb, end))
+            ended[step][s * m + mb] = end
+            woken.extend(waiting.pop((step, s * m + mb), ()))
         if pos > start0:
             self.pos[rank], self.free_at[rank], self.last[rank], self.busy[rank] = pos, free_at, free_at, busy
             self.remaining -= pos - start0
@@ -495,27 +505,31 @@ def _in_flight(schedule: Schedule, cost: CostModel, raw_events: list[tuple[int, 
         starts[rank][i] = start
         ends[rank][i] = end
     in_b, out_b = cost.input_bytes or [0.0] * schedule.num_stages, cost.output_bytes or [0.0] * schedule.num_stages
+    # per kind of message: the bytes it holds by stage, and for a send how long its transfer takes
+    held = {Kind.RECV_F: in_b, Kind.RECV_B: out_b, Kind.SEND_F: out_b, Kind.SEND_B: in_b}
+    transfer = {kind: [cost.transfer_s(b) for b in held[kind]] for kind in (Kind.SEND_F, Kind.SEND_B)}
     for rank, acts in enumerate(schedule.actions):
         reader = {(COMPLETES[a.kind], a.stage, a.mb): i
                   for i, a in enumerate(a for a in acts if a.kind in COMPLETES)}
         mem, started, ended = mem_events[rank], starts[rank], ends[rank]
         done = 0  # compute actions before the current position
         for a in acts:
-            if a.kind in COMPLETES:
+            kind = a.kind
+            if kind in COMPLETES:
                 done += 1
                 continue
+            nbytes = held[kind][a.stage]
+            if not nbytes:
+                continue
             made_end = ended[done - 1] if done else 0.0
-            if a.kind in READS:
-                nbytes = in_b[a.stage] if a.kind is Kind.RECV_F else out_b[a.stage]
-                read = reader.get((READS[a.kind], a.stage, a.mb))
-                if read is not None and nbytes:
+            if kind in READS:
+                read = reader.get((READS[kind], a.stage, a.mb))
+                if read is not None:
                     mem.append((made_end, _ALLOC, nbytes, 0))
                     mem.append((started[read], _FREE, -nbytes, 0))
             else:
-                nbytes = out_b[a.stage] if a.kind is Kind.SEND_F else in_b[a.stage]
-                if nbytes:
-                    mem.append((made_end, _ALLOC, nbytes, 0))
-                    mem.append((made_end + cost.transfer_s(nbytes), _FREE, -nbytes, 0))
+                mem.append((made_end, _ALLOC, nbytes, 0))
+                mem.append((made_end + transfer[kind][a.stage], _FREE, -nbytes, 0))
 
 
 def _lower_bound(schedule: Schedule, cost: CostModel, busy: list[float]) -> float:
