@@ -188,3 +188,15 @@ def test_compute_end_times_are_the_simulated_ends_in_program_order() -> None:
     cost = CostModel.uniform(8, f=1.0, i=1.5, w=0.5, output_bytes=2.0, latency_s=0.1, bandwidth_bytes_per_s=10.0)
     ends = [[e["end_s"] for e in simulate(sched, cost).events if e["rank"] == r] for r in range(4)]
     assert compute_end_times(sched, cost) == ends
+
+
+def test_events_are_built_once_and_only_when_read() -> None:
+    """A generator comparing candidates reads only the step's numbers: the per-action event dicts
+    wait until something reads them, and are the same then."""
+    sched = build_schedule(OneFOneB(), linear(3), 4)
+    result = simulate(sched, CostModel.uniform(3, f=1.0, i=1.0, w=1.0))
+    assert "events" not in vars(result) and result.event_source is not None
+    events = result.events
+    assert result.events is events and result.event_source is None
+    assert len(events) == 3 * 4 * 2 and events[0] == {"rank": 0, "action": "0F0", "kind": "F", "stage": 0, "mb": 0,
+                                                       "start_s": 0.0, "end_s": 1.0}

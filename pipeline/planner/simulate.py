@@ -32,8 +32,9 @@ Memory accounting per rank (activation memory only, weights excluded):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property, partial
 from operator import itemgetter
 from typing import NamedTuple
 
@@ -193,7 +194,16 @@ class SimResult:
     lower_bound_s: float
     peak_activation_bytes: list[float]
     peak_activation_microbatches: list[int]
-    events: list[dict] = field(default_factory=list)
+    #: builds `events` the first time they are read: generators comparing candidates never read
+    #: them (200k dicts at pp=64), a dry run draws them
+    event_source: Callable[[], list[dict]] | None = field(default=None, repr=False, compare=False)
+
+    @cached_property
+    def events(self) -> list[dict]:
+        """Each compute action that ran: {rank, action, kind, stage, mb, start_s, end_s}, by rank
+        then start."""
+        source, self.event_source = self.event_source, None
+        return source() if source is not None else []
 
     @property
     def mean_bubble(self) -> float:
@@ -449,19 +459,8 @@ class _Play:
             lower_bound_s=_lower_bound(self.schedule, self.cost, busy),
             peak_activation_bytes=[b for b, _ in peaks],
             peak_activation_microbatches=[n for _, n in peaks],
-            events=self._event_dicts(),
+            event_source=partial(_event_dicts, self.raw_events, self.programs),
         )
-
-    def _event_dicts(self) -> list[dict]:
-        self.raw_events.sort(key=lambda e: (e[0], e[2]))
-        kind_str = {k: k.value for k in Kind}  # a dict lookup is cheaper than the enum's property
-        events = []
-        for rank, i, start, end in self.raw_events:
-            act = self.programs[rank][i]
-            kind = kind_str[act.kind]
-            events.append({"rank": rank, "action": f"{act.stage}{kind}{act.mb}", "kind": kind, "stage": act.stage,
-                           "mb": act.mb, "start_s": start, "end_s": end})
-        return events
 
     def _deadlock_message(self) -> str:
         placement, num_stages = self.schedule.placement, self.schedule.num_stages
@@ -477,6 +476,19 @@ class _Play:
                        if not self.progress.finished(n.step, n.stage, mb)]
             lines.append(f"  rank {rank}: stuck at {act} (action #{self.pos[rank]}), waiting for {', '.join(missing)}")
         return "\n".join(lines)
+
+
+def _event_dicts(raw_events: list[tuple[int, int, float, float]], programs: list[list[Action]]) -> list[dict]:
+    """The played actions as the report's event dicts (`SimResult.events`)."""
+    raw_events.sort(key=lambda e: (e[0], e[2]))
+    kind_str = {k: k.value for k in Kind}  # a dict lookup is cheaper than the enum's property
+    events = []
+    for rank, i, start, end in raw_events:
+        act = programs[rank][i]
+        kind = kind_str[act.kind]
+        events.append({"rank": rank, "action": f"{act.stage}{kind}{act.mb}", "kind": kind, "stage": act.stage,
+                       "mb": act.mb, "start_s": start, "end_s": end})
+    return events
 
 
 def _peak(events: list[tuple[float, int, float, int]]) -> tuple[float, int]:
