@@ -106,7 +106,7 @@ def _remat_auto_unet() -> dict:
     recomputing: that device recomputes chosen modules, keeping their inputs (skip tensors too)."""
     base = [*MODELS["unet"], "scheduler=1f1b", "pp=2", "remat=auto", "memory=budget"]
     peaks = [d.total for d in prepare(compose_cfg([*base, "memory.cap_bytes=1e12"])).prediction.devices]
-    cfg = compose_cfg([*base, f"memory.cap_bytes={(3 * max(peaks) + min(peaks)) / 4}"])
+    cfg = compose_cfg([*base, f"memory.cap_bytes={(max(peaks) + min(peaks)) / 2}"])
     plan = prepare(cfg).plan
     assert sorted({s.rank for s in plan.stages if s.recompute}) == [peaks.index(max(peaks))]
     return cfg

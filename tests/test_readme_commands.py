@@ -13,6 +13,7 @@ skipped. A command shown in a doc that is neither run nor skipped fails test_eve
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -346,9 +347,22 @@ def test_runner_kills_what_outlives_its_command(tmp_path) -> None:
     assert marked_processes_gone(left)
 
 
-def marked_processes_gone(result) -> bool:
-    return not [pid for pid in result.left_behind if Path(f"/proc/{pid}").exists()
-                and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]]
+def marked_processes_gone(result, within_s: float = 5.0) -> bool:
+    """Every process the run left behind is dead (gone, or a zombie): a SIGKILL lands within
+    moments, later on a loaded machine, so poll for a few seconds."""
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = [pid for pid in result.left_behind if _alive(pid)]
+        if not alive or time.monotonic() > deadline:
+            return not alive
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def check_output(step: Step, command: DocCommand, out: str) -> None:
