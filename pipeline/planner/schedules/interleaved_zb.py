@@ -7,13 +7,13 @@ top lets the input gradients of the drain run back to back while the weight grad
 Here the order of forwards and input gradients is interleaved 1F1B's, with Megatron's warm-up (two
 forwards per hop to the last rank) or torch's (one), and `weight_fill` places the W on the measured
 costs within the activation memory interleaved 1F1B itself needs (a W may wait while its
-micro-batch's slot is not needed), so it never holds more than `interleaved_1f1b` at the same
-settings; the fastest candidate is kept. Same placement and micro-batch rule as `interleaved_1f1b`.
+micro-batch's slot is not needed), within the memory of the leaner of interleaved 1F1B and torch's
+rule (rank r defers r W: torch's own order is one candidate), so it never holds more than either at
+the same settings; the fastest candidate is kept. Same placement and micro-batch rule as `interleaved_1f1b`.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
@@ -52,22 +52,22 @@ class InterleavedZB(Interleaved1F1B):
     def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
         pp = max(placement) + 1
         v = len(placement) // pp
-        plain = interleaved_order(pp, v, microbatches)
-        memory = peak_held(plain)
-        return self.best_filled(itertools.chain([Candidate(plain)], self._candidates(pp, v, microbatches, memory)),
-                                placement, microbatches)
+        orders = {hop: [[I(a.stage, a.mb) if a.kind is Kind.B else a for a in acts]
+                        for acts in interleaved_order(pp, v, microbatches, hop)] for hop in (1, 2)}
+        backlog = list(range(pp))
+        references = {hop: deferred_by(order, backlog) for hop, order in orders.items()}
+        # the memory: what the busiest rank holds under the leaner of torch's rule and interleaved 1F1B
+        bound = [min(max(peak_held(references[1])), max(peak_held(interleaved_order(pp, v, microbatches))))] * pp
+        return self.best_filled(self._candidates(orders, references, bound), placement, microbatches)
 
     @staticmethod
-    def _candidates(pp: int, v: int, microbatches: int, memory: list[int]) -> Iterator[Candidate]:
+    def _candidates(orders: dict, references: dict, bound: list[int]) -> Iterator[Candidate]:
         """Torch's warm-up (one forward a hop to the last rank) and Megatron's (two), each with rank
-        r deferring r W (torch's rule) and with the W placed on the costs within that memory (and
-        within interleaved 1F1B's) by every ALPHAS."""
-        backlog = list(range(pp))
-        for hop_warmup in (1, 2):
-            critical = [[I(a.stage, a.mb) if a.kind is Kind.B else a for a in acts]
-                        for acts in interleaved_order(pp, v, microbatches, hop_warmup)]
-            reference = deferred_by(critical, backlog)
-            caps = [min(a, b) for a, b in zip(peak_held(reference), memory, strict=True)]
-            yield Candidate(reference)
-            yield from (Candidate(critical, caps, alpha, backlog=backlog) for alpha in ALPHAS)
-            yield from (Candidate(critical, caps, alpha) for alpha in ALPHAS)
+        r deferring r W (torch's rule) where that stays within `bound`, and with the W placed on the
+        costs within it by every ALPHAS, with and without that backlog."""
+        backlog = list(range(len(bound)))
+        for hop in (1, 2):
+            if all(p <= b for p, b in zip(peak_held(references[hop]), bound, strict=True)):
+                yield Candidate(references[hop])
+            yield from (Candidate(orders[hop], bound, alpha, backlog=backlog) for alpha in ALPHAS)
+            yield from (Candidate(orders[hop], bound, alpha) for alpha in ALPHAS)
