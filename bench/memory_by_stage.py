@@ -5,7 +5,7 @@ its stages' parameter bytes and the whole model's, for a GPT of about 400M param
     python bench/memory_by_stage.py --variants chain --steps 1
 
 Each variant is one `python train.py ...` (real ranks, gloo, CPU). A rank's peak is its process's
-peak RSS (`metrics.json` ranks[].peak_memory_bytes); the launcher's is `launcher_peak_memory_bytes`.
+peak resident memory less torch's code pages (`metrics.json` ranks[].peak_memory_bytes); the launcher's is `launcher_peak_memory_bytes`.
 A bare process that has imported torch and the project is measured too: every peak includes it.
 With SGD (no momentum) a rank holds its parameters, their gradients, and the activations of its
 in-flight micro-batches; the table prints parameters x 2 as the floor a rank cannot go under.
@@ -32,9 +32,9 @@ VARIANTS = {"chain": [], "tied": ["+model.tie_embeddings=true"]}
 
 
 def baseline_rss() -> int:
-    """Peak RSS of a process that imported what a rank imports, and nothing else."""
-    code = ("import resource, pipeline.runtime.rank, pipeline.runtime.trainer, torch; "
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    """Peak memory, measured as a rank measures it, of a process that imported what a rank imports."""
+    code = ("import torch, pipeline.runtime.rank, pipeline.runtime.trainer; "
+            "from pipeline.runtime.memory import peak_memory_bytes; print(peak_memory_bytes(torch.device('cpu')))")
     return int(subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip())
 
@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
     base = baseline_rss()
-    print(f"bare rank process (torch + project imported): {base / MIB:.0f} MiB peak RSS")
+    print(f"bare rank process (torch + project imported): {base / MIB:.0f} MiB peak")
     with tempfile.TemporaryDirectory(prefix="membench_") as tmp:
         for name in args.variants:
             res = run_variant(name, args.steps, Path(tmp))
@@ -66,7 +66,7 @@ def main() -> None:
             print(f"\n{name}: model {whole / MIB:.0f} MiB of parameters ({whole / 4 / 1e6:.0f}M fp32), "
                   f"launcher peak {m['launcher_peak_memory_bytes'] / MIB:.0f} MiB, "
                   f"final loss {m['losses'][-1]:.3f}")
-            print(f"{'rank':>4} {'stage params MiB':>16} {'x2 (+grads)':>11} {'peak RSS MiB':>12} "
+            print(f"{'rank':>4} {'stage params MiB':>16} {'x2 (+grads)':>11} {'peak MiB':>12} "
                   f"{'peak - bare':>11} {'of model':>8}  blocks")
             for r in sorted(m["ranks"], key=lambda r: r["rank"]):
                 (stage,) = r["stages"]
