@@ -1,4 +1,4 @@
-"""The schedules of #26 (dualpipev, interleaved_zb, v_half, v_min) and the zero-bubble orders at
+"""The schedules of #26 (dualpipev, interleaved_zb, v_half, v_min, looped_bfs) and the zero-bubble orders at
 scale: memory bounds and bubbles on the simulator (exact, no machine noise), the Zero Bubble paper's
 published profiles, torch's orders on the same costs, and real gloo ranks against one process.
 
@@ -19,6 +19,7 @@ from pipeline.planner.schedules import build_schedule
 from pipeline.planner.schedules.dualpipev import DualPipeV
 from pipeline.planner.schedules.interleaved import Interleaved1F1B
 from pipeline.planner.schedules.interleaved_zb import InterleavedZB
+from pipeline.planner.schedules.looped_bfs import LoopedBFS, breadth_first_order
 from pipeline.planner.schedules.one_f_one_b import OneFOneB
 from pipeline.planner.schedules.torch_orders import TorchSchedule
 from pipeline.planner.schedules.v_memory import VHalf, VMin
@@ -141,7 +142,7 @@ def test_our_orders_beat_torchs_on_uneven_costs(ours, theirs: str) -> None:
     assert within and min(within) < theirs_r.makespan_s
 
 
-NEW = ("dualpipev", "interleaved_zb", "v_half", "v_min")
+NEW = ("dualpipev", "interleaved_zb", "v_half", "v_min", "looped_bfs")
 
 
 @pytest.mark.timeout(600)
@@ -165,6 +166,23 @@ def test_new_schedules_at_pp_8_train_like_one_process(tmp_path) -> None:
     cases = [(f"{s} pp=8", compose_cfg([*FAST, f"scheduler={s}", "pp=8", "microbatches=16", "batch_size=32",
                                         "model.layers=8"])) for s in NEW]
     _assert_all_match_single_process(cases, run_jobs([cfg for _, cfg in cases], tmp_path / "logs"))
+
+
+@pytest.mark.parametrize(("pp", "v", "m"), [(2, 2, 3), (4, 2, 8), (4, 4, 5), (8, 2, 16)])
+def test_looped_bfs_starts_from_torchs_order_and_never_takes_longer(pp: int, v: int, m: int) -> None:
+    """Breadth-first's order with full backwards is torch's ScheduleLoopedBFS action for action; with
+    the backward split and the W placed on the costs, ours takes no longer a step at no more memory,
+    and a shorter one where W is cheaper than I and links are slow."""
+    theirs = TorchSchedule(schedule="LoopedBFS", stages_per_rank=v)
+    placement = interleaved(pp, v)
+    assert breadth_first_order(pp, v, m) == [list(acts) for acts in theirs.compute_actions(placement, m)]
+    for costs in ((1.0, 1.0, 1.0, 0.0), (1.0, 1.0, 0.5, 0.1), (1.0, 1.2, 0.7, 0.05)):
+        ours_s, ours_r = _run(LoopedBFS(stages_per_rank=v), placement, m, *costs)
+        theirs_s, theirs_r = _run(TorchSchedule(schedule="LoopedBFS", stages_per_rank=v), placement, m, *costs)
+        assert ours_r.makespan_s <= theirs_r.makespan_s * (1 + 1e-9), costs
+        assert _stage_microbatches(ours_s) <= _stage_microbatches(theirs_s)
+        if costs[2] < costs[1] and costs[3] > 0 and pp > 2:
+            assert ours_r.makespan_s < theirs_r.makespan_s, costs
 
 
 @pytest.mark.parametrize(("pp", "m"), [(1, 3), (2, 4), (3, 2), (4, 5), (4, 13), (8, 16)])

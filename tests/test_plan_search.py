@@ -131,7 +131,7 @@ def test_plan_auto_searches_jointly_and_wins_over_the_config_as_given() -> None:
     assert len(labels) == len(result.outcomes) >= 40  # schedules (with variants) x partitioners x counts
     assert {o.candidate.scheduler for o in result.outcomes} >= {
         "gpipe", "1f1b", "zb_h1", "zb_h2", "zbv", "interleaved_1f1b(stages_per_rank=2)", "hanayo(waves=1)",
-        "interleaved_zb(stages_per_rank=2)", "dualpipev", "v_half", "v_min"}  # #26's new schedules too
+        "interleaved_zb(stages_per_rank=2)", "dualpipev", "v_half", "v_min", "looped_bfs"}  # #26's new ones too
     assert {o.candidate.microbatches for o in result.outcomes} == {2, 4, 8, 16}
     assert {o.candidate.partitioner for o in result.outcomes} == {"uniform", "balanced"}  # milp: a chain
     win = result.winner

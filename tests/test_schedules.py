@@ -28,7 +28,7 @@ from pipeline.planner.simulate import CostModel, simulate
 from tests.schedules import build, schedules, training_schedules
 
 EXPECTED = {"gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "hanayo", "zb_h1", "zb_h2", "zbv", "v_half", "v_min",
-            "dualpipev", "inference", "torch"}
+            "dualpipev", "looped_bfs", "inference", "torch"}
 #: every schedule option of conf/scheduler/ (the built-ins and any YAML added there)
 NAMES = sorted(schedules())
 

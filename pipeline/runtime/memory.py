@@ -9,7 +9,6 @@ their parameters and buffers: building them imports and traces, which the plan c
 
 from __future__ import annotations
 
-import os
 import resource
 import sys
 
