@@ -148,6 +148,17 @@ def test_our_orders_beat_torchs_on_uneven_costs(ours, theirs: str) -> None:
     assert within and min(within) < theirs_r.makespan_s
 
 
+@pytest.mark.parametrize("m", [8, 16])
+def test_fusing_backwards_prices_the_links_the_order_was_chosen_on(m: int) -> None:
+    """p=4, F:I:W = 1:1.2:0.7, a hop of 10% of F: fusing an I with its W looked free on free links
+    and lengthened zbv's step past torch's ZBVZeroBubble (26.5 against 26.3 at m=8); priced with the
+    hops, zbv's step is torch's or shorter."""
+    costs = (1.0, 1.2, 0.7, 0.1)
+    _, ours = _run(ZBV(), v_shape(4), m, *costs)
+    _, theirs = _run(TorchSchedule(schedule="ZBVZeroBubble"), v_shape(4), m, *costs)
+    assert ours.makespan_s <= theirs.makespan_s * (1 + 1e-9)
+
+
 NEW = ("dualpipev", "interleaved_zb", "v_half", "v_min", "looped_bfs")
 
 

@@ -112,7 +112,7 @@ class ScheduleGenerator:
         if getattr(self, "fuse_backward", False):
             triple = (list(costs.forward), list(costs.input_grad), list(costs.weight_grad))
             fused = list(costs.backward) if costs.backward is not None else None
-            programs = fuse_slack_backwards(programs, placement, microbatches, triple, fused)
+            programs = fuse_slack_backwards(programs, placement, microbatches, triple, fused, costs.hop)
         return programs
 
     def play_through(self, play, placement: list[int], microbatches: int, **kwargs) -> list[list[Action]]:
@@ -128,12 +128,13 @@ class ScheduleGenerator:
             return self._play_once(play, placement, microbatches, costs, **kwargs)
         eager = self._play_once(play, placement, microbatches, costs, eager_w=True, **kwargs)
         deferred = self._play_once(play, placement, microbatches, costs, **kwargs)
-        slower = makespan(eager, placement, microbatches, costs) > (
-            makespan(deferred, placement, microbatches, costs) * (1 + 1e-9))
+        hop = getattr(self, "_hop", None) if costs != (1, 1, 1) else None
+        slower = makespan(eager, placement, microbatches, costs, hop=hop) > (
+            makespan(deferred, placement, microbatches, costs, hop=hop) * (1 + 1e-9))
         programs = deferred if slower else eager
         if getattr(self, "fuse_backward", False):
             fused = getattr(self, "_fused_backward", None) if costs != (1, 1, 1) else None
-            programs = fuse_slack_backwards(programs, placement, microbatches, costs, fused)
+            programs = fuse_slack_backwards(programs, placement, microbatches, costs, fused, hop)
         return programs
 
     @staticmethod

@@ -34,22 +34,23 @@ def _is_pair(acts: list[Action], i: int) -> bool:
 
 def fuse_slack_backwards(
     programs: list[list[Action]], placement: Sequence[int], microbatches: int, costs: tuple,
-    backward: list[float] | None = None,
+    backward: list[float] | None = None, hop: Sequence[float] | None = None,
 ) -> list[list[Action]]:
     """Programs with I/W pairs fused into B wherever the simulated step does not grow (B costing
-    `backward` per stage when given, else I + W)."""
+    `backward` per stage when given, else I + W; `hop[s]`: the transfer over the cut after stage s,
+    as the orders were chosen on: a fusion that is free on free links can lengthen the step on slow ones)."""
     pairs = sum(_is_pair(acts, i) for acts in programs for i in range(len(acts)))
     if not pairs or pairs * sum(len(acts) for acts in programs) > MAX_WORK:
         return programs
     programs = [list(acts) for acts in programs]
-    best = _step(programs, placement, microbatches, costs, backward)
+    best = _step(programs, placement, microbatches, costs, backward, hop)
     for r, acts in enumerate(programs):
         i = 0
         while i < len(acts):  # the list shrinks as pairs fuse
             if _is_pair(acts, i):
                 a = acts[i]
                 trial = acts[:i] + [Action(a.stage, Kind.B, a.mb)] + acts[i + 2 :]
-                got = _step(programs[:r] + [trial] + programs[r + 1 :], placement, microbatches, costs, backward)
+                got = _step(programs[:r] + [trial] + programs[r + 1 :], placement, microbatches, costs, backward, hop)
                 shorter = got[0] < best[0] * (1 - 1e-9)
                 if shorter or (got[0] <= best[0] * (1 + 1e-9) and got[1] <= best[1] * (1 + 1e-12)):
                     programs[r] = acts = trial
@@ -58,8 +59,8 @@ def fuse_slack_backwards(
     return programs
 
 
-def _step(programs, placement, microbatches, costs, backward) -> tuple[float, float]:
+def _step(programs, placement, microbatches, costs, backward, hop) -> tuple[float, float]:
     """The simulated step and the longest span of a rank (what overlapping steps cost): a fusion must
     shorten the step, or keep it and not lengthen that span."""
-    sim = simulate_programs(programs, placement, microbatches, costs, backward)
+    sim = simulate_programs(programs, placement, microbatches, costs, backward, hop)
     return sim.makespan_s, sim.longest_span_s
