@@ -47,6 +47,20 @@ class Candidate(NamedTuple):
                                  glued=self.glued, backlog=self.backlog)
 
 
+def step_floor(placement: Sequence[int], microbatches: int, costs: StageCosts) -> float:
+    """A step no order can beat: the busiest rank's work (each backward at its cheaper form, split
+    or fused) after the earliest its first stage's input can arrive (forwards and hops before it)."""
+    arrive, start = 0.0, {}
+    for s, rank in enumerate(placement):
+        start.setdefault(rank, arrive)
+        arrive += costs.forward[s] + (costs.hop[s] if s < len(costs.hop) else 0.0)
+    work: dict[int, float] = {}
+    for s, rank in enumerate(placement):
+        backward = min(costs.input_grad[s] + costs.weight_grad[s], costs.fused(s))
+        work[rank] = work.get(rank, 0.0) + microbatches * (costs.forward[s] + backward)
+    return max(start[r] + work[r] for r in work)
+
+
 @dataclass
 class ScheduleGenerator:
     """Base class: subclasses set the class variables and implement `compute_actions`."""
@@ -92,10 +106,16 @@ class ScheduleGenerator:
         `weight_fill` places, or finished programs; at most CANDIDATE_WORK actions in all. With `fuse_backward`,
         the I/W pairs whose split buys nothing then run as one B (schedules/fuse.py)."""
         costs = self.stage_costs(len(placement))
+        # on unit costs (the order the split is priced on, before the measured one; and the order of
+        # cost_aware=false) an order at the lower bound cannot take a shorter step, so the rest are
+        # not tried (of equal steps the first is kept, not the one with the shortest rank span)
+        floor = step_floor(placement, microbatches, costs) if self.play_costs() == (1, 1, 1) else 0.0
         best: Filled | None = None
         error: ConfigError | None = None
         spent = 0
         for cand in candidates:
+            if best is not None and best.makespan <= floor * (1 + 1e-9):
+                break
             spent += sum(len(acts) for acts in cand.orders)
             if best is not None and spent > CANDIDATE_WORK:
                 break

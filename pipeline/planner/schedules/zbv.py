@@ -11,6 +11,8 @@ Works for any microbatches >= 1; below 2p the pipeline cannot be kept full.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -50,8 +52,15 @@ class ZBV(ScheduleGenerator):
     def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
         pp = max(placement) + 1
         caps = [2 * pp] * pp
-        candidates = [Candidate(zero_bubble_v(pp, microbatches, weights=True)),  # the paper's own W
-                      *(Candidate(zero_bubble_v(pp, microbatches, extra), caps, alpha)
-                        for extra in (0, 1, 2) for alpha in ALPHAS)]
         greedy = greedy_candidate(self, placement, microbatches, cap=caps, forward_first=True)
-        return self.best_filled([*greedy, *candidates], placement, microbatches)
+        return self.best_filled(itertools.chain(greedy, self._templates(pp, microbatches, caps)), placement,
+                                microbatches)
+
+    @staticmethod
+    def _templates(pp: int, microbatches: int, caps: list[int]) -> Iterator[Candidate]:
+        """The ZB-V order with the paper's own W, then with 0-2 extra warm-up forwards and the W
+        placed by every ALPHAS; each order written only when `best_filled` gets to it."""
+        yield Candidate(zero_bubble_v(pp, microbatches, weights=True))
+        for extra in (0, 1, 2):
+            order = zero_bubble_v(pp, microbatches, extra)
+            yield from (Candidate(order, caps, alpha) for alpha in ALPHAS)
