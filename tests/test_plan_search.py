@@ -131,7 +131,8 @@ def test_plan_auto_searches_jointly_and_wins_over_the_config_as_given() -> None:
     assert len(labels) == len(result.outcomes) >= 40  # schedules (with variants) x partitioners x counts
     assert {o.candidate.scheduler for o in result.outcomes} >= {
         "gpipe", "1f1b", "zb_h1", "zb_h2", "zbv", "interleaved_1f1b(stages_per_rank=2)", "hanayo(waves=1)",
-        "interleaved_zb(stages_per_rank=2)", "dualpipev", "v_half", "v_min", "looped_bfs"}  # #26's new ones too
+        "interleaved_zb(stages_per_rank=2)", "dualpipev", "v_half", "v_min"}  # #26's new ones too
+    assert "looped_bfs" not in {o.candidate.scheduler for o in result.outcomes}  # searched when named
     assert {o.candidate.microbatches for o in result.outcomes} == {2, 4, 8, 16}
     assert {o.candidate.partitioner for o in result.outcomes} == {"uniform", "balanced"}  # milp: a chain
     win = result.winner
@@ -146,6 +147,16 @@ def test_plan_auto_searches_jointly_and_wins_over_the_config_as_given() -> None:
     given = next(o for o in result.outcomes if o.candidate == result.given)
     assert given.candidate.label == "1f1b / uniform / 4 mbs / remat=none"
     assert win.prediction.step_s <= given.prediction.step_s
+
+
+def test_a_schedule_left_out_of_the_default_search_is_searched_when_named() -> None:
+    """looped_bfs (`searched_by_default = False`: its CPU steps measure far above its predictions)
+    is not in scheduler=auto's candidates, and is in plan=auto's when plan.schedulers names it."""
+    alone = prepare(compose_cfg([*FAST, "pp=2", "scheduler=auto", "mode=plan"])).search
+    assert "looped_bfs" not in {o.candidate.scheduler for o in alone.outcomes}
+    named = prepare(compose_cfg([*AUTO, "plan.schedulers=[looped_bfs,1f1b]", "plan.partitioners=[uniform]",
+                                 "plan.microbatches=[4]", "plan.remat=[none]"])).search
+    assert {o.candidate.scheduler for o in named.outcomes} == {"looped_bfs", "1f1b"}
 
 
 def test_plan_auto_under_a_budget_lists_each_excluded_candidate_with_its_device_and_bytes() -> None:

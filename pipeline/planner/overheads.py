@@ -8,7 +8,8 @@ schedule runs twice the actions and sends three times the messages of 1F1B, and 
 it wins on paper and loses on the machine.
 
 Measured with the runtime's own code (`pipeline.runtime.comm.P2P`) by two spawned gloo ranks of
-`threads` threads each: a ping-pong of one-element messages gives the one-way latency, and a
+`threads` threads each: a ping-pong of one-element messages while each rank's compute threads are
+busy (as they are in a step) gives the one-way latency, and a
 forward and a backward of a tiny stage, done the way the executor does them, the fixed cost per
 compute action. Cached per machine, torch version, thread count and core count, like the profile,
 in `$PIPELAUNCH_CACHE`. On a GPU both stay at the configured defaults: NCCL's latency needs two
@@ -67,9 +68,13 @@ def cache_path(threads: int) -> Path:
     return cache_dir() / "overheads" / f"{_key(threads)}.json"
 
 
+#: how the probe measures (part of the cache key: figures of an earlier probe are measured again)
+PROBE_VERSION = "busy-ping-pong"
+
+
 def _key(threads: int) -> str:
     return "-".join([platform.node() or "host", torch.__version__.replace("+", "_"), f"t{threads}",
-                     f"c{available_cores()}"])
+                     f"c{available_cores()}", PROBE_VERSION])
 
 
 def measure_overheads(threads: int) -> Overheads | None:

@@ -63,6 +63,14 @@ def training_schedules(options: GroupOptions) -> dict[str, dict]:
     return {name: opt for name, opt in options.scheduler.items() if trains(opt)}
 
 
+def _searched_by_default(option: Mapping) -> bool:
+    try:
+        cls = get_class(str(option.get("_target_")))
+    except Exception:  # noqa: BLE001 - not importable: instantiate_scheduler names it if chosen
+        return True
+    return bool(getattr(cls, "searched_by_default", True))
+
+
 def instantiate_scheduler(option: str, option_cfg: Mapping) -> ScheduleGenerator:
     try:
         gen = instantiate({k: v for k, v in option_cfg.items() if k != "name"})
@@ -82,11 +90,14 @@ def search_space(cfg: TrainConfig, options: GroupOptions, graph: nx.DiGraph
     schedules = training_schedules(options)
     if not schedules:
         raise ConfigError("scheduler", "no training schedule found in the scheduler config group")
+    # what a search tries unless `plan.schedulers` names its schedules: those whose predictions
+    # hold (a generator with `searched_by_default = False` says why not in its docstring)
+    default = {name: opt for name, opt in schedules.items() if _searched_by_default(opt)} or schedules
     given_part = {plugin_name(cfg.partitioner): dict(cfg.partitioner)}
     remat = str(cfg.remat)
     if not space.search:  # scheduler=auto alone
-        return candidates(scheduler_variants(schedules, None, None), given_part, [cfg.microbatches], [remat]), None
-    chosen = scheduler_variants(schedules, space.schedulers, space.variants)
+        return candidates(scheduler_variants(default, None, None), given_part, [cfg.microbatches], [remat]), None
+    chosen = scheduler_variants(schedules if space.schedulers else default, space.schedulers, space.variants)
     partitioners = _partitioners(space.partitioners, options, graph)
     counts = microbatch_counts(cfg.pp, cfg.dp, cfg.batch_size, cfg.microbatches, space.microbatches)
     rematting = [str(r) for r in space.remat] if space.remat else None

@@ -74,6 +74,8 @@ class ScheduleGenerator:
     split_backward: ClassVar[bool] = False
     #: False for forward-only schedules.
     training: ClassVar[bool] = True
+    #: whether scheduler=auto and plan=auto try it unless `plan.schedulers` names the schedules
+    searched_by_default: ClassVar[bool] = True
 
     def stages_per_rank(self) -> int:
         return 1
