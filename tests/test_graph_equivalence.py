@@ -8,6 +8,7 @@ import pytest
 
 from launcher.validate import prepare
 from models.gpt import SUBLAYER_PARTS
+from pipeline.planner.memory import BudgetExceeded
 from tests.harness import assert_state_close, compose_cfg, merge_state, run_jobs
 from tests.reference import reference_run
 
@@ -106,7 +107,13 @@ def _remat_auto_unet() -> dict:
     recomputing: that device recomputes chosen modules, keeping their inputs (skip tensors too)."""
     base = [*MODELS["unet"], "scheduler=1f1b", "pp=2", "remat=auto", "memory=budget"]
     peaks = [d.total for d in prepare(compose_cfg([*base, "memory.cap_bytes=1e12"])).prediction.devices]
-    cfg = compose_cfg([*base, f"memory.cap_bytes={(max(peaks) + min(peaks)) / 2}"])
+    with pytest.raises(BudgetExceeded) as refused:  # what recomputing every candidate leaves
+        prepare(compose_cfg([*base, "memory.cap_bytes=50.1e6"]))  # just above memory.reserve_bytes
+    floor = max(d.total for d in refused.value.prediction.devices)
+    # the fuller device misses it without recomputing and meets it recomputing; the other fits as is
+    low = max(min(peaks), floor)
+    assert low < max(peaks), (peaks, floor)
+    cfg = compose_cfg([*base, f"memory.cap_bytes={(low + max(peaks)) / 2}"])
     plan = prepare(cfg).plan
     assert sorted({s.rank for s in plan.stages if s.recompute}) == [peaks.index(max(peaks))]
     return cfg
