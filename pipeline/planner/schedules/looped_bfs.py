@@ -4,9 +4,9 @@ Why: on the interleaved placement (v stages per rank), depth-first orders (inter
 bubble form) hand a micro-batch to the next rank after every chunk, so a slow link is paid between
 most pairs of actions. Breadth-first (Lamy-Poirier, "Breadth-First Pipeline Parallelism", 2023;
 torch.distributed.pipelining's ScheduleLoopedBFS) runs the m forwards of a stage back to back, then
-the backwards stage by stage in reverse: a hop is paid once per stage in the fill, and the step
-leaves less idle than the depth-first orders once a hop costs more than about 5% of a forward. The
-price is memory: a rank holds every micro-batch of every one of its stages (m * v
+the backwards stage by stage in reverse: a hop is paid once per stage in the fill, and with hops
+of 5-10% of a forward it leaves the least idle time of the zoo at many points of
+bench/schedules_at_scale.py's grid. The price is memory: a rank holds every micro-batch of every one of its stages (m * v
 stage-micro-batches, v times GPipe's).
 
 Here the backward is split: the order of forwards and input gradients is breadth-first's (each
