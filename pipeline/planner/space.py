@@ -54,21 +54,23 @@ def training_schedules(options: GroupOptions) -> dict[str, dict]:
     from pipeline.planner.schedules.auto import AutoSchedule
 
     def trains(option: Mapping) -> bool:
-        try:
-            cls = get_class(str(option.get("_target_")))
-        except Exception:  # noqa: BLE001 - not importable: instantiate_scheduler names it if chosen
-            return True
-        return not issubclass(cls, AutoSchedule) and bool(getattr(cls, "training", True))
+        cls = _generator_class(option)
+        return cls is None or (not issubclass(cls, AutoSchedule) and bool(getattr(cls, "training", True)))
 
     return {name: opt for name, opt in options.scheduler.items() if trains(opt)}
 
 
-def _searched_by_default(option: Mapping) -> bool:
+def _generator_class(option: Mapping) -> type | None:
+    """The class a scheduler option names, or None when it does not import (instantiate_scheduler
+    names the error if that option is chosen)."""
     try:
-        cls = get_class(str(option.get("_target_")))
-    except Exception:  # noqa: BLE001 - not importable: instantiate_scheduler names it if chosen
-        return True
-    return bool(getattr(cls, "searched_by_default", True))
+        return get_class(str(option.get("_target_")))
+    except Exception:  # noqa: BLE001 - any import failure is reported when the option is built
+        return None
+
+
+def _searched_by_default(option: Mapping) -> bool:
+    return bool(getattr(_generator_class(option), "searched_by_default", True))
 
 
 def instantiate_scheduler(option: str, option_cfg: Mapping) -> ScheduleGenerator:

@@ -43,6 +43,16 @@ class Interleaved1F1B(ScheduleGenerator):
         self.stages_per_rank = _StagesPerRank(self.stages_per_rank)
 
     def check(self, pp: int, microbatches: int, placement: list[int]) -> None:
+        self.check_placement(pp, placement)
+        if microbatches < 1 or microbatches % pp:
+            raise ConfigError(
+                "microbatches",
+                f"scheduler {self.name!r} needs microbatches to be a positive multiple of pp={pp} "
+                f"(e.g. {pp}, {2 * pp}, {3 * pp}); got {microbatches}",
+            )
+
+    def check_placement(self, pp: int, placement: list[int]) -> None:
+        """The round-robin placement of `stages_per_rank` stages per rank, or a ConfigError naming it."""
         v = int(self.stages_per_rank)
         expected = interleaved(pp, v)
         if list(placement) != expected:
@@ -50,12 +60,6 @@ class Interleaved1F1B(ScheduleGenerator):
                 "placement",
                 f"scheduler {self.name!r} with stages_per_rank={v} needs the round-robin placement "
                 f"{expected} (placement=interleaved or auto), got {placement}",
-            )
-        if microbatches < 1 or microbatches % pp:
-            raise ConfigError(
-                "microbatches",
-                f"scheduler {self.name!r} needs microbatches to be a positive multiple of pp={pp} "
-                f"(e.g. {pp}, {2 * pp}, {3 * pp}); got {microbatches}",
             )
 
     def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:

@@ -30,7 +30,6 @@ from typing import ClassVar
 
 from pipeline.core.errors import ConfigError
 from pipeline.core.ir import Action, B, F, I
-from pipeline.planner.placement import interleaved
 from pipeline.planner.schedules.base import Candidate
 from pipeline.planner.schedules.interleaved import Interleaved1F1B
 from pipeline.planner.schedules.zero_bubble import ALPHAS
@@ -65,14 +64,7 @@ class LoopedBFS(Interleaved1F1B):
     fuse_backward: bool = True
 
     def check(self, pp: int, microbatches: int, placement: list[int]) -> None:
-        v = int(self.stages_per_rank)
-        expected = interleaved(pp, v)
-        if list(placement) != expected:
-            raise ConfigError(
-                "placement",
-                f"scheduler {self.name!r} with stages_per_rank={v} needs the round-robin placement "
-                f"{expected} (placement=interleaved or auto), got {placement}",
-            )
+        self.check_placement(pp, placement)
         if microbatches < 1:
             raise ConfigError("microbatches", f"scheduler {self.name!r} needs microbatches >= 1, got {microbatches}")
 
