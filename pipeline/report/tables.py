@@ -128,22 +128,32 @@ def stage_table(plan: Plan) -> str:
 
 def device_memory_table(plan: Plan, ranks: Sequence[dict] | None = None) -> str:
     """Per pipeline rank, the predicted peak by what holds it; with the ranks' run reports, the
-    measured peak beside it (on CPU: above what the process held before building its stages)."""
+    measured peaks beside it: the tensors' (CUDA's allocated peak; on CPU, the profiled first steps)
+    against the prediction less the reserve, and the resident set's rise (on CPU, above what the
+    process held apart from its tensors) against the whole prediction."""
     mib = 2**20
     cap = plan.meta.memory_cap
     head = (f"{'rank':>5} {'params':>8} {'grads':>8} {'optim':>8} {'act':>8} {'recomp':>7} {'wkspace':>7} "
             f"{'reserve':>7} {'predicted':>10}"
-            + (f" {'measured':>9} {'ratio':>6}" if ranks else ""))
+            + (f" {'tensors':>8} {'ratio':>6} {'resident':>9} {'ratio':>6}" if ranks else ""))
     lines = [f"memory per device, MiB (predicted peak{f'; cap {cap / mib:.1f}' if cap else ''}):", head]
-    measured = {}
+    tensors: dict[int, list[int]] = {}
+    resident: dict[int, list[int]] = {}
     for r in ranks or []:
-        measured.setdefault(r["pp_rank"], []).append(r.get("peak_above_start_bytes", r.get("peak_memory_bytes", 0)))
+        resident.setdefault(r["pp_rank"], []).append(r.get("peak_above_start_bytes", r.get("peak_memory_bytes", 0)))
+        if r.get("peak_tensor_bytes") is not None:
+            tensors.setdefault(r["pp_rank"], []).append(r["peak_tensor_bytes"])
     for d in plan.meta.device_memory:
         row = (f"{d['rank']:>5} {d['params'] / mib:>8.1f} {d['grads'] / mib:>8.1f} {d['optimizer'] / mib:>8.1f} "
                f"{d['activations'] / mib:>8.1f} {d['recompute'] / mib:>7.1f} {d['workspace'] / mib:>7.1f} "
                f"{d['reserve'] / mib:>7.1f} {d['total'] / mib:>10.1f}")
-        if d["rank"] in measured:
-            got = max(measured[d["rank"]])
+        if d["rank"] in tensors:
+            got, live = max(tensors[d["rank"]]), d["total"] - d["reserve"]
+            row += f" {got / mib:>8.1f} {got / live if live else 0.0:>6.2f}"
+        elif ranks:
+            row += f" {'-':>8} {'':>6}"
+        if d["rank"] in resident:
+            got = max(resident[d["rank"]])
             row += f" {got / mib:>9.1f} {got / d['total'] if d['total'] else 0.0:>6.2f}"
         lines.append(row)
     return "\n".join(lines)

@@ -48,6 +48,20 @@ def retain_freed_memory() -> bool:
     return mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
 
 
+def release_free_memory() -> bool:
+    """Hand the heap's free pages back to the kernel now (glibc `malloc_trim(0)`, every arena); True
+    when it ran. For a measurement to start from what is live, not from what earlier work freed."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim.argtypes = [ctypes.c_size_t]
+    malloc_trim(0)
+    return True
+
+
 def configure_host_allocator(choice: str) -> bool:
     """Apply `host_allocator` (retain | system) in this process; True when malloc was tuned."""
     return retain_freed_memory() if choice == "retain" else False

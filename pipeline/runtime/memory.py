@@ -9,8 +9,11 @@ their parameters and buffers: building them imports and traces, which the plan c
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -61,3 +64,56 @@ def reset_peak(device: torch.device) -> None:
             f.write("5")
     except OSError:  # not Linux, or a kernel without it: the lifetime peak stands
         pass
+
+
+class TensorPeak:
+    """The most bytes the rank's tensors held at once while training, counted the way CUDA's
+    allocator counts (`max_memory_allocated`): on GPU its counter; on CPU, where torch keeps no such
+    counter, the allocation events torch's profiler records (`profile_memory`) during each of the
+    first `steps` steps, summed in time order above what the tensors held as the step began.
+    Evaluation and checkpoints between steps are not counted, as the plan does not price them.
+    The resident set (`peak_memory_bytes`) also holds what glibc keeps of freed blocks, which varies
+    from run to run with the timing of the frees; this count does not. The profiler's own memory
+    is in the resident set, so a CPU rank starts that measure afresh after the counted steps."""
+
+    #: steps counted on CPU: the first allocates gradients and optimizer state, the second is as
+    #: every later one (the resident measure takes the steps after them)
+    COUNTED_STEPS = 2
+
+    def __init__(self, device: torch.device, held_bytes: Callable[[], int], run_steps: int) -> None:
+        self.device, self.held_bytes = device, held_bytes
+        # leave at least one step to the resident measure (none counted in a one-step run)
+        self.steps = 0 if device.type != "cpu" else max(0, min(self.COUNTED_STEPS, run_steps - 1))
+        self.peak: int | None = None
+
+    @contextmanager
+    def measure(self, index: int) -> Iterator[None]:
+        """Around step `index` of this run (from 0): counted when it is one of the first `steps`."""
+        if index >= self.steps:
+            yield
+            return
+        from torch.profiler import ProfilerActivity, profile  # only where it is used
+
+        # kineto prints a line at each start and stop, which would reach rank 0's console; 6 is
+        # above its highest level (read when the profiler first starts; a user's setting stands)
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+        held = self.held_bytes()
+        profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        profiler.start()
+        try:
+            yield
+        finally:
+            profiler.stop()
+        events = sorted((e.start_ns(), e.nbytes()) for e in profiler.profiler.kineto_results.events()
+                        if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU)
+        live = rise = 0
+        for _, nbytes in events:
+            live += nbytes
+            rise = max(rise, live)
+        self.peak = max(self.peak or 0, held + rise)
+
+    def peak_bytes(self) -> int | None:
+        """CUDA's allocated peak, or on CPU the counted peak (None before a step was measured)."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return self.peak

@@ -32,8 +32,8 @@ from pipeline.runtime.dp import SharedGrads, allreduce_gradients
 from pipeline.runtime.executor import Executor, StageSlot
 from pipeline.runtime.faults import fault_injection
 from pipeline.runtime.heartbeat import Heartbeat
-from pipeline.runtime.host_allocator import huge_pages_active
-from pipeline.runtime.memory import current_memory_bytes, peak_memory_bytes, reset_peak
+from pipeline.runtime.host_allocator import huge_pages_active, release_free_memory
+from pipeline.runtime.memory import TensorPeak, current_memory_bytes, peak_memory_bytes, reset_peak
 from pipeline.runtime.optim import build_optimizer, clip_gradients
 from pipeline.runtime.progress import Progress
 from pipeline.runtime.stage import build_stage_modules
@@ -279,13 +279,17 @@ def train_rank(cfg: TrainConfig, plan: Plan, ctx: RankContext, run_dir: Path | N
     tokens_per_step = _tokens_per_step(cfg, trainer)
     record = RunRecord.resumed(resume_from, trainer)
     reset_peak(ctx.device)
+    tensors = TensorPeak(ctx.device, lambda: _tensor_bytes_held(trainer), cfg.steps - record.start_step)
     tracker = make_tracker(cfg, run_dir) if ctx.rank == 0 else None
     progress = Progress(cfg.steps, tokens_per_step, cfg.log_every, record.start_step, _unit(trainer)) \
         if ctx.rank == 0 else None
     for step in range(record.start_step, cfg.steps):
         trainer.heartbeat.phase(hb.STEP_START, step)
         fault_injection(cfg.debug, ctx.rank, step, trainer.heartbeat)
-        outcome = trainer.step(step)
+        with tensors.measure(step - record.start_step):
+            outcome = trainer.step(step)
+        if step - record.start_step + 1 == tensors.steps:
+            at_start = _restart_resident_measure(trainer)
         for callback in trainer.callbacks:
             callback.after_step(trainer, step, outcome)
         if not math.isfinite(outcome.loss):
@@ -306,7 +310,7 @@ def train_rank(cfg: TrainConfig, plan: Plan, ctx: RankContext, run_dir: Path | N
     if trainer.record_p2p:
         trainer.verify_p2p_order()
     trainer.heartbeat.phase(hb.FINISHED)
-    return _finish(trainer, record, at_start, tokens_per_step, tracker)
+    return _finish(trainer, record, at_start, tokens_per_step, tracker, tensors)
 
 
 def _memory_before_model(trainer: RankTrainer) -> float:
@@ -315,6 +319,27 @@ def _memory_before_model(trainer: RankTrainer) -> float:
     held = sum(t.numel() * t.element_size()
                for t in [*trainer.params, *{id(b): b for m in trainer.modules for b in m.buffers()}.values()])
     return current_memory_bytes(trainer.ctx.device) - held
+
+
+def _restart_resident_measure(trainer: RankTrainer) -> float:
+    """After the steps whose tensors were counted: the heap's free pages (the profiler's among them)
+    go back to the kernel, and the resident measure starts again from what the rank holds apart
+    from its tensors now, as `_memory_before_model` does before the first step."""
+    release_free_memory()
+    at_start = current_memory_bytes(trainer.ctx.device) - _tensor_bytes_held(trainer)
+    reset_peak(trainer.ctx.device)
+    return at_start
+
+
+def _tensor_bytes_held(trainer: RankTrainer) -> int:
+    """Bytes of the tensors the rank holds before training: parameters, their gradients, buffers
+    and (resumed) optimizer state, each storage once."""
+    tensors = [*trainer.params, *(p.grad for p in trainer.params if p.grad is not None),
+               *(b for m in trainer.modules for b in m.buffers())]
+    if trainer.optimizer is not None:
+        tensors += [v for state in trainer.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.device.type != "meta"}
+    return sum(storages.values())
 
 
 def _unit(trainer: RankTrainer) -> str:
@@ -363,7 +388,7 @@ def _maybe_checkpoint(trainer: RankTrainer, record: RunRecord, step: int, run_di
         checkpoint.prune(root, cfg.checkpoint.keep)
 
 
-def _rank_info(trainer: RankTrainer, record: RunRecord, at_start: float) -> dict:
+def _rank_info(trainer: RankTrainer, record: RunRecord, at_start: float, tensors: TensorPeak) -> dict:
     """This rank's part of metrics.json: where it ran, its memory, its busy time and events."""
     ctx, plan, slots = trainer.ctx, trainer.plan, trainer.slots
     warm = trainer.cfg.warmup_steps
@@ -381,6 +406,8 @@ def _rank_info(trainer: RankTrainer, record: RunRecord, at_start: float) -> dict
         # part of the peak; on CPU the process held the interpreter and torch before it
         "memory_at_start_bytes": at_start,
         "peak_above_start_bytes": peak - at_start,
+        # the tensors' own peak, as CUDA's allocator counts it (on CPU: the first steps, profiled)
+        "peak_tensor_bytes": tensors.peak_bytes(),
         "predicted_peak_bytes": _predicted_peak(plan, ctx.pp_rank),
         "busy_s": median_busy,
         "bubble": max(0.0, 1.0 - median_busy / median_step) if median_step else 0.0,
@@ -396,14 +423,14 @@ def _rank_info(trainer: RankTrainer, record: RunRecord, at_start: float) -> dict
 
 
 def _finish(trainer: RankTrainer, record: RunRecord, at_start: float, tokens_per_step: int,
-            tracker: Tracker | None) -> dict:
+            tracker: Tracker | None, tensors: TensorPeak) -> dict:
     """Gather every rank's facts on rank 0; return this rank's result (losses, its facts, what the
     callbacks add; rank 0 also: `metrics`, every rank's last-step `events` on one clock, the
     `cost_events` of the steps after warm-up and the step's time outside the schedule
     `overhead_s`, from which the report (pipeline.report.artifacts, run by the launcher) predicts
     this run's step and writes metrics.json, the trace and the timeline)."""
     cfg, plan, ctx = trainer.cfg, trainer.plan, trainer.ctx
-    rank_info = _rank_info(trainer, record, at_start)
+    rank_info = _rank_info(trainer, record, at_start, tensors)
     gathered: list[dict] | None = [None] * ctx.world_size if ctx.rank == 0 else None
     dist.gather_object(rank_info, gathered, dst=0)
     result: dict = {"losses": record.losses, "rank_info": rank_info}
