@@ -5,8 +5,10 @@ step and peak against the measured ones, and whether any rank went over the budg
     python bench/budgets.py --caps 400e6 150e6 --steps 4
 
 Each budget is one `python train.py plan=auto memory=budget memory.cap_bytes=<cap> ...` (the search,
-then real ranks, gloo, CPU). Measured peak: each rank's peak above what its process held before
-building its stages (`peak_above_start_bytes` of metrics.json). Run it on an otherwise idle machine.
+then real ranks, gloo, CPU). Measured peaks: each rank's tensors (`peak_tensor_bytes` of metrics.json,
+counted like CUDA's allocated peak), against the cap less `memory.reserve_bytes`; and its resident
+rise above what its process held apart from its tensors (`peak_above_start_bytes`), against the cap.
+Run it on an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def run(cap: float, steps: int, out: Path, extra: list[str]) -> dict:
             "candidates": m["plan_search"]["candidates"],
             "over_budget": m["plan_search"]["over_budget"],
             "predicted_peak": [r["predicted_peak_bytes"] for r in m["ranks"]],
+            "reserve": m["config"]["memory"]["reserve_bytes"],
+            "tensor_peak": [r["peak_tensor_bytes"] for r in m["ranks"]],
             "measured_peak": [r["peak_above_start_bytes"] for r in m["ranks"]]}
 
 
@@ -50,14 +54,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rows = [run(cap, args.steps, Path(tmp), args.extra) for cap in args.caps]
     print("| cap MiB | plan chosen | candidates (over budget) | predicted step ms | measured ms | predicted peak "
-          "MiB per device | measured MiB | fullest measured / cap |\n|---|---|---|---|---|---|---|---|")
+          "MiB per device | tensors MiB | fullest tensors / (cap - reserve) | resident MiB | fullest resident / cap |"
+          "\n|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         cap = f"{r['cap'] / MIB:.0f}" if r["cap"] < 1e11 else "none"
         if "error" in r:
-            print(f"| {cap} | failed: {r['error']} | | | | | | |")
+            print(f"| {cap} | failed: {r['error']} | | | | | | | | |")
             continue
         print(f"| {cap} | {r['plan']} | {r['candidates']} ({r['over_budget']}) | {r['planned_s'] * 1e3:.0f} | "
               f"{r['measured_s'] * 1e3:.0f} | {' / '.join(f'{p / MIB:.0f}' for p in r['predicted_peak'])} | "
+              f"{' / '.join(f'{p / MIB:.0f}' for p in r['tensor_peak'])} | "
+              f"{max(r['tensor_peak']) / (r['cap'] - r['reserve']):.2f} | "
               f"{' / '.join(f'{p / MIB:.0f}' for p in r['measured_peak'])} | "
               f"{max(r['measured_peak']) / r['cap']:.2f} |")
     if args.json:
