@@ -132,6 +132,7 @@ def _request(cfg: TrainConfig, spec: ModelSpec, traced: TracedModel, c: Candidat
         remat=c.remat if c else str(cfg.remat), memory_cap=cfg.memory.cap_bytes,
         reserve_bytes=cfg.memory.reserve_bytes, optimizer_states=optimizer_states(cfg.optimizer),
         bandwidth=cfg.link_bandwidth, profiled=profile, precision=str(cfg.precision),
+        evaluates=cfg.eval.every > 0,
         value_dtypes=_autocast_dtypes(cfg, spec, traced, micro_batch_size(cfg, microbatches), cuda),
         **facts)
 

@@ -155,6 +155,8 @@ class RankTrainer:
     def evaluate(self, batches: int) -> float:
         """Mean loss over held-out global batches 0..batches-1 (the data's `val_batch`), forward
         only, through the plan's inference schedule on the same stages (collective)."""
+        if self.plan.eval_schedule is None:  # the planner builds it only for runs with eval.every > 0
+            raise RuntimeError("this plan has no evaluation program: it was planned with eval.every=0")
         if self._eval is None:
             self._eval = Executor(self.plan.eval_schedule, self.ctx.pp_rank, self.slots, self.spec.loss_fn,
                                   self.ctx.device, loss_scale=float(self.plan.microbatches * self.plan.dp),

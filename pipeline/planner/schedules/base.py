@@ -9,7 +9,8 @@ its own requirements, and returns compute actions per rank; sends and receives c
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
@@ -77,8 +78,22 @@ class ScheduleGenerator:
     #: whether scheduler=auto and plan=auto try it unless `plan.schedulers` names the schedules
     searched_by_default: ClassVar[bool] = True
 
+    #: set by `first_order_only`: `best_filled` keeps the first candidate that fills
+    _first_order_only: ClassVar[bool] = False
+
     def stages_per_rank(self) -> int:
         return 1
+
+    @contextmanager
+    def first_order_only(self) -> Iterator[None]:
+        """Inside the block, `best_filled` keeps its first feasible candidate (the most promising):
+        for a caller that needs the order's shape, not its best step (the partitioner's in-flight
+        counts without a memory budget, before the measured costs choose the order that runs)."""
+        self._first_order_only = True
+        try:
+            yield
+        finally:
+            del self._first_order_only
 
     def use_stage_costs(
         self, forward_s: list[float], backward_input_s: list[float], backward_weight_s: list[float],
@@ -116,7 +131,7 @@ class ScheduleGenerator:
         error: ConfigError | None = None
         spent = 0
         for cand in candidates:
-            if best is not None and best.makespan <= floor * (1 + 1e-9):
+            if best is not None and (best.makespan <= floor * (1 + 1e-9) or self._first_order_only):
                 break
             spent += sum(len(acts) for acts in cand.orders)
             if best is not None and spent > CANDIDATE_WORK:
