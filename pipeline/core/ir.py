@@ -151,10 +151,9 @@ class Schedule:
 
     def grid(self) -> str:
         """One line per rank, compute actions only: a quick human-readable view."""
-        texts = [[(str(a), a.is_compute) for a in acts] for acts in self.actions]
-        width = max((len(t) for row in texts for t, _ in row), default=3)
-        return "\n".join(f"rank {rank}: " + " ".join(t.rjust(width) for t, compute in row if compute)
-                         for rank, row in enumerate(texts))
+        texts = [[str(a) for a in acts if a.kind in COMPUTE_KINDS] for acts in self.actions]
+        width = max((len(t) for row in texts for t in row), default=3)
+        return "\n".join(f"rank {rank}: " + " ".join(t.rjust(width) for t in row) for rank, row in enumerate(texts))
 
     def to_dict(self) -> dict:
         return {
