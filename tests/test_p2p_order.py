@@ -78,6 +78,16 @@ def test_plans_the_launcher_builds_pass_the_check(overrides: list[str]) -> None:
     assert any(a.peer is not None for acts in plan.schedule.actions for a in acts)
 
 
+def test_the_evaluation_program_is_planned_only_for_runs_that_evaluate() -> None:
+    base = [*FAST, "microbatches=4", "scheduler=zbv", "pp=2"]
+    assert prepare(compose_cfg(base)).plan.eval_schedule is None
+    plan = prepare(compose_cfg([*base, "eval.every=1"])).plan
+    evaluation = plan.eval_schedule
+    assert evaluation is not None and evaluation.lowered and not evaluation.training
+    assert any(a.peer is not None for acts in evaluation.actions for a in acts)
+    check_plan(plan)
+
+
 @st.composite
 def programs(draw) -> tuple[Schedule, list[tuple[int, int]]]:
     """A stage graph with skip edges, a placement, and compute programs drawn as the per-rank

@@ -229,3 +229,27 @@ def test_full_remat_prices_every_stage_as_recomputing() -> None:
     forward = [sum(g.nodes[n]["forward_s"] for n in stage) for stage in plain.stages()]
     assert again.stage_time_s == pytest.approx([t + f for t, f in zip(plain.stage_time_s, forward, strict=True)])
     assert min_memory_cap(g, 4, flights, remat_in_flight=remat, remat_all=True) < min_memory_cap(g, 4, flights)
+
+
+def test_in_flight_counts_without_a_budget_take_the_first_candidate_order(monkeypatch) -> None:
+    """The split's in-flight counts only break ties without a budget, so V-Min's unit-cost search
+    stops at its first feasible candidate there; under a cap every candidate is still tried, and
+    afterwards the generator searches as before."""
+    from pipeline.planner.budget import partition_request
+    from pipeline.planner.schedules import base, build_schedule
+    from pipeline.planner.schedules.v_memory import VMin
+
+    fills: list[int] = []
+    real_fill = base.Candidate.fill
+    monkeypatch.setattr(base.Candidate, "fill", lambda self, *a: fills.append(1) or real_fill(self, *a))
+    placement = [0, 1, 2, 3, 3, 2, 1, 0]
+    generator = VMin()
+    partition_request(generator, placement, 16, "none", None, 1e9)
+    assert len(fills) == 1
+    fills.clear()
+    partition_request(generator, placement, 16, "none", 1e9, 1e9)
+    budgeted = len(fills)
+    assert budgeted > 1
+    fills.clear()
+    build_schedule(generator, placement, 16)
+    assert len(fills) == budgeted
