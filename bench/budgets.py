@@ -44,6 +44,11 @@ def run(cap: float, steps: int, out: Path, extra: list[str]) -> dict:
             "measured_peak": [r["peak_above_start_bytes"] for r in m["ranks"]]}
 
 
+def _share(measured: float, cap: float) -> str:
+    """measured / cap, or a dash where there is no cap."""
+    return f"{measured / cap:.2f}" if cap < 1e11 else "—"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--caps", type=float, nargs="+", default=[1e12, 200e6, 120e6, 80e6])
@@ -64,9 +69,9 @@ def main() -> None:
         print(f"| {cap} | {r['plan']} | {r['candidates']} ({r['over_budget']}) | {r['planned_s'] * 1e3:.0f} | "
               f"{r['measured_s'] * 1e3:.0f} | {' / '.join(f'{p / MIB:.0f}' for p in r['predicted_peak'])} | "
               f"{' / '.join(f'{p / MIB:.0f}' for p in r['tensor_peak'])} | "
-              f"{max(r['tensor_peak']) / (r['cap'] - r['reserve']):.2f} | "
+              f"{_share(max(r['tensor_peak']), r['cap'] - r['reserve'])} | "
               f"{' / '.join(f'{p / MIB:.0f}' for p in r['measured_peak'])} | "
-              f"{max(r['measured_peak']) / r['cap']:.2f} |")
+              f"{_share(max(r['measured_peak']), r['cap'])} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 
