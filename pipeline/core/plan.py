@@ -82,6 +82,10 @@ class PlanMeta:
     #: this machine: ranks' worth of cores when local ranks need more (CPU), optimizer s per byte
     rank_slots: float | None = None
     optimizer_s_per_byte: float = 0.0
+    #: the optimizer step's temporaries per byte: of a rank's largest parameter tensor, of all its
+    #: parameters (`predict.optimizer_temporaries`); and per stage its largest parameter tensor
+    optimizer_temporaries: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    stage_largest_param_bytes: list[float] | None = None
     #: what the runtime pays beyond compute: seconds per message (the predictions' link latency)
     #: and per compute action (`pipeline.planner.overheads`)
     link_latency_s: float | None = None

@@ -24,8 +24,9 @@ from pipeline.graph.trace import TracedModel
 from pipeline.planner.build import PlanRequest, build_plan, needs_profile, plugin_name
 from pipeline.planner.fit import fit_budget
 from pipeline.planner.memory import optimizer_states
+from pipeline.planner.optimizer_costs import optimizer_seconds_per_byte, optimizer_temporaries
 from pipeline.planner.overheads import cached_overheads
-from pipeline.planner.predict import Prediction, optimizer_seconds_per_byte, predict
+from pipeline.planner.predict import Prediction, predict
 from pipeline.planner.schedules.base import ScheduleGenerator
 from pipeline.planner.search import Candidate, SearchResult
 from pipeline.planner.space import GroupOptions, instantiate_scheduler, is_auto, search, search_space
@@ -90,12 +91,13 @@ def _scheduler(cfg: TrainConfig) -> ScheduleGenerator:
 
 def _machine_facts(cfg: TrainConfig, cuda: bool, profile: bool) -> dict:
     """What the prediction reads of this machine: how many ranks' worth of cores it has when the
-    local ranks need more (CPU), the optimizer's time per parameter byte, and the runtime's
+    local ranks need more (CPU), the optimizer's time and temporaries per parameter byte, and the runtime's
     latency per message and fixed cost per compute action (`overheads`)."""
     threads = cpu_threads(cfg.threads, cfg.world_size)
     latency, action = runtime_overheads(cfg, cuda, profile, threads)
     return {"rank_slots": rank_slots(cfg, cuda),
             "optimizer_s_per_byte": optimizer_seconds_per_byte(cfg.optimizer, threads) if profile else 0.0,
+            "optimizer_temporaries": optimizer_temporaries(cfg.optimizer, cuda) if profile else (0.0, 0.0),
             "link_latency_s": latency, "action_overhead_s": action}
 
 

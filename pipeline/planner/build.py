@@ -149,6 +149,7 @@ class PlanRequest:
     value_dtypes: Mapping[str, torch.dtype] | None = None
     rank_slots: float | None = None
     optimizer_s_per_byte: float = 0.0
+    optimizer_temporaries: tuple[float, float] = (0.0, 0.0)
     link_latency_s: float = LINK_LATENCY_S
     action_overhead_s: float = 0.0
     #: whether the run evaluates (eval.every > 0): only then is the forward-only program built
@@ -282,6 +283,9 @@ def _plan_meta(traced: TracedModel, split, part: Partition, stages: list[StagePl
             "partitioner": plugin_name(req.partitioner), "partition": partition_summary(part),
             "profiled": req.profiled, "precision": req.precision, "rank_slots": req.rank_slots,
             "optimizer_s_per_byte": req.optimizer_s_per_byte,
+            "optimizer_temporaries": list(req.optimizer_temporaries),
+            "stage_largest_param_bytes": [max((float(p.numel() * p.element_size()) for p in gm.parameters()),
+                                              default=0.0) for gm in split.stages],
             "link_latency_s": req.link_latency_s, "action_overhead_s": req.action_overhead_s,
             "model_param_bytes": sum(traced.graph.graph.get("param_sizes", {}).values()),
             "stage_tensors": [sorted({traced.param_aliases.get(n, n) for n, _ in [

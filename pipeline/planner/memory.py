@@ -12,6 +12,11 @@ device's stages is priced, e.g. an LM head's logits and their gradient), and a r
 the process holds beyond the model's tensors once it trains (kernel scratch buffers, the autograd
 thread's allocator arena, communication buffers: `memory.reserve_bytes`, measured about 50 MiB a
 rank on this project's CPU runs).
+
+After the backward the activations are gone, and the update holds its own temporaries: the
+data-parallel all-reduce's flat copy of the gradients (dp > 1), then the optimizer step's
+(`UpdateMemory`). A device's peak is the larger of the two phases above its parameters, gradients
+and optimizer state: with many small micro-batches the update can be the larger.
 """
 
 from __future__ import annotations
@@ -58,21 +63,47 @@ class DeviceMemory:
     recompute: float = 0.0
     workspace: float = 0.0
     reserve: float = 0.0
+    #: the update's temporaries after the backward (`UpdateMemory`)
+    update: float = 0.0
+
+    @property
+    def backward(self) -> float:
+        """What the schedule's phase holds above the parameters, gradients and optimizer state."""
+        return self.activations + self.recompute + self.workspace
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.recompute + self.workspace \
-            + self.reserve
+        return self.params + self.grads + self.optimizer + max(self.backward, self.update) + self.reserve
 
     def to_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
 
     def breakdown(self) -> str:
-        """`params 10.0 + grads 10.0 + optimizer 20.0 + activations 3.1 MiB` (recompute when any)."""
-        parts = [("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer),
-                 ("activations", self.activations)] + ([("recompute", self.recompute)] if self.recompute else []) \
-            + [("workspace", self.workspace), ("reserve", self.reserve)]
-        return " + ".join(f"{label} {value / MIB:.1f}" for label, value in parts) + " MiB"
+        """`params 10.0 + grads 10.0 + optimizer 20.0 + activations 3.1 + ... MiB` (recompute when
+        any; the update in place of the backward's terms where it is the larger)."""
+        phase = [("activations", self.activations)] + ([("recompute", self.recompute)] if self.recompute else []) \
+            + [("workspace", self.workspace)]
+        text = " + ".join(f"{label} {value / MIB:.1f}" for label, value in phase)
+        if self.update > self.backward:
+            text = f"update {self.update / MIB:.1f} (more than the backward's {text})"
+        return (f"params {self.params / MIB:.1f} + grads {self.grads / MIB:.1f} + optimizer {self.optimizer / MIB:.1f}"
+                f" + {text} + reserve {self.reserve / MIB:.1f} MiB")
+
+
+@dataclass(frozen=True)
+class UpdateMemory:
+    """What prices the update's temporaries: per stage its largest parameter tensor (bytes), the
+    optimizer's temporaries per byte (of the largest tensor, of all the rank's parameters:
+    `predict.optimizer_temporaries`), and the data-parallel degree (dp > 1 all-reduces the
+    gradients through one flat copy of them)."""
+
+    largest_param_bytes: Sequence[float] | None = None
+    temporaries: tuple[float, float] = (0.0, 0.0)
+    dp: int = 1
+
+    def bytes(self, params: float, largest: float) -> float:
+        per_largest, per_all = self.temporaries
+        return max(per_largest * largest + per_all * params, params if self.dp > 1 else 0.0)
 
 
 def device_memory(
@@ -83,11 +114,13 @@ def device_memory(
     recompute_bytes: Sequence[float] | None = None,
     workspace_bytes: Sequence[float] | None = None,
     reserve_bytes: float = 0.0,
+    update: UpdateMemory | None = None,
 ) -> list[DeviceMemory]:
     """Per rank: the parameters of its stages (a parameter two of its stages share counts twice:
     a slight over-estimate), as much again in gradients, `states_per_param` times as much in
     optimizer state, the simulated activation peak, the largest region it recomputes, the largest
-    backward workspace of its stages (per stage: its largest node's activations) and the reserve."""
+    backward workspace of its stages (per stage: its largest node's activations), the reserve,
+    and the update's temporaries."""
     pp = max(placement) + 1
     params = [0.0] * pp
     for stage, rank in enumerate(placement):
@@ -98,8 +131,11 @@ def device_memory(
     def largest(values: list[float], rank: int) -> float:
         return max((float(values[s]) for s, rr in enumerate(placement) if rr == rank), default=0.0)
 
+    update = update or UpdateMemory()
+    tensors = list(update.largest_param_bytes) if update.largest_param_bytes else [0.0] * len(placement)
     return [DeviceMemory(r, params[r], params[r], states_per_param * params[r], float(activation_peak[r]),
-                         largest(regions, r), largest(spaces, r), float(reserve_bytes))
+                         largest(regions, r), largest(spaces, r), float(reserve_bytes),
+                         update.bytes(params[r], largest(tensors, r)))
             for r in range(pp)]
 
 

@@ -6,19 +6,15 @@
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from hydra.utils import instantiate
 
-from pipeline.core.config import PluginConfig
 from pipeline.core.plan import Plan
 from pipeline.planner.costs import cost_model_from_plan
-from pipeline.planner.memory import DeviceMemory, device_memory
+from pipeline.planner.memory import DeviceMemory, UpdateMemory, device_memory
 from pipeline.planner.shared_cores import shared_makespan
 from pipeline.planner.simulate import CostModel, SimResult, simulate
 
@@ -65,7 +61,9 @@ def predict(plan: Plan, latency_s: float, bandwidth: float) -> Prediction:
     part = plan.meta.partition
     devices = device_memory(part["stage_param_bytes"], plan.schedule.placement, result.peak_activation_bytes,
                             int(plan.meta.optimizer_states), plan.meta.stage_recompute_region_bytes,
-                            plan.meta.stage_workspace_bytes, float(plan.meta.reserve_bytes or 0.0))
+                            plan.meta.stage_workspace_bytes, float(plan.meta.reserve_bytes or 0.0),
+                            update=UpdateMemory(plan.meta.stage_largest_param_bytes,
+                                                tuple(plan.meta.optimizer_temporaries), plan.dp))
     schedule_s = result.makespan_s
     slots = plan.meta.rank_slots
     if slots:  # more local ranks than cores: busy ranks share them (pipeline/planner/shared_cores.py)
@@ -73,19 +71,3 @@ def predict(plan: Plan, latency_s: float, bandwidth: float) -> Prediction:
     per_byte = float(plan.meta.optimizer_s_per_byte or 0.0)
     optimizer = [d.params * per_byte for d in devices]
     return Prediction(plan, cost, result, devices, schedule_s, optimizer)
-
-
-def optimizer_seconds_per_byte(optimizer_cfg: PluginConfig, threads: int, numel: int = 1 << 20) -> float:
-    """Time one step of the configured optimizer over a parameter of `numel` floats, per byte of
-    parameter (median of a few steps, at the ranks' thread count): its cost grows with the bytes
-    it updates, and a stage's parameter bytes are known before any rank exists."""
-    param = torch.nn.Parameter(torch.zeros(numel))
-    param.grad = torch.full_like(param, 1e-3)
-    with profiling_threads(threads):
-        opt = instantiate(optimizer_cfg)([param])
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            opt.step()
-            times.append(time.perf_counter() - start)
-    return statistics.median(times[1:]) / (numel * param.element_size())

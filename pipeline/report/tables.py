@@ -134,7 +134,7 @@ def device_memory_table(plan: Plan, ranks: Sequence[dict] | None = None) -> str:
     mib = 2**20
     cap = plan.meta.memory_cap
     head = (f"{'rank':>5} {'params':>8} {'grads':>8} {'optim':>8} {'act':>8} {'recomp':>7} {'wkspace':>7} "
-            f"{'reserve':>7} {'predicted':>10}"
+            f"{'update':>7} {'reserve':>7} {'predicted':>10}"
             + (f" {'tensors':>8} {'ratio':>6} {'resident':>9} {'ratio':>6}" if ranks else ""))
     lines = [f"memory per device, MiB (predicted peak{f'; cap {cap / mib:.1f}' if cap else ''}):", head]
     tensors: dict[int, list[int]] = {}
@@ -146,7 +146,7 @@ def device_memory_table(plan: Plan, ranks: Sequence[dict] | None = None) -> str:
     for d in plan.meta.device_memory:
         row = (f"{d['rank']:>5} {d['params'] / mib:>8.1f} {d['grads'] / mib:>8.1f} {d['optimizer'] / mib:>8.1f} "
                f"{d['activations'] / mib:>8.1f} {d['recompute'] / mib:>7.1f} {d['workspace'] / mib:>7.1f} "
-               f"{d['reserve'] / mib:>7.1f} {d['total'] / mib:>10.1f}")
+               f"{d.get('update', 0.0) / mib:>7.1f} {d['reserve'] / mib:>7.1f} {d['total'] / mib:>10.1f}")
         if d["rank"] in tensors:
             got, live = max(tensors[d["rank"]]), d["total"] - d["reserve"]
             row += f" {got / mib:>8.1f} {got / live if live else 0.0:>6.2f}"

@@ -1,0 +1,96 @@
+"""What the configured optimizer costs beyond its state: time per parameter byte, and the
+temporaries its step holds (memory the update phase needs after the backward).
+
+Both are measured on this machine with the optimizer as configured, so that any `torch.optim`
+class (or a user's) is priced without a table. The time is a few steps over one tensor at the
+ranks' thread count. The temporaries come from torch's profiler (`TensorPeak`), whose first use
+in a process costs about a second, so they are cached per optimizer config, device kind and torch
+version beside the profiles (`$PIPELAUNCH_CACHE/optimizer/`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from pipeline.core.config import PluginConfig
+from pipeline.planner.predict import profiling_threads
+from pipeline.planner.profile import cache_dir
+from pipeline.runtime.memory import TensorPeak
+
+#: how the temporaries are measured (part of the cache key)
+MEASURE_VERSION = "2-and-4-tensors"
+
+
+def optimizer_seconds_per_byte(optimizer_cfg: PluginConfig, threads: int, numel: int = 1 << 20) -> float:
+    """Time one step of the configured optimizer over a parameter of `numel` floats, per byte of
+    parameter (median of a few steps, at the ranks' thread count): its cost grows with the bytes
+    it updates, and a stage's parameter bytes are known before any rank exists."""
+    param = torch.nn.Parameter(torch.zeros(numel))
+    param.grad = torch.full_like(param, 1e-3)
+    with profiling_threads(threads):
+        opt = instantiate(optimizer_cfg)([param])
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) / (numel * param.element_size())
+
+
+def optimizer_temporaries(optimizer_cfg: PluginConfig, cuda: bool) -> tuple[float, float]:
+    """What the optimizer's step allocates beyond its state, per parameter byte: (of a rank's largest
+    parameter tensor, of all its parameters); cached (module docstring)."""
+    config = OmegaConf.to_yaml(optimizer_cfg) if OmegaConf.is_config(optimizer_cfg) else json.dumps(
+        optimizer_cfg, sort_keys=True, default=str)
+    key = hashlib.sha256("|".join([config, str(cuda), torch.__version__, MEASURE_VERSION]).encode()).hexdigest()[:16]
+    path = cache_dir() / "optimizer" / f"{key}.json"
+    if path.exists():
+        per_largest, per_all = json.loads(path.read_text())
+        return float(per_largest), float(per_all)
+    found = measure_temporaries(optimizer_cfg, cuda)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(list(found)))
+    tmp.replace(path)  # complete or invisible
+    return found
+
+
+def measure_temporaries(optimizer_cfg: PluginConfig, cuda: bool, numel: int = 1 << 16) -> tuple[float, float]:
+    """(per byte of the largest parameter tensor, per byte of all parameters) that one step holds.
+    A single-tensor implementation (torch's default on CPU) updates one tensor at a time: AdamW
+    holds two temporaries of the tensor it updates and one of the one before, three times the
+    largest at most. A foreach one (torch's default on CUDA, asked for here when the run is on
+    CUDA) holds one of every parameter at once. One step over two tensors of one size and one over
+    four tell them apart: what grows from two to four is per byte of all parameters, the rest of
+    the two-tensor step per byte of the largest."""
+    size = float(numel * 4)
+    two, four = (_step_rise(optimizer_cfg, cuda, [numel] * count) for count in (2, 4))
+    per_all = max(0.0, (four - two) / (2 * size))
+    return max(0.0, two / size - 2 * per_all), per_all
+
+
+def _step_rise(optimizer_cfg: PluginConfig, cuda: bool, sizes: list[int]) -> float:
+    """The most a step over parameters of `sizes` floats holds at once beyond what it started
+    with (a first step makes the optimizer's state, which is not counted)."""
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    factory = instantiate(optimizer_cfg)
+    chosen = any(k in optimizer_cfg for k in ("foreach", "fused"))
+    try:  # as torch picks on CUDA tensors, unless the config chose
+        opt = factory(params, foreach=True) if cuda and not chosen else factory(params)
+    except TypeError:  # an optimizer without the option
+        opt = factory(params)
+    opt.step()
+    meter = TensorPeak(torch.device("cpu"), lambda: 0, run_steps=2)
+    with meter.measure(0):
+        opt.step()
+    return float(meter.peak or 0)
