@@ -60,3 +60,48 @@ def test_tensor_peak_counts_what_tensors_held_at_once_like_cuda_does() -> None:
     steps, peak = map(int, proc.stdout.split())
     assert steps == 2
     assert peak == 4 * 2**20 + 32 * 2**20 + 8 * 2**20
+
+
+# Rank 0 sends eight 1 MiB messages to rank 1, receiving a small reply after each; rank 1 replies
+# after each message it receives. What rank 0's tensors hold at once is printed.
+SENDS_PROBE = """
+import sys, torch, torch.distributed as dist
+from pipeline.runtime.comm import P2P
+from pipeline.runtime.memory import TensorPeak
+rank, store = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+p2p, peer, one = P2P(torch.device("cpu")), 1 - rank, ((1,), torch.float32)
+meter = TensorPeak(torch.device("cpu"), lambda: 0, run_steps=2)
+with meter.measure(0):
+    for i in range(8):
+        if rank == 0:
+            p2p.send("message", peer, [torch.ones(2**18)])
+            p2p.post_recv(i, "reply", peer, [one], i)
+            p2p.wait_recv(i)
+        else:
+            p2p.post_recv(i, "message", peer, [((2**18,), torch.float32)], i)
+            p2p.wait_recv(i)
+            p2p.send("reply", peer, [torch.ones(1)])
+    p2p.wait_sends()
+dist.barrier()
+print(meter.peak)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_cpu_rank_drops_what_it_sent_once_the_peer_has_answered(tmp_path: Path) -> None:
+    """gloo's send works never report completion before `wait()`: without the pair-order release a
+    rank held every message of the step (8 MiB here); with it, a message is dropped once the
+    peer's next message arrives, so rank 0 never holds more than two at once."""
+    store = str(tmp_path / "store")
+    procs = [subprocess.Popen([sys.executable, "-c", SENDS_PROBE, str(r), store], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=80) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+    peak = int(outs[0][0].split()[-1])
+    assert peak <= 2 * 2**20 + 4096, peak
