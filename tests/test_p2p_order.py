@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from launcher.validate import prepare
 from pipeline.core.errors import ConfigError
 from pipeline.core.ir import Action, Kind, Schedule
+from pipeline.core.plan import Plan
 from pipeline.planner.lowering import lower, sequential_edges
 from pipeline.planner.p2p_check import P2POrderError, TensorSpec, check_p2p, check_plan
 from pipeline.planner.placement import placement_for
@@ -78,7 +79,7 @@ def test_plans_the_launcher_builds_pass_the_check(overrides: list[str]) -> None:
     assert any(a.peer is not None for acts in plan.schedule.actions for a in acts)
 
 
-def test_the_evaluation_program_is_planned_only_for_runs_that_evaluate() -> None:
+def test_the_evaluation_program_is_planned_only_for_runs_that_evaluate(tmp_path) -> None:
     base = [*FAST, "microbatches=4", "scheduler=zbv", "pp=2"]
     assert prepare(compose_cfg(base)).plan.eval_schedule is None
     plan = prepare(compose_cfg([*base, "eval.every=1"])).plan
@@ -86,6 +87,12 @@ def test_the_evaluation_program_is_planned_only_for_runs_that_evaluate() -> None
     assert evaluation is not None and evaluation.lowered and not evaluation.training
     assert any(a.peer is not None for acts in evaluation.actions for a in acts)
     check_plan(plan)
+    # plan.json keeps both programs, each rank's actions on one line, and reads back the same
+    plan.write(tmp_path / "plan.json")
+    back = Plan.read(tmp_path / "plan.json")
+    assert back.schedule.actions == plan.schedule.actions and back.eval_schedule.actions == evaluation.actions
+    lines = (tmp_path / "plan.json").read_text().splitlines()
+    assert sum(line.strip().startswith('["') for line in lines) == 2 * plan.pp
 
 
 @st.composite
