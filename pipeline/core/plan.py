@@ -88,7 +88,7 @@ class PlanMeta:
     rank_slots: float | None = None
     optimizer_s_per_byte: float = 0.0
     #: the optimizer step's temporaries per byte: of a rank's largest parameter tensor, of all its
-    #: parameters (`predict.optimizer_temporaries`); and per stage its largest parameter tensor
+    #: parameters (`optimizer_costs.optimizer_temporaries`); and per stage its largest parameter tensor
     optimizer_temporaries: list[float] = field(default_factory=lambda: [0.0, 0.0])
     stage_largest_param_bytes: list[float] | None = None
     #: what the runtime pays beyond compute: seconds per message (the predictions' link latency)

@@ -12,6 +12,7 @@ exists); recomputing stages (remat) hold full activations for fewer of them and 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import networkx as nx
 
@@ -32,10 +33,8 @@ def partition_request(
     the generator's first candidate order instead of the best of them (at pp=64 with 256
     micro-batches, V-Min's candidates took 1.4 s)."""
     placement = list(placement)
-    if cap is None:  # the counts only break ties between splits: the first candidate order will do
-        with generator.first_order_only():
-            plain = build_schedule(generator, placement, microbatches).peak_in_flight()
-    else:
+    # without a cap the counts only break ties between splits: the first candidate order will do
+    with generator.first_order_only() if cap is None else nullcontext():
         plain = build_schedule(generator, placement, microbatches).peak_in_flight()
     if not generator.training or remat == "none" or (remat == "auto" and cap is None):
         return PartitionRequest(bandwidth, plain, cap)

@@ -94,7 +94,7 @@ class DeviceMemory:
 class UpdateMemory:
     """What prices the update's temporaries: per stage its largest parameter tensor (bytes), the
     optimizer's temporaries per byte (of the largest tensor, of all the rank's parameters:
-    `predict.optimizer_temporaries`), and the data-parallel degree (dp > 1 all-reduces the
+    `optimizer_costs.optimizer_temporaries`), and the data-parallel degree (dp > 1 all-reduces the
     gradients through one flat copy of them)."""
 
     largest_param_bytes: Sequence[float] | None = None

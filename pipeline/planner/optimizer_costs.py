@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 import time
 
@@ -22,11 +21,11 @@ from omegaconf import OmegaConf
 
 from pipeline.core.config import PluginConfig
 from pipeline.planner.predict import profiling_threads
-from pipeline.planner.profile import cache_dir
+from pipeline.planner.profile import load_cached, save_cached
 from pipeline.runtime.memory import TensorPeak
 
-#: how the temporaries are measured (part of the cache key)
-MEASURE_VERSION = "2-and-4-tensors"
+#: how the temporaries are measured and stored (part of the cache key)
+MEASURE_VERSION = "2-and-4-tensors-v2"
 
 
 def optimizer_seconds_per_byte(optimizer_cfg: PluginConfig, threads: int, numel: int = 1 << 20) -> float:
@@ -50,17 +49,14 @@ def optimizer_temporaries(optimizer_cfg: PluginConfig, cuda: bool) -> tuple[floa
     parameter tensor, of all its parameters); cached (module docstring)."""
     config = OmegaConf.to_yaml(optimizer_cfg) if OmegaConf.is_config(optimizer_cfg) else json.dumps(
         optimizer_cfg, sort_keys=True, default=str)
-    key = hashlib.sha256("|".join([config, str(cuda), torch.__version__, MEASURE_VERSION]).encode()).hexdigest()[:16]
-    path = cache_dir() / "optimizer" / f"{key}.json"
-    if path.exists():
-        per_largest, per_all = json.loads(path.read_text())
-        return float(per_largest), float(per_all)
-    found = measure_temporaries(optimizer_cfg, cuda)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(list(found)))
-    tmp.replace(path)  # complete or invisible
-    return found
+    digest = hashlib.sha256("|".join([config, str(cuda), torch.__version__, MEASURE_VERSION]).encode())
+    key = f"optimizer/{digest.hexdigest()[:16]}"
+    cached = load_cached(key)
+    if cached is not None:
+        return float(cached["per_largest"]), float(cached["per_all"])
+    per_largest, per_all = measure_temporaries(optimizer_cfg, cuda)
+    save_cached(key, {"per_largest": per_largest, "per_all": per_all})
+    return per_largest, per_all
 
 
 def measure_temporaries(optimizer_cfg: PluginConfig, cuda: bool, numel: int = 1 << 16) -> tuple[float, float]:

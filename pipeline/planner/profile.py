@@ -102,11 +102,11 @@ def load_cached(key: str) -> dict[str, Any] | None:
 
 
 def save_cached(key: str, data: dict[str, Any]) -> Path:
-    """Write atomically, so concurrent sweep jobs never read half a file."""
-    directory = cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{key}.json"
-    tmp = directory / f".{key}.{os.getpid()}.tmp"
+    """Write atomically, so concurrent sweep jobs never read half a file. `key` may name a
+    subdirectory of the cache ("optimizer/<hash>")."""
+    path = cache_dir() / f"{key}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
     tmp.replace(path)
     return path

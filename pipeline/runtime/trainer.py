@@ -318,24 +318,22 @@ def train_rank(cfg: TrainConfig, plan: Plan, ctx: RankContext, run_dir: Path | N
 def _memory_before_model(trainer: RankTrainer) -> float:
     """What the rank held before its model's tensors: measured once the stages exist (building them
     imports and traces, which costs the process tens of MB that no plan can shrink), minus them."""
-    held = sum(t.numel() * t.element_size()
-               for t in [*trainer.params, *{id(b): b for m in trainer.modules for b in m.buffers()}.values()])
-    return current_memory_bytes(trainer.ctx.device) - held
+    return current_memory_bytes(trainer.ctx.device) - _tensor_bytes_held(trainer)
 
 
 def _restart_resident_measure(trainer: RankTrainer) -> float:
     """After the steps whose tensors were counted: the heap's free pages (the profiler's among them)
     go back to the kernel, and the resident measure starts again from what the rank holds apart
-    from its tensors now, as `_memory_before_model` does before the first step."""
+    from its tensors now (`_memory_before_model`, as before the first step)."""
     release_free_memory()
-    at_start = current_memory_bytes(trainer.ctx.device) - _tensor_bytes_held(trainer)
+    at_start = _memory_before_model(trainer)
     reset_peak(trainer.ctx.device)
     return at_start
 
 
 def _tensor_bytes_held(trainer: RankTrainer) -> int:
-    """Bytes of the tensors the rank holds before training: parameters, their gradients, buffers
-    and (resumed) optimizer state, each storage once."""
+    """Bytes of the tensors the rank holds between steps: parameters, their gradients, buffers and
+    optimizer state, each storage once."""
     tensors = [*trainer.params, *(p.grad for p in trainer.params if p.grad is not None),
                *(b for m in trainer.modules for b in m.buffers())]
     if trainer.optimizer is not None:

@@ -164,33 +164,27 @@ class _Fill:
                         waiting.setdefault((True, (s + 1) * m + mb), []).append(r)
                         break
                     ready = max(ready, grad + hop[s])
-            if not glued or act not in glued:  # W that fit before it, the cap's, the backlog's, alpha's
-                if kind is kind_f:
-                    while held >= cap:
-                        if not pending:
-                            raise ConfigError("microbatches", f"the schedule's order holds more than {cap} "
-                                                              f"micro-batches on rank {r} before {act}")
-                        ws, wmb = pending.popleft()
-                        program.append(W(ws, wmb))
-                        free += weight_grad[ws]
-                        held -= 1
-                while len(pending) > backlog:
+            if not glued or act not in glued:
+                # W before it: those the cap forces out before a forward, those past the backlog and
+                # those that end before its input arrives; then one more if the gap left is at least
+                # alpha of it
+                slack = ready + 1e-9 * max(1.0, abs(ready))  # a W that fits exactly fits, rounding aside
+                stretched = False
+                while pending:
+                    w = weight_grad[pending[0][0]]
+                    if not ((kind is kind_f and held >= cap) or len(pending) > backlog or free + w <= slack):
+                        if not (ready > free and ready - free >= alpha * w):
+                            break
+                        stretched = True
                     ws, wmb = pending.popleft()
                     program.append(W(ws, wmb))
-                    free += weight_grad[ws]
+                    free += w
                     held -= 1
-                if pending:
-                    slack = ready + 1e-9 * max(1.0, abs(ready))  # a W that fits exactly fits, rounding aside
-                    while pending and free + weight_grad[pending[0][0]] <= slack:
-                        ws, wmb = pending.popleft()
-                        program.append(W(ws, wmb))
-                        free += weight_grad[ws]
-                        held -= 1
-                    if pending and ready > free and ready - free >= alpha * weight_grad[pending[0][0]]:
-                        ws, wmb = pending.popleft()
-                        program.append(W(ws, wmb))
-                        free += weight_grad[ws]
-                        held -= 1
+                    if stretched:
+                        break
+                if kind is kind_f and held >= cap:
+                    raise ConfigError("microbatches", f"the schedule's order holds more than {cap} "
+                                                      f"micro-batches on rank {r} before {act}")
             # place it
             start = free if free > ready else ready
             if first is None:
