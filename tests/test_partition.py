@@ -241,7 +241,7 @@ def test_in_flight_counts_without_a_budget_take_the_first_candidate_order(monkey
 
     fills: list[int] = []
     real_fill = base.Candidate.fill
-    monkeypatch.setattr(base.Candidate, "fill", lambda self, *a: fills.append(1) or real_fill(self, *a))
+    monkeypatch.setattr(base.Candidate, "fill", lambda self, *a, **k: fills.append(1) or real_fill(self, *a, **k))
     placement = [0, 1, 2, 3, 3, 2, 1, 0]
     generator = VMin()
     partition_request(generator, placement, 16, "none", None, 1e9)
@@ -253,3 +253,22 @@ def test_in_flight_counts_without_a_budget_take_the_first_candidate_order(monkey
     fills.clear()
     build_schedule(generator, placement, 16)
     assert len(fills) == budgeted
+
+
+def test_the_first_finished_order_is_not_simulated_when_only_its_shape_is_needed(monkeypatch) -> None:
+    """ZBV's first candidate is the paper's finished order: the split's in-flight counts without a
+    budget take it without playing it on the costs (a simulation of 98k actions at pp=64); the
+    search that chooses the order that runs still plays every candidate."""
+    from pipeline.planner.budget import partition_request
+    from pipeline.planner.placement import v_shape
+    from pipeline.planner.schedules import base, build_schedule
+    from pipeline.planner.schedules.zbv import ZBV
+
+    played: list[int] = []
+    real = base.simulate_programs
+    monkeypatch.setattr(base, "simulate_programs", lambda *a, **k: played.append(1) or real(*a, **k))
+    generator = ZBV(fuse_backward=False)
+    partition_request(generator, v_shape(4), 16, "none", None, 1e9)
+    assert not played
+    build_schedule(generator, v_shape(4), 16)
+    assert played

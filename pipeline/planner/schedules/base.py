@@ -37,9 +37,13 @@ class Candidate(NamedTuple):
     glued: frozenset[Action] = frozenset()
     backlog: Sequence[int] | None = None
 
-    def fill(self, placement: list[int], microbatches: int, costs: StageCosts) -> Filled:
+    def fill(self, placement: list[int], microbatches: int, costs: StageCosts, timed: bool = True) -> Filled:
+        """The programs and the step they take; finished programs untimed (an infinite step) unless
+        `timed` (a caller keeping the first candidate needs no step)."""
         if self.cap is None:
             programs = [list(acts) for acts in self.orders]
+            if not timed:
+                return Filled(programs, math.inf)
             triple = (list(costs.forward), list(costs.input_grad), list(costs.weight_grad))
             fused = list(costs.backward) if costs.backward is not None else None
             sim = simulate_programs(programs, placement, microbatches, triple, fused, costs.hop)
@@ -137,7 +141,7 @@ class ScheduleGenerator:
             if best is not None and spent > CANDIDATE_WORK:
                 break
             try:
-                got = cand.fill(placement, microbatches, costs)
+                got = cand.fill(placement, microbatches, costs, timed=not self._first_order_only)
             except ConfigError as err:
                 error = error or err
                 continue

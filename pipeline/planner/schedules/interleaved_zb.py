@@ -14,7 +14,8 @@ the same settings; the fastest candidate is kept. Same placement and micro-batch
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -24,8 +25,11 @@ from pipeline.planner.schedules.interleaved import Interleaved1F1B, interleaved_
 from pipeline.planner.schedules.weight_fill import deferred_by
 from pipeline.planner.schedules.zero_bubble import ALPHAS
 
+#: per rank, its actions in order
+Programs = tuple[tuple[Action, ...], ...]
 
-def peak_held(programs: list[list[Action]]) -> list[int]:
+
+def peak_held(programs: Sequence[Sequence[Action]]) -> list[int]:
     """Per rank, the most (stage, micro-batch) pairs a program holds at once: from the F to the B
     (to the W with a split backward)."""
     peaks = []
@@ -36,6 +40,20 @@ def peak_held(programs: list[list[Action]]) -> list[int]:
             peak = max(peak, held)
         peaks.append(peak)
     return peaks
+
+
+@functools.lru_cache(maxsize=4)
+def critical_orders(pp: int, v: int, microbatches: int) -> tuple[dict[int, Programs], dict[int, Programs], tuple[int, ...]]:
+    """Per warm-up (one or two forwards a hop), interleaved 1F1B's order with I for B, and that order
+    with torch's W rule (rank r defers r W); and the memory bound: what the busiest rank holds under
+    the leaner of torch's rule and interleaved 1F1B. Kept per shape, since none of it depends on the
+    costs: the split is priced on one of these orders and the measured costs then choose among
+    them (at pp=64 with 256 micro-batches they take 0.2 s to write)."""
+    orders = {hop: tuple(tuple(I(a.stage, a.mb) if a.kind is Kind.B else a for a in acts)
+                         for acts in interleaved_order(pp, v, microbatches, hop)) for hop in (1, 2)}
+    references = {hop: tuple(map(tuple, deferred_by(order, list(range(pp))))) for hop, order in orders.items()}
+    bound = (min(max(peak_held(references[1])), max(peak_held(interleaved_order(pp, v, microbatches)))),) * pp
+    return orders, references, bound
 
 
 @dataclass
@@ -51,17 +69,11 @@ class InterleavedZB(Interleaved1F1B):
 
     def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
         pp = max(placement) + 1
-        v = len(placement) // pp
-        orders = {hop: [[I(a.stage, a.mb) if a.kind is Kind.B else a for a in acts]
-                        for acts in interleaved_order(pp, v, microbatches, hop)] for hop in (1, 2)}
-        backlog = list(range(pp))
-        references = {hop: deferred_by(order, backlog) for hop, order in orders.items()}
-        # the memory: what the busiest rank holds under the leaner of torch's rule and interleaved 1F1B
-        bound = [min(max(peak_held(references[1])), max(peak_held(interleaved_order(pp, v, microbatches))))] * pp
+        orders, references, bound = critical_orders(pp, len(placement) // pp, microbatches)
         return self.best_filled(self._candidates(orders, references, bound), placement, microbatches)
 
     @staticmethod
-    def _candidates(orders: dict, references: dict, bound: list[int]) -> Iterator[Candidate]:
+    def _candidates(orders: dict, references: dict, bound: Sequence[int]) -> Iterator[Candidate]:
         """Torch's warm-up (one forward a hop to the last rank) and Megatron's (two), each with rank
         r deferring r W (torch's rule) where that stays within `bound`, and with the W placed on the
         costs within it by every ALPHAS, with and without that backlog."""
