@@ -70,5 +70,6 @@ def reprice_for_schedule(part: Partition, schedule: Schedule) -> None:
     was cut for the schedule's unit-cost order; a cost-aware order (zbv, zb_h2, hanayo on a
     measured profile) may hold its micro-batches on other stages. The device check that follows
     plays the final schedule itself."""
-    held, full = schedule.peak_in_flight(held=True), schedule.peak_in_flight()
-    part.reprice(held, full, schedule.remat_stages())
+    remat = schedule.remat_stages()
+    held = schedule.peak_in_flight(held=True)
+    part.reprice(held, schedule.peak_in_flight() if remat else held, remat)  # the same count without R

@@ -38,8 +38,8 @@ def sequential_edges(num_stages: int) -> list[tuple[int, int]]:
     return [(s, s + 1) for s in range(num_stages - 1)]
 
 
-def causal_order(schedule: Schedule) -> dict[tuple[int, int], int]:
-    """(rank, index in its compute program) -> position in one order of all compute actions in
+def causal_order(schedule: Schedule) -> list[list[int]]:
+    """[rank][index in its compute program] -> position in one order of all compute actions in
     which every action comes after the ones it depends on (and after its rank's earlier ones).
 
     Played with unit costs: every action lasts 1, so a consumer ends strictly after its producer;
@@ -50,7 +50,10 @@ def causal_order(schedule: Schedule) -> dict[tuple[int, int], int]:
                        schedule.compute_only(), schedule.training)
     ends = compute_end_times(compute, CostModel.uniform(schedule.num_stages))
     keyed = sorted((end, rank, i) for rank, times in enumerate(ends) for i, end in enumerate(times))
-    return {(rank, i): position for position, (_, rank, i) in enumerate(keyed)}
+    positions = [[0] * len(times) for times in ends]
+    for position, (_, rank, i) in enumerate(keyed):
+        positions[rank][i] = position
+    return positions
 
 
 def lower(schedule: Schedule, edges: Iterable[tuple[int, int]] | None = None,
@@ -97,18 +100,17 @@ class _Links(NamedTuple):
 _Made = tuple[list[list[int | None]], list[list[int | None]]]
 
 
-def _made_at(programs: list[list[Action]], order: dict[tuple[int, int], int], num_stages: int,
-             microbatches: int) -> _Made:
+def _made_at(programs: list[list[Action]], order: list[list[int]], num_stages: int, microbatches: int) -> _Made:
     """Who produces each (direction, producer-side stage, mb): the causal position of its compute
     action (the forward's outputs, or the backward's input gradients); the last one if repeated."""
     forward: list[list[int | None]] = [[None] * microbatches for _ in range(num_stages)]
     backward: list[list[int | None]] = [[None] * microbatches for _ in range(num_stages)]
-    for rank, acts in enumerate(programs):
-        for i, a in enumerate(acts):
+    for acts, positions in zip(programs, order, strict=True):
+        for a, position in zip(acts, positions, strict=True):
             if a.kind is Kind.F:
-                forward[a.stage][a.mb] = order[(rank, i)]
+                forward[a.stage][a.mb] = position
             elif a.kind in BACKWARD_KINDS:
-                backward[a.stage][a.mb] = order[(rank, i)]
+                backward[a.stage][a.mb] = position
     return forward, backward
 
 

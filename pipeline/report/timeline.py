@@ -9,6 +9,7 @@ is optional (parsed from `action` when missing).
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Sequence
 
@@ -57,13 +58,16 @@ def _mb_of(event: dict) -> int | None:
 def _draw_panel(ax: plt.Axes, events: Sequence[dict], title: str, t0: float) -> None:
     """One row per rank: bars where each can be told apart, else rows of pixels (a pp=64 step of
     256 micro-batches has 32k-100k actions on ~1200 pixel columns)."""
-    ranks = sorted({int(e["rank"]) for e in events}) or [0]
-    end = max((float(e["end_s"]) - t0 for e in events), default=1.0) or 1.0
-    # One collection per (rank, kind), not one bar per action.
+    # One collection per (rank, kind), not one bar per action; one pass over the events.
     bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    end = 0.0
     for e in events:
-        start = float(e["start_s"]) - t0
-        bars.setdefault((int(e["rank"]), str(e["kind"])), []).append((start, float(e["end_s"]) - t0 - start))
+        start, stop = float(e["start_s"]) - t0, float(e["end_s"]) - t0
+        bars.setdefault((int(e["rank"]), str(e["kind"])), []).append((start, stop - start))
+        if stop > end:
+            end = stop
+    end = end or 1.0
+    ranks = sorted({rank for rank, _ in bars}) or [0]
     columns = _columns(ax)
     busiest = max((sum(len(v) for (r, _), v in bars.items() if r == rank) for rank in ranks), default=0)
     if busiest * MIN_BAR_PX > columns:
@@ -167,16 +171,15 @@ def draw_timeline(
     panels = [("measured", list(measured_events))]
     if simulated_events is not None:
         panels.append(("simulated", list(simulated_events)))
-    num_ranks = max((int(e["rank"]) for _, evs in panels for e in evs), default=0) + 1
+    extents = [_extent(events) for _, events in panels]
+    num_ranks = max(last_rank for *_, last_rank, _ in extents) + 1
     height = sum(1.0 + 0.35 * num_ranks for _ in panels) + 0.8
     fig, axes = plt.subplots(len(panels), 1, figsize=(12, height), squeeze=False)
     _set_margins(fig, len(panels), f"rank {num_ranks - 1}")
-    for ax, (label, events) in zip(axes[:, 0], panels, strict=True):
-        t0 = min((float(e["start_s"]) for e in events), default=0.0)
-        span = max((float(e["end_s"]) for e in events), default=t0) - t0
-        panel_title = f"{label}: {span:.4g} s" if len(panels) > 1 else f"{span:.4g} s"
+    for ax, (label, events), (t0, t1, _, _) in zip(axes[:, 0], panels, extents, strict=True):
+        panel_title = f"{label}: {t1 - t0:.4g} s" if len(panels) > 1 else f"{t1 - t0:.4g} s"
         _draw_panel(ax, events, panel_title, t0)
-    kinds = {str(e["kind"]) for _, evs in panels for e in evs}
+    kinds = set().union(*(kinds for *_, kinds in extents))
     handles = [Patch(color=c, label=k) for k, c in COLORS.items() if k in kinds]
     if kinds & _COMM:
         handles.append(Patch(color=COMM_COLOR, label="comm"))
@@ -186,6 +189,24 @@ def draw_timeline(
     fig.savefig(path, dpi=SAVE_DPI)
     plt.close(fig)
     return str(path)
+
+
+def _extent(events: Sequence[dict]) -> tuple[float, float, int, set[str]]:
+    """One pass over a panel's events: its first start, its last end, its last rank and its kinds
+    ((0, 0, 0, none) for no events)."""
+    if not events:
+        return 0.0, 0.0, 0, set()
+    first, last, last_rank, kinds = math.inf, -math.inf, 0, set()
+    for e in events:
+        start, end, rank = float(e["start_s"]), float(e["end_s"]), int(e["rank"])
+        if start < first:
+            first = start
+        if end > last:
+            last = end
+        if rank > last_rank:
+            last_rank = rank
+        kinds.add(str(e["kind"]))
+    return first, last, last_rank, kinds
 
 
 def _set_margins(fig: plt.Figure, panels: int, widest_label: str) -> None:

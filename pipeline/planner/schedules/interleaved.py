@@ -81,13 +81,16 @@ def interleaved_order(pp: int, v: int, microbatches: int, hop_warmup: int = 2) -
             chunk = v - 1 - chunk
         return chunk, group * pp + within % pp
 
+    # every rank runs its chunks in the same (chunk, micro-batch) sequence
+    forward_slots = [slot(k, False) for k in range(total)]
+    backward_slots = [slot(k, True) for k in range(total)]
     programs: list[list[Action]] = []
     for r in range(pp):
         all_first = m == pp and v > 1 and hop_warmup == 2
         warmup = total if all_first else min(total, hop_warmup * (pp - 1 - r) + (v - 1) * pp)
         acts: list[Action] = []
-        forwards = [F(chunk * pp + r, mb) for chunk, mb in (slot(k, False) for k in range(total))]
-        backwards = [B(chunk * pp + r, mb) for chunk, mb in (slot(k, True) for k in range(total))]
+        forwards = [F(chunk * pp + r, mb) for chunk, mb in forward_slots]
+        backwards = [B(chunk * pp + r, mb) for chunk, mb in backward_slots]
         acts += forwards[:warmup]
         for k in range(total - warmup):
             acts += [forwards[warmup + k], backwards[k]]

@@ -43,17 +43,22 @@ def peak_held(programs: Sequence[Sequence[Action]]) -> list[int]:
 
 
 @functools.lru_cache(maxsize=4)
-def critical_orders(pp: int, v: int, microbatches: int) -> tuple[dict[int, Programs], dict[int, Programs], tuple[int, ...]]:
+def critical_orders(pp: int, v: int, microbatches: int) -> tuple[dict[int, Programs], dict[int, Programs | None],
+                                                                  tuple[int, ...]]:
     """Per warm-up (one or two forwards a hop), interleaved 1F1B's order with I for B, and that order
-    with torch's W rule (rank r defers r W); and the memory bound: what the busiest rank holds under
-    the leaner of torch's rule and interleaved 1F1B. Kept per shape, since none of it depends on the
-    costs: the split is priced on one of these orders and the measured costs then choose among
-    them (at pp=64 with 256 micro-batches they take 0.2 s to write)."""
-    orders = {hop: tuple(tuple(I(a.stage, a.mb) if a.kind is Kind.B else a for a in acts)
-                         for acts in interleaved_order(pp, v, microbatches, hop)) for hop in (1, 2)}
+    with torch's W rule (rank r defers r W) where it stays within the memory bound (else None); and
+    the bound: what the busiest rank holds under the leaner of torch's rule and interleaved 1F1B.
+    Kept per shape, since none of it depends on the costs: the split is priced on one of these
+    orders and the measured costs then choose among them (at pp=64 with 256 micro-batches they take
+    0.2 s to write)."""
+    plain = {hop: interleaved_order(pp, v, microbatches, hop) for hop in (1, 2)}
+    orders = {hop: tuple(tuple(I(a.stage, a.mb) if a.kind is Kind.B else a for a in acts) for acts in programs)
+              for hop, programs in plain.items()}
     references = {hop: tuple(map(tuple, deferred_by(order, list(range(pp))))) for hop, order in orders.items()}
-    bound = (min(max(peak_held(references[1])), max(peak_held(interleaved_order(pp, v, microbatches)))),) * pp
-    return orders, references, bound
+    held = {hop: peak_held(programs) for hop, programs in references.items()}
+    bound = (min(max(held[1]), max(peak_held(plain[2]))),) * pp  # interleaved 1F1B warms up two forwards a hop
+    fitting = {hop: programs if max(held[hop]) <= bound[0] else None for hop, programs in references.items()}
+    return orders, fitting, bound
 
 
 @dataclass
@@ -79,7 +84,7 @@ class InterleavedZB(Interleaved1F1B):
         costs within it by every ALPHAS, with and without that backlog."""
         backlog = list(range(len(bound)))
         for hop in (1, 2):
-            if all(p <= b for p, b in zip(peak_held(references[hop]), bound, strict=True)):
+            if references[hop] is not None:
                 yield Candidate(references[hop])
             yield from (Candidate(orders[hop], bound, alpha, backlog=backlog) for alpha in ALPHAS)
             yield from (Candidate(orders[hop], bound, alpha) for alpha in ALPHAS)

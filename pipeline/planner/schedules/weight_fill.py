@@ -20,6 +20,7 @@ far as its inputs allow, so the gap before every critical action is known when i
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -108,7 +109,8 @@ class _Fill:
         self.free = [0.0] * self.pp
         self.pos = [0] * self.pp
         self.held = [0] * self.pp
-        self.pending: list[deque[tuple[int, int]]] = [deque() for _ in range(self.pp)]
+        self.pending: list[deque[Action]] = [deque() for _ in range(self.pp)]
+        self.weight_actions = weight_actions(self.n, microbatches)
         self.programs: list[list[Action]] = [[] for _ in range(self.pp)]
         self.first: list[float | None] = [None] * self.pp
         self.waiting: dict[tuple[bool, int], list[int]] = {}
@@ -137,7 +139,7 @@ class _Fill:
         f_end, g_end, hop = self.f_end, self.g_end, self.costs.hop
         forward, input_grad, weight_grad = self.costs.forward, self.costs.input_grad, self.costs.weight_grad
         cap, backlog, alpha = self.cap[r], self.backlog[r], self.alpha
-        pending, program = self.pending[r], self.programs[r]
+        pending, program, weight_of = self.pending[r], self.programs[r], self.weight_actions
         free, pos, held, first = self.free[r], self.pos[r], self.held[r], self.first[r]
         kind_f, kind_i, kind_w = Kind.F, Kind.I, Kind.W
         while pos < len(order):
@@ -171,13 +173,12 @@ class _Fill:
                 slack = ready + 1e-9 * max(1.0, abs(ready))  # a W that fits exactly fits, rounding aside
                 stretched = False
                 while pending:
-                    w = weight_grad[pending[0][0]]
+                    w = weight_grad[pending[0][0]]  # its stage
                     if not ((kind is kind_f and held >= cap) or len(pending) > backlog or free + w <= slack):
                         if not (ready > free and ready - free >= alpha * w):
                             break
                         stretched = True
-                    ws, wmb = pending.popleft()
-                    program.append(W(ws, wmb))
+                    program.append(pending.popleft())
                     free += w
                     held -= 1
                     if stretched:
@@ -198,7 +199,7 @@ class _Fill:
             else:
                 if kind is kind_i:
                     free = start + input_grad[s]
-                    pending.append((s, mb))
+                    pending.append(weight_of[idx])
                 else:
                     free = start + (weight_grad[s] if kind is kind_w else self.costs.fused(s))
                     held -= 1
@@ -211,10 +212,17 @@ class _Fill:
         return woken
 
     def _put_w(self, r: int) -> None:
-        s, mb = self.pending[r].popleft()
-        self.programs[r].append(W(s, mb))
-        self.free[r] += self.costs.weight_grad[s]
+        w = self.pending[r].popleft()
+        self.programs[r].append(w)
+        self.free[r] += self.costs.weight_grad[w.stage]
         self.held[r] -= 1
+
+
+@functools.lru_cache(maxsize=4)
+def weight_actions(num_stages: int, microbatches: int) -> tuple[Action, ...]:
+    """Every W of a shape, at s * microbatches + mb: made once and shared by the candidates, which
+    each place all of them (65k at pp=64 with 256 micro-batches)."""
+    return tuple(W(s, mb) for s in range(num_stages) for mb in range(microbatches))
 
 
 def deferred_by(orders: Sequence[Sequence[Action]], backlog: Sequence[int]) -> list[list[Action]]:
