@@ -130,7 +130,9 @@ class Progress:
         self.m = microbatches
         #: end[step][stage * m + mb]: finish time, None until it finished
         self.end: list[list[float | None]] = [[None] * (num_stages * microbatches) for _ in Step]
-        self.waiting: dict[tuple[int, int], list[int]] = {}
+        #: waiting[step][stage * m + mb]: the ranks waiting for it to finish, None for none (lists,
+        #: not a dict of tuples: a play notes and wakes once per action)
+        self.waiting: list[list[list[int] | None]] = [[None] * (num_stages * microbatches) for _ in Step]
 
     def earliest_start(self, waits: tuple[Wait, ...], mb: int, start: float, rank: int) -> float | None:
         """The earliest time, not before `start`, at which an action waiting for `waits` of `mb`
@@ -139,7 +141,12 @@ class Progress:
         for step, stage, delay in waits:
             t = end[step][stage * m + mb]
             if t is None:
-                self.waiting.setdefault((step, stage * m + mb), []).append(rank)
+                waiters = self.waiting[step]
+                idx = stage * m + mb
+                if waiters[idx] is None:
+                    waiters[idx] = [rank]
+                else:
+                    waiters[idx].append(rank)  # type: ignore[union-attr]
                 return None
             t += delay
             if t > start:
@@ -150,7 +157,16 @@ class Progress:
         """Record `step` of (stage, mb) as finished at `t`; the ranks that were waiting on it."""
         idx = stage * self.m + mb
         self.end[step][idx] = t
-        return self.waiting.pop((step, idx), ())
+        return self.woken(step, idx)
+
+    def woken(self, step: int, idx: int) -> Sequence[int]:
+        """The ranks waiting for `step` of stage * m + mb = `idx`, now that it finished (forgotten)."""
+        waiters = self.waiting[step]
+        ranks = waiters[idx]
+        if ranks is None:
+            return ()
+        waiters[idx] = None
+        return ranks
 
     def finished(self, step: int, stage: int, mb: int) -> bool:
         return self.end[step][stage * self.m + mb] is not None

@@ -55,8 +55,8 @@ class _SharedPlay:
         """Play until every action has ended; returns when the last one ends. One loop with its
         helpers inlined: it turns once per start or end of an action (200k at pp=64)."""
         jobs, pos, running, pending = self.jobs, self.pos, self.running, self.pending
-        earliest_start, ended, waiting, m = (self.progress.earliest_start, self.progress.end, self.progress.waiting,
-                                             self.progress.m)
+        earliest_start, ended, woken_by, m = (self.progress.earliest_start, self.progress.end, self.progress.woken,
+                                              self.progress.m)
         now = virtual = 0.0
         left = self.left
         woken = list(range(len(jobs)))
@@ -89,6 +89,6 @@ class _SharedPlay:
                 left -= 1
                 woken.append(rank)
                 ended[step][stage * m + mb] = now  # `Progress.finish`
-                woken.extend(waiting.pop((step, stage * m + mb), ()))
+                woken.extend(woken_by(step, stage * m + mb))
             while pending and pending[0][0] <= now:
                 woken.append(heapq.heappop(pending)[1])

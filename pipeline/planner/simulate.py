@@ -290,8 +290,9 @@ def transfer_delays(schedule: Schedule, cost: CostModel) -> list[float]:
     return [cost.transfer_s(out_b[s]) if s + 1 < n and placement[s] != placement[s + 1] else 0.0 for s in range(n)]
 
 
-def simulate(schedule: Schedule, cost: CostModel, check: bool = True) -> SimResult:
-    """Run `schedule` on `cost`; raises ScheduleError if it is invalid or deadlocks."""
+def simulate(schedule: Schedule, cost: CostModel, check: bool = True, memory: bool = True) -> SimResult:
+    """Run `schedule` on `cost`; raises ScheduleError if it is invalid or deadlocks. Without
+    `memory` the activations are not tracked (the peaks come out 0): for callers comparing steps."""
     # Lowering would only add SEND/RECV actions whose effect the dependencies already model, so an
     # unlowered schedule is simulated as is (this keeps pp=64 x hundreds of micro-batches fast);
     # a lowered one has its communication actions skipped.
@@ -299,9 +300,9 @@ def simulate(schedule: Schedule, cost: CostModel, check: bool = True) -> SimResu
         validate(schedule)
     if cost.num_stages != schedule.num_stages:
         raise ValueError(f"cost model has {cost.num_stages} stages, schedule {schedule.num_stages}")
-    play = _Play(schedule, cost)
+    play = _Play(schedule, cost, memory)
     play.run()
-    if schedule.lowered:
+    if schedule.lowered and memory:
         _in_flight(schedule, cost, play.raw_events, play.mem_events)
     return play.result()
 
@@ -337,8 +338,8 @@ class _Play:
     """One simulated step: every rank runs its compute program in order, each action starting once
     the rules of `pipeline.planner.dependencies` allow it; the loop follows ranks as they unblock."""
 
-    def __init__(self, schedule: Schedule, cost: CostModel) -> None:
-        self.schedule, self.cost = schedule, cost
+    def __init__(self, schedule: Schedule, cost: CostModel, memory: bool = True) -> None:
+        self.schedule, self.cost, self.memory = schedule, cost, memory
         pp = schedule.pp
         # Programs are compute-only: RECVs are implied by dependencies, SENDs are asynchronous.
         self.programs = [[a for a in acts if a.kind in COMPLETES] for acts in schedule.actions]
@@ -371,12 +372,12 @@ class _Play:
                      Kind.W: cost.backward_weight_s, Kind.R: cost.recompute_s}
         table: dict[tuple[Kind, bool], list[_Effect]] = {}
         for (kind, remat), per_stage in waits.items():
-            if not schedule.training:  # forward-only: every action costs and completes a forward
+            if not schedule.training:  # forward-only: every action costs and completes a forward (no memory)
                 table[(kind, remat)] = [_Effect(per_stage[s], Step.FORWARD, cost.forward_s[s], None)
                                         for s in range(schedule.num_stages)]
             else:
                 table[(kind, remat)] = [_Effect(per_stage[s], COMPLETES[kind], durations[kind][s],  # type: ignore[index]
-                                                self._memory(kind, s, remat))
+                                                self._memory(kind, s, remat) if self.memory else None)
                                         for s in range(schedule.num_stages)]
         return table
 
@@ -435,8 +436,12 @@ class _Play:
                 self.first[rank] = start
             events.append((rank, pos, start, end))
             pos += 1
-            ended[step][s * m + mb] = end
-            woken.extend(waiting.pop((step, s * m + mb), ()))
+            idx = s * m + mb
+            ended[step][idx] = end
+            waiters = waiting[step]
+            if waiters[idx] is not None:  # `Progress.woken` inlined
+                woken.extend(waiters[idx])
+                waiters[idx] = None
         if pos > start0:
             self.pos[rank], self.free_at[rank], self.last[rank], self.busy[rank] = pos, free_at, free_at, busy
             self.remaining -= pos - start0
@@ -566,12 +571,13 @@ def simulate_programs(programs: list[list[Action]], placement: list[int], microb
                       backward: list[float] | None = None, hop: Sequence[float] | None = None) -> SimResult:
     """Simulate compute-only programs under (F, I, W) costs (numbers or per stage); a fused B costs
     `backward` per stage when given, else I + W; `hop[s]`: the transfer over the cut after stage s
-    where it joins two ranks (none by default). What schedule generators compare candidates by."""
+    where it joins two ranks (none by default). What schedule generators compare candidates by: the
+    step and the spans (no memory is tracked: the peaks come out 0)."""
     n = len(placement)
     f, i, w = ([float(x)] * n if not isinstance(x, (list, tuple)) else [float(v) for v in x] for x in costs)
     schedule = Schedule("play-through", n, microbatches, list(placement), programs)
     links = {} if hop is None else {"output_bytes": [*map(float, hop), 0.0][:n], "bandwidth_bytes_per_s": 1.0}
-    return simulate(schedule, CostModel(f, i, w, backward_s=backward, **links), check=False)
+    return simulate(schedule, CostModel(f, i, w, backward_s=backward, **links), check=False, memory=False)
 
 
 def makespan(programs: list[list[Action]], placement: list[int], microbatches: int, costs: tuple,

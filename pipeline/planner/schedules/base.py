@@ -90,9 +90,10 @@ class ScheduleGenerator:
 
     @contextmanager
     def first_order_only(self) -> Iterator[None]:
-        """Inside the block, `best_filled` keeps its first feasible candidate (the most promising):
-        for a caller that needs the order's shape, not its best step (the partitioner's in-flight
-        counts without a memory budget, before the measured costs choose the order that runs)."""
+        """Inside the block, `best_filled` keeps its first feasible candidate (the most promising),
+        neither timed nor with its backwards fused: for a caller that needs the order's shape, not
+        its best step (the partitioner's in-flight counts without a memory budget, before the
+        measured costs choose the order that runs; they only break ties between splits there)."""
         self._first_order_only = True
         try:
             yield
@@ -150,7 +151,7 @@ class ScheduleGenerator:
         if best is None:
             raise error or ConfigError("microbatches", f"scheduler {self.name!r} has no order for these settings")
         programs = best.programs
-        if getattr(self, "fuse_backward", False):
+        if getattr(self, "fuse_backward", False) and not self._first_order_only:
             triple = (list(costs.forward), list(costs.input_grad), list(costs.weight_grad))
             fused = list(costs.backward) if costs.backward is not None else None
             programs = fuse_slack_backwards(programs, placement, microbatches, triple, fused, costs.hop)

@@ -113,7 +113,9 @@ class _Fill:
         self.weight_actions = weight_actions(self.n, microbatches)
         self.programs: list[list[Action]] = [[] for _ in range(self.pp)]
         self.first: list[float | None] = [None] * self.pp
-        self.waiting: dict[tuple[bool, int], list[int]] = {}
+        #: per (stage, mb) whose F (resp. I or B) is not placed yet: the ranks waiting for it
+        self.f_waiting: list[list[int] | None] = [None] * (self.n * microbatches)
+        self.g_waiting: list[list[int] | None] = [None] * (self.n * microbatches)
 
     def run(self) -> Filled:
         ready = list(range(self.pp))
@@ -135,14 +137,15 @@ class _Fill:
         that were waiting on what it placed. One loop with the state in locals: it runs once per
         critical action, 65k times per candidate at pp=64 with 256 micro-batches."""
         order, woken = self.orders[r], []
-        m, n, glued, waiting = self.m, self.n, self.glued, self.waiting
+        m, n, glued, f_waiting, g_waiting = self.m, self.n, self.glued, self.f_waiting, self.g_waiting
         f_end, g_end, hop = self.f_end, self.g_end, self.costs.hop
         forward, input_grad, weight_grad = self.costs.forward, self.costs.input_grad, self.costs.weight_grad
         cap, backlog, alpha = self.cap[r], self.backlog[r], self.alpha
         pending, program, weight_of = self.pending[r], self.programs[r], self.weight_actions
         free, pos, held, first = self.free[r], self.pos[r], self.held[r], self.first[r]
         kind_f, kind_i, kind_w = Kind.F, Kind.I, Kind.W
-        while pos < len(order):
+        length = len(order)
+        while pos < length:
             act = order[pos]
             s, kind, mb = act[0], act[1], act[2]
             # when its inputs are all there; else wait for the first one missing
@@ -152,25 +155,27 @@ class _Fill:
                 else:
                     end = f_end[(s - 1) * m + mb]
                     if end is None:
-                        waiting.setdefault((False, (s - 1) * m + mb), []).append(r)
+                        _wait(f_waiting, (s - 1) * m + mb, r)
                         break
                     ready = end + hop[s - 1]
             else:
                 ready = f_end[s * m + mb]
                 if ready is None:
-                    waiting.setdefault((False, s * m + mb), []).append(r)
+                    _wait(f_waiting, s * m + mb, r)
                     break
                 if s + 1 != n:
                     grad = g_end[(s + 1) * m + mb]
                     if grad is None:
-                        waiting.setdefault((True, (s + 1) * m + mb), []).append(r)
+                        _wait(g_waiting, (s + 1) * m + mb, r)
                         break
-                    ready = max(ready, grad + hop[s])
+                    grad += hop[s]
+                    if grad > ready:
+                        ready = grad
             if not glued or act not in glued:
                 # W before it: those the cap forces out before a forward, those past the backlog and
                 # those that end before its input arrives; then one more if the gap left is at least
                 # alpha of it
-                slack = ready + 1e-9 * max(1.0, abs(ready))  # a W that fits exactly fits, rounding aside
+                slack = ready + 1e-9 * (ready if ready > 1.0 else 1.0)  # a W that fits exactly fits (times are >= 0)
                 stretched = False
                 while pending:
                     w = weight_grad[pending[0][0]]  # its stage
@@ -195,7 +200,10 @@ class _Fill:
             if kind is kind_f:
                 free = f_end[idx] = start + forward[s]
                 held += 1
-                key = (False, idx)
+                waiters = f_waiting[idx]
+                if waiters is not None:
+                    woken.extend(waiters)
+                    f_waiting[idx] = None
             else:
                 if kind is kind_i:
                     free = start + input_grad[s]
@@ -204,9 +212,10 @@ class _Fill:
                     free = start + (weight_grad[s] if kind is kind_w else self.costs.fused(s))
                     held -= 1
                 g_end[idx] = free
-                key = (True, idx)
-            if key in waiting:
-                woken.extend(waiting.pop(key))
+                waiters = g_waiting[idx]
+                if waiters is not None:
+                    woken.extend(waiters)
+                    g_waiting[idx] = None
             pos += 1
         self.free[r], self.pos[r], self.held[r], self.first[r] = free, pos, held, first
         return woken
@@ -216,6 +225,14 @@ class _Fill:
         self.programs[r].append(w)
         self.free[r] += self.costs.weight_grad[w.stage]
         self.held[r] -= 1
+
+
+def _wait(waiting: list[list[int] | None], idx: int, rank: int) -> None:
+    """Note that `rank` waits for the action at `idx` (of `f_waiting` or `g_waiting`)."""
+    if waiting[idx] is None:
+        waiting[idx] = [rank]
+    else:
+        waiting[idx].append(rank)  # type: ignore[union-attr]
 
 
 @functools.lru_cache(maxsize=4)

@@ -163,9 +163,9 @@ class _ListScheduler:
 
     def _start_woken(self, t: float, woken: set[int]) -> None:
         """Let each woken idle rank, lowest first, pick and start its next action at `t`."""
-        for r in sorted(self.idle):
-            if r not in woken:
-                continue
+        turn = sorted(woken & self.idle)  # a sorted list is a heap
+        while turn:
+            r = heapq.heappop(turn)
             if self.releases[r]:
                 self._release_slots(r, t)
             got = self._pick(r, t)
@@ -177,8 +177,9 @@ class _ListScheduler:
             self.idle.discard(r)
             released = self.released_rank[act.kind][act.stage]
             heapq.heappush(self.busy, (t + dur, r, released))
-            if dur == 0:  # done already: a later rank of this same pass may use it, as it ends now
-                woken.add(released)
+            if dur == 0 and released > r and released in self.idle and released not in woken:
+                woken.add(released)  # done already: a later rank of this same pass may use it, as it ends now
+                heapq.heappush(turn, released)
 
     def _next_ends(self) -> tuple[float, set[int]]:
         """Advance to the next action end; the ranks it frees and those it may let start."""
