@@ -6,6 +6,7 @@ actions only (F, B, I, W, R); `pipeline.planner.lowering` derives the sends and 
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from enum import Enum
@@ -72,6 +73,14 @@ class Action(NamedTuple):
     @property
     def is_compute(self) -> bool:
         return self.kind in COMPUTE_KINDS
+
+
+@functools.lru_cache(maxsize=16)
+def action_table(kind: Kind, num_stages: int, microbatches: int) -> tuple[Action, ...]:
+    """Every `kind` action of a shape, at stage * microbatches + mb: made once and shared (Actions
+    are immutable) by the orders and candidates that each write all of them, 65k per kind at pp=64
+    with 256 micro-batches."""
+    return tuple(Action(s, kind, mb) for s in range(num_stages) for mb in range(microbatches))
 
 
 def F(stage: int, mb: int) -> Action:  # noqa: N802 - reads like the notation in papers

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from pipeline.core.errors import ConfigError
-from pipeline.core.ir import Action, F, I, Kind
+from pipeline.core.ir import Action, I, Kind, action_table
 from pipeline.planner.placement import v_shape
 from pipeline.planner.schedules.base import Candidate, ScheduleGenerator, require_microbatches_at_least
 from pipeline.planner.schedules.weight_fill import StageCosts
@@ -80,7 +80,9 @@ def block_order(placement: list[int], microbatches: int, costs: StageCosts, fron
     for s in range(n):
         for k in range(microbatches):  # at equal times an input gradient first: it frees memory
             timed[placement[s]] += [(forward[s] + start[k], 1, s, k), (back[s] + start[k], 0, s, k)]
-    return [[F(s, k) if kind else I(s, k) for _, kind, s, k in sorted(events)] for events in timed]
+    forwards, inputs = action_table(Kind.F, n, microbatches), action_table(Kind.I, n, microbatches)
+    return [[(forwards if kind else inputs)[s * microbatches + k] for _, kind, s, k in sorted(events)]
+            for events in timed]
 
 
 def fronts(pp: int, budget: int) -> list[int]:

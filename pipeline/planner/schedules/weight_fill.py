@@ -20,14 +20,13 @@ far as its inputs allow, so the gap before every critical action is known when i
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeline.core.errors import ConfigError
-from pipeline.core.ir import Action, Kind, W
+from pipeline.core.ir import Action, Kind, W, action_table
 
 
 @dataclass(frozen=True)
@@ -110,7 +109,7 @@ class _Fill:
         self.pos = [0] * self.pp
         self.held = [0] * self.pp
         self.pending: list[deque[Action]] = [deque() for _ in range(self.pp)]
-        self.weight_actions = weight_actions(self.n, microbatches)
+        self.weight_actions = action_table(Kind.W, self.n, microbatches)
         self.programs: list[list[Action]] = [[] for _ in range(self.pp)]
         self.first: list[float | None] = [None] * self.pp
         #: per (stage, mb) whose F (resp. I or B) is not placed yet: the ranks waiting for it
@@ -233,13 +232,6 @@ def _wait(waiting: list[list[int] | None], idx: int, rank: int) -> None:
         waiting[idx] = [rank]
     else:
         waiting[idx].append(rank)  # type: ignore[union-attr]
-
-
-@functools.lru_cache(maxsize=4)
-def weight_actions(num_stages: int, microbatches: int) -> tuple[Action, ...]:
-    """Every W of a shape, at s * microbatches + mb: made once and shared by the candidates, which
-    each place all of them (65k at pp=64 with 256 micro-batches)."""
-    return tuple(W(s, mb) for s in range(num_stages) for mb in range(microbatches))
 
 
 def deferred_by(orders: Sequence[Sequence[Action]], backlog: Sequence[int]) -> list[list[Action]]:

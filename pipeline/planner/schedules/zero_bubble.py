@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from pipeline.core.errors import ConfigError
-from pipeline.core.ir import Action, B, F, I, Kind, W
+from pipeline.core.ir import Action, F, I, Kind, W, action_table
 from pipeline.planner.dependencies import Step, Wait, released_stage, wait_table
 from pipeline.planner.schedules.base import Candidate, ScheduleGenerator, require_microbatches_at_least
 from pipeline.planner.schedules.orders import one_f_one_b
@@ -135,6 +135,8 @@ class _ListScheduler:
         self.releases: list[list[tuple[float, int]]] = [[] for _ in range(pp)]  # (time, in-flight slots freed)
         self.programs: list[list[Action]] = [[] for _ in range(pp)]
         self.remaining = n * microbatches * (3 if split_backward else 2)
+        #: the actions it picks from, at stage * m + mb
+        self.acts = {kind: action_table(kind, n, microbatches) for kind in (Kind.F, Kind.B, Kind.I, Kind.W)}
 
     def _checks(self, waits: tuple[Wait, ...]) -> tuple[tuple[list[float], int], ...]:
         """A stage's waits as (the ends of their step, the offset of their stage): an action of
@@ -246,7 +248,7 @@ class _ListScheduler:
                 self.f_ends[s * m + mb] = t + self.cf[s]
                 self.inflight[r] += 1
                 self.waiting_b[r] += 1
-                return F(s, mb), self.cf[s]
+                return self.acts[Kind.F][s * m + mb], self.cf[s]
         return None
 
     def _reserved(self, r: int, s: int) -> int:
@@ -278,10 +280,10 @@ class _ListScheduler:
             self.pending_w[r].append((s, mb))
             if self.eager_w and any(self.next_f[d] < self.m for d in self.stages_of[r]):
                 self.just_i[r] = (s, mb)
-            return I(s, mb), self.ci[s]
+            return self.acts[Kind.I][s * self.m + mb], self.ci[s]
         self.g_ends[s * self.m + mb] = t + self.cb[s]
         self.releases[r].append((t + self.cb[s], 1))
-        return B(s, mb), self.cb[s]
+        return self.acts[Kind.B][s * self.m + mb], self.cb[s]
 
     def _eager_w(self, r: int, t: float) -> tuple[Action, float]:
         """The W of the I the rank just ran."""
@@ -297,7 +299,7 @@ class _ListScheduler:
 
     def _start_w(self, r: int, t: float, s: int, mb: int) -> tuple[Action, float]:
         self.releases[r].append((t + self.cw[s], 1))
-        return W(s, mb), self.cw[s]
+        return self.acts[Kind.W][s * self.m + mb], self.cw[s]
 
 
 def _linear_check(gen: ScheduleGenerator, pp: int, microbatches: int, placement: list[int]) -> None:
