@@ -348,7 +348,7 @@ ALPHAS = (0.5, math.inf, 0.0, 1.0)
 
 #: stage-micro-batches above which the greedy play-through is not tried as one more candidate (it
 #: is the slow one, and at that size the templates win): plans for p = 64 stay within seconds
-GREEDY_LIMIT = 4096
+GREEDY_LIMIT = 8192
 
 
 def greedy_candidate(gen: ScheduleGenerator, placement: list[int], microbatches: int, **play) -> list[Candidate]:
@@ -432,14 +432,23 @@ class ZBH2(ScheduleGenerator):
     cost_aware: bool = True
     #: run an I and its W as one fused B wherever the simulated step does not grow (schedules/fuse.py)
     fuse_backward: bool = True
+    #: micro-batches a rank may hold (F to W); None: ZB-H2's 2p - 1. The Zero Bubble paper's
+    #: automatic ZB-2p is given 2p: one more lets rank 0 forward until the first input gradient
+    #: returns over the hops, where 2p - 1 makes it wait about (p - 1)(I + 2 hop - F)
+    in_flight: int | None = None
 
     def check(self, pp: int, microbatches: int, placement: list[int]) -> None:
         _linear_check(self, pp, microbatches, placement)
         require_microbatches_at_least(self.name, microbatches, 1, "it needs at least one micro-batch")
+        if self.in_flight is not None and (isinstance(self.in_flight, bool) or not isinstance(self.in_flight, int)
+                                           or self.in_flight < pp):
+            raise ConfigError("scheduler.in_flight", f"got {self.in_flight!r}; valid: null (2p - 1 = {2 * pp - 1}, "
+                                                     f"ZB-H2's) or an integer >= pp = {pp} (2p = {2 * pp}: the "
+                                                     "memory of the Zero Bubble paper's ZB-2p)")
 
     def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
         pp = len(placement)
-        cap = 2 * pp - 1
+        cap = 2 * pp - 1 if self.in_flight is None else self.in_flight
         greedy = greedy_candidate(self, placement, microbatches, cap=[cap] * pp)
         candidates = linear_candidates(self, pp, microbatches, [cap, pp])
         return self.best_filled(itertools.chain(greedy, candidates), placement, microbatches)
