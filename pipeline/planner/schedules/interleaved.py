@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from pipeline.core.errors import ConfigError
-from pipeline.core.ir import Action, B, F
+from pipeline.core.ir import Action, Kind, action_table
 from pipeline.planner.placement import interleaved
 from pipeline.planner.schedules.base import ScheduleGenerator
 
@@ -84,13 +84,14 @@ def interleaved_order(pp: int, v: int, microbatches: int, hop_warmup: int = 2) -
     # every rank runs its chunks in the same (chunk, micro-batch) sequence
     forward_slots = [slot(k, False) for k in range(total)]
     backward_slots = [slot(k, True) for k in range(total)]
+    f_table, b_table = action_table(Kind.F, pp * v, m), action_table(Kind.B, pp * v, m)
     programs: list[list[Action]] = []
     for r in range(pp):
         all_first = m == pp and v > 1 and hop_warmup == 2
         warmup = total if all_first else min(total, hop_warmup * (pp - 1 - r) + (v - 1) * pp)
         acts: list[Action] = []
-        forwards = [F(chunk * pp + r, mb) for chunk, mb in forward_slots]
-        backwards = [B(chunk * pp + r, mb) for chunk, mb in backward_slots]
+        forwards = [f_table[(chunk * pp + r) * m + mb] for chunk, mb in forward_slots]
+        backwards = [b_table[(chunk * pp + r) * m + mb] for chunk, mb in backward_slots]
         acts += forwards[:warmup]
         for k in range(total - warmup):
             acts += [forwards[warmup + k], backwards[k]]

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pipeline.core.ir import Action, I, Kind
+from pipeline.core.ir import Action, Kind, action_table
 from pipeline.planner.schedules.base import Candidate
 from pipeline.planner.schedules.interleaved import Interleaved1F1B, interleaved_order
 from pipeline.planner.schedules.weight_fill import deferred_by
@@ -52,8 +52,9 @@ def critical_orders(pp: int, v: int, microbatches: int) -> tuple[dict[int, Progr
     orders and the measured costs then choose among them (at pp=64 with 256 micro-batches they take
     0.2 s to write)."""
     plain = {hop: interleaved_order(pp, v, microbatches, hop) for hop in (1, 2)}
-    orders = {hop: tuple(tuple(I(a.stage, a.mb) if a.kind is Kind.B else a for a in acts) for acts in programs)
-              for hop, programs in plain.items()}
+    inputs = action_table(Kind.I, pp * v, microbatches)
+    orders = {hop: tuple(tuple(inputs[a.stage * microbatches + a.mb] if a.kind is Kind.B else a for a in acts)
+                         for acts in programs) for hop, programs in plain.items()}
     references = {hop: tuple(map(tuple, deferred_by(order, list(range(pp))))) for hop, order in orders.items()}
     held = {hop: peak_held(programs) for hop, programs in references.items()}
     bound = (min(max(held[1]), max(peak_held(plain[2]))),) * pp  # interleaved 1F1B warms up two forwards a hop
