@@ -119,6 +119,15 @@ def wait_table(num_stages: int, hop: Sequence[float] | None = None) -> dict[tupl
     return table
 
 
+def note_waiting(waiting: list[list[int] | None], idx: int, rank: int) -> None:
+    """Note that `rank` waits for action `idx` of a per-action table of waiting ranks (None: none):
+    lists rather than a dict of tuples, since a play notes and wakes once per action."""
+    if waiting[idx] is None:
+        waiting[idx] = [rank]
+    else:
+        waiting[idx].append(rank)  # type: ignore[union-attr]
+
+
 class Progress:
     """When each step of each (stage, micro-batch) finished during a play-through, and which ranks
     wait on the ones that have not: the bookkeeping of the simulator and the core-sharing model
@@ -130,8 +139,7 @@ class Progress:
         self.m = microbatches
         #: end[step][stage * m + mb]: finish time, None until it finished
         self.end: list[list[float | None]] = [[None] * (num_stages * microbatches) for _ in Step]
-        #: waiting[step][stage * m + mb]: the ranks waiting for it to finish, None for none (lists,
-        #: not a dict of tuples: a play notes and wakes once per action)
+        #: waiting[step][stage * m + mb]: the ranks waiting for it to finish (`note_waiting`)
         self.waiting: list[list[list[int] | None]] = [[None] * (num_stages * microbatches) for _ in Step]
 
     def earliest_start(self, waits: tuple[Wait, ...], mb: int, start: float, rank: int) -> float | None:
@@ -141,12 +149,7 @@ class Progress:
         for step, stage, delay in waits:
             t = end[step][stage * m + mb]
             if t is None:
-                waiters = self.waiting[step]
-                idx = stage * m + mb
-                if waiters[idx] is None:
-                    waiters[idx] = [rank]
-                else:
-                    waiters[idx].append(rank)  # type: ignore[union-attr]
+                note_waiting(self.waiting[step], stage * m + mb, rank)
                 return None
             t += delay
             if t > start:
@@ -172,5 +175,5 @@ class Progress:
         return self.end[step][stage * self.m + mb] is not None
 
 
-__all__ = ["COMPLETES", "READS", "Need", "Progress", "Step", "Wait", "needs", "released_stage", "remat_pairs",
-           "wait_table"]
+__all__ = ["COMPLETES", "READS", "Need", "Progress", "Step", "Wait", "needs", "note_waiting", "released_stage",
+           "remat_pairs", "wait_table"]

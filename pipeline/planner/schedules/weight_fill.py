@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from pipeline.core.errors import ConfigError
 from pipeline.core.ir import Action, Kind, W, action_table
+from pipeline.planner.dependencies import note_waiting
 
 
 @dataclass(frozen=True)
@@ -154,18 +155,18 @@ class _Fill:
                 else:
                     end = f_end[(s - 1) * m + mb]
                     if end is None:
-                        _wait(f_waiting, (s - 1) * m + mb, r)
+                        note_waiting(f_waiting, (s - 1) * m + mb, r)
                         break
                     ready = end + hop[s - 1]
             else:
                 ready = f_end[s * m + mb]
                 if ready is None:
-                    _wait(f_waiting, s * m + mb, r)
+                    note_waiting(f_waiting, s * m + mb, r)
                     break
                 if s + 1 != n:
                     grad = g_end[(s + 1) * m + mb]
                     if grad is None:
-                        _wait(g_waiting, (s + 1) * m + mb, r)
+                        note_waiting(g_waiting, (s + 1) * m + mb, r)
                         break
                     grad += hop[s]
                     if grad > ready:
@@ -224,14 +225,6 @@ class _Fill:
         self.programs[r].append(w)
         self.free[r] += self.costs.weight_grad[w.stage]
         self.held[r] -= 1
-
-
-def _wait(waiting: list[list[int] | None], idx: int, rank: int) -> None:
-    """Note that `rank` waits for the action at `idx` (of `f_waiting` or `g_waiting`)."""
-    if waiting[idx] is None:
-        waiting[idx] = [rank]
-    else:
-        waiting[idx].append(rank)  # type: ignore[union-attr]
 
 
 def deferred_by(orders: Sequence[Sequence[Action]], backlog: Sequence[int]) -> list[list[Action]]:
