@@ -131,18 +131,18 @@ def test_zero_bubble_orders_against_the_papers_published_rates() -> None:
     assert _paper_bubble(ZBV(), arxiv, 2) <= arxiv.published["ZB-V"] + 0.005
 
 
-def test_zb_h2_reaches_the_published_zb_h2_rates_where_its_memory_allows() -> None:
-    """With the tight warm-up (each rank's forwards end before its first input gradient arrives)
-    ours equals the published ZB-H2 where the filling warm-up was 0.7-1.5 points over. At p=32,
-    m=256 rank 0 would need 65 micro-batches in flight not to wait for its first input gradient:
-    over at ZB-H2's 2p - 1, and at the 2p of the paper's ZB-2p (`in_flight`) below the published rate."""
+def test_zb_h2_reaches_the_published_zb_h2_rates() -> None:
+    """The tight warm-up (each rank's forwards end before its first input gradient arrives) makes
+    ours equal the published ZB-H2 where the filling warm-up was 0.7-1.5 points over. At p=32,
+    m=256 with 0.46 ms hops, where 2p - 1 micro-batches clip rank 0's warm-up, the tapered one keeps
+    it within half a point; the 2p of the paper's ZB-2p (`in_flight`) brings it below."""
     profiles = _zb_profiles()
     for name in ("zb-iclr-8-32-29", "zb-iclr-32-96-10"):
         profile = profiles[name]
         assert _paper_bubble(ZBH2(), profile, 1) == pytest.approx(profile.published["ZB-H2"], abs=5e-4), name
-    tight = profiles["zb-iclr-32-256-10"]
-    assert _paper_bubble(ZBH2(), tight, 1) > tight.published["ZB-H2"] + 0.005
-    assert _paper_bubble(ZBH2(in_flight=2 * tight.p), tight, 1) <= tight.published["ZB-H2"] + 5e-4
+    clipped = profiles["zb-iclr-32-256-10"]
+    assert _paper_bubble(ZBH2(), clipped, 1) <= clipped.published["ZB-H2"] + 0.005
+    assert _paper_bubble(ZBH2(in_flight=2 * clipped.p), clipped, 1) <= clipped.published["ZB-H2"] + 5e-4
     with pytest.raises(ConfigError, match=r"scheduler.in_flight.*>= pp = 4"):
         build_schedule(ZBH2(in_flight=3), list(range(4)), 8)
 

@@ -378,20 +378,24 @@ def fill_warmup(costs: StageCosts, pp: int) -> list[int]:
 #: how far each rank's warm-up goes from 1F1B's (0) to the one that fills the time to its first
 #: input gradient (1), most promising first
 WARMUP_MIX = (1.0, 0.5, 0.75, 0.25, 0.0)
+#: the same from the tight warm-up (one forward fewer), tried first (`linear_candidates`)
+TIGHT_MIX = (1.0, 0.9)
 
 
 def linear_candidates(gen: ScheduleGenerator, pp: int, microbatches: int, caps: Sequence[int]) -> Iterator[Candidate]:
     """ZB-H1/ZB-H2 orders, most promising first: under each of `caps` micro-batches per rank, the
-    tight warm-up, then warm-ups from 1F1B's to the one that fills the time to the first input
-    gradient (WARMUP_MIX), each with the W placed by every ALPHAS, then with each rank's W backlog
-    bounded by what fills its drain (rank r waits about r input-gradient hops for the last gradient:
-    ZB-H1's r deferred W at unit costs).
+    tight warm-up and its taper (TIGHT_MIX), then warm-ups from 1F1B's to the one that fills the time
+    to the first input gradient (WARMUP_MIX), each with the W placed by every ALPHAS, then with each
+    rank's W backlog bounded by what fills its drain (rank r waits about r input-gradient hops for
+    the last gradient: ZB-H1's r deferred W at unit costs).
 
     The tight warm-up ends each rank's forwards before its first input gradient arrives (one forward
     fewer than the filling one, whose last forward runs past that arrival): a rank then idles a
     little, but never delays the gradient the ranks before it wait for. On the Zero Bubble paper's
-    profiles those delays added up along the pipeline (0.7 to 1.5 points over the published ZB-H2
-    rates at p=32) until this order was tried."""
+    profiles those delays added up along the pipeline (0.2 to 1.5 points over the published ZB-H2
+    rates) until this order was tried. Where the cap clips the first ranks' warm-ups (p=32, m=256,
+    slow hops), every rank at its cap makes each step wait for the gradient chain (1.5x the step);
+    tapering the others' warm-ups a little toward 1F1B's avoids it."""
     costs = gen.stage_costs(pp)
     backlog = [math.ceil(r * (costs.input_grad[r] + (costs.hop[r] if r < pp - 1 else 0.0))
                          / max(costs.weight_grad[r], 1e-12)) for r in range(pp)]
@@ -399,9 +403,10 @@ def linear_candidates(gen: ScheduleGenerator, pp: int, microbatches: int, caps: 
     for limit in (None, backlog):
         for cap in caps:
             # one_f_one_b runs warm-up + 1 forwards before the first backward
-            tight = tuple(max(0, min(cap - 1, fill[r] - 1)) for r in range(pp))
-            warmups = dict.fromkeys([tight, *(tuple(min(cap - 1, round(x * fill[r] + (1 - x) * (pp - 1 - r)))
-                                                    for r in range(pp)) for x in WARMUP_MIX)])
+            tight = [tuple(max(0, min(cap - 1, round(x * (fill[r] - 1) + (1 - x) * (pp - 1 - r))))
+                           for r in range(pp)) for x in TIGHT_MIX]
+            warmups = dict.fromkeys([*tight, *(tuple(min(cap - 1, round(x * fill[r] + (1 - x) * (pp - 1 - r)))
+                                                     for r in range(pp)) for x in WARMUP_MIX)])
             for w in warmups:
                 order = one_f_one_b(pp, microbatches, list(w))
                 yield from (Candidate(order, [cap] * pp, alpha, backlog=limit) for alpha in ALPHAS)
