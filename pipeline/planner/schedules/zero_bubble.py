@@ -382,6 +382,13 @@ WARMUP_MIX = (1.0, 0.5, 0.75, 0.25, 0.0)
 TIGHT_MIX = (1.0, 0.9)
 
 
+def _mixed(top: Sequence[int], x: float, cap: int) -> tuple[int, ...]:
+    """Per rank of a linear pipeline, a warm-up x of the way from 1F1B's (p - 1 - r) to `top[r]`,
+    leaving a slot under `cap` for the forward one_f_one_b runs after it."""
+    pp = len(top)
+    return tuple(max(0, min(cap - 1, round(x * top[r] + (1 - x) * (pp - 1 - r)))) for r in range(pp))
+
+
 def linear_candidates(gen: ScheduleGenerator, pp: int, microbatches: int, caps: Sequence[int]) -> Iterator[Candidate]:
     """ZB-H1/ZB-H2 orders, most promising first: under each of `caps` micro-batches per rank, the
     tight warm-up and its taper (TIGHT_MIX), then warm-ups from 1F1B's to the one that fills the time
@@ -400,13 +407,11 @@ def linear_candidates(gen: ScheduleGenerator, pp: int, microbatches: int, caps: 
     backlog = [math.ceil(r * (costs.input_grad[r] + (costs.hop[r] if r < pp - 1 else 0.0))
                          / max(costs.weight_grad[r], 1e-12)) for r in range(pp)]
     fill = fill_warmup(costs, pp)
+    tight = [f - 1 for f in fill]  # one_f_one_b runs warm-up + 1 forwards before the first backward
     for limit in (None, backlog):
         for cap in caps:
-            # one_f_one_b runs warm-up + 1 forwards before the first backward
-            tight = [tuple(max(0, min(cap - 1, round(x * (fill[r] - 1) + (1 - x) * (pp - 1 - r))))
-                           for r in range(pp)) for x in TIGHT_MIX]
-            warmups = dict.fromkeys([*tight, *(tuple(min(cap - 1, round(x * fill[r] + (1 - x) * (pp - 1 - r)))
-                                                     for r in range(pp)) for x in WARMUP_MIX)])
+            warmups = dict.fromkeys([*(_mixed(tight, x, cap) for x in TIGHT_MIX),
+                                     *(_mixed(fill, x, cap) for x in WARMUP_MIX)])
             for w in warmups:
                 order = one_f_one_b(pp, microbatches, list(w))
                 yield from (Candidate(order, [cap] * pp, alpha, backlog=limit) for alpha in ALPHAS)
@@ -446,8 +451,8 @@ class ZBH2(ScheduleGenerator):
     #: run an I and its W as one fused B wherever the simulated step does not grow (schedules/fuse.py)
     fuse_backward: bool = True
     #: micro-batches a rank may hold (F to W); None: ZB-H2's 2p - 1. The Zero Bubble paper's
-    #: automatic ZB-2p is given 2p: one more lets rank 0 forward until the first input gradient
-    #: returns over the hops, where 2p - 1 makes it wait about (p - 1)(I + 2 hop - F)
+    #: automatic ZB-2p is given 2p: where more forwards than 2p - 1 fit before rank 0's first input
+    #: gradient returns (many stages, slow hops), one more slot shortens its wait
     in_flight: int | None = None
 
     def check(self, pp: int, microbatches: int, placement: list[int]) -> None:
