@@ -25,14 +25,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from launcher.spawn import environment  # noqa: E402
-from models.gpt import gpt  # noqa: E402
-from models.spec import ModelSpec, causal_lm_loss  # noqa: E402
-from pipeline.core.config import TrainConfig  # noqa: E402
-from pipeline.core.plan import Plan  # noqa: E402
-from pipeline.data.synthetic import SyntheticTokens  # noqa: E402
-from pipeline.runtime.host_allocator import rank_environment  # noqa: E402
-from pipeline.runtime.rank import set_up_rank_process  # noqa: E402
+from pipelaunch.launcher.spawn import environment  # noqa: E402
+from pipelaunch.models.gpt import gpt  # noqa: E402
+from pipelaunch.models.spec import ModelSpec, causal_lm_loss  # noqa: E402
+from pipelaunch.pipeline.core.config import TrainConfig  # noqa: E402
+from pipelaunch.pipeline.core.plan import Plan  # noqa: E402
+from pipelaunch.pipeline.data.synthetic import SyntheticTokens  # noqa: E402
+from pipelaunch.pipeline.runtime.host_allocator import rank_environment  # noqa: E402
+from pipelaunch.pipeline.runtime.rank import set_up_rank_process  # noqa: E402
 
 #: our scheduler name -> the torch.distributed.pipelining class with the same schedule.
 TORCH_SCHEDULES: dict[str, str] = {
@@ -116,8 +116,8 @@ def workload_overrides(cfg: BenchConfig) -> list[str]:
 def compose_our_run(schedule: str, cfg: BenchConfig) -> tuple[TrainConfig, Plan]:
     """The typed config and the Plan `train.py ... scheduler=<schedule>` would run (Hydra
     compose + our planner, profile included)."""
-    from launcher.overrides import compose_checked
-    from launcher.validate import prepare
+    from pipelaunch.launcher.overrides import compose_checked
+    from pipelaunch.launcher.validate import prepare
 
     typed = compose_checked([*workload_overrides(cfg), f"scheduler={schedule}"])
     return typed, prepare(typed).plan

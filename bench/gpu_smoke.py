@@ -14,7 +14,7 @@ One GPU holds one NCCL rank, so everything runs at pp=1 dp=1 on NCCL (world size
 3. the profile was taken on the GPU: the profile cache file names it (`cuda:<device name>`);
 4. precision=bf16 trains, its first loss near fp32's;
 5. resume from the step-3 checkpoint follows the uninterrupted losses;
-6. `python -m launcher.export` of the last checkpoint writes a loadable safetensors file.
+6. `python -m pipelaunch.launcher.export` of the last checkpoint writes a loadable safetensors file.
 
 Writes one report, `gpu_smoke.json` (every check, its numbers, and `summary`: the same as the
 text printed at the end), into `--out` (default: $OUT, else ./gpu_smoke_out). Exit code 0 when
@@ -131,9 +131,9 @@ def check_planning(report: Report, device: str, env: dict) -> None:
     refused before spawning."""
     import torch
 
-    from launcher.overrides import compose_checked as cfg_of
-    from launcher.validate import prepare
-    from pipeline.core.errors import ConfigError
+    from pipelaunch.launcher.overrides import compose_checked as cfg_of
+    from pipelaunch.launcher.validate import prepare
+    from pipelaunch.pipeline.core.errors import ConfigError
 
     saved = os.environ.get("PIPELAUNCH_CACHE")
     os.environ["PIPELAUNCH_CACHE"] = env["PIPELAUNCH_CACHE"]
@@ -234,7 +234,7 @@ def run_checks(report: Report, device: str, work: Path) -> None:
 
     last = fp32_dir / "checkpoints" / f"step_{STEPS:07d}"
     exported = work / "exported"
-    proc = subprocess.run([sys.executable, "-m", "launcher.export", str(last), str(exported)], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "pipelaunch.launcher.export", str(last), str(exported)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     detail = f"exit {proc.returncode}"
     ok = proc.returncode == 0 and (exported / "model.safetensors").exists()
@@ -246,7 +246,7 @@ def run_checks(report: Report, device: str, work: Path) -> None:
         detail += f", {len(tensors)} tensors, {sum(t.numel() for t in tensors.values())} values, all finite: {ok}"
     else:
         detail += f"; {(proc.stderr or proc.stdout)[-1500:]}"
-    report.check("python -m launcher.export of the checkpoint", ok, detail)
+    report.check("python -m pipelaunch.launcher.export of the checkpoint", ok, detail)
 
 
 def main(argv: list[str] | None = None) -> int:

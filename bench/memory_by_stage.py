@@ -33,8 +33,8 @@ VARIANTS = {"chain": [], "tied": ["+model.tie_embeddings=true"]}
 
 def baseline_rss() -> int:
     """Peak memory, measured as a rank measures it, of a process that imported what a rank imports."""
-    code = ("import torch, pipeline.runtime.rank, pipeline.runtime.trainer; "
-            "from pipeline.runtime.memory import peak_memory_bytes; print(peak_memory_bytes(torch.device('cpu')))")
+    code = ("import torch, pipelaunch.pipeline.runtime.rank, pipelaunch.pipeline.runtime.trainer; "
+            "from pipelaunch.pipeline.runtime.memory import peak_memory_bytes; print(peak_memory_bytes(torch.device('cpu')))")
     return int(subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip())
 

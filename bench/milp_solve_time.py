@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.planner.partition import balanced, milp_partition  # noqa: E402
+from pipelaunch.pipeline.planner.partition import balanced, milp_partition  # noqa: E402
 from tests.synthetic import synthetic_dag  # noqa: E402  (made-up cost graphs live with the tests)
 
 

@@ -47,14 +47,14 @@ from _torch_pp import (  # noqa: E402
     free_port,
 )
 
-from launcher.spawn import environment  # noqa: E402
-from pipeline.core.config import TrainConfig  # noqa: E402
-from pipeline.core.plan import Plan  # noqa: E402
-from pipeline.planner.costs import cost_model_from_events  # noqa: E402
-from pipeline.planner.simulate import simulate  # noqa: E402
-from pipeline.runtime.context import RankContext, make_mesh  # noqa: E402
-from pipeline.runtime.host_allocator import rank_environment  # noqa: E402
-from pipeline.runtime.trainer import RankTrainer  # noqa: E402
+from pipelaunch.launcher.spawn import environment  # noqa: E402
+from pipelaunch.pipeline.core.config import TrainConfig  # noqa: E402
+from pipelaunch.pipeline.core.plan import Plan  # noqa: E402
+from pipelaunch.pipeline.planner.costs import cost_model_from_events  # noqa: E402
+from pipelaunch.pipeline.planner.simulate import simulate  # noqa: E402
+from pipelaunch.pipeline.runtime.context import RankContext, make_mesh  # noqa: E402
+from pipelaunch.pipeline.runtime.host_allocator import rank_environment  # noqa: E402
+from pipelaunch.pipeline.runtime.trainer import RankTrainer  # noqa: E402
 
 
 @dataclass

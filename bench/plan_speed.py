@@ -12,7 +12,7 @@ Per schedule, three views:
   a process imports lazily is not counted): `compose` (Hydra), `prepare` (validate, build and
   trace the model on meta, read the profile, partition, schedule, lower, check the P2P order,
   simulate) and `write` (plan.json, the stage table, the grid, the simulated timeline), run as
-  `launcher.app.run` runs them (under `few_full_collections`); `total` is the time after imports.
+  `pipelaunch.launcher.app.run` runs them (under `few_full_collections`); `total` is the time after imports.
   `--parts` splits them by function: `trace` (trace and profile), `overheads` (the runtime's
   per-message and per-action costs, probed once per machine), `schedule` (the generator: the
   unit-cost order the partitioner counts in-flight micro-batches on, then the one on the measured
@@ -47,14 +47,14 @@ sys.path.insert(0, str(ROOT))
 PHASES = ("compose", "prepare", "write", "total")
 #: part -> (module, attribute) to time, and the modules that imported it by name
 PARTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "trace": ("pipeline.planner.traced", "TracedModels.get", ()),
-    "overheads": ("pipeline.planner.overheads", "cached_overheads", ("pipeline.planner",)),
-    "schedule": ("pipeline.planner.schedules", "build_schedule", ("pipeline.planner.build", "pipeline.planner.budget")),
-    "lower": ("pipeline.planner.lowering", "lower", ("pipeline.planner.build",)),
-    "p2p": ("pipeline.planner.p2p_check", "check_p2p", ("pipeline.planner.build",)),
-    "predict": ("pipeline.planner.predict", "predict", ("pipeline.planner", "pipeline.planner.fit")),
-    "timeline": ("pipeline.report.timeline", "draw_timeline", ("launcher.app",)),
-    "plan.json": ("pipeline.core.plan", "Plan.write", ()),
+    "trace": ("pipelaunch.pipeline.planner.traced", "TracedModels.get", ()),
+    "overheads": ("pipelaunch.pipeline.planner.overheads", "cached_overheads", ("pipelaunch.pipeline.planner",)),
+    "schedule": ("pipelaunch.pipeline.planner.schedules", "build_schedule", ("pipelaunch.pipeline.planner.build", "pipelaunch.pipeline.planner.budget")),
+    "lower": ("pipelaunch.pipeline.planner.lowering", "lower", ("pipelaunch.pipeline.planner.build",)),
+    "p2p": ("pipelaunch.pipeline.planner.p2p_check", "check_p2p", ("pipelaunch.pipeline.planner.build",)),
+    "predict": ("pipelaunch.pipeline.planner.predict", "predict", ("pipelaunch.pipeline.planner", "pipelaunch.pipeline.planner.fit")),
+    "timeline": ("pipelaunch.pipeline.report.timeline", "draw_timeline", ("pipelaunch.launcher.app",)),
+    "plan.json": ("pipelaunch.pipeline.core.plan", "Plan.write", ()),
 }
 
 
@@ -77,11 +77,11 @@ def command(schedule: str, overrides: list[str], out: Path) -> float:
 
 
 def phases(schedule: str, overrides: list[str], out: Path) -> dict[str, float]:
-    """compose, prepare and write in this process, as `launcher.app.run` runs them."""
-    from launcher.app import dry_run
-    from launcher.gc_pause import few_full_collections
-    from launcher.overrides import compose_checked
-    from launcher.validate import prepare
+    """compose, prepare and write in this process, as `pipelaunch.launcher.app.run` runs them."""
+    from pipelaunch.launcher.app import dry_run
+    from pipelaunch.launcher.gc_pause import few_full_collections
+    from pipelaunch.launcher.overrides import compose_checked
+    from pipelaunch.launcher.validate import prepare
 
     out.mkdir(parents=True, exist_ok=True)
     forget_memos()

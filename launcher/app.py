@@ -14,22 +14,22 @@ import torch
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from launcher.config import typed_config
-from launcher.diagnose import where_ranks_were
-from launcher.gc_pause import few_full_collections
-from launcher.joined import export_submitit_env, joined_rank_env
-from launcher.validate import Prepared, group_options, on_cuda, prepare
-from pipeline.core.config import OBJECTIVE_DIRECTION, CheckSplit, TrainConfig
-from pipeline.core.errors import ConfigError, RankFailed
-from pipeline.core.plan import Plan
-from pipeline.report.artifacts import report_run
-from pipeline.report.tables import device_memory_table, format_prediction, stage_table
-from pipeline.report.timeline import draw_timeline
-from pipeline.runtime.flight_recorder import dump_prefix, nccl_environment
-from pipeline.runtime.heartbeat import HEARTBEAT_DIR
-from pipeline.runtime.host_allocator import rank_environment
-from pipeline.runtime.memory import peak_memory_bytes
-from pipeline.runtime.progress import launcher_terminal
+from pipelaunch.launcher.config import typed_config
+from pipelaunch.launcher.diagnose import where_ranks_were
+from pipelaunch.launcher.gc_pause import few_full_collections
+from pipelaunch.launcher.joined import export_submitit_env, joined_rank_env
+from pipelaunch.launcher.validate import Prepared, group_options, on_cuda, prepare
+from pipelaunch.pipeline.core.config import OBJECTIVE_DIRECTION, CheckSplit, TrainConfig
+from pipelaunch.pipeline.core.errors import ConfigError, RankFailed
+from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.report.artifacts import report_run
+from pipelaunch.pipeline.report.tables import device_memory_table, format_prediction, stage_table
+from pipelaunch.pipeline.report.timeline import draw_timeline
+from pipelaunch.pipeline.runtime.flight_recorder import dump_prefix, nccl_environment
+from pipelaunch.pipeline.runtime.heartbeat import HEARTBEAT_DIR
+from pipelaunch.pipeline.runtime.host_allocator import rank_environment
+from pipelaunch.pipeline.runtime.memory import peak_memory_bytes
+from pipelaunch.pipeline.runtime.progress import launcher_terminal
 
 
 def run(cfg: TrainConfig, run_dir: Path) -> dict:
@@ -47,9 +47,11 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict:
         if cfg.mode == "plan":
             return dry_run(prepared, run_dir)
     plan = prepared.plan
-    from launcher.spawn import spawn_ranks  # the runtime is imported only when there is something to run
-    from launcher.split_check import check_split
-    from pipeline.runtime.rank import RankJob
+    from pipelaunch.launcher.spawn import (
+        spawn_ranks,  # the runtime is imported only when there is something to run
+    )
+    from pipelaunch.launcher.split_check import check_split
+    from pipelaunch.pipeline.runtime.rank import RankJob
 
     job = RankJob(cfg, plan, str(run_dir), resume_from=prepared.resume_from)
     plan.write(run_dir / "plan.json")
@@ -115,7 +117,7 @@ def join(cfg: TrainConfig, run_dir: Path) -> dict:
     resume_from = prepare(cfg, profile=False, options=options, run_dir=run_dir).resume_from
     os.environ.setdefault(HEARTBEAT_DIR, str(run_dir / "heartbeat"))  # where each rank is, on a shared disk
     run_dir.mkdir(parents=True, exist_ok=True)
-    from pipeline.runtime.rank import (
+    from pipelaunch.pipeline.runtime.rank import (
         RankJob,
         broadcast_plan,
         join_process_group,

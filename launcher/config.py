@@ -1,4 +1,4 @@
-"""The typed schema (`pipeline.core.config.TrainConfig`) registered in Hydra's ConfigStore, the
+"""The typed schema (`pipelaunch.pipeline.core.config.TrainConfig`) registered in Hydra's ConfigStore, the
 composed config turned into that typed object, and the options of a config group.
 
 Top-level numbers (`pp`, `dp`, ...) are plain int keys, not config groups: Hydra cannot select a
@@ -13,8 +13,8 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.core.config import TrainConfig
-from pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.config import TrainConfig
+from pipelaunch.pipeline.core.errors import ConfigError
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.core.ir import Action, Kind
-from pipeline.core.plan import Plan
-from pipeline.runtime import flight_recorder, heartbeat
+from pipelaunch.pipeline.core.ir import Action, Kind
+from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.runtime import flight_recorder, heartbeat
 
 WINDOW = 3  # actions shown on each side of the current one
 

@@ -1,6 +1,6 @@
 """Export a checkpoint's weights as one consolidated safetensors file, in a single process.
 
-    python -m launcher.export outputs/run/checkpoints/step_0001000 exported/
+    python -m pipelaunch.launcher.export outputs/run/checkpoints/step_0001000 exported/
 
 The checkpoint (DCP, written by any number of ranks under any layout) is read by name into one
 state dict, without a process group; `model=hf` runs get a `save_pretrained` directory
@@ -20,8 +20,8 @@ import torch.distributed.checkpoint as dcp
 from hydra.utils import instantiate
 from safetensors.torch import save_file
 
-from pipeline.core.errors import ConfigError
-from pipeline.runtime import checkpoint
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.runtime import checkpoint
 
 
 def model_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -52,7 +52,7 @@ def export(path: str | Path, out: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launcher.export", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pipelaunch.launcher.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a step_<N> checkpoint directory")
     parser.add_argument("out", help="the directory to write")
     args = parser.parse_args(argv)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from pipeline.core.config import TrainConfig
-from pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.config import TrainConfig
+from pipelaunch.pipeline.core.errors import ConfigError
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 #: group -> (its explicit option, the key a list goes to)
@@ -59,7 +59,7 @@ def compose_checked(overrides: list[str], config_dir: Path = CONF, config_name: 
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from launcher.config import register_configs, typed_config
+    from pipelaunch.launcher.config import register_configs, typed_config
 
     register_configs()
     GlobalHydra.instance().clear()

@@ -18,9 +18,9 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from pipeline.core.errors import RankFailed
-from pipeline.runtime.progress import PROGRESS_TTY
-from pipeline.runtime.rank import RankJob, rank_main
+from pipelaunch.pipeline.core.errors import RankFailed
+from pipelaunch.pipeline.runtime.progress import PROGRESS_TTY
+from pipelaunch.pipeline.runtime.rank import RankJob, rank_main
 
 
 def failure_report(err: ChildFailedError) -> str:

@@ -6,7 +6,7 @@ reproduces (on the meta device they have no value), a custom `autograd.Function`
 follows into its forward and so loses its backward (a straight-through estimator), or any other
 gap between a trace and eager code would train another model than the one written, silently.
 So before spawning, the launcher runs the stages beside the module built for real on the first
-micro-batch of the run's data (`launcher.split_compare`) and refuses the first tensor that
+micro-batch of the run's data (`pipelaunch.launcher.split_compare`) and refuses the first tensor that
 differs, by name, with the likely cause and what to do. Here: when it runs (`check_split`), with
 how many threads, and what the user reads.
 """
@@ -17,12 +17,12 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 
-from launcher.split_compare import Outcome, ReferenceFailed, compare
-from models.spec import ModelSpec
-from pipeline.core.config import CheckSplit, TrainConfig
-from pipeline.core.errors import ConfigError
-from pipeline.core.plan import Plan
-from pipeline.runtime.context import cpu_threads
+from pipelaunch.launcher.split_compare import Outcome, ReferenceFailed, compare
+from pipelaunch.models.spec import ModelSpec
+from pipelaunch.pipeline.core.config import CheckSplit, TrainConfig
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.runtime.context import cpu_threads
 
 #: check_split=auto checks a model whose parameters and buffers take at most this many bytes (the
 #: check holds them about four times: the stages, the unsplit module, a gradient of each)

@@ -2,7 +2,7 @@
 
 Why here: the launcher's split check (`launcher/split_check.py`) decides when to run it and what
 to tell the user; this builds and compares. Every rank's stages are built exactly as each rank
-builds them (`pipeline.runtime.stage.build_stage_modules`, on the CPU, from copies of one trace);
+builds them (`pipelaunch.pipeline.runtime.stage.build_stage_modules`, on the CPU, from copies of one trace);
 beside them the module is built for real (its factory called normally, under the constructor seed
 every build uses) and given the stages' initial parameters by name, and the tensors a checkpoint
 supplies; every other buffer keeps what its constructor computed. Both run one micro-batch forward
@@ -22,13 +22,13 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from models.spec import ModelSpec
-from pipeline.core.errors import ConfigError
-from pipeline.core.plan import Plan
-from pipeline.graph.buffers import constructor_seed
-from pipeline.graph.materialize import lookup
-from pipeline.graph.split import SplitModel, run_in_order, split_model
-from pipeline.runtime.stage import StageModule, build_stage_modules
+from pipelaunch.models.spec import ModelSpec
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.graph.buffers import constructor_seed
+from pipelaunch.pipeline.graph.materialize import lookup
+from pipelaunch.pipeline.graph.split import SplitModel, run_in_order, split_model
+from pipelaunch.pipeline.runtime.stage import StageModule, build_stage_modules
 
 #: relative difference (to the tensor's norm) above which two tensors differ, for fp32 models
 TOLERANCE = 1e-4

@@ -15,18 +15,18 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 
-from launcher.config import group_configs
-from models.spec import ModelSpec
-from pipeline.core.config import Objective, PluginConfig, TrainConfig
-from pipeline.core.errors import ConfigError
-from pipeline.core.plan import Plan
-from pipeline.graph.init import uncovered_tensors
-from pipeline.planner import Planned, make_plan
-from pipeline.planner.build import plugin
-from pipeline.planner.predict import Prediction
-from pipeline.planner.search import SearchResult
-from pipeline.planner.space import GroupOptions, is_auto
-from pipeline.runtime.context import bound_to_one_gpu
+from pipelaunch.launcher.config import group_configs
+from pipelaunch.models.spec import ModelSpec
+from pipelaunch.pipeline.core.config import Objective, PluginConfig, TrainConfig
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.graph.init import uncovered_tensors
+from pipelaunch.pipeline.planner import Planned, make_plan
+from pipelaunch.pipeline.planner.build import plugin
+from pipelaunch.pipeline.planner.predict import Prediction
+from pipelaunch.pipeline.planner.search import SearchResult
+from pipelaunch.pipeline.planner.space import GroupOptions, is_auto
+from pipelaunch.pipeline.runtime.context import bound_to_one_gpu
 
 
 @dataclass
@@ -131,7 +131,7 @@ def on_cuda(cfg: TrainConfig) -> bool:
 def local_ranks(cfg: TrainConfig) -> int:
     """Ranks on this node: LOCAL_WORLD_SIZE for ranks torchrun or SLURM started (each validates
     the config), else the pp x dp ranks the launcher is about to spawn here."""
-    from launcher.joined import joined_rank_env
+    from pipelaunch.launcher.joined import joined_rank_env
 
     if joined_rank_env():
         return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
@@ -146,7 +146,7 @@ def check_gpus(cfg: TrainConfig) -> None:
     if cfg.mode != "train" or not on_cuda(cfg):
         return
     needed, visible = local_ranks(cfg), torch.cuda.device_count()
-    from launcher.joined import joined_rank_env
+    from pipelaunch.launcher.joined import joined_rank_env
 
     if needed <= visible or (joined_rank_env() and bound_to_one_gpu(visible)):
         return
@@ -198,7 +198,7 @@ def group_options(cfg: TrainConfig) -> GroupOptions:
 
 def prepare(cfg: TrainConfig, profile: bool | None = None, device: torch.device | None = None,
             options: GroupOptions | None = None, run_dir: Path | None = None) -> Prepared:
-    """Validate `cfg` and plan the run (`pipeline.planner.make_plan`).
+    """Validate `cfg` and plan the run (`pipelaunch.pipeline.planner.make_plan`).
 
     The model is built and traced on the meta device (no weights). With a profile (always for
     scheduler=auto, mode=plan, a memory budget, cost-aware schedules and partitioners that read
@@ -283,7 +283,7 @@ def _warn_uncovered(spec: ModelSpec, planned: Planned) -> None:
         uncovered = [n for n in uncovered if n not in held]
     if uncovered:
         warnings.warn(f"model {spec.name}: no initialiser writes {', '.join(uncovered[:8])}"
-                      f"{' ...' if len(uncovered) > 8 else ''}; they start from pipeline.graph.init.fallback_fill "
+                      f"{' ...' if len(uncovered) > 8 else ''}; they start from pipelaunch.pipeline.graph.init.fallback_fill "
                       "(give their module a reset_parameters() to choose)", stacklevel=3)
 
 
@@ -315,7 +315,7 @@ def checkpoint_root(cfg: TrainConfig, run_dir: Path | None) -> Path | None:
 def resume_checkpoint(cfg: TrainConfig, model: torch.nn.Module | None, root: Path | None) -> str | None:
     """The checkpoint to resume from, checked against this (meta-device) model, every parameter
     by name and shape, and this run (batch size, steps left), before any rank exists."""
-    from pipeline.runtime import checkpoint
+    from pipelaunch.pipeline.runtime import checkpoint
 
     if cfg.resume == "auto" and root is None:
         raise ConfigError("resume", "resume=auto needs checkpoint.dir (the launcher sets <run dir>/checkpoints)")

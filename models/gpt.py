@@ -8,8 +8,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from models.spec import ModelSpec, causal_lm_loss, require_positive_ints
-from pipeline.core.errors import ConfigError
+from pipelaunch.models.spec import ModelSpec, causal_lm_loss, require_positive_ints
+from pipelaunch.pipeline.core.errors import ConfigError
 
 #: where a planner may cut the model: between blocks, also between a block's attention and MLP
 #: halves, or between any two traced operators

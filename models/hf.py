@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.spec import ModelSpec, causal_lm_loss
-from pipeline.core.errors import ConfigError
-from pipeline.graph.materialize import to_meta_parameters
+from pipelaunch.models.spec import ModelSpec, causal_lm_loss
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.graph.materialize import to_meta_parameters
 
 
 class CausalLM(nn.Module):
@@ -148,7 +148,7 @@ def checked_trace(spec: ModelSpec, uncomputed: set[str], deterministic: bool, mi
     the traced forward reads that no initialiser computes (`uncomputed_buffers`), and, unless
     dropout was asked for, a training forward that draws random numbers (ranks draw from other
     generator states than one process, so no pipeline could train it exactly as transformers does)."""
-    from pipeline.graph.trace import random_ops
+    from pipelaunch.pipeline.graph.trace import random_ops
 
     traced = ModelSpec.trace(spec, micro_batch_size, model)
     read = sorted(uncomputed & {n for n, _ in traced.gm.named_buffers(remove_duplicate=False)})
@@ -176,7 +176,7 @@ def uncomputed_buffers(model: nn.Module, stored: set[str]) -> set[str]:
     neither transformers' own initialiser computes again nor the checkpoint (`stored`) holds: a
     rank would start them from the generic fallback (zeros). transformers recomputes the buffers
     it knows (rotary `inv_freq`...) in `_init_weights`, as its own `from_pretrained` needs."""
-    from pipeline.graph.init import uncovered_tensors
+    from pipelaunch.pipeline.graph.init import uncovered_tensors
 
     buffers = {f"model.{n}" for n, t in model.named_buffers() if t.device.type == "meta"} - stored
     return buffers & set(uncovered_tensors(CausalLM(model), transformers_init)) if buffers else set()

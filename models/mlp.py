@@ -7,8 +7,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from models.gpt import Embedding, LMHead, sequential
-from models.spec import ModelSpec, causal_lm_loss, require_positive_ints
+from pipelaunch.models.gpt import Embedding, LMHead, sequential
+from pipelaunch.models.spec import ModelSpec, causal_lm_loss, require_positive_ints
 
 
 class ResidualMLP(nn.Module):

@@ -12,11 +12,11 @@ itself); `output` picks an attribute or key of what it returns (`logits`, `sampl
 or a tensor described by a mapping (`extra_tensor`: a text encoder's states for a conditioned
 UNet, a class label), the same for every sample of a batch. Buffers the module's constructor
 computes (a rotary `inv_freq`, a sin-cos position table) reach every rank by name, as the
-constructor computes them (`pipeline.graph.buffers.ConstructorBuffers`).
+constructor computes them (`pipelaunch.pipeline.graph.buffers.ConstructorBuffers`).
 
 On token data (`data.kind: tokens`, which module.yaml passes as `data_kind`) the defaults are a
 language model's: input `[seq_len]` int64 ids, loss `causal_lm`; elsewhere float32 input and
-`cross_entropy`. What still disagrees with the data is refused in `launcher.validate.check_data`.
+`cross_entropy`. What still disagrees with the data is refused in `pipelaunch.launcher.validate.check_data`.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
-from models.spec import ModelSpec, causal_lm_loss
-from pipeline.core.errors import ConfigError
-from pipeline.graph.buffers import ConstructorBuffers
+from pipelaunch.models.spec import ModelSpec, causal_lm_loss
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.graph.buffers import ConstructorBuffers
 
 LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "cross_entropy": nn.functional.cross_entropy,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.spec import ModelSpec, require_positive_ints
+from pipelaunch.models.spec import ModelSpec, require_positive_ints
 
 
 class ResidualBlock(nn.Module):

@@ -4,7 +4,7 @@ One type for every model. A chain of blocks (the GPT, the MLP) is a module whose
 its blocks; a U-Net is a module whose leaves are its conv blocks; a Hugging Face model is a module
 whose leaves are its decoder layers. The planner traces `build()` on the meta device and cuts the
 graph of leaves; nothing here ever holds real weights until a rank (or the single-process
-reference) materialises the parts it owns (`pipeline.graph.materialize`).
+reference) materialises the parts it owns (`pipelaunch.pipeline.graph.materialize`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from pipeline.graph.trace import TracedModel
+    from pipelaunch.pipeline.graph.trace import TracedModel
 
 #: a model family's own per-module initialiser, e.g. transformers' `PreTrainedModel._init_weights`:
 #: called as `init(root, module)` for each module, children before parents.
@@ -35,7 +35,7 @@ class ModelSpec:
     not read weights from disk or move tensors to a device itself. `leaf_modules` names submodules
     kept whole (never cut inside); empty means every traced operator may end a stage.
     `loss_fn(output, target)` returns the mean loss of one micro-batch. `init`, when given, is the
-    family's initialiser that `pipeline.graph.materialize.init_by_name` runs after `reset_parameters`.
+    family's initialiser that `pipelaunch.pipeline.graph.materialize.init_by_name` runs after `reset_parameters`.
     """
 
     name: str
@@ -49,11 +49,11 @@ class ModelSpec:
     init: FamilyInit | None = None
     meta: dict = field(default_factory=dict)
     #: tensors read by name after initialisation, `load(tensors, aliases)` and `keys()`: pretrained
-    #: weights (`models.hf.SafetensorsDir`, `checkpoint = True`) or the buffers the module's own
-    #: constructor computes (`pipeline.graph.buffers.ConstructorBuffers`, `checkpoint = False`)
+    #: weights (`pipelaunch.models.hf.SafetensorsDir`, `checkpoint = True`) or the buffers the module's own
+    #: constructor computes (`pipelaunch.pipeline.graph.buffers.ConstructorBuffers`, `checkpoint = False`)
     load: Any = None
     #: writes exported weights (name -> tensor, the full model's names) in the family's own format
-    #: into a directory; None: one `model.safetensors` under those names (`launcher.export`)
+    #: into a directory; None: one `model.safetensors` under those names (`pipelaunch.launcher.export`)
     save: Callable[[dict[str, torch.Tensor], Path], None] | None = None
 
     def build_meta(self) -> nn.Module:
@@ -64,7 +64,7 @@ class ModelSpec:
     def build_full(self, seed: int, device: torch.device | str = "cpu") -> nn.Module:
         """The whole model, materialised and initialised from (seed, names): the single-process
         reference, built by the same rule every rank uses for its own stages."""
-        from pipeline.graph.materialize import materialize
+        from pipelaunch.pipeline.graph.materialize import materialize
 
         model = self.build_meta()
         materialize(model, seed, torch.device(device), family_init=self.init, load=self.load)
@@ -92,7 +92,7 @@ class ModelSpec:
     def trace(self, micro_batch_size: int, model: nn.Module | None = None) -> TracedModel:
         """The model (`model`, or a fresh one) traced on the meta device at one micro-batch's shapes,
         leaf modules kept whole: the graph the planner cuts and every rank cuts again."""
-        from pipeline.graph.trace import trace_model
+        from pipelaunch.pipeline.graph.trace import trace_model
 
         model = self.build_meta() if model is None else model
         return trace_model(model, self.meta_input(micro_batch_size), self.leaf_modules, name=self.name)

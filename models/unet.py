@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.spec import ModelSpec, require_positive_ints
-from pipeline.core.errors import ConfigError
+from pipelaunch.models.spec import ModelSpec, require_positive_ints
+from pipelaunch.pipeline.core.errors import ConfigError
 
 
 class ConvBlock(nn.Module):

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.runtime.executor import StageSlot
-from pipeline.runtime.rank import RankJob, join_process_group, leave_process_group, run_job
-from pipeline.runtime.trainer import Callback, StepOutcome
+from pipelaunch.pipeline.runtime.executor import StageSlot
+from pipelaunch.pipeline.runtime.rank import RankJob, join_process_group, leave_process_group, run_job
+from pipelaunch.pipeline.runtime.trainer import Callback, StepOutcome
 
 
 def stage_state(slots: dict[int, StageSlot], what: str) -> dict[str, torch.Tensor]:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.hf import CausalLM, transformers_init
-from models.spec import ModelSpec, causal_lm_loss
+from pipelaunch.models.hf import CausalLM, transformers_init
+from pipelaunch.models.spec import ModelSpec, causal_lm_loss
 
 
 def gpt2(vocab_size: int = 64, seq_len: int = 16, layers: int = 4, dim: int = 32, heads: int = 4,

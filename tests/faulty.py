@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from models.gpt import gpt
-from models.spec import ModelSpec
+from pipelaunch.models.gpt import gpt
+from pipelaunch.models.spec import ModelSpec
 
 
 class Explode(nn.Module):

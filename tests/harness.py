@@ -10,13 +10,13 @@ import torch
 from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from launcher.config import register_configs
-from launcher.overrides import compose_checked
-from launcher.spawn import spawn_ranks
-from launcher.validate import prepare
-from pipeline.core.config import TrainConfig
-from pipeline.runtime.host_allocator import rank_environment
-from pipeline.runtime.rank import RankJob
+from pipelaunch.launcher.config import register_configs
+from pipelaunch.launcher.overrides import compose_checked
+from pipelaunch.launcher.spawn import spawn_ranks
+from pipelaunch.launcher.validate import prepare
+from pipelaunch.pipeline.core.config import TrainConfig
+from pipelaunch.pipeline.runtime.host_allocator import rank_environment
+from pipelaunch.pipeline.runtime.rank import RankJob
 from tests.capture import CaptureState, rank_main_many
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,7 +94,8 @@ def job_processes() -> set[int]:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if "train.py" in cmdline or "multiprocessing.spawn" in cmdline or "torch.distributed.run" in cmdline:
+        if any(mark in cmdline for mark in ("train.py", "bin/pipelaunch ", "-m pipelaunch", "multiprocessing.spawn",
+                                            "torch.distributed.run")):
             found.add(int(entry.name))
     return found
 

@@ -9,9 +9,9 @@ For each entry of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`: a tiny config (`tiny_conf
 small hidden size, heads and key-value heads that divide it, a small vocabulary, the
 architecture's own fields kept), a model built on the CPU by transformers and written with
 `save_pretrained`; then `model=hf model.path=<dir>` is validated and planned by the launcher
-(`launcher.validate.prepare`, where an architecture the pipeline cannot reproduce is refused) and
+(`pipelaunch.launcher.validate.prepare`, where an architecture the pipeline cannot reproduce is refused) and
 every rank's stages are built in this process exactly as a rank builds them
-(`pipeline.runtime.stage.build_stage_modules`: a fresh meta model, cut, only its own stages
+(`pipelaunch.pipeline.runtime.stage.build_stage_modules`: a fresh meta model, cut, only its own stages
 materialised, weights read by name). The stages run one after the other; first loss, every
 gradient and the weights after three SGD steps must equal transformers' own model trained on the
 same micro-batches (1e-5 relative).
@@ -265,7 +265,7 @@ def traced_once():
     same graph), and a rank's stage modules get their real tensors by name from the model it
     materialises (`materialize(..., also=stages)`), never from the traced copy. An export trace of
     a transformers model takes seconds; the sweep would trace each architecture ten times."""
-    from models.spec import ModelSpec
+    from pipelaunch.models.spec import ModelSpec
 
     original, cache = ModelSpec.trace, {}
 
@@ -285,12 +285,12 @@ def traced_once():
 def pipeline(directory: Path, pp: int, data) -> Trained:
     """Every rank's stages built as a rank builds them (`build_stage_modules`: fresh meta model,
     only its stages materialised, weights read by name), run in order in this process, as the
-    launcher's split check builds and runs them (`launcher.split_compare`)."""
+    launcher's split check builds and runs them (`pipelaunch.launcher.split_compare`)."""
     from hydra.utils import instantiate
 
-    from launcher.split_compare import every_stage, stage_parameters
-    from launcher.validate import prepare
-    from pipeline.graph.split import run_in_order
+    from pipelaunch.launcher.split_compare import every_stage, stage_parameters
+    from pipelaunch.launcher.validate import prepare
+    from pipelaunch.pipeline.graph.split import run_in_order
     from tests.harness import compose_cfg
 
     cfg = compose_cfg(overrides(directory, pp))
@@ -301,10 +301,10 @@ def pipeline(directory: Path, pp: int, data) -> Trained:
 
 
 def worst(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[float, str]:
-    """The largest relative difference over tensors (`launcher.split_compare.relative_differences`:
+    """The largest relative difference over tensors (`pipelaunch.launcher.split_compare.relative_differences`:
     relative to its own norm, or to 1e-4 of the largest norm for a tensor that is zero in exact
     arithmetic), and its name."""
-    from launcher.split_compare import relative_differences
+    from pipelaunch.launcher.split_compare import relative_differences
 
     if set(got) != set(ref):
         return float("inf"), f"names differ: {sorted(set(got) ^ set(ref))[:4]}"  # inf: "differs by" below
@@ -374,7 +374,7 @@ def check(model_type: str, pps: tuple[int, ...] = (1, 2, 4), extra: dict | None 
         config, model = build(model_type, extra=extra)
     except Exception as err:  # noqa: BLE001 - any failure of transformers itself is "cannot build"
         return Result(model_type, "unbuilt", _first_line(err), seconds=time.monotonic() - start)
-    from pipeline.core.errors import ConfigError
+    from pipelaunch.pipeline.core.errors import ConfigError
 
     data = batches()
     text = config.get_text_config()
@@ -489,7 +489,7 @@ def docs_table(results: list[Result]) -> str:
         f"{BATCH // MICROBATCHES} x {SEQ_LEN} tokens) must equal transformers' own forward and backward on the same "
         f"weights and batches within {TOLERANCE:g} (relative), at pp 1, 2 and 4 (4 needs 4 layers). "
         "`tests/test_hf_sweep.py` runs it: a dozen in the default suite (two of them on real ranks, exported "
-        "by `launcher.export` and reloaded by `from_pretrained`), all of them in the slow suite.",
+        "by `pipelaunch.launcher.export` and reloaded by `from_pretrained`), all of them in the slow suite.",
         "",
         f"**{n['exact_pp2']} of the {n['decoders']} decoder-only causal LMs transformers builds from a tiny config "
         f"train exactly at pp=2** ({n['exact_pp4']} at pp=4 too); {n['refused']} are refused before training, "

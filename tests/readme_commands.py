@@ -219,7 +219,7 @@ def make_checkout(dest: Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("train.py", "README.md"):
         (dest / name).write_bytes((ROOT / name).read_bytes())
-    links = ("conf", "launcher", "pipeline", "models", "bench", "docs", "tests", "Makefile", "pyproject.toml", ".venv")
+    links = ("conf", "launcher", "pipeline", "models", "pipelaunch", "bench", "docs", "tests", "Makefile", "pyproject.toml", ".venv")
     for name in links:
         (dest / name).symlink_to(ROOT / name)
     return dest

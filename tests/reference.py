@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from hydra.utils import instantiate
 
-from models.spec import ModelSpec
-from pipeline.core.precision import PRECISIONS
-from pipeline.runtime.optim import build_optimizer
+from pipelaunch.models.spec import ModelSpec
+from pipelaunch.pipeline.core.precision import PRECISIONS
+from pipelaunch.pipeline.runtime.optim import build_optimizer
 
 
 def reference_run(cfg: dict, capture_state: bool = True) -> dict:

@@ -1,14 +1,14 @@
 """Every schedule the tests know: the options of the `scheduler` config group, as the launcher reads
-them (`launcher.config.group_configs`), never a list kept in code. A schedule added by a YAML in
+them (`pipelaunch.launcher.config.group_configs`), never a list kept in code. A schedule added by a YAML in
 `conf/scheduler/` is simulated, lowered and run for equivalence like the built-ins."""
 
 from __future__ import annotations
 
 from hydra.utils import get_object, instantiate
 
-from launcher.config import group_configs
-from pipeline.planner.schedules.auto import AutoSchedule
-from pipeline.planner.schedules.base import ScheduleGenerator
+from pipelaunch.launcher.config import group_configs
+from pipelaunch.pipeline.planner.schedules.auto import AutoSchedule
+from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
 
 
 def scheduler_options() -> dict[str, dict]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.spec import ModelSpec, causal_lm_loss
+from pipelaunch.models.spec import ModelSpec, causal_lm_loss
 
 
 class RoundSTE(torch.autograd.Function):

@@ -8,13 +8,13 @@ import networkx as nx
 import pytest
 import torch
 
-from models.gpt import gpt
-from pipeline.core.errors import ConfigError
-from pipeline.graph.split import split_model
-from pipeline.graph.trace import trace_model
-from pipeline.planner.build import partition_graph
-from pipeline.planner.partition import PartitionRequest, validate_assignment
-from pipeline.planner.partition.atomic import contract_unsendable, sends_as_tensor
+from pipelaunch.models.gpt import gpt
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.graph.split import split_model
+from pipelaunch.pipeline.graph.trace import trace_model
+from pipelaunch.pipeline.planner.build import partition_graph
+from pipelaunch.pipeline.planner.partition import PartitionRequest, validate_assignment
+from pipelaunch.pipeline.planner.partition.atomic import contract_unsendable, sends_as_tensor
 from tests.test_split import check_equivalence
 
 SPEC = gpt(vocab_size=64, dim=32, layers=3, heads=4, seq_len=8, granularity="op")
@@ -50,7 +50,7 @@ def test_graph_of_tensors_only_is_left_alone() -> None:
 @pytest.mark.parametrize("stages", [2, 4, 7])
 def test_every_partitioner_cuts_only_tensor_edges_and_the_split_is_exact(name: str, stages: int) -> None:
     traced = _traced()
-    cfg = {"_target_": f"pipeline.planner.partition.plugins.{name}_split"}
+    cfg = {"_target_": f"pipelaunch.pipeline.planner.partition.plugins.{name}_split"}
     part = partition_graph(cfg, traced.graph, list(range(stages)), PartitionRequest(1e9, [stages - s for s in range(stages)]))
     validate_assignment(traced.graph, part.assignment, stages)
     for u, v in traced.graph.edges:

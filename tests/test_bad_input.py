@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.overrides import compose_checked, rewrite_lists
-from launcher.validate import prepare
-from pipeline.core.errors import ConfigError
+from pipelaunch.launcher.overrides import compose_checked, rewrite_lists
+from pipelaunch.launcher.validate import prepare
+from pipelaunch.pipeline.core.errors import ConfigError
 from tests.test_cli import train
 
 CASES = [

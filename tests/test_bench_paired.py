@@ -17,9 +17,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from _torch_pp import BenchConfig, PipelineJob, compose_our_run  # noqa: E402
 from paired_runtimes import PairedJob, perfect_step_s, run_pair  # noqa: E402
 
-from pipeline.planner.placement import linear  # noqa: E402
-from pipeline.planner.schedules import build_schedule  # noqa: E402
-from pipeline.planner.schedules.one_f_one_b import OneFOneB  # noqa: E402
+from pipelaunch.pipeline.planner.placement import linear  # noqa: E402
+from pipelaunch.pipeline.planner.schedules import build_schedule  # noqa: E402
+from pipelaunch.pipeline.planner.schedules.one_f_one_b import OneFOneB  # noqa: E402
 
 
 @pytest.mark.timeout(240)

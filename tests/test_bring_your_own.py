@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from launcher.split_check import check_split
-from launcher.validate import prepare
-from pipeline.core.errors import ConfigError
+from pipelaunch.launcher.split_check import check_split
+from pipelaunch.launcher.validate import prepare
+from pipelaunch.pipeline.core.errors import ConfigError
 from tests.harness import ROOT, assert_state_close, compose_cfg, merge_state, run_jobs
 from tests.test_cli import metrics, train
 
@@ -239,7 +239,7 @@ def test_hf_documents_train_the_same_under_any_layout(tmp_path) -> None:
 
 @pytest.mark.timeout(300)
 def test_prepare_script_writes_the_token_format_once(tmp_path) -> None:
-    """`python -m pipeline.data.prepare` on parquet files writes what data=hf packs, then
+    """`python -m pipelaunch.pipeline.data.prepare` on parquet files writes what data=hf packs, then
     `python train.py data=tokens` trains on it as typed."""
     import subprocess
     import sys
@@ -249,12 +249,12 @@ def test_prepare_script_writes_the_token_format_once(tmp_path) -> None:
     make_tokenizer(tmp_path / "tok")
     files = [write_docs(tmp_path / "a.parquet"), write_docs(tmp_path / "b.parquet", ["one more short document"] * 5)]
     out = tmp_path / "bin" / "train.bin"
-    proc = subprocess.run([sys.executable, "-m", "pipeline.data.prepare", *map(str, files), "--tokenizer",
+    proc = subprocess.run([sys.executable, "-m", "pipelaunch.pipeline.data.prepare", *map(str, files), "--tokenizer",
                            str(tmp_path / "tok"), "--out", str(out), "--cache-dir", str(tmp_path / "cache")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "data=tokens data.path=" in proc.stdout and "writing train.bin" in proc.stderr  # the progress bar
-    from pipeline.data.hf import load_documents, load_tokenizer, token_batches, tokenize
+    from pipelaunch.pipeline.data.hf import load_documents, load_tokenizer, token_batches, tokenize
 
     tok = load_tokenizer(str(tmp_path / "tok"))
     docs = load_documents([str(f) for f in files], None, "text", str(tmp_path / "cache"))
@@ -329,7 +329,7 @@ def readme_example(tmp_path, monkeypatch):
 
 def test_readme_module_on_a_token_file_plans_as_typed(readme_example) -> None:
     """The short command: int64 input of [model.seq_len], causal_lm and the data's windows by default."""
-    from models.spec import causal_lm_loss
+    from pipelaunch.models.spec import causal_lm_loss
 
     prepared = prepare(compose_cfg([*readme_example, "mode=plan"]))
     spec = prepared.spec

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pipeline.core.errors import ConfigError
-from pipeline.runtime import checkpoint
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.runtime import checkpoint
 
 
 def _fake(root, step: int, metadata: bool = True, meta: bool = True, partial: bool = False):

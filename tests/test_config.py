@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launcher.validate import prepare
+from pipelaunch.launcher.validate import prepare
 from tests.harness import FAST, compose_cfg, group_options
 
 TOKENS = Path(tempfile.mkdtemp(prefix="tokens_")) / "train.bin"
@@ -69,7 +69,7 @@ def test_text_data_reads_the_standard_library() -> None:
 
 
 def test_data_must_match_the_model() -> None:
-    from pipeline.core.errors import ConfigError
+    from pipelaunch.pipeline.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="data=images"):
         prepare(compose_cfg(["model=unet", "data=synthetic", "data.vocab_size=8", "data.seq_len=8"]))
@@ -79,7 +79,7 @@ def test_sweep_config_holds_a_benchmark_matrix() -> None:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from launcher.config import register_configs
+    from pipelaunch.launcher.config import register_configs
     from tests.harness import CONF
 
     register_configs()
@@ -88,4 +88,4 @@ def test_sweep_config_holds_a_benchmark_matrix() -> None:
         cfg = compose(config_name="train", overrides=["+sweep=schedules"], return_hydra_config=True)
     params = cfg.hydra.sweeper.params
     assert "zbv" in params.scheduler and "balanced" in params.partitioner
-    assert cfg.hydra.callbacks.sweep_report._target_ == "launcher.sweep_report.SweepReport"
+    assert cfg.hydra.callbacks.sweep_report._target_ == "pipelaunch.launcher.sweep_report.SweepReport"

@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from launcher.overrides import compose_checked, rewrite_lists
-from launcher.validate import prepare
-from pipeline.core.errors import ConfigError
+from pipelaunch.launcher.overrides import compose_checked, rewrite_lists
+from pipelaunch.launcher.validate import prepare
+from pipelaunch.pipeline.core.errors import ConfigError
 
 BAD_NUMBERS = ["0", "-1", "-4", "abc", "2.5", "null", "[1,2]", "1e40"]
 VALUES: dict[str, list[str]] = {

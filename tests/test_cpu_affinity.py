@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from pipeline.core.errors import ConfigError
-from pipeline.runtime.cpu_affinity import rank_cores
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.runtime.cpu_affinity import rank_cores
 from tests.harness import FAST, compose_cfg, run_jobs
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.core.ir import Kind
-from pipeline.planner.dependencies import (
+from pipelaunch.pipeline.core.ir import Kind
+from pipelaunch.pipeline.planner.dependencies import (
     COMPLETES,
     READS,
     Progress,
@@ -85,9 +85,9 @@ def _imports(path: Path) -> set[str]:
 def test_imports_run_one_way() -> None:
     """dependencies <- simulate <- shared_cores; simulate <- fuse <- base: no module imports back."""
     planner = ROOT / "pipeline" / "planner"
-    assert not {m for m in _imports(planner / "dependencies.py") if m.startswith("pipeline.planner")}
-    assert {m for m in _imports(planner / "simulate.py") if m.startswith("pipeline.planner")} == {
-        "pipeline.planner.dependencies"}
-    assert "pipeline.planner.schedules.base" not in _imports(planner / "schedules" / "fuse.py")
-    for module in ("pipeline.planner.schedules.fuse", "pipeline.planner.schedules.base"):  # each imported first
+    assert not {m for m in _imports(planner / "dependencies.py") if m.startswith("pipelaunch.pipeline.planner")}
+    assert {m for m in _imports(planner / "simulate.py") if m.startswith("pipelaunch.pipeline.planner")} == {
+        "pipelaunch.pipeline.planner.dependencies"}
+    assert "pipelaunch.pipeline.planner.schedules.base" not in _imports(planner / "schedules" / "fuse.py")
+    for module in ("pipelaunch.pipeline.planner.schedules.fuse", "pipelaunch.pipeline.planner.schedules.base"):  # each imported first
         subprocess.run([sys.executable, "-c", f"import {module}"], check=True, cwd=ROOT)

@@ -13,8 +13,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from launcher.validate import prepare
-from pipeline.core.errors import ConfigError
+from pipelaunch.launcher.validate import prepare
+from pipelaunch.pipeline.core.errors import ConfigError
 from tests.harness import FAST, assert_state_close, compose_cfg, merge_state, run_jobs
 from tests.reference import reference_forward, reference_run
 from tests.schedules import training_schedules

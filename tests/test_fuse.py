@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.core.ir import Kind, Schedule
-from pipeline.planner.placement import v_shape
-from pipeline.planner.schedules.fuse import MAX_WORK, fuse_slack_backwards
-from pipeline.planner.schedules.zbv import ZBV
-from pipeline.planner.schedules.zero_bubble import ZBH2
-from pipeline.planner.simulate import makespan, validate
+from pipelaunch.pipeline.core.ir import Kind, Schedule
+from pipelaunch.pipeline.planner.placement import v_shape
+from pipelaunch.pipeline.planner.schedules.fuse import MAX_WORK, fuse_slack_backwards
+from pipelaunch.pipeline.planner.schedules.zbv import ZBV
+from pipelaunch.pipeline.planner.schedules.zero_bubble import ZBH2
+from pipelaunch.pipeline.planner.simulate import makespan, validate
 
 
 def count_fused(schedule: Schedule) -> int:

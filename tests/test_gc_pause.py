@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from launcher.gc_pause import FULL_EVERY, few_full_collections
+from pipelaunch.launcher.gc_pause import FULL_EVERY, few_full_collections
 
 
 @pytest.fixture(autouse=True)

@@ -10,15 +10,26 @@ import pytest
 import torch
 from torch import nn
 
-from models.gpt import DecoderBlock, LMHead, gpt
-from models.resnet import resnet
-from models.spec import causal_lm_loss
-from models.unet import unet
-from pipeline.core.errors import ConfigError
-from pipeline.graph.trace import TraceError, trace_model
-from pipeline.planner.partition import balanced, manual, milp_partition, uniform, validate_assignment
-from pipeline.planner.profile import CacheEvictor, last_level_cache_bytes, measure_op, profile_graph
-from pipeline.runtime.backward import backward_input, backward_weight
+from pipelaunch.models.gpt import DecoderBlock, LMHead, gpt
+from pipelaunch.models.resnet import resnet
+from pipelaunch.models.spec import causal_lm_loss
+from pipelaunch.models.unet import unet
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.graph.trace import TraceError, trace_model
+from pipelaunch.pipeline.planner.partition import (
+    balanced,
+    manual,
+    milp_partition,
+    uniform,
+    validate_assignment,
+)
+from pipelaunch.pipeline.planner.profile import (
+    CacheEvictor,
+    last_level_cache_bytes,
+    measure_op,
+    profile_graph,
+)
+from pipelaunch.pipeline.runtime.backward import backward_input, backward_weight
 
 
 def tied_gpt(layers: int = 2) -> tuple[nn.Module, torch.Tensor]:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.validate import prepare
-from models.gpt import SUBLAYER_PARTS
-from pipeline.planner.memory import BudgetExceeded
+from pipelaunch.launcher.validate import prepare
+from pipelaunch.models.gpt import SUBLAYER_PARTS
+from pipelaunch.pipeline.planner.memory import BudgetExceeded
 from tests.harness import assert_state_close, compose_cfg, merge_state, run_jobs
 from tests.reference import reference_run
 

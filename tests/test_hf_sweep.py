@@ -2,7 +2,7 @@
 
 Default suite: a representative dozen in this process (each rank's stages built as a rank builds
 them) at pp 1 and 2, and two of them on real gloo ranks through the whole run, checkpoint and
-`python -m launcher.export` included. Slow suite: every entry of transformers'
+`python -m pipelaunch.launcher.export` included. Slow suite: every entry of transformers'
 `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` at pp 1, 2 and 4 (`tests/hf_sweep.py`, which also writes
 docs/transformers.md)."""
 
@@ -46,7 +46,7 @@ def test_representative_architectures_train_exactly_at_pp_1_and_2() -> None:
 
 
 def _export(checkpoint, out) -> None:
-    proc = subprocess.run([sys.executable, "-m", "launcher.export", str(checkpoint), str(out)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "pipelaunch.launcher.export", str(checkpoint), str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
@@ -55,7 +55,7 @@ def _export(checkpoint, out) -> None:
 def test_real_ranks_train_and_export_what_transformers_trains(tmp_path) -> None:
     """GPT-NeoX with partial rotary and Mixtral (the two reported failures) at pp=2 on real gloo
     ranks: first loss, every gradient and the weights after three SGD steps equal transformers' own
-    training on the same batches, and `python -m launcher.export` writes a directory whose
+    training on the same batches, and `python -m pipelaunch.launcher.export` writes a directory whose
     `from_pretrained` model holds those weights (Mixtral's experts back in transformers' layout)."""
     from hydra.utils import instantiate
     from transformers import AutoModelForCausalLM

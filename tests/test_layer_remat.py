@@ -20,16 +20,21 @@ from hydra.utils import instantiate
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from launcher.spawn import spawn_ranks
-from launcher.validate import prepare
-from pipeline.core.errors import ConfigError
-from pipeline.core.plan import Plan
-from pipeline.graph.recompute import recompute_modules
-from pipeline.planner.remat import RecomputeInfeasible, RecomputeOption, choose_recompute, recompute_options
-from pipeline.runtime.backward import backward_input, backward_weight
-from pipeline.runtime.host_allocator import rank_environment
-from pipeline.runtime.rank import RankJob
-from pipeline.runtime.stage import StageModule, build_stage_modules
+from pipelaunch.launcher.spawn import spawn_ranks
+from pipelaunch.launcher.validate import prepare
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.graph.recompute import recompute_modules
+from pipelaunch.pipeline.planner.remat import (
+    RecomputeInfeasible,
+    RecomputeOption,
+    choose_recompute,
+    recompute_options,
+)
+from pipelaunch.pipeline.runtime.backward import backward_input, backward_weight
+from pipelaunch.pipeline.runtime.host_allocator import rank_environment
+from pipelaunch.pipeline.runtime.rank import RankJob
+from pipelaunch.pipeline.runtime.stage import StageModule, build_stage_modules
 from tests.capture import CaptureState, rank_main_many
 from tests.harness import FAST, ROOT, assert_state_close, compose_cfg, merge_state
 from tests.reference import reference_run

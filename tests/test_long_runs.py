@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from launcher.export import model_tensors
+from pipelaunch.launcher.export import model_tensors
 from tests.harness import (
     assert_no_process_left,
     assert_state_close,
@@ -150,8 +150,8 @@ def test_nan_stops_the_job_naming_the_step_and_the_stage(tmp_path) -> None:
 
 
 def test_bad_training_keys_are_refused_before_any_rank(tmp_path) -> None:
-    from launcher.validate import prepare
-    from pipeline.core.errors import ConfigError
+    from pipelaunch.launcher.validate import prepare
+    from pipelaunch.pipeline.core.errors import ConfigError
 
     for override, key in (("clip_grad_norm=-1", "clip_grad_norm"), ("precision=fp8", "precision"),
                           ("lr_scheduler.min_lr_ratio=2", "lr_scheduler.min_lr_ratio"),

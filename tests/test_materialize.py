@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.gpt import gpt
-from models.unet import unet
-from pipeline.graph.init import FALLBACK_STD, uncovered_tensors
-from pipeline.graph.materialize import materialize
-from pipeline.graph.split import split_model
-from pipeline.planner.partition import uniform
-from pipeline.runtime.stage import meta_tensor_names
+from pipelaunch.models.gpt import gpt
+from pipelaunch.models.unet import unet
+from pipelaunch.pipeline.graph.init import FALLBACK_STD, uncovered_tensors
+from pipelaunch.pipeline.graph.materialize import materialize
+from pipelaunch.pipeline.graph.split import split_model
+from pipelaunch.pipeline.planner.partition import uniform
+from pipelaunch.pipeline.runtime.stage import meta_tensor_names
 from tests.ecosystem_models import bare, gpt2
 
 SPECS = {

@@ -12,20 +12,20 @@ import math
 
 import pytest
 
-from pipeline.core.errors import ConfigError
-from pipeline.core.ir import Kind, Schedule
-from pipeline.planner.placement import interleaved, v_shape
-from pipeline.planner.schedules import build_schedule
-from pipeline.planner.schedules.dualpipev import DualPipeV
-from pipeline.planner.schedules.interleaved import Interleaved1F1B
-from pipeline.planner.schedules.interleaved_zb import InterleavedZB
-from pipeline.planner.schedules.looped_bfs import LoopedBFS, breadth_first_order
-from pipeline.planner.schedules.one_f_one_b import OneFOneB
-from pipeline.planner.schedules.torch_orders import TorchSchedule
-from pipeline.planner.schedules.v_memory import VHalf, VMin
-from pipeline.planner.schedules.zbv import ZBV
-from pipeline.planner.schedules.zero_bubble import ZBH1, ZBH2
-from pipeline.planner.simulate import CostModel, simulate, validate
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.ir import Kind, Schedule
+from pipelaunch.pipeline.planner.placement import interleaved, v_shape
+from pipelaunch.pipeline.planner.schedules import build_schedule
+from pipelaunch.pipeline.planner.schedules.dualpipev import DualPipeV
+from pipelaunch.pipeline.planner.schedules.interleaved import Interleaved1F1B
+from pipelaunch.pipeline.planner.schedules.interleaved_zb import InterleavedZB
+from pipelaunch.pipeline.planner.schedules.looped_bfs import LoopedBFS, breadth_first_order
+from pipelaunch.pipeline.planner.schedules.one_f_one_b import OneFOneB
+from pipelaunch.pipeline.planner.schedules.torch_orders import TorchSchedule
+from pipelaunch.pipeline.planner.schedules.v_memory import VHalf, VMin
+from pipelaunch.pipeline.planner.schedules.zbv import ZBV
+from pipelaunch.pipeline.planner.schedules.zero_bubble import ZBH1, ZBH2
+from pipelaunch.pipeline.planner.simulate import CostModel, simulate, validate
 from tests.harness import FAST, ROOT, compose_cfg, run_jobs
 from tests.test_graph_equivalence import MODELS, _assert_all_match_single_process
 
@@ -223,7 +223,7 @@ def test_the_zb_v_order_with_its_own_w_is_torchs_zbv(pp: int, m: int) -> None:
     """One of zbv's candidates is the ZB-V order with the W where the paper puts them: written from
     the paper's pattern here, it equals torch's ZBVZeroBubble action for action, so zbv never takes a
     longer step than torch's on the same costs."""
-    from pipeline.planner.schedules.orders import zero_bubble_v
+    from pipelaunch.pipeline.planner.schedules.orders import zero_bubble_v
 
     theirs = TorchSchedule(schedule="ZBVZeroBubble").compute_actions(v_shape(pp), m)
     assert zero_bubble_v(pp, m, weights=True) == [list(acts) for acts in theirs]

@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from launcher.validate import prepare
-from pipeline.planner.overheads import cache_path, cached_overheads
-from pipeline.planner.predict import predict
+from pipelaunch.launcher.validate import prepare
+from pipelaunch.pipeline.planner.overheads import cache_path, cached_overheads
+from pipelaunch.pipeline.planner.predict import predict
 from tests.harness import FAST, assert_no_process_left, compose_cfg, job_processes
 
 

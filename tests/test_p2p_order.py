@@ -14,15 +14,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from launcher.validate import prepare
-from pipeline.core.errors import ConfigError
-from pipeline.core.ir import Action, Kind, Schedule
-from pipeline.core.plan import Plan
-from pipeline.planner.lowering import lower, sequential_edges
-from pipeline.planner.p2p_check import P2POrderError, TensorSpec, check_p2p, check_plan
-from pipeline.planner.placement import placement_for
-from pipeline.planner.schedules import build_schedule
-from pipeline.planner.schedules.inference import Inference
+from pipelaunch.launcher.validate import prepare
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.ir import Action, Kind, Schedule
+from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.planner.lowering import lower, sequential_edges
+from pipelaunch.pipeline.planner.p2p_check import P2POrderError, TensorSpec, check_p2p, check_plan
+from pipelaunch.pipeline.planner.placement import placement_for
+from pipelaunch.pipeline.planner.schedules import build_schedule
+from pipelaunch.pipeline.planner.schedules.inference import Inference
 from tests.harness import FAST, compose_cfg
 from tests.schedules import build, schedules
 from tests.test_graph_equivalence import MODELS
@@ -218,9 +218,9 @@ def test_lowering_posts_messages_in_one_causal_order() -> None:
     """The exact programs the lowering gives (as before it was made linear per rank): a send right
     after its producer, a receive as early as the causal order allows, a skip edge (0 -> 2) with no
     gradient, and on the V placement the neighbours on one rank exchanging nothing."""
-    from pipeline.planner.placement import linear, v_shape
-    from pipeline.planner.schedules.one_f_one_b import OneFOneB
-    from pipeline.planner.schedules.zbv import ZBV
+    from pipelaunch.pipeline.planner.placement import linear, v_shape
+    from pipelaunch.pipeline.planner.schedules.one_f_one_b import OneFOneB
+    from pipelaunch.pipeline.planner.schedules.zbv import ZBV
 
     skip = lower(build_schedule(OneFOneB(), linear(3), 3), [(0, 1), (1, 2), (0, 2)], grad_edges=[(0, 1), (1, 2)])
     assert [" ".join(map(str, acts)) for acts in skip.actions] == [

@@ -8,8 +8,8 @@ import random
 import networkx as nx
 import pytest
 
-from pipeline.core.errors import ConfigError
-from pipeline.planner.partition import (
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.planner.partition import (
     balanced,
     coarsen,
     evaluate,
@@ -19,7 +19,7 @@ from pipeline.planner.partition import (
     uniform,
     validate_assignment,
 )
-from pipeline.planner.partition.common import assignment_from_order
+from pipelaunch.pipeline.planner.partition.common import assignment_from_order
 from tests.synthetic import chain, synthetic_dag
 
 
@@ -235,9 +235,9 @@ def test_in_flight_counts_without_a_budget_take_the_first_candidate_order(monkey
     """The split's in-flight counts only break ties without a budget, so V-Min's unit-cost search
     stops at its first feasible candidate there; under a cap every candidate is still tried, and
     afterwards the generator searches as before."""
-    from pipeline.planner.budget import partition_request
-    from pipeline.planner.schedules import base, build_schedule
-    from pipeline.planner.schedules.v_memory import VMin
+    from pipelaunch.pipeline.planner.budget import partition_request
+    from pipelaunch.pipeline.planner.schedules import base, build_schedule
+    from pipelaunch.pipeline.planner.schedules.v_memory import VMin
 
     fills: list[int] = []
     real_fill = base.Candidate.fill
@@ -259,10 +259,10 @@ def test_the_first_finished_order_is_not_simulated_when_only_its_shape_is_needed
     """ZBV's first candidate is the paper's finished order: the split's in-flight counts without a
     budget take it without playing it on the costs (a simulation of 98k actions at pp=64); the
     search that chooses the order that runs still plays every candidate."""
-    from pipeline.planner.budget import partition_request
-    from pipeline.planner.placement import v_shape
-    from pipeline.planner.schedules import base, build_schedule
-    from pipeline.planner.schedules.zbv import ZBV
+    from pipelaunch.pipeline.planner.budget import partition_request
+    from pipelaunch.pipeline.planner.placement import v_shape
+    from pipelaunch.pipeline.planner.schedules import base, build_schedule
+    from pipelaunch.pipeline.planner.schedules.zbv import ZBV
 
     played: list[int] = []
     real = base.simulate_programs

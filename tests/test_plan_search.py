@@ -7,17 +7,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from launcher.validate import prepare
-from pipeline.core.errors import ConfigError
-from pipeline.planner.memory import BudgetExceeded, DeviceMemory
-from pipeline.planner.search import (
+from pipelaunch.launcher.validate import prepare
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.planner.memory import BudgetExceeded, DeviceMemory
+from pipelaunch.pipeline.planner.search import (
     Candidate,
     candidates,
     microbatch_counts,
     run_search,
     scheduler_variants,
 )
-from pipeline.planner.simulate import CostModel, simulate
+from pipelaunch.pipeline.planner.simulate import CostModel, simulate
 from tests.harness import FAST, assert_state_close, compose_cfg, merge_state, run_jobs
 from tests.reference import reference_run
 
@@ -61,9 +61,9 @@ class _Pred:
 
 
 def simulate_one(step_s: float):
-    from pipeline.core.ir import Schedule
-    from pipeline.planner.schedules import build_schedule
-    from pipeline.planner.schedules.one_f_one_b import OneFOneB
+    from pipelaunch.pipeline.core.ir import Schedule
+    from pipelaunch.pipeline.planner.schedules import build_schedule
+    from pipelaunch.pipeline.planner.schedules.one_f_one_b import OneFOneB
 
     schedule: Schedule = build_schedule(OneFOneB(), [0], 1)
     return simulate(schedule, CostModel.uniform(1, f=step_s / 2, i=step_s / 4, w=step_s / 4))
@@ -194,15 +194,15 @@ def test_plan_auto_winner_trains_like_one_process(tmp_path) -> None:
 def test_ranks_sharing_too_few_cores_are_predicted_taking_turns(monkeypatch) -> None:
     """Four one-thread ranks on two cores: the prediction plays the schedule with busy ranks
     sharing the cores, which is never faster than each rank alone or all the work over the cores."""
-    import pipeline.planner
-    from pipeline.planner.shared_cores import shared_makespan
+    import pipelaunch.pipeline.planner
+    from pipelaunch.pipeline.planner.shared_cores import shared_makespan
 
-    monkeypatch.setattr(pipeline.planner, "available_cores", lambda: 2)
+    monkeypatch.setattr(pipelaunch.pipeline.planner, "available_cores", lambda: 2)
     p = prepare(compose_cfg([*FAST, "pp=4", "threads=1", "predict=true", "scheduler=1f1b"])).prediction
     assert p.plan.meta.rank_slots == 2
     assert p.schedule_s == pytest.approx(shared_makespan(p.plan.schedule, p.cost, 2))
     assert p.schedule_s >= max(p.result.makespan_s, sum(p.result.busy_s) / 2) - 1e-9
-    monkeypatch.setattr(pipeline.planner, "available_cores", lambda: 4)  # a core each: the makespan
+    monkeypatch.setattr(pipelaunch.pipeline.planner, "available_cores", lambda: 4)  # a core each: the makespan
     alone = prepare(compose_cfg([*FAST, "pp=4", "threads=1", "predict=true", "scheduler=1f1b"])).prediction
     assert not alone.plan.meta.rank_slots
     assert alone.schedule_s == pytest.approx(alone.result.makespan_s)
@@ -233,7 +233,7 @@ def test_a_split_backward_is_priced_as_profiled_not_as_a_share_of_the_fused_one(
     backward in W at the fused price. The simulator reads exactly these."""
     import json
 
-    from pipeline.planner.costs import cost_model_from_plan
+    from pipelaunch.pipeline.planner.costs import cost_model_from_plan
 
     monkeypatch.setenv("PIPELAUNCH_CACHE", str(tmp_path))
     plan = prepare(compose_cfg([*FAST, "partitioner=balanced", "scheduler=zbv", "pp=2", "microbatches=4"])).plan

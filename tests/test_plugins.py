@@ -16,10 +16,10 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 
-from launcher.config import group_configs, register_configs
-from pipeline.planner.placement import placement_for
-from pipeline.planner.schedules import build_schedule
-from pipeline.planner.simulate import CostModel, simulate
+from pipelaunch.launcher.config import group_configs, register_configs
+from pipelaunch.pipeline.planner.placement import placement_for
+from pipelaunch.pipeline.planner.schedules import build_schedule
+from pipelaunch.pipeline.planner.simulate import CostModel, simulate
 from tests.harness import CONF, FAST, ROOT, compose_cfg
 from tests.reference import reference_run
 from tests.schedules import schedules
@@ -31,10 +31,10 @@ PACKAGE = '''
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pipeline.core.ir import B, F
-from pipeline.planner.partition import evaluate
-from pipeline.planner.partition.common import assignment_from_order, topo_order
-from pipeline.planner.schedules.base import ScheduleGenerator
+from pipelaunch.pipeline.core.ir import B, F
+from pipelaunch.pipeline.planner.partition import evaluate
+from pipelaunch.pipeline.planner.partition.common import assignment_from_order, topo_order
+from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
 
 
 @dataclass
@@ -114,7 +114,7 @@ def test_a_schedule_added_only_by_yaml_is_an_option_the_launcher_and_the_tests_s
     class and the built-ins; the tests' schedule list, read the same way, builds and simulates it."""
     conf, _ = user_package
     (conf / "scheduler" / "interleaved_3.yaml").write_text(textwrap.dedent("""\
-        _target_: pipeline.planner.schedules.interleaved.Interleaved1F1B
+        _target_: pipelaunch.pipeline.planner.schedules.interleaved.Interleaved1F1B
         stages_per_rank: 3
     """))
     monkeypatch.syspath_prepend(str(tmp_path))  # the user's package (myplugins) for `lifo`
@@ -131,7 +131,7 @@ def test_a_schedule_added_only_by_yaml_is_an_option_the_launcher_and_the_tests_s
         found = schedules()
     finally:
         HydraConfig.instance().cfg = None
-    assert options["interleaved_3"] == {"_target_": "pipeline.planner.schedules.interleaved.Interleaved1F1B",
+    assert options["interleaved_3"] == {"_target_": "pipelaunch.pipeline.planner.schedules.interleaved.Interleaved1F1B",
                                         "stages_per_rank": 3}
     assert {"interleaved_3", "lifo", "interleaved_1f1b", "1f1b", "auto"} <= set(options)
     assert {"interleaved_3", "lifo", "1f1b"} <= set(found) and "auto" not in found

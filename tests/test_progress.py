@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import pty
 
-from pipeline.runtime import progress
-from pipeline.runtime.progress import PROGRESS_TTY, Progress
+from pipelaunch.pipeline.runtime import progress
+from pipelaunch.pipeline.runtime.progress import PROGRESS_TTY, Progress
 
 
 def _read_all(fd: int) -> str:

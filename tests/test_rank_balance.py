@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeline.planner.partition.rank_balance import _score, rank_balanced_starts
+from pipelaunch.pipeline.planner.partition.rank_balance import _score, rank_balanced_starts
 
 
 def test_v_placement_balances_ranks_not_stages() -> None:

@@ -143,7 +143,7 @@ SCENARIOS = [
     Scenario("documents-and-tokenizer", "README.md", (
         train("python train.py data=hf 'data.files=[docs.jsonl]' data.tokenizer=my_tokenizer "
               "model.vocab_size=50304 pp=2"),
-        typed("python -m pipeline.data.prepare docs.jsonl --tokenizer my_tokenizer --out docs.bin",
+        typed("python -m pipelaunch.pipeline.data.prepare docs.jsonl --tokenizer my_tokenizer --out docs.bin",
               produces="docs.bin"),
         train("python train.py data=tokens data.path=docs.bin model.vocab_size=50304 pp=2"),
     ), slow=True, timeout=300, user_files=user_documents),
@@ -236,7 +236,7 @@ SKIPPED = {
     "python train.py $RUN pp=4 dp=2 scheduler=zbv partitioner=milp resume=ckpt/run1/step_0000400":
         "resumes from step 400 of the block's 2000-step run, minutes of training here (resuming on another "
         "layout: tests/test_long_runs.py)",
-    "python -m launcher.export ckpt/run1/step_0002000 exported/":
+    "python -m pipelaunch.launcher.export ckpt/run1/step_0002000 exported/":
         "exports step 2000 of the block's 2000-step run, minutes of training here (export: tests/test_long_runs.py)",
     "torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint node0:29500 "
     "train.py pp=2 dp=2 hydra.run.dir=/shared/runs/two_nodes": CLUSTER,
@@ -257,8 +257,8 @@ SKIPPED = {
         "reads the NCCL flight-recorder dumps of a GPU run (`<run dir>` is a placeholder)",
     "bash ../shared/gpu/prepare.sh": "downloads wheels from the network, for a GPU machine",
     "source .gpu/setup.sh && python bench/gpu_smoke.py --out $OUT": GPU + " and the .gpu/ prepare.sh builds",
-    "python -m launcher.export": "named in prose without its arguments (README's whole command is listed above)",
-    "python -m pipeline.runtime.probe": "names, without its arguments (RANK PORT THREADS), the program the planner "
+    "python -m pipelaunch.launcher.export": "named in prose without its arguments (README's whole command is listed above)",
+    "python -m pipelaunch.pipeline.runtime.probe": "names, without its arguments (RANK PORT THREADS), the program the planner "
         "starts itself to price the runtime's overheads, as it does in every profiled run above",
 }
 
@@ -299,7 +299,7 @@ def test_extraction_reads_each_shell_form() -> None:
     shown side by side."""
     markdown = "\n".join([
         "Run `python train.py pp=4` or `make` (one word: not a command); `python -m",
-        "launcher.export a b` spans lines.",
+        "pipelaunch.launcher.export a b` spans lines.",
         "```bash",
         "# a comment line",
         "python train.py a=1 \\",
@@ -321,7 +321,7 @@ def test_extraction_reads_each_shell_form() -> None:
     commands, files = extract("X.md", markdown)
     assert [(c.where, c.text) for c in commands] == [
         ("inline", "python train.py pp=4"),
-        ("inline", "python -m launcher.export a b"),
+        ("inline", "python -m pipelaunch.launcher.export a b"),
         ("bash", "python train.py a=1     'b=[1, 2]'"),
         ("bash", "cat > f.py <<'EOF'\nx = 1  # kept\nEOF"),
         ("prompt", "python train.py bad=1"),

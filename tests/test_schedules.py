@@ -10,21 +10,29 @@ import pkgutil
 import pytest
 from hydra.utils import get_object
 
-from launcher.config import group_configs
-from pipeline.core.errors import ConfigError
-from pipeline.core.ir import Action, Kind
-from pipeline.planner import schedules as schedules_package
-from pipeline.planner.placement import classify, from_kind, interleaved, linear, placement_for, v_shape, wave
-from pipeline.planner.schedules import build_schedule
-from pipeline.planner.schedules.auto import AutoSchedule
-from pipeline.planner.schedules.base import ScheduleGenerator
-from pipeline.planner.schedules.gpipe import GPipe
-from pipeline.planner.schedules.hanayo import Hanayo
-from pipeline.planner.schedules.interleaved import Interleaved1F1B
-from pipeline.planner.schedules.one_f_one_b import OneFOneB
-from pipeline.planner.schedules.zbv import ZBV
-from pipeline.planner.schedules.zero_bubble import ZBH1, ZBH2
-from pipeline.planner.simulate import CostModel, simulate
+from pipelaunch.launcher.config import group_configs
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.ir import Action, Kind
+from pipelaunch.pipeline.planner import schedules as schedules_package
+from pipelaunch.pipeline.planner.placement import (
+    classify,
+    from_kind,
+    interleaved,
+    linear,
+    placement_for,
+    v_shape,
+    wave,
+)
+from pipelaunch.pipeline.planner.schedules import build_schedule
+from pipelaunch.pipeline.planner.schedules.auto import AutoSchedule
+from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
+from pipelaunch.pipeline.planner.schedules.gpipe import GPipe
+from pipelaunch.pipeline.planner.schedules.hanayo import Hanayo
+from pipelaunch.pipeline.planner.schedules.interleaved import Interleaved1F1B
+from pipelaunch.pipeline.planner.schedules.one_f_one_b import OneFOneB
+from pipelaunch.pipeline.planner.schedules.zbv import ZBV
+from pipelaunch.pipeline.planner.schedules.zero_bubble import ZBH1, ZBH2
+from pipelaunch.pipeline.planner.simulate import CostModel, simulate
 from tests.schedules import build, schedules, training_schedules
 
 EXPECTED = {"gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "hanayo", "zb_h1", "zb_h2", "zbv", "v_half", "v_min",
@@ -251,7 +259,7 @@ def test_auto_is_the_search_over_the_training_schedules_and_builds_none_itself()
 def test_zbv_runs_each_w_right_after_its_i_until_the_cool_down(pp: int) -> None:
     """At unit costs the eager-W order loses nothing, so ZBV keeps it: each W follows its I while
     the rank still has forwards (the W reuses what its I just touched); only the cool-down defers W."""
-    from pipeline.planner.schedules.zbv import ZBV
+    from pipelaunch.pipeline.planner.schedules.zbv import ZBV
 
     for acts in ZBV().compute_actions(v_shape(pp), 4 * pp):
         last_f = max(i for i, a in enumerate(acts) if a.kind is Kind.F)
@@ -262,9 +270,9 @@ def test_zbv_runs_each_w_right_after_its_i_until_the_cool_down(pp: int) -> None:
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_play_through_keeps_eager_w_only_when_the_simulator_finds_it_no_slower(pp: int) -> None:
-    from pipeline.planner.schedules.base import makespan
-    from pipeline.planner.schedules.zbv import ZBV
-    from pipeline.planner.schedules.zero_bubble import list_schedule
+    from pipelaunch.pipeline.planner.schedules.base import makespan
+    from pipelaunch.pipeline.planner.schedules.zbv import ZBV
+    from pipelaunch.pipeline.planner.schedules.zero_bubble import list_schedule
 
     m, placement = 4 * pp, v_shape(pp)
     f = ([1.0, 2.0, 1.5, 3.0] * pp)[: 2 * pp]

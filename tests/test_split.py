@@ -8,14 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from models.gpt import gpt
-from models.resnet import resnet
-from models.unet import unet
-from pipeline.graph.init import init_by_name
-from pipeline.graph.split import split_model
-from pipeline.graph.trace import trace_model
-from pipeline.planner.partition import balanced, milp_partition, uniform
-from pipeline.planner.partition.common import assignment_from_order, topo_order
+from pipelaunch.models.gpt import gpt
+from pipelaunch.models.resnet import resnet
+from pipelaunch.models.unet import unet
+from pipelaunch.pipeline.graph.init import init_by_name
+from pipelaunch.pipeline.graph.split import split_model
+from pipelaunch.pipeline.graph.trace import trace_model
+from pipelaunch.pipeline.planner.partition import balanced, milp_partition, uniform
+from pipelaunch.pipeline.planner.partition.common import assignment_from_order, topo_order
 from tests.stages import run_stages
 
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launcher import split_check, split_compare
-from launcher.split_check import check_split
-from launcher.validate import prepare
-from pipeline.core.errors import ConfigError
+from pipelaunch.launcher import split_check, split_compare
+from pipelaunch.launcher.split_check import check_split
+from pipelaunch.launcher.validate import prepare
+from pipelaunch.pipeline.core.errors import ConfigError
 from tests.harness import compose_cfg
 from tests.split_models import rotary_lm
 from tests.test_cli import train

@@ -7,13 +7,13 @@ import sys
 
 from tests.harness import ROOT
 
-PLANNING = ("pipeline.planner", "pipeline.planner.partition", "pipeline.planner.schedules", "pipeline.planner.profile",
-            "launcher.validate", "scipy")
+PLANNING = ("pipelaunch.pipeline.planner", "pipelaunch.pipeline.planner.partition", "pipelaunch.pipeline.planner.schedules", "pipelaunch.pipeline.planner.profile",
+            "pipelaunch.launcher.validate", "scipy")
 
 
 def test_a_rank_imports_no_planning_code() -> None:
     """What a spawned rank loads: its entry point, the Plan it unpickles, its stage builder."""
-    code = ("import sys, pipeline.runtime.rank, pipeline.core.plan, pipeline.runtime.stage, pipeline.runtime.trainer; "
+    code = ("import sys, pipelaunch.pipeline.runtime.rank, pipelaunch.pipeline.core.plan, pipelaunch.pipeline.runtime.stage, pipelaunch.pipeline.runtime.trainer; "
             f"print(sorted(m for m in sys.modules if m.startswith({PLANNING!r})))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -36,7 +36,7 @@ def _imports(path) -> set[str]:
 
 def test_the_library_never_imports_the_launcher() -> None:
     """pipeline/ and models/ sit below launcher/: the launcher drives them, never the reverse."""
-    offenders = {str(p.relative_to(ROOT)): sorted(m for m in _imports(p) if m.split(".")[0] == "launcher")
+    offenders = {str(p.relative_to(ROOT)): sorted(m for m in _imports(p) if m.startswith("pipelaunch.launcher"))
                  for folder in ("pipeline", "models") for p in (ROOT / folder).rglob("*.py")}
     assert {k: v for k, v in offenders.items() if v} == {}
 
@@ -45,15 +45,15 @@ def test_the_library_never_imports_the_launcher() -> None:
 #: (the planner reads the runtime's backward split, thread and malloc settings to measure and
 #: predict what a rank will do; the runtime never reads the planner)
 LAYERS = {
-    "pipeline.core": set(),
-    "pipeline.graph": {"pipeline.core"},
-    "models": {"pipeline.core", "pipeline.graph"},
-    "pipeline.data": {"pipeline.core", "pipeline.graph"},
-    "pipeline.runtime": {"pipeline.core", "pipeline.graph", "models", "pipeline.data"},
-    "pipeline.planner": {"pipeline.core", "pipeline.graph", "models", "pipeline.runtime"},
-    "pipeline.report": {"pipeline.core", "pipeline.planner"},
-    "launcher": {"pipeline.core", "pipeline.graph", "models", "pipeline.data", "pipeline.runtime",
-                 "pipeline.planner", "pipeline.report"},
+    "pipelaunch.pipeline.core": set(),
+    "pipelaunch.pipeline.graph": {"pipelaunch.pipeline.core"},
+    "pipelaunch.models": {"pipelaunch.pipeline.core", "pipelaunch.pipeline.graph"},
+    "pipelaunch.pipeline.data": {"pipelaunch.pipeline.core", "pipelaunch.pipeline.graph"},
+    "pipelaunch.pipeline.runtime": {"pipelaunch.pipeline.core", "pipelaunch.pipeline.graph", "pipelaunch.models", "pipelaunch.pipeline.data"},
+    "pipelaunch.pipeline.planner": {"pipelaunch.pipeline.core", "pipelaunch.pipeline.graph", "pipelaunch.models", "pipelaunch.pipeline.runtime"},
+    "pipelaunch.pipeline.report": {"pipelaunch.pipeline.core", "pipelaunch.pipeline.planner"},
+    "pipelaunch.launcher": {"pipelaunch.pipeline.core", "pipelaunch.pipeline.graph", "pipelaunch.models", "pipelaunch.pipeline.data", "pipelaunch.pipeline.runtime",
+                 "pipelaunch.pipeline.planner", "pipelaunch.pipeline.report"},
 }
 
 
@@ -63,7 +63,7 @@ def _module_graph():
 
     def name(path) -> str:
         parts = list(path.relative_to(ROOT).with_suffix("").parts)
-        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        return ".".join(["pipelaunch", *(parts[:-1] if parts[-1] == "__init__" else parts)])
 
     modules = {name(p): p for folder in ("pipeline", "launcher", "models") for p in (ROOT / folder).rglob("*.py")}
     graph = nx.DiGraph()
@@ -77,7 +77,7 @@ def _module_graph():
 
 def _package(module: str) -> str:
     parts = module.split(".")
-    return ".".join(parts[:2]) if parts[0] == "pipeline" and len(parts) > 1 else parts[0]
+    return ".".join(parts[:3]) if parts[1] == "pipeline" and len(parts) > 2 else ".".join(parts[:2])
 
 
 def test_packages_import_only_the_layers_below_them_and_no_module_cycles() -> None:
@@ -88,7 +88,7 @@ def test_packages_import_only_the_layers_below_them_and_no_module_cycles() -> No
     upward = sorted(f"{a} -> {b}" for a, b in graph.edges
                     if _package(a) != _package(b) and _package(b) not in LAYERS[_package(a)])
     assert upward == []
-    assert {_package(m) for m in graph} <= set(LAYERS) | {"pipeline"}
+    assert {_package(m) for m in graph} <= set(LAYERS) | {"pipelaunch.pipeline"}
 
 
 def test_no_product_module_is_used_only_by_the_tests() -> None:
@@ -99,11 +99,11 @@ def test_no_product_module_is_used_only_by_the_tests() -> None:
     graph = _module_graph()
     targets = {line.split(":", 1)[1].strip().rsplit(".", 1)[0] for path in (ROOT / "conf").rglob("*.yaml")
                for line in path.read_text().splitlines() if line.strip().startswith("_target_:")}
-    files = {m: ROOT / (m.replace(".", "/") + ".py") for m in graph}
+    files = {m: ROOT / (m.removeprefix("pipelaunch.").replace(".", "/") + ".py") for m in graph}
     commands = {m for m, f in files.items() if f.is_file() and "__main__" in f.read_text()}
-    roots = {m for m in graph if m.startswith("launcher")} | {t for t in targets if t in graph} | commands
+    roots = {m for m in graph if m.startswith("pipelaunch.launcher")} | {t for t in targets if t in graph} | commands
     reached = roots | {d for r in roots for d in nx.descendants(graph, r)}
-    assert sorted(m for m in graph if m.startswith("pipeline.") and files[m].is_file() and m not in reached) == []
+    assert sorted(m for m in graph if m.startswith("pipelaunch.pipeline.") and files[m].is_file() and m not in reached) == []
 
 
 def test_the_design_table_lists_every_package_and_module() -> None:

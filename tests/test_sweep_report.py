@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from launcher.sweep_names import sweep_dirname, swept_keys
-from launcher.sweep_report import collect, markdown, varying_keys
+from pipelaunch.launcher.sweep_names import sweep_dirname, swept_keys
+from pipelaunch.launcher.sweep_report import collect, markdown, varying_keys
 
 
 def test_swept_keys_come_from_sweep_syntax_and_sweeper_params() -> None:

@@ -9,10 +9,10 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-import launcher.app as app
-from launcher.app import SweeperDirection, failed_value, objective_value, run_safely
-from launcher.validate import prepare
-from pipeline.core.errors import ConfigError
+import pipelaunch.launcher.app as app
+from pipelaunch.launcher.app import SweeperDirection, failed_value, objective_value, run_safely
+from pipelaunch.launcher.validate import prepare
+from pipelaunch.pipeline.core.errors import ConfigError
 from tests.harness import FAST, compose_cfg
 from tests.test_cli import train
 

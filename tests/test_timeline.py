@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 
-from pipeline.planner.placement import linear, v_shape
-from pipeline.planner.schedules import build_schedule
-from pipeline.planner.schedules.one_f_one_b import OneFOneB
-from pipeline.planner.schedules.zbv import ZBV
-from pipeline.planner.simulate import CostModel, simulate
-from pipeline.report.timeline import draw_timeline, write_chrome_trace
+from pipelaunch.pipeline.planner.placement import linear, v_shape
+from pipelaunch.pipeline.planner.schedules import build_schedule
+from pipelaunch.pipeline.planner.schedules.one_f_one_b import OneFOneB
+from pipelaunch.pipeline.planner.schedules.zbv import ZBV
+from pipelaunch.pipeline.planner.simulate import CostModel, simulate
+from pipelaunch.pipeline.report.timeline import draw_timeline, write_chrome_trace
 
 
 def _events():
@@ -47,8 +47,8 @@ def test_a_runs_own_costs_are_medians_over_the_steps_after_warm_up() -> None:
     """One slow step does not set the run's own per-stage costs or its measured schedule."""
     import pytest
 
-    from launcher.validate import prepare
-    from pipeline.report.artifacts import add_predictions
+    from pipelaunch.launcher.validate import prepare
+    from pipelaunch.pipeline.report.artifacts import add_predictions
     from tests.harness import FAST, compose_cfg
 
     plan = prepare(compose_cfg([*FAST, "pp=2", "scheduler=1f1b", "microbatches=2", "mode=plan"]), profile=False).plan
@@ -73,7 +73,7 @@ def test_coverage_is_each_pixel_s_share_of_the_time() -> None:
     (what anti-aliased bars show); overlapping spans fill a pixel at most once."""
     import numpy as np
 
-    from pipeline.report.timeline import _blend, _coverage
+    from pipelaunch.pipeline.report.timeline import _blend, _coverage
 
     assert np.allclose(_coverage([(0.5, 1.0), (2.0, 0.25)], 1.0, 4), [0.5, 0.5, 0.25, 0.0])
     assert np.allclose(_coverage([(0.0, 2.0), (1.0, 2.0)], 1.0, 4), [1.0, 1.0, 1.0, 0.0])
@@ -85,7 +85,7 @@ def test_coverage_is_each_pixel_s_share_of_the_time() -> None:
 def _panel(events: list[dict]):
     import matplotlib.pyplot as plt
 
-    from pipeline.report.timeline import _draw_panel, _set_margins
+    from pipelaunch.pipeline.report.timeline import _draw_panel, _set_margins
 
     fig, ax = plt.subplots(figsize=(12, 3))
     _set_margins(fig, 1, "rank 9")
@@ -101,7 +101,7 @@ def test_a_timeline_with_more_actions_than_pixels_is_drawn_as_rows_of_pixels() -
     import numpy as np
     from matplotlib.colors import to_rgb
 
-    from pipeline.report.timeline import COLORS
+    from pipelaunch.pipeline.report.timeline import COLORS
 
     busy = [{"rank": r, "action": f"0{'FB'[i % 2]}{i}", "kind": "FB"[i % 2], "mb": i, "start_s": float(i),
              "end_s": i + 1.0} for r in range(3) for i in range(2000)]

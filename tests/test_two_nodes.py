@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from pipeline.runtime import heartbeat
+from pipelaunch.pipeline.runtime import heartbeat
 from tests.harness import FAST, ROOT, assert_no_process_left, compose_cfg, job_processes
 from tests.test_cli import metrics
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import hydra
 import pytest
 
-from launcher.validate import prepare
-from pipeline.planner.partition.common import PartitionRequest
-from pipeline.planner.partition.plugins import uniform_split
-from pipeline.planner.partition.uniform import layer_container
-from pipeline.report.tables import stage_table
+from pipelaunch.launcher.validate import prepare
+from pipelaunch.pipeline.planner.partition.common import PartitionRequest
+from pipelaunch.pipeline.planner.partition.plugins import uniform_split
+from pipelaunch.pipeline.planner.partition.uniform import layer_container
+from pipelaunch.pipeline.report.tables import stage_table
 from tests.harness import FAST, compose_cfg
 
 RUN = FAST[4:]  # the run's keys, not the gpt model's

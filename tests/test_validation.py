@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from launcher.validate import prepare
-from pipeline.core.errors import ConfigError
-from pipeline.report.tables import stage_table
+from pipelaunch.launcher.validate import prepare
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.report.tables import stage_table
 from tests.harness import FAST, ROOT, compose_cfg
 
 
@@ -129,12 +129,12 @@ def test_budget_makes_room_for_the_schedules_own_in_flight_microbatches() -> Non
 def test_final_schedule_order_is_repriced_with_its_own_counts() -> None:
     """The split is cut for the unit-cost order's counts; the final order's are recorded (the
     device check then plays the final schedule itself)."""
-    from pipeline.planner.budget import reprice_for_schedule
-    from pipeline.planner.partition import evaluate
-    from pipeline.planner.partition.common import assignment_from_order
-    from pipeline.planner.placement import linear
-    from pipeline.planner.schedules import build_schedule
-    from pipeline.planner.schedules.gpipe import GPipe
+    from pipelaunch.pipeline.planner.budget import reprice_for_schedule
+    from pipelaunch.pipeline.planner.partition import evaluate
+    from pipelaunch.pipeline.planner.partition.common import assignment_from_order
+    from pipelaunch.pipeline.planner.placement import linear
+    from pipelaunch.pipeline.planner.schedules import build_schedule
+    from pipelaunch.pipeline.planner.schedules.gpipe import GPipe
     from tests.synthetic import chain
 
     graph = chain([1.0] * 4, activation_bytes=100)
@@ -145,12 +145,12 @@ def test_final_schedule_order_is_repriced_with_its_own_counts() -> None:
 
 
 def test_remat_full_budget_prices_the_inputs_kept_for_recomputation() -> None:
-    from pipeline.planner.budget import reprice_for_schedule
-    from pipeline.planner.partition import evaluate
-    from pipeline.planner.partition.common import assignment_from_order
-    from pipeline.planner.placement import linear
-    from pipeline.planner.schedules import build_schedule
-    from pipeline.planner.schedules.one_f_one_b import OneFOneB
+    from pipelaunch.pipeline.planner.budget import reprice_for_schedule
+    from pipelaunch.pipeline.planner.partition import evaluate
+    from pipelaunch.pipeline.planner.partition.common import assignment_from_order
+    from pipelaunch.pipeline.planner.placement import linear
+    from pipelaunch.pipeline.planner.schedules import build_schedule
+    from pipelaunch.pipeline.planner.schedules.one_f_one_b import OneFOneB
     from tests.synthetic import chain
 
     graph = chain([1.0] * 4, output_bytes=10, activation_bytes=100)

@@ -1,7 +1,7 @@
 """The typed config of a run: what `python train.py ...` composes, as one object.
 
 Hydra composes `conf/` against `TrainConfig` (registered in its ConfigStore by
-`launcher.config`), so a value of the wrong type or outside an Enum is refused at composition,
+`pipelaunch.launcher.config`), so a value of the wrong type or outside an Enum is refused at composition,
 naming the key. The composed config becomes a `TrainConfig` instance (`OmegaConf.to_object`) that
 flows unchanged through the launcher, the planner and every rank: nothing writes into it. Each
 default is stated here once.
@@ -211,7 +211,7 @@ class TrainConfig:
     resume: str = "none"
     debug: DebugConfig = field(default_factory=DebugConfig)
     #: link model for the simulator's predictions (seconds per message, bytes per second); a
-    #: null latency is measured on CPU/gloo once per machine (`pipeline.planner.overheads`), and is
+    #: null latency is measured on CPU/gloo once per machine (`pipelaunch.pipeline.planner.overheads`), and is
     #: LINK_LATENCY_S on a GPU
     link_latency_s: float | None = None
     link_bandwidth: float = LINK_BANDWIDTH

@@ -8,7 +8,7 @@ where e = i div n is the epoch and perm_e a permutation drawn from (seed, e): ev
 once per epoch, and any (pp, dp) or a resumed run reads the same global batch at a given step.
 Tokenization is cached by `datasets` (keyed by the files and the tokenizer), so the ranks reuse
 what the launcher tokenized while validating; for corpora too large to tokenize per run,
-`python -m pipeline.data.prepare` writes the `data=tokens` format once.
+`python -m pipelaunch.pipeline.data.prepare` writes the `data=tokens` format once.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.core.errors import ConfigError
-from pipeline.graph.init import name_seed
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.graph.init import name_seed
 
 #: file suffix -> the `datasets` builder that reads it
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}

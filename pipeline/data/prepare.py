@@ -1,6 +1,6 @@
 """Tokenize local documents once into the `data=tokens` format (a flat file of token ids).
 
-    python -m pipeline.data.prepare corpus/*.jsonl --tokenizer tok/ --out train.bin
+    python -m pipelaunch.pipeline.data.prepare corpus/*.jsonl --tokenizer tok/ --out train.bin
     python train.py data=tokens data.path=train.bin data.dtype=uint16 ...
 
 Documents are read with `datasets` (json, jsonl, parquet, text), tokenized with the local
@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from pipeline.core.errors import ConfigError
-from pipeline.data.hf import load_documents, load_tokenizer, token_batches, tokenize
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.data.hf import load_documents, load_tokenizer, token_batches, tokenize
 
 
 def token_dtype(vocab: int, asked: str = "auto") -> str:
@@ -56,7 +56,7 @@ def prepare(files: list[str], tokenizer: str, out: str, text_key: str = "text", 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.data.prepare", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pipelaunch.pipeline.data.prepare", description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="+", help="json, jsonl, parquet or text files (one kind)")
     parser.add_argument("--tokenizer", required=True, help="a directory written by a tokenizer's save_pretrained")
     parser.add_argument("--out", required=True, help="the token file to write, e.g. train.bin")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.graph.init import name_seed
+from pipelaunch.pipeline.graph.init import name_seed
 
 
 @dataclass

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.core.errors import ConfigError
-from pipeline.graph.init import name_seed
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.graph.init import name_seed
 
 
 def stdlib_sources() -> list[Path]:

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.core.errors import ConfigError
-from pipeline.graph.init import name_seed
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.graph.init import name_seed
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 

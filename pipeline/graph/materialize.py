@@ -4,7 +4,7 @@ Why not `module.to_empty()`: it gives every holder of a tied tensor its own new 
 breaks), and on an fx stage module it replaces the tensors a `get_attr` copied without touching the
 full model the initialisers walk. Here each selected meta tensor gets exactly one real tensor, put
 into every module that holds it (in the full model and in any stage module cut from it), so ties
-survive and `pipeline.graph.init.init_by_name` sees the real tensors under their full-model names.
+survive and `pipelaunch.pipeline.graph.init.init_by_name` sees the real tensors under their full-model names.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Collection, Iterable
 import torch
 from torch import nn
 
-from pipeline.core.errors import ConfigError
-from pipeline.graph.init import init_by_name
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.graph.init import init_by_name
 
 
 def _holders(modules: Iterable[nn.Module]) -> Iterable[tuple[dict, str, torch.Tensor]]:
@@ -86,7 +86,7 @@ def materialize(
     ones, initialise them by name, and move them to `device`. Modules in `also` (stage modules cut
     from `root`, whose tensors sit at the same qualified names) get the very same tensors. Returns
     the names that got the fallback initialisation. With `load` (pretrained weights, e.g.
-    `models.hf.SafetensorsDir`), the tensors it holds are then read by name, each under any of its
+    `pipelaunch.models.hf.SafetensorsDir`), the tensors it holds are then read by name, each under any of its
     names (tied), and only those: a tensor it lacks keeps its initial value."""
     wanted = None if names is None else {id(_held_by(root, n)) for n in names}
     fresh: dict[int, torch.Tensor] = {}

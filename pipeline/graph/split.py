@@ -7,7 +7,7 @@ output) need, and `SplitModel.io` says who produces and who consumes each of the
 has to route names.
 
 Parameters stay under their full-model qualified names (fx copies referenced submodules and
-attributes by path), so `pipeline.graph.init.init_by_name` and state-dict comparisons line up. A parameter
+attributes by path), so `pipelaunch.pipeline.graph.init.init_by_name` and state-dict comparisons line up. A parameter
 read by several stages (tied weights) is copied into each and listed in `shared_params`; whoever runs
 the stages must sum its gradients across those stages (and keep the copies equal).
 """
@@ -21,8 +21,8 @@ from typing import Any
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from pipeline.graph.assignment import validate_assignment
-from pipeline.graph.trace import COMPUTE_OPS, TracedModel
+from pipelaunch.pipeline.graph.assignment import validate_assignment
+from pipelaunch.pipeline.graph.trace import COMPUTE_OPS, TracedModel
 
 
 @dataclass
@@ -181,7 +181,7 @@ def split_model(
 
 def run_in_order(split: SplitModel, *args: Any, stages: Sequence[nn.Module] | None = None) -> Any:
     """Every stage run in order in this process, values routed by name; returns the model's output.
-    What a pipeline computes, without one: the launcher's split check (`launcher.split_check`)
+    What a pipeline computes, without one: the launcher's split check (`pipelaunch.launcher.split_check`)
     runs the ranks' stages this way against the unsplit module. `stages` may replace
     `split.stages` (each rank's own stage modules, or deep copies)."""
     mods = list(stages) if stages is not None else split.stages

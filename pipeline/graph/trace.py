@@ -26,7 +26,7 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata, _extract_tensor_metadata
 
-from pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.errors import ConfigError
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
 

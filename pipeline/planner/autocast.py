@@ -33,7 +33,7 @@ from torch import fx, nn
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from pipeline.graph.trace import TracedModel, retarget
+from pipelaunch.pipeline.graph.trace import TracedModel, retarget
 
 
 def _fake(t: torch.Tensor, mode: FakeTensorMode, device: torch.device) -> torch.Tensor:

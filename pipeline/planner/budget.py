@@ -1,7 +1,7 @@
 """The memory budget, as the partitioners see it: one stage priced on its own device.
 
 `memory.cap_bytes` caps each device (pipeline rank): parameters, gradients, optimizer state and the
-activations all its stages hold at the schedule's peak (`pipeline.planner.memory`, checked on the
+activations all its stages hold at the schedule's peak (`pipelaunch.pipeline.planner.memory`, checked on the
 simulated schedule once the split exists). Before that, a partitioner cuts so that each stage
 alone fits the device: its parameters count `2 + optimizer states` times (the parameter, its
 gradient, the optimizer's tensors), and its activations once per micro-batch the schedule keeps in
@@ -16,10 +16,10 @@ from contextlib import nullcontext
 
 import networkx as nx
 
-from pipeline.core.ir import Schedule
-from pipeline.planner.partition import Partition, PartitionRequest, evaluate
-from pipeline.planner.schedules import build_schedule
-from pipeline.planner.schedules.base import ScheduleGenerator
+from pipelaunch.pipeline.core.ir import Schedule
+from pipelaunch.pipeline.planner.partition import Partition, PartitionRequest, evaluate
+from pipelaunch.pipeline.planner.schedules import build_schedule
+from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
 
 
 def partition_request(

@@ -14,23 +14,28 @@ import networkx as nx
 import torch
 from hydra.utils import get_method
 
-from pipeline.core.config import LINK_BANDWIDTH, LINK_LATENCY_S, PluginConfig
-from pipeline.core.errors import ConfigError
-from pipeline.core.plan import Plan, PlanMeta, StagePlan, dtype_name
-from pipeline.graph.split import split_model
-from pipeline.graph.trace import TracedModel
-from pipeline.planner.budget import device_view, partition_request, reprice_for_schedule, reprice_split
-from pipeline.planner.costs import split_backward_cost
-from pipeline.planner.lowering import lower
-from pipeline.planner.p2p_check import check_p2p, edge_messages
-from pipeline.planner.partition import Partition, PartitionRequest, evaluate
-from pipeline.planner.partition.atomic import contract_unsendable
-from pipeline.planner.partition.common import assignment_from_order, topo_order
-from pipeline.planner.partition.rank_balance import rank_balanced_starts
-from pipeline.planner.remat import per_module_suffices
-from pipeline.planner.schedules import build_schedule
-from pipeline.planner.schedules.base import ScheduleGenerator
-from pipeline.planner.schedules.inference import Inference
+from pipelaunch.pipeline.core.config import LINK_BANDWIDTH, LINK_LATENCY_S, PluginConfig
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.plan import Plan, PlanMeta, StagePlan, dtype_name
+from pipelaunch.pipeline.graph.split import split_model
+from pipelaunch.pipeline.graph.trace import TracedModel
+from pipelaunch.pipeline.planner.budget import (
+    device_view,
+    partition_request,
+    reprice_for_schedule,
+    reprice_split,
+)
+from pipelaunch.pipeline.planner.costs import split_backward_cost
+from pipelaunch.pipeline.planner.lowering import lower
+from pipelaunch.pipeline.planner.p2p_check import check_p2p, edge_messages
+from pipelaunch.pipeline.planner.partition import Partition, PartitionRequest, evaluate
+from pipelaunch.pipeline.planner.partition.atomic import contract_unsendable
+from pipelaunch.pipeline.planner.partition.common import assignment_from_order, topo_order
+from pipelaunch.pipeline.planner.partition.rank_balance import rank_balanced_starts
+from pipelaunch.pipeline.planner.remat import per_module_suffices
+from pipelaunch.pipeline.planner.schedules import build_schedule
+from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
+from pipelaunch.pipeline.planner.schedules.inference import Inference
 
 #: keys of a partitioner or placement YAML that are not arguments of its callable
 RESERVED = ("_target_", "_partial_", "name")
@@ -95,7 +100,7 @@ def partition_graph(
     part = fn(cut_graph, num_stages, request, **options)
     if not isinstance(part, Partition):
         raise ConfigError("partitioner", f"{partitioner_cfg.get('_target_')} returned {type(part).__name__}, "
-                                         f"not a pipeline.planner.partition.Partition")
+                                         f"not a pipelaunch.pipeline.planner.partition.Partition")
     if len(set(placement)) < num_stages and getattr(fn, "needs_profile", True):
         part = _rank_balanced(part, cut_graph, placement, request)
     if contraction is not None:
@@ -141,7 +146,7 @@ class PlanRequest:
     memory_cap: float | None = None
     #: what a device holds beyond the model's tensors, left out of the cap by the partitioners
     reserve_bytes: float = 0.0
-    #: optimizer tensors per parameter (pipeline.planner.memory)
+    #: optimizer tensors per parameter (pipelaunch.pipeline.planner.memory)
     optimizer_states: int = 0
     bandwidth: float = LINK_BANDWIDTH
     profiled: bool = True

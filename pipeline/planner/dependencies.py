@@ -1,9 +1,9 @@
 """The dependency rules of the schedule IR, stated once: what an action waits for.
 
 Three players run a pipeline forward in time and must agree on them: the simulator
-(`pipeline.planner.simulate`), the step with ranks sharing too few cores
-(`pipeline.planner.shared_cores`) and the list scheduler that orders the zero-bubble schedules
-(`pipeline.planner.schedules.zero_bubble`). The executor follows the same contract.
+(`pipelaunch.pipeline.planner.simulate`), the step with ranks sharing too few cores
+(`pipelaunch.pipeline.planner.shared_cores`) and the list scheduler that orders the zero-bubble schedules
+(`pipelaunch.pipeline.planner.schedules.zero_bubble`). The executor follows the same contract.
 
 * F(s, mb) waits for F(s-1, mb): its input, across the cut between stages s-1 and s.
 * B(s, mb) and I(s, mb) wait for F(s, mb), for R(s, mb) when (s, mb) is rematerialised, and for
@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from enum import IntEnum
 from typing import NamedTuple
 
-from pipeline.core.ir import Action, Kind
+from pipelaunch.pipeline.core.ir import Action, Kind
 
 
 class Step(IntEnum):

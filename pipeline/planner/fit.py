@@ -1,7 +1,7 @@
 """Make a plan fit `memory.cap_bytes` on every device, or say which device does not and by how much.
 
 Under `remat=auto` the devices over the cap recompute chosen leaf modules in the backward
-(`pipeline.planner.remat`: an ILP that frees the bytes for the least recompute time); the plan
+(`pipelaunch.pipeline.planner.remat`: an ILP that frees the bytes for the least recompute time); the plan
 records them per stage (`StagePlan.recompute`), their saved bytes leave the stage's activations,
 their forward time joins its backward (twice on a split I/W backward), the largest recomputed
 module's activations are priced as a buffer, and the schedule is simulated again. Since a stage's
@@ -16,10 +16,15 @@ from dataclasses import replace
 
 import networkx as nx
 
-from pipeline.core.plan import Plan
-from pipeline.planner.memory import MIB, BudgetExceeded, over_budget
-from pipeline.planner.predict import Prediction, predict
-from pipeline.planner.remat import RecomputeInfeasible, RecomputeOption, choose_recompute, recompute_options
+from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.planner.memory import MIB, BudgetExceeded, over_budget
+from pipelaunch.pipeline.planner.predict import Prediction, predict
+from pipelaunch.pipeline.planner.remat import (
+    RecomputeInfeasible,
+    RecomputeOption,
+    choose_recompute,
+    recompute_options,
+)
 
 #: what helps besides recomputation
 OTHER_REMEDIES = ("pick a schedule that holds fewer micro-batches (1f1b rather than gpipe), use more stages or a "

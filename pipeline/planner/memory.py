@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pipeline.core.config import PluginConfig
-from pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.config import PluginConfig
+from pipelaunch.pipeline.core.errors import ConfigError
 
 MIB = 2**20
 

@@ -7,7 +7,7 @@ are noise; on the default model's 2-3 ms stages they decide between schedules: a
 schedule runs twice the actions and sends three times the messages of 1F1B, and priced at zero
 it wins on paper and loses on the machine.
 
-Measured with the runtime's own code (`pipeline.runtime.comm.P2P`) by two spawned gloo ranks of
+Measured with the runtime's own code (`pipelaunch.pipeline.runtime.comm.P2P`) by two spawned gloo ranks of
 `threads` threads each: a ping-pong of one-element messages while each rank's compute threads are
 busy (as they are in a step) gives the one-way latency, and a
 forward and a backward of a tiny stage, done the way the executor does them, the fixed cost per
@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from pipeline.planner.profile import cache_dir
-from pipeline.runtime.context import available_cores
+from pipelaunch.pipeline.planner.profile import cache_dir
+from pipelaunch.pipeline.runtime.context import available_cores
 
-#: the repository root: where `python -m pipeline.runtime.probe` finds the package
+#: the repository root: where `python -m pipelaunch.pipeline.runtime.probe` finds the package
 ROOT = Path(__file__).resolve().parents[2]
 #: the probe gives up (the defaults stand) after this long
 PROBE_TIMEOUT_S = 120.0
@@ -84,7 +84,7 @@ def measure_overheads(threads: int) -> Overheads | None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    procs = [subprocess.Popen([sys.executable, "-m", "pipeline.runtime.probe", str(rank), str(port), str(threads)],
+    procs = [subprocess.Popen([sys.executable, "-m", "pipelaunch.pipeline.runtime.probe", str(rank), str(port), str(threads)],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
                               cwd=ROOT, start_new_session=True)
              for rank in range(2)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.errors import ConfigError
 
 PLACEMENT_KINDS = ("auto", "linear", "interleaved", "v", "explicit")
 

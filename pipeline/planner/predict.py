@@ -1,7 +1,7 @@
 """Predict a run before it starts: simulate the plan on its profile and price each device's memory.
 
 `mode=plan` prints this prediction without starting any rank; `plan=auto` and `scheduler=auto`
-(`pipeline.planner.search`) rank their candidates by it.
+(`pipelaunch.pipeline.planner.search`) rank their candidates by it.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.core.plan import Plan
-from pipeline.planner.costs import cost_model_from_plan
-from pipeline.planner.memory import DeviceMemory, UpdateMemory, device_memory
-from pipeline.planner.shared_cores import shared_makespan
-from pipeline.planner.simulate import CostModel, SimResult, simulate
+from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.planner.costs import cost_model_from_plan
+from pipelaunch.pipeline.planner.memory import DeviceMemory, UpdateMemory, device_memory
+from pipelaunch.pipeline.planner.shared_cores import shared_makespan
+from pipelaunch.pipeline.planner.simulate import CostModel, SimResult, simulate
 
 
 @dataclass

@@ -34,8 +34,8 @@ import networkx as nx
 import torch
 from torch import fx, nn
 
-from pipeline.graph.trace import COMPUTE_OPS, TracedModel, retarget
-from pipeline.runtime.backward import WeightGradStash, backward_input, backward_weight
+from pipelaunch.pipeline.graph.trace import COMPUTE_OPS, TracedModel, retarget
+from pipelaunch.pipeline.runtime.backward import WeightGradStash, backward_input, backward_weight
 
 #: what is timed per node: forward, fused backward, and the runtime's split backward (I, then W)
 TIMES = ("forward_s", "backward_s", "backward_input_s", "backward_weight_s")
@@ -399,7 +399,7 @@ class _LeafwiseProfiler(fx.Interpreter):
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         module = None
         if n.op == "call_module":
-            from pipeline.graph.materialize import materialize
+            from pipelaunch.pipeline.graph.materialize import materialize
 
             module = copy.deepcopy(self.module.get_submodule(n.target))
             materialize(module, self.seed, self.device)

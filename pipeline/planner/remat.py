@@ -6,7 +6,7 @@ activations of a module or two dropped. Choosing which is a covering knapsack pe
 option frees `held x saves_bytes` and costs `microbatches x cost_s`; HiGHS solves it exactly at
 the sizes a plan has (tens to a few hundred leaf modules).
 
-The runtime side is `pipeline.graph.recompute` (the chosen nodes run under non-reentrant
+The runtime side is `pipelaunch.pipeline.graph.recompute` (the chosen nodes run under non-reentrant
 `torch.utils.checkpoint`); its recompute counts are what `recompute_options` charges.
 """
 

@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pipeline.core.errors import ConfigError
-from pipeline.planner.memory import MIB, BudgetExceeded, DeviceMemory, budget_message
-from pipeline.planner.predict import Prediction
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.planner.memory import MIB, BudgetExceeded, DeviceMemory, budget_message
+from pipelaunch.pipeline.planner.predict import Prediction
 
 #: keys of a scheduler option that are not settings (the variants vary the others)
 _NOT_SETTINGS = ("_target_", "_partial_", "_recursive_", "name", "candidates", "cost_aware")
@@ -249,7 +249,7 @@ def microbatch_counts(pp: int, dp: int, batch_size: int, given: int, wanted: Seq
 
 def remat_values(wanted: Sequence[str] | None, capped: bool) -> list[str]:
     """The remat values to try: `wanted` (default none and auto), auto only under a budget."""
-    from pipeline.planner.schedules import REMAT_CHOICES
+    from pipelaunch.pipeline.planner.schedules import REMAT_CHOICES
 
     values = list(wanted) if wanted else ["none", "auto"]
     bad = [v for v in values if v not in REMAT_CHOICES]

@@ -15,14 +15,14 @@ import networkx as nx
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 
-from pipeline.core.config import TrainConfig
-from pipeline.core.errors import ConfigError
-from pipeline.core.plan import Plan
-from pipeline.planner.build import plugin_name
-from pipeline.planner.fit import fit_budget
-from pipeline.planner.predict import Prediction, predict
-from pipeline.planner.schedules.base import ScheduleGenerator
-from pipeline.planner.search import (
+from pipelaunch.pipeline.core.config import TrainConfig
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.planner.build import plugin_name
+from pipelaunch.pipeline.planner.fit import fit_budget
+from pipelaunch.pipeline.planner.predict import Prediction, predict
+from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
+from pipelaunch.pipeline.planner.search import (
     Candidate,
     SearchResult,
     candidates,
@@ -31,7 +31,7 @@ from pipeline.planner.search import (
     run_search,
     scheduler_variants,
 )
-from pipeline.planner.traced import TracedModels, micro_batch_size
+from pipelaunch.pipeline.planner.traced import TracedModels, micro_batch_size
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def is_auto(scheduler_cfg: Mapping) -> bool:
 def training_schedules(options: GroupOptions) -> dict[str, dict]:
     """Training schedules of the scheduler config group (a user's own on the search path too):
     the options whose class trains (`training`), leaving out `auto` itself."""
-    from pipeline.planner.schedules.auto import AutoSchedule
+    from pipelaunch.pipeline.planner.schedules.auto import AutoSchedule
 
     def trains(option: Mapping) -> bool:
         cls = _generator_class(option)

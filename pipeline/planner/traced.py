@@ -12,14 +12,14 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 from hydra.utils import instantiate
 
-from models.spec import ModelSpec
-from pipeline.core.config import TrainConfig
-from pipeline.core.errors import ConfigError
-from pipeline.graph.trace import TracedModel
-from pipeline.planner.predict import profiling_threads
-from pipeline.planner.profile import apply_profile, profile_graph, profiled_nodes
-from pipeline.runtime.context import cpu_threads
-from pipeline.runtime.host_allocator import configure_host_allocator
+from pipelaunch.models.spec import ModelSpec
+from pipelaunch.pipeline.core.config import TrainConfig
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.graph.trace import TracedModel
+from pipelaunch.pipeline.planner.predict import profiling_threads
+from pipelaunch.pipeline.planner.profile import apply_profile, profile_graph, profiled_nodes
+from pipelaunch.pipeline.runtime.context import cpu_threads
+from pipelaunch.pipeline.runtime.host_allocator import configure_host_allocator
 
 
 class TracedModels:

@@ -8,11 +8,11 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipeline.core.plan import Plan
-from pipeline.planner.costs import cost_model_from_events
-from pipeline.planner.simulate import simulate
-from pipeline.report.tables import stage_rows
-from pipeline.report.timeline import draw_timeline, write_chrome_trace
+from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.planner.costs import cost_model_from_events
+from pipelaunch.pipeline.planner.simulate import simulate
+from pipelaunch.pipeline.report.tables import stage_rows
+from pipelaunch.pipeline.report.timeline import draw_timeline, write_chrome_trace
 
 
 def add_predictions(metrics: dict, plan: Plan, events: Sequence[dict], link: tuple[float, float], overhead_s: float,

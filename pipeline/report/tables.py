@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeline.core.plan import Plan
-from pipeline.planner.partition.uniform import layer_container
-from pipeline.planner.simulate import SimResult
+from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.planner.partition.uniform import layer_container
+from pipelaunch.pipeline.planner.simulate import SimResult
 
 
 def block_summary(blocks: list[str], keep: int = 8) -> str:

@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 from matplotlib.colors import to_rgb  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from pipeline.core.ir import COMM_KINDS, Action  # noqa: E402
+from pipelaunch.pipeline.core.ir import COMM_KINDS, Action  # noqa: E402
 
 #: Slice colours by action kind; communication is drawn thin and grey.
 COLORS = {

@@ -161,7 +161,7 @@ def _backward_input(
 
 def _one_recompute() -> AbstractContextManager:
     """W's restarts are separate backward calls over disjoint parts of the graph: grouped, a
-    checkpointed module (`pipeline.graph.recompute`) reruns its forward once for all of them, not
+    checkpointed module (`pipelaunch.pipeline.graph.recompute`) reruns its forward once for all of them, not
     once per restart. torch before 2.10 has no such group: there it reruns per restart."""
     group = getattr(_checkpoint, "GraphExecGroup", None)
     return group() if group is not None else nullcontext()

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.errors import ConfigError
 
 META = "meta.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")

@@ -20,10 +20,10 @@ from functools import partial
 import torch
 from torch import nn
 
-from pipeline.core.ir import Action, Kind, Schedule
-from pipeline.runtime.backward import WeightGradStash, backward_input, backward_weight
-from pipeline.runtime.comm import P2P
-from pipeline.runtime.heartbeat import Heartbeat
+from pipelaunch.pipeline.core.ir import Action, Kind, Schedule
+from pipelaunch.pipeline.runtime.backward import WeightGradStash, backward_input, backward_weight
+from pipelaunch.pipeline.runtime.comm import P2P
+from pipelaunch.pipeline.runtime.heartbeat import Heartbeat
 
 
 @dataclass

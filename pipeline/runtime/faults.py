@@ -6,8 +6,8 @@ import os
 import signal
 import time
 
-from pipeline.core.config import DebugConfig
-from pipeline.runtime import heartbeat as hb
+from pipelaunch.pipeline.core.config import DebugConfig
+from pipelaunch.pipeline.runtime import heartbeat as hb
 
 
 def fault_injection(debug: DebugConfig, rank: int, step: int, heartbeat: hb.Heartbeat | None = None) -> None:

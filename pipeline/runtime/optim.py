@@ -17,7 +17,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from torch.optim.lr_scheduler import LambdaLR
 
-from pipeline.core.config import TrainConfig
+from pipelaunch.pipeline.core.config import TrainConfig
 
 
 def _warm(step: int, warmup_steps: int) -> float | None:

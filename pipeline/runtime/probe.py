@@ -1,6 +1,6 @@
-"""The probe `pipeline.planner.overheads` starts: two ranks measuring what the runtime pays per
+"""The probe `pipelaunch.pipeline.planner.overheads` starts: two ranks measuring what the runtime pays per
 message and per compute action, with the runtime's own P2P. Its own program
-(`python -m pipeline.runtime.probe RANK PORT THREADS`, one JSON line out), so that a probe
+(`python -m pipelaunch.pipeline.runtime.probe RANK PORT THREADS`, one JSON line out), so that a probe
 process imports torch and this module, not the launcher's or the planner's."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from pipeline.runtime.comm import P2P
+from pipelaunch.pipeline.runtime.comm import P2P
 
 #: round trips timed (after as many warm-up ones) and tiny actions timed per probe
 ROUNDS = 200

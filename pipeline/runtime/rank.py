@@ -9,13 +9,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipeline.core.config import TrainConfig
-from pipeline.core.plan import Plan
-from pipeline.runtime.context import RankContext, backend_for, cpu_threads, env_int, make_mesh, select_device
-from pipeline.runtime.cpu_affinity import bind_rank_to_cores
-from pipeline.runtime.flight_recorder import apply_nccl_environment
-from pipeline.runtime.host_allocator import configure_host_allocator
-from pipeline.runtime.trainer import train_rank
+from pipelaunch.pipeline.core.config import TrainConfig
+from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.runtime.context import (
+    RankContext,
+    backend_for,
+    cpu_threads,
+    env_int,
+    make_mesh,
+    select_device,
+)
+from pipelaunch.pipeline.runtime.cpu_affinity import bind_rank_to_cores
+from pipelaunch.pipeline.runtime.flight_recorder import apply_nccl_environment
+from pipelaunch.pipeline.runtime.host_allocator import configure_host_allocator
+from pipelaunch.pipeline.runtime.trainer import train_rank
 
 
 @dataclass
@@ -25,7 +32,7 @@ class RankJob:
     cfg: TrainConfig
     plan: Plan
     run_dir: str | None
-    #: observers of the rank's training (pipeline.runtime.trainer.Callback), picklable
+    #: observers of the rank's training (pipelaunch.pipeline.runtime.trainer.Callback), picklable
     callbacks: tuple = ()
     #: the checkpoint this run resumes from (checked by the launcher), or None for a fresh start
     resume_from: str | None = None

@@ -3,7 +3,7 @@
 Why retrace on the rank instead of shipping modules: tracing is deterministic, so every rank (and
 the planner before it) derives the same graph from the model config; the Plan then only needs the
 node -> stage assignment. Everything happens on the meta device until the rank materialises the
-tensors of its own stages (`pipeline.graph.materialize`), so a rank's parameter memory is its stages'
+tensors of its own stages (`pipelaunch.pipeline.graph.materialize`), so a rank's parameter memory is its stages'
 bytes, never the model's. This module is runtime: it imports no planner, partitioner or schedule.
 """
 
@@ -12,12 +12,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.spec import ModelSpec
-from pipeline.core.plan import Plan
-from pipeline.graph.materialize import materialize
-from pipeline.graph.recompute import recompute_modules
-from pipeline.graph.split import split_model
-from pipeline.graph.trace import TracedModel, retarget
+from pipelaunch.models.spec import ModelSpec
+from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.graph.materialize import materialize
+from pipelaunch.pipeline.graph.recompute import recompute_modules
+from pipelaunch.pipeline.graph.split import split_model
+from pipelaunch.pipeline.graph.trace import TracedModel, retarget
 
 
 class StageModule(nn.Module):

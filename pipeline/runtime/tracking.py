@@ -3,7 +3,7 @@
 Each option of `conf/logger/` names a `Tracker` subclass by `_target_` (a user's own too): it is
 built on rank 0 with the run's config as plain data and the run directory, then told each step's
 values and, at the end, the run's summary. The console line per step is the progress display's
-(`pipeline.runtime.progress`), whatever the logger.
+(`pipelaunch.pipeline.runtime.progress`), whatever the logger.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from hydra.utils import get_class
 
-from pipeline.core.config import TrainConfig
+from pipelaunch.pipeline.core.config import TrainConfig
 
 
 class Tracker:

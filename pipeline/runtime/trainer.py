@@ -19,25 +19,25 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from torch import nn
 
-from models.spec import ModelSpec
-from pipeline.core.config import TrainConfig
-from pipeline.core.plan import Plan, dtype_of
-from pipeline.core.precision import PRECISIONS
-from pipeline.graph.init import name_seed
-from pipeline.runtime import checkpoint
-from pipeline.runtime import heartbeat as hb
-from pipeline.runtime.comm import verify_posting_order
-from pipeline.runtime.context import RankContext
-from pipeline.runtime.dp import SharedGrads, allreduce_gradients
-from pipeline.runtime.executor import Executor, StageSlot
-from pipeline.runtime.faults import fault_injection
-from pipeline.runtime.heartbeat import Heartbeat
-from pipeline.runtime.host_allocator import huge_pages_active, release_free_memory
-from pipeline.runtime.memory import TensorPeak, current_memory_bytes, peak_memory_bytes, reset_peak
-from pipeline.runtime.optim import build_optimizer, clip_gradients
-from pipeline.runtime.progress import Progress
-from pipeline.runtime.stage import build_stage_modules
-from pipeline.runtime.tracking import Tracker, make_tracker
+from pipelaunch.models.spec import ModelSpec
+from pipelaunch.pipeline.core.config import TrainConfig
+from pipelaunch.pipeline.core.plan import Plan, dtype_of
+from pipelaunch.pipeline.core.precision import PRECISIONS
+from pipelaunch.pipeline.graph.init import name_seed
+from pipelaunch.pipeline.runtime import checkpoint
+from pipelaunch.pipeline.runtime import heartbeat as hb
+from pipelaunch.pipeline.runtime.comm import verify_posting_order
+from pipelaunch.pipeline.runtime.context import RankContext
+from pipelaunch.pipeline.runtime.dp import SharedGrads, allreduce_gradients
+from pipelaunch.pipeline.runtime.executor import Executor, StageSlot
+from pipelaunch.pipeline.runtime.faults import fault_injection
+from pipelaunch.pipeline.runtime.heartbeat import Heartbeat
+from pipelaunch.pipeline.runtime.host_allocator import huge_pages_active, release_free_memory
+from pipelaunch.pipeline.runtime.memory import TensorPeak, current_memory_bytes, peak_memory_bytes, reset_peak
+from pipelaunch.pipeline.runtime.optim import build_optimizer, clip_gradients
+from pipelaunch.pipeline.runtime.progress import Progress
+from pipelaunch.pipeline.runtime.stage import build_stage_modules
+from pipelaunch.pipeline.runtime.tracking import Tracker, make_tracker
 
 #: steps after warm-up whose events price the run's own per-stage costs (bounded: every rank sends
 #: them to rank 0 at the end)
@@ -427,7 +427,7 @@ def _finish(trainer: RankTrainer, record: RunRecord, at_start: float, tokens_per
     """Gather every rank's facts on rank 0; return this rank's result (losses, its facts, what the
     callbacks add; rank 0 also: `metrics`, every rank's last-step `events` on one clock, the
     `cost_events` of the steps after warm-up and the step's time outside the schedule
-    `overhead_s`, from which the report (pipeline.report.artifacts, run by the launcher) predicts
+    `overhead_s`, from which the report (pipelaunch.pipeline.report.artifacts, run by the launcher) predicts
     this run's step and writes metrics.json, the trace and the timeline)."""
     cfg, plan, ctx = trainer.cfg, trainer.plan, trainer.ctx
     rank_info = _rank_info(trainer, record, at_start, tensors)

@@ -1,16 +1,16 @@
 """Partitioners: pure functions from a cost-annotated DAG and a stage count to a `Partition`."""
 
-from pipeline.planner.partition.balanced import balanced, min_memory_cap
-from pipeline.planner.partition.common import (
+from pipelaunch.pipeline.planner.partition.balanced import balanced, min_memory_cap
+from pipelaunch.pipeline.planner.partition.common import (
     Partition,
     PartitionRequest,
     evaluate,
     lower_bound,
     validate_assignment,
 )
-from pipeline.planner.partition.manual import manual
-from pipeline.planner.partition.milp import coarsen, milp_partition
-from pipeline.planner.partition.uniform import uniform
+from pipelaunch.pipeline.planner.partition.manual import manual
+from pipelaunch.pipeline.planner.partition.milp import coarsen, milp_partition
+from pipelaunch.pipeline.planner.partition.uniform import uniform
 
 __all__ = [
     "Partition",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import networkx as nx
 from networkx.utils import UnionFind
 
-from pipeline.planner.partition.common import topo_order
+from pipelaunch.pipeline.planner.partition.common import topo_order
 
 
 def sends_as_tensor(graph: nx.DiGraph, node: str) -> bool:

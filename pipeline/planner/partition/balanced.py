@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import networkx as nx
 import numpy as np
 
-from pipeline.planner.partition.common import (
+from pipelaunch.pipeline.planner.partition.common import (
     DEFAULT_BANDWIDTH,
     Partition,
     _node_params,

@@ -6,7 +6,7 @@ value it produces to each later stage that reads it (a skip from stage 0 to stag
 send, counted once per distinct consumer stage). A stage's memory is its parameters (a tied parameter
 counted once per stage that holds it) plus its activations times the micro-batches it keeps in flight.
 
-Cost-graph contract (what `pipeline.graph` produces): a networkx DiGraph whose nodes carry
+Cost-graph contract (what `pipelaunch.pipeline.graph` produces): a networkx DiGraph whose nodes carry
 `forward_s`, `backward_s`, `activation_bytes`, `output_bytes` and optionally `params` (canonical
 parameter names; sizes in `graph.graph["param_sizes"]`) or `param_bytes`, and `order` (a topological
 position). Missing numbers count as zero.
@@ -20,8 +20,8 @@ from typing import Any
 
 import networkx as nx
 
-from pipeline.core.errors import ConfigError
-from pipeline.graph.assignment import validate_assignment
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.graph.assignment import validate_assignment
 
 DEFAULT_BANDWIDTH = 10e9  # bytes/s; a placeholder until the launcher passes a measured link speed
 MEMORY_KEY = "memory.cap_bytes"
@@ -74,7 +74,7 @@ class Partition:
 
 @dataclass(frozen=True)
 class PartitionRequest:
-    """What a split is priced by, the same for every partitioner (see `pipeline.planner.partition.plugins`).
+    """What a split is priced by, the same for every partitioner (see `pipelaunch.pipeline.planner.partition.plugins`).
 
     `in_flight[s]`: micro-batches stage s holds at once under the schedule; `memory_cap`: bytes per
     stage (None: no budget); `remat_in_flight[s]`: how many of them hold full activations on a stage

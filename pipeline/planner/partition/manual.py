@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import networkx as nx
 
-from pipeline.core.errors import ConfigError
-from pipeline.planner.partition.common import (
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.planner.partition.common import (
     DEFAULT_BANDWIDTH,
     Partition,
     assignment_from_order,

@@ -29,9 +29,9 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from pipeline.core.errors import ConfigError
-from pipeline.planner.partition.balanced import balanced, min_memory_cap
-from pipeline.planner.partition.common import (
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.planner.partition.balanced import balanced, min_memory_cap
+from pipelaunch.pipeline.planner.partition.common import (
     DEFAULT_BANDWIDTH,
     Partition,
     _node_params,

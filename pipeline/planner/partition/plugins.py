@@ -3,7 +3,7 @@
     partitioner(graph, num_stages, request, **options) -> Partition
 
 `graph` is the traced cost graph (nodes carry forward_s, backward_s, activation_bytes,
-output_bytes, params; edges carry bytes; see `pipeline.planner.partition.common`), `request` says what the
+output_bytes, params; edges carry bytes; see `pipelaunch.pipeline.planner.partition.common`), `request` says what the
 split is priced by (`PartitionRequest`: link bandwidth, the schedule's in-flight micro-batches per
 stage, the memory cap, recomputation), and `options` are the YAML's own keys (everything but
 `_target_`). A function that reads no measured costs sets `needs_profile = False`, so the launcher
@@ -21,18 +21,18 @@ from collections.abc import Sequence
 
 import networkx as nx
 
-from pipeline.core.errors import ConfigError
-from pipeline.planner.partition.balanced import balanced
-from pipeline.planner.partition.common import (
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.planner.partition.balanced import balanced
+from pipelaunch.pipeline.planner.partition.common import (
     Partition,
     PartitionRequest,
     assignment_from_order,
     evaluate,
     topo_order,
 )
-from pipeline.planner.partition.manual import manual
-from pipeline.planner.partition.milp import milp_partition
-from pipeline.planner.partition.uniform import layer_starts, uniform
+from pipelaunch.pipeline.planner.partition.manual import manual
+from pipelaunch.pipeline.planner.partition.milp import milp_partition
+from pipelaunch.pipeline.planner.partition.uniform import layer_starts, uniform
 
 
 def uniform_split(graph: nx.DiGraph, num_stages: int, request: PartitionRequest) -> Partition:

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 
 import networkx as nx
 
-from pipeline.planner.partition.common import (
+from pipelaunch.pipeline.planner.partition.common import (
     DEFAULT_BANDWIDTH,
     Partition,
     assignment_from_order,

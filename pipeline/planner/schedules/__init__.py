@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from pipeline.core.errors import ConfigError
-from pipeline.core.ir import Action, Kind, R, Schedule
-from pipeline.planner.schedules.base import ScheduleGenerator
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.ir import Action, Kind, R, Schedule
+from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
 
 REMAT_CHOICES = ("none", "full", "auto")
 

@@ -3,7 +3,7 @@
 A generator is a small dataclass so that Hydra can build it from `conf/scheduler/<name>.yaml`
 (`_target_` + option fields). It declares which placement `placement=auto` should give it, checks
 its own requirements, and returns compute actions per rank; sends and receives come from
-`pipeline.planner.lowering`, never from the generator.
+`pipelaunch.pipeline.planner.lowering`, never from the generator.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
-from pipeline.core.errors import ConfigError
-from pipeline.core.ir import Action
-from pipeline.planner.schedules.fuse import fuse_slack_backwards
-from pipeline.planner.schedules.weight_fill import Filled, StageCosts, fill_weight_grads
-from pipeline.planner.simulate import makespan, simulate_programs
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.ir import Action
+from pipelaunch.pipeline.planner.schedules.fuse import fuse_slack_backwards
+from pipelaunch.pipeline.planner.schedules.weight_fill import Filled, StageCosts, fill_weight_grads
+from pipelaunch.pipeline.planner.simulate import makespan, simulate_programs
 
 #: actions the candidates of one schedule may place in all: past it (and once one candidate
 #: succeeded) the rest are skipped, so that large plans stay within seconds; candidates come most
@@ -195,7 +195,7 @@ class ScheduleGenerator:
 
     def check(self, pp: int, microbatches: int, placement: list[int]) -> None:
         """Raise ConfigError if this schedule cannot run with these settings."""
-        from pipeline.planner.placement import classify
+        from pipelaunch.pipeline.planner.placement import classify
 
         kind = classify(placement) if pp > 1 else "linear"
         if kind not in self.supported_placements and "explicit" not in self.supported_placements:

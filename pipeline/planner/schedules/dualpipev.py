@@ -18,13 +18,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from pipeline.core.errors import ConfigError
-from pipeline.core.ir import Action, Kind
-from pipeline.planner.placement import v_shape
-from pipeline.planner.schedules.base import Candidate, ScheduleGenerator, require_microbatches_at_least
-from pipeline.planner.schedules.interleaved_zb import peak_held
-from pipeline.planner.schedules.orders import dualpipe_v
-from pipeline.planner.schedules.zero_bubble import ALPHAS
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.ir import Action, Kind
+from pipelaunch.pipeline.planner.placement import v_shape
+from pipelaunch.pipeline.planner.schedules.base import (
+    Candidate,
+    ScheduleGenerator,
+    require_microbatches_at_least,
+)
+from pipelaunch.pipeline.planner.schedules.interleaved_zb import peak_held
+from pipelaunch.pipeline.planner.schedules.orders import dualpipe_v
+from pipelaunch.pipeline.planner.schedules.zero_bubble import ALPHAS
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Why: stages go down the ranks 0..p-1 and come back up p-1..0 (once per wave), so a micro-batch
 turns around on the last rank instead of idling there, and the drain of one wave overlaps the
-fill of the next. Each rank holds 2 * waves stages (`pipeline.planner.placement.wave`; waves=1 is the V
+fill of the next. Each rank holds 2 * waves stages (`pipelaunch.pipeline.planner.placement.wave`; waves=1 is the V
 placement).
 
 The order comes from the same greedy unit-cost play-through as ZBV (`list_schedule`), with a
@@ -15,11 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pipeline.core.errors import ConfigError
-from pipeline.core.ir import Action
-from pipeline.planner.placement import wave
-from pipeline.planner.schedules.base import ScheduleGenerator, require_microbatches_at_least
-from pipeline.planner.schedules.zero_bubble import list_schedule
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.ir import Action
+from pipelaunch.pipeline.planner.placement import wave
+from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator, require_microbatches_at_least
+from pipelaunch.pipeline.planner.schedules.zero_bubble import list_schedule
 
 
 @dataclass

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pipeline.core.ir import Action, F
-from pipeline.planner.schedules.base import ScheduleGenerator, require_microbatches_at_least
+from pipelaunch.pipeline.core.ir import Action, F
+from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator, require_microbatches_at_least
 
 
 @dataclass

@@ -14,14 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pipeline.core.errors import ConfigError
-from pipeline.core.ir import Action, Kind, action_table
-from pipeline.planner.placement import interleaved
-from pipeline.planner.schedules.base import ScheduleGenerator
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.ir import Action, Kind, action_table
+from pipelaunch.pipeline.planner.placement import interleaved
+from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
 
 
 class _StagesPerRank(int):
-    """An int that can also be called: the base class (and `pipeline.core.plan`) ask every generator
+    """An int that can also be called: the base class (and `pipelaunch.pipeline.core.plan`) ask every generator
     `stages_per_rank()`, while the Hydra config sets `stages_per_rank: 2` as a plain field."""
 
     def __call__(self) -> int:

@@ -19,11 +19,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pipeline.core.ir import Action, Kind, action_table
-from pipeline.planner.schedules.base import Candidate
-from pipeline.planner.schedules.interleaved import Interleaved1F1B, interleaved_order
-from pipeline.planner.schedules.weight_fill import deferred_by
-from pipeline.planner.schedules.zero_bubble import ALPHAS
+from pipelaunch.pipeline.core.ir import Action, Kind, action_table
+from pipelaunch.pipeline.planner.schedules.base import Candidate
+from pipelaunch.pipeline.planner.schedules.interleaved import Interleaved1F1B, interleaved_order
+from pipelaunch.pipeline.planner.schedules.weight_fill import deferred_by
+from pipelaunch.pipeline.planner.schedules.zero_bubble import ALPHAS
 
 #: per rank, its actions in order
 Programs = tuple[tuple[Action, ...], ...]

@@ -28,11 +28,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pipeline.core.errors import ConfigError
-from pipeline.core.ir import Action, B, F, I
-from pipeline.planner.schedules.base import Candidate
-from pipeline.planner.schedules.interleaved import Interleaved1F1B
-from pipeline.planner.schedules.zero_bubble import ALPHAS
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.ir import Action, B, F, I
+from pipelaunch.pipeline.planner.schedules.base import Candidate
+from pipelaunch.pipeline.planner.schedules.interleaved import Interleaved1F1B
+from pipelaunch.pipeline.planner.schedules.zero_bubble import ALPHAS
 
 
 def breadth_first_order(pp: int, v: int, microbatches: int, reverse: bool = True,

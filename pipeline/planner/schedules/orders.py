@@ -21,7 +21,7 @@ import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from pipeline.core.ir import Action, B, F, I, Kind
+from pipelaunch.pipeline.core.ir import Action, B, F, I, Kind
 
 
 def one_f_one_b(pp: int, microbatches: int, warmup: Sequence[int], backward: Kind = Kind.I) -> list[list[Action]]:

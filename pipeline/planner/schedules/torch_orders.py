@@ -31,12 +31,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, ClassVar, NamedTuple
 
-from pipeline.core.errors import ConfigError
-from pipeline.core.ir import Action, Kind, Schedule
-from pipeline.planner.placement import from_kind
-from pipeline.planner.schedules.base import ScheduleGenerator
-from pipeline.planner.schedules.interleaved import _StagesPerRank
-from pipeline.planner.simulate import ScheduleError, validate
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.ir import Action, Kind, Schedule
+from pipelaunch.pipeline.planner.placement import from_kind
+from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
+from pipelaunch.pipeline.planner.schedules.interleaved import _StagesPerRank
+from pipelaunch.pipeline.planner.simulate import ScheduleError, validate
 
 
 class TorchShape(NamedTuple):

@@ -30,12 +30,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pipeline.core.errors import ConfigError
-from pipeline.core.ir import Action, I, Kind, action_table
-from pipeline.planner.placement import v_shape
-from pipeline.planner.schedules.base import Candidate, ScheduleGenerator, require_microbatches_at_least
-from pipeline.planner.schedules.weight_fill import StageCosts
-from pipeline.planner.schedules.zero_bubble import ALPHAS, list_schedule
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.ir import Action, I, Kind, action_table
+from pipelaunch.pipeline.planner.placement import v_shape
+from pipelaunch.pipeline.planner.schedules.base import (
+    Candidate,
+    ScheduleGenerator,
+    require_microbatches_at_least,
+)
+from pipelaunch.pipeline.planner.schedules.weight_fill import StageCosts
+from pipelaunch.pipeline.planner.schedules.zero_bubble import ALPHAS, list_schedule
 
 #: memory -> the divisor of p: the most stage-micro-batches a rank holds is ceil(p / divisor) + 1
 DIVISORS = {"half": 2, "min": 3}

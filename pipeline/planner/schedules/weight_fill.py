@@ -3,7 +3,7 @@
 Why two parts: in a zero-bubble schedule the forwards and the input-gradient passes (F, I, or a
 fused B) form the critical path, while each W can run any time after its I on the same rank. So a
 schedule is chosen as a *critical order* per rank (a template such as 1F1B's or ZB-V's, or a greedy
-play-through: `pipeline.planner.schedules.orders`), and the W are then placed by this pass on the
+play-through: `pipelaunch.pipeline.planner.schedules.orders`), and the W are then placed by this pass on the
 measured costs: a rank runs pending W in the gaps where it would otherwise wait for its next critical
 action's input, as long as they end before that input arrives, so they delay nothing; a W also runs
 when the rank is at its memory cap and the next forward needs a slot (a W frees its micro-batch);
@@ -14,7 +14,7 @@ an input, so the same pass serves every placement (linear, V, interleaved) and m
 
 The placement is a play-through with exact end times: a rank's action starts when its rank is free
 and its inputs have arrived (the previous stage's F, or the next stage's B/I, plus the hop between
-their ranks), the rules of `pipeline.planner.dependencies`. Ranks advance in dependency order, each as
+their ranks), the rules of `pipelaunch.pipeline.planner.dependencies`. Ranks advance in dependency order, each as
 far as its inputs allow, so the gap before every critical action is known when its W are placed.
 """
 
@@ -25,9 +25,9 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipeline.core.errors import ConfigError
-from pipeline.core.ir import Action, Kind, W, action_table
-from pipeline.planner.dependencies import note_waiting
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.ir import Action, Kind, W, action_table
+from pipelaunch.pipeline.planner.dependencies import note_waiting
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pipeline.core.errors import ConfigError
-from pipeline.core.ir import Action
-from pipeline.planner.placement import v_shape
-from pipeline.planner.schedules.base import Candidate, ScheduleGenerator, require_microbatches_at_least
-from pipeline.planner.schedules.orders import zero_bubble_v
-from pipeline.planner.schedules.zero_bubble import ALPHAS, greedy_candidate
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.ir import Action
+from pipelaunch.pipeline.planner.placement import v_shape
+from pipelaunch.pipeline.planner.schedules.base import (
+    Candidate,
+    ScheduleGenerator,
+    require_microbatches_at_least,
+)
+from pipelaunch.pipeline.planner.schedules.orders import zero_bubble_v
+from pipelaunch.pipeline.planner.schedules.zero_bubble import ALPHAS, greedy_candidate
 
 
 @dataclass

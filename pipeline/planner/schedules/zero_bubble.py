@@ -27,12 +27,16 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pipeline.core.errors import ConfigError
-from pipeline.core.ir import Action, F, I, Kind, W, action_table
-from pipeline.planner.dependencies import Step, Wait, released_stage, wait_table
-from pipeline.planner.schedules.base import Candidate, ScheduleGenerator, require_microbatches_at_least
-from pipeline.planner.schedules.orders import one_f_one_b
-from pipeline.planner.schedules.weight_fill import StageCosts
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.ir import Action, F, I, Kind, W, action_table
+from pipelaunch.pipeline.planner.dependencies import Step, Wait, released_stage, wait_table
+from pipelaunch.pipeline.planner.schedules.base import (
+    Candidate,
+    ScheduleGenerator,
+    require_microbatches_at_least,
+)
+from pipelaunch.pipeline.planner.schedules.orders import one_f_one_b
+from pipelaunch.pipeline.planner.schedules.weight_fill import StageCosts
 
 
 def list_schedule(
@@ -92,7 +96,7 @@ class _ListScheduler:
     """One play-through. Time advances from one action end to the next; at each, the ranks that
     may have something new to do pick by the priorities of the module docstring (`_pick`), and
     what they pick is appended to their programs. Readiness follows
-    `pipeline.planner.dependencies` without transfers; `ends` holds when each picked F and B/I
+    `pipelaunch.pipeline.planner.dependencies` without transfers; `ends` holds when each picked F and B/I
     ends. The options are `list_schedule`'s."""
 
     def __init__(
