@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from pipelaunch.launcher.config import typed_config
 from pipelaunch.launcher.diagnose import where_ranks_were
 from pipelaunch.launcher.gc_pause import few_full_collections
+from pipelaunch.launcher.initial_weights import Initial
 from pipelaunch.launcher.joined import export_submitit_env, joined_rank_env
 from pipelaunch.launcher.validate import Prepared, group_options, on_cuda, prepare
 from pipelaunch.pipeline.core.config import OBJECTIVE_DIRECTION, CheckSplit, TrainConfig
@@ -46,17 +47,27 @@ def run(cfg: TrainConfig, run_dir: Path) -> dict:
             print_search(cfg, prepared)
         if cfg.mode == "plan":
             return dry_run(prepared, run_dir)
+    from pipelaunch.launcher.initial_weights import launcher_initial_weights
+
     plan = prepared.plan
-    from pipelaunch.launcher.spawn import (
-        spawn_ranks,  # the runtime is imported only when there is something to run
-    )
+    plan.write(run_dir / "plan.json")
+    print(stage_table(plan), flush=True)
+    with launcher_initial_weights(cfg, prepared.spec, prepared.model) as initial:
+        print(initial.line, flush=True)
+        return spawn(cfg, prepared, initial, run_dir)
+
+
+def spawn(cfg: TrainConfig, prepared: Prepared, initial: Initial, run_dir: Path) -> dict:
+    """Check the split, start the ranks, wait for them, report; `initial`: where the weights come from."""
+    # the runtime is imported only when there is something to run
+    from pipelaunch.launcher.spawn import spawn_ranks
     from pipelaunch.launcher.split_check import check_split
     from pipelaunch.pipeline.runtime.rank import RankJob
 
-    job = RankJob(cfg, plan, str(run_dir), resume_from=prepared.resume_from)
-    plan.write(run_dir / "plan.json")
-    print(stage_table(plan), flush=True)
-    print(check_split(cfg, prepared.spec, plan, prepared.model), flush=True)
+    plan = prepared.plan
+    job = RankJob(cfg, plan, str(run_dir), resume_from=prepared.resume_from,
+                  initial_weights=str(initial.path) if initial.path is not None else None)
+    print(check_split(cfg, prepared.spec, plan, prepared.model, initial), flush=True)
     print(f"schedule {plan.schedule.name}: pp={plan.pp} dp={plan.dp} microbatches={plan.microbatches}", flush=True)
     beats = run_dir / "heartbeat"
     env = {**rank_environment(cfg.huge_pages), **launcher_terminal(), HEARTBEAT_DIR: str(beats)}
@@ -114,9 +125,11 @@ def join(cfg: TrainConfig, run_dir: Path) -> dict:
     cost-aware orders) depends on timings and every rank must run the very same one. Rank 0 then
     writes the report, as the launcher does for the ranks it spawns."""
     options = group_options(cfg)  # read once here: the same options on every rank
-    resume_from = prepare(cfg, profile=False, options=options, run_dir=run_dir).resume_from
+    validated = prepare(cfg, profile=False, options=options, run_dir=run_dir)
     os.environ.setdefault(HEARTBEAT_DIR, str(run_dir / "heartbeat"))  # where each rank is, on a shared disk
     run_dir.mkdir(parents=True, exist_ok=True)
+    from pipelaunch.launcher.initial_weights import node_initial_weights
+    from pipelaunch.pipeline.runtime.context import env_int
     from pipelaunch.pipeline.runtime.rank import (
         RankJob,
         broadcast_plan,
@@ -139,7 +152,12 @@ def join(cfg: TrainConfig, run_dir: Path) -> dict:
     if rank == 0 and cfg.check_split != CheckSplit.never:  # a check here would hold every other rank
         print("check_split: skipped: ranks started by torchrun or SLURM plan on rank 0 inside the process group; "
               "the same command through the launcher (python train.py ... steps=1) checks the split", flush=True)
-    result = run_job(RankJob(cfg, plan, str(run_dir), resume_from=resume_from), rank, device)
+    with node_initial_weights(cfg, validated.spec, validated.model, env_int("LOCAL_RANK", 0)) as initial:
+        if rank == 0:
+            print(initial.line, flush=True)
+        job = RankJob(cfg, plan, str(run_dir), resume_from=validated.resume_from,
+                      initial_weights=str(initial.path) if initial.path is not None else None)
+        result = run_job(job, rank, device)
     metrics = finish_report(result, plan, cfg, run_dir) if rank == 0 else {}
     leave_process_group()
     return metrics

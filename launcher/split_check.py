@@ -22,17 +22,12 @@ from pipelaunch.models.spec import ModelSpec
 from pipelaunch.pipeline.core.config import CheckSplit, TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.graph.initial_weights import model_bytes
 from pipelaunch.pipeline.runtime.context import cpu_threads
 
 #: check_split=auto checks a model whose parameters and buffers take at most this many bytes (the
 #: check holds them about four times: the stages, the unsplit module, a gradient of each)
 AUTO_LIMIT_BYTES = 1 << 30
-
-
-def model_bytes(model: nn.Module) -> int:
-    """Bytes of a (meta) model's distinct parameters and buffers."""
-    sizes = {id(t): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
-    return sum(sizes.values())
 
 
 def skip_reason(cfg: TrainConfig, model: nn.Module | None) -> str | None:
@@ -81,10 +76,11 @@ def refusal(outcome: Outcome) -> ConfigError:
         "off with check_split=never, and the run trains what the stages compute."))
 
 
-def check_split(cfg: TrainConfig, spec: ModelSpec, plan: Plan, model: nn.Module | None) -> str:
+def check_split(cfg: TrainConfig, spec: ModelSpec, plan: Plan, model: nn.Module | None, initial=None) -> str:
     """The check as `cfg.check_split` asks, on the first micro-batch of the run's own data; returns
     the line for the log; raises ConfigError naming the first tensor that differs, or
-    (check_split=always) when the unsplit module cannot run here. `model`: the planner's meta model."""
+    (check_split=always) when the unsplit module cannot run here. `model`: the planner's meta model;
+    `initial`: where the ranks' weights come from (`launcher.initial_weights.Initial`)."""
     reason = skip_reason(cfg, model)
     if reason is not None:
         return f"check_split: skipped: {reason}"
@@ -93,7 +89,8 @@ def check_split(cfg: TrainConfig, spec: ModelSpec, plan: Plan, model: nn.Module 
     # a rank's share of the cores: on a tiny model more threads only wait for each other
     torch.set_num_threads(cpu_threads(cfg.threads, cfg.world_size))
     try:
-        outcome = compare(spec, plan, (x, y), cfg.seed)
+        outcome = compare(spec, plan, (x, y), cfg.seed, initial_weights=getattr(initial, "path", None),
+                          reference=getattr(initial, "model", None))
     except ReferenceFailed as err:
         if cfg.check_split == CheckSplit.always:
             raise ConfigError("check_split", f"check_split=always, but {err}; use check_split=auto or never") from None

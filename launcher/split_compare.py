@@ -17,6 +17,7 @@ import copy
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -26,6 +27,7 @@ from pipelaunch.models.spec import ModelSpec
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.graph.buffers import constructor_seed
+from pipelaunch.pipeline.graph.initial_weights import InitialWeights
 from pipelaunch.pipeline.graph.materialize import lookup
 from pipelaunch.pipeline.graph.split import SplitModel, run_in_order, split_model
 from pipelaunch.pipeline.runtime.stage import StageModule, build_stage_modules
@@ -55,13 +57,16 @@ class Outcome:
     seconds: float = 0.0
 
 
-def every_stage(spec: ModelSpec, plan: Plan, seed: int, traced=None) -> tuple[SplitModel, list[StageModule]]:
+def every_stage(spec: ModelSpec, plan: Plan, seed: int, traced=None,
+                initial_weights: Path | None = None) -> tuple[SplitModel, list[StageModule]]:
     """Each rank's stage modules built as that rank builds them, on the CPU (from copies of one
-    trace, `traced`, else a fresh one), in stage order, and the split routing values between them."""
+    trace, `traced`, else a fresh one; their tensors read from the file `initial_weights`, else
+    initialised by name), in stage order, and the split routing values between them."""
     traced = spec.trace(plan.micro_batch_size) if traced is None else traced
+    initial = InitialWeights(initial_weights) if initial_weights is not None else None
     stages: dict[int, StageModule] = {}
     for rank in range(plan.pp):
-        stages.update(build_stage_modules(spec, plan, rank, seed, CPU, traced=copy.deepcopy(traced)))
+        stages.update(build_stage_modules(spec, plan, rank, seed, CPU, traced=copy.deepcopy(traced), initial=initial))
     split = split_model(traced, plan.assignment, len(plan.stages))
     return split, [stages[i].train() for i in range(len(plan.stages))]
 
@@ -141,13 +146,18 @@ def _line(err: BaseException) -> str:
 
 
 def _run_reference(spec: ModelSpec, params: dict[str, list[torch.Tensor]], buffers: dict[str, torch.Tensor],
-                   batch: tuple[torch.Tensor, torch.Tensor], seed: int) -> tuple[nn.Module, dict, list, torch.Tensor]:
-    """The unsplit module, its buffers before the step, its output and loss after one step."""
-    try:
-        reference = built_for_real(spec)
-    except Exception as err:  # noqa: BLE001 - whatever keeps the module itself from being built here
-        raise ReferenceFailed(f"the unsplit module cannot be built on the CPU here ({_line(err)})") from err
-    give_stage_tensors(reference, spec, params, buffers)
+                   batch: tuple[torch.Tensor, torch.Tensor], seed: int,
+                   reference: nn.Module | None = None) -> tuple[nn.Module, dict, list, torch.Tensor]:
+    """The unsplit module (`reference`: the one the ranks' initial weights were written from, else
+    built here and given the stages' initial tensors), its buffers before the step, its output and
+    loss after one step."""
+    if reference is None:
+        try:
+            reference = built_for_real(spec)
+        except Exception as err:  # noqa: BLE001 - whatever keeps the module itself from being built here
+            raise ReferenceFailed(f"the unsplit module cannot be built on the CPU here ({_line(err)})") from err
+        give_stage_tensors(reference, spec, params, buffers)
+    reference.train()
     before = {n: b.clone() for n, b in reference.named_buffers(remove_duplicate=False) if n in buffers}
     try:
         out, loss = _forward_backward(reference, *batch, spec.loss_fn, seed)
@@ -165,19 +175,22 @@ def _gradients(params: dict[str, list[torch.Tensor]], reference: nn.Module) -> t
     return grads, ref_grads
 
 
-def compare(spec: ModelSpec, plan: Plan, batch: tuple[torch.Tensor, torch.Tensor], seed: int, traced=None) -> Outcome:
-    """The check itself (see the module docstring), on one micro-batch `batch`. Raises ConfigError
-    when the stages cannot be built or run, ReferenceFailed when the unsplit module cannot."""
+def compare(spec: ModelSpec, plan: Plan, batch: tuple[torch.Tensor, torch.Tensor], seed: int, traced=None,
+            initial_weights: Path | None = None, reference: nn.Module | None = None) -> Outcome:
+    """The check itself (see the module docstring), on one micro-batch `batch`. With
+    `initial_weights` (the file the ranks read) the stages read it and `reference` is the module it
+    was written from. Raises ConfigError when the stages cannot be built or run, ReferenceFailed
+    when the unsplit module cannot."""
     start = time.perf_counter()
     try:
-        split, stages = every_stage(spec, plan, seed, traced)
+        split, stages = every_stage(spec, plan, seed, traced, initial_weights)
     except ConfigError:
         raise
     except Exception as err:  # noqa: BLE001 - a rank would fail the same way
         raise ConfigError("model", f"the ranks' stages cannot be built ({_line(err)})") from err
     params, held = stage_parameters(stages), stage_buffers(stages)
     buffers = {n: b.clone() for n, b in held.items()}
-    reference, ref_buffers, ref_out, ref_loss = _run_reference(spec, params, buffers, batch, seed)
+    reference, ref_buffers, ref_out, ref_loss = _run_reference(spec, params, buffers, batch, seed, reference)
     buffers = {n: b for n, b in buffers.items() if n in ref_buffers}  # not the constants an export trace lifted
     try:
         out, loss = _forward_backward(lambda v: run_in_order(split, v, stages=stages), *batch, spec.loss_fn, seed)

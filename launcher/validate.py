@@ -16,6 +16,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 
 from pipelaunch.launcher.config import group_configs
+from pipelaunch.launcher.initial_weights import choose
 from pipelaunch.models.spec import ModelSpec
 from pipelaunch.pipeline.core.config import Objective, PluginConfig, TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
@@ -217,7 +218,8 @@ def prepare(cfg: TrainConfig, profile: bool | None = None, device: torch.device 
     planned = make_plan(cfg, spec, options if options is not None else group_options(cfg), profile=profile,
                         device=device, cuda=on_cuda(cfg))
     resume_from = resume_checkpoint(cfg, planned.model, checkpoint_root(cfg, run_dir))
-    _warn_uncovered(spec, planned)
+    if choose(cfg, spec, planned.model)[0] != "constructor":  # the constructor's own values need no initialiser
+        _warn_uncovered(spec, planned)
     return Prepared(spec, planned.plan, planned.prediction, planned.search, resume_from, planned.model)
 
 
@@ -277,7 +279,7 @@ def _check_token_windows(cfg: TrainConfig, spec: ModelSpec, adapter: bool) -> No
 
 
 def _warn_uncovered(spec: ModelSpec, planned: Planned) -> None:
-    uncovered = uncovered_tensors(planned.model, spec.init) if planned.model is not None else []
+    uncovered = uncovered_tensors(planned.model, spec.init, spec.init_weights) if planned.model is not None else []
     if uncovered and spec.load is not None:  # read by name: a checkpoint's, or the constructor's buffers
         held = spec.load.keys()
         uncovered = [n for n in uncovered if n not in held]

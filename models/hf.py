@@ -3,8 +3,10 @@
 No network access, ever: a config is built with `AutoConfig.for_model(**model.config)`, a
 directory is read with `local_files_only=True`. The model is built on the meta device like every
 other; its decoder layers (the classes transformers lists in `_no_split_modules`) are the leaf
-modules, so a stage boundary falls between layers. Fresh weights come from transformers' own
-`_init_weights`, seeded by name; with `model.path` they are read from the directory's safetensors
+modules, so a stage boundary falls between layers. Fresh weights are transformers' own:
+`torch.manual_seed(seed); AutoModelForCausalLM.from_config(config)`, built once on the CPU and read
+by name (`launcher.initial_weights`), or for a model above `init.max_bytes` transformers'
+`_init_weights` seeded by name; with `model.path` they are read from the directory's safetensors
 files, each rank reading only its own stages' tensors (`load_by_name`).
 """
 
@@ -60,19 +62,20 @@ def _config(config: dict | None, path: str | None):
 
 
 def constructed(make) -> nn.Module:
-    """`make()` under a fixed seed, and under the meta device (when called there) every parameter on it.
+    """`make()`; on the meta device under a fixed seed, with every parameter on the meta device.
 
-    Why: a constructor may make a parameter with a factory the meta-device context does not reach
-    (DiffLlama's `nn.Parameter(torch.normal(0, std, size=...))` lands on the CPU, drawn from
-    whatever the global generator holds). Left real, each rank would keep its own draw and never
-    initialise or load it. On meta it is materialised, initialised and read by name like every
-    other weight. Buffers a constructor computes for real stay as computed, the same on every rank
-    under the fixed seed."""
+    Why: on the meta device a constructor may still make a parameter with a factory the device
+    context does not reach (DiffLlama's `nn.Parameter(torch.normal(0, std, size=...))` lands on the
+    CPU, drawn from whatever the global generator holds). Left real, each rank would keep its own
+    draw; on meta it gets its value by name like every other weight. Built for real (the initial
+    weights, `torch.manual_seed(seed); build()`), the constructor runs as transformers runs it:
+    under the caller's seed, untouched, so the weights equal `from_config`'s."""
+    if torch.empty(0).device.type != "meta":
+        return make()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = make()
-    if torch.empty(0).device.type == "meta":
-        to_meta_parameters(model)
+    to_meta_parameters(model)
     return model
 
 
@@ -144,20 +147,17 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
 
 def checked_trace(spec: ModelSpec, uncomputed: set[str], deterministic: bool, micro_batch_size: int,
                   model: nn.Module | None = None):
-    """`ModelSpec.trace`, refusing what no rank could reproduce, before any rank starts: a buffer
-    the traced forward reads that no initialiser computes (`uncomputed_buffers`), and, unless
+    """`ModelSpec.trace`, refusing what no rank could reproduce, before any rank starts: unless
     dropout was asked for, a training forward that draws random numbers (ranks draw from other
-    generator states than one process, so no pipeline could train it exactly as transformers does)."""
+    generator states than one process, so no pipeline could train it exactly as transformers
+    does). The buffers the traced forward reads that no initialiser computes (`uncomputed_buffers`)
+    go to `spec.meta["uncomputed_buffers_read"]`: initialising by name would start them from zeros,
+    which the launcher refuses (`launcher.initial_weights.choose`); the constructor's weights hold them."""
     from pipelaunch.pipeline.graph.trace import random_ops
 
     traced = ModelSpec.trace(spec, micro_batch_size, model)
     read = sorted(uncomputed & {n for n, _ in traced.gm.named_buffers(remove_duplicate=False)})
-    if read:
-        raise ConfigError("model", f"model={spec.name}: no initialiser recomputes the buffer(s) "
-                                   f"{', '.join(n.removeprefix('model.') for n in read[:6])} its constructor "
-                                   "computes and its forward reads, so every rank would start them from zeros; "
-                                   "transformers' _init_weights for this architecture does not cover them. Start "
-                                   "from a save_pretrained directory that holds them (model.path=...)")
+    spec.meta["uncomputed_buffers_read"] = [n.removeprefix("model.") for n in read]
     found = random_ops(traced.gm) if deterministic else []
     if found:
         ops = sorted({op for op, _ in found})

@@ -95,8 +95,35 @@ def extra_tensor(item: Mapping, index: int) -> torch.Tensor:
 
 
 def _family_init(root: nn.Module, module: nn.Module) -> None:
-    """A transformers model's own initialiser, when the wrapped module is one."""
+    """The wrapped module's own per-module initialiser (transformers', nanoGPT's `_init_weights`)."""
     root.inner._init_weights(module)
+
+
+def _whole_init(root: nn.Module) -> None:
+    """The wrapped module's own model-wide initialiser (torchtitan's and timm's `init_weights()`)."""
+    root.inner.init_weights()
+
+
+def initialisers(inner: nn.Module) -> tuple[Callable | None, Callable | None]:
+    """(per-module, model-wide) initialisers by name of a module: a model-wide `init_weights()` that
+    takes no argument (torchtitan's convention; timm's) wins, except on a transformers model, whose
+    `_init_weights(module)` is the family's documented one."""
+    import inspect
+
+    whole = getattr(inner, "init_weights", None)
+    per_module = getattr(inner, "_init_weights", None)
+    takes_none = False
+    if callable(whole):
+        try:
+            takes_none = all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                             for p in inspect.signature(whole).parameters.values())
+        except (TypeError, ValueError):
+            takes_none = False
+    transformers_model = any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel"
+                             for c in type(inner).__mro__)
+    if takes_none and not (transformers_model and callable(per_module)):
+        return None, _whole_init
+    return (_family_init if callable(per_module) else None), None
 
 
 def _dtype(value: str, key: str) -> torch.dtype:
@@ -186,7 +213,7 @@ def module(
 
     with torch.device("meta"):
         probe = build()
-    family = _family_init if callable(getattr(probe.inner, "_init_weights", None)) else None
+    family, whole = initialisers(probe.inner)
     meta: dict = {}
     if vocab_size is not None:
         meta["vocab_size"] = int(vocab_size)
@@ -198,6 +225,6 @@ def module(
         name=name, build=build, loss_fn=_loss(loss), input_shape=in_shape, input_dtype=in_dtype,
         target_shape=tuple(int(d) for d in target.get("shape") or ()),
         target_dtype=_dtype(str(target.get("dtype", "long")), "model.target.dtype"),
-        leaf_modules=[f"inner.{n}" for n in leaf_modules], init=family, meta=meta,
+        leaf_modules=[f"inner.{n}" for n in leaf_modules], init=family, init_weights=whole, meta=meta,
         load=ConstructorBuffers(build) if any(True for _ in probe.buffers()) else None,
     )

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 #: a model family's own per-module initialiser, e.g. transformers' `PreTrainedModel._init_weights`:
 #: called as `init(root, module)` for each module, children before parents.
 FamilyInit = Callable[[nn.Module, nn.Module], None]
+#: a model-wide initialiser (torchtitan's `init_weights()` convention), called as `init(root)` once
+WholeInit = Callable[[nn.Module], None]
 
 
 @dataclass
@@ -47,6 +49,7 @@ class ModelSpec:
     target_dtype: torch.dtype = torch.long
     leaf_modules: Sequence[str] = ()
     init: FamilyInit | None = None
+    init_weights: WholeInit | None = None
     meta: dict = field(default_factory=dict)
     #: tensors read by name after initialisation, `load(tensors, aliases)` and `keys()`: pretrained
     #: weights (`pipelaunch.models.hf.SafetensorsDir`, `checkpoint = True`) or the buffers the module's own
@@ -61,13 +64,23 @@ class ModelSpec:
         with torch.device("meta"):
             return self.build()
 
-    def build_full(self, seed: int, device: torch.device | str = "cpu") -> nn.Module:
-        """The whole model, materialised and initialised from (seed, names): the single-process
-        reference, built by the same rule every rank uses for its own stages."""
+    @property
+    def from_checkpoint(self) -> bool:
+        """Whether `load` holds the model's weights (pretrained), so no initialiser's values survive."""
+        return self.load is not None and bool(getattr(self.load, "checkpoint", False))
+
+    def build_full(self, seed: int, device: torch.device | str = "cpu", by_name: bool = False) -> nn.Module:
+        """The whole model with the initial weights every rank starts from: as `torch.manual_seed(seed);
+        build()` makes it (the default), or initialised from (seed, names) (`by_name`, and always
+        under pretrained weights, which `load` then supplies)."""
+        from pipelaunch.pipeline.graph.initial_weights import built_as_written
         from pipelaunch.pipeline.graph.materialize import materialize
 
+        if not by_name and not self.from_checkpoint:
+            return built_as_written(self.build, seed).to(device)
         model = self.build_meta()
-        materialize(model, seed, torch.device(device), family_init=self.init, load=self.load)
+        materialize(model, seed, torch.device(device), family_init=self.init, load=self.load,
+                    whole_init=self.init_weights)
         return model
 
     def example_batch(

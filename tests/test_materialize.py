@@ -1,6 +1,6 @@
-"""The same weights whatever the split: each stage materialised on its own, from a fresh meta model,
-holds exactly the tensors the single-process reference holds under the same names, and nothing of
-the other stages."""
+"""Initialisation by name (init.weights=by_name): the same weights whatever the split. Each stage
+materialised on its own, from a fresh meta model, holds exactly the tensors the single-process
+reference holds under the same names, and nothing of the other stages."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def _real_bytes(model: torch.nn.Module) -> int:
 @pytest.mark.parametrize("stages", [2, 3])
 def test_every_stage_built_alone_equals_the_reference(name: str, stages: int) -> None:
     spec = SPECS[name]()
-    reference = spec.build_full(seed=7)
+    reference = spec.build_full(seed=7, by_name=True)
     ref = {n: t for n, t in [*reference.named_parameters(remove_duplicate=False),
                              *reference.named_buffers(remove_duplicate=False)]}
     assignment = uniform(spec.trace(2).graph, stages).assignment
@@ -61,7 +61,7 @@ def test_every_stage_built_alone_equals_the_reference(name: str, stages: int) ->
 
 def test_ties_survive_materialisation_and_the_launcher_holds_no_weights() -> None:
     spec = SPECS["gpt_tied"]()
-    model = spec.build_full(0)
+    model = spec.build_full(0, by_name=True)
     assert model.head.proj.weight is model.embed.tokens.weight
     traced = spec.trace(2)
     assert _real_bytes(traced.gm) == 0  # traced on the meta device
@@ -70,11 +70,11 @@ def test_ties_survive_materialisation_and_the_launcher_holds_no_weights() -> Non
 def test_documented_fallback_for_tensors_no_initialiser_writes() -> None:
     spec = bare(dim=64)
     assert uncovered_tensors(spec.build_meta()) == [f"mix{i}.{n}" for i in range(4) for n in ("mix", "scale", "offset")]
-    model = spec.build_full(0)
+    model = spec.build_full(0, by_name=True)
     assert torch.equal(model.mix0.scale, torch.ones(64)) and torch.equal(model.mix0.offset, torch.zeros(64))
     assert float(model.mix0.mix.detach().std()) == pytest.approx(FALLBACK_STD, rel=0.1)
     assert not torch.equal(model.mix0.mix, model.mix1.mix)  # seeded by name: each its own draw
-    assert not torch.equal(spec.build_full(1).mix0.mix, model.mix0.mix)
+    assert not torch.equal(spec.build_full(1, by_name=True).mix0.mix, model.mix0.mix)
 
 
 def test_transformers_initialiser_is_used_where_the_model_has_one() -> None:
@@ -82,7 +82,7 @@ def test_transformers_initialiser_is_used_where_the_model_has_one() -> None:
     (N(0, 0.02), c_proj rescaled by 1/sqrt(2 * layers)), seeded by name."""
     spec = gpt2(dim=256, layers=8)
     assert uncovered_tensors(spec.build_meta(), spec.init) == []
-    model = spec.build_full(0)
+    model = spec.build_full(0, by_name=True)
     block = model.model.transformer.h[0]
     assert float(block.attn.c_attn.weight.detach().std()) == pytest.approx(0.02, rel=0.05)
     assert float(block.attn.c_proj.weight.detach().std()) == pytest.approx(0.02 / 4, rel=0.05)

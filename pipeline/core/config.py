@@ -75,6 +75,14 @@ class CheckSplit(Choice):
     never = "never"
 
 
+class InitWeights(Choice):
+    """Where a run's initial weights come from (launcher/initial_weights.py)."""
+
+    auto = "auto"  # constructor when the model's parameters and buffers take at most init.max_bytes
+    constructor = "constructor"  # torch.manual_seed(seed); factory(), built once per node, read by name
+    by_name = "by_name"  # each rank initialises its own stages' tensors by (seed, name): no full build
+
+
 class Objective(Choice):
     """What a run returns to a Hydra sweeper, in metrics.json's unit."""
 
@@ -109,6 +117,16 @@ class CheckpointConfig:
     keep: int = 3
     #: where step_<N>/ directories go; null = <run dir>/checkpoints (the launcher fills it in)
     dir: str | None = None
+
+
+@dataclass
+class InitConfig:
+    """`init.*`: the weights a run starts from (pretrained weights and checkpoints override them)."""
+
+    weights: InitWeights = InitWeights.auto
+    #: init.weights=auto builds the model on the CPU when its parameters and buffers take at most
+    #: this many bytes (16 GiB: 4 billion fp32 parameters), else initialises by name
+    max_bytes: float = 16 * 2**30
 
 
 @dataclass
@@ -179,6 +197,7 @@ class TrainConfig:
     #: steps excluded from timing (the first ones pay for allocation and warm caches)
     warmup_steps: int = 2
     seed: int = 0
+    init: InitConfig = field(default_factory=InitConfig)
     device: Device = Device.auto
     remat: Remat = Remat.none
     mode: Mode = Mode.train

@@ -1,29 +1,36 @@
 """Initial weights that depend only on the seed and each tensor's fully-qualified name.
 
-Why: every rank materialises only its own stages, yet a pipeline run must start from exactly the
-weights a single-process run starts from, whatever the split, the placement or the dp degree.
+Why: for a model too large to build once on a node's CPU (`init.weights=by_name`, or above
+`init.max_bytes`), each rank initialises only its own stages' tensors, yet every layout must start
+from the same weights. (Every other model starts from its constructor's own values, built once and
+read by name: `pipeline.graph.initial_weights`.)
 
 The rule, applied to a model whose tensors are partly real and partly on the meta device (a rank
 holds its stages' tensors for real; the single-process reference holds all of them):
 
-1. every module with a `reset_parameters()` runs it, seeded by (seed, its qualified name);
-2. then, if the model family has its own per-module initialiser (transformers' `_init_weights`),
-   it runs on every module, children before parents as `nn.Module.apply` does, seeded by
-   (seed, "family:" + qualified name). It may write a descendant's tensors (GPT-2 rescales its
-   `c_proj` weights from the attention module); meta tensors absorb writes at no cost;
+1. every module with a `reset_parameters()` runs it;
+2. then the model family's own initialiser: transformers' per-module `_init_weights` (called on
+   every module, children before parents as `nn.Module.apply` does; it may write a descendant's
+   tensors, as GPT-2 rescales its `c_proj` weights from the attention module), or torchtitan's
+   convention, a model-wide `init_weights()` called once on the model;
 3. every real tensor that neither wrote (a bare `nn.Parameter` in a module without
    `reset_parameters`, a buffer no initialiser knows) is filled by `fallback_fill`, seeded by
    (seed, "fallback:" + its name): floating tensors of 2+ dimensions from N(0, 0.02²) (the
-   transformer convention), 1-D floating tensors named `weight`, `scale`, `gamma` or `gain` with
+   transformer convention), 1-D floating tensors named `weight`, `scale`, `gain` or `gamma` with
    ones (a norm's gain), everything else with zeros.
 
+Every random draw into a named tensor (`uniform_`, `normal_`, ... whatever initialiser makes it)
+is seeded by (seed, that tensor's name, how many draws it had before) and leaves the generator as
+it found it, so its value never depends on which other tensors are real in this process: an
+initialiser that walks the whole model in one call (timm's `named_apply`) gives each tensor the
+same value under every split. Draws into unnamed temporaries (`orthogonal_`'s) follow the
+generator seeded by (seed, the module's name) for `reset_parameters`, (seed, "family:" + name) for
+the per-module initialiser, (seed, "whole") for the model-wide one.
 Modules whose tensors are all on the meta device are skipped, so a rank pays only for its own
 stages. Initialisers run on the CPU generator whatever the device, so a tensor's value does not
-depend on where it lives. A value is the same on every rank as long as each initialiser call that
-draws random numbers into several tensors draws into tensors of one stage: leaf modules are never
-cut, so this holds whenever a module's parameters sit inside one leaf (the default for every model
-family here); a module whose own tensors are split across stages is completed temporarily so its
-draws happen in the same order.
+depend on where it lives. What this rule cannot keep is what a constructor does outside these
+methods (nanoGPT rescales its `c_proj` weights in `__init__`): those tensors get their method's
+distribution, not the constructor's.
 """
 
 from __future__ import annotations
@@ -52,12 +59,21 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-class _WriteLog(TorchDispatchMode):
-    """Records the storages every in-place op writes while initialisers run."""
+#: the in-place random fills an initialiser draws with (aten overload packets)
+RANDOM_FILLS = frozenset(getattr(torch.ops.aten, op) for op in (
+    "uniform_", "normal_", "bernoulli_", "random_", "exponential_", "cauchy_", "log_normal_", "geometric_"))
 
-    def __init__(self) -> None:
+
+class _WriteLog(TorchDispatchMode):
+    """Records the storages every in-place op writes while initialisers run; with `names` (storage
+    key -> tensor name) and `seed`, seeds each random fill of a named real tensor by (seed, name,
+    its count of earlier draws)."""
+
+    def __init__(self, names: dict[int, str] | None = None, seed: int = 0) -> None:
         super().__init__()
         self.written: set[int] = set()
+        self.names, self.seed = names or {}, seed
+        self.draws: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -66,6 +82,19 @@ class _WriteLog(TorchDispatchMode):
                 t = args[i] if i < len(args) else kwargs.get(arg.name)
                 if isinstance(t, torch.Tensor):
                     self.written.add(storage_key(t))
+        target = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if (func.overloadpacket in RANDOM_FILLS and target is not None and _is_real(target)
+                and kwargs.get("generator") is None):
+            name = self.names.get(storage_key(target))
+            if name is not None:  # drawn apart: the generator's own sequence goes on as if it had not been
+                count = self.draws.get(name, 0)
+                self.draws[name] = count + 1
+                state = torch.get_rng_state()
+                torch.manual_seed(name_seed(self.seed, f"draw:{name}:{count}"))
+                try:
+                    return func(*args, **kwargs)
+                finally:
+                    torch.set_rng_state(state)
         return func(*args, **kwargs)
 
 
@@ -125,11 +154,14 @@ def fallback_fill(t: torch.Tensor, name: str, seed: int) -> None:
 
 
 @torch.no_grad()
-def init_by_name(root: nn.Module, seed: int, family_init=None) -> list[str]:
+def init_by_name(root: nn.Module, seed: int, family_init=None, whole_init=None) -> list[str]:
     """Initialise every real tensor of `root` by the rule above; returns the names that got the
-    fallback. `root` is the whole model (tensors outside this process's stages on the meta device)."""
+    fallback. `root` is the whole model (tensors outside this process's stages on the meta device);
+    `family_init(root, module)` a per-module initialiser, `whole_init(root)` a model-wide one."""
     modules = list(root.named_modules())
-    log = _WriteLog()
+    names = {storage_key(t): n for n, t in [*root.named_parameters(remove_duplicate=False),
+                                            *root.named_buffers(remove_duplicate=False)] if _is_real(t)}
+    log = _WriteLog(names, seed)
     with log:
         for name, sub in modules:
             reset = getattr(sub, "reset_parameters", None)
@@ -141,6 +173,9 @@ def init_by_name(root: nn.Module, seed: int, family_init=None) -> list[str]:
                 if _has_real(sub):
                     with _completed(sub), _seeded(seed, f"family:{name}"):
                         family_init(root, sub)
+        if whole_init is not None and _has_real(root):
+            with _seeded(seed, "whole"):
+                whole_init(root)
     fell_back = []
     seen: set[int] = set()
     for name, t in [*root.named_parameters(), *root.named_buffers()]:
@@ -152,7 +187,7 @@ def init_by_name(root: nn.Module, seed: int, family_init=None) -> list[str]:
     return fell_back
 
 
-def uncovered_tensors(meta_model: nn.Module, family_init=None) -> list[str]:
+def uncovered_tensors(meta_model: nn.Module, family_init=None, whole_init=None) -> list[str]:
     """Names of the tensors no initialiser writes, found on the meta model without materialising
     anything (the launcher warns about them: they get `fallback_fill`)."""
     log = _WriteLog()
@@ -164,6 +199,8 @@ def uncovered_tensors(meta_model: nn.Module, family_init=None) -> list[str]:
         if family_init is not None:
             for _, sub in _post_order(meta_model):
                 family_init(meta_model, sub)
+        if whole_init is not None:
+            whole_init(meta_model)
     seen: set[int] = set()
     out = []
     for name, t in [*meta_model.named_parameters(), *meta_model.named_buffers()]:

@@ -81,13 +81,19 @@ def materialize(
     names: Collection[str] | None = None,
     also: Iterable[nn.Module] = (),
     load=None,
+    initial=None,
+    whole_init=None,
 ) -> list[str]:
     """Replace the meta tensors of `root` at the fully-qualified `names` (all when None) by real
-    ones, initialise them by name, and move them to `device`. Modules in `also` (stage modules cut
-    from `root`, whose tensors sit at the same qualified names) get the very same tensors. Returns
-    the names that got the fallback initialisation. With `load` (pretrained weights, e.g.
-    `pipelaunch.models.hf.SafetensorsDir`), the tensors it holds are then read by name, each under any of its
-    names (tied), and only those: a tensor it lacks keeps its initial value."""
+    ones, give them their initial values, and move them to `device`. Modules in `also` (stage
+    modules cut from `root`, whose tensors sit at the same qualified names) get the very same
+    tensors. The initial values: with `initial` (`pipeline.graph.initial_weights.InitialWeights`),
+    the constructor's own, read by name; else initialised by name (`init_by_name`, with
+    `family_init` per module and `whole_init` model-wide). Returns the names that got the fallback
+    initialisation. With `load` (pretrained weights, e.g. `pipelaunch.models.hf.SafetensorsDir`; or
+    the constructor's buffers when initialising by name), the tensors it holds are then read by
+    name, each under any of its names (tied), and only those: a tensor it lacks keeps its initial
+    value."""
     wanted = None if names is None else {id(_held_by(root, n)) for n in names}
     fresh: dict[int, torch.Tensor] = {}
     for store, name, t in list(_holders([root])):
@@ -110,14 +116,24 @@ def materialize(
                         store[attr] = _held_by(root, f"{path}.{attr}" if path else attr)
                     elif t is not None and id(t) not in made:
                         constants.append((store, attr, t))  # a value the trace baked in (export's lifted constants)
-    fell_back = init_by_name(root, seed, family_init)  # on the CPU generator, whatever the device
-    if load is not None and made:
-        names_of: dict[int, list[str]] = {}
-        for name, t in [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]:
-            if id(t) in made:
-                names_of.setdefault(id(t), []).append(name)
-        aliases = {ns[0]: ns[1:] for ns in names_of.values()}
-        missing = set(load.load([(ns[0], made[i]) for i, ns in names_of.items()], aliases))
+    names_of: dict[int, list[str]] = {}
+    for name, t in [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]:
+        if id(t) in made:
+            names_of.setdefault(id(t), []).append(name)
+    aliases = {ns[0]: ns[1:] for ns in names_of.values()}
+    wanted_tensors = [(ns[0], made[i]) for i, ns in names_of.items()]
+    if initial is not None:
+        lacking = initial.load(wanted_tensors, aliases)
+        if lacking:
+            raise ConfigError("model", f"the model built for real lacks {len(lacking)} tensor(s) the model built on the "
+                                       f"meta device holds ({', '.join(lacking[:6])}): its constructor builds another "
+                                       "structure on the meta device; build the same modules whatever the device, or "
+                                       "set init.weights=by_name")
+        fell_back: list[str] = []
+    else:
+        fell_back = init_by_name(root, seed, family_init, whole_init)  # on the CPU generator, whatever the device
+    if load is not None and made and (initial is None or getattr(load, "checkpoint", False)):
+        missing = set(load.load(wanted_tensors, aliases))
         fell_back = [n for n in fell_back if n in missing]
     if device.type != "cpu":
         for t in made.values():

@@ -36,6 +36,9 @@ class RankJob:
     callbacks: tuple = ()
     #: the checkpoint this run resumes from (checked by the launcher), or None for a fresh start
     resume_from: str | None = None
+    #: the safetensors file of the model as its constructor built it (read by name), or None: each
+    #: rank initialises its stages by (seed, name) (launcher/initial_weights.py says which and why)
+    initial_weights: str | None = None
 
 
 def rank_main(job: RankJob) -> dict:
@@ -95,7 +98,7 @@ def run_job(job: RankJob, rank: int, device: torch.device) -> dict:
     ctx = RankContext(rank, world, local_rank, local_world, job.plan.pp, job.plan.dp, device)
     ctx.mesh = make_mesh(ctx)
     run_dir = Path(job.run_dir) if job.run_dir else None
-    return train_rank(job.cfg, job.plan, ctx, run_dir, job.callbacks, job.resume_from)
+    return train_rank(job.cfg, job.plan, ctx, run_dir, job.callbacks, job.resume_from, job.initial_weights)
 
 
 def leave_process_group() -> None:

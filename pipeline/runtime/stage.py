@@ -46,14 +46,17 @@ def meta_tensor_names(module: nn.Module) -> set[str]:
 
 
 def build_stage_modules(
-    spec: ModelSpec, plan: Plan, pp_rank: int, seed: int, device: torch.device, traced: TracedModel | None = None
+    spec: ModelSpec, plan: Plan, pp_rank: int, seed: int, device: torch.device, traced: TracedModel | None = None,
+    initial=None,
 ) -> dict[int, StageModule]:
-    """This rank's stage modules with real, name-initialised tensors on `device`; the rest of the
-    model stays on the meta device and is dropped. Stages of one rank that share a parameter share
-    the very same tensor. The leaf modules a stage lists in `recompute` run checkpointed.
-    `traced`: a trace of this model at the plan's micro-batch size made earlier, used up here (the
-    launcher's split check builds every rank's stages from copies of one: tracing is deterministic,
-    and the stages' tensors come by name from the model materialised here, never from the trace)."""
+    """This rank's stage modules with real tensors on `device`; the rest of the model stays on the
+    meta device and is dropped. The tensors' values: read by name from `initial` (the constructor's
+    own, `pipeline.graph.initial_weights.InitialWeights`), else initialised by name. Stages of one
+    rank that share a parameter share the very same tensor. The leaf modules a stage lists in
+    `recompute` run checkpointed. `traced`: a trace of this model at the plan's micro-batch size
+    made earlier, used up here (the launcher's split check builds every rank's stages from copies
+    of one: tracing is deterministic, and the stages' tensors come by name from the model
+    materialised here, never from the trace)."""
     model = spec.build_meta()
     traced = spec.trace(plan.micro_batch_size, model) if traced is None else traced
     retarget(traced.gm, device)
@@ -63,7 +66,7 @@ def build_stage_modules(
         recompute_modules(gm, plan.stages[i].recompute)
     names = set().union(*(meta_tensor_names(gm) for gm in own.values()))
     materialize(model, seed, device, spec.init, names={traced.param_aliases.get(n, n) for n in names},
-                also=own.values(), load=spec.load)
+                also=own.values(), load=spec.load, initial=initial, whole_init=spec.init_weights)
     for gm in own.values():
         _constants_to(gm, device)
     return {i: StageModule(i, gm, dict(split.param_aliases)) for i, gm in own.items()}

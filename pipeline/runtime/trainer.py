@@ -24,6 +24,7 @@ from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.core.plan import Plan, dtype_of
 from pipelaunch.pipeline.core.precision import PRECISIONS
 from pipelaunch.pipeline.graph.init import name_seed
+from pipelaunch.pipeline.graph.initial_weights import InitialWeights
 from pipelaunch.pipeline.runtime import checkpoint
 from pipelaunch.pipeline.runtime import heartbeat as hb
 from pipelaunch.pipeline.runtime.comm import verify_posting_order
@@ -44,9 +45,12 @@ from pipelaunch.pipeline.runtime.tracking import Tracker, make_tracker
 COST_WINDOW_STEPS = 5
 
 
-def build_slots(spec: ModelSpec, plan: Plan, ctx: RankContext, seed: int) -> dict[int, StageSlot]:
-    """This rank's stages, each knowing the global rank of every stage it exchanges values with."""
-    modules = build_stage_modules(spec, plan, ctx.pp_rank, seed, ctx.device)
+def build_slots(spec: ModelSpec, plan: Plan, ctx: RankContext, seed: int,
+                initial_weights: str | None = None) -> dict[int, StageSlot]:
+    """This rank's stages, each knowing the global rank of every stage it exchanges values with;
+    their tensors read from `initial_weights` (a file of the constructor's own), else made by name."""
+    initial = InitialWeights(initial_weights) if initial_weights is not None else None
+    modules = build_stage_modules(spec, plan, ctx.pp_rank, seed, ctx.device, initial=initial)
     slots: dict[int, StageSlot] = {}
     for sp in plan.stages_of(ctx.pp_rank):
         neighbours = {p for p in sp.inputs.values() if p is not None} | {c for cs in sp.outputs.values() for c in cs}
@@ -105,13 +109,16 @@ class RankTrainer:
     """This rank's stages, executor and optimizer, built once; `step` runs one training step.
     train_rank loops over it, and bench/paired_runtimes.py interleaves it with torch's runtime."""
 
-    def __init__(self, cfg: TrainConfig, plan: Plan, ctx: RankContext, callbacks: Sequence[Callback] = ()) -> None:
+    def __init__(self, cfg: TrainConfig, plan: Plan, ctx: RankContext, callbacks: Sequence[Callback] = (),
+                 initial_weights: str | None = None) -> None:
         self.cfg, self.plan, self.ctx = cfg, plan, ctx
         self.callbacks = list(callbacks)
         self.heartbeat = Heartbeat(ctx.rank)
         self.spec: ModelSpec = instantiate(cfg.model)
         self.data = instantiate(cfg.data)
-        self.slots = build_slots(self.spec, plan, ctx, cfg.seed)
+        self.slots = build_slots(self.spec, plan, ctx, cfg.seed, initial_weights)
+        self.initial_weights = "constructor" if initial_weights is not None else (
+            "checkpoint" if self.spec.from_checkpoint else "by_name")
         # the stream dropout draws from: set by (seed, rank), so a run repeats itself and DP
         # replicas draw different masks (a resume then restores the stream it saved)
         torch.manual_seed(name_seed(cfg.seed, f"train:rank{ctx.rank}"))
@@ -273,10 +280,12 @@ class RunRecord:
 
 
 def train_rank(cfg: TrainConfig, plan: Plan, ctx: RankContext, run_dir: Path | None,
-               callbacks: Sequence[Callback] = (), resume_from: str | None = None) -> dict:
+               callbacks: Sequence[Callback] = (), resume_from: str | None = None,
+               initial_weights: str | None = None) -> dict:
     """Run steps up to `cfg.steps` (from `resume_from`, a checkpoint, when resuming); rank 0 reports progress,
-    and its result carries what the launcher's report writes (`_finish`)."""
-    trainer = RankTrainer(cfg, plan, ctx, callbacks)
+    and its result carries what the launcher's report writes (`_finish`). `initial_weights`: the
+    file of the constructor's own weights (RankJob), or None to initialise by name."""
+    trainer = RankTrainer(cfg, plan, ctx, callbacks, initial_weights)
     at_start = _memory_before_model(trainer)
     tokens_per_step = _tokens_per_step(cfg, trainer)
     record = RunRecord.resumed(resume_from, trainer)
@@ -416,6 +425,8 @@ def _rank_info(trainer: RankTrainer, record: RunRecord, at_start: float, tensors
         "huge_pages": huge_pages_active(),
         # pretrained weights this rank read by name (model.path): its own stages' tensors only
         "weights_read": list(getattr(trainer.spec.load, "read", [])),
+        # where its initial weights came from: constructor, by_name or checkpoint
+        "initial_weights": trainer.initial_weights,
         "events": record.last_events if ctx.dp_rank == 0 else [],
         "cost_events": [{**e, "step": s} for s, step_events in record.window for e in step_events]
         if ctx.dp_rank == 0 else [],
