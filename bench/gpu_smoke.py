@@ -14,7 +14,9 @@ One GPU holds one NCCL rank, so everything runs at pp=1 dp=1 on NCCL (world size
 3. the profile was taken on the GPU: the profile cache file names it (`cuda:<device name>`);
 4. precision=bf16 trains, its first loss near fp32's;
 5. resume from the step-3 checkpoint follows the uninterrupted losses;
-6. `python -m pipelaunch.launcher.export` of the last checkpoint writes a loadable safetensors file.
+6. `python -m pipelaunch.launcher.export` of the last checkpoint writes a loadable safetensors file;
+7. the run started from the model's own weights: its first loss equals that of
+   `torch.manual_seed(seed); build()` on the same device and batch.
 
 Writes one report, `gpu_smoke.json` (every check, its numbers, and `summary`: the same as the
 text printed at the end), into `--out` (default: $OUT, else ./gpu_smoke_out). Exit code 0 when
@@ -161,6 +163,31 @@ def check_planning(report: Report, device: str, env: dict) -> None:
             os.environ["PIPELAUNCH_CACHE"] = saved
 
 
+def check_own_weights(report: Report, metrics: dict, device: str) -> None:
+    """The run started from the model as its author builds it (#33): every rank says `constructor`,
+    and the run's first loss equals, within 1e-5, the loss of `torch.manual_seed(seed); build()`
+    moved to this device, on the run's first batch and micro-batches, computed in this process."""
+    import torch
+    from hydra.utils import instantiate
+
+    from pipelaunch.pipeline.graph.initial_weights import built_as_written
+
+    config = metrics["config"]
+    spec, data = instantiate(config["model"]), instantiate(config["data"])
+    model = built_as_written(spec.build, config["seed"]).to(device)
+    inputs, targets = data.batch(0, config["batch_size"])
+    m = config["microbatches"]
+    with torch.no_grad():
+        own = sum(float(spec.loss_fn(model(x.to(device)), y.to(device))) / m
+                  for x, y in zip(inputs.chunk(m), targets.chunk(m), strict=True))
+    first = metrics["losses"][0]
+    paths = sorted({r.get("initial_weights") for r in metrics["ranks"]})
+    gap = abs(first - own) / abs(own)
+    report.check("the first loss is the model's own", paths == ["constructor"] and gap <= 1e-5,
+                 f"ranks' initial weights {paths}; first loss {first:.6f}, torch.manual_seed({config['seed']}); "
+                 f"build() on {device}: {own:.6f} (relative gap {gap:.1e}, pass <= 1e-5)")
+
+
 def run_checks(report: Report, device: str, work: Path) -> None:
     import torch
 
@@ -209,6 +236,11 @@ def run_checks(report: Report, device: str, work: Path) -> None:
                      f"{what} {mib(peak)}, {mib(above)} above the start, predicted {mib(predicted)}: "
                      + (f"{ratio:.2f}x" if ratio is not None else "no ratio") + " (pass: 0.5-2.0x)",
                      peak_memory_bytes=peak, peak_above_start_bytes=above, predicted_peak_bytes=predicted, ratio=ratio)
+
+        try:
+            check_own_weights(report, m32, device)
+        except Exception as err:  # noqa: BLE001 - one failed check must not hide the others
+            report.failed("the first loss is the model's own", err)
 
     cached = [json.loads(p.read_text()) for p in sorted((work / "profile_cache").glob("*.json"))]
     devices = sorted({c.get("device") for c in cached})

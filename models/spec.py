@@ -71,13 +71,16 @@ class ModelSpec:
 
     def build_full(self, seed: int, device: torch.device | str = "cpu", by_name: bool = False) -> nn.Module:
         """The whole model with the initial weights every rank starts from: as `torch.manual_seed(seed);
-        build()` makes it (the default), or initialised from (seed, names) (`by_name`, and always
-        under pretrained weights, which `load` then supplies)."""
-        from pipelaunch.pipeline.graph.initial_weights import built_as_written
+        build()` makes it (the default), or initialised from (seed, names) (`by_name`); pretrained
+        weights (`load` holding a checkpoint) then override what they hold."""
+        from pipelaunch.pipeline.graph.initial_weights import built_as_written, load_into
         from pipelaunch.pipeline.graph.materialize import materialize
 
-        if not by_name and not self.from_checkpoint:
-            return built_as_written(self.build, seed).to(device)
+        if not by_name:
+            model = built_as_written(self.build, seed)
+            if self.from_checkpoint:
+                load_into(model, self.load)
+            return model.to(device)
         model = self.build_meta()
         materialize(model, seed, torch.device(device), family_init=self.init, load=self.load,
                     whole_init=self.init_weights)

@@ -3,6 +3,7 @@ single-process reference."""
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from pipelaunch.launcher.config import register_configs
+from pipelaunch.launcher.initial_weights import launcher_initial_weights
 from pipelaunch.launcher.overrides import compose_checked
 from pipelaunch.launcher.spawn import spawn_ranks
 from pipelaunch.launcher.validate import prepare
@@ -41,18 +43,24 @@ def group_options(group: str) -> list[str]:
         return GlobalHydra.instance().config_loader().get_group_options(group)
 
 
-def run_jobs(cfgs: list[TrainConfig], log_dir: Path) -> list[list[dict]]:
-    """Run configs of the same world size in one spawn; returns per config the list of rank results."""
+def run_jobs(cfgs: list[TrainConfig], log_dir: Path, plans: list | None = None) -> list[list[dict]]:
+    """Run configs of the same world size in one spawn, each starting from the weights the launcher
+    gives it (`launcher_initial_weights`); returns per config the list of rank results. `plans`:
+    the plans to run (one per config), instead of those the configs give."""
     jobs = []
-    for cfg in cfgs:
-        # NCCL's semantics on gloo: tags are always 0, and every pair's posting order is checked
-        # at the end of the run (debug.record_p2p)
-        cfg = replace(cfg, debug=replace(cfg.debug, record_p2p=True))
-        prepared = prepare(cfg)
-        jobs.append(RankJob(cfg, prepared.plan, None, callbacks=(CaptureState(),), resume_from=prepared.resume_from))
-    world = jobs[0].plan.pp * jobs[0].plan.dp
-    env = rank_environment(cfgs[0].huge_pages)
-    per_rank = spawn_ranks(jobs, world, log_dir, echo_rank0=False, entry=rank_main_many, env=env)
+    with ExitStack() as files:
+        for i, cfg in enumerate(cfgs):
+            # NCCL's semantics on gloo: tags are always 0, and every pair's posting order is checked
+            # at the end of the run (debug.record_p2p)
+            cfg = replace(cfg, debug=replace(cfg.debug, record_p2p=True))
+            prepared = prepare(cfg)
+            initial = files.enter_context(launcher_initial_weights(cfg, prepared.spec, prepared.model))
+            plan = prepared.plan if plans is None else plans[i]
+            jobs.append(RankJob(cfg, plan, None, callbacks=(CaptureState(),), resume_from=prepared.resume_from,
+                                initial_weights=str(initial.path) if initial.path is not None else None))
+        world = jobs[0].plan.pp * jobs[0].plan.dp
+        env = rank_environment(cfgs[0].huge_pages)
+        per_rank = spawn_ranks(jobs, world, log_dir, echo_rank0=False, entry=rank_main_many, env=env)
     return [[per_rank[r][i] for r in range(world)] for i in range(len(jobs))]
 
 

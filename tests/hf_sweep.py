@@ -284,10 +284,12 @@ def traced_once():
 
 def pipeline(directory: Path, pp: int, data) -> Trained:
     """Every rank's stages built as a rank builds them (`build_stage_modules`: fresh meta model,
-    only its stages materialised, weights read by name), run in order in this process, as the
-    launcher's split check builds and runs them (`pipelaunch.launcher.split_compare`)."""
+    only its stages materialised, from the file of the constructor's weights the launcher writes,
+    then the checkpoint's weights read by name), run in order in this process, as the launcher's
+    split check builds and runs them (`pipelaunch.launcher.split_compare`)."""
     from hydra.utils import instantiate
 
+    from pipelaunch.launcher.initial_weights import launcher_initial_weights
     from pipelaunch.launcher.split_compare import every_stage, stage_parameters
     from pipelaunch.launcher.validate import prepare
     from pipelaunch.pipeline.graph.split import run_in_order
@@ -295,7 +297,9 @@ def pipeline(directory: Path, pp: int, data) -> Trained:
 
     cfg = compose_cfg(overrides(directory, pp))
     prepared = prepare(cfg)
-    split, mods = every_stage(instantiate(cfg.model), prepared.plan, cfg.seed)
+    spec = instantiate(cfg.model)
+    with launcher_initial_weights(cfg, spec, prepared.model) as initial:  # the constructor's non-persistent buffers
+        split, mods = every_stage(spec, prepared.plan, cfg.seed, initial_weights=initial.path)
     params = {n: [p for p in ts if p.requires_grad] for n, ts in stage_parameters(mods).items()}
     return _train({n: ts for n, ts in params.items() if ts}, lambda x: run_in_order(split, x, stages=mods), data)
 

@@ -20,7 +20,6 @@ from hydra.utils import instantiate
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipelaunch.launcher.spawn import spawn_ranks
 from pipelaunch.launcher.validate import prepare
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan import Plan
@@ -32,11 +31,8 @@ from pipelaunch.pipeline.planner.remat import (
     recompute_options,
 )
 from pipelaunch.pipeline.runtime.backward import backward_input, backward_weight
-from pipelaunch.pipeline.runtime.host_allocator import rank_environment
-from pipelaunch.pipeline.runtime.rank import RankJob
 from pipelaunch.pipeline.runtime.stage import StageModule, build_stage_modules
-from tests.capture import CaptureState, rank_main_many
-from tests.harness import FAST, ROOT, assert_state_close, compose_cfg, merge_state
+from tests.harness import FAST, ROOT, assert_state_close, compose_cfg, merge_state, run_jobs
 from tests.reference import reference_run
 
 # ---------------------------------------------------------------------------------------------- plan
@@ -176,13 +172,7 @@ def _mixed(cfg: dict, plan: Plan, stages: list[int], offset: int) -> dict[int, l
 
 def _run(cases: list[tuple[dict, Plan]], log_dir: Path) -> list[list[dict]]:
     """`tests.harness.run_jobs` with the plans given (carrying their recompute choices)."""
-    jobs = []
-    for cfg, plan in cases:
-        jobs.append(RankJob(cfg, plan, None, callbacks=(CaptureState(),), resume_from=prepare(cfg).resume_from))
-    world = cases[0][1].pp * cases[0][1].dp
-    env = rank_environment(cases[0][0].huge_pages)
-    per_rank = spawn_ranks(jobs, world, log_dir, echo_rank0=False, entry=rank_main_many, env=env)
-    return [[per_rank[r][i] for r in range(world)] for i in range(len(jobs))]
+    return run_jobs([cfg for cfg, _ in cases], log_dir, plans=[plan for _, plan in cases])
 
 
 def _case(overrides: list[str], stages: list[int], offset: int) -> tuple[dict, Plan, str]:

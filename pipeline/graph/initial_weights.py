@@ -51,6 +51,15 @@ def distinct_tensors(model: nn.Module) -> dict[str, list[str]]:
 
 
 @torch.no_grad()
+def load_into(model: nn.Module, load) -> list[str]:
+    """Read every tensor `load` (the `ModelSpec.load` protocol) holds into the real `model`, under
+    any of its tied names; returns the names it lacks."""
+    lookup = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    aliases = distinct_tensors(model)
+    return load.load([(name, lookup[name].data) for name in aliases], aliases)
+
+
+@torch.no_grad()
 def write_initial_weights(model: nn.Module, path: Path) -> int:
     """Write every distinct tensor of `model` (a real one) to the safetensors file `path`, ties as
     aliases in its metadata, atomically (a reader never sees half a file); returns the bytes written."""

@@ -117,8 +117,7 @@ class RankTrainer:
         self.spec: ModelSpec = instantiate(cfg.model)
         self.data = instantiate(cfg.data)
         self.slots = build_slots(self.spec, plan, ctx, cfg.seed, initial_weights)
-        self.initial_weights = "constructor" if initial_weights is not None else (
-            "checkpoint" if self.spec.from_checkpoint else "by_name")
+        self.initial_weights = "constructor" if initial_weights is not None else "by_name"
         # the stream dropout draws from: set by (seed, rank), so a run repeats itself and DP
         # replicas draw different masks (a resume then restores the stream it saved)
         torch.manual_seed(name_seed(cfg.seed, f"train:rank{ctx.rank}"))
@@ -425,7 +424,7 @@ def _rank_info(trainer: RankTrainer, record: RunRecord, at_start: float, tensors
         "huge_pages": huge_pages_active(),
         # pretrained weights this rank read by name (model.path): its own stages' tensors only
         "weights_read": list(getattr(trainer.spec.load, "read", [])),
-        # where its initial weights came from: constructor, by_name or checkpoint
+        # where its initial weights came from, constructor or by_name (pretrained ones: weights_read)
         "initial_weights": trainer.initial_weights,
         "events": record.last_events if ctx.dp_rank == 0 else [],
         "cost_events": [{**e, "step": s} for s, step_events in record.window for e in step_events]
