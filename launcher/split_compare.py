@@ -125,12 +125,16 @@ def tolerance_for(model: nn.Module) -> float:
     return max(TOLERANCE, 8 * eps)
 
 
-def _forward_backward(run, x: torch.Tensor, y: torch.Tensor, loss_fn, seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Output leaves and loss of one forward (under `seed`: dropout draws alike) and its backward."""
+def _forward_backward(run, spec: ModelSpec, batch: tuple[torch.Tensor, torch.Tensor],
+                      seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Output leaves and loss of one forward (under `seed`: dropout draws alike) and its backward;
+    the model is given what the data gives it (`spec.model_args`: the targets too, for a model
+    computing its own loss)."""
+    x, y = batch
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        out = run(x)
-        loss = loss_fn(out, y)
+        out = run(*spec.model_args(x, y))
+        loss = spec.loss_fn(out, y)
     loss.backward()
     leaves = [t.detach() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
     return leaves, loss.detach()
@@ -160,7 +164,7 @@ def _run_reference(spec: ModelSpec, params: dict[str, list[torch.Tensor]], buffe
     reference.train()
     before = {n: b.clone() for n, b in reference.named_buffers(remove_duplicate=False) if n in buffers}
     try:
-        out, loss = _forward_backward(reference, *batch, spec.loss_fn, seed)
+        out, loss = _forward_backward(reference, spec, batch, seed)
     except Exception as err:  # noqa: BLE001 - whatever keeps the module itself from running here
         raise ReferenceFailed(f"the unsplit module cannot run on the CPU here ({_line(err)})") from err
     return reference, before, out, loss
@@ -193,7 +197,7 @@ def compare(spec: ModelSpec, plan: Plan, batch: tuple[torch.Tensor, torch.Tensor
     reference, ref_buffers, ref_out, ref_loss = _run_reference(spec, params, buffers, batch, seed, reference)
     buffers = {n: b for n, b in buffers.items() if n in ref_buffers}  # not the constants an export trace lifted
     try:
-        out, loss = _forward_backward(lambda v: run_in_order(split, v, stages=stages), *batch, spec.loss_fn, seed)
+        out, loss = _forward_backward(lambda *v: run_in_order(split, *v, stages=stages), spec, batch, seed)
     except Exception as err:  # noqa: BLE001 - a rank would fail the same way
         raise ConfigError("model", f"the stages the ranks would build fail on one micro-batch where the unsplit "
                                    f"module runs ({_line(err)})") from err

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,10 +18,11 @@ from hydra.utils import instantiate
 
 from pipelaunch.launcher.config import group_configs
 from pipelaunch.launcher.initial_weights import choose
-from pipelaunch.models.spec import ModelSpec
+from pipelaunch.models.module import LOSSES
+from pipelaunch.models.spec import ModelSpec, causal_lm_loss
 from pipelaunch.pipeline.core.config import Objective, PluginConfig, TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
-from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.core.plan import Plan, dtype_of
 from pipelaunch.pipeline.graph.init import uncovered_tensors
 from pipelaunch.pipeline.planner import Planned, make_plan
 from pipelaunch.pipeline.planner.build import plugin
@@ -217,6 +219,7 @@ def prepare(cfg: TrainConfig, profile: bool | None = None, device: torch.device 
     check_data(cfg, spec)
     planned = make_plan(cfg, spec, options if options is not None else group_options(cfg), profile=profile,
                         device=device, cuda=on_cuda(cfg))
+    check_output(cfg, spec, planned.plan)
     resume_from = resume_checkpoint(cfg, planned.model, checkpoint_root(cfg, run_dir))
     if choose(cfg, spec, planned.model)[0] != "constructor":  # the constructor's own values need no initialiser
         _warn_uncovered(spec, planned)
@@ -269,13 +272,57 @@ def _check_token_windows(cfg: TrainConfig, spec: ModelSpec, adapter: bool) -> No
                                f"model.seq_len={sample}")
     if adapter and (spec.target_shape != spec.input_shape or spec.target_dtype != torch.long):
         loss = cfg.model.get("loss")
-        if isinstance(loss, str) and loss != "causal_lm":
+        if isinstance(loss, str) and loss not in ("causal_lm", "model"):
             raise ConfigError("model.loss", f"{loss} scores {'one label per sample' if loss == 'cross_entropy' else 'float targets'}, "
                                             f"but token data gives the next token id at each of the {data_len} positions; "
                                             "set model.loss=causal_lm")
         raise ConfigError("model.target", f"shape {list(spec.target_shape)} {str(spec.target_dtype).removeprefix('torch.')} "
                                           f"but token data gives the next token id at each of the {data_len} positions; "
                                           f"set 'model.target.shape=[{data_len}]' model.target.dtype=int64 (or model.target=null)")
+
+
+def check_output(cfg: TrainConfig, spec: ModelSpec, plan: Plan) -> None:
+    """The loss must score what the model returns against what the data gives, on the traced
+    output's shape (the last stage's, per micro-batch) and the targets', on the meta device: a
+    model returning one position where the targets have one per position (nanoGPT's forward
+    without targets) is refused here, naming both shapes and the fix, and not on the last rank.
+    A model computing its own loss must return it: a scalar."""
+    last = next(s for s in plan.stages if s.loss_value is not None)
+    if last.loss_value not in last.values:
+        return
+    shape, dtype = last.values[last.loss_value]
+    if spec.own_loss:
+        if shape or not dtype_of(dtype).is_floating_point:
+            raise ConfigError("model.output", f"with model.loss=model the output must be the model's own loss, a "
+                                              f"scalar, but it is a {dtype} tensor {shape}; set model.output to the "
+                                              "loss's field or position in what the model returns (nanoGPT's "
+                                              "(logits, loss): model.output=1)")
+        return
+    mbs = plan.micro_batch_size
+    target = [mbs, *spec.target_shape]
+    loss = cfg.model.get("loss")
+    name = next((k for k, f in LOSSES.items() if f is spec.loss_fn), None) or (
+        loss.get("_target_") if isinstance(loss, Mapping) else None) or "the loss"
+    problem = None
+    if spec.loss_fn is causal_lm_loss and shape[:-1] != target:
+        problem = "it needs the output's shape but its last dimension (the logits) to equal the targets'"
+    else:
+        try:
+            spec.loss_fn(torch.empty(shape, dtype=dtype_of(dtype), device="meta"),
+                         torch.empty(target, dtype=spec.target_dtype, device="meta"))
+        except Exception as err:  # noqa: BLE001 - whatever the loss refuses, a rank would refuse too
+            problem = " ".join(str(err).split())[:300]
+    if problem is None:
+        return
+    where = f"the model's output {shape} (a micro-batch of {mbs}) against the data's targets {target}"
+    if len(shape) == 3 and len(target) == 2 and shape[1] == 1 < target[1]:
+        problem = (f"the output holds 1 position where the targets have {target[1]} (a forward that, given no "
+                   "targets, returns the last position's logits only, as nanoGPT's does)")
+    raise ConfigError("model.loss", f"{name} cannot score {where}: {problem}. If the model computes its own loss "
+                                    "from the targets, let it: model.loss=model (its forward gets the targets by "
+                                    "keyword, model.targets_arg; model.output picks the loss, by default its `loss` "
+                                    "field or a tuple's last element); else make the forward return every position "
+                                    "(model.output picks which part of its output is scored)")
 
 
 def _warn_uncovered(spec: ModelSpec, planned: Planned) -> None:

@@ -7,7 +7,8 @@ modules, so a stage boundary falls between layers. Fresh weights are transformer
 `torch.manual_seed(seed); AutoModelForCausalLM.from_config(config)`, built once on the CPU and read
 by name (`launcher.initial_weights`), or for a model above `init.max_bytes` transformers'
 `_init_weights` seeded by name; with `model.path` they are read from the directory's safetensors
-files, each rank reading only its own stages' tensors (`load_by_name`).
+files, each rank reading only its own stages' tensors (`load_by_name`). `model.loss=model` trains
+with transformers' own loss, `model(ids, labels=ids).loss`, computed on the last stage.
 """
 
 from __future__ import annotations
@@ -22,19 +23,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipelaunch.models.spec import ModelSpec, causal_lm_loss
+from pipelaunch.models.spec import ModelSpec, causal_lm_loss, model_loss
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.graph.materialize import to_meta_parameters
 
 
 class CausalLM(nn.Module):
-    """Token ids in, logits out: how the pipeline calls a transformers causal LM."""
+    """Token ids in, logits out: how the pipeline calls a transformers causal LM. With `own_loss`
+    (`model.loss=model`), its own loss out: `model(ids, labels=ids).loss`, as transformers trains
+    it (the labels are the inputs, which its loss shifts by one position itself)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, own_loss: bool = False) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.own_loss = model, own_loss
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.own_loss:
+            return self.model(ids, labels=ids, use_cache=False).loss
         return self.model(ids, use_cache=False).logits
 
 
@@ -98,10 +103,18 @@ def decoder_layers(model: nn.Module) -> list[str]:
 
 
 def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, name: str | None = None,
-       leaf_modules: list[str] | None = None, dropout: bool = False, vocab_size: int | None = None) -> ModelSpec:
+       leaf_modules: list[str] | None = None, dropout: bool = False, vocab_size: int | None = None,
+       loss: str = "causal_lm") -> ModelSpec:
     """A transformers causal LM as a ModelSpec (see the module docstring). `dropout=False` sets the
-    config's dropout probabilities to 0, so a pipeline and one process compute the same thing."""
+    config's dropout probabilities to 0, so a pipeline and one process compute the same thing.
+    `loss`: `causal_lm` (next-token cross-entropy on the logits, every position scored against the
+    data's targets) or `model` (transformers' own loss, `labels=` the input ids)."""
     from transformers import AutoModelForCausalLM
+
+    if loss not in ("causal_lm", "model"):
+        raise ConfigError("model.loss", f"got {loss!r}; valid: causal_lm (next-token cross-entropy on the logits), "
+                                        "model (transformers' own loss, model(ids, labels=ids).loss)")
+    own_loss = loss == "model"
 
     cfg = _config(dict(config) if config else None, path)
     as_given = copy.deepcopy(cfg)  # what an export writes back: dropout as the user's config has it
@@ -120,7 +133,7 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
         raise ConfigError("model.seq_len", f"{seq_len} exceeds the model's {positions} positions")
 
     def build() -> nn.Module:
-        return CausalLM(constructed(lambda: AutoModelForCausalLM.from_config(cfg)))
+        return CausalLM(constructed(lambda: AutoModelForCausalLM.from_config(cfg)), own_loss)
 
     with torch.device("meta"):
         meta_model = constructed(lambda: AutoModelForCausalLM.from_config(cfg))
@@ -129,12 +142,13 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
     spec = ModelSpec(
         name=name or f"hf_{cfg.model_type}",
         build=build,
-        loss_fn=causal_lm_loss,
+        loss_fn=model_loss if own_loss else causal_lm_loss,
         input_shape=(seq_len,),
         target_shape=(seq_len,),
         leaf_modules=leaf_modules,
         init=transformers_init,
         meta={"vocab_size": text.vocab_size, "seq_len": seq_len, "hf_model_type": cfg.model_type},
+        own_loss=own_loss,
     )
     if path is not None:
         spec.load = SafetensorsDir(Path(path), prefix="model.", model=meta_model)

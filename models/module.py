@@ -7,16 +7,24 @@
         model.output=sample 'model.extra_inputs=[10]' model.loss=mse
 
 The module is built on the meta device like every model (its factory must not load weights
-itself); `output` picks an attribute or key of what it returns (`logits`, `sample`), and
-`extra_inputs` are constant positional arguments after the data: a value (a diffusion timestep),
-or a tensor described by a mapping (`extra_tensor`: a text encoder's states for a conditioned
-UNet, a class label), the same for every sample of a batch. Buffers the module's constructor
+itself); `output` picks an attribute or key of what it returns (`logits`, `sample`) or an element
+of a tuple or list by position (`0`), and `extra_inputs` are constant positional arguments after
+the data: a value (a diffusion timestep), or a tensor described by a mapping (`extra_tensor`: a
+text encoder's states for a conditioned UNet, a class label), the same for every sample of a
+batch. Buffers the module's constructor
 computes (a rotary `inv_freq`, a sin-cos position table) reach every rank by name, as the
 constructor computes them (`pipelaunch.pipeline.graph.buffers.ConstructorBuffers`).
 
 On token data (`data.kind: tokens`, which module.yaml passes as `data_kind`) the defaults are a
 language model's: input `[seq_len]` int64 ids, loss `causal_lm`; elsewhere float32 input and
 `cross_entropy`. What still disagrees with the data is refused in `pipelaunch.launcher.validate.check_data`.
+
+`loss=model`: a model that computes its own loss trains with it. It is given its targets by
+keyword (`targets_arg`: nanoGPT's `forward(idx, targets)`, transformers' `labels=`), either the
+data's targets (`labels=targets`, the next token at each position: nanoGPT) or the inputs
+themselves (`labels=inputs`: transformers shifts them inside its loss), and `output` picks the
+loss from what it returns (null: its `loss` field, or a tuple's last element). The data's targets
+are then a second input of the traced graph, read by whichever stage computes the loss.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
-from pipelaunch.models.spec import ModelSpec, causal_lm_loss
+from pipelaunch.models.spec import ModelSpec, causal_lm_loss, model_loss
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.graph.buffers import ConstructorBuffers
 
@@ -38,6 +46,10 @@ LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "causal_lm": causal_lm_loss,
     "mse": nn.functional.mse_loss,
 }
+#: `model.loss=model`: the model computes its own loss from the targets it is given
+OWN_LOSS = "model"
+#: what a model computing its own loss is given as its targets (`model.labels`)
+LABELS = ("targets", "inputs")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "long": torch.long,
           "int64": torch.long, "int32": torch.int32}
 
@@ -47,15 +59,19 @@ class Adapted(nn.Module):
     tensor extra input is a non-persistent buffer `extra_<position>` (one sample's), expanded to
     the batch on each call."""
 
-    def __init__(self, inner: nn.Module, output: str | None, extra_inputs: Sequence[Any]) -> None:
+    def __init__(self, inner: nn.Module, output: str | int | None, extra_inputs: Sequence[Any],
+                 targets_arg: str | None = None) -> None:
         super().__init__()
         self.inner, self.output = inner, output
+        #: the keyword the model's own loss takes its targets by (`model.loss=model`), else None
+        self.targets_arg = targets_arg
         self.extra_inputs: tuple[Any, ...] = tuple(extra_inputs)
         for i, item in enumerate(self.extra_inputs):
             if isinstance(item, Mapping):
                 self.register_buffer(f"extra_{i}", extra_tensor(item, i), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def extras(self, x: torch.Tensor) -> list[Any]:
+        """The constant arguments after the data, tensors expanded to the batch of `x`."""
         args = []
         for i, item in enumerate(self.extra_inputs):
             if isinstance(item, Mapping):
@@ -63,10 +79,68 @@ class Adapted(nn.Module):
                 args.append(value.expand(x.shape[0], *value.shape))
             else:
                 args.append(item)
-        out = self.inner(x, *args)
-        if self.output is None:
-            return out
-        return out[self.output] if isinstance(out, dict) and self.output in out else getattr(out, self.output)
+        return args
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return pick(self.inner(x, *self.extras(x)), self.output, self.targets_arg is not None)
+
+
+class TakesTargets(Adapted):
+    """`model.loss=model` with `model.labels=targets`: the data's targets are a second model input,
+    passed as `targets_arg` (nanoGPT's `forward(idx, targets)`); the output picked is the loss."""
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return pick(self.inner(x, *self.extras(x), **{self.targets_arg: target}), self.output, True)
+
+
+class ShiftsInputs(Adapted):
+    """`model.loss=model` with `model.labels=inputs`: the inputs are the labels too, which the model
+    shifts itself (transformers' `model(ids, labels=ids).loss`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return pick(self.inner(x, *self.extras(x), **{self.targets_arg: x}), self.output, True)
+
+
+def _describe(out: Any) -> str:
+    if isinstance(out, torch.Tensor):
+        return f"a tensor {list(out.shape)}"
+    if isinstance(out, tuple | list):
+        return f"a {type(out).__name__} of {len(out)}"
+    return "None" if out is None else f"a {type(out).__name__}"
+
+
+def pick(out: Any, output: str | int | None, loss: bool = False) -> Any:
+    """The part of a module's output to train (`model.output`): an element of a tuple or list by
+    index, a key of a dict, or an attribute (`logits`, `sample`). With `loss` (the model's own
+    loss) and no `model.output`: its `loss` field, or a tuple's last element (nanoGPT's `(logits,
+    loss)`). What cannot be picked is a config error naming `model.output`."""
+    if output is None and not loss:
+        return out
+    if isinstance(out, torch.fx.Proxy):  # a traced value whose structure tracing cannot see
+        return out[output] if isinstance(output, int) else getattr(out, output or "loss")
+    if output is None:
+        output = len(out) - 1 if isinstance(out, tuple | list) and not hasattr(out, "loss") else "loss"
+    sequence = isinstance(out, tuple | list) or (isinstance(out, Mapping) and hasattr(out, "to_tuple"))
+    if isinstance(output, int):
+        if not sequence or not -len(out) <= output < len(out):
+            valid = f"0 to {len(out) - 1}" if sequence else "a name (the output is not a tuple or list)"
+            raise ConfigError("model.output", f"{output} picks an element by position, but the module returns "
+                                              f"{_describe(out)}; valid: {valid}")
+        value = out[output]
+    elif isinstance(out, Mapping) and output in out:
+        value = out[output]
+    elif not isinstance(out, tuple | list | torch.Tensor) and hasattr(out, output):
+        value = getattr(out, output)
+    else:
+        hint = ("an element by position, e.g. model.output=0" if isinstance(out, tuple | list) else
+                f"one of its keys: {', '.join(map(str, out))}" if isinstance(out, Mapping) else "another field")
+        raise ConfigError("model.output", f"{output!r} is not a field of what the module returns ({_describe(out)}); "
+                                          f"pick {hint}")
+    if value is None:
+        raise ConfigError("model.output", f"{output!r} picks None from what the module returns ({_describe(out)}); "
+                                          "pick a tensor" + ("" if loss else ", or let the model compute its own loss "
+                                                             "from the targets with model.loss=model"))
+    return value
 
 
 EXTRA_KEYS = ("shape", "dtype", "fill", "seed")
@@ -135,7 +209,8 @@ def _dtype(value: str, key: str) -> torch.dtype:
 def _loss(loss: str | dict) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     if isinstance(loss, str):
         if loss not in LOSSES:
-            raise ConfigError("model.loss", f"got {loss!r}; valid: {', '.join(LOSSES)} or a `_target_` callable")
+            raise ConfigError("model.loss", f"got {loss!r}; valid: {', '.join(LOSSES)}, model (the model's own) or a "
+                                            "`_target_` callable")
         return LOSSES[loss]
     try:
         return instantiate(loss)
@@ -160,19 +235,60 @@ def _input(input: dict | None, seq_len: int | None, tokens: bool) -> tuple[tuple
 
 def _target(loss: str | dict, in_shape: tuple[int, ...], in_dtype: torch.dtype) -> dict:
     """What the loss scores, by default: mse the input's shape, causal_lm (or any loss on token
-    input but cross_entropy) a token per input position, cross_entropy one label."""
+    input but cross_entropy, the model's own among them) a token per input position, cross_entropy
+    one label."""
     if loss == "mse":
         return {"shape": list(in_shape), "dtype": "float32"}
-    if loss == "causal_lm" or (not isinstance(loss, str) and not in_dtype.is_floating_point):
+    if loss == "causal_lm" or ((loss == OWN_LOSS or not isinstance(loss, str)) and not in_dtype.is_floating_point):
         return {"shape": list(in_shape), "dtype": "long"}
     return {"shape": [], "dtype": "long"}
+
+
+def _output(output: Any) -> str | int | None:
+    """`model.output` as a name or a position (`model.output=0`, also when written as a string)."""
+    if output is None or (isinstance(output, int) and not isinstance(output, bool)):
+        return output
+    if isinstance(output, str) and output:
+        return int(output) if output.lstrip("-").isdigit() else output
+    raise ConfigError("model.output", f"got {output!r}; valid: null (the whole output), a field's name (logits, "
+                                      "sample, loss) or an element's position in a tuple or list (0, 1)")
+
+
+def _own_loss_args(inner: nn.Module, targets_arg: str | None, labels: str | None) -> tuple[str, str]:
+    """(keyword, labels) for `model.loss=model`: the forward's keyword its targets go to (null:
+    `labels` or `targets`, whichever it takes) and what it is given there: the data's targets
+    (next-token ids, as nanoGPT expects) or the inputs (which transformers' loss shifts itself)."""
+    import inspect
+
+    try:
+        params = inspect.signature(inner.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    kind = type(inner).__name__
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if targets_arg is None:
+        targets_arg = next((n for n in ("labels", "targets") if n in params), None)
+        if targets_arg is None:
+            raise ConfigError("model.targets_arg", f"model.loss=model gives the model its targets by keyword, but "
+                                                   f"{kind}.forward({', '.join(params)}) takes neither `labels` nor "
+                                                   "`targets`; set model.targets_arg=<the argument its loss reads>")
+    elif targets_arg not in params and not takes_any:
+        raise ConfigError("model.targets_arg", f"{targets_arg!r} is not an argument of {kind}.forward("
+                                               f"{', '.join(params)}); valid: one of those")
+    if labels is None:
+        labels = "inputs" if targets_arg == "labels" else "targets"
+    if labels not in LABELS:
+        raise ConfigError("model.labels", f"got {labels!r}; valid: targets (the data's targets, the next token at each "
+                                          "position: nanoGPT), inputs (the input ids, which the model shifts itself: "
+                                          "transformers)")
+    return targets_arg, labels
 
 
 def module(
     module: dict,
     input: dict | None = None,  # noqa: A002 - the config key users write
     target: dict | None = None,
-    output: str | None = None,
+    output: str | int | None = None,
     extra_inputs: Sequence[Any] = (),
     loss: str | dict | None = None,
     leaf_modules: Sequence[str] = (),
@@ -181,17 +297,22 @@ def module(
     num_classes: int | None = None,
     seq_len: int | None = None,
     data_kind: str | None = None,
+    targets_arg: str | None = None,
+    labels: str | None = None,
 ) -> ModelSpec:
     """A ModelSpec around `instantiate(module)` (see the module docstring). `input`/`target`:
     `{shape: [...], dtype: ...}` of one sample (shape null: `[seq_len]`; dtype null: int64 on
     token data, else float32); `loss` null: causal_lm on integer input, else cross_entropy; the
     target defaults to what the loss needs (mse: the input's shape; causal_lm: the input's token
-    positions; cross_entropy: one label). `data_kind`: the data's kind (`tokens`, `images`)."""
+    positions; cross_entropy: one label). `loss=model`: the model computes its own loss, its
+    targets passed as `targets_arg` (`labels`: the data's `targets` or the `inputs`), `output`
+    picking the loss. `data_kind`: the data's kind (`tokens`, `images`)."""
     module, input, target, loss, extra_inputs = (
         OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig | ListConfig) else v
         for v in (module, input, target, loss, extra_inputs))
     extra_inputs = list(extra_inputs)
     leaf_modules = list(leaf_modules)
+    output = _output(output)
     if not isinstance(module, dict) or "_target_" not in module:
         raise ConfigError("model.module", "needs a `_target_` naming a callable that returns an nn.Module, "
                                           "e.g. model.module._target_=diffusers.UNet2DModel")
@@ -202,17 +323,28 @@ def module(
         target = _target(loss, in_shape, in_dtype)
     factory_cfg = dict(module)
 
-    def build() -> nn.Module:
+    def make() -> nn.Module:
         try:
             inner = instantiate(factory_cfg)
         except Exception as err:  # noqa: BLE001
             raise ConfigError("model.module", f"could not build {factory_cfg['_target_']}: {err}") from None
         if not isinstance(inner, nn.Module):
             raise ConfigError("model.module", f"{factory_cfg['_target_']} returned {type(inner).__name__}, not an nn.Module")
-        return Adapted(inner, output, extra_inputs)
+        return inner
 
+    wrapper, data_args = Adapted, ("input",)
     with torch.device("meta"):
-        probe = build()
+        inner = make()
+        if loss == OWN_LOSS:
+            targets_arg, labels = _own_loss_args(inner, targets_arg, labels)
+            wrapper, data_args = (TakesTargets, ("input", "target")) if labels == "targets" else (ShiftsInputs, ("input",))
+        else:
+            targets_arg = None
+        probe = wrapper(inner, output, extra_inputs, targets_arg)
+
+    def build() -> nn.Module:
+        return wrapper(make(), output, extra_inputs, targets_arg)
+
     family, whole = initialisers(probe.inner)
     meta: dict = {}
     if vocab_size is not None:
@@ -222,9 +354,10 @@ def module(
     if seq_len is not None:
         meta["seq_len"] = int(seq_len)
     return ModelSpec(
-        name=name, build=build, loss_fn=_loss(loss), input_shape=in_shape, input_dtype=in_dtype,
-        target_shape=tuple(int(d) for d in target.get("shape") or ()),
+        name=name, build=build, loss_fn=model_loss if loss == OWN_LOSS else _loss(loss), input_shape=in_shape,
+        input_dtype=in_dtype, target_shape=tuple(int(d) for d in target.get("shape") or ()),
         target_dtype=_dtype(str(target.get("dtype", "long")), "model.target.dtype"),
         leaf_modules=[f"inner.{n}" for n in leaf_modules], init=family, init_weights=whole, meta=meta,
         load=ConstructorBuffers(build) if any(True for _ in probe.buffers()) else None,
+        data_args=data_args, own_loss=loss == OWN_LOSS,
     )

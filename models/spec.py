@@ -36,7 +36,9 @@ class ModelSpec:
     `build()` constructs the module; the planner calls it under `torch.device("meta")`, so it must
     not read weights from disk or move tensors to a device itself. `leaf_modules` names submodules
     kept whole (never cut inside); empty means every traced operator may end a stage.
-    `loss_fn(output, target)` returns the mean loss of one micro-batch. `init`, when given, is the
+    `loss_fn(output, target)` returns the mean loss of one micro-batch (`model_loss` for a model
+    computing its own, `own_loss`: its output is the loss, from the targets `data_args` gives it
+    as an input). `init`, when given, is the
     family's initialiser that `pipelaunch.pipeline.graph.materialize.init_by_name` runs after `reset_parameters`.
     """
 
@@ -58,6 +60,11 @@ class ModelSpec:
     #: writes exported weights (name -> tensor, the full model's names) in the family's own format
     #: into a directory; None: one `model.safetensors` under those names (`pipelaunch.launcher.export`)
     save: Callable[[dict[str, torch.Tensor], Path], None] | None = None
+    #: what the data gives each positional input of the (traced) model, in order: `input` (the
+    #: batch's inputs) or `target` (its targets: a model that computes its own loss reads them)
+    data_args: tuple[str, ...] = ("input",)
+    #: the model's output is its own loss (`model.loss=model`); `loss_fn` is then `model_loss`
+    own_loss: bool = False
 
     def build_meta(self) -> nn.Module:
         """The module with every tensor on the meta device: shapes only, no memory."""
@@ -105,13 +112,22 @@ class ModelSpec:
         """One micro-batch of input on the meta device, for tracing and shape propagation."""
         return torch.empty((batch, *self.input_shape), dtype=self.input_dtype, device="meta")
 
+    def model_args(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The model's positional arguments for one (inputs, targets) batch (`data_args`)."""
+        return tuple(inputs if what == "input" else targets for what in self.data_args)
+
+    def meta_args(self, batch: int) -> tuple[torch.Tensor, ...]:
+        """`model_args` of one micro-batch on the meta device, for tracing and shape propagation."""
+        target = torch.empty((batch, *self.target_shape), dtype=self.target_dtype, device="meta")
+        return self.model_args(self.meta_input(batch), target)
+
     def trace(self, micro_batch_size: int, model: nn.Module | None = None) -> TracedModel:
         """The model (`model`, or a fresh one) traced on the meta device at one micro-batch's shapes,
         leaf modules kept whole: the graph the planner cuts and every rank cuts again."""
         from pipelaunch.pipeline.graph.trace import trace_model
 
         model = self.build_meta() if model is None else model
-        return trace_model(model, self.meta_input(micro_batch_size), self.leaf_modules, name=self.name)
+        return trace_model(model, self.meta_args(micro_batch_size), self.leaf_modules, name=self.name)
 
 
 def require_positive_ints(**values: object) -> None:
@@ -125,3 +141,9 @@ def require_positive_ints(**values: object) -> None:
 def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over every position of the micro-batch."""
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def model_loss(loss: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    """The `loss_fn` of a model that computes its own loss (`ModelSpec.own_loss`): its output is
+    the micro-batch's loss already, computed from the targets it was given as an input."""
+    return loss

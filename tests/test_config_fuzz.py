@@ -33,7 +33,7 @@ VALUES: dict[str, list[str]] = {
     "plan": ["manual", "auto", "best"],
     "plan.microbatches": ["[2,4]", "[3]", "abc", "[x]"],
     "predict": ["true", "false", "maybe"],
-    "check_split": ["auto", "always", "never", "on"],
+    "check_split": ["auto", "always", "never", "true", "false", "on", "3"],
     "log_every": ["1", "5", *BAD_NUMBERS],
     "timeout_s": ["30", "120", *BAD_NUMBERS],
     "threads": ["0", "1", "2", *BAD_NUMBERS],

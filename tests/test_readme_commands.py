@@ -124,6 +124,15 @@ SCENARIOS = [
               ".save_pretrained('llama_dir')\"", produces="llama_dir/config.json"),
         train("python train.py model=hf model.path=llama_dir model.vocab_size=256 model.seq_len=128 pp=2"),
     ), slow=True, timeout=300),
+    # a model computing its own loss (nanoGPT's stand-in, transformers'); the last-position refusal
+    Scenario("own-loss", "README.md", (
+        train("python train.py model=module model.module._target_=tests.zoo.nanogpt model.seq_len=16 "
+              "model.vocab_size=64 model.loss=model pp=2"),
+        train("python train.py model=hf_gpt2_tiny model.loss=model pp=2"),
+    ), slow=True, timeout=300),
+    Scenario("refused-last-position", "README.md", (
+        refused("python train.py model=module model.module._target_=tests.zoo.nanogpt model.seq_len=16 "
+                "model.vocab_size=64 model.output=0"),)),
     Scenario("diffusers", "README.md", (
         train("python train.py model=module model.module._target_=diffusers.UNet2DModel +model.module.sample_size=8 "
               "'+model.module.block_out_channels=[8,16]' +model.module.layers_per_block=1 "

@@ -2,7 +2,8 @@
 build them, against the unsplit module built for real, on one micro-batch (launcher/split_check.py).
 
 A model the pipeline would train wrongly without a word is refused with the first tensor that
-differs; a correct one passes; the check is skipped where it says why, and can be forced on or off."""
+differs; a correct one passes; the check is skipped where it says why, and can be forced on or off;
+a reference that cannot be built or run here is an error, never a silent skip."""
 
 from __future__ import annotations
 
@@ -86,26 +87,32 @@ def test_a_tensor_kept_as_a_plain_attribute_is_refused_before_any_rank() -> None
 
 
 def test_skipped_where_it_says_why_and_forced_on_or_off(monkeypatch) -> None:
+    """Skipped only where the log says why: turned off (never, or false), or under auto a model
+    too large; `always` (or true) checks anyway. A reference that cannot be built is an error,
+    under auto too (tests/test_own_loss.py: or run)."""
     cfg = compose_cfg(ROTARY)
     prepared = prepare(cfg)
     args = (prepared.spec, prepared.plan, prepared.model)
-    assert check_split(compose_cfg([*ROTARY, "check_split=never"]), *args) == "check_split: skipped: check_split=never"
+    for off in ("never", "false"):
+        assert check_split(compose_cfg([*ROTARY, f"check_split={off}"]), *args) == "check_split: skipped: check_split=never"
     monkeypatch.setattr(split_check, "AUTO_LIMIT_BYTES", 1000)  # the tiny model is then "too big" for auto
     line = check_split(cfg, *args)
     assert line.startswith("check_split: skipped: the model's parameters and buffers take 0.0 GiB, above"), line
-    forced = compose_cfg([*ROTARY, "check_split=always"])
-    assert check_split(forced, *args).startswith("check_split: the 2 stages match")
+    for on in ("always", "true"):
+        assert check_split(compose_cfg([*ROTARY, f"check_split={on}"]), *args).startswith("check_split: the 2 stages match")
 
     def unbuildable(spec):
         raise RuntimeError("needs CUDA")
 
     monkeypatch.setattr(split_compare, "built_for_real", unbuildable)
     monkeypatch.setattr(split_check, "AUTO_LIMIT_BYTES", 1 << 30)
-    assert check_split(cfg, *args) == ("check_split: skipped: the unsplit module cannot be built on the CPU here "
-                                       "(RuntimeError: needs CUDA)")
-    with pytest.raises(ConfigError) as info:
-        check_split(forced, *args)
-    assert info.value.key == "check_split"
+    for checked in (cfg, compose_cfg([*ROTARY, "check_split=always"])):
+        with pytest.raises(ConfigError) as info:
+            check_split(checked, *args)
+        message = str(info.value)
+        assert info.value.key == "check_split" and message.startswith(
+            "Invalid config `check_split`: the unsplit module cannot be built on the CPU here (RuntimeError: needs "
+            "CUDA)") and "check_split=false" in message, message
 
 
 def test_the_project_models_pass() -> None:

@@ -17,9 +17,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Union
 
 from omegaconf import MISSING, OmegaConf
+
+from pipelaunch.pipeline.core.errors import ConfigError
 
 #: one option of a plug-in group: `_target_` (the callable) and that callable's own arguments
 PluginConfig = Mapping[str, Any]
@@ -68,11 +70,23 @@ class CpuAffinity(Choice):
 
 
 class CheckSplit(Choice):
-    """Whether the launcher runs every rank's stages against the unsplit module before spawning."""
+    """Whether the launcher runs every rank's stages against the unsplit module before spawning.
+    `true` and `false` (booleans to Hydra) are spellings of `always` and `never` (`check_split`)."""
 
     auto = "auto"  # when the model's parameters and buffers take at most 1 GiB (launcher/split_check.py)
     always = "always"
     never = "never"
+
+
+def check_split_value(value: bool | str) -> str:
+    """`check_split` as one of CheckSplit's values (a plain string, which compares equal to its
+    member): `true` is `always`, `false` is `never`. Why not an Enum key: Hydra reads
+    `check_split=false` as a boolean, which OmegaConf refuses for an Enum."""
+    if isinstance(value, bool):
+        return (CheckSplit.always if value else CheckSplit.never).value
+    if value in CheckSplit.__members__:
+        return CheckSplit[value].value
+    raise ConfigError("check_split", f"got {value!r}; valid: auto, always, never, true (always), false (never)")
 
 
 class InitWeights(Choice):
@@ -206,8 +220,9 @@ class TrainConfig:
     #: sweeper counts as a failed trial (launcher/app.py failed_value)
     objective: Objective = Objective.tokens_per_s
     #: before spawning, run every rank's stages against the unsplit module on one micro-batch and
-    #: refuse the run when a tensor differs (launcher/split_check.py); auto: models up to 1 GiB
-    check_split: CheckSplit = CheckSplit.auto
+    #: refuse the run when a tensor differs (launcher/split_check.py); auto: models up to 1 GiB;
+    #: also true (always) and false (never), normalised to a CheckSplit value (`check_split_value`)
+    check_split: Union[bool, str] = CheckSplit.auto.value  # noqa: UP007 - OmegaConf reads typing.Union
     #: profile and simulate the plan before training even when nothing else needs it, so that the
     #: run reports the predicted step and per-device peak beside the measured ones
     predict: bool = False
@@ -237,6 +252,9 @@ class TrainConfig:
     #: the runtime's fixed seconds per compute action, priced by the predictions; null: measured
     #: with the latency on CPU, 0 on a GPU
     action_overhead_s: float | None = None
+
+    def __post_init__(self) -> None:
+        self.check_split = check_split_value(self.check_split)
 
     @property
     def link(self) -> tuple[float, float]:

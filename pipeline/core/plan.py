@@ -137,6 +137,13 @@ class Plan:
     meta: PlanMeta = field(default_factory=PlanMeta)
     #: the forward-only program for the same stages and placement (evaluation: `eval.every`)
     eval_schedule: Schedule | None = None
+    #: the traced model's inputs (the placeholders a stage reads with producer None) -> what the
+    #: data gives each: `input`, or `target` (a model computing its own loss); empty: all `input`
+    model_inputs: dict[str, str] = field(default_factory=dict)
+
+    def data_of(self, value: str) -> str:
+        """What the data gives the model input `value`: `input` or `target`."""
+        return self.model_inputs.get(value, "input")
 
     def stages_of(self, pp_rank: int) -> list[StagePlan]:
         return [s for s in self.stages if s.rank == pp_rank]

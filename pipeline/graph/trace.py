@@ -477,11 +477,15 @@ def trace_model(
     method, out_spec = "fx", None
     try:
         gm = _fx_trace(module, leaves)
+    except ConfigError:  # the model's wrapper refusing a setting (model.output): no tracer would do better
+        raise
     except Exception as fx_error:  # noqa: BLE001 - any tracing failure means "try the next tracer"
         try:
             with _quiet_export():
                 gm, out_spec = _export_trace(module, args)
             method = "export"
+        except ConfigError:
+            raise
         except Exception as export_error:  # noqa: BLE001
             raise TraceError(label, fx_error, export_error, failure_site(module, fx_error)) from export_error
     if method == "fx":

@@ -140,7 +140,7 @@ def _request(cfg: TrainConfig, spec: ModelSpec, traced: TracedModel, c: Candidat
         remat=c.remat if c else str(cfg.remat), memory_cap=cfg.memory.cap_bytes,
         reserve_bytes=cfg.memory.reserve_bytes, optimizer_states=optimizer_states(cfg.optimizer),
         bandwidth=cfg.link_bandwidth, profiled=profile, precision=str(cfg.precision),
-        evaluates=cfg.eval.every > 0,
+        evaluates=cfg.eval.every > 0, data_args=tuple(spec.data_args),
         value_dtypes=_autocast_dtypes(cfg, spec, traced, micro_batch_size(cfg, microbatches), cuda),
         **facts)
 
@@ -154,7 +154,7 @@ def _autocast_dtypes(cfg: TrainConfig, spec: ModelSpec, traced: TracedModel, mbs
     dtype = PRECISIONS[str(cfg.precision)]
     if dtype is None:
         return None
-    return autocast_dtypes(traced, spec.meta_input(mbs), torch.device("cuda" if cuda else "cpu"), dtype)
+    return autocast_dtypes(traced, spec.meta_args(mbs), torch.device("cuda" if cuda else "cpu"), dtype)
 
 
 def _first_plannable(cfg: TrainConfig, options: GroupOptions, models: TracedModels, build, traced: TracedModel) -> Plan:

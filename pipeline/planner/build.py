@@ -151,6 +151,8 @@ class PlanRequest:
     bandwidth: float = LINK_BANDWIDTH
     profiled: bool = True
     precision: str = "fp32"
+    #: what the data gives each input of the traced model, in order (`ModelSpec.data_args`)
+    data_args: tuple[str, ...] = ("input",)
     value_dtypes: Mapping[str, torch.dtype] | None = None
     rank_slots: float | None = None
     optimizer_s_per_byte: float = 0.0
@@ -185,6 +187,7 @@ def build_plan(traced: TracedModel, generator: ScheduleGenerator, req: PlanReque
     schedule = build_schedule(generator, placement, req.microbatches, req.remat, _whole_stages(traced, part, req))
     reprice_for_schedule(part, schedule)
     split = split_model(traced, part.assignment, len(placement))
+    inputs = model_inputs(split.input_names, req.data_args)
     stages = _stage_plans(traced, split, part, placement, req.value_dtypes)
     messages = edge_messages(stages)
     # gradients flow back only along edges carrying a floating-point value
@@ -203,7 +206,18 @@ def build_plan(traced: TracedModel, generator: ScheduleGenerator, req: PlanReque
     return Plan(req.pp, req.dp, req.microbatches, req.batch_size // (req.dp * req.microbatches), req.model_name,
                 stages, schedule, assignment=dict(part.assignment),
                 shared_params={n: list(v) for n, v in split.shared_params.items()}, meta=PlanMeta(**meta),
-                eval_schedule=eval_schedule)
+                eval_schedule=eval_schedule, model_inputs=inputs)
+
+
+def model_inputs(names: Sequence[str], data_args: Sequence[str]) -> dict[str, str]:
+    """The traced model's inputs (placeholder names, in call order) -> what the data gives each:
+    `input`, or `target` for a model that computes its own loss from them."""
+    if len(names) != len(data_args):
+        given = " and ".join(f"its {a}s" for a in data_args)
+        raise ConfigError("model", f"the traced model takes {len(names)} input(s) {list(names)}, but the data gives it "
+                                   f"{len(data_args)} ({given}); a model takes its input tensor (and, with "
+                                   "model.loss=model, its targets), other arguments as model.extra_inputs")
+    return dict(zip(names, data_args, strict=True))
 
 
 def _partition(traced: TracedModel, generator: ScheduleGenerator, placement: list[int], req: PlanRequest) -> Partition:
@@ -266,8 +280,6 @@ def _stage_plans(traced: TracedModel, split, part: Partition, placement: list[in
     stages = []
     for io in split.io:
         crossing = [n for n, p in io.inputs.items() if p is not None] + list(io.outputs)
-        if any(p is None for p in io.inputs.values()) and len(split.input_names) != 1:
-            raise ConfigError("model", f"a model must take one input tensor, got {split.input_names}")
         stages.append(StagePlan(
             index=io.index,
             rank=placement[io.index],

@@ -65,12 +65,14 @@ class TracedModels:
 
 def profile_traced(spec: ModelSpec, cfg: TrainConfig, traced: TracedModel, micro_batch_size: int,
                    device: torch.device) -> None:
-    """Measure `traced` on one real micro-batch on `device` (cached on disk)."""
+    """Measure `traced` on one real micro-batch on `device` (cached on disk). A model that computes
+    its own loss has it among its nodes (and the targets among its inputs): nothing to add."""
     x, y = spec.example_batch(micro_batch_size, cfg.seed)
+    args, loss = spec.model_args(x, y), None if spec.own_loss else (spec.loss_fn, y)
     if device.type == "cuda":
         # what CPU profiles add to the key (threads, malloc) does not change a GPU's timings;
         # the GPU's name does (profile_key)
-        profile_graph(traced, (x,), device=device, loss=(spec.loss_fn, y), seed=cfg.seed,
+        profile_graph(traced, args, device=device, loss=loss, seed=cfg.seed,
                       model_config={"model": cfg.model})
         return
     # Timed as the ranks will run: their thread count, and their malloc (with glibc's defaults an
@@ -80,7 +82,7 @@ def profile_traced(spec: ModelSpec, cfg: TrainConfig, traced: TracedModel, micro
     threads = cpu_threads(cfg.threads, cfg.world_size)
     configure_host_allocator(allocator)
     with profiling_threads(threads):
-        profile_graph(traced, (x,), device=device, loss=(spec.loss_fn, y), seed=cfg.seed,
+        profile_graph(traced, args, device=device, loss=loss, seed=cfg.seed,
                       model_config={"model": cfg.model, "threads": threads, "host_allocator": allocator})
 
 

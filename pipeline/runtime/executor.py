@@ -12,7 +12,7 @@ gives the gradient of the global-batch mean loss, as single-process accumulation
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
@@ -85,8 +85,11 @@ class Executor:
         autocast: torch.dtype | None = None,
         heartbeat: Heartbeat | None = None,
         record_p2p: bool = False,
+        model_inputs: Mapping[str, str] | None = None,
     ) -> None:
         self.actions = schedule.actions[pp_rank]
+        # model input -> what the data gives it: `input`, or `target` (a model taking its targets)
+        self.model_inputs = dict(model_inputs or {})
         self.training = schedule.training
         self.m = schedule.num_microbatches
         self.slots = slots
@@ -122,7 +125,9 @@ class Executor:
         self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None
     ) -> tuple[torch.Tensor, list[dict], dict[int, torch.Tensor]]:
         """Run this rank's program once. Returns (sum of scaled micro-batch losses held by this
-        rank, timing events, model outputs per micro-batch when not training).
+        rank, timing events, model outputs per micro-batch when not training). `inputs` and
+        `targets`: this replica's micro-batches of the data, where a stage of this rank reads them
+        (a model input, or the targets a loss outside the model scores).
 
         Event times are `time.perf_counter()` values: CLOCK_MONOTONIC is shared by all processes
         of a machine, so ranks' events line up once the earliest start is subtracted. On a GPU
@@ -225,9 +230,11 @@ class Executor:
     def _gather_inputs(self, slot: StageSlot, mb: int) -> dict[str, torch.Tensor]:
         kw = {}
         for name, prod in slot.inputs.items():
-            if prod is None:
-                assert self._inputs is not None, f"stage {slot.index} reads the model input"
-                kw[name] = self._inputs[mb]
+            if prod is None:  # a model input: the data's inputs, or its targets
+                what = self.model_inputs.get(name, "input")
+                data = self._targets if what == "target" else self._inputs
+                assert data is not None, f"stage {slot.index} reads the model's {what}s"
+                kw[name] = data[mb]
                 continue
             x = self._fwd_box.pop((slot.index, mb, name))
             if self.training and x.is_floating_point():

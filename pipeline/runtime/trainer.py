@@ -137,10 +137,14 @@ class RankTrainer:
         self.executor = Executor(
             plan.schedule, ctx.pp_rank, self.slots, self.spec.loss_fn, ctx.device,
             loss_scale=float(plan.microbatches * plan.dp), autocast=PRECISIONS[str(cfg.precision)],
-            heartbeat=self.heartbeat, record_p2p=self.record_p2p,
+            heartbeat=self.heartbeat, record_p2p=self.record_p2p, model_inputs=plan.model_inputs,
         )
-        self.has_first = any(p is None for s in self.slots.values() for p in s.inputs.values())
-        self.has_last = any(s.is_last for s in self.slots.values())
+        # what this rank's stages read of the data: the model inputs they take (a first stage's
+        # input; the targets a model computing its own loss reads, on whichever stage reads them)
+        # and, on the last stage, the targets its loss scores
+        reads = {plan.data_of(n) for s in self.slots.values() for n, p in s.inputs.items() if p is None}
+        self.needs_inputs = "input" in reads
+        self.needs_targets = "target" in reads or any(s.is_last for s in self.slots.values())
         self._eval: Executor | None = None
         for m in self.modules:
             m.train(self.training)
@@ -148,14 +152,14 @@ class RankTrainer:
     def _microbatches(self, draw: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
                       index: int) -> tuple[list | None, list | None]:
         """This replica's micro-batches of batch `index` from `draw` (the data's `batch` or
-        `val_batch`): inputs on a first stage's rank, targets on a last stage's; middle stages
-        never touch the data."""
-        if not (self.has_first or self.has_last):
+        `val_batch`): inputs where a stage reads them (a first stage's rank), targets on a last
+        stage's rank and where a stage reads them as a model input; other stages never touch the data."""
+        if not (self.needs_inputs or self.needs_targets):
             return None, None
         ctx, m = self.ctx, self.plan.microbatches
         inputs, targets = draw(index, self.cfg.batch_size)
-        in_mbs = replica_microbatches(inputs, ctx.dp_rank, ctx.dp, m, ctx.device) if self.has_first else None
-        tgt_mbs = replica_microbatches(targets, ctx.dp_rank, ctx.dp, m, ctx.device) if self.has_last else None
+        in_mbs = replica_microbatches(inputs, ctx.dp_rank, ctx.dp, m, ctx.device) if self.needs_inputs else None
+        tgt_mbs = replica_microbatches(targets, ctx.dp_rank, ctx.dp, m, ctx.device) if self.needs_targets else None
         return in_mbs, tgt_mbs
 
     def evaluate(self, batches: int) -> float:
@@ -167,7 +171,7 @@ class RankTrainer:
             self._eval = Executor(self.plan.eval_schedule, self.ctx.pp_rank, self.slots, self.spec.loss_fn,
                                   self.ctx.device, loss_scale=float(self.plan.microbatches * self.plan.dp),
                                   record_timings=False, autocast=self.executor.autocast,
-                                  record_p2p=self.record_p2p)
+                                  record_p2p=self.record_p2p, model_inputs=self.plan.model_inputs)
         for m in self.modules:
             m.eval()
         self.heartbeat.phase(hb.EVALUATION)
