@@ -15,6 +15,7 @@ from pipelaunch.launcher.config import register_configs
 from pipelaunch.launcher.initial_weights import launcher_initial_weights
 from pipelaunch.launcher.overrides import compose_checked
 from pipelaunch.launcher.spawn import spawn_ranks
+from pipelaunch.launcher.split_check import check_split
 from pipelaunch.launcher.validate import prepare
 from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.runtime.host_allocator import rank_environment
@@ -43,10 +44,12 @@ def group_options(group: str) -> list[str]:
         return GlobalHydra.instance().config_loader().get_group_options(group)
 
 
-def run_jobs(cfgs: list[TrainConfig], log_dir: Path, plans: list | None = None) -> list[list[dict]]:
+def run_jobs(cfgs: list[TrainConfig], log_dir: Path, plans: list | None = None,
+             split_check: bool = False) -> list[list[dict]]:
     """Run configs of the same world size in one spawn, each starting from the weights the launcher
     gives it (`launcher_initial_weights`); returns per config the list of rank results. `plans`:
-    the plans to run (one per config), instead of those the configs give."""
+    the plans to run (one per config), instead of those the configs give; `split_check`: first
+    assert that the launcher's split check passes for each."""
     jobs = []
     with ExitStack() as files:
         for i, cfg in enumerate(cfgs):
@@ -55,6 +58,9 @@ def run_jobs(cfgs: list[TrainConfig], log_dir: Path, plans: list | None = None) 
             cfg = replace(cfg, debug=replace(cfg.debug, record_p2p=True))
             prepared = prepare(cfg)
             initial = files.enter_context(launcher_initial_weights(cfg, prepared.spec, prepared.model))
+            if split_check:
+                line = check_split(cfg, prepared.spec, prepared.plan, prepared.model, initial)
+                assert line.startswith(f"check_split: the {len(prepared.plan.stages)} stages match"), line
             plan = prepared.plan if plans is None else plans[i]
             jobs.append(RankJob(cfg, plan, None, callbacks=(CaptureState(),), resume_from=prepared.resume_from,
                                 initial_weights=str(initial.path) if initial.path is not None else None))

@@ -29,6 +29,9 @@ ZOO: dict[str, tuple[list[str], object, str]] = {
     "vit": ([*IMAGES, "data.task=classification", "data.num_classes=10", "model=module",
              "model.module._target_=tests.zoo.vit", "model.num_classes=10"],
             lambda: __import__("tests.zoo", fromlist=["vit"]).vit(), "inner."),
+    "nanogpt": (["model=module", "model.module._target_=tests.zoo.nanogpt", "model.seq_len=16", "model.vocab_size=64",
+                 "model.loss=model"],
+                lambda: __import__("tests.zoo", fromlist=["nanogpt"]).nanogpt(vocab_size=64, block_size=16), "inner."),
     "sequential": (["model=module", "model.module._target_=tests.zoo.sequential", "model.seq_len=8",
                     "model.vocab_size=64"],
                    lambda: __import__("tests.zoo", fromlist=["sequential"]).sequential(), "inner."),
@@ -54,6 +57,23 @@ ZOO: dict[str, tuple[list[str], object, str]] = {
 #: the layouts every model is built under: pipeline depth, schedule (placement), replicas, recompute
 LAYOUTS = [["pp=1"], ["pp=2"], ["pp=2", "scheduler=zbv"], ["pp=4"], ["pp=2", "dp=2"],
            ["pp=2", "scheduler=gpipe", "placement=explicit", "placement.ranks=[1,0,0]"], ["pp=2", "remat=full"]]
+#: models traced through torch.export take seconds a layout: the default suite builds them under
+#: these (one process, and a V of four stages), the slow one under every layout
+HEAVY = ("unet2d", "hf_llama", "hf_gpt2", "hf_qwen2")
+FEW = [["pp=1"], ["pp=2", "scheduler=zbv"]]
+
+
+def _layouts(models: list[str]) -> list:
+    """(model, layouts) cases: every layout for the light models; for the heavy ones, a few by
+    default and every layout in the slow suite."""
+    cases = []
+    for model in models:
+        if model in HEAVY:
+            cases += [pytest.param(model, FEW, id=f"{model}-few"),
+                      pytest.param(model, LAYOUTS, id=f"{model}-all", marks=pytest.mark.slow)]
+        else:
+            cases.append(pytest.param(model, LAYOUTS, id=model))
+    return cases
 
 
 def _from_config(preset: str) -> torch.nn.Module:
@@ -97,11 +117,11 @@ def _author(model: str, seed: int) -> dict[str, torch.Tensor]:
                                                  *built.named_buffers(remove_duplicate=False)]}
 
 
-@pytest.mark.parametrize("model", list(ZOO))
-def test_every_layout_starts_from_the_authors_own_weights(model: str) -> None:
+@pytest.mark.parametrize(("model", "layouts"), _layouts(list(ZOO)))
+def test_every_layout_starts_from_the_authors_own_weights(model: str, layouts: list) -> None:
     """Bit for bit: the author's `torch.manual_seed(0); factory()`, under every layout."""
     author = _author(model, 0)
-    for layout in LAYOUTS:
+    for layout in layouts:
         got = starting_weights(_cfg(model, layout, "constructor"))
         assert got, layout
         # constants an export trace lifted out of the forward are the stages' own, not the model's
@@ -110,12 +130,12 @@ def test_every_layout_starts_from_the_authors_own_weights(model: str) -> None:
         assert differ == [], f"{model} {layout}: {len(differ)} of {len(got)} tensors differ, e.g. {differ[:4]}"
 
 
-@pytest.mark.parametrize("model", ["vit", "hf_gpt2", "unet2d"])
-def test_initialised_by_name_the_weights_are_the_same_under_every_layout(model: str) -> None:
+@pytest.mark.parametrize(("model", "layouts"), _layouts(["vit", "nanogpt", "hf_gpt2", "unet2d"]))
+def test_initialised_by_name_the_weights_are_the_same_under_every_layout(model: str, layouts: list) -> None:
     """timm's ViT initialises every Linear in one `init_weights()` call: seeded per tensor, each
     still gets the same value whichever stages are real in a process."""
-    first = starting_weights(_cfg(model, LAYOUTS[0], "by_name"))
-    for layout in LAYOUTS[1:]:
+    first = starting_weights(_cfg(model, layouts[0], "by_name"))
+    for layout in layouts[1:]:
         got = starting_weights(_cfg(model, layout, "by_name"))
         differ = sorted(n for n, t in got.items() if not torch.equal(t, first[n]))
         assert differ == [], f"{model} {layout}: {differ[:4]}"
@@ -134,6 +154,25 @@ def test_by_name_takes_the_models_own_initialisers_and_differs_from_the_construc
     with launcher_initial_weights(cfg, prepared.spec, prepared.model) as initial:
         assert initial.kind == "by_name" and initial.path is None
         assert "not the values your constructor draws" in initial.line
+
+
+@pytest.mark.timeout(600)
+def test_the_zoo_trains_at_pp2_as_one_process(tmp_path) -> None:
+    """Four SGD steps at pp=2 on real gloo ranks against one process starting from the author's own
+    build (`tests.reference`): losses, first gradients and final weights within 1e-5. (nanoGPT with
+    its own loss: tests/test_own_loss.py; transformers' GPT-2 and Llama, diffusers' UNets:
+    tests/test_bring_your_own.py.)"""
+    from tests.harness import assert_state_close, merge_state, run_jobs
+    from tests.reference import reference_run
+
+    cases = {"vit zbv": _cfg("vit", ["pp=2", "scheduler=zbv", "steps=4", "warmup_steps=0", "optimizer=sgd"], "auto"),
+             "sequential 1f1b": _cfg("sequential", ["pp=2", "steps=4", "warmup_steps=0", "optimizer=sgd"], "auto"),
+             "hf_qwen2 1f1b": _cfg("hf_qwen2", ["pp=2", "steps=4", "warmup_steps=0", "optimizer=sgd"], "auto")}
+    for (what, cfg), ranks in zip(cases.items(), run_jobs(list(cases.values()), tmp_path / "logs"), strict=True):
+        ref = reference_run(cfg)
+        assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
+        assert_state_close(merge_state(ranks, "grads_step0"), ref["grads_step0"], f"{what} gradients")
+        assert_state_close(merge_state(ranks, "params_final"), ref["params_final"], f"{what} weights")
 
 
 def test_auto_builds_up_to_the_size_limit_and_initialises_by_name_above_it() -> None:

@@ -10,25 +10,17 @@ them (`launcher.initial_weights`)."""
 
 from __future__ import annotations
 
-from contextlib import ExitStack
-from dataclasses import replace
-
 import pytest
 import torch
 from hydra.utils import instantiate
 from torch import nn
 
 from pipelaunch.launcher import split_compare
-from pipelaunch.launcher.initial_weights import launcher_initial_weights
-from pipelaunch.launcher.spawn import spawn_ranks
 from pipelaunch.launcher.split_check import check_split
 from pipelaunch.launcher.validate import prepare
 from pipelaunch.pipeline.core.errors import ConfigError
-from pipelaunch.pipeline.runtime.host_allocator import rank_environment
 from pipelaunch.pipeline.runtime.optim import build_optimizer
-from pipelaunch.pipeline.runtime.rank import RankJob
-from tests.capture import CaptureState, rank_main_many
-from tests.harness import assert_state_close, compose_cfg, merge_state
+from tests.harness import assert_state_close, compose_cfg, merge_state, run_jobs
 from tests.zoo import nanogpt
 
 COMMON = ["data=synthetic", "batch_size=16", "microbatches=4", "steps=4", "warmup_steps=0", "optimizer=sgd",
@@ -52,26 +44,6 @@ class TupleLM(nn.Module):
     def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = torch.tanh(self.block(self.embed(ids)))
         return self.head(hidden), hidden
-
-
-def _spawn_as_launched(cfgs: list, log_dir) -> list[list[dict]]:
-    """Every config's run on real gloo ranks (one spawn: same world size), each starting from the
-    constructor's weights as the launcher writes them, after the launcher's split check passed."""
-    jobs = []
-    with ExitStack() as stack:
-        for cfg in cfgs:
-            cfg = replace(cfg, debug=replace(cfg.debug, record_p2p=True))
-            prepared = prepare(cfg)
-            initial = stack.enter_context(launcher_initial_weights(cfg, prepared.spec, prepared.model))
-            assert initial.kind == "constructor", initial.line
-            line = check_split(cfg, prepared.spec, prepared.plan, prepared.model, initial)
-            assert line.startswith(f"check_split: the {len(prepared.plan.stages)} stages match"), line
-            jobs.append(RankJob(cfg, prepared.plan, None, callbacks=(CaptureState(),),
-                                initial_weights=str(initial.path)))
-        world = jobs[0].plan.pp * jobs[0].plan.dp
-        per_rank = spawn_ranks(jobs, world, log_dir, echo_rank0=False, entry=rank_main_many,
-                               env=rank_environment(cfgs[0].huge_pages))
-    return [[per_rank[r][i] for r in range(world)] for i in range(len(jobs))]
 
 
 def _user_script(cfg, model: nn.Module, loss_of) -> dict:
@@ -129,7 +101,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def own_loss_runs(tmp_path_factory) -> dict:
     cfgs = {what: compose_cfg([*COMMON, *overrides]) for what, (overrides, _) in CASES.items()}
-    runs = _spawn_as_launched(list(cfgs.values()), tmp_path_factory.mktemp("own_loss") / "logs")
+    runs = run_jobs(list(cfgs.values()), tmp_path_factory.mktemp("own_loss") / "logs", split_check=True)
     return {what: (cfgs[what], ranks) for what, ranks in zip(cfgs, runs, strict=True)}
 
 
