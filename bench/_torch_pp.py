@@ -134,7 +134,7 @@ class TorchRank:
         spec = cfg.spec()
         num_stages = len(job.placement)
         mine = [i for i, r in enumerate(job.placement) if r == rank]
-        full = spec.build_full(cfg.seed)  # the same weights as ours (initialised by name); stages take its blocks
+        full = spec.build_full(cfg.seed)  # the same weights as ours (the constructor's own); stages take its blocks
         modules = [nn.Sequential(OrderedDict((n, getattr(full, n)) for n in job.stage_blocks[i])) for i in mine]
         stages = [tpp.PipelineStage(m, i, num_stages, torch.device("cpu")) for m, i in zip(modules, mine, strict=True)]
         cls = getattr(tpp, TORCH_SCHEDULES[job.schedule])

@@ -27,13 +27,14 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from hydra.utils import instantiate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -47,6 +48,7 @@ from _torch_pp import (  # noqa: E402
     free_port,
 )
 
+from pipelaunch.launcher.initial_weights import launcher_initial_weights  # noqa: E402
 from pipelaunch.launcher.spawn import environment  # noqa: E402
 from pipelaunch.pipeline.core.config import TrainConfig  # noqa: E402
 from pipelaunch.pipeline.core.plan import Plan  # noqa: E402
@@ -67,6 +69,9 @@ class PairedJob:
     steps: int  # warm-up included
     host_setup: bool
     warmup: int = 0  # leading steps left out of our events and overheads
+    #: the constructor's weights as the launcher writes them (run_pair fills it in): torch's stages
+    #: start from the same model (`ModelSpec.build_full`)
+    initial_weights: str | None = None
 
 
 def perfect_step_s(plan: Plan, events: list[dict], overheads_s: list[float]) -> float:
@@ -87,7 +92,7 @@ def _paired_rank(rank: int, job: PairedJob, port: int, out: mp.SimpleQueue) -> N
     try:
         ctx = RankContext(rank, world, rank, world, job.plan.pp, job.plan.dp, torch.device("cpu"))
         ctx.mesh = make_mesh(ctx)
-        ours = RankTrainer(job.cfg, job.plan, ctx)
+        ours = RankTrainer(job.cfg, job.plan, ctx, initial_weights=job.initial_weights)
         theirs = TorchRank(job.torch_job, rank)
 
         events: list[dict] = []
@@ -123,7 +128,9 @@ def _paired_rank(rank: int, job: PairedJob, port: int, out: mp.SimpleQueue) -> N
 def run_pair(job: PairedJob) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    with environment(rank_environment(job.host_setup)):
+    spec = instantiate(job.cfg.model)
+    with environment(rank_environment(job.host_setup)), launcher_initial_weights(job.cfg, spec, None) as initial:
+        job = replace(job, initial_weights=str(initial.path) if initial.path is not None else None)
         mp.start_processes(_paired_rank, args=(job, free_port(), out), nprocs=job.plan.pp, join=True,
                            start_method="spawn")
     return out.get()

@@ -34,7 +34,7 @@ from torch import nn
 from pipelaunch.models.spec import ModelSpec
 from pipelaunch.pipeline.core.config import InitWeights, TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
-from pipelaunch.pipeline.graph.initial_weights import built_as_written, model_bytes, write_initial_weights
+from pipelaunch.pipeline.graph.initial_weights import built_as_written, load_into, model_bytes, write_initial_weights
 
 FILE = "initial_weights.safetensors"
 #: the longest a rank waits for its node's file (a large model's build on the CPU)
@@ -90,8 +90,12 @@ def describe(kind: str, why: str, seed: int, pretrained: bool, nbytes: int = 0, 
 
 
 def _write(spec: ModelSpec, seed: int, directory: Path) -> tuple[Path, nn.Module, int, float]:
+    """The model as written, under pretrained weights where the spec has them, into `directory`:
+    the file holds exactly what the ranks start from, and the model is the split check's reference."""
     start = time.perf_counter()
     model = built_as_written(spec.build, seed)
+    if spec.from_checkpoint:
+        load_into(model, spec.load)
     path = directory / FILE
     nbytes = write_initial_weights(model, path)
     return path, model, nbytes, time.perf_counter() - start

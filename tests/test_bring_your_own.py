@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shlex
 import subprocess
 import sys
@@ -305,26 +304,38 @@ def test_bad_hf_data_is_refused_before_any_rank(change, key, fragment, tmp_path)
 
 
 def _readme_example(tmp_path: Path) -> list[str]:
-    """README's "A plain `nn.Module` and a token file" as typed: its mymodel.py and its token file
-    written into tmp_path, and its train command's arguments (the token file's path made absolute)."""
+    """README's "Your own project" as typed: its models/tiny.py and its token file written into the
+    project directory tmp_path, and its first `pipelaunch` command's arguments (the token file's
+    path made absolute)."""
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("### A plain `nn.Module` and a token file"):text.index("### A transformers model")]
-    (tmp_path / "mymodel.py").write_text(section.split("cat > mymodel.py <<'EOF'\n")[1].split("\nEOF\n")[0] + "\n")
+    section = text[text.index("### Your own project"):text.index("### A transformers model")]
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "__init__.py").write_text("")
+    (tmp_path / "models" / "tiny.py").write_text(
+        section.split("cat > models/tiny.py <<'EOF'\n")[1].split("\nEOF\n")[0] + "\n")
     lines = section.splitlines()
     make = shlex.split(next(line for line in lines if line.startswith("python -c ")))
     subprocess.run([sys.executable, *make[1:]], cwd=tmp_path, check=True, timeout=60)
-    command = shlex.split(next(line for line in lines if line.startswith("python train.py model=module")))
-    assert command[:2] == ["python", "train.py"]
-    return [f"data.path={tmp_path / 'train.bin'}" if a == "data.path=train.bin" else a for a in command[2:]]
+    command = shlex.split(next(line for line in lines if line.startswith("pipelaunch model=module")))
+    return [f"data.path={tmp_path / 'train.bin'}" if a == "data.path=train.bin" else a for a in command[1:]]
+
+
+def _pipelaunch(args: list[str], project: Path, run: Path) -> subprocess.CompletedProcess:
+    """The installed command, typed in the project's directory."""
+    return subprocess.run([sys.executable, "-m", "pipelaunch", *args, f"hydra.run.dir={run}"], cwd=project,
+                          capture_output=True, text=True, timeout=280)
 
 
 @pytest.fixture
 def readme_example(tmp_path, monkeypatch):
+    """The README's project on this process's import path, as the command puts it there."""
     args = _readme_example(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    sys.modules.pop("mymodel", None)
+    for name in ("models", "models.tiny"):
+        sys.modules.pop(name, None)
     yield args
-    sys.modules.pop("mymodel", None)
+    for name in ("models", "models.tiny"):
+        sys.modules.pop(name, None)
 
 
 def test_readme_module_on_a_token_file_plans_as_typed(readme_example) -> None:
@@ -342,9 +353,8 @@ def test_readme_module_on_a_token_file_plans_as_typed(readme_example) -> None:
 @pytest.mark.timeout(300)
 def test_readme_module_on_a_token_file_trains_as_typed(tmp_path) -> None:
     args = _readme_example(tmp_path)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     run = tmp_path / "run"
-    proc = train([*args, "steps=2", "warmup_steps=0", "threads=1", "timeout_s=120"], run, env=env)
+    proc = _pipelaunch([*args, "steps=2", "warmup_steps=0", "threads=1", "timeout_s=120"], tmp_path, run)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = metrics(run)["losses"]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
@@ -376,8 +386,7 @@ def test_module_mistakes_on_token_data_name_the_key_and_its_value(readme_example
 
 def test_module_mistake_fails_in_the_launcher_before_any_rank(tmp_path) -> None:
     args = _readme_example(tmp_path)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    proc = train([*args, "model.input.shape=[32]"], tmp_path / "run", env=env)
+    proc = _pipelaunch([*args, "model.input.shape=[32]"], tmp_path, tmp_path / "run")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Invalid config `model.input.shape`" in proc.stderr and "model.input.shape=[64]" in proc.stderr
     assert not (tmp_path / "run" / "metrics.json").exists()

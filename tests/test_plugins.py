@@ -101,9 +101,12 @@ def test_a_users_schedule_and_partitioner_run_by_name_and_in_auto(user_package, 
     proc = train([*FAST, "pp=2", "microbatches=4", search, "scheduler=auto", "partitioner=head_first"],
                  tmp_path / "auto", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    table = proc.stdout.split("scheduler=auto planned and simulated", 1)[1]
-    assert "lifo" in table and "1f1b" in table and "zbv" in table, table
-    assert metrics(tmp_path / "auto")["losses"] == pytest.approx(mine["losses"], rel=1e-5)
+    assert "scheduler=auto planned and simulated" in proc.stdout
+    auto = metrics(tmp_path / "auto")
+    # every candidate the search compared (the printed table shows the ten fastest, which depend on the profile)
+    compared = {row["scheduler"] for row in auto["plan_search"]["top"] + auto["plan_search"]["excluded"]}
+    assert {"lifo", "1f1b", "zbv"} <= compared, compared
+    assert auto["losses"] == pytest.approx(mine["losses"], rel=1e-5)
 
 
 def test_a_schedule_added_only_by_yaml_is_an_option_the_launcher_and_the_tests_see(

@@ -109,14 +109,19 @@ SCENARIOS = [
              timeout=300),
     Scenario("quick-start-sweep", "README.md", (ACTIVATE, sweep("python train.py -m scheduler=gpipe,1f1b")),
              slow=True, timeout=300),
-    Scenario("your-module-and-token-file", "README.md", (
-        typed("cat > mymodel.py <<'EOF'", produces="mymodel.py"),
+    # the user's own project directory: its models/ package, its token file, its conf/model/tiny.yaml
+    Scenario("your-project", "README.md", (
+        prelude("mkdir -p myproject/models && cd myproject"),
+        typed("touch models/__init__.py", produces="myproject/models/__init__.py"),
+        typed("cat > models/tiny.py <<'EOF'", produces="myproject/models/tiny.py"),
         typed("python -c \"import numpy as np, pathlib, os; text = b''.join(p.read_bytes() for p in "
               "sorted(pathlib.Path(os.__file__).parent.glob('*.py'))); "
-              "np.frombuffer(text, np.uint8).astype(np.uint16).tofile('train.bin')\"", produces="train.bin"),
-        train("python train.py model=module model.module._target_=mymodel.tiny_lm model.seq_len=64 data=tokens "
+              "np.frombuffer(text, np.uint8).astype(np.uint16).tofile('train.bin')\"", produces="myproject/train.bin"),
+        train("pipelaunch model=module model.module._target_=models.tiny.tiny_lm model.seq_len=64 data=tokens "
               "data.path=train.bin pp=2"),
-    )),
+        typed("mkdir -p conf/model && cat > conf/model/tiny.yaml <<'EOF'", produces="myproject/conf/model/tiny.yaml"),
+        train("pipelaunch model=tiny data=tokens data.path=train.bin pp=4 scheduler=zbv"),
+    ), timeout=180),
     Scenario("transformers", "README.md", (
         train("python train.py model=hf_llama_tiny scheduler=zbv pp=2 partitioner=balanced"),
         typed("python -c \"from transformers import LlamaConfig, LlamaForCausalLM; LlamaForCausalLM(LlamaConfig("
