@@ -18,11 +18,17 @@ install: $(BIN)/python
 train: install
 	$(BIN)/python train.py $(ARGS)
 
+# The tests run as on a fresh machine: $PIPELAUNCH_CACHE (profiles, overheads, optimizer costs) is
+# a new empty directory, removed afterwards. TEST_CACHE=dir reuses that one instead (kept).
+TEST_CACHE ?=
+FRESH_CACHE = cache="$(TEST_CACHE)"; [ -n "$$cache" ] || { cache=$$(mktemp -d -t pipelaunch-cache.XXXXXX) && \
+	trap 'rm -rf "$$cache"' EXIT; }; echo "PIPELAUNCH_CACHE=$$cache"; PIPELAUNCH_CACHE="$$cache"
+
 test: install
-	$(BIN)/python -m pytest -q --durations=25 $(ARGS)
+	@$(FRESH_CACHE) $(BIN)/python -m pytest -q --durations=25 $(ARGS)
 
 test-slow: install
-	$(BIN)/python -m pytest -q -m slow $(ARGS)
+	@$(FRESH_CACHE) $(BIN)/python -m pytest -q -m slow $(ARGS)
 
 lint: install
 	$(BIN)/ruff check .

@@ -39,12 +39,21 @@ def _cfgs(pp: int) -> list[tuple[str, dict]]:
     return out
 
 
+#: where balanced cuts diffusers' UNet2DModel follows the profile's timings; on some cuts its
+#: group norms and convolutions round otherwise than in one process: every tensor within 1e-5 of
+#: it relative to its norm (2.1e-6 at most, measured on a freshly written profile), while an
+#: element near zero differs by 8e-9, past the element-wise bound (as tests/test_bring_your_own.py's
+#: UNet2DConditionModel)
+ROUNDS_OTHERWISE = ("diffusers unet",)
+
+
 def _assert_all_match_single_process(cases: list[tuple[str, dict]], results: list[list[dict]]) -> None:
     for (what, cfg), ranks in zip(cases, results, strict=True):
         ref = reference_run(cfg)
         assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
-        assert_state_close(merge_state(ranks, "grads_step0"), ref["grads_step0"], f"{what} grads")
-        assert_state_close(merge_state(ranks, "params_final"), ref["params_final"], f"{what} weights")
+        exact = not what.startswith(ROUNDS_OTHERWISE)
+        assert_state_close(merge_state(ranks, "grads_step0"), ref["grads_step0"], f"{what} grads", exact)
+        assert_state_close(merge_state(ranks, "params_final"), ref["params_final"], f"{what} weights", exact)
 
 
 @pytest.mark.timeout(600)

@@ -66,8 +66,10 @@ def make_plan(cfg: TrainConfig, spec: ModelSpec, options: GroupOptions, *, profi
     facts = _machine_facts(cfg, cuda, profile)
     link = (facts["link_latency_s"], cfg.link_bandwidth)
 
-    def build(gen: ScheduleGenerator, traced: TracedModel, c: Candidate | None = None) -> Plan:
-        return build_plan(traced, gen, _request(cfg, spec, traced, c, facts, profile, cuda))
+    def build(gen: ScheduleGenerator, traced: TracedModel, c: Candidate | None = None,
+              whole: list[int] | None = None) -> Plan:
+        req = _request(cfg, spec, traced, c, facts, profile, cuda)
+        return build_plan(traced, gen, req if whole is None else replace(req, whole_stages=tuple(whole)))
 
     if searching and not profile:
         return Planned(_first_plannable(cfg, options, models, build, traced), model=models.model)
@@ -79,7 +81,8 @@ def make_plan(cfg: TrainConfig, spec: ModelSpec, options: GroupOptions, *, profi
     plan = build(generator, traced)
     if not profile:
         return Planned(_finished(plan, None, None), model=models.model)
-    prediction = fit_budget(plan, predict(plan, *link), traced.graph, cfg.memory.cap_bytes, *link)
+    prediction = fit_budget(plan, predict(plan, *link), traced.graph, cfg.memory.cap_bytes, *link,
+                            rebuild=lambda whole: build(_scheduler(cfg), traced, whole=whole))
     return Planned(_finished(prediction.plan, prediction, None), prediction, model=models.model)
 
 

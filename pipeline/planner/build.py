@@ -161,6 +161,9 @@ class PlanRequest:
     action_overhead_s: float = 0.0
     #: whether the run evaluates (eval.every > 0): only then is the forward-only program built
     evaluates: bool = True
+    #: under remat=auto, the stages that recompute whole (`R` actions) in place of the partition's
+    #: choice (`fit.fit_budget` asks for them where recomputing modules cannot meet the cap)
+    whole_stages: tuple[int, ...] | None = None
 
 
 def _value_meta(traced: TracedModel, name: str, dtypes: Mapping[str, torch.dtype] | None) -> list:
@@ -248,7 +251,10 @@ def _hops(part: Partition, placement: list[int], req: PlanRequest) -> list[float
 
 def _whole_stages(traced: TracedModel, part: Partition, req: PlanRequest) -> list[int]:
     """The stages that recompute whole (R actions): under remat=auto, only those over the cap that
-    recomputing chosen modules would not bring under it (`remat.per_module_suffices`)."""
+    recomputing chosen modules would not bring under it (`remat.per_module_suffices`), or those
+    the request names."""
+    if req.remat == "auto" and req.whole_stages is not None:
+        return sorted(req.whole_stages)
     if req.remat != "auto" or not part.remat_stages or req.memory_cap is None:
         return list(part.remat_stages)
     modules = per_module_suffices(traced.graph, part, req.memory_cap - req.reserve_bytes)

@@ -1,21 +1,33 @@
 """Make a plan fit `memory.cap_bytes` on every device, or say which device does not and by how much.
 
 Under `remat=auto` the devices over the cap recompute chosen leaf modules in the backward
-(`pipelaunch.pipeline.planner.remat`: an ILP that frees the bytes for the least recompute time); the plan
-records them per stage (`StagePlan.recompute`), their saved bytes leave the stage's activations,
-their forward time joins its backward (twice on a split I/W backward), the largest recomputed
-module's activations are priced as a buffer, and the schedule is simulated again. Since a stage's
-micro-batches need not all be held at the device's busiest moment, the result is checked on the
-new simulation and the ILP asked again for what is still missing.
+(`pipelaunch.pipeline.planner.remat`: an ILP that frees the bytes, net of the rerun buffer, for the
+least recompute time); the plan records them per stage (`StagePlan.recompute`), their saved bytes
+leave the stage's activations, their forward time joins its backward (twice on a split I/W
+backward), the largest recomputed module's activations are priced as a buffer, and the schedule
+is simulated again. Since a stage's micro-batches need not all be held at the device's busiest
+moment, the result is checked on the new simulation and the ILP asked again for more than its
+last choice freed on paper, so that every round tries another choice.
+
+The floor: per device, the choice that frees the most on paper (`remat.least_recompute`), kept
+where the simulation agrees it lowers that device's peak, all simulated together. Its peaks are
+what a refusal reports, and a cap at or above the largest of them is met: when the rounds do not
+get under it, that choice itself is returned. A device whose floor is still over the cap can
+recompute its stages whole instead (`R` actions: the partitioner prices stages before the
+schedule is simulated, so it may leave to modules a stage that only fits whole); given a way to
+build the plan again with those stages whole (`rebuild`), that plan is fitted the same way and
+the lower floor of the two reported.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 
 import networkx as nx
 
+from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.planner.memory import MIB, BudgetExceeded, over_budget
 from pipelaunch.pipeline.planner.predict import Prediction, predict
@@ -23,6 +35,8 @@ from pipelaunch.pipeline.planner.remat import (
     RecomputeInfeasible,
     RecomputeOption,
     choose_recompute,
+    least_recompute,
+    net_frees,
     recompute_options,
 )
 
@@ -31,26 +45,60 @@ OTHER_REMEDIES = ("pick a schedule that holds fewer micro-batches (1f1b rather t
                   "memory-aware split (partitioner=balanced), or let plan=auto search for a configuration that fits.")
 REMEDIES = "Recompute chosen modules (remat=auto), " + OTHER_REMEDIES
 AUTO_REMEDIES = "Otherwise: " + OTHER_REMEDIES
-#: rounds of (choose, simulate) before giving up on a device whose peak moves with the choice
+#: rounds of (choose, simulate) before falling back to the floor's choice
 ROUNDS = 6
+
+#: the same plan built again with these stages recomputing whole (`R` actions)
+Rebuild = Callable[[list[int]], Plan]
 
 
 def fit_budget(plan: Plan, prediction: Prediction, graph: nx.DiGraph, cap: float | None, latency_s: float,
-               bandwidth: float) -> Prediction:
+               bandwidth: float, rebuild: Rebuild | None = None) -> Prediction:
     """The prediction of a plan within `cap` on every device (recomputing where remat=auto allows);
     raises BudgetExceeded naming each device over it, its breakdown and the excess (under
-    remat=auto: with everything recomputed, the least the plan can hold)."""
+    remat=auto: the peaks of the floor, the least the plan can hold, and the smallest cap it meets).
+    `rebuild`: under remat=auto, how to build this plan again with other stages recomputing whole."""
     over = over_budget(prediction.devices, cap)
     if not over:
         return prediction
     assert cap is not None
     if plan.meta.remat != "auto":
         raise BudgetExceeded(over, cap, REMEDIES, prediction)
-    return _recompute_layers(plan, prediction, graph, cap, latency_s, bandwidth)
+    fitted, floor = _recompute_layers(plan, prediction, graph, cap, latency_s, bandwidth)
+    if fitted is not None:
+        return fitted
+    shown = (plan, floor)
+    whole = sorted(plan.schedule.remat_stages())
+    ranks = {d.rank for d in over_budget(floor.devices, cap)}
+    more = sorted(set(whole) | {s.index for s in plan.stages if s.rank in ranks})
+    alt = _rebuilt(rebuild, more) if more != whole else None
+    if alt is not None:
+        alt_prediction = predict(alt, latency_s, bandwidth)
+        if not over_budget(alt_prediction.devices, cap):
+            return alt_prediction
+        fitted, alt_floor = _recompute_layers(alt, alt_prediction, graph, cap, latency_s, bandwidth)
+        if fitted is not None:
+            return fitted
+        if alt_floor.peak_bytes < floor.peak_bytes:
+            shown = (alt, alt_floor)
+    why = _floor_message(*shown, graph) + AUTO_REMEDIES
+    raise BudgetExceeded(over_budget(shown[1].devices, cap), cap, why, shown[1])
+
+
+def _rebuilt(rebuild: Rebuild | None, whole: list[int]) -> Plan | None:
+    """The plan built again with `whole` recomputing whole, or None where there is no way to, or
+    the schedule cannot (the plan as it stands is then the one refused)."""
+    if rebuild is None:
+        return None
+    try:
+        return rebuild(whole)
+    except ConfigError:
+        return None
 
 
 def _recompute_layers(plan: Plan, prediction: Prediction, graph: nx.DiGraph, cap: float, latency_s: float,
-                      bandwidth: float) -> Prediction:
+                      bandwidth: float) -> tuple[Prediction | None, Prediction]:
+    """(the plan's prediction within the cap, recomputing chosen modules, or None; its floor)."""
     part = plan.meta.partition
     plain_act = list(part["stage_activation_bytes"])
     whole = set(plan.schedule.remat_stages())  # stages that already recompute entirely (R actions)
@@ -63,38 +111,53 @@ def _recompute_layers(plan: Plan, prediction: Prediction, graph: nx.DiGraph, cap
         try:
             chosen = choose_recompute(options, held, rank_of, excess, plan.microbatches)
         except RecomputeInfeasible:
-            floor = _floor(plan, graph, options, plain_act, latency_s, bandwidth)
-            why = _floor_message(plan, prediction, floor) + AUTO_REMEDIES
-            raise BudgetExceeded(over_budget(floor.devices, cap), cap, why, floor) from None
-        plan = _apply(plan, graph, options, chosen, plain_act)
-        prediction = predict(plan, latency_s, bandwidth)
-        still = over_budget(prediction.devices, cap)
+            break
+        attempt = predict(_apply(plan, graph, options, chosen, plain_act), latency_s, bandwidth)
+        still = over_budget(attempt.devices, cap)
         if not still:
-            return prediction
-        for d in still:  # ask for what is still missing on top of what was asked
-            excess[d.rank] = excess.get(d.rank, 0.0) + d.total - cap
-    raise BudgetExceeded(over_budget(prediction.devices, cap), cap,
-                         "remat=auto found no recomputation that keeps it under the cap. " + AUTO_REMEDIES, prediction)
+            return attempt, attempt
+        picked = {(s, n) for s, nodes in chosen.items() for n in nodes}
+        for d in still:  # more than the last choice freed on paper, by what is still missing
+            mine = [o for o in options if rank_of[o.stage] == d.rank and (o.stage, o.node) in picked]
+            excess[d.rank] = max(excess.get(d.rank, 0.0), net_frees(mine, held)) + d.total - cap
+    floor = _floor(plan, graph, options, held, rank_of, plain_act, prediction, latency_s, bandwidth)
+    return (None if over_budget(floor.devices, cap) else floor), floor
 
 
-def _floor(plan: Plan, graph: nx.DiGraph, options: list[RecomputeOption], plain_act: list[float],
-           latency_s: float, bandwidth: float) -> Prediction:
-    """The plan's prediction with every candidate module recomputed: the least each device can hold
-    under remat=auto with this split and schedule."""
-    every: dict[int, list[str]] = {}
-    for o in options:
-        every.setdefault(o.stage, []).append(o.node)
-    return predict(_apply(plan, graph, options, every, plain_act), latency_s, bandwidth)
+def _floor(plan: Plan, graph: nx.DiGraph, options: list[RecomputeOption], held: dict[int, int], rank_of: dict[int, int],
+           plain_act: list[float], plain: Prediction, latency_s: float, bandwidth: float) -> Prediction:
+    """The least each device can hold under remat=auto with this split and schedule: per device,
+    the candidate modules that free the most (`least_recompute`), simulated together; a device
+    whose simulated peak that raises (its rerun buffer outweighs what it frees where its peak
+    falls) recomputes nothing, and the rest are simulated again. Depends on the plan alone, not
+    on the cap: every cap at or above its largest peak is met by this choice."""
+    chosen: dict[int, list[str]] = {}
+    for rank in sorted(set(rank_of.values())):
+        for o in least_recompute([o for o in options if rank_of[o.stage] == rank], held):
+            chosen.setdefault(o.stage, []).append(o.node)
+    floor = predict(_apply(plan, graph, options, chosen, plain_act), latency_s, bandwidth)
+    worse = {d.rank for d, p in zip(floor.devices, plain.devices, strict=True) if d.total > p.total}
+    if worse:
+        chosen = {s: nodes for s, nodes in chosen.items() if rank_of[s] not in worse}
+        floor = predict(_apply(plan, graph, options, chosen, plain_act), latency_s, bandwidth)
+    return floor
 
 
-def _floor_message(plan: Plan, plain: Prediction, floor: Prediction) -> str:
+def _floor_message(plan: Plan, floor: Prediction, graph: nx.DiGraph) -> str:
     """Why recomputation cannot close the gap, in the numbers a user sets the cap by: the peaks
-    above are those with everything recomputed; the smallest cap this plan meets is the largest of
-    each device's least (recomputing may cost a device more than it frees: its rerun buffer)."""
+    above are the floor's, and the smallest cap this split and schedule meet is the largest. The
+    floor leaves out a module whose rerun buffer outweighs what recomputing it frees (a stage
+    holding one micro-batch frees its saved bytes once and holds all of them again to rerun it)."""
     whole = plan.schedule.remat_stages()
-    what = (f"stages {', '.join(map(str, whole))} recomputed whole and every other candidate module recomputed"
-            if whole else "every candidate module recomputed")
-    least = max(min(p.total, f.total) for p, f in zip(plain.devices, floor.devices, strict=True))
+    held = dict(enumerate(plan.meta.partition["stage_in_flight"]))
+    candidates = {(o.stage, o.node) for o in recompute_options(graph, plan.assignment, False)
+                  if o.stage not in whole and held.get(o.stage, 0) * o.saves_bytes > 0}
+    recomputed = {(s.index, n) for s in floor.plan.stages for n in s.recompute}
+    modules = "every other candidate module recomputed" if whole else "every candidate module recomputed"
+    if not candidates <= recomputed:
+        modules += " but those whose rerun holds more than they free"
+    what = f"stages {', '.join(map(str, whole))} recomputed whole and {modules}" if whole else modules
+    least = floor.peak_bytes
     return (f"remat=auto cannot close it: those are the peaks with {what}, so the smallest cap this split and "
             f"schedule meet is {least / MIB:.1f} MiB (memory.cap_bytes={math.ceil(least / 1e6)}e6). ")
 
@@ -104,6 +167,7 @@ def _apply(plan: Plan, graph: nx.DiGraph, options: list[RecomputeOption], chosen
     """The plan with the choice recorded: per stage the recomputed nodes, the activations they no
     longer hold, the forward time they add to the backward and the largest one's buffer."""
     saves = {(o.stage, o.node): o.saves_bytes for o in options}
+    rerun = {(o.stage, o.node): o.rerun_bytes for o in options}
     plan = plan.with_recompute(chosen)
     k = len(plan.stages)
     activation, recompute_s, region = list(plain_act), [0.0] * k, [0.0] * k
@@ -111,7 +175,7 @@ def _apply(plan: Plan, graph: nx.DiGraph, options: list[RecomputeOption], chosen
         s, nodes = stage.index, stage.recompute
         activation[s] = plain_act[s] - sum(saves[(s, n)] for n in nodes)
         recompute_s[s] = sum(float(graph.nodes[n].get("forward_s", 0.0)) for n in nodes)
-        region[s] = max((float(graph.nodes[n].get("activation_bytes", 0)) for n in nodes), default=0.0)
+        region[s] = max((rerun[(s, n)] for n in nodes), default=0.0)
     return replace(plan, meta=replace(
         plan.meta, partition={**plan.meta.partition, "stage_activation_bytes": activation},
         stage_recompute_s=recompute_s, stage_recompute_region_bytes=region,

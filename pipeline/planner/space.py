@@ -133,15 +133,18 @@ def _is_chain(graph: nx.DiGraph) -> bool:
 
 def search(cfg: TrainConfig, models: TracedModels, build: Callable[..., Plan], cands: list[Candidate],
            given: Candidate | None, link: tuple[float, float]) -> SearchResult:
-    """Plan, simulate and fit every candidate; `build(generator, traced, candidate)` makes its Plan;
-    `link`: the (latency, bandwidth) the predictions price."""
+    """Plan, simulate and fit every candidate; `build(generator, traced, candidate)` makes its Plan
+    (`build(generator, traced, candidate, whole)` with those stages recomputing whole, which
+    remat=auto's fit asks for); `link`: the (latency, bandwidth) the predictions price."""
     cap = cfg.memory.cap_bytes
 
     def evaluate(c: Candidate) -> Prediction:
         gen = instantiate_scheduler(c.scheduler, dict(c.scheduler_cfg))  # fresh: cost-aware ones keep costs
         traced = models.get(micro_batch_size(cfg, c.microbatches))
         plan = build(gen, traced, c)
-        return fit_budget(plan, predict(plan, *link), traced.graph, cap, *link)
+        # a fresh generator for a rebuild too (a cost-aware one keeps the costs it was given)
+        return fit_budget(plan, predict(plan, *link), traced.graph, cap, *link, rebuild=lambda whole: build(
+            instantiate_scheduler(c.scheduler, dict(c.scheduler_cfg)), traced, c, whole))
 
     tie = cfg.plan.tie
     if not 0.0 <= tie < 1.0:
