@@ -34,7 +34,12 @@ from torch import nn
 from pipelaunch.models.spec import ModelSpec
 from pipelaunch.pipeline.core.config import InitWeights, TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
-from pipelaunch.pipeline.graph.initial_weights import built_as_written, load_into, model_bytes, write_initial_weights
+from pipelaunch.pipeline.graph.initial_weights import (
+    built_as_written,
+    load_into,
+    model_bytes,
+    write_initial_weights,
+)
 
 FILE = "initial_weights.safetensors"
 #: the longest a rank waits for its node's file (a large model's build on the CPU)
