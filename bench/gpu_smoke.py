@@ -16,7 +16,9 @@ One GPU holds one NCCL rank, so everything runs at pp=1 dp=1 on NCCL (world size
 5. resume from the step-3 checkpoint follows the uninterrupted losses;
 6. `python -m pipelaunch.launcher.export` of the last checkpoint writes a loadable safetensors file;
 7. the run started from the model's own weights: its first loss equals that of
-   `torch.manual_seed(seed); build()` on the same device and batch.
+   `torch.manual_seed(seed); build()` on the same device and batch; and nanoGPT (tests/zoo.py)
+   trains with its own loss from its own constructor's weights (`model.loss=model`): its first
+   loss equals its author's `m(x, y)[1]` on the device.
 
 Writes one report, `gpu_smoke.json` (every check, its numbers, and `summary`: the same as the
 text printed at the end), into `--out` (default: $OUT, else ./gpu_smoke_out). Exit code 0 when
@@ -188,6 +190,41 @@ def check_own_weights(report: Report, metrics: dict, device: str) -> None:
                  f"build() on {device}: {own:.6f} (relative gap {gap:.1e}, pass <= 1e-5)")
 
 
+#: nanoGPT (tests/zoo.py's faithful stand-in) training with its own loss, `(logits, loss) = m(idx, targets)`
+NANOGPT = ["pp=1", "dp=1", "model=module", "model.module._target_=tests.zoo.nanogpt", "model.seq_len=16",
+           "model.vocab_size=64", "model.loss=model", "batch_size=16", "microbatches=4", "steps=2", "warmup_steps=0",
+           "optimizer=sgd", "timeout_s=180"]
+
+
+def check_own_loss(report: Report, device: str, work: Path, env: dict) -> None:
+    """A model nobody here wrote, with its own constructor-time initialisation and its own loss,
+    trains on the device from its author's weights: the run's first loss equals nanoGPT's own
+    `torch.manual_seed(0); m = GPT(...); m(x, y)[1]` on the device, within 1e-5."""
+    import torch
+    from hydra.utils import instantiate
+
+    from tests.zoo import nanogpt
+
+    proc, _, metrics = train("nanogpt", [*NANOGPT, f"device={device}"], work, env)
+    losses = metrics.get("losses", [])
+    if not (proc.returncode == 0 and _finite(losses)):
+        report.check("nanoGPT trains with its own loss and weights", False, f"exit {proc.returncode}; {_tail(proc)}")
+        return
+    config = metrics["config"]
+    data = instantiate(config["data"])
+    torch.manual_seed(config["seed"])
+    model = nanogpt(vocab_size=64, block_size=16).to(device)
+    inputs, targets = data.batch(0, config["batch_size"])
+    m = config["microbatches"]
+    with torch.no_grad():
+        own = sum(float(model(x.to(device), y.to(device))[1]) / m
+                  for x, y in zip(inputs.chunk(m), targets.chunk(m), strict=True))
+    gap = abs(losses[0] - own) / abs(own)
+    report.check("nanoGPT trains with its own loss and weights", gap <= 1e-5,
+                 f"first loss {losses[0]:.6f}; nanoGPT's own m(x, y)[1] after torch.manual_seed(0) on {device}: "
+                 f"{own:.6f} (relative gap {gap:.1e}, pass <= 1e-5); losses {[round(x, 4) for x in losses]}")
+
+
 def run_checks(report: Report, device: str, work: Path) -> None:
     import torch
 
@@ -241,6 +278,11 @@ def run_checks(report: Report, device: str, work: Path) -> None:
             check_own_weights(report, m32, device)
         except Exception as err:  # noqa: BLE001 - one failed check must not hide the others
             report.failed("the first loss is the model's own", err)
+
+    try:
+        check_own_loss(report, device, work, env)
+    except Exception as err:  # noqa: BLE001 - one failed check must not hide the others
+        report.failed("nanoGPT trains with its own loss and weights", err)
 
     cached = [json.loads(p.read_text()) for p in sorted((work / "profile_cache").glob("*.json"))]
     devices = sorted({c.get("device") for c in cached})
