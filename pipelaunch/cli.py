@@ -18,13 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from pipelaunch.launcher.app import run_safely
-from pipelaunch.launcher.config import CONF_DIR, register_configs
-from pipelaunch.launcher.overrides import precheck_argv
-from pipelaunch.launcher.sweep_names import register_resolvers
-
-register_configs()
-register_resolvers()
+from pipelaunch.launcher.config import CONF_DIR
 
 SEARCHPATH = "hydra.searchpath="
 
@@ -59,6 +53,10 @@ def on_import_path(directory: Path) -> None:
 def train(cfg: DictConfig) -> float | None:
     """Returns the run's `objective` for a sweeper (Optuna, ...); a failed job of a multirun returns
     what its sweeper takes for a failure (launcher/app.py: failed_value)."""
+    from pipelaunch.launcher.app import (
+        run_safely,  # the launcher and planner: not in a rank that imports this
+    )
+
     hydra_cfg = HydraConfig.get()
     return run_safely(cfg, Path(hydra_cfg.runtime.output_dir), multirun=hydra_cfg.mode == RunMode.MULTIRUN,
                       sweeper=str(hydra_cfg.sweeper.get("_target_", "")))
@@ -66,6 +64,12 @@ def train(cfg: DictConfig) -> float | None:
 
 def main() -> None:
     """The installed `pipelaunch` command."""
+    from pipelaunch.launcher.config import register_configs
+    from pipelaunch.launcher.overrides import precheck_argv
+    from pipelaunch.launcher.sweep_names import register_resolvers
+
+    register_configs()
+    register_resolvers()
     cwd = Path.cwd()
     on_import_path(cwd)
     sys.argv[1:] = precheck_argv(project_argv(sys.argv[1:], cwd))

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import networkx as nx
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 TIME_LIMIT_S = 10.0
 #: relative slack demanded of the covering row on a retry, when HiGHS's feasibility tolerance let
@@ -162,6 +161,12 @@ def _knapsack(
     """The cheapest options freeing at least `need`, given that all of them together do."""
     if len(options) == 1:
         return options
+    from scipy.optimize import (  # a plan that recomputes nothing never pays for it
+        Bounds,
+        LinearConstraint,
+        milp,
+    )
+
     costs = np.array([microbatches * o.cost_s for o in options], dtype=float)
     # scaled so HiGHS's absolute tolerances mean the same at bytes ~1e9 and seconds ~1e-6
     c = costs / costs.max() if costs.max() > 0 else costs

@@ -12,17 +12,25 @@ import json
 import math
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
+from pipelaunch.pipeline.core.ir import COMM_KINDS, Action
 
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.colors import to_rgb  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
+if TYPE_CHECKING:
+    import matplotlib.pyplot as plt
 
-from pipelaunch.pipeline.core.ir import COMM_KINDS, Action  # noqa: E402
+
+def _pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, imported on the first drawing: a command
+    or rank that draws nothing does not pay for it (half a second)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 #: Slice colours by action kind; communication is drawn thin and grey.
 COLORS = {
@@ -148,6 +156,7 @@ def _ramps(points: np.ndarray, edges: np.ndarray) -> np.ndarray:
 
 def _blend(coverage: dict[str, np.ndarray]) -> np.ndarray:
     """One row of RGB pixels: each colour weighted by its coverage over a white background."""
+    from matplotlib.colors import to_rgb
     total = np.zeros_like(next(iter(coverage.values())))
     pixels = np.zeros((total.size, 3))
     for color, share in coverage.items():
@@ -174,6 +183,9 @@ def draw_timeline(
     extents = [_extent(events) for _, events in panels]
     num_ranks = max(last_rank for *_, last_rank, _ in extents) + 1
     height = sum(1.0 + 0.35 * num_ranks for _ in panels) + 0.8
+    plt = _pyplot()
+    from matplotlib.patches import Patch
+
     fig, axes = plt.subplots(len(panels), 1, figsize=(12, height), squeeze=False)
     _set_margins(fig, len(panels), f"rank {num_ranks - 1}")
     for ax, (label, events), (t0, t1, _, _) in zip(axes[:, 0], panels, extents, strict=True):

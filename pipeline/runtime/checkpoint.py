@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from pipelaunch.pipeline.core.errors import ConfigError
@@ -74,6 +73,7 @@ def read_meta(path: Path) -> dict:
 
 def stored_tensors(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every tensor of a checkpoint: key -> (shape, dtype), from DCP's metadata alone."""
+    import torch.distributed.checkpoint as dcp  # DCP (a second of imports) only where a run checkpoints
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
@@ -124,6 +124,8 @@ def save(root: Path, step: int, modules: list[nn.Module], optimizer, lr_schedule
         for stale in root.glob("*.partial"):  # left by a job that died while saving
             shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()
+    import torch.distributed.checkpoint as dcp
+
     dcp.save(rank_state(modules, optimizer, ctx), storage_writer=dcp.FileSystemWriter(str(partial)))
     if ctx.rank == 0:
         record = {
@@ -186,6 +188,8 @@ def load(path: Path, modules: list[nn.Module], optimizer, lr_scheduler, ctx) -> 
         if ctx.device.type == "cuda" and f"{rng}/cuda" in stored:
             dest[f"{rng}/cuda"] = torch.empty(stored[f"{rng}/cuda"][0], dtype=torch.uint8)
     with torch.no_grad():
+        import torch.distributed.checkpoint as dcp
+
         dcp.load(dest, storage_reader=dcp.FileSystemReader(str(path)))
     if optimizer is not None:
         for name, values in optim_state.items():

@@ -26,8 +26,6 @@ from dataclasses import dataclass
 
 import networkx as nx
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.planner.partition.balanced import balanced, min_memory_cap
@@ -137,7 +135,11 @@ class _Rows:
         self.lb.append(lb)
         self.ub.append(ub)
 
-    def constraint(self, n_vars: int) -> LinearConstraint:
+    def constraint(self, n_vars: int):
+        """The rows as one sparse scipy.optimize.LinearConstraint."""
+        from scipy.optimize import LinearConstraint
+        from scipy.sparse import coo_matrix
+
         a = coo_matrix((self.v, (self.r, self.c)), shape=(len(self.lb), n_vars)).tocsr()
         return LinearConstraint(a, np.array(self.lb), np.array(self.ub))
 
@@ -256,6 +258,8 @@ def _add_memory_rows(
 
 def _run_highs(prog: _Program, lb_t: float, time_limit: float, mip_gap: float) -> tuple[list[int] | None, dict]:
     """Minimise T (at least `lb_t`) with integral z; each coarse node's stage and the solver's facts."""
+    from scipy.optimize import Bounds, milp  # imported when a MILP runs: every other command skips it
+
     n_vars = prog.n_vars
     c = np.zeros(n_vars)
     c[prog.t_col] = 1.0
