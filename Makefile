@@ -24,8 +24,10 @@ TEST_CACHE ?=
 FRESH_CACHE = cache="$(TEST_CACHE)"; [ -n "$$cache" ] || { cache=$$(mktemp -d -t pipelaunch-cache.XXXXXX) && \
 	trap 'rm -rf "$$cache"' EXIT; }; echo "PIPELAUNCH_CACHE=$$cache"; PIPELAUNCH_CACHE="$$cache"
 
+# Two workers (pytest-xdist): most tests keep one core busy, so the suite takes about 2/3 of the
+# time it takes alone; each test's processes carry its own marker (tests/conftest.py).
 test: install
-	@$(FRESH_CACHE) $(BIN)/python -m pytest -q --durations=25 $(ARGS)
+	@$(FRESH_CACHE) $(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=25 $(ARGS)
 
 test-slow: install
 	@$(FRESH_CACHE) $(BIN)/python -m pytest -q -m slow $(ARGS)

@@ -3,6 +3,7 @@ single-process reference."""
 
 from __future__ import annotations
 
+import os
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
@@ -98,19 +99,28 @@ def assert_state_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor
                                        msg=f"{what}: {name}")
 
 
+#: the environment variable tests/conftest.py sets to a fresh value for each test
+JOB_MARK = "TEST_JOB_MARK"
+
+
 def job_processes() -> set[int]:
-    """Processes of any job on this machine: train.py, torchrun agents and spawned ranks."""
+    """This test's processes (launchers, torchrun agents, spawned ranks): those whose environment
+    carries its `JOB_MARK`, whatever session or parent they moved to; not multiprocessing's resource
+    tracker, which the test process starts once and keeps for its life."""
+    mark = os.environ.get(JOB_MARK)
+    if mark is None:
+        return set()
+    needle = f"{JOB_MARK}={mark}".encode()
     found = set()
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if (needle in (entry / "environ").read_bytes().split(b"\0")
+                    and b"resource_tracker" not in (entry / "cmdline").read_bytes()):
+                found.add(int(entry.name))
         except OSError:
             continue
-        if any(mark in cmdline for mark in ("train.py", "bin/pipelaunch ", "-m pipelaunch", "multiprocessing.spawn",
-                                            "torch.distributed.run")):
-            found.add(int(entry.name))
     return found
 
 
