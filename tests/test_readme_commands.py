@@ -244,7 +244,7 @@ SKIPPED = {
     'pip install "torch==2.13.0"': NETWORK,
     'pip install -e ".[dev,hf]"': NETWORK,
     'pip install -e ".[dev]"': NETWORK,
-    "pytest -q": SUITE,
+    "pytest -q -n 2": SUITE,
     "pytest -m slow": SUITE,
     "pytest tests/test_config_fuzz.py -s": SUITE,
     "python train.py $RUN pp=4 dp=2 scheduler=zbv partitioner=milp resume=ckpt/run1/step_0000400":
