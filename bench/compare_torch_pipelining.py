@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -59,7 +60,9 @@ class Config:
         if self.kind == "ours-op":
             return f"ours {self.arg}, operator-level split (pp=2)"
         if self.kind == "ours-auto":
-            return "ours plan=auto (pp=2)"
+            return "ours plan=auto, warm cache (pp=2)"
+        if self.kind == "ours-auto-cold":
+            return "ours plan=auto, cold cache (pp=2)"
         if self.kind == "ours-balanced":
             return f"ours {self.arg}, partitioner=balanced (pp=2)"
         return f"{self.kind} {self.arg} (pp=2)"
@@ -71,8 +74,10 @@ def our_plan(schedule: str, cfg: BenchConfig) -> tuple[list[int], list[list[str]
     return list(plan.schedule.placement), [list(s.blocks) for s in plan.stages]
 
 
-def run_ours(schedule: str, cfg: BenchConfig, run_dir: Path, extra: tuple[str, ...] = ()) -> dict:
-    """One `train.py` run; returns its metrics.json (and the plan it wrote)."""
+def run_ours(schedule: str, cfg: BenchConfig, run_dir: Path, extra: tuple[str, ...] = (),
+             cache: Path | None = None) -> dict:
+    """One `train.py` run; returns its metrics.json (and the plan it wrote). `cache`: the profile
+    cache it plans on (PIPELAUNCH_CACHE), else the caller's."""
     groups = {e.split("=")[0] for e in extra}
     workload = [o for o in workload_overrides(cfg) if o.split("=")[0] not in groups]
     cmd = [
@@ -81,7 +86,8 @@ def run_ours(schedule: str, cfg: BenchConfig, run_dir: Path, extra: tuple[str, .
     ]
     if cfg.host_setup == "none":
         cmd += ["host_allocator=system", "huge_pages=false", "cpu_affinity=none"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    env = {**os.environ, "PIPELAUNCH_CACHE": str(cache)} if cache is not None else None
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     if proc.returncode:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
         raise RuntimeError(f"train.py scheduler={schedule} failed ({proc.returncode}):\n{tail}")
@@ -102,14 +108,17 @@ class Measured:
 #: our best configuration has no torch peer: stages cut between operators, not blocks
 OP_LEVEL = ("model.granularity=op", "partitioner=balanced")
 #: what each kind of our rows adds to the command line
-EXTRA = {"ours": (), "ours-op": OP_LEVEL, "ours-auto": ("plan=auto",), "ours-balanced": ("partitioner=balanced",)}
+EXTRA = {"ours": (), "ours-op": OP_LEVEL, "ours-auto": ("plan=auto",), "ours-auto-cold": ("plan=auto",),
+         "ours-balanced": ("partitioner=balanced",)}
 
 
 def measure(config: Config, cfg: BenchConfig, plans: dict, tmp: Path, round_no: int) -> Measured:
     """tokens/s, final loss and (ours) the simulator's prediction of one run of one configuration."""
     if config.kind.startswith("ours"):
-        metrics = run_ours(config.arg, cfg, tmp / f"{config.kind}_{config.arg}_r{round_no}", EXTRA[config.kind])
-        if config.kind == "ours-auto":
+        # plan=auto on a cache of its own: one it warmed before the rounds, or an empty one per run
+        cache = {"ours-auto": tmp / "warm-cache", "ours-auto-cold": tmp / f"cold-cache-r{round_no}"}.get(config.kind)
+        metrics = run_ours(config.arg, cfg, tmp / f"{config.kind}_{config.arg}_r{round_no}", EXTRA[config.kind], cache)
+        if config.kind.startswith("ours-auto"):
             search = metrics["plan_search"]
             print(f"  plan=auto chose {search['winner']['label']} after {search['candidates']} candidates in "
                   f"{search['seconds']:.1f} s", flush=True)
@@ -162,20 +171,35 @@ def table(configs: list[Config], tps: dict[Config, list[float]], losses: dict[Co
         lines.append("")
         lines.append(f"best ours: {best.label}, {med[best]:.0f} tokens/s = {ratio(med[best], single2)} x single "
                      f"process with 2 threads")
-    auto = med.get(Config("ours-auto", next((c.arg for c in configs if c.kind == "ours-auto"), "")))
     torch_rows = [c for c in configs if c.kind == "torch" and med[c]]
     hand = [c for c in configs if c.kind in ("ours", "ours-balanced") and med[c]]
     single1 = med.get(Config("single", "1"))
-    if auto:
+    for kind, cache in (("ours-auto", "warm"), ("ours-auto-cold", "cold")):
+        auto = med.get(Config(kind, next((c.arg for c in configs if c.kind == kind), "")))
+        if not auto:
+            continue
         if torch_rows:
             top = max(torch_rows, key=lambda c: med[c])
-            lines.append(f"plan=auto / torch's best ({top.label}): {ratio(auto, med[top])}")
+            lines.append(f"plan=auto ({cache} cache) / torch's best ({top.label}): {ratio(auto, med[top])}; per round: "
+                         + ", ".join(paired_ratios(tps, Config(kind, next(c.arg for c in configs if c.kind == kind)),
+                                                   torch_rows)))
         if hand:
             top = max(hand, key=lambda c: med[c])
-            lines.append(f"plan=auto / best configuration chosen by hand ({top.label}): {ratio(auto, med[top])}")
+            lines.append(f"plan=auto ({cache} cache) / best configuration chosen by hand ({top.label}): "
+                         f"{ratio(auto, med[top])}")
         if single1:
-            lines.append(f"plan=auto efficiency: {auto / (2 * single1):.2f} of twice the one-thread single process")
+            lines.append(f"plan=auto ({cache} cache) efficiency: {auto / (2 * single1):.2f} of twice the one-thread "
+                         "single process")
     return "\n".join(lines)
+
+
+def paired_ratios(tps: dict[Config, list[float]], auto: Config, torch_rows: list[Config]) -> list[str]:
+    """Per round, plan=auto's tokens/s over the best torch configuration of the same round."""
+    out = []
+    for r, value in enumerate(tps[auto]):
+        best = max((tps[c][r] for c in torch_rows if r < len(tps[c])), default=None)
+        out.append(ratio(value, best))
+    return out
 
 
 def main() -> None:
@@ -191,7 +215,9 @@ def main() -> None:
     parser.add_argument("--op-level", nargs="*", default=["zbv"],
                         help="our schedules also run with an operator-level balanced split (model.granularity=op); "
                              "torch has no peer for these")
-    parser.add_argument("--auto", action="store_true", help="also run ours with plan=auto (the joint search)")
+    parser.add_argument("--auto", action="store_true",
+                        help="also run ours with plan=auto (the joint search), on a warm profile cache (planned once "
+                             "before the rounds) and on an empty one per run, as a first run plans")
     parser.add_argument("--sweep", action="store_true",
                         help="also run each of --schedules with partitioner=balanced: with the default partitioner "
                              "that is the matrix of conf/sweep/schedules.yaml")
@@ -212,7 +238,7 @@ def main() -> None:
     configs += [Config("torch", s) for s in args.schedules if s in TORCH_SCHEDULES]
     configs += [Config("ours-op", s) for s in args.op_level]
     configs += [Config("ours-balanced", s) for s in args.schedules] if args.sweep else []
-    configs += [Config("ours-auto", args.schedules[0])] if args.auto else []
+    configs += [Config("ours-auto", args.schedules[0]), Config("ours-auto-cold", args.schedules[0])] if args.auto else []
     if not args.no_single:
         configs += [Config("single", "1"), Config("single", "2")]
     # Pair each of our schedules with its torch peer so a noisy minute hits both alike.
@@ -229,6 +255,9 @@ def main() -> None:
         print(f"  {s}: placement {placement}, stages {blocks}", flush=True)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_pp_") as tmp:
+        if args.auto:  # the warm cache: one plan=auto planned on it before the rounds
+            run_ours(args.schedules[0], replace(cfg, steps=2, warmup=1),
+                     Path(tmp) / "warming", ("plan=auto",), Path(tmp) / "warm-cache")
         for r in range(args.rounds):
             shift = r % len(order)
             for c in order[shift:] + order[:shift]:

@@ -1,8 +1,10 @@
 """What the equivalence tests compare, recorded inside each rank by a trainer callback: the
-gradients of step 0 before the optimizer applies them, the final weights, and (forward-only
-schedules) the model's outputs of step 0."""
+gradients of step 0 before the optimizer applies them, the final weights, (forward-only
+schedules) the model's outputs of step 0, and which of the modules a rank never needs it imported."""
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -22,6 +24,10 @@ def stage_state(slots: dict[int, StageSlot], what: str) -> dict[str, torch.Tenso
     return out
 
 
+#: what a rank never uses: drawing (the launcher draws the timeline) and the MILP solvers (the planner)
+UNNEEDED = ("matplotlib", "matplotlib.pyplot", "scipy.optimize")
+
+
 class CaptureState(Callback):
     def __init__(self) -> None:
         self.state: dict = {}
@@ -36,7 +42,7 @@ class CaptureState(Callback):
 
     def result(self, trainer) -> dict:
         self.state["params_final"] = stage_state(trainer.slots, "param")
-        out = {"state": self.state}
+        out = {"state": self.state, "unneeded_imports": [m for m in UNNEEDED if m in sys.modules]}
         if "outputs" in self.state:
             out["outputs"] = self.state["outputs"]
         return out

@@ -61,6 +61,7 @@ def test_gradients_and_weights_match_single_process(world: int, remats: tuple[st
     for (cfg, what), ranks in zip(cases, results, strict=True):
         ref = reference_run(cfg)
         assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
+        assert not any(r["unneeded_imports"] for r in ranks), [r["unneeded_imports"] for r in ranks]
         for d in range(cfg.dp):
             assert_state_close(merge_state(ranks, "grads_step0", d), ref["grads_step0"], f"{what} replica {d} grads")
             assert_state_close(merge_state(ranks, "params_final", d), ref["params_final"], f"{what} replica {d} weights")

@@ -1,6 +1,6 @@
-"""partitioner=uniform on a transformers model: equal numbers of decoder layers per stage (#24),
-the embedding with the first stage and the final norm and head with the last; chains of `layerN`
-blocks are cut as before."""
+"""partitioner=uniform: equal numbers of layers per stage, the embedding with the first stage and
+the final norm and head with the last, on a transformers model's decoder layers (#24) as on the
+project's own chains of `layerN` blocks (#34)."""
 
 from __future__ import annotations
 
@@ -47,17 +47,18 @@ def test_llama_table_names_what_each_stage_holds() -> None:
     assert rows[3].startswith("layers 6-7 + ") and "lm_head" in rows[3] and "norm" in rows[3]
 
 
-# the cuts of the chain models before #24: stage -> blocks
+# the chain models' cuts: stage -> blocks (6 layers; the embedding and head count as no layer)
 CHAIN = {
     ("gpt", 2): [["embed", "layer0", "layer1", "layer2"], ["layer3", "layer4", "layer5", "head"]],
-    ("gpt", 4): [["embed", "layer0"], ["layer1", "layer2"], ["layer3", "layer4"], ["layer5", "head"]],
-    ("gpt", 3): [["embed", "layer0", "layer1"], ["layer2", "layer3", "layer4"], ["layer5", "head"]],
+    ("gpt", 4): [["embed", "layer0", "layer1"], ["layer2", "layer3"], ["layer4"], ["layer5", "head"]],
+    ("gpt", 3): [["embed", "layer0", "layer1"], ["layer2", "layer3"], ["layer4", "layer5", "head"]],
+    ("mlp", 3): [["embed", "layer0", "layer1"], ["layer2", "layer3"], ["layer4", "layer5", "head"]],
 }
 
 
 @pytest.mark.parametrize(("model", "pp"), sorted(CHAIN))
-def test_chain_of_blocks_is_cut_as_before(model: str, pp: int) -> None:
-    spec = hydra.utils.instantiate(compose_cfg([*FAST, f"model={model}"]).model)
+def test_chain_of_blocks_gets_equal_layers(model: str, pp: int) -> None:
+    spec = hydra.utils.instantiate(compose_cfg([*FAST, f"model={model}", "model.layers=6"]).model)
     graph = spec.trace(2).graph
     part = uniform_split(graph, pp, PartitionRequest(1e9, [1] * pp))
     stages = [sorted((n for n, s in part.assignment.items() if s == k), key=lambda n: graph.nodes[n]["order"])
@@ -68,5 +69,7 @@ def test_chain_of_blocks_is_cut_as_before(model: str, pp: int) -> None:
 def test_layer_container_is_found_by_shape() -> None:
     assert layer_container(["m.layers.0.q", "m.layers.1.q", "m.layers.1.mlp.experts.3.w", "m.norm"])[0] == "m.layers"
     assert layer_container(["t.h.0.attn", "t.h.1.attn", "t.h.2.attn", "wte"])[0] == "t.h"
-    assert layer_container(["layer0.mlp.0.w", "layer0.mlp.2.w", "layer1.mlp.0.w"]) is None  # not 0..L-1
+    assert layer_container(["layer0.mlp.0.w", "layer0.mlp.2.w", "layer1.mlp.0.w", "head.w"])[0] == "layer"
+    assert layer_container(["mlp.0.w", "mlp.2.w"]) is None  # not 0..L-1
+    assert layer_container(["layer1.0.conv1", "layer2.0.conv1", "conv1"]) is None  # torchvision's layer1..4
     assert layer_container(["enc.0.w", "enc.1.w", "dec.0.w", "dec.1.w"]) is None  # a tie

@@ -25,7 +25,7 @@ from pipelaunch.pipeline.planner.budget import (
     reprice_for_schedule,
     reprice_split,
 )
-from pipelaunch.pipeline.planner.costs import split_backward_cost
+from pipelaunch.pipeline.planner.costs import split_backward_cost, stage_held_bytes
 from pipelaunch.pipeline.planner.lowering import lower
 from pipelaunch.pipeline.planner.p2p_check import check_p2p, edge_messages
 from pipelaunch.pipeline.planner.partition import Partition, PartitionRequest, evaluate
@@ -36,6 +36,7 @@ from pipelaunch.pipeline.planner.remat import per_module_suffices
 from pipelaunch.pipeline.planner.schedules import build_schedule
 from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
 from pipelaunch.pipeline.planner.schedules.inference import Inference
+from pipelaunch.pipeline.planner.schedules.weight_fill import StageMemory
 
 #: keys of a partitioner or placement YAML that are not arguments of its callable
 RESERVED = ("_target_", "_partial_", "name")
@@ -182,16 +183,17 @@ def build_plan(traced: TracedModel, generator: ScheduleGenerator, req: PlanReque
     placement = resolve_placement(dict(req.placement), generator, req.pp)
     generator.check(req.pp, req.microbatches, list(placement))  # schedule rules first: clearer than a split error
     part = _partition(traced, generator, placement, req)
+    split = split_model(traced, part.assignment, len(placement))
+    inputs = model_inputs(split.input_names, req.data_args)
+    stages = _stage_plans(traced, split, part, placement, req.value_dtypes)
     forward, backward, split_costs = _stage_costs(traced, part, len(placement), req.profiled)
     if req.profiled:  # as the prediction prices them: the runtime's fixed cost on every action
         fixed = req.action_overhead_s
         generator.use_stage_costs(*([x + fixed for x in xs] for xs in (forward, *split_costs)),
-                                  backward_s=[b + fixed for b in backward], hop_s=_hops(part, placement, req))
+                                  backward_s=[b + fixed for b in backward], hop_s=_hops(part, placement, req),
+                                  memory=_stage_memory(traced, stages, part))
     schedule = build_schedule(generator, placement, req.microbatches, req.remat, _whole_stages(traced, part, req))
     reprice_for_schedule(part, schedule)
-    split = split_model(traced, part.assignment, len(placement))
-    inputs = model_inputs(split.input_names, req.data_args)
-    stages = _stage_plans(traced, split, part, placement, req.value_dtypes)
     messages = edge_messages(stages)
     # gradients flow back only along edges carrying a floating-point value
     schedule = lower(schedule, messages, grad_edges=[e for e, (_, grads) in messages.items() if grads])
@@ -316,6 +318,19 @@ def _plan_meta(traced: TracedModel, split, part: Partition, stages: list[StagePl
                 for gm in split.stages]}
 
 
+def _stage_memory(traced: TracedModel, stages: list[StagePlan], part: Partition) -> StageMemory:
+    """What one micro-batch holds on each stage, as the prediction prices it (`stage_held_bytes`):
+    for schedules whose memory promise is in bytes."""
+    act, freed = stage_held_bytes(stages, part.stage_activation_bytes, _loss_activation_bytes(traced, stages))
+    stash = [weight_stash_bytes(traced, s) for s in stages]
+    return StageMemory(tuple(act), tuple(a - f + w for a, f, w in zip(act, freed, stash, strict=True)))
+
+
+def _loss_activation_bytes(traced: TracedModel, stages: list[StagePlan]) -> list[float]:
+    nodes = traced.graph.nodes
+    return [sum(float(nodes[n].get("loss_activation_bytes", 0)) for n in s.blocks) for s in stages]
+
+
 def _profiled_meta(traced: TracedModel, stages: list[StagePlan], forward: list[float], backward: list[float],
                    split_costs: tuple[list[float], list[float]]) -> dict:
     """The measured per-stage costs the prediction reads."""
@@ -329,8 +344,7 @@ def _profiled_meta(traced: TracedModel, stages: list[StagePlan], forward: list[f
                                   + (s.value_bytes(s.loss_value) if s.loss_value in s.values else 0.0)
                                   for s in stages],
         "stage_weight_stash_bytes": [weight_stash_bytes(traced, s) for s in stages],
-        "stage_loss_activation_bytes": [sum(float(nodes[n].get("loss_activation_bytes", 0)) for n in s.blocks)
-                                        for s in stages],
+        "stage_loss_activation_bytes": _loss_activation_bytes(traced, stages),
     }
 
 

@@ -93,18 +93,26 @@ def cost_model_from_plan(plan: Plan, latency_s: float, bandwidth: float) -> Cost
     fixed = float(plan.meta.action_overhead_s or 0.0)
     if fixed:
         fwd, bwd, bwd_i, bwd_w = ([x + fixed for x in xs] for xs in (fwd, bwd, bwd_i, bwd_w))
-    # a stage holds its saved tensors and, until its backward, the outputs it produced (the last
-    # stage: the model output the loss was taken on, e.g. an LM's logits)
-    held = [held_output_bytes(s) for s in plan.stages]
-    act = [float(a) + h for a, h in zip(plan.meta.partition["stage_activation_bytes"], held, strict=True)]
-    # A split backward's I keeps the autograd graph for W (retain_graph) except what lies above
-    # the nodes W restarts from: the outputs and the loss's saved tensors go, and the gradients
-    # W restarts from come (runtime/backward.py; both profiled, see graph/profile.py).
-    loss = plan.meta.stage_loss_activation_bytes or [0.0] * len(held)
+    act, freed = stage_held_bytes(plan.stages, plan.meta.partition["stage_activation_bytes"],
+                                  plan.meta.stage_loss_activation_bytes)
     stash = plan.meta.stage_weight_stash_bytes
     return CostModel(
         fwd, bwd_i, bwd_w, None, act,
         [float(s.recv_bytes) for s in plan.stages], [float(s.send_bytes) for s in plan.stages], latency_s, bandwidth,
         backward_s=bwd, weight_stash_bytes=[float(b) for b in stash] if stash is not None else None,
-        input_grad_freed_bytes=[h + float(x) for h, x in zip(held, loss, strict=True)],
+        input_grad_freed_bytes=freed,
     )
+
+
+def stage_held_bytes(stages: Sequence[StagePlan], activation_bytes: Sequence[float],
+                     loss_activation_bytes: Sequence[float] | None) -> tuple[list[float], list[float]]:
+    """Per stage, what a micro-batch holds from its F (its saved tensors and, until its backward,
+    the outputs it produced: on the last stage the model output the loss was taken on, e.g. an LM's
+    logits) and what a split backward's I frees of it. The I keeps the autograd graph for W
+    (retain_graph) except what lies above the nodes W restarts from: the outputs and the loss's
+    saved tensors go, and the gradients W restarts from come (`weight_stash_bytes`;
+    runtime/backward.py, both profiled, see graph/profile.py)."""
+    held = [held_output_bytes(s) for s in stages]
+    act = [float(a) + h for a, h in zip(activation_bytes, held, strict=True)]
+    loss = loss_activation_bytes or [0.0] * len(held)
+    return act, [h + float(x) for h, x in zip(held, loss, strict=True)]

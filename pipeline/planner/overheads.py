@@ -69,7 +69,7 @@ def cache_path(threads: int) -> Path:
 
 
 #: how the probe measures (part of the cache key: figures of an earlier probe are measured again)
-PROBE_VERSION = "busy-ping-pong"
+PROBE_VERSION = "busy-ping-pong-median"
 
 
 def _key(threads: int) -> str:

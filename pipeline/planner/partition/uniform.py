@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 
 import networkx as nx
@@ -34,18 +35,28 @@ def uniform(
     return evaluate(graph, assignment_from_order(order, starts), num_stages, bandwidth, in_flight, "uniform")
 
 
+#: a name component that numbers its module in its own name: `layer0`, `block11`, `h3`
+NUMBERED = re.compile(r"([A-Za-z_]+?)(\d+)")
+
+
 def layer_container(names: Iterable[str]) -> tuple[str, dict[str, int]] | None:
     """The repeated layer list among dotted module (or tensor) names, found by shape rather than by
-    name: for each name its outermost `<prefix>.<int>` (so experts inside a layer do not count), the
-    prefix whose indices run 0..L-1 with the largest L >= 2 (Llama's `model.layers`, GPT-2's
-    `transformer.h`). Returns (prefix, name -> layer index for the names inside it), or None when
-    there is no such list or two tie (a U-Net's `encoders` and `decoders`)."""
+    name: for each name its outermost numbered component, either a `<prefix>.<int>` (Llama's
+    `model.layers`, GPT-2's `transformer.h`) or a component numbered in its own name (a chain of
+    blocks `layer0` .. `layer31`, prefix `layer`); inner ones (experts inside a layer) do not count.
+    The prefix whose indices run 0..L-1 with the largest L >= 2 wins. Returns (prefix, name -> layer
+    index for the names inside it), or None when there is no such list or two tie (a U-Net's
+    `encoders` and `decoders`)."""
     found: dict[str, dict[str, int]] = {}
     for name in names:
         parts = name.split(".")
         for i, p in enumerate(parts):
             if p.isdigit() and i > 0:
                 found.setdefault(".".join(parts[:i]), {})[name] = int(p)
+                break
+            numbered = NUMBERED.fullmatch(p)
+            if numbered is not None:
+                found.setdefault(".".join([*parts[:i], numbered[1]]), {})[name] = int(numbered[2])
                 break
     sizes = {prefix: len(set(idx.values())) for prefix, idx in found.items()
              if set(idx.values()) == set(range(len(set(idx.values()))))}
@@ -58,11 +69,11 @@ def layer_container(names: Iterable[str]) -> tuple[str, dict[str, int]] | None:
 
 def layer_starts(graph: nx.DiGraph, order: Sequence[str], num_stages: int) -> list[int] | None:
     """Where each stage begins for equal numbers of whole layers per stage (the counts differ by at
-    most one, the earlier stages taking the extra), or None when the graph is not an operator-level
-    trace of a layer list: no list among the nodes' parameter names (a chain of `layerN` blocks,
-    which count as before), fewer layers than stages, or layers that interleave. A layer is the
-    nodes holding its parameters (one node each once the planner contracts a decoder layer); each cut goes where the fewest bytes cross in the
-    parameter-free ops between two layers (the residual stream, not the middle of a norm). The
+    most one, the earlier stages taking the extra), or None when the graph holds no layer list: no
+    list among the nodes' parameter names, fewer layers than stages, or layers that interleave. A layer is the
+    nodes holding its parameters (one node each in a chain of blocks, or once the planner contracts
+    a decoder layer); each cut goes where the fewest bytes cross in the parameter-free ops between
+    two layers (the residual stream, not the middle of a norm). The
     nodes before the first layer (embedding, masks) go with stage 0, those after the last (final
     norm, head) with the last stage, neither counting as a layer, as Megatron's
     account-for-embedding/loss options leave them out. Reads only `params`, `output_bytes` and the

@@ -11,13 +11,18 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, NamedTuple
 
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.ir import Action
 from pipelaunch.pipeline.planner.schedules.fuse import fuse_slack_backwards
-from pipelaunch.pipeline.planner.schedules.weight_fill import Filled, StageCosts, fill_weight_grads
+from pipelaunch.pipeline.planner.schedules.weight_fill import (
+    Filled,
+    StageCosts,
+    StageMemory,
+    fill_weight_grads,
+)
 from pipelaunch.pipeline.planner.simulate import makespan, simulate_programs
 
 #: actions the candidates of one schedule may place in all: past it (and once one candidate
@@ -28,14 +33,16 @@ CANDIDATE_WORK = 600_000
 
 class Candidate(NamedTuple):
     """One way to order a schedule, for `ScheduleGenerator.best_filled`: a critical order (per rank
-    F, I and B, no W) whose W are placed under `cap` micro-batches per rank, or, with `cap` None,
-    finished programs taken as they are."""
+    F, I and B, no W) whose W are placed under `cap` micro-batches per rank (`cap_bytes`: bytes, as
+    the measured memory prices each micro-batch of each stage), or, with `cap` None, finished
+    programs taken as they are."""
 
     orders: Sequence[Sequence[Action]]
-    cap: Sequence[int] | None = None
+    cap: Sequence[float] | None = None
     alpha: float = math.inf
     glued: frozenset[Action] = frozenset()
     backlog: Sequence[int] | None = None
+    cap_bytes: bool = False
 
     def fill(self, placement: list[int], microbatches: int, costs: StageCosts, timed: bool = True) -> Filled:
         """The programs and the step they take; finished programs untimed (an infinite step) unless
@@ -48,7 +55,10 @@ class Candidate(NamedTuple):
             fused = list(costs.backward) if costs.backward is not None else None
             sim = simulate_programs(programs, placement, microbatches, triple, fused, costs.hop)
             return Filled(programs, sim.makespan_s, sim.longest_span_s)
-        return fill_weight_grads(self.orders, placement, microbatches, costs, self.cap, alpha=self.alpha,
+        if self.cap_bytes and costs.memory is None:
+            raise ValueError("a cap in bytes needs the stages' measured memory (use_stage_costs)")
+        counted = costs if self.cap_bytes else replace(costs, memory=None)
+        return fill_weight_grads(self.orders, placement, microbatches, counted, self.cap, alpha=self.alpha,
                                  glued=self.glued, backlog=self.backlog)
 
 
@@ -103,14 +113,17 @@ class ScheduleGenerator:
     def use_stage_costs(
         self, forward_s: list[float], backward_input_s: list[float], backward_weight_s: list[float],
         backward_s: list[float] | None = None, hop_s: list[float] | None = None,
+        memory: StageMemory | None = None,
     ) -> None:
         """Hand a measured per-stage profile to generators that order actions by a simulated
         play-through (`cost_aware` ones); others ignore it. `backward_s`: the fused backward, when
         profiled apart (it costs less than I + W), so that fusing a pair is credited its saving.
-        `hop_s[s]`: the time a value takes from stage s to stage s + 1 (0 on one rank)."""
+        `hop_s[s]`: the time a value takes from stage s to stage s + 1 (0 on one rank). `memory`:
+        the bytes a micro-batch holds on each stage, for generators whose memory promise is in bytes."""
         self._stage_costs = (list(forward_s), list(backward_input_s), list(backward_weight_s))
         self._fused_backward = list(backward_s) if backward_s is not None else None
         self._hop = list(hop_s) if hop_s is not None else None
+        self._memory = memory
 
     def stage_costs(self, num_stages: int) -> StageCosts:
         """The costs orders are chosen on: the measured ones when cost-aware and given (with the
@@ -119,7 +132,7 @@ class ScheduleGenerator:
         if costs == (1, 1, 1):
             return StageCosts.of(num_stages, costs)
         return StageCosts.of(num_stages, costs, getattr(self, "_hop", None) or 0.0,
-                             getattr(self, "_fused_backward", None))
+                             getattr(self, "_fused_backward", None), getattr(self, "_memory", None))
 
     def best_filled(self, candidates: Iterable[Candidate], placement: list[int], microbatches: int
                     ) -> list[list[Action]]:

@@ -7,20 +7,32 @@ set by how many micro-batches are let in at once, not by p: V-Half holds about h
 activations (ceil(p/2)+1 stage-micro-batches) at a smaller bubble than 1F1B's, V-Min about a third
 (ceil(p/3)+1) at a bubble like 1F1B's.
 
-How: a budget of chunk-micro-batches per rank (two chunks make one stage-micro-batch). Two kinds of
-critical order (F and I per rank) are tried, and `weight_fill` splits each backward and places its W
-under the budget; the fastest is kept:
+How: a budget per rank, in bytes where the stages' memory is measured: `in_flight` / p (by default
+the paper's ceil(p/2)+1 or ceil(p/3)+1 over p) of what 1F1B holds on its fullest rank on the same
+layers (two V stages make one 1F1B stage), counted as the simulator counts it (from an F to its I
+the stage's activations, from the I to its W what the I leaves: with a split backward often more).
+So every rank, the ones holding the embedding or the head too, stays within the promise in bytes,
+whatever the stages weigh. Unmeasured (unit costs), the budget counts chunk-micro-batches: twice the
+stage-micro-batches, two chunks making one. Two kinds of critical order (F and I per rank) are
+tried, and `weight_fill` splits each backward and places its W under the budget; the fastest is
+kept:
 
 - the paper's building block: one micro-batch's passes laid out as tight as the costs allow (down
   the V forward, back up with the input gradients), repeated every period (the busiest rank's work
   for one micro-batch), each rank running its passes in the order of their times. The tight block
   alone holds about a third of 1F1B's activations (V-Min); the first micro-batches are let in
-  faster than the period (up to `front` periods ahead, a rank's forwards apart) where the budget has room, which
-  fills the warm-up (V-Half);
-- a greedy play-through on the measured costs (`zero_bubble.list_schedule`, full backward) with the
-  budget shared between the rank's two chunks in proportion to how long each keeps a micro-batch
-  (chunk 0 of rank r: the trip through 2(2p-1-r)+1 stages; chunk 1: 2r+1), which wins on short
-  pipelines.
+  faster than the period (up to `front` periods ahead, a rank's forwards apart) where the budget
+  has room, which fills the warm-up (V-Half);
+- a greedy play-through on the measured costs (`zero_bubble.list_schedule`, full backward) with a
+  count budget shared between the rank's two chunks in proportion to how long each keeps a
+  micro-batch (chunk 0 of rank r: the trip through 2(2p-1-r)+1 stages; chunk 1: 2r+1), which wins
+  on short pipelines. Under a budget in bytes the count is a guess, so counts from the paper's
+  down to half of it are tried (and the building block's fronts in half periods).
+
+A budget no order meets (one rank's two stages heavier than the share allows) falls back to that
+rank's own micro-batches (`in_flight` times its two stages' activations), then to the count: the
+schedule holds its promise in micro-batches where the bytes cannot. More micro-batches in flight buy a
+smaller bubble: that is `in_flight` (or plan=auto's variants of it), never the default.
 """
 
 from __future__ import annotations
@@ -38,16 +50,40 @@ from pipelaunch.pipeline.planner.schedules.base import (
     ScheduleGenerator,
     require_microbatches_at_least,
 )
-from pipelaunch.pipeline.planner.schedules.weight_fill import StageCosts
+from pipelaunch.pipeline.planner.schedules.weight_fill import StageCosts, StageMemory
 from pipelaunch.pipeline.planner.schedules.zero_bubble import ALPHAS, list_schedule
 
 #: memory -> the divisor of p: the most stage-micro-batches a rank holds is ceil(p / divisor) + 1
 DIVISORS = {"half": 2, "min": 3}
 
 
-def budget_chunks(pp: int, memory: str) -> int:
-    """The chunk-micro-batches a rank may hold: twice ceil(p / divisor) + 1 stage-micro-batches."""
-    return 2 * (math.ceil(pp / DIVISORS[memory]) + 1)
+def stage_microbatches(pp: int, memory: str) -> int:
+    """The paper's budget: ceil(p / divisor) + 1 stage-micro-batches per rank (ceil((p+2)/2) for
+    V-Half, ceil((p+4)/3) for V-Min)."""
+    return math.ceil(pp / DIVISORS[memory]) + 1
+
+
+def budget_chunks(pp: int, memory: str, in_flight: int | None = None) -> int:
+    """The chunk-micro-batches a rank may hold: twice its stage-micro-batches."""
+    return 2 * (in_flight if in_flight is not None else stage_microbatches(pp, memory))
+
+
+def byte_budgets(placement: list[int], memory: StageMemory, in_flight: int) -> list[list[float]]:
+    """The per-rank caps in bytes to try, tightest first: `in_flight` / p of what 1F1B holds on its
+    fullest rank on the same layers (its rank r runs V stages 2r and 2r + 1 as one stage and holds
+    p - r micro-batches of it); then, where a rank's own two stages weigh more than that share
+    allows, `in_flight` of its own micro-batches."""
+    pp = max(placement) + 1
+    act = memory.forward
+    one_f_one_b = max((pp - r) * (act[2 * r] + act[2 * r + 1]) for r in range(pp))
+    share = in_flight * one_f_one_b / pp
+    own = [0.0] * pp
+    for s, r in enumerate(placement):
+        own[r] += act[s]
+    caps = [[share] * pp]
+    if any(in_flight * o > share for o in own):
+        caps.append([max(share, in_flight * o) for o in own])
+    return caps
 
 
 def stage_caps(pp: int, budget: int, shift: int = 0) -> list[int]:
@@ -89,11 +125,16 @@ def block_order(placement: list[int], microbatches: int, costs: StageCosts, fron
             for events in timed]
 
 
-def fronts(pp: int, budget: int) -> list[int]:
+def fronts(pp: int, budget: int, fine: bool = False) -> list[float]:
     """How many periods ahead to let the first micro-batches in, most promising first: about half the
-    budget the tight block leaves unused (it holds about (4p + 1) / 6 chunk-micro-batches a rank)."""
+    budget the tight block leaves unused (it holds about (4p + 1) / 6 chunk-micro-batches a rank).
+    `fine`: also every half period from one above the guess down to 0 (a budget in bytes, where
+    the count is only a guess)."""
     guess = max(0, int((budget - (4 * pp + 1) / 6) // 2))
-    return list(dict.fromkeys(f for f in (guess, guess - 1, guess + 1, guess - 2, 0) if f >= 0))
+    out = [f for f in (guess, guess - 1, guess + 1, guess - 2, 0) if f >= 0]
+    if fine:
+        out += [h / 2 for h in range(2 * guess + 2, -1, -1)]
+    return list(dict.fromkeys(float(f) for f in out))
 
 
 @dataclass
@@ -108,6 +149,11 @@ class VHalf(ScheduleGenerator):
     split_backward: ClassVar[bool] = True
     #: order and place the W on the measured per-stage costs (else F = I = W units)
     cost_aware: bool = True
+    #: run an I and its W as one fused B wherever the simulated step does not grow (schedules/fuse.py)
+    fuse_backward: bool = True
+    #: stage-micro-batches of activations a rank may hold; None: the paper's ceil(p/2)+1 (V-Min's
+    #: ceil(p/3)+1). More cut the bubble at the price of the memory the schedule is named for
+    in_flight: int | None = None
 
     def stages_per_rank(self) -> int:
         return 2
@@ -117,28 +163,52 @@ class VHalf(ScheduleGenerator):
             raise ConfigError("placement", f"scheduler {self.name!r} needs the V placement {v_shape(pp)} "
                                            f"(placement=v or auto), got {placement}")
         require_microbatches_at_least(self.name, microbatches, 1, "it needs at least one micro-batch")
+        if self.in_flight is not None and (isinstance(self.in_flight, bool) or not isinstance(self.in_flight, int)
+                                           or self.in_flight < 1):
+            raise ConfigError("scheduler.in_flight", f"got {self.in_flight!r}; valid: null (the paper's "
+                                                     f"{stage_microbatches(pp, self.memory)} at pp={pp}) or an "
+                                                     "integer >= 1 (micro-batches of activations per rank)")
 
     def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
-        return self.best_filled(self._candidates(placement, microbatches), placement, microbatches)
-
-    def _candidates(self, placement: list[int], microbatches: int) -> Iterator[Candidate]:
-        """The building block's orders first (each front, W placed two ways), then the greedy
-        play-throughs, built only when `best_filled` gets to them (they are the slower to make)."""
+        """The fastest order under the tightest budget some order meets (module docstring)."""
         pp = max(placement) + 1
-        budget = budget_chunks(pp, self.memory)
+        stage_mbs = self.in_flight if self.in_flight is not None else stage_microbatches(pp, self.memory)
+        memory = self.stage_costs(len(placement)).memory
+        budgets = [(cap, True) for cap in byte_budgets(placement, memory, stage_mbs)] if memory is not None else []
+        budgets.append(([budget_chunks(pp, self.memory, stage_mbs)] * pp, False))
+        error: ConfigError | None = None
+        for cap, in_bytes in budgets:
+            try:
+                return self.best_filled(self._candidates(placement, microbatches, cap, in_bytes), placement,
+                                        microbatches)
+            except ConfigError as err:
+                error = error or err
+        assert error is not None
+        raise error
+
+    def _candidates(self, placement: list[int], microbatches: int, cap: list[float], in_bytes: bool
+                    ) -> Iterator[Candidate]:
+        """The building block's orders first (each front, W placed two ways), then the greedy
+        play-throughs, built only when `best_filled` gets to them (they are the slower to make).
+        The orders' own micro-batch counts come from the count budget; `cap` is what the W are
+        placed under."""
+        pp = max(placement) + 1
+        budget = budget_chunks(pp, self.memory, self.in_flight)
         costs = self.stage_costs(len(placement))
-        for front in fronts(pp, budget):
+        for front in fronts(pp, budget, fine=in_bytes):
             order = block_order(placement, microbatches, costs, front)
-            yield from (Candidate(order, [budget] * pp, alpha) for alpha in ALPHAS[:2])
-        for shift in (0, -1, 1):
+            yield from (Candidate(order, cap, alpha, cap_bytes=in_bytes) for alpha in ALPHAS[:2])
+        # under bytes, the play-through's count is a guess: from the budget's down to half of it
+        counts = range(budget, max(2, budget // 2) - 1, -1) if in_bytes else (budget,)
+        for count, shift in ((c, k) for c in counts for k in (0, -1, 1)):
             try:
                 order = self.play_through(list_schedule, placement, microbatches, split_backward=False,
-                                          cap=[budget] * pp, stage_cap=stage_caps(pp, budget, shift),
+                                          cap=[count] * pp, stage_cap=stage_caps(pp, count, shift),
                                           forward_first=False)
             except ConfigError:
                 continue
             critical = [[I(a.stage, a.mb) if a.kind is Kind.B else a for a in acts] for acts in order]
-            yield from (Candidate(critical, [budget] * pp, alpha) for alpha in ALPHAS)
+            yield from (Candidate(critical, cap, alpha, cap_bytes=in_bytes) for alpha in ALPHAS)
 
 
 @dataclass

@@ -31,25 +31,42 @@ from pipelaunch.pipeline.planner.dependencies import note_waiting
 
 
 @dataclass(frozen=True)
+class StageMemory:
+    """Per stage, the bytes one micro-batch holds there, as the simulator counts them: from its F to
+    its I (or B) the stage's activations, from its I to its W what the I left (the activations W
+    still reads and the gradients it restarts from: with a split backward often more than before)."""
+
+    forward: tuple[float, ...]
+    after_input_grad: tuple[float, ...]
+
+    @classmethod
+    def units(cls, n: int) -> StageMemory:
+        """Every micro-batch counts one, from its F to its W or B."""
+        return cls((1.0,) * n, (1.0,) * n)
+
+
+@dataclass(frozen=True)
 class StageCosts:
     """Per stage: forward, input-gradient and weight-gradient times, the fused backward (defaults to
     I + W), and per cut between stages s and s + 1 the time a value takes to cross it (0 within a
-    rank)."""
+    rank). With `memory`, what a micro-batch holds on the stage, in bytes: the memory cap of
+    `fill_weight_grads` is then in bytes too; without, every micro-batch counts one."""
 
     forward: tuple[float, ...]
     input_grad: tuple[float, ...]
     weight_grad: tuple[float, ...]
     hop: tuple[float, ...]
     backward: tuple[float, ...] | None = None
+    memory: StageMemory | None = None
 
     @classmethod
     def of(cls, n: int, costs: tuple, hop: Sequence[float] | float = 0.0,
-           backward: Sequence[float] | None = None) -> StageCosts:
+           backward: Sequence[float] | None = None, memory: StageMemory | None = None) -> StageCosts:
         """From (F, I, W), each one number or one per stage, and one hop or one per cut."""
         f, i, w = (tuple(float(v) for v in c) if isinstance(c, Sequence) else (float(c),) * n for c in costs)
         hops = tuple(float(h) for h in hop) if isinstance(hop, Sequence) else (float(hop),) * max(0, n - 1)
         fused = tuple(float(b) for b in backward) if backward is not None else None
-        return cls(f, i, w, hops, fused)
+        return cls(f, i, w, hops, fused, memory)
 
     def fused(self, s: int) -> float:
         return self.backward[s] if self.backward is not None else self.input_grad[s] + self.weight_grad[s]
@@ -87,7 +104,9 @@ def fill_weight_grads(
     backlog: Sequence[int] | None = None,
 ) -> Filled:
     """Place the W of every I in `orders` (per rank: F, I and B actions, no W) as the module docstring
-    says. `cap[r]`: the most micro-batches rank r may hold, counted from a stage's F to its W or B.
+    says. `cap[r]`: the most micro-batches rank r may hold, counted from a stage's F to its W or B;
+    in bytes where `costs.memory` gives what each holds (an I may then add bytes, and W are run
+    before it as before a forward).
     `glued`: actions that must run right after the one before them (DualPipeV's overlapped pairs), so
     no W goes before them. `backlog[r]`: the most W rank r may leave pending before a critical
     action (the others run first, even if that delays it): a rank keeps as many as will fill its
@@ -108,7 +127,12 @@ class _Fill:
         self.g_end: list[float | None] = [None] * (self.n * microbatches)
         self.free = [0.0] * self.pp
         self.pos = [0] * self.pp
-        self.held = [0] * self.pp
+        self.held = [0.0] * self.pp
+        memory = costs.memory or StageMemory.units(self.n)
+        #: what a micro-batch adds to its rank's held amount at its F, at its I; what its W or B frees
+        self.on_forward = memory.forward
+        self.on_input_grad = tuple(a - f for a, f in zip(memory.after_input_grad, memory.forward, strict=True))
+        self.on_weight_grad = memory.after_input_grad
         self.pending: list[deque[Action]] = [deque() for _ in range(self.pp)]
         self.weight_actions = action_table(Kind.W, self.n, microbatches)
         self.programs: list[list[Action]] = [[] for _ in range(self.pp)]
@@ -141,6 +165,10 @@ class _Fill:
         f_end, g_end, hop = self.f_end, self.g_end, self.costs.hop
         forward, input_grad, weight_grad = self.costs.forward, self.costs.input_grad, self.costs.weight_grad
         cap, backlog, alpha = self.cap[r], self.backlog[r], self.alpha
+        on_forward, on_input_grad, on_weight_grad = self.on_forward, self.on_input_grad, self.on_weight_grad
+        unit = self.costs.memory is None
+        # a micro-batch count is exact; bytes are compared with rounding room
+        limit = cap + 0.5 if unit else cap * (1 + 1e-9)
         pending, program, weight_of = self.pending[r], self.programs[r], self.weight_actions
         free, pos, held, first = self.free[r], self.pos[r], self.held[r], self.first[r]
         kind_f, kind_i, kind_w = Kind.F, Kind.I, Kind.W
@@ -171,35 +199,37 @@ class _Fill:
                     grad += hop[s]
                     if grad > ready:
                         ready = grad
+            adds = on_forward[s] if kind is kind_f else on_input_grad[s] if kind is kind_i else 0.0
             if not glued or act not in glued:
-                # W before it: those the cap forces out before a forward, those past the backlog and
-                # those that end before its input arrives; then one more if the gap left is at least
-                # alpha of it
+                # W before it: those the cap forces out before an action that adds (a forward; an I
+                # holding more than its F did), those past the backlog and those that end before its
+                # input arrives; then one more if the gap left is at least alpha of it
                 slack = ready + 1e-9 * (ready if ready > 1.0 else 1.0)  # a W that fits exactly fits (times are >= 0)
                 stretched = False
                 while pending:
-                    w = weight_grad[pending[0][0]]  # its stage
-                    if not ((kind is kind_f and held >= cap) or len(pending) > backlog or free + w <= slack):
+                    stage = pending[0][0]
+                    w = weight_grad[stage]
+                    if not ((adds > 0 and held + adds > limit) or len(pending) > backlog or free + w <= slack):
                         if not (ready > free and ready - free >= alpha * w):
                             break
                         stretched = True
                     program.append(pending.popleft())
                     free += w
-                    held -= 1
+                    held -= on_weight_grad[stage]
                     if stretched:
                         break
-                if kind is kind_f and held >= cap:
-                    raise ConfigError("microbatches", f"the schedule's order holds more than {cap} "
-                                                      f"micro-batches on rank {r} before {act}")
+                if adds > 0 and held + adds > limit:
+                    raise ConfigError("microbatches", f"the schedule's order holds more than {cap:g} "
+                                                      f"{'micro-batches' if unit else 'bytes'} on rank {r} at {act}")
             # place it
             start = free if free > ready else ready
             if first is None:
                 first = start
             idx = s * m + mb
             program.append(act)
+            held += adds
             if kind is kind_f:
                 free = f_end[idx] = start + forward[s]
-                held += 1
                 waiters = f_waiting[idx]
                 if waiters is not None:
                     woken.extend(waiters)
@@ -210,7 +240,7 @@ class _Fill:
                     pending.append(weight_of[idx])
                 else:
                     free = start + (weight_grad[s] if kind is kind_w else self.costs.fused(s))
-                    held -= 1
+                    held -= on_weight_grad[s] if kind is kind_w else on_forward[s]
                 g_end[idx] = free
                 waiters = g_waiting[idx]
                 if waiters is not None:
@@ -224,7 +254,7 @@ class _Fill:
         w = self.pending[r].popleft()
         self.programs[r].append(w)
         self.free[r] += self.costs.weight_grad[w.stage]
-        self.held[r] -= 1
+        self.held[r] -= self.on_weight_grad[w.stage]
 
 
 def deferred_by(orders: Sequence[Sequence[Action]], backlog: Sequence[int]) -> list[list[Action]]:
