@@ -187,11 +187,12 @@ def build_plan(traced: TracedModel, generator: ScheduleGenerator, req: PlanReque
     inputs = model_inputs(split.input_names, req.data_args)
     stages = _stage_plans(traced, split, part, placement, req.value_dtypes)
     forward, backward, split_costs = _stage_costs(traced, part, len(placement), req.profiled)
-    if req.profiled:  # as the prediction prices them: the runtime's fixed cost on every action
+    held = _held_beyond_activations(traced, stages) if req.profiled else None
+    if held is not None:  # as the prediction prices them: the runtime's fixed cost on every action
         fixed = req.action_overhead_s
         generator.use_stage_costs(*([x + fixed for x in xs] for xs in (forward, *split_costs)),
                                   backward_s=[b + fixed for b in backward], hop_s=_hops(part, placement, req),
-                                  memory=_stage_memory(traced, stages, part))
+                                  memory=_stage_memory(stages, part, *held))
     schedule = build_schedule(generator, placement, req.microbatches, req.remat, _whole_stages(traced, part, req))
     reprice_for_schedule(part, schedule)
     messages = edge_messages(stages)
@@ -206,8 +207,8 @@ def build_plan(traced: TracedModel, generator: ScheduleGenerator, req: PlanReque
     if eval_schedule is not None:
         check_p2p(eval_schedule, messages)
     meta = _plan_meta(traced, split, part, stages, req, schedule)
-    if req.profiled:
-        meta.update(_profiled_meta(traced, stages, forward, backward, split_costs))
+    if held is not None:
+        meta.update(_profiled_meta(traced, stages, forward, backward, split_costs, *held))
     return Plan(req.pp, req.dp, req.microbatches, req.batch_size // (req.dp * req.microbatches), req.model_name,
                 stages, schedule, assignment=dict(part.assignment),
                 shared_params={n: list(v) for n, v in split.shared_params.items()}, meta=PlanMeta(**meta),
@@ -318,21 +319,23 @@ def _plan_meta(traced: TracedModel, split, part: Partition, stages: list[StagePl
                 for gm in split.stages]}
 
 
-def _stage_memory(traced: TracedModel, stages: list[StagePlan], part: Partition) -> StageMemory:
+def _held_beyond_activations(traced: TracedModel, stages: list[StagePlan]) -> tuple[list[float], list[float]]:
+    """Per stage, as profiled: the loss's saved tensors, and what a split backward keeps from its I
+    to its W beside the activations (`weight_stash_bytes`)."""
+    nodes = traced.graph.nodes
+    loss = [sum(float(nodes[n].get("loss_activation_bytes", 0)) for n in s.blocks) for s in stages]
+    return loss, [weight_stash_bytes(traced, s) for s in stages]
+
+
+def _stage_memory(stages: list[StagePlan], part: Partition, loss: list[float], stash: list[float]) -> StageMemory:
     """What one micro-batch holds on each stage, as the prediction prices it (`stage_held_bytes`):
     for schedules whose memory promise is in bytes."""
-    act, freed = stage_held_bytes(stages, part.stage_activation_bytes, _loss_activation_bytes(traced, stages))
-    stash = [weight_stash_bytes(traced, s) for s in stages]
+    act, freed = stage_held_bytes(stages, part.stage_activation_bytes, loss)
     return StageMemory(tuple(act), tuple(a - f + w for a, f, w in zip(act, freed, stash, strict=True)))
 
 
-def _loss_activation_bytes(traced: TracedModel, stages: list[StagePlan]) -> list[float]:
-    nodes = traced.graph.nodes
-    return [sum(float(nodes[n].get("loss_activation_bytes", 0)) for n in s.blocks) for s in stages]
-
-
 def _profiled_meta(traced: TracedModel, stages: list[StagePlan], forward: list[float], backward: list[float],
-                   split_costs: tuple[list[float], list[float]]) -> dict:
+                   split_costs: tuple[list[float], list[float]], loss: list[float], stash: list[float]) -> dict:
     """The measured per-stage costs the prediction reads."""
     nodes = traced.graph.nodes
     return {
@@ -343,8 +346,8 @@ def _profiled_meta(traced: TracedModel, stages: list[StagePlan], forward: list[f
         "stage_workspace_bytes": [max((float(nodes[n].get("activation_bytes", 0)) for n in s.blocks), default=0.0)
                                   + (s.value_bytes(s.loss_value) if s.loss_value in s.values else 0.0)
                                   for s in stages],
-        "stage_weight_stash_bytes": [weight_stash_bytes(traced, s) for s in stages],
-        "stage_loss_activation_bytes": _loss_activation_bytes(traced, stages),
+        "stage_weight_stash_bytes": stash,
+        "stage_loss_activation_bytes": loss,
     }
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 from pipelaunch.pipeline.core.errors import ConfigError
@@ -33,16 +33,15 @@ CANDIDATE_WORK = 600_000
 
 class Candidate(NamedTuple):
     """One way to order a schedule, for `ScheduleGenerator.best_filled`: a critical order (per rank
-    F, I and B, no W) whose W are placed under `cap` micro-batches per rank (`cap_bytes`: bytes, as
-    the measured memory prices each micro-batch of each stage), or, with `cap` None, finished
-    programs taken as they are."""
+    F, I and B, no W) whose W are placed under `cap` micro-batches per rank (with `memory`, bytes as
+    it prices a micro-batch of each stage), or, with `cap` None, finished programs taken as they are."""
 
     orders: Sequence[Sequence[Action]]
     cap: Sequence[float] | None = None
     alpha: float = math.inf
     glued: frozenset[Action] = frozenset()
     backlog: Sequence[int] | None = None
-    cap_bytes: bool = False
+    memory: StageMemory | None = None
 
     def fill(self, placement: list[int], microbatches: int, costs: StageCosts, timed: bool = True) -> Filled:
         """The programs and the step they take; finished programs untimed (an infinite step) unless
@@ -55,11 +54,8 @@ class Candidate(NamedTuple):
             fused = list(costs.backward) if costs.backward is not None else None
             sim = simulate_programs(programs, placement, microbatches, triple, fused, costs.hop)
             return Filled(programs, sim.makespan_s, sim.longest_span_s)
-        if self.cap_bytes and costs.memory is None:
-            raise ValueError("a cap in bytes needs the stages' measured memory (use_stage_costs)")
-        counted = costs if self.cap_bytes else replace(costs, memory=None)
-        return fill_weight_grads(self.orders, placement, microbatches, counted, self.cap, alpha=self.alpha,
-                                 glued=self.glued, backlog=self.backlog)
+        return fill_weight_grads(self.orders, placement, microbatches, costs, self.cap, alpha=self.alpha,
+                                 glued=self.glued, backlog=self.backlog, memory=self.memory)
 
 
 def step_floor(placement: Sequence[int], microbatches: int, costs: StageCosts) -> float:
@@ -132,7 +128,11 @@ class ScheduleGenerator:
         if costs == (1, 1, 1):
             return StageCosts.of(num_stages, costs)
         return StageCosts.of(num_stages, costs, getattr(self, "_hop", None) or 0.0,
-                             getattr(self, "_fused_backward", None), getattr(self, "_memory", None))
+                             getattr(self, "_fused_backward", None))
+
+    def stage_memory(self) -> StageMemory | None:
+        """The bytes a micro-batch holds per stage, when cost-aware and given with the measured costs."""
+        return getattr(self, "_memory", None) if self.play_costs() != (1, 1, 1) else None
 
     def best_filled(self, candidates: Iterable[Candidate], placement: list[int], microbatches: int
                     ) -> list[list[Action]]:

@@ -173,33 +173,33 @@ class VHalf(ScheduleGenerator):
         """The fastest order under the tightest budget some order meets (module docstring)."""
         pp = max(placement) + 1
         stage_mbs = self.in_flight if self.in_flight is not None else stage_microbatches(pp, self.memory)
-        memory = self.stage_costs(len(placement)).memory
-        budgets = [(cap, True) for cap in byte_budgets(placement, memory, stage_mbs)] if memory is not None else []
-        budgets.append(([budget_chunks(pp, self.memory, stage_mbs)] * pp, False))
+        memory = self.stage_memory()
+        budgets = [(cap, memory) for cap in byte_budgets(placement, memory, stage_mbs)] if memory is not None else []
+        budgets.append(([budget_chunks(pp, self.memory, stage_mbs)] * pp, None))
         error: ConfigError | None = None
-        for cap, in_bytes in budgets:
+        for cap, held in budgets:
             try:
-                return self.best_filled(self._candidates(placement, microbatches, cap, in_bytes), placement,
+                return self.best_filled(self._candidates(placement, microbatches, cap, held), placement,
                                         microbatches)
             except ConfigError as err:
                 error = error or err
         assert error is not None
         raise error
 
-    def _candidates(self, placement: list[int], microbatches: int, cap: list[float], in_bytes: bool
+    def _candidates(self, placement: list[int], microbatches: int, cap: list[float], memory: StageMemory | None
                     ) -> Iterator[Candidate]:
         """The building block's orders first (each front, W placed two ways), then the greedy
         play-throughs, built only when `best_filled` gets to them (they are the slower to make).
         The orders' own micro-batch counts come from the count budget; `cap` is what the W are
-        placed under."""
+        placed under (in bytes as `memory` prices them, else in micro-batches)."""
         pp = max(placement) + 1
         budget = budget_chunks(pp, self.memory, self.in_flight)
         costs = self.stage_costs(len(placement))
-        for front in fronts(pp, budget, fine=in_bytes):
+        for front in fronts(pp, budget, fine=memory is not None):
             order = block_order(placement, microbatches, costs, front)
-            yield from (Candidate(order, cap, alpha, cap_bytes=in_bytes) for alpha in ALPHAS[:2])
+            yield from (Candidate(order, cap, alpha, memory=memory) for alpha in ALPHAS[:2])
         # under bytes, the play-through's count is a guess: from the budget's down to half of it
-        counts = range(budget, max(2, budget // 2) - 1, -1) if in_bytes else (budget,)
+        counts = range(budget, max(2, budget // 2) - 1, -1) if memory is not None else (budget,)
         for count, shift in ((c, k) for c in counts for k in (0, -1, 1)):
             try:
                 order = self.play_through(list_schedule, placement, microbatches, split_backward=False,
@@ -208,7 +208,7 @@ class VHalf(ScheduleGenerator):
             except ConfigError:
                 continue
             critical = [[I(a.stage, a.mb) if a.kind is Kind.B else a for a in acts] for acts in order]
-            yield from (Candidate(critical, cap, alpha, cap_bytes=in_bytes) for alpha in ALPHAS)
+            yield from (Candidate(critical, cap, alpha, memory=memory) for alpha in ALPHAS)
 
 
 @dataclass

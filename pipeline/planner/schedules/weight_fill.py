@@ -49,24 +49,22 @@ class StageMemory:
 class StageCosts:
     """Per stage: forward, input-gradient and weight-gradient times, the fused backward (defaults to
     I + W), and per cut between stages s and s + 1 the time a value takes to cross it (0 within a
-    rank). With `memory`, what a micro-batch holds on the stage, in bytes: the memory cap of
-    `fill_weight_grads` is then in bytes too; without, every micro-batch counts one."""
+    rank)."""
 
     forward: tuple[float, ...]
     input_grad: tuple[float, ...]
     weight_grad: tuple[float, ...]
     hop: tuple[float, ...]
     backward: tuple[float, ...] | None = None
-    memory: StageMemory | None = None
 
     @classmethod
     def of(cls, n: int, costs: tuple, hop: Sequence[float] | float = 0.0,
-           backward: Sequence[float] | None = None, memory: StageMemory | None = None) -> StageCosts:
+           backward: Sequence[float] | None = None) -> StageCosts:
         """From (F, I, W), each one number or one per stage, and one hop or one per cut."""
         f, i, w = (tuple(float(v) for v in c) if isinstance(c, Sequence) else (float(c),) * n for c in costs)
         hops = tuple(float(h) for h in hop) if isinstance(hop, Sequence) else (float(hop),) * max(0, n - 1)
         fused = tuple(float(b) for b in backward) if backward is not None else None
-        return cls(f, i, w, hops, fused, memory)
+        return cls(f, i, w, hops, fused)
 
     def fused(self, s: int) -> float:
         return self.backward[s] if self.backward is not None else self.input_grad[s] + self.weight_grad[s]
@@ -101,25 +99,25 @@ class Filled:
 def fill_weight_grads(
     orders: Sequence[Sequence[Action]], placement: Sequence[int], microbatches: int, costs: StageCosts,
     cap: Sequence[int], *, alpha: float = math.inf, glued: frozenset[Action] = frozenset(),
-    backlog: Sequence[int] | None = None,
+    backlog: Sequence[int] | None = None, memory: StageMemory | None = None,
 ) -> Filled:
     """Place the W of every I in `orders` (per rank: F, I and B actions, no W) as the module docstring
     says. `cap[r]`: the most micro-batches rank r may hold, counted from a stage's F to its W or B;
-    in bytes where `costs.memory` gives what each holds (an I may then add bytes, and W are run
-    before it as before a forward).
+    in bytes where `memory` gives what each holds (an I may then add bytes, and W are run before it
+    as before a forward).
     `glued`: actions that must run right after the one before them (DualPipeV's overlapped pairs), so
     no W goes before them. `backlog[r]`: the most W rank r may leave pending before a critical
     action (the others run first, even if that delays it): a rank keeps as many as will fill its
     idle time at the end of the step and no more. Raises ConfigError("microbatches") if the order needs more than the cap or
     waits on itself."""
     backlog = backlog if backlog is not None else [len(placement) * microbatches] * len(orders)
-    return _Fill(orders, placement, microbatches, costs, cap, alpha, glued, backlog).run()
+    return _Fill(orders, placement, microbatches, costs, cap, alpha, glued, backlog, memory).run()
 
 
 class _Fill:
     """One placement: the state of `fill_weight_grads` (see there)."""
 
-    def __init__(self, orders, placement, microbatches, costs, cap, alpha, glued, backlog) -> None:
+    def __init__(self, orders, placement, microbatches, costs, cap, alpha, glued, backlog, memory) -> None:
         self.orders, self.m, self.costs, self.cap, self.alpha, self.glued = orders, microbatches, costs, cap, alpha, glued
         self.backlog = backlog
         self.n, self.pp = len(placement), len(orders)
@@ -128,7 +126,9 @@ class _Fill:
         self.free = [0.0] * self.pp
         self.pos = [0] * self.pp
         self.held = [0.0] * self.pp
-        memory = costs.memory or StageMemory.units(self.n)
+        #: a cap in micro-batches (exact) or in bytes (compared with rounding room)
+        self.in_units = memory is None
+        memory = memory or StageMemory.units(self.n)
         #: what a micro-batch adds to its rank's held amount at its F, at its I; what its W or B frees
         self.on_forward = memory.forward
         self.on_input_grad = tuple(a - f for a, f in zip(memory.after_input_grad, memory.forward, strict=True))
@@ -166,8 +166,7 @@ class _Fill:
         forward, input_grad, weight_grad = self.costs.forward, self.costs.input_grad, self.costs.weight_grad
         cap, backlog, alpha = self.cap[r], self.backlog[r], self.alpha
         on_forward, on_input_grad, on_weight_grad = self.on_forward, self.on_input_grad, self.on_weight_grad
-        unit = self.costs.memory is None
-        # a micro-batch count is exact; bytes are compared with rounding room
+        unit = self.in_units
         limit = cap + 0.5 if unit else cap * (1 + 1e-9)
         pending, program, weight_of = self.pending[r], self.programs[r], self.weight_actions
         free, pos, held, first = self.free[r], self.pos[r], self.held[r], self.first[r]
