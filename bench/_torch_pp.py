@@ -28,10 +28,10 @@ if str(ROOT) not in sys.path:
 from pipelaunch.launcher.spawn import environment  # noqa: E402
 from pipelaunch.models.gpt import gpt  # noqa: E402
 from pipelaunch.models.spec import ModelSpec, causal_lm_loss  # noqa: E402
+from pipelaunch.pipeline.compute.host_allocator import rank_environment  # noqa: E402
 from pipelaunch.pipeline.core.config import TrainConfig  # noqa: E402
 from pipelaunch.pipeline.core.plan import Plan  # noqa: E402
 from pipelaunch.pipeline.data.synthetic import SyntheticTokens  # noqa: E402
-from pipelaunch.pipeline.runtime.host_allocator import rank_environment  # noqa: E402
 from pipelaunch.pipeline.runtime.rank import set_up_rank_process  # noqa: E402
 
 #: our scheduler name -> the torch.distributed.pipelining class with the same schedule.

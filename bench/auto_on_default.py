@@ -6,7 +6,7 @@
 Every run is `python train.py scheduler=<name> steps=N warmup_steps=2 predict=true` on the default
 config (model=gpt, pp=2, 4 micro-batches, gloo on CPU), in rounds that interleave the
 configurations so that the machine's drift hits all alike. All runs share one fresh cache
-directory: the profile and the runtime's overheads (`pipeline/planner/overheads.py`) are
+directory: the profile and the runtime's overheads (`pipeline/planner/measure/overheads.py`) are
 measured once, at the start, as a user's first run would. Prints per schedule its planned step
 (the prediction the plan made before any rank started) and its measured median step over the
 rounds, then what scheduler=auto chose and its measured step against the best hand-run one.

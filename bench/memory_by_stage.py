@@ -34,7 +34,7 @@ VARIANTS = {"chain": [], "tied": ["+model.tie_embeddings=true"]}
 def baseline_rss() -> int:
     """Peak memory, measured as a rank measures it, of a process that imported what a rank imports."""
     code = ("import torch, pipelaunch.pipeline.runtime.rank, pipelaunch.pipeline.runtime.trainer; "
-            "from pipelaunch.pipeline.runtime.memory import peak_memory_bytes; print(peak_memory_bytes(torch.device('cpu')))")
+            "from pipelaunch.pipeline.compute.memory import peak_memory_bytes; print(peak_memory_bytes(torch.device('cpu')))")
     return int(subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip())
 

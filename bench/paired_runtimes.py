@@ -50,12 +50,12 @@ from _torch_pp import (  # noqa: E402
 
 from pipelaunch.launcher.initial_weights import launcher_initial_weights  # noqa: E402
 from pipelaunch.launcher.spawn import environment  # noqa: E402
+from pipelaunch.pipeline.compute.host_allocator import rank_environment  # noqa: E402
 from pipelaunch.pipeline.core.config import TrainConfig  # noqa: E402
 from pipelaunch.pipeline.core.plan import Plan  # noqa: E402
-from pipelaunch.pipeline.planner.costs import cost_model_from_events  # noqa: E402
-from pipelaunch.pipeline.planner.simulate import simulate  # noqa: E402
+from pipelaunch.pipeline.planner.predict.costs import cost_model_from_events  # noqa: E402
+from pipelaunch.pipeline.planner.predict.simulate import simulate  # noqa: E402
 from pipelaunch.pipeline.runtime.context import RankContext, make_mesh  # noqa: E402
-from pipelaunch.pipeline.runtime.host_allocator import rank_environment  # noqa: E402
 from pipelaunch.pipeline.runtime.trainer import RankTrainer  # noqa: E402
 
 

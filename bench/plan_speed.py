@@ -47,12 +47,12 @@ sys.path.insert(0, str(ROOT))
 PHASES = ("compose", "prepare", "write", "total")
 #: part -> (module, attribute) to time, and the modules that imported it by name
 PARTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "trace": ("pipelaunch.pipeline.planner.traced", "TracedModels.get", ()),
-    "overheads": ("pipelaunch.pipeline.planner.overheads", "cached_overheads", ("pipelaunch.pipeline.planner",)),
-    "schedule": ("pipelaunch.pipeline.planner.schedules", "build_schedule", ("pipelaunch.pipeline.planner.build", "pipelaunch.pipeline.planner.budget")),
-    "lower": ("pipelaunch.pipeline.planner.lowering", "lower", ("pipelaunch.pipeline.planner.build",)),
-    "p2p": ("pipelaunch.pipeline.planner.p2p_check", "check_p2p", ("pipelaunch.pipeline.planner.build",)),
-    "predict": ("pipelaunch.pipeline.planner.predict", "predict", ("pipelaunch.pipeline.planner", "pipelaunch.pipeline.planner.fit")),
+    "trace": ("pipelaunch.pipeline.planner.measure.traced", "TracedModels.get", ()),
+    "overheads": ("pipelaunch.pipeline.planner.measure.overheads", "cached_overheads", ("pipelaunch.pipeline.planner",)),
+    "schedule": ("pipelaunch.pipeline.planner.schedules", "build_schedule", ("pipelaunch.pipeline.planner.build", "pipelaunch.pipeline.planner.fit.budget")),
+    "lower": ("pipelaunch.pipeline.planner.passes.lowering", "lower", ("pipelaunch.pipeline.planner.build",)),
+    "p2p": ("pipelaunch.pipeline.planner.passes.p2p_check", "check_p2p", ("pipelaunch.pipeline.planner.build",)),
+    "predict": ("pipelaunch.pipeline.planner.predict.prediction", "predict", ("pipelaunch.pipeline.planner", "pipelaunch.pipeline.planner.fit.under_cap")),
     "timeline": ("pipelaunch.pipeline.report.timeline", "draw_timeline", ("pipelaunch.launcher.app",)),
     "plan.json": ("pipelaunch.pipeline.core.plan", "Plan.write", ()),
 }

@@ -62,12 +62,12 @@ from pipelaunch.launcher.config import group_configs  # noqa: E402
 from pipelaunch.pipeline.core.errors import ConfigError  # noqa: E402
 from pipelaunch.pipeline.core.ir import Kind, Schedule  # noqa: E402
 from pipelaunch.pipeline.planner.placement import placement_for  # noqa: E402
+from pipelaunch.pipeline.planner.predict.simulate import CostModel, simulate, validate  # noqa: E402
 from pipelaunch.pipeline.planner.schedules import build_schedule  # noqa: E402
 from pipelaunch.pipeline.planner.schedules.auto import AutoSchedule  # noqa: E402
 from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator  # noqa: E402
 from pipelaunch.pipeline.planner.schedules.torch_orders import SHAPES, TorchSchedule  # noqa: E402
-from pipelaunch.pipeline.planner.search import scheduler_variants  # noqa: E402
-from pipelaunch.pipeline.planner.simulate import CostModel, simulate, validate  # noqa: E402
+from pipelaunch.pipeline.planner.search.choose import scheduler_variants  # noqa: E402
 
 RATIOS = {"1:1:1": (1.0, 1.0, 1.0), "1:1:0.5": (1.0, 1.0, 0.5), "1:1.2:0.7": (1.0, 1.2, 0.7)}
 LATENCIES = {"0": 0.0, "5%": 0.05, "10%": 0.10, "paper": math.nan}

@@ -20,6 +20,8 @@ from pipelaunch.launcher.gc_pause import few_full_collections
 from pipelaunch.launcher.initial_weights import Initial
 from pipelaunch.launcher.joined import export_submitit_env, joined_rank_env
 from pipelaunch.launcher.validate import Prepared, group_options, on_cuda, prepare
+from pipelaunch.pipeline.compute.host_allocator import rank_environment
+from pipelaunch.pipeline.compute.memory import peak_memory_bytes
 from pipelaunch.pipeline.core.config import OBJECTIVE_DIRECTION, CheckSplit, TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError, RankFailed
 from pipelaunch.pipeline.core.plan import Plan
@@ -28,8 +30,6 @@ from pipelaunch.pipeline.report.tables import device_memory_table, format_predic
 from pipelaunch.pipeline.report.timeline import draw_timeline
 from pipelaunch.pipeline.runtime.flight_recorder import dump_prefix, nccl_environment
 from pipelaunch.pipeline.runtime.heartbeat import HEARTBEAT_DIR
-from pipelaunch.pipeline.runtime.host_allocator import rank_environment
-from pipelaunch.pipeline.runtime.memory import peak_memory_bytes
 from pipelaunch.pipeline.runtime.progress import launcher_terminal
 
 

@@ -19,11 +19,11 @@ from torch import nn
 
 from pipelaunch.launcher.split_compare import Outcome, ReferenceFailed, compare
 from pipelaunch.models.spec import ModelSpec
+from pipelaunch.pipeline.compute.threads import cpu_threads
 from pipelaunch.pipeline.core.config import CheckSplit, TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.graph.initial_weights import model_bytes
-from pipelaunch.pipeline.runtime.context import cpu_threads
 
 #: check_split=auto checks a model whose parameters and buffers take at most this many bytes (the
 #: check holds them about four times: the stages, the unsplit module, a gradient of each)

@@ -26,9 +26,9 @@ from pipelaunch.pipeline.core.plan import Plan, dtype_of
 from pipelaunch.pipeline.graph.init import uncovered_tensors
 from pipelaunch.pipeline.planner import Planned, make_plan
 from pipelaunch.pipeline.planner.build import plugin
-from pipelaunch.pipeline.planner.predict import Prediction
-from pipelaunch.pipeline.planner.search import SearchResult
-from pipelaunch.pipeline.planner.space import GroupOptions, is_auto
+from pipelaunch.pipeline.planner.predict.prediction import Prediction
+from pipelaunch.pipeline.planner.search.choose import SearchResult
+from pipelaunch.pipeline.planner.search.space import GroupOptions, is_auto
 from pipelaunch.pipeline.runtime.context import bound_to_one_gpu
 
 
@@ -208,7 +208,7 @@ def prepare(cfg: TrainConfig, profile: bool | None = None, device: torch.device 
     costs), every node is measured on this machine one leaf module at a time (cached) and the plan
     is simulated. The profile is taken on the device the run trains on: `device` when this process
     is a rank (its own GPU), else the CPU, or for a GPU run a child process on cuda:0
-    (pipeline/planner/traced.py). Nothing else here touches a GPU. `options`: the group options a
+    (pipeline/planner/measure/traced.py). Nothing else here touches a GPU. `options`: the group options a
     search compares (default: read from this run's search path)."""
     check_config(cfg)
     spec = _build("model", cfg.model)

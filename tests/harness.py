@@ -18,8 +18,8 @@ from pipelaunch.launcher.overrides import compose_checked
 from pipelaunch.launcher.spawn import spawn_ranks
 from pipelaunch.launcher.split_check import check_split
 from pipelaunch.launcher.validate import prepare
+from pipelaunch.pipeline.compute.host_allocator import rank_environment
 from pipelaunch.pipeline.core.config import TrainConfig
-from pipelaunch.pipeline.runtime.host_allocator import rank_environment
 from pipelaunch.pipeline.runtime.rank import RankJob
 from tests.capture import CaptureState, rank_main_many
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipelaunch.pipeline.core.ir import Kind
-from pipelaunch.pipeline.planner.dependencies import (
+from pipelaunch.pipeline.planner.passes.dependencies import (
     COMPLETES,
     READS,
     Progress,
@@ -87,7 +87,7 @@ def test_imports_run_one_way() -> None:
     planner = ROOT / "pipeline" / "planner"
     assert not {m for m in _imports(planner / "dependencies.py") if m.startswith("pipelaunch.pipeline.planner")}
     assert {m for m in _imports(planner / "simulate.py") if m.startswith("pipelaunch.pipeline.planner")} == {
-        "pipelaunch.pipeline.planner.dependencies"}
+        "pipelaunch.pipeline.planner.passes.dependencies"}
     assert "pipelaunch.pipeline.planner.schedules.base" not in _imports(planner / "schedules" / "fuse.py")
     for module in ("pipelaunch.pipeline.planner.schedules.fuse", "pipelaunch.pipeline.planner.schedules.base"):  # each imported first
         subprocess.run([sys.executable, "-c", f"import {module}"], check=True, cwd=ROOT)

@@ -7,10 +7,10 @@ import pytest
 
 from pipelaunch.pipeline.core.ir import Kind, Schedule
 from pipelaunch.pipeline.planner.placement import v_shape
+from pipelaunch.pipeline.planner.predict.simulate import makespan, validate
 from pipelaunch.pipeline.planner.schedules.fuse import MAX_WORK, fuse_slack_backwards
 from pipelaunch.pipeline.planner.schedules.zbv import ZBV
 from pipelaunch.pipeline.planner.schedules.zero_bubble import ZBH2
-from pipelaunch.pipeline.planner.simulate import makespan, validate
 
 
 def count_fused(schedule: Schedule) -> int:

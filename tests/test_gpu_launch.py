@@ -22,8 +22,8 @@ from pipelaunch.launcher.diagnose import where_ranks_were
 from pipelaunch.launcher.validate import check_config, prepare
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.graph.trace import trace_model
-from pipelaunch.pipeline.planner import profile as profile_mod
-from pipelaunch.pipeline.planner.autocast import autocast_dtypes
+from pipelaunch.pipeline.planner.measure import profile as profile_mod
+from pipelaunch.pipeline.planner.measure.autocast import autocast_dtypes
 from pipelaunch.pipeline.runtime import flight_recorder
 from pipelaunch.pipeline.runtime.context import select_device
 from pipelaunch.pipeline.runtime.heartbeat import Heartbeat
@@ -190,7 +190,7 @@ def test_profile_cache_key_names_the_gpu_model_not_its_index(monkeypatch) -> Non
 
 
 def test_a_gpu_run_is_profiled_by_a_child_on_rank_0s_gpu_and_a_rank_on_its_own(fake_gpus, monkeypatch) -> None:
-    from pipelaunch.pipeline.planner import traced as search
+    from pipelaunch.pipeline.planner.measure import traced as search
 
     fake_gpus(2, accelerator=False)  # the stand-ins below profile on the CPU for real
     asked = []
@@ -221,7 +221,7 @@ def test_a_gpu_run_is_profiled_by_a_child_on_rank_0s_gpu_and_a_rank_on_its_own(f
 
 def test_the_profiling_child_retraces_to_the_same_nodes(tmp_path, monkeypatch) -> None:
     """The real child process (on the CPU here): its profile fits the parent's trace node for node."""
-    from pipelaunch.pipeline.planner import traced as search
+    from pipelaunch.pipeline.planner.measure import traced as search
 
     monkeypatch.setenv("PIPELAUNCH_CACHE", str(tmp_path))
     cfg = compose_cfg([*FAST, "pp=2"])

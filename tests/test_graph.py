@@ -14,8 +14,15 @@ from pipelaunch.models.gpt import DecoderBlock, LMHead, gpt
 from pipelaunch.models.resnet import resnet
 from pipelaunch.models.spec import causal_lm_loss
 from pipelaunch.models.unet import unet
+from pipelaunch.pipeline.compute.backward import backward_input, backward_weight
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.graph.trace import TraceError, trace_model
+from pipelaunch.pipeline.planner.measure.profile import (
+    CacheEvictor,
+    last_level_cache_bytes,
+    measure_op,
+    profile_graph,
+)
 from pipelaunch.pipeline.planner.partition import (
     balanced,
     manual,
@@ -23,13 +30,6 @@ from pipelaunch.pipeline.planner.partition import (
     uniform,
     validate_assignment,
 )
-from pipelaunch.pipeline.planner.profile import (
-    CacheEvictor,
-    last_level_cache_bytes,
-    measure_op,
-    profile_graph,
-)
-from pipelaunch.pipeline.runtime.backward import backward_input, backward_weight
 
 
 def tied_gpt(layers: int = 2) -> tuple[nn.Module, torch.Tensor]:

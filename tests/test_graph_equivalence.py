@@ -8,7 +8,7 @@ import pytest
 
 from pipelaunch.launcher.validate import prepare
 from pipelaunch.models.gpt import SUBLAYER_PARTS
-from pipelaunch.pipeline.planner.memory import BudgetExceeded
+from pipelaunch.pipeline.planner.predict.memory import BudgetExceeded
 from tests.harness import assert_state_close, compose_cfg, merge_state, run_jobs
 from tests.reference import reference_run
 

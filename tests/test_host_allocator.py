@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # blocks, after three warm-up ones. Prints whether malloc was tuned and the minor page faults.
 PROBE = """
 import resource, sys, torch
-from pipelaunch.pipeline.runtime.backward import backward_input, backward_weight
-from pipelaunch.pipeline.runtime.host_allocator import configure_host_allocator
+from pipelaunch.pipeline.compute.backward import backward_input, backward_weight
+from pipelaunch.pipeline.compute.host_allocator import configure_host_allocator
 print(configure_host_allocator(sys.argv[1]))
 torch.set_num_threads(1)
 from pipelaunch.models.gpt import DecoderBlock
@@ -64,7 +64,7 @@ def test_bad_host_allocator_is_named() -> None:
 # Touch 64 MiB through torch (as an activation would be) and report the huge pages backing it.
 HUGE_PROBE = """
 import torch
-from pipelaunch.pipeline.runtime.host_allocator import configure_host_allocator, huge_pages_active
+from pipelaunch.pipeline.compute.host_allocator import configure_host_allocator, huge_pages_active
 configure_host_allocator("retain")
 x = torch.ones(16 * 2**20)
 print(huge_pages_active(), next(int(line.split()[1]) for line in open("/proc/self/smaps_rollup")
@@ -82,7 +82,7 @@ def _huge_kib(env: dict[str, str]) -> tuple[bool, int]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc tunables, /proc")
 def test_huge_pages_back_the_rank_heap() -> None:
-    from pipelaunch.pipeline.runtime.host_allocator import (
+    from pipelaunch.pipeline.compute.host_allocator import (
         THP_SETTING,
         rank_environment,
         transparent_huge_pages_available,

@@ -21,16 +21,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipelaunch.launcher.validate import prepare
+from pipelaunch.pipeline.compute.backward import backward_input, backward_weight
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.graph.recompute import recompute_modules
-from pipelaunch.pipeline.planner.remat import (
+from pipelaunch.pipeline.planner.passes.remat import (
     RecomputeInfeasible,
     RecomputeOption,
     choose_recompute,
     recompute_options,
 )
-from pipelaunch.pipeline.runtime.backward import backward_input, backward_weight
 from pipelaunch.pipeline.runtime.stage import StageModule, build_stage_modules
 from tests.harness import FAST, ROOT, assert_state_close, compose_cfg, merge_state, run_jobs
 from tests.reference import reference_run

@@ -15,6 +15,7 @@ import pytest
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.ir import Kind, Schedule
 from pipelaunch.pipeline.planner.placement import interleaved, v_shape
+from pipelaunch.pipeline.planner.predict.simulate import CostModel, simulate, validate
 from pipelaunch.pipeline.planner.schedules import build_schedule
 from pipelaunch.pipeline.planner.schedules.dualpipev import DualPipeV
 from pipelaunch.pipeline.planner.schedules.interleaved import Interleaved1F1B
@@ -25,7 +26,6 @@ from pipelaunch.pipeline.planner.schedules.torch_orders import TorchSchedule
 from pipelaunch.pipeline.planner.schedules.v_memory import VHalf, VMin
 from pipelaunch.pipeline.planner.schedules.zbv import ZBV
 from pipelaunch.pipeline.planner.schedules.zero_bubble import ZBH1, ZBH2
-from pipelaunch.pipeline.planner.simulate import CostModel, simulate, validate
 from tests.harness import FAST, ROOT, compose_cfg, run_jobs
 from tests.test_graph_equivalence import MODELS, _assert_all_match_single_process
 

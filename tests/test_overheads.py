@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 
 from pipelaunch.launcher.validate import prepare
-from pipelaunch.pipeline.planner.overheads import cache_path, cached_overheads
-from pipelaunch.pipeline.planner.predict import predict
+from pipelaunch.pipeline.planner.measure.overheads import cache_path, cached_overheads
+from pipelaunch.pipeline.planner.predict.prediction import predict
 from tests.harness import FAST, assert_no_process_left, compose_cfg, job_processes
 
 

@@ -1,4 +1,4 @@
-"""NCCL's point-to-point rules, proven on lowered programs without a process (pipeline/planner/p2p_check.py).
+"""NCCL's point-to-point rules, proven on lowered programs without a process (pipeline/planner/passes/p2p_check.py).
 
 Every schedule of the scheduler config group on every placement it supports, pp 2-8, with and without recompute,
 training and evaluation programs; programs drawn by hypothesis over skip-connected stage graphs;
@@ -18,8 +18,8 @@ from pipelaunch.launcher.validate import prepare
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.ir import Action, Kind, Schedule
 from pipelaunch.pipeline.core.plan import Plan
-from pipelaunch.pipeline.planner.lowering import lower, sequential_edges
-from pipelaunch.pipeline.planner.p2p_check import P2POrderError, TensorSpec, check_p2p, check_plan
+from pipelaunch.pipeline.planner.passes.lowering import lower, sequential_edges
+from pipelaunch.pipeline.planner.passes.p2p_check import P2POrderError, TensorSpec, check_p2p, check_plan
 from pipelaunch.pipeline.planner.placement import placement_for
 from pipelaunch.pipeline.planner.schedules import build_schedule
 from pipelaunch.pipeline.planner.schedules.inference import Inference

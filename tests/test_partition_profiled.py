@@ -10,8 +10,8 @@ import torch
 
 from pipelaunch.models.gpt import gpt
 from pipelaunch.pipeline.graph.trace import trace_model
+from pipelaunch.pipeline.planner.measure.profile import profile_graph
 from pipelaunch.pipeline.planner.partition import balanced, milp_partition, uniform
-from pipelaunch.pipeline.planner.profile import profile_graph
 
 
 def test_balanced_and_milp_near_lower_bound_on_profiled_gpt_bench(capsys) -> None:

@@ -9,15 +9,15 @@ import pytest
 
 from pipelaunch.launcher.validate import prepare
 from pipelaunch.pipeline.core.errors import ConfigError
-from pipelaunch.pipeline.planner.memory import BudgetExceeded, DeviceMemory
-from pipelaunch.pipeline.planner.search import (
+from pipelaunch.pipeline.planner.predict.memory import BudgetExceeded, DeviceMemory
+from pipelaunch.pipeline.planner.predict.simulate import CostModel, simulate
+from pipelaunch.pipeline.planner.search.choose import (
     Candidate,
     candidates,
     microbatch_counts,
     run_search,
     scheduler_variants,
 )
-from pipelaunch.pipeline.planner.simulate import CostModel, simulate
 from tests.harness import FAST, assert_state_close, compose_cfg, merge_state, run_jobs
 from tests.reference import reference_run
 
@@ -195,7 +195,7 @@ def test_ranks_sharing_too_few_cores_are_predicted_taking_turns(monkeypatch) -> 
     """Four one-thread ranks on two cores: the prediction plays the schedule with busy ranks
     sharing the cores, which is never faster than each rank alone or all the work over the cores."""
     import pipelaunch.pipeline.planner
-    from pipelaunch.pipeline.planner.shared_cores import shared_makespan
+    from pipelaunch.pipeline.planner.predict.shared_cores import shared_makespan
 
     monkeypatch.setattr(pipelaunch.pipeline.planner, "available_cores", lambda: 2)
     p = prepare(compose_cfg([*FAST, "pp=4", "threads=1", "predict=true", "scheduler=1f1b"])).prediction
@@ -233,7 +233,7 @@ def test_a_split_backward_is_priced_as_profiled_not_as_a_share_of_the_fused_one(
     backward in W at the fused price. The simulator reads exactly these."""
     import json
 
-    from pipelaunch.pipeline.planner.costs import cost_model_from_plan
+    from pipelaunch.pipeline.planner.predict.costs import cost_model_from_plan
 
     monkeypatch.setenv("PIPELAUNCH_CACHE", str(tmp_path))
     plan = prepare(compose_cfg([*FAST, "partitioner=balanced", "scheduler=zbv", "pp=2", "microbatches=4"])).plan

@@ -18,8 +18,8 @@ from hydra.core.hydra_config import HydraConfig
 
 from pipelaunch.launcher.config import group_configs, register_configs
 from pipelaunch.pipeline.planner.placement import placement_for
+from pipelaunch.pipeline.planner.predict.simulate import CostModel, simulate
 from pipelaunch.pipeline.planner.schedules import build_schedule
-from pipelaunch.pipeline.planner.simulate import CostModel, simulate
 from tests.harness import CONF, FAST, ROOT, compose_cfg
 from tests.reference import reference_run
 from tests.schedules import schedules

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # A 256 MiB set-up spike, freed; the peak is reset; then 64 MiB held while "training".
 PROBE = """
 import torch
-from pipelaunch.pipeline.runtime.memory import current_memory_bytes, peak_memory_bytes, reset_peak
+from pipelaunch.pipeline.compute.memory import current_memory_bytes, peak_memory_bytes, reset_peak
 cpu = torch.device("cpu")
 spike = torch.ones(64 * 2**20); spike += 1; del spike
 before = peak_memory_bytes(cpu)
@@ -37,7 +37,7 @@ def test_peak_after_reset_measures_what_follows_not_the_set_up() -> None:
 # 4 MiB held before a counted step; in it 16 MiB allocated and freed, then 32 and 8 MiB, the 8 freed.
 TENSOR_PROBE = """
 import torch
-from pipelaunch.pipeline.runtime.memory import TensorPeak
+from pipelaunch.pipeline.compute.memory import TensorPeak
 held = torch.ones(2**20)
 meter = TensorPeak(torch.device("cpu"), lambda: held.untyped_storage().nbytes(), run_steps=3)
 with meter.measure(0):
@@ -67,7 +67,7 @@ def test_tensor_peak_counts_what_tensors_held_at_once_like_cuda_does() -> None:
 SENDS_PROBE = """
 import sys, torch, torch.distributed as dist
 from pipelaunch.pipeline.runtime.comm import P2P
-from pipelaunch.pipeline.runtime.memory import TensorPeak
+from pipelaunch.pipeline.compute.memory import TensorPeak
 rank, store = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
 p2p, peer, one = P2P(torch.device("cpu")), 1 - rank, ((1,), torch.float32)

@@ -25,8 +25,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipelaunch.launcher.validate import prepare
-from pipelaunch.pipeline.planner import optimizer_costs, profile
-from pipelaunch.pipeline.planner.memory import BudgetExceeded
+from pipelaunch.pipeline.planner.measure import optimizer_costs, profile
+from pipelaunch.pipeline.planner.predict.memory import BudgetExceeded
 from tests.harness import compose_cfg
 from tests.test_graph_equivalence import MODELS
 

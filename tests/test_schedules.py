@@ -23,6 +23,7 @@ from pipelaunch.pipeline.planner.placement import (
     v_shape,
     wave,
 )
+from pipelaunch.pipeline.planner.predict.simulate import CostModel, simulate
 from pipelaunch.pipeline.planner.schedules import build_schedule
 from pipelaunch.pipeline.planner.schedules.auto import AutoSchedule
 from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
@@ -32,7 +33,6 @@ from pipelaunch.pipeline.planner.schedules.interleaved import Interleaved1F1B
 from pipelaunch.pipeline.planner.schedules.one_f_one_b import OneFOneB
 from pipelaunch.pipeline.planner.schedules.zbv import ZBV
 from pipelaunch.pipeline.planner.schedules.zero_bubble import ZBH1, ZBH2
-from pipelaunch.pipeline.planner.simulate import CostModel, simulate
 from tests.schedules import build, schedules, training_schedules
 
 EXPECTED = {"gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "hanayo", "zb_h1", "zb_h2", "zbv", "v_half", "v_min",

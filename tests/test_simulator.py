@@ -7,13 +7,13 @@ import math
 import pytest
 
 from pipelaunch.pipeline.core.ir import B, F, I, Schedule, W
-from pipelaunch.pipeline.planner.lowering import lower
+from pipelaunch.pipeline.planner.passes.lowering import lower
 from pipelaunch.pipeline.planner.placement import linear, v_shape
+from pipelaunch.pipeline.planner.predict.simulate import CostModel, ScheduleError, simulate, validate
 from pipelaunch.pipeline.planner.schedules import build_schedule
 from pipelaunch.pipeline.planner.schedules.gpipe import GPipe
 from pipelaunch.pipeline.planner.schedules.one_f_one_b import OneFOneB
 from pipelaunch.pipeline.planner.schedules.zbv import ZBV
-from pipelaunch.pipeline.planner.simulate import CostModel, ScheduleError, simulate, validate
 
 
 def two_stage(actions) -> Schedule:
@@ -129,7 +129,7 @@ def test_fused_backward_priced_apart_from_its_halves() -> None:
 def test_costs_from_events_keep_fused_and_split_backwards_apart() -> None:
     from types import SimpleNamespace
 
-    from pipelaunch.pipeline.planner.costs import cost_model_from_events
+    from pipelaunch.pipeline.planner.predict.costs import cost_model_from_events
 
     plan = SimpleNamespace(stages=[SimpleNamespace(recv_bytes=0, send_bytes=0)] * 2)
     events = [{"stage": s, "kind": k, "start_s": 0.0, "end_s": d}
@@ -157,8 +157,8 @@ def test_split_backward_holds_the_weight_stash_from_i_to_w() -> None:
 
 def test_ranks_sharing_cores_take_turns() -> None:
     """Processor sharing: busy ranks split the cores; a waiting rank leaves its share to the others."""
+    from pipelaunch.pipeline.planner.predict.shared_cores import shared_makespan
     from pipelaunch.pipeline.planner.schedules.inference import Inference
-    from pipelaunch.pipeline.planner.shared_cores import shared_makespan
 
     forward = build_schedule(Inference(), linear(2), 2)
     cost = CostModel.uniform(2, f=1.0)
@@ -182,7 +182,7 @@ def test_ranks_sharing_cores_take_turns() -> None:
 
 
 def test_compute_end_times_are_the_simulated_ends_in_program_order() -> None:
-    from pipelaunch.pipeline.planner.simulate import compute_end_times
+    from pipelaunch.pipeline.planner.predict.simulate import compute_end_times
 
     sched = build_schedule(ZBV(), v_shape(4), 8)
     cost = CostModel.uniform(8, f=1.0, i=1.5, w=0.5, output_bytes=2.0, latency_s=0.1, bandwidth_bytes_per_s=10.0)

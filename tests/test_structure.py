@@ -7,7 +7,7 @@ import sys
 
 from tests.harness import ROOT
 
-PLANNING = ("pipelaunch.pipeline.planner", "pipelaunch.pipeline.planner.partition", "pipelaunch.pipeline.planner.schedules", "pipelaunch.pipeline.planner.profile",
+PLANNING = ("pipelaunch.pipeline.planner", "pipelaunch.pipeline.planner.partition", "pipelaunch.pipeline.planner.schedules", "pipelaunch.pipeline.planner.measure.profile",
             "pipelaunch.launcher.validate", "scipy")
 
 
@@ -42,17 +42,20 @@ def test_the_library_never_imports_the_launcher() -> None:
 
 
 #: package -> the packages it may import: the flow's layers, each above the ones it lists
-#: (the planner reads the runtime's backward split, thread and malloc settings to measure and
-#: predict what a rank will do; the runtime never reads the planner)
+#: (planner and runtime both stand on pipeline.compute, the backward split, threads, allocator and
+#: tensor peaks, so the planner measures what a rank runs without importing the runtime, and the
+#: runtime never reads the planner)
 LAYERS = {
     "pipelaunch.pipeline.core": set(),
     "pipelaunch.pipeline.graph": {"pipelaunch.pipeline.core"},
+    "pipelaunch.pipeline.compute": {"pipelaunch.pipeline.core"},
     "pipelaunch.models": {"pipelaunch.pipeline.core", "pipelaunch.pipeline.graph"},
     "pipelaunch.pipeline.data": {"pipelaunch.pipeline.core", "pipelaunch.pipeline.graph"},
-    "pipelaunch.pipeline.runtime": {"pipelaunch.pipeline.core", "pipelaunch.pipeline.graph", "pipelaunch.models", "pipelaunch.pipeline.data"},
-    "pipelaunch.pipeline.planner": {"pipelaunch.pipeline.core", "pipelaunch.pipeline.graph", "pipelaunch.models", "pipelaunch.pipeline.runtime"},
+    "pipelaunch.pipeline.runtime": {"pipelaunch.pipeline.core", "pipelaunch.pipeline.graph", "pipelaunch.pipeline.compute", "pipelaunch.models",
+                                    "pipelaunch.pipeline.data"},
+    "pipelaunch.pipeline.planner": {"pipelaunch.pipeline.core", "pipelaunch.pipeline.graph", "pipelaunch.pipeline.compute", "pipelaunch.models"},
     "pipelaunch.pipeline.report": {"pipelaunch.pipeline.core", "pipelaunch.pipeline.planner"},
-    "pipelaunch.launcher": {"pipelaunch.pipeline.core", "pipelaunch.pipeline.graph", "pipelaunch.models", "pipelaunch.pipeline.data", "pipelaunch.pipeline.runtime",
+    "pipelaunch.launcher": {"pipelaunch.pipeline.core", "pipelaunch.pipeline.graph", "pipelaunch.pipeline.compute", "pipelaunch.models", "pipelaunch.pipeline.data", "pipelaunch.pipeline.runtime",
                  "pipelaunch.pipeline.planner", "pipelaunch.pipeline.report"},
 }
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 from pipelaunch.pipeline.planner.placement import linear, v_shape
+from pipelaunch.pipeline.planner.predict.simulate import CostModel, simulate
 from pipelaunch.pipeline.planner.schedules import build_schedule
 from pipelaunch.pipeline.planner.schedules.one_f_one_b import OneFOneB
 from pipelaunch.pipeline.planner.schedules.zbv import ZBV
-from pipelaunch.pipeline.planner.simulate import CostModel, simulate
 from pipelaunch.pipeline.report.timeline import draw_timeline, write_chrome_trace
 
 

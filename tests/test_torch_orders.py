@@ -11,13 +11,13 @@ import torch.distributed.pipelining.schedules as ts
 
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.ir import Kind
-from pipelaunch.pipeline.planner.lowering import lower, sequential_edges
-from pipelaunch.pipeline.planner.p2p_check import check_p2p
+from pipelaunch.pipeline.planner.passes.lowering import lower, sequential_edges
+from pipelaunch.pipeline.planner.passes.p2p_check import check_p2p
 from pipelaunch.pipeline.planner.placement import interleaved, linear, placement_for, v_shape
+from pipelaunch.pipeline.planner.predict.simulate import CostModel, simulate, validate
 from pipelaunch.pipeline.planner.schedules import build_schedule
 from pipelaunch.pipeline.planner.schedules.one_f_one_b import OneFOneB
 from pipelaunch.pipeline.planner.schedules.torch_orders import SHAPES, TorchSchedule
-from pipelaunch.pipeline.planner.simulate import CostModel, simulate, validate
 from tests.harness import FAST, assert_state_close, compose_cfg, merge_state, run_jobs
 from tests.reference import reference_run
 

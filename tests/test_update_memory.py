@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from pipelaunch.pipeline.planner.memory import MIB, UpdateMemory, device_memory
-from pipelaunch.pipeline.planner.optimizer_costs import _step_rise, measure_temporaries
+from pipelaunch.pipeline.planner.measure.optimizer_costs import _step_rise, measure_temporaries
+from pipelaunch.pipeline.planner.predict.memory import MIB, UpdateMemory, device_memory
 
 ADAMW = OmegaConf.create({"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 1e-3})
 SGD_MOMENTUM = OmegaConf.create({"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1, "momentum": 0.9})

@@ -133,7 +133,7 @@ def test_budget_makes_room_for_the_schedules_own_in_flight_microbatches() -> Non
 def test_final_schedule_order_is_repriced_with_its_own_counts() -> None:
     """The split is cut for the unit-cost order's counts; the final order's are recorded (the
     device check then plays the final schedule itself)."""
-    from pipelaunch.pipeline.planner.budget import reprice_for_schedule
+    from pipelaunch.pipeline.planner.fit.budget import reprice_for_schedule
     from pipelaunch.pipeline.planner.partition import evaluate
     from pipelaunch.pipeline.planner.partition.common import assignment_from_order
     from pipelaunch.pipeline.planner.placement import linear
@@ -149,7 +149,7 @@ def test_final_schedule_order_is_repriced_with_its_own_counts() -> None:
 
 
 def test_remat_full_budget_prices_the_inputs_kept_for_recomputation() -> None:
-    from pipelaunch.pipeline.planner.budget import reprice_for_schedule
+    from pipelaunch.pipeline.planner.fit.budget import reprice_for_schedule
     from pipelaunch.pipeline.planner.partition import evaluate
     from pipelaunch.pipeline.planner.partition.common import assignment_from_order
     from pipelaunch.pipeline.planner.placement import linear

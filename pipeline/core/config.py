@@ -245,7 +245,7 @@ class TrainConfig:
     resume: str = "none"
     debug: DebugConfig = field(default_factory=DebugConfig)
     #: link model for the simulator's predictions (seconds per message, bytes per second); a
-    #: null latency is measured on CPU/gloo once per machine (`pipelaunch.pipeline.planner.overheads`), and is
+    #: null latency is measured on CPU/gloo once per machine (`pipelaunch.pipeline.planner.measure.overheads`), and is
     #: LINK_LATENCY_S on a GPU
     link_latency_s: float | None = None
     link_bandwidth: float = LINK_BANDWIDTH

@@ -1,7 +1,7 @@
 """Schedules as data: per pipeline rank, an ordered list of actions over (stage, micro-batch).
 
 The same IR feeds the executor, the simulator and the exporters. Generators produce compute
-actions only (F, B, I, W, R); `pipelaunch.pipeline.planner.lowering` derives the sends and receives.
+actions only (F, B, I, W, R); `pipelaunch.pipeline.planner.passes.lowering` derives the sends and receives.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Action(NamedTuple):
 
     A communication action names the stage at the other end (`peer`): it carries the values of
     one stage-graph edge, so it is one message group with one other rank, and the group its peer
-    posts is its exact complement (`pipelaunch.pipeline.planner.lowering`)."""
+    posts is its exact complement (`pipelaunch.pipeline.planner.passes.lowering`)."""
 
     stage: int
     kind: Kind

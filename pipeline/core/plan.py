@@ -29,7 +29,7 @@ class StagePlan:
     every value crossing a stage boundary. `loss_value` names the model output the loss is taken
     on (last stage only). `recompute` names call_module nodes of this stage (leaf modules) whose
     forward is run again in the backward instead of keeping their saved activations: memory for
-    time, chosen per layer (`pipelaunch.pipeline.planner.remat`), unlike an `R` action, which recomputes the
+    time, chosen per layer (`pipelaunch.pipeline.planner.passes.remat`), unlike an `R` action, which recomputes the
     whole stage.
     """
 
@@ -92,7 +92,7 @@ class PlanMeta:
     optimizer_temporaries: list[float] = field(default_factory=lambda: [0.0, 0.0])
     stage_largest_param_bytes: list[float] | None = None
     #: what the runtime pays beyond compute: seconds per message (the predictions' link latency)
-    #: and per compute action (`pipelaunch.pipeline.planner.overheads`)
+    #: and per compute action (`pipelaunch.pipeline.planner.measure.overheads`)
     link_latency_s: float | None = None
     action_overhead_s: float = 0.0
     #: profiled per-stage costs: forward, backward, its input and weight halves; a backward's

@@ -8,7 +8,7 @@ module would add a level to every name inside it. Turning `call_module` into a `
 Non-reentrant checkpoint keeps only the module's inputs; the first unpack of a saved tensor in an
 autograd graph task runs the module's forward again (same RNG state, same autocast). A fused
 backward recomputes once; a split one (I, then W) once in I and once in W
-(`pipelaunch.pipeline.runtime.backward` runs all of W's restarts as one group, so not once per restart).
+(`pipelaunch.pipeline.compute.backward` runs all of W's restarts as one group, so not once per restart).
 """
 
 from __future__ import annotations

@@ -16,28 +16,31 @@ from dataclasses import dataclass, replace
 import torch
 
 from pipelaunch.models.spec import ModelSpec
+from pipelaunch.pipeline.compute.threads import available_cores, cpu_threads
 from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.core.precision import PRECISIONS
 from pipelaunch.pipeline.graph.trace import TracedModel
 from pipelaunch.pipeline.planner.build import PlanRequest, build_plan, needs_profile, plugin_name
-from pipelaunch.pipeline.planner.fit import fit_budget
-from pipelaunch.pipeline.planner.memory import optimizer_states
-from pipelaunch.pipeline.planner.optimizer_costs import optimizer_seconds_per_byte, optimizer_temporaries
-from pipelaunch.pipeline.planner.overheads import cached_overheads
-from pipelaunch.pipeline.planner.predict import Prediction, predict
+from pipelaunch.pipeline.planner.fit.under_cap import fit_budget
+from pipelaunch.pipeline.planner.measure.optimizer_costs import (
+    optimizer_seconds_per_byte,
+    optimizer_temporaries,
+)
+from pipelaunch.pipeline.planner.measure.overheads import cached_overheads
+from pipelaunch.pipeline.planner.measure.traced import TracedModels, micro_batch_size
+from pipelaunch.pipeline.planner.predict.memory import optimizer_states
+from pipelaunch.pipeline.planner.predict.prediction import Prediction, predict
 from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
-from pipelaunch.pipeline.planner.search import Candidate, SearchResult
-from pipelaunch.pipeline.planner.space import (
+from pipelaunch.pipeline.planner.search.choose import Candidate, SearchResult
+from pipelaunch.pipeline.planner.search.space import (
     GroupOptions,
     instantiate_scheduler,
     is_auto,
     search,
     search_space,
 )
-from pipelaunch.pipeline.planner.traced import TracedModels, micro_batch_size
-from pipelaunch.pipeline.runtime.context import available_cores, cpu_threads
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,7 @@ def _autocast_dtypes(cfg: TrainConfig, spec: ModelSpec, traced: TracedModel, mbs
                      cuda: bool) -> dict[str, torch.dtype] | None:
     """Under precision=bf16, the dtype autocast gives every value on the run's device type (what
     a sender produces, so what its receiver allocates); found on fake tensors, no GPU touched."""
-    from pipelaunch.pipeline.planner.autocast import autocast_dtypes
+    from pipelaunch.pipeline.planner.measure.autocast import autocast_dtypes
 
     dtype = PRECISIONS[str(cfg.precision)]
     if dtype is None:

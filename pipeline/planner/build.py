@@ -19,20 +19,20 @@ from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan import Plan, PlanMeta, StagePlan, dtype_name
 from pipelaunch.pipeline.graph.split import split_model
 from pipelaunch.pipeline.graph.trace import TracedModel
-from pipelaunch.pipeline.planner.budget import (
+from pipelaunch.pipeline.planner.fit.budget import (
     device_view,
     partition_request,
     reprice_for_schedule,
     reprice_split,
 )
-from pipelaunch.pipeline.planner.costs import split_backward_cost, stage_held_bytes
-from pipelaunch.pipeline.planner.lowering import lower
-from pipelaunch.pipeline.planner.p2p_check import check_p2p, edge_messages
 from pipelaunch.pipeline.planner.partition import Partition, PartitionRequest, evaluate
 from pipelaunch.pipeline.planner.partition.atomic import contract_unsendable
 from pipelaunch.pipeline.planner.partition.common import assignment_from_order, topo_order
 from pipelaunch.pipeline.planner.partition.rank_balance import rank_balanced_starts
-from pipelaunch.pipeline.planner.remat import per_module_suffices
+from pipelaunch.pipeline.planner.passes.lowering import lower
+from pipelaunch.pipeline.planner.passes.p2p_check import check_p2p, edge_messages
+from pipelaunch.pipeline.planner.passes.remat import per_module_suffices
+from pipelaunch.pipeline.planner.predict.costs import split_backward_cost, stage_held_bytes
 from pipelaunch.pipeline.planner.schedules import build_schedule
 from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
 from pipelaunch.pipeline.planner.schedules.inference import Inference
@@ -147,7 +147,7 @@ class PlanRequest:
     memory_cap: float | None = None
     #: what a device holds beyond the model's tensors, left out of the cap by the partitioners
     reserve_bytes: float = 0.0
-    #: optimizer tensors per parameter (pipelaunch.pipeline.planner.memory)
+    #: optimizer tensors per parameter (pipelaunch.pipeline.planner.predict.memory)
     optimizer_states: int = 0
     bandwidth: float = LINK_BANDWIDTH
     profiled: bool = True

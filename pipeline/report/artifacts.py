@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipelaunch.pipeline.core.plan import Plan
-from pipelaunch.pipeline.planner.costs import cost_model_from_events
-from pipelaunch.pipeline.planner.simulate import simulate
+from pipelaunch.pipeline.planner.predict.costs import cost_model_from_events
+from pipelaunch.pipeline.planner.predict.simulate import simulate
 from pipelaunch.pipeline.report.tables import stage_rows
 from pipelaunch.pipeline.report.timeline import draw_timeline, write_chrome_trace
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.planner.partition.uniform import layer_container
-from pipelaunch.pipeline.planner.simulate import SimResult
+from pipelaunch.pipeline.planner.predict.simulate import SimResult
 
 
 def block_summary(blocks: list[str], keep: int = 8) -> str:

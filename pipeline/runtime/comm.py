@@ -2,7 +2,7 @@
 
 Every SEND/RECV action of the lowered program is one `batch_isend_irecv` group with one peer,
 and its peer posts the complementary group at the same place in their shared order
-(`pipelaunch.pipeline.planner.lowering`). Tags are always 0: NCCL ignores them, and with tag 0 gloo matches a pair's
+(`pipelaunch.pipeline.planner.passes.lowering`). Tags are always 0: NCCL ignores them, and with tag 0 gloo matches a pair's
 messages in posting order as NCCL does, so a CPU run exercises the very semantics a GPU run has.
 Receives are waited for only when the compute that reads them runs; sent tensors are kept alive
 until their transfer completes and released as soon as it has, not held to the end of the step.

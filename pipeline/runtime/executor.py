@@ -20,8 +20,8 @@ from functools import partial
 import torch
 from torch import nn
 
+from pipelaunch.pipeline.compute.backward import WeightGradStash, backward_input, backward_weight
 from pipelaunch.pipeline.core.ir import Action, Kind, Schedule
-from pipelaunch.pipeline.runtime.backward import WeightGradStash, backward_input, backward_weight
 from pipelaunch.pipeline.runtime.comm import P2P
 from pipelaunch.pipeline.runtime.heartbeat import Heartbeat
 

@@ -1,4 +1,4 @@
-"""The probe `pipelaunch.pipeline.planner.overheads` starts: two ranks measuring what the runtime pays per
+"""The probe `pipelaunch.pipeline.planner.measure.overheads` starts: two ranks measuring what the runtime pays per
 message and per compute action, with the runtime's own P2P. Its own program
 (`python -m pipelaunch.pipeline.runtime.probe RANK PORT THREADS`, one JSON line out), so that a probe
 process imports torch and this module, not the launcher's or the planner's."""

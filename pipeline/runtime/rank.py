@@ -9,19 +9,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pipelaunch.pipeline.compute.host_allocator import configure_host_allocator
+from pipelaunch.pipeline.compute.threads import cpu_threads
 from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.runtime.context import (
     RankContext,
     backend_for,
-    cpu_threads,
     env_int,
     make_mesh,
     select_device,
 )
 from pipelaunch.pipeline.runtime.cpu_affinity import bind_rank_to_cores
 from pipelaunch.pipeline.runtime.flight_recorder import apply_nccl_environment
-from pipelaunch.pipeline.runtime.host_allocator import configure_host_allocator
 from pipelaunch.pipeline.runtime.trainer import train_rank
 
 

@@ -20,6 +20,8 @@ from hydra.utils import instantiate
 from torch import nn
 
 from pipelaunch.models.spec import ModelSpec
+from pipelaunch.pipeline.compute.host_allocator import huge_pages_active, release_free_memory
+from pipelaunch.pipeline.compute.memory import TensorPeak, current_memory_bytes, peak_memory_bytes, reset_peak
 from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.core.plan import Plan, dtype_of
 from pipelaunch.pipeline.core.precision import PRECISIONS
@@ -33,8 +35,6 @@ from pipelaunch.pipeline.runtime.dp import SharedGrads, allreduce_gradients
 from pipelaunch.pipeline.runtime.executor import Executor, StageSlot
 from pipelaunch.pipeline.runtime.faults import fault_injection
 from pipelaunch.pipeline.runtime.heartbeat import Heartbeat
-from pipelaunch.pipeline.runtime.host_allocator import huge_pages_active, release_free_memory
-from pipelaunch.pipeline.runtime.memory import TensorPeak, current_memory_bytes, peak_memory_bytes, reset_peak
 from pipelaunch.pipeline.runtime.optim import build_optimizer, clip_gradients
 from pipelaunch.pipeline.runtime.progress import Progress
 from pipelaunch.pipeline.runtime.stage import build_stage_modules

@@ -2,7 +2,7 @@
 
 Why a class at all: `conf/scheduler/auto.yaml` names it as its `_target_`, so that `scheduler=auto`
 is an option of the group like any other, and the launcher recognises it as "search the schedules":
-`plan=auto` with only the schedule varying (`pipelaunch.pipeline.planner.search`), over every training option
+`plan=auto` with only the schedule varying (`pipelaunch.pipeline.planner.search.choose`), over every training option
 of the scheduler config group on the run's search path, a user's own too. It is no schedule itself:
 building one from it is refused, naming what to do instead.
 """

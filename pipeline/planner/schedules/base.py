@@ -3,7 +3,7 @@
 A generator is a small dataclass so that Hydra can build it from `conf/scheduler/<name>.yaml`
 (`_target_` + option fields). It declares which placement `placement=auto` should give it, checks
 its own requirements, and returns compute actions per rank; sends and receives come from
-`pipelaunch.pipeline.planner.lowering`, never from the generator.
+`pipelaunch.pipeline.planner.passes.lowering`, never from the generator.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import ClassVar, NamedTuple
 
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.ir import Action
+from pipelaunch.pipeline.planner.predict.simulate import makespan, simulate_programs
 from pipelaunch.pipeline.planner.schedules.fuse import fuse_slack_backwards
 from pipelaunch.pipeline.planner.schedules.weight_fill import (
     Filled,
@@ -23,7 +24,6 @@ from pipelaunch.pipeline.planner.schedules.weight_fill import (
     StageMemory,
     fill_weight_grads,
 )
-from pipelaunch.pipeline.planner.simulate import makespan, simulate_programs
 
 #: actions the candidates of one schedule may place in all: past it (and once one candidate
 #: succeeded) the rest are skipped, so that large plans stay within seconds; candidates come most

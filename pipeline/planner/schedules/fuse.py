@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipelaunch.pipeline.core.ir import Action, Kind
-from pipelaunch.pipeline.planner.simulate import simulate_programs
+from pipelaunch.pipeline.planner.predict.simulate import simulate_programs
 
 #: above this many (pair x action) simulations the pass is skipped: it stays well under a second
 #: for the schedules people train with, and plan mode must answer for pp=64 in seconds

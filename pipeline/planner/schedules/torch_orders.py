@@ -34,9 +34,9 @@ from typing import Any, ClassVar, NamedTuple
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.ir import Action, Kind, Schedule
 from pipelaunch.pipeline.planner.placement import from_kind
+from pipelaunch.pipeline.planner.predict.simulate import ScheduleError, validate
 from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
 from pipelaunch.pipeline.planner.schedules.interleaved import _StagesPerRank
-from pipelaunch.pipeline.planner.simulate import ScheduleError, validate
 
 
 class TorchShape(NamedTuple):

@@ -14,7 +14,7 @@ an input, so the same pass serves every placement (linear, V, interleaved) and m
 
 The placement is a play-through with exact end times: a rank's action starts when its rank is free
 and its inputs have arrived (the previous stage's F, or the next stage's B/I, plus the hop between
-their ranks), the rules of `pipelaunch.pipeline.planner.dependencies`. Ranks advance in dependency order, each as
+their ranks), the rules of `pipelaunch.pipeline.planner.passes.dependencies`. Ranks advance in dependency order, each as
 far as its inputs allow, so the gap before every critical action is known when its W are placed.
 """
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.ir import Action, Kind, W, action_table
-from pipelaunch.pipeline.planner.dependencies import note_waiting
+from pipelaunch.pipeline.planner.passes.dependencies import note_waiting
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from typing import ClassVar
 
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.ir import Action, F, I, Kind, W, action_table
-from pipelaunch.pipeline.planner.dependencies import Step, Wait, released_stage, wait_table
+from pipelaunch.pipeline.planner.passes.dependencies import Step, Wait, released_stage, wait_table
 from pipelaunch.pipeline.planner.schedules.base import (
     Candidate,
     ScheduleGenerator,
@@ -96,7 +96,7 @@ class _ListScheduler:
     """One play-through. Time advances from one action end to the next; at each, the ranks that
     may have something new to do pick by the priorities of the module docstring (`_pick`), and
     what they pick is appended to their programs. Readiness follows
-    `pipelaunch.pipeline.planner.dependencies` without transfers; `ends` holds when each picked F and B/I
+    `pipelaunch.pipeline.planner.passes.dependencies` without transfers; `ends` holds when each picked F and B/I
     ends. The options are `list_schedule`'s."""
 
     def __init__(

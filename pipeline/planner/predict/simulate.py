@@ -8,7 +8,7 @@ Semantics (the same contract the executor follows):
 
 * A rank runs its actions strictly in program order; one action at a time.
 * An action starts once what it waits for has finished, by the rules of
-  `pipelaunch.pipeline.planner.dependencies` (F after the previous stage's F, B/I after its own F, R and the
+  `pipelaunch.pipeline.planner.passes.dependencies` (F after the previous stage's F, B/I after its own F, R and the
   next stage's B/I, W after its I, R after its F), plus a transfer where the wait crosses ranks.
 * Sends are asynchronous: a transfer of `output_bytes[s]` takes `latency_s + bytes / bandwidth`
   and never blocks the sender. Links have no contention (each transfer is independent).
@@ -39,7 +39,7 @@ from operator import itemgetter
 from typing import NamedTuple
 
 from pipelaunch.pipeline.core.ir import Action, Kind, Schedule
-from pipelaunch.pipeline.planner.dependencies import (
+from pipelaunch.pipeline.planner.passes.dependencies import (
     COMPLETES,
     READS,
     Progress,
@@ -310,7 +310,7 @@ def simulate(schedule: Schedule, cost: CostModel, check: bool = True, memory: bo
 def compute_end_times(schedule: Schedule, cost: CostModel) -> list[list[float]]:
     """Per rank, when each action of its compute program ends (program order), unchecked: the
     play of `simulate` without the result (events, peaks), for callers that need only the times
-    (`pipelaunch.pipeline.planner.lowering.causal_order`). Raises ScheduleError on a deadlock."""
+    (`pipelaunch.pipeline.planner.passes.lowering.causal_order`). Raises ScheduleError on a deadlock."""
     play = _Play(schedule, cost)
     play.run()
     ends = [[0.0] * len(program) for program in play.programs]
@@ -336,7 +336,7 @@ class _Effect(NamedTuple):
 
 class _Play:
     """One simulated step: every rank runs its compute program in order, each action starting once
-    the rules of `pipelaunch.pipeline.planner.dependencies` allow it; the loop follows ranks as they unblock."""
+    the rules of `pipelaunch.pipeline.planner.passes.dependencies` allow it; the loop follows ranks as they unblock."""
 
     def __init__(self, schedule: Schedule, cost: CostModel, memory: bool = True) -> None:
         self.schedule, self.cost, self.memory = schedule, cost, memory

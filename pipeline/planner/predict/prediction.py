@@ -1,7 +1,7 @@
 """Predict a run before it starts: simulate the plan on its profile and price each device's memory.
 
 `mode=plan` prints this prediction without starting any rank; `plan=auto` and `scheduler=auto`
-(`pipelaunch.pipeline.planner.search`) rank their candidates by it.
+(`pipelaunch.pipeline.planner.search.choose`) rank their candidates by it.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import torch
 
 from pipelaunch.pipeline.core.plan import Plan
-from pipelaunch.pipeline.planner.costs import cost_model_from_plan
-from pipelaunch.pipeline.planner.memory import DeviceMemory, UpdateMemory, device_memory
-from pipelaunch.pipeline.planner.shared_cores import shared_makespan
-from pipelaunch.pipeline.planner.simulate import CostModel, SimResult, simulate
+from pipelaunch.pipeline.planner.predict.costs import cost_model_from_plan
+from pipelaunch.pipeline.planner.predict.memory import DeviceMemory, UpdateMemory, device_memory
+from pipelaunch.pipeline.planner.predict.shared_cores import shared_makespan
+from pipelaunch.pipeline.planner.predict.simulate import CostModel, SimResult, simulate
 
 
 @dataclass
@@ -66,7 +66,7 @@ def predict(plan: Plan, latency_s: float, bandwidth: float) -> Prediction:
                                                 tuple(plan.meta.optimizer_temporaries), plan.dp))
     schedule_s = result.makespan_s
     slots = plan.meta.rank_slots
-    if slots:  # more local ranks than cores: busy ranks share them (pipeline/planner/shared_cores.py)
+    if slots:  # more local ranks than cores: busy ranks share them (pipeline/planner/predict/shared_cores.py)
         schedule_s = shared_makespan(plan.schedule, cost, slots, plan.dp)
     per_byte = float(plan.meta.optimizer_s_per_byte or 0.0)
     optimizer = [d.params * per_byte for d in devices]

@@ -13,13 +13,13 @@ import torch
 from hydra.utils import instantiate
 
 from pipelaunch.models.spec import ModelSpec
+from pipelaunch.pipeline.compute.host_allocator import configure_host_allocator
+from pipelaunch.pipeline.compute.threads import cpu_threads
 from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.graph.trace import TracedModel
-from pipelaunch.pipeline.planner.predict import profiling_threads
-from pipelaunch.pipeline.planner.profile import apply_profile, profile_graph, profiled_nodes
-from pipelaunch.pipeline.runtime.context import cpu_threads
-from pipelaunch.pipeline.runtime.host_allocator import configure_host_allocator
+from pipelaunch.pipeline.planner.measure.profile import apply_profile, profile_graph, profiled_nodes
+from pipelaunch.pipeline.planner.predict.prediction import profiling_threads
 
 
 class TracedModels:

@@ -94,7 +94,7 @@ def groups_of(schedule: Schedule, messages: dict[tuple[int, int], tuple[list[Ten
                 continue
             if a.peer is None:
                 problems.append(f"rank {rank}: {a} (action #{pos}) names no peer stage; lower the schedule with "
-                                "pipelaunch.pipeline.planner.lowering.lower")
+                                "pipelaunch.pipeline.planner.passes.lowering.lower")
                 continue
             direction, send, outgoing = _DIRECTION[kind]
             edge = (a.stage, a.peer) if outgoing else (a.peer, a.stage)
@@ -216,7 +216,7 @@ def _check_pairs(schedule: Schedule, groups: list[list[Group]]) -> None:
                     "messages in posting order, so it would "
                     + ("hang waiting for the missing partner" if g is None or h is None else
                        "hand one message's tensors to another (or hang on a size mismatch)")
-                    + "; both ends must post the same messages in the same order (pipelaunch.pipeline.planner.lowering.lower "
+                    + "; both ends must post the same messages in the same order (pipelaunch.pipeline.planner.passes.lowering.lower "
                     "does so)")
 
 

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from pipelaunch.pipeline.planner.profile import cache_dir
-from pipelaunch.pipeline.runtime.context import available_cores
+from pipelaunch.pipeline.compute.threads import available_cores
+from pipelaunch.pipeline.planner.measure.profile import cache_dir
 
 #: the repository root: where `python -m pipelaunch.pipeline.runtime.probe` finds the package
 ROOT = Path(__file__).resolve().parents[2]

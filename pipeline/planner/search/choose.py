@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pipelaunch.pipeline.core.errors import ConfigError
-from pipelaunch.pipeline.planner.memory import MIB, BudgetExceeded, DeviceMemory, budget_message
-from pipelaunch.pipeline.planner.predict import Prediction
+from pipelaunch.pipeline.planner.predict.memory import MIB, BudgetExceeded, DeviceMemory, budget_message
+from pipelaunch.pipeline.planner.predict.prediction import Prediction
 
 #: keys of a scheduler option that are not settings (the variants vary the others)
 _NOT_SETTINGS = ("_target_", "_partial_", "_recursive_", "name", "candidates", "cost_aware")

@@ -5,7 +5,7 @@ more ranks are busy, and at full speed while the others wait in their bubbles. `
 each rank a core of its own, and the bound "all ranks' work over the cores" ignores the bubbles
 and the order. Here every busy rank progresses at `min(1, slots / busy)` of its own speed (the
 kernel shares cores fairly among runnable processes; a rank waiting for a transfer is not
-runnable), with the dependency rules of `pipelaunch.pipeline.planner.dependencies` and the transfers of
+runnable), with the dependency rules of `pipelaunch.pipeline.planner.passes.dependencies` and the transfers of
 `simulate`. Data-parallel replicas run the same program at the same time, so each busy pipeline
 rank counts `replicas` times.
 
@@ -21,8 +21,8 @@ import heapq
 import math
 
 from pipelaunch.pipeline.core.ir import Action, Kind, Schedule
-from pipelaunch.pipeline.planner.dependencies import COMPLETES, Progress, remat_pairs, wait_table
-from pipelaunch.pipeline.planner.simulate import CostModel, ScheduleError, transfer_delays
+from pipelaunch.pipeline.planner.passes.dependencies import COMPLETES, Progress, remat_pairs, wait_table
+from pipelaunch.pipeline.planner.predict.simulate import CostModel, ScheduleError, transfer_delays
 
 
 def shared_makespan(schedule: Schedule, cost: CostModel, slots: float, replicas: int = 1) -> float:
@@ -32,7 +32,7 @@ def shared_makespan(schedule: Schedule, cost: CostModel, slots: float, replicas:
 
 
 class _SharedPlay:
-    """The play-through: ranks start actions as `pipelaunch.pipeline.planner.dependencies` allows; the busy
+    """The play-through: ranks start actions as `pipelaunch.pipeline.planner.passes.dependencies` allows; the busy
     ones advance one virtual clock together."""
 
     def __init__(self, schedule: Schedule, cost: CostModel, slots: float, replicas: int) -> None:

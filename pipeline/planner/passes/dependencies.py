@@ -1,8 +1,8 @@
 """The dependency rules of the schedule IR, stated once: what an action waits for.
 
 Three players run a pipeline forward in time and must agree on them: the simulator
-(`pipelaunch.pipeline.planner.simulate`), the step with ranks sharing too few cores
-(`pipelaunch.pipeline.planner.shared_cores`) and the list scheduler that orders the zero-bubble schedules
+(`pipelaunch.pipeline.planner.predict.simulate`), the step with ranks sharing too few cores
+(`pipelaunch.pipeline.planner.predict.shared_cores`) and the list scheduler that orders the zero-bubble schedules
 (`pipelaunch.pipeline.planner.schedules.zero_bubble`). The executor follows the same contract.
 
 * F(s, mb) waits for F(s-1, mb): its input, across the cut between stages s-1 and s.

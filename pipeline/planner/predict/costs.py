@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from pipelaunch.pipeline.core.plan import Plan, StagePlan
-from pipelaunch.pipeline.planner.simulate import CostModel
+from pipelaunch.pipeline.planner.predict.simulate import CostModel
 
 #: share of a measured backward that is weight-gradient work when only B was timed.
 DEFAULT_WEIGHT_SHARE = 0.5
@@ -89,7 +89,7 @@ def cost_model_from_plan(plan: Plan, latency_s: float, bandwidth: float) -> Cost
         bwd_w[s] += extra
         if s > 0:
             bwd_i[s] += extra
-    # the runtime's fixed cost per compute action (measured: pipelaunch.pipeline.planner.overheads)
+    # the runtime's fixed cost per compute action (measured: pipelaunch.pipeline.planner.measure.overheads)
     fixed = float(plan.meta.action_overhead_s or 0.0)
     if fixed:
         fwd, bwd, bwd_i, bwd_w = ([x + fixed for x in xs] for xs in (fwd, bwd, bwd_i, bwd_w))

@@ -1,7 +1,7 @@
 """Make a plan fit `memory.cap_bytes` on every device, or say which device does not and by how much.
 
 Under `remat=auto` the devices over the cap recompute chosen leaf modules in the backward
-(`pipelaunch.pipeline.planner.remat`: an ILP that frees the bytes, net of the rerun buffer, for the
+(`pipelaunch.pipeline.planner.passes.remat`: an ILP that frees the bytes, net of the rerun buffer, for the
 least recompute time); the plan records them per stage (`StagePlan.recompute`), their saved bytes
 leave the stage's activations, their forward time joins its backward (twice on a split I/W
 backward), the largest recomputed module's activations are priced as a buffer, and the schedule
@@ -29,9 +29,7 @@ import networkx as nx
 
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan import Plan
-from pipelaunch.pipeline.planner.memory import MIB, BudgetExceeded, over_budget
-from pipelaunch.pipeline.planner.predict import Prediction, predict
-from pipelaunch.pipeline.planner.remat import (
+from pipelaunch.pipeline.planner.passes.remat import (
     RecomputeInfeasible,
     RecomputeOption,
     choose_recompute,
@@ -39,6 +37,8 @@ from pipelaunch.pipeline.planner.remat import (
     net_frees,
     recompute_options,
 )
+from pipelaunch.pipeline.planner.predict.memory import MIB, BudgetExceeded, over_budget
+from pipelaunch.pipeline.planner.predict.prediction import Prediction, predict
 
 #: what helps besides recomputation
 OTHER_REMEDIES = ("pick a schedule that holds fewer micro-batches (1f1b rather than gpipe), use more stages or a "

@@ -19,10 +19,10 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from pipelaunch.pipeline.compute.memory import TensorPeak
 from pipelaunch.pipeline.core.config import PluginConfig
-from pipelaunch.pipeline.planner.predict import profiling_threads
-from pipelaunch.pipeline.planner.profile import load_cached, save_cached
-from pipelaunch.pipeline.runtime.memory import TensorPeak
+from pipelaunch.pipeline.planner.measure.profile import load_cached, save_cached
+from pipelaunch.pipeline.planner.predict.prediction import profiling_threads
 
 #: how the temporaries are measured and stored (part of the cache key)
 MEASURE_VERSION = "2-and-4-tensors-v2"

@@ -14,7 +14,7 @@ compute that produces it, and every rank posts its messages in that one global o
 right after the compute that produces it, a receive as early as that order allows (so transfers
 overlap compute). Then the earliest message not yet delivered is always at the head of both its
 ranks' streams and its producer has run: no pair mismatches and nothing deadlocks, whatever the
-timing. `pipelaunch.pipeline.planner.p2p_check` proves both properties for a finished Plan.
+timing. `pipelaunch.pipeline.planner.passes.p2p_check` proves both properties for a finished Plan.
 
 Neighbours on the same rank exchange tensors in memory, with no action. Non-sequential stage
 graphs (skip connections) are handled by `edges`: the producer->consumer stage pairs; by default
@@ -44,7 +44,7 @@ def causal_order(schedule: Schedule) -> list[list[int]]:
 
     Played with unit costs: every action lasts 1, so a consumer ends strictly after its producer;
     ties between ranks are broken by rank (a rank's ends all differ, and come in program order)."""
-    from pipelaunch.pipeline.planner.simulate import CostModel, compute_end_times
+    from pipelaunch.pipeline.planner.predict.simulate import CostModel, compute_end_times
 
     compute = Schedule(schedule.name, schedule.num_stages, schedule.num_microbatches, list(schedule.placement),
                        schedule.compute_only(), schedule.training)

@@ -19,10 +19,11 @@ from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.planner.build import plugin_name
-from pipelaunch.pipeline.planner.fit import fit_budget
-from pipelaunch.pipeline.planner.predict import Prediction, predict
+from pipelaunch.pipeline.planner.fit.under_cap import fit_budget
+from pipelaunch.pipeline.planner.measure.traced import TracedModels, micro_batch_size
+from pipelaunch.pipeline.planner.predict.prediction import Prediction, predict
 from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
-from pipelaunch.pipeline.planner.search import (
+from pipelaunch.pipeline.planner.search.choose import (
     Candidate,
     SearchResult,
     candidates,
@@ -31,7 +32,6 @@ from pipelaunch.pipeline.planner.search import (
     run_search,
     scheduler_variants,
 )
-from pipelaunch.pipeline.planner.traced import TracedModels, micro_batch_size
 
 
 @dataclass(frozen=True)

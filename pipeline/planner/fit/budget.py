@@ -1,7 +1,7 @@
 """The memory budget, as the partitioners see it: one stage priced on its own device.
 
 `memory.cap_bytes` caps each device (pipeline rank): parameters, gradients, optimizer state and the
-activations all its stages hold at the schedule's peak (`pipelaunch.pipeline.planner.memory`, checked on the
+activations all its stages hold at the schedule's peak (`pipelaunch.pipeline.planner.predict.memory`, checked on the
 simulated schedule once the split exists). Before that, a partitioner cuts so that each stage
 alone fits the device: its parameters count `2 + optimizer states` times (the parameter, its
 gradient, the optimizer's tensors), and its activations once per micro-batch the schedule keeps in

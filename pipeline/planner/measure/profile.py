@@ -34,8 +34,8 @@ import networkx as nx
 import torch
 from torch import fx, nn
 
+from pipelaunch.pipeline.compute.backward import WeightGradStash, backward_input, backward_weight
 from pipelaunch.pipeline.graph.trace import COMPUTE_OPS, TracedModel, retarget
-from pipelaunch.pipeline.runtime.backward import WeightGradStash, backward_input, backward_weight
 
 #: what is timed per node: forward, fused backward, and the runtime's split backward (I, then W)
 TIMES = ("forward_s", "backward_s", "backward_input_s", "backward_weight_s")

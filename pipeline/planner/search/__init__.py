@@ -1,0 +1,1 @@
+"""`plan=auto` and `scheduler=auto`: the candidates built from the config groups' options, planned, predicted and ranked."""
