@@ -7,6 +7,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,9 @@ from pipelaunch.pipeline.compute.memory import peak_memory_bytes
 from pipelaunch.pipeline.core.config import OBJECTIVE_DIRECTION, CheckSplit, TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError, RankFailed
 from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.core.results import RankResult
 from pipelaunch.pipeline.report.artifacts import report_run
+from pipelaunch.pipeline.report.metrics import RunMetrics
 from pipelaunch.pipeline.report.tables import device_memory_table, format_prediction, stage_table
 from pipelaunch.pipeline.report.timeline import draw_timeline
 from pipelaunch.pipeline.runtime.flight_recorder import dump_prefix, nccl_environment
@@ -82,31 +85,25 @@ def spawn(cfg: TrainConfig, prepared: Prepared, initial: Initial, run_dir: Path)
         where = where_ranks_were(beats, plan, flight, since=started)
         raise RankFailed(f"{err}\n{where}" if where else str(err)) from None
     metrics = finish_report(results[0], plan, cfg, run_dir)
+    history = metrics.history
     if plan.meta.device_memory:
-        print(device_memory_table(plan, metrics["ranks"]), flush=True)
+        print(device_memory_table(plan, history.ranks), flush=True)
     print(
-        f"done: median step {metrics['step_time_s'] * 1e3:.1f} ms, {metrics['tokens_per_s']:.0f} {metrics.get('throughput_unit', 'tokens')}/s, "
-        f"final loss {metrics['losses'][-1]:.4f}; metrics in {run_dir / 'metrics.json'}",
+        f"done: median step {history.step_time_s * 1e3:.1f} ms, {history.tokens_per_s:.0f} {history.throughput_unit}/s, "
+        f"final loss {history.losses[-1]:.4f}; metrics in {run_dir / 'metrics.json'}",
         flush=True,
     )
-    return metrics
+    return metrics.to_json()
 
 
-def finish_report(rank0: dict, plan: Plan, cfg: TrainConfig, run_dir: Path) -> dict:
-    """metrics.json and the run's pictures from rank 0's result, with what the plan predicted
-    before any rank started and what a search chose."""
-    metrics = rank0["metrics"]
-    predicted = plan.meta.prediction
-    if predicted:
-        metrics["planned_step_time_s"] = predicted["step_time_s"]
-        metrics["planned_schedule_s"] = predicted["schedule_s"]
-    if plan.meta.search:
-        metrics["plan_search"] = plan.meta.search
+def finish_report(rank0: RankResult, plan: Plan, cfg: TrainConfig, run_dir: Path) -> RunMetrics:
+    """metrics.json and the run's pictures from rank 0's result, the plan (what it predicted
+    before any rank started, what a search chose) and the config."""
+    latency = plan.meta.machine.link_latency_s
+    latency = cfg.link[0] if latency is None else latency
     # the launcher plans on the meta device: its own peak stays far below the model's size
-    metrics["launcher_peak_memory_bytes"] = peak_memory_bytes(torch.device("cpu"))
-    latency = cfg.link[0] if plan.meta.link_latency_s is None else plan.meta.link_latency_s
-    metrics["link_latency_s"], metrics["action_overhead_s"] = latency, plan.meta.action_overhead_s
-    return report_run(rank0, plan, (latency, cfg.link_bandwidth), run_dir)
+    return report_run(rank0, plan, cfg.to_dict(), (latency, cfg.link_bandwidth),
+                      peak_memory_bytes(torch.device("cpu")), run_dir)
 
 
 def print_search(cfg: TrainConfig, prepared: Prepared) -> None:
@@ -158,7 +155,7 @@ def join(cfg: TrainConfig, run_dir: Path) -> dict:
         job = RankJob(cfg, plan, str(run_dir), resume_from=validated.resume_from,
                       initial_weights=str(initial.path) if initial.path is not None else None)
         result = run_job(job, rank, device)
-    metrics = finish_report(result, plan, cfg, run_dir) if rank == 0 else {}
+    metrics = finish_report(result, plan, cfg, run_dir).to_json() if rank == 0 else {}
     leave_process_group()
     return metrics
 
@@ -171,16 +168,15 @@ def dry_run(prepared: Prepared, run_dir: Path) -> dict:
     print(f"\nschedule {plan.schedule.name} (compute actions per pipeline rank):\n{plan.schedule.grid()}\n")
     print(format_prediction(pred.result), flush=True)
     draw_timeline(run_dir / "timeline.png", pred.result.events, title=f"simulated {plan.schedule.name} pp={plan.pp}")
-    # per sample: tokens for language models, one for image models (as the ranks count tokens_per_s)
-    per_sample = prepared.spec.input_shape[0] if prepared.spec.input_dtype == torch.long else 1
-    tokens_per_step = plan.dp * plan.microbatches * plan.micro_batch_size * per_sample
+    # as the ranks count tokens_per_s: tokens for language models, samples otherwise
+    tokens_per_step = plan.dp * plan.microbatches * plan.micro_batch_size * prepared.spec.tokens_per_sample
     summary = {"mode": "plan", "schedule": plan.schedule.name, **pred.result.summary(),
                "planned_step_time_s": pred.step_s,
                "planned_tokens_per_s": tokens_per_step / pred.step_s if pred.step_s > 0 else 0.0,
                "bubble_per_rank": pred.result.bubble, "peak_activation_bytes_per_rank": pred.result.peak_activation_bytes,
                "device_memory": [d.to_dict() for d in pred.devices]}
     if plan.meta.search:
-        summary["plan_search"] = plan.meta.search
+        summary["plan_search"] = asdict(plan.meta.search)
     (run_dir / "prediction.json").write_text(json.dumps(summary, indent=1))
     print(f"wrote {run_dir / 'plan.json'}, {run_dir / 'prediction.json'} and {run_dir / 'timeline.png'}")
     return summary

@@ -232,7 +232,7 @@ def check_data(cfg: TrainConfig, spec: ModelSpec) -> None:
     by hand) each disagreement names the model key to set and its value."""
     data_vocab, model_vocab = cfg.data.get("vocab_size"), spec.meta.get("vocab_size")
     data_kind = cfg.data.get("kind", "tokens")
-    model_kind = "tokens" if spec.input_dtype == torch.long else "images"
+    model_kind = "tokens" if spec.takes_tokens else "images"
     adapter = "input" in cfg.model  # model=module: input, target and loss are the user's
     if data_kind != model_kind:
         if adapter:

@@ -72,6 +72,23 @@ class ModelSpec:
             return self.build()
 
     @property
+    def takes_tokens(self) -> bool:
+        """Whether the model reads token ids (a language model), the one test of it: the data it
+        takes, and what its throughput counts."""
+        return self.input_dtype == torch.long
+
+    @property
+    def tokens_per_sample(self) -> int:
+        """What one sample counts for in `tokens_per_s`: its sequence length for a model reading
+        token ids, else 1 (an image: the throughput counts samples, `throughput_unit`)."""
+        return int(self.input_shape[0]) if self.takes_tokens else 1
+
+    @property
+    def throughput_unit(self) -> str:
+        """What `tokens_per_s` counts: tokens, or samples for a model not reading token ids."""
+        return "tokens" if self.takes_tokens else "samples"
+
+    @property
     def from_checkpoint(self) -> bool:
         """Whether `load` holds the model's weights (pretrained), so no initialiser's values survive."""
         return self.load is not None and bool(getattr(self.load, "checkpoint", False))

@@ -75,8 +75,8 @@ def merge_state(rank_results: list[dict], key: str, dp_rank: int = 0) -> dict[st
     """Stitch one replica's per-stage tensors back into one name -> tensor map."""
     merged: dict[str, torch.Tensor] = {}
     for res in rank_results:
-        if res["rank_info"]["dp_rank"] == dp_rank:
-            merged.update(res["state"][key])
+        if res.rank_info.dp_rank == dp_rank:
+            merged.update(res.extras["state"][key])
     return merged
 
 

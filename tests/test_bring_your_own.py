@@ -66,7 +66,7 @@ def _check(cases: list[tuple[str, dict]], tmp_path) -> None:
             for case, ranks in zip(group, run_jobs([cfg for _, cfg in group], tmp_path / f"logs{w}"), strict=True)]
     for (what, cfg), ranks in done:
         ref = reference_run(cfg)
-        assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
+        assert ranks[0].losses == pytest.approx(ref["losses"], rel=1e-5), what
         exact = not what.startswith(ROUNDS_OTHERWISE)
         for d in range(cfg.dp):
             assert_state_close(merge_state(ranks, "grads_step0", d), ref["grads_step0"], f"{what} replica {d} grads",

@@ -38,7 +38,7 @@ def test_spawned_ranks_report_their_cores(tmp_path, choice) -> None:
     allowed = sorted(os.sched_getaffinity(0))
     cfg = compose_cfg([*FAST, "pp=2", "scheduler=1f1b", "steps=1", f"cpu_affinity={choice}"])
     (ranks,) = run_jobs([cfg], tmp_path / "logs")
-    cores = [r["rank_info"]["cpu_cores"] for r in ranks]
+    cores = [r.rank_info.cpu_cores for r in ranks]
     if choice == "auto" and len(allowed) >= 2:
         assert cores == [[allowed[0]], [allowed[1]]]
     else:  # left to the OS: every rank may run anywhere it was allowed to

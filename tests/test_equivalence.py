@@ -60,8 +60,8 @@ def test_gradients_and_weights_match_single_process(world: int, remats: tuple[st
     results = run_jobs([cfg for cfg, _ in cases], tmp_path / "logs")
     for (cfg, what), ranks in zip(cases, results, strict=True):
         ref = reference_run(cfg)
-        assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
-        assert not any(r["unneeded_imports"] for r in ranks), [r["unneeded_imports"] for r in ranks]
+        assert ranks[0].losses == pytest.approx(ref["losses"], rel=1e-5), what
+        assert not any(r.extras["unneeded_imports"] for r in ranks), [r.extras["unneeded_imports"] for r in ranks]
         for d in range(cfg.dp):
             assert_state_close(merge_state(ranks, "grads_step0", d), ref["grads_step0"], f"{what} replica {d} grads")
             assert_state_close(merge_state(ranks, "params_final", d), ref["params_final"], f"{what} replica {d} weights")
@@ -80,7 +80,7 @@ def test_profiled_partitioners_match_single_process(pp: int, tmp_path) -> None:
     results = run_jobs(cfgs, tmp_path / "logs")
     for part, cfg, ranks in zip(parts, cfgs, results, strict=True):
         ref = reference_run(cfg)
-        assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5), part
+        assert ranks[0].losses == pytest.approx(ref["losses"], rel=1e-5), part
         assert_state_close(merge_state(ranks, "grads_step0"), ref["grads_step0"], f"{part} pp={pp} grads")
         assert_state_close(merge_state(ranks, "params_final"), ref["params_final"], f"{part} pp={pp} weights")
 
@@ -113,7 +113,7 @@ def test_remat_auto_recomputes_modules_only_on_the_devices_over_budget_and_match
     results = run_jobs(cfgs, tmp_path / "logs")
     for cfg, ranks, what in zip(cfgs, results, ["1f1b pp=4 remat=auto", "gpipe pp=2 dp=2 remat=auto"], strict=True):
         ref = reference_run(cfg)
-        assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
+        assert ranks[0].losses == pytest.approx(ref["losses"], rel=1e-5), what
         for d in range(cfg.dp):
             assert_state_close(merge_state(ranks, "grads_step0", d), ref["grads_step0"], f"{what} replica {d} grads")
             assert_state_close(merge_state(ranks, "params_final", d), ref["params_final"], f"{what} replica {d} weights")
@@ -129,15 +129,15 @@ def test_inference_outputs_equal_single_process_forward(tmp_path) -> None:
     cfgs = [compose_cfg([*FAST, "scheduler=inference", f"pp={pp}", "microbatches=4", "steps=2"]) for pp in (2,)]
     results = run_jobs(cfgs, tmp_path / "logs")
     for cfg, ranks in zip(cfgs, results, strict=True):
-        holder = next(r for r in ranks if "outputs" in r)
+        holder = next(r for r in ranks if "outputs" in r.extras)
         from hydra.utils import instantiate
 
         inputs, _ = instantiate(cfg.data).batch(0, cfg.batch_size)
         expected = reference_forward(cfg, inputs)
-        torch.testing.assert_close(holder["outputs"], expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(holder.extras["outputs"], expected, rtol=1e-5, atol=1e-5)
         ref = reference_run(replace(cfg, steps=1), capture_state=False)
         # no optimizer step happens, so step 0's loss is the plain forward loss
-        assert ranks[0]["losses"][0] == pytest.approx(ref["losses"][0], rel=1e-5)
+        assert ranks[0].losses[0] == pytest.approx(ref["losses"][0], rel=1e-5)
 
 
 @pytest.mark.timeout(300)
@@ -151,13 +151,13 @@ def test_recompute_replays_the_forward_s_dropout(tmp_path) -> None:
     by_case = dict(zip(cases, results, strict=True))
     for sched in ("1f1b", "zbv"):
         kept, recomputed = by_case[(sched, "none")], by_case[(sched, "full")]
-        assert recomputed[0]["losses"] == pytest.approx(kept[0]["losses"], rel=1e-6), sched
+        assert recomputed[0].losses == pytest.approx(kept[0].losses, rel=1e-6), sched
         grads_kept, grads_recomputed = merge_state(kept, "grads_step0"), merge_state(recomputed, "grads_step0")
         for name, g in grads_kept.items():
             torch.testing.assert_close(grads_recomputed[name], g, rtol=1e-6, atol=1e-7, msg=f"{sched}: {name}")
     # and dropout really draws: without it the loss differs
     plain = reference_run(compose_cfg([*FAST, "scheduler=1f1b", "pp=2", "microbatches=4"]))
-    assert by_case[("1f1b", "none")][0]["losses"][0] != pytest.approx(plain["losses"][0], rel=1e-6)
+    assert by_case[("1f1b", "none")][0].losses[0] != pytest.approx(plain["losses"][0], rel=1e-6)
 
 
 @pytest.mark.slow
@@ -172,6 +172,6 @@ def test_v_and_wave_schedules_with_many_micro_batches_match_single_process(tmp_p
     results = run_jobs([cfg for _, cfg in cases], tmp_path / "logs")
     for (what, cfg), ranks in zip(cases, results, strict=True):
         ref = reference_run(cfg)
-        assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
+        assert ranks[0].losses == pytest.approx(ref["losses"], rel=1e-5), what
         assert_state_close(merge_state(ranks, "grads_step0"), ref["grads_step0"], f"{what} grads")
         assert_state_close(merge_state(ranks, "params_final"), ref["params_final"], f"{what} weights")

@@ -50,7 +50,7 @@ ROUNDS_OTHERWISE = ("diffusers unet",)
 def _assert_all_match_single_process(cases: list[tuple[str, dict]], results: list[list[dict]]) -> None:
     for (what, cfg), ranks in zip(cases, results, strict=True):
         ref = reference_run(cfg)
-        assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
+        assert ranks[0].losses == pytest.approx(ref["losses"], rel=1e-5), what
         exact = not what.startswith(ROUNDS_OTHERWISE)
         assert_state_close(merge_state(ranks, "grads_step0"), ref["grads_step0"], f"{what} grads", exact)
         assert_state_close(merge_state(ranks, "params_final"), ref["params_final"], f"{what} weights", exact)

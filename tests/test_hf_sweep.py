@@ -71,7 +71,7 @@ def test_real_ranks_train_and_export_what_transformers_trains(tmp_path) -> None:
     for (name, model, cfg), ranks in zip(cases, results, strict=True):
         data = instantiate(cfg.data)
         ref = hf_sweep.reference(model, [data.batch(step, cfg.batch_size) for step in range(cfg.steps)])
-        assert ranks[0]["losses"][0] == pytest.approx(ref.loss, rel=1e-5), name
+        assert ranks[0].losses[0] == pytest.approx(ref.loss, rel=1e-5), name
         assert_state_close(merge_state(ranks, "grads_step0"), ref.grads, f"{name} gradients")
         assert_state_close(merge_state(ranks, "params_final"), ref.weights, f"{name} weights")
         _export(tmp_path / name / "ck" / f"step_{cfg.steps:07d}", tmp_path / name / "exported")

@@ -170,7 +170,7 @@ def test_the_zoo_trains_at_pp2_as_one_process(tmp_path) -> None:
              "hf_qwen2 1f1b": _cfg("hf_qwen2", ["pp=2", "steps=4", "warmup_steps=0", "optimizer=sgd"], "auto")}
     for (what, cfg), ranks in zip(cases.items(), run_jobs(list(cases.values()), tmp_path / "logs"), strict=True):
         ref = reference_run(cfg)
-        assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
+        assert ranks[0].losses == pytest.approx(ref["losses"], rel=1e-5), what
         assert_state_close(merge_state(ranks, "grads_step0"), ref["grads_step0"], f"{what} gradients")
         assert_state_close(merge_state(ranks, "params_final"), ref["params_final"], f"{what} weights")
 

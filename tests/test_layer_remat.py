@@ -198,7 +198,7 @@ def test_layer_recompute_matches_single_process(world: int, tmp_path: Path) -> N
     results = _run([(cfg, plan) for cfg, plan, _ in cases], tmp_path / "logs")
     for (cfg, _, what), ranks in zip(cases, results, strict=True):
         ref = reference_run(cfg)
-        assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
+        assert ranks[0].losses == pytest.approx(ref["losses"], rel=1e-5), what
         for d in range(cfg.dp):
             assert_state_close(merge_state(ranks, "grads_step0", d), ref["grads_step0"], f"{what} replica {d} grads")
             assert_state_close(merge_state(ranks, "params_final", d), ref["params_final"], f"{what} replica {d} weights")

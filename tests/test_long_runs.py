@@ -127,18 +127,18 @@ def test_clipping_lr_schedule_eval_and_bf16_match_one_process(tmp_path) -> None:
     for what, ranks in (("pp=2", two[0]), ("pp=4 dp=2", eight[0])):
         cfg = cases[what]
         ref = reference_run(cfg)
-        assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
+        assert ranks[0].losses == pytest.approx(ref["losses"], rel=1e-5), what
         for d in range(cfg.dp):
             assert_state_close(merge_state(ranks, "grads_step0", d), ref["grads_step0"], f"{what} grads")
             assert_state_close(merge_state(ranks, "params_final", d), ref["params_final"], f"{what} weights")
-        m = ranks[0]["metrics"]
-        assert min(m["grad_norm"]) > 0.3, m["grad_norm"]  # clipping was active
-        assert [e["step"] for e in m["eval_loss"]] == [1, 3]
-        assert [e["eval_loss"] for e in m["eval_loss"]] == pytest.approx(
+        m = ranks[0].history
+        assert min(m.grad_norm) > 0.3, m.grad_norm  # clipping was active
+        assert [e["step"] for e in m.eval_loss] == [1, 3]
+        assert [e["eval_loss"] for e in m.eval_loss] == pytest.approx(
             [e["eval_loss"] for e in ref["eval_losses"]], rel=1e-5), what
     bf16, ref16 = two[1][0], reference_run(cases["pp=2 bf16"])
-    assert bf16["losses"] == pytest.approx(ref16["losses"], rel=1e-2)
-    assert bf16["losses"] != pytest.approx(ref["losses"], rel=1e-6)  # it did run in bf16
+    assert bf16.losses == pytest.approx(ref16["losses"], rel=1e-2)
+    assert bf16.losses != pytest.approx(ref["losses"], rel=1e-6)  # it did run in bf16
 
 
 def test_nan_stops_the_job_naming_the_step_and_the_stage(tmp_path) -> None:

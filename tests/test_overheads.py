@@ -26,7 +26,7 @@ def test_overheads_are_measured_once_by_two_ranks_and_cached(tmp_path, monkeypat
 
 def test_configured_overheads_win_and_reach_the_plan() -> None:
     plan = prepare(compose_cfg([*FAST, "pp=2", "mode=plan", "link_latency_s=0.002", "action_overhead_s=0.0005"])).plan
-    assert plan.meta.link_latency_s == 0.002 and plan.meta.action_overhead_s == 0.0005
+    assert plan.meta.machine.link_latency_s == 0.002 and plan.meta.machine.action_overhead_s == 0.0005
 
 
 def test_every_compute_action_pays_the_fixed_cost() -> None:

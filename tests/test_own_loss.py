@@ -112,14 +112,14 @@ def test_a_model_trains_with_its_own_loss_as_in_its_own_script(own_loss_runs, wh
     first loss is the model's own on the first batch (nanoGPT: `m(x, y)[1]`, GPT-2: `m(x, labels=x).loss`)."""
     cfg, ranks = own_loss_runs[what]
     expected = CASES[what][1](cfg)
-    assert ranks[0]["losses"] == pytest.approx(expected["losses"], rel=1e-5), what
+    assert ranks[0].losses == pytest.approx(expected["losses"], rel=1e-5), what
     prefix = "inner." if what.startswith("nanogpt") else "model."
     got = {n.removeprefix(prefix): p for n, p in merge_state(ranks, "params_final").items()}
     assert_state_close(got, expected["params"], f"{what} weights")
     if cfg.eval.every:  # the held-out losses, forward only, as rank 0's metrics report them
-        metrics = ranks[0]["metrics"]
-        assert [e["step"] for e in metrics["eval_loss"]] == [e["step"] for e in expected["eval_losses"]]
-        assert [e["eval_loss"] for e in metrics["eval_loss"]] == pytest.approx(
+        metrics = ranks[0].history
+        assert [e["step"] for e in metrics.eval_loss] == [e["step"] for e in expected["eval_losses"]]
+        assert [e["eval_loss"] for e in metrics.eval_loss] == pytest.approx(
             [e["eval_loss"] for e in expected["eval_losses"]], rel=1e-5)
 
 

@@ -184,11 +184,11 @@ def test_plan_auto_winner_trains_like_one_process(tmp_path) -> None:
     cfg.microbatches = prepare(cfg).plan.microbatches  # what the launcher records for the ranks
     (ranks,) = run_jobs([cfg], tmp_path / "logs")
     ref = reference_run(cfg)
-    assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    assert ranks[0].losses == pytest.approx(ref["losses"], rel=1e-5)
     assert_state_close(merge_state(ranks, "params_final"), ref["params_final"], "plan=auto winner")
     for r in ranks:  # each rank reports its measured peak beside the plan's prediction for its device
-        info = r["rank_info"]
-        assert info["predicted_peak_bytes"] > 0 and info["peak_above_start_bytes"] > 0
+        info = r.rank_info
+        assert info.predicted_peak_bytes > 0 and info.peak_above_start_bytes > 0
 
 
 def test_ranks_sharing_too_few_cores_are_predicted_taking_turns(monkeypatch) -> None:
@@ -199,12 +199,12 @@ def test_ranks_sharing_too_few_cores_are_predicted_taking_turns(monkeypatch) -> 
 
     monkeypatch.setattr(pipelaunch.pipeline.planner, "available_cores", lambda: 2)
     p = prepare(compose_cfg([*FAST, "pp=4", "threads=1", "predict=true", "scheduler=1f1b"])).prediction
-    assert p.plan.meta.rank_slots == 2
+    assert p.plan.meta.machine.rank_slots == 2
     assert p.schedule_s == pytest.approx(shared_makespan(p.plan.schedule, p.cost, 2))
     assert p.schedule_s >= max(p.result.makespan_s, sum(p.result.busy_s) / 2) - 1e-9
     monkeypatch.setattr(pipelaunch.pipeline.planner, "available_cores", lambda: 4)  # a core each: the makespan
     alone = prepare(compose_cfg([*FAST, "pp=4", "threads=1", "predict=true", "scheduler=1f1b"])).prediction
-    assert not alone.plan.meta.rank_slots
+    assert not alone.plan.meta.machine.rank_slots
     assert alone.schedule_s == pytest.approx(alone.result.makespan_s)
 
 
@@ -247,7 +247,7 @@ def test_a_split_backward_is_priced_as_profiled_not_as_a_share_of_the_fused_one(
         assert i[s] == pytest.approx(sum(nodes[n]["backward_input_s"] for n in blocks)) and i[s] > 0
         assert w[s] == pytest.approx(sum(nodes[n]["backward_weight_s"] for n in blocks)) and w[s] > 0
     cost = cost_model_from_plan(plan, 0.0, 1e12)
-    fixed = meta.action_overhead_s  # the runtime's fixed cost per action, on top of the profile
+    fixed = meta.machine.action_overhead_s  # the runtime's fixed cost per action, on top of the profile
     assert cost.backward_input_s == pytest.approx([x + fixed for x in i])
     assert cost.backward_weight_s == pytest.approx([x + fixed for x in w])
     assert cost.backward_s == pytest.approx([x + fixed for x in b])

@@ -48,7 +48,7 @@ def test_a_runs_own_costs_are_medians_over_the_steps_after_warm_up() -> None:
     import pytest
 
     from pipelaunch.launcher.validate import prepare
-    from pipelaunch.pipeline.report.artifacts import add_predictions
+    from pipelaunch.pipeline.report.artifacts import measure_run
     from tests.harness import FAST, compose_cfg
 
     plan = prepare(compose_cfg([*FAST, "pp=2", "scheduler=1f1b", "microbatches=2", "mode=plan"]), profile=False).plan
@@ -58,14 +58,37 @@ def test_a_runs_own_costs_are_medians_over_the_steps_after_warm_up() -> None:
         window += [{**e, "step": step, "start_s": e["start_s"] + origin, "end_s": e["end_s"] + origin} for e in sim]
         origin += 1000.0
     last = [e for e in window if e["step"] == 2]
-    metrics = {"ranks": []}
-    add_predictions(metrics, plan, last, (5e-5, 1e9), 0.0, window)
-    assert metrics["stage_costs"]["forward_s"] == pytest.approx([2.0, 2.0])  # the median step's
+    measured, _, _ = measure_run(plan, last, (5e-5, 1e9), 0.0, window)
+    assert measured.stage_costs["forward_s"] == pytest.approx([2.0, 2.0])  # the median step's
     one_step = simulate(plan.schedule, CostModel.uniform(2, f=2.0, i=2.0, w=2.0)).makespan_s
-    assert metrics["measured_schedule_s"] == pytest.approx(one_step)
-    only_last = {"ranks": []}
-    add_predictions(only_last, plan, last, (5e-5, 1e9), 0.0)
-    assert only_last["stage_costs"]["forward_s"] == pytest.approx([10.0, 10.0])
+    assert measured.measured_schedule_s == pytest.approx(one_step)
+    only_last, _, _ = measure_run(plan, last, (5e-5, 1e9), 0.0)
+    assert only_last.stage_costs["forward_s"] == pytest.approx([10.0, 10.0])
+
+
+def test_a_runs_timeline_is_labelled_with_the_micro_batches_its_plan_ran(tmp_path, monkeypatch) -> None:
+    """plan=auto may run another micro-batch count than the config's: the timeline's title says
+    the plan's (here a search over 2 and 4 where the config says 1)."""
+    from pipelaunch.launcher.validate import prepare
+    from pipelaunch.pipeline.core.results import RankFacts, RankResult, TrainingHistory
+    from pipelaunch.pipeline.report import artifacts
+    from tests.harness import FAST, compose_cfg
+
+    cfg = compose_cfg([*FAST, "pp=2", "microbatches=1", "plan=auto", "plan.microbatches=[2,4]", "mode=plan"])
+    plan = prepare(cfg).plan
+    assert plan.microbatches != cfg.microbatches
+    titles = []
+    monkeypatch.setattr(artifacts, "draw_timeline", lambda path, *events, title: titles.append(title))
+    events = simulate(plan.schedule, CostModel.uniform(2)).events
+    facts = RankFacts(0, 0, 0, [0], {0: plan.stages[0].blocks}, 1.0, 0.0, 1.0, None, None, 0.0, 0.0, "cpu",
+                      None, False, [], "by_name")
+    history = TrainingHistory([1.0], [None], [], 0, None, [], 1.0, [1.0], 1.0, "tokens", [facts])
+    rank0 = RankResult([1.0], facts, history=history, events=events)
+    metrics = artifacts.report_run(rank0, plan, cfg.to_dict(), (5e-5, 1e9), 0.0, tmp_path)
+    assert titles == [f"{plan.schedule.name} pp=2 m={plan.microbatches}"]
+    written = json.loads((tmp_path / "metrics.json").read_text())
+    assert written == json.loads(json.dumps(metrics.to_json(), default=str))
+    assert written["config"]["microbatches"] == 1 and written["ranks"][0]["predicted_bubble"] >= 0.0
 
 
 def test_coverage_is_each_pixel_s_share_of_the_time() -> None:

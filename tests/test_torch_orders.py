@@ -132,6 +132,6 @@ def test_dualpipev_trains_on_real_ranks_like_one_process(tmp_path) -> None:
     cfg = compose_cfg([*FAST, "scheduler=torch", "scheduler.schedule=DualPipeV", "pp=2", "microbatches=4"])
     (ranks,) = run_jobs([cfg], tmp_path / "logs")
     ref = reference_run(cfg)
-    assert ranks[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    assert ranks[0].losses == pytest.approx(ref["losses"], rel=1e-5)
     assert_state_close(merge_state(ranks, "grads_step0"), ref["grads_step0"], "DualPipeV pp=2 grads")
     assert_state_close(merge_state(ranks, "params_final"), ref["params_final"], "DualPipeV pp=2 weights")

@@ -102,11 +102,11 @@ def test_device_memory_counts_gradients_optimizer_state_and_the_simulated_activa
         for d in pred.devices:
             assert d.grads == d.params > 0 and d.optimizer == states * d.params, optimizer
             assert d.activations == pred.result.peak_activation_bytes[d.rank]
-        stage_params = pred.plan.meta.partition["stage_param_bytes"]
+        stage_params = pred.plan.meta.partition.stage_param_bytes
         assert pred.devices[0].params == stage_params[0] + stage_params[3]  # V placement: stages 0 and 3 on rank 0
         assert all(d.reserve == 50e6 and d.workspace > 0 for d in pred.devices)  # conf/memory: reserve_bytes
     plan = prepared.plan  # the finished Plan records each device's predicted memory
-    assert [d["total"] for d in plan.meta.device_memory] == [d.total for d in pred.devices]
+    assert [d.total for d in plan.meta.device_memory] == [d.total for d in pred.devices]
 
 
 def test_budget_makes_room_for_the_schedules_own_in_flight_microbatches() -> None:
@@ -123,8 +123,8 @@ def test_budget_makes_room_for_the_schedules_own_in_flight_microbatches() -> Non
     # the device check then adds what the split does not price (the backward's workspace, the held
     # outputs): remat=auto absorbs it by recomputing a module or two
     plan = prepare(compose_cfg([*FAST, *base, "scheduler=1f1b", f"memory.cap_bytes={cap}", "remat=auto"])).plan
-    assert plan.meta.partition["stage_in_flight"] == [4, 3, 2, 1]
-    assert max(plan.meta.partition["stage_memory_bytes"]) <= cap
+    assert plan.meta.partition.stage_in_flight == [4, 3, 2, 1]
+    assert max(plan.meta.partition.stage_memory_bytes) <= cap
     rows = stage_table(plan).splitlines()[1:5]  # the stage table shows the counts the budget used
     assert [int(row.split()[7]) for row in rows] == [4, 3, 2, 1]
     assert _error([*base, "scheduler=gpipe", f"memory.cap_bytes={cap}"]).key == "memory.cap_bytes"

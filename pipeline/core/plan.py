@@ -13,11 +13,18 @@ import json
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from pipelaunch.pipeline.core.ir import Schedule
+from pipelaunch.pipeline.core.plan_records import (
+    DevicePeak,
+    MachineFacts,
+    PartitionSummary,
+    PlannedStep,
+    SearchSummary,
+    known_fields,
+)
 
 
 @dataclass(frozen=True)
@@ -63,16 +70,20 @@ class StagePlan:
 _ROW = "@@plan.json row "
 
 
+#: plan.json keeps the machine facts flat in `meta`, each group after the key it has always followed
+_MACHINE_AFTER = {"model_param_bytes": ("rank_slots", "optimizer_s_per_byte", "optimizer_temporaries"),
+                  "stage_largest_param_bytes": ("link_latency_s", "action_overhead_s")}
+
+
 @dataclass(frozen=True)
 class PlanMeta:
     """What the planner decided, measured and predicted besides the stages and schedules; the
     runtime, the report and the prediction read it. Per-stage lists are indexed by stage."""
 
     remat: str = "none"
-    #: the partitioner option and its split, priced by the one judge (`partition.evaluate`): each
-    #: stage's time, compute, parameter/activation/communication/memory bytes, in-flight counts
+    #: the partitioner option and its split, priced by the one judge (`partition.evaluate`)
     partitioner: str = ""
-    partition: dict[str, Any] = field(default_factory=dict)
+    partition: PartitionSummary | None = None
     precision: str = "fp32"
     #: the graph carried measured costs (the stage_*_s lists below are filled)
     profiled: bool = False
@@ -84,17 +95,10 @@ class PlanMeta:
     #: per stage, the model's parameter and buffer names it holds (checkpoints by name)
     stage_tensors: list[list[str]] = field(default_factory=list)
     model_param_bytes: int = 0
-    #: this machine: ranks' worth of cores when local ranks need more (CPU), optimizer s per byte
-    rank_slots: float | None = None
-    optimizer_s_per_byte: float = 0.0
-    #: the optimizer step's temporaries per byte: of a rank's largest parameter tensor, of all its
-    #: parameters (`optimizer_costs.optimizer_temporaries`); and per stage its largest parameter tensor
-    optimizer_temporaries: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    #: the machine the plan was made for: core slots, optimizer and runtime overheads
+    machine: MachineFacts = field(default_factory=MachineFacts)
+    #: per stage its largest parameter tensor (the update's temporaries scale with it)
     stage_largest_param_bytes: list[float] | None = None
-    #: what the runtime pays beyond compute: seconds per message (the predictions' link latency)
-    #: and per compute action (`pipelaunch.pipeline.planner.measure.overheads`)
-    link_latency_s: float | None = None
-    action_overhead_s: float = 0.0
     #: profiled per-stage costs: forward, backward, its input and weight halves; a backward's
     #: transient gradients; what a split backward keeps from I to W; the loss's saved tensors
     stage_forward_s: list[float] = field(default_factory=list)
@@ -109,16 +113,34 @@ class PlanMeta:
     stage_recompute_s: list[float] | None = None
     stage_recompute_region_bytes: list[float] | None = None
     #: the prediction of the plan as run: each pipeline rank's memory, and the step
-    device_memory: list[dict] | None = None
-    prediction: dict[str, Any] | None = None
+    device_memory: list[DevicePeak] | None = None
+    prediction: PlannedStep | None = None
     #: plan=auto / scheduler=auto: what was compared, what was chosen and why
-    search: dict[str, Any] | None = None
+    search: SearchSummary | None = None
+
+    def to_json(self) -> dict:
+        """plan.json's `meta`: the records as nested objects, the machine facts flat, in the key
+        order plan.json has always had (a missing partition is an empty object)."""
+        data = asdict(self)
+        machine = data.pop("machine")
+        data["partition"] = data["partition"] or {}
+        out: dict = {}
+        for key, value in data.items():
+            out[key] = value
+            out.update({k: machine[k] for k in _MACHINE_AFTER.get(key, ())})
+        return out
 
     @classmethod
-    def from_dict(cls, data: dict) -> PlanMeta:
-        """Known keys only (a plan.json from another version loads)."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+    def from_json(cls, data: dict) -> PlanMeta:
+        """The inverse of `to_json`; known keys only (a plan.json from another version loads)."""
+        machine = {k: data[k] for k in (f.name for f in fields(MachineFacts)) if k in data}
+        flat = known_fields(cls, data)
+        devices = data.get("device_memory")
+        return replace(
+            flat, machine=MachineFacts(**machine), partition=PartitionSummary.from_json(data.get("partition")),
+            device_memory=[known_fields(DevicePeak, d) for d in devices] if devices is not None else None,
+            prediction=known_fields(PlannedStep, data["prediction"]) if data.get("prediction") else None,
+            search=known_fields(SearchSummary, data["search"]) if data.get("search") else None)
 
 
 @dataclass(frozen=True)
@@ -166,7 +188,7 @@ class Plan:
         # (2 s of a pp=64, 128-micro-batch plan)
         data = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)
                 if f.name not in ("schedule", "eval_schedule", "stages", "meta")}
-        data["meta"] = asdict(self.meta)
+        data["meta"] = self.meta.to_json()
         data["stages"] = [asdict(s) for s in self.stages]
         data["schedule"] = self.schedule.to_dict()
         data["eval_schedule"] = self.eval_schedule.to_dict() if self.eval_schedule is not None else None
@@ -191,7 +213,7 @@ class Plan:
         """The inverse of `to_dict` (JSON turns int keys into strings; stage inputs keep theirs)."""
         fields = dict(data)
         fields["stages"] = [StagePlan(**s) for s in data["stages"]]
-        fields["meta"] = PlanMeta.from_dict(data.get("meta") or {})
+        fields["meta"] = PlanMeta.from_json(data.get("meta") or {})
         fields["schedule"] = Schedule.from_dict(data["schedule"])
         if data.get("eval_schedule"):
             fields["eval_schedule"] = Schedule.from_dict(data["eval_schedule"])

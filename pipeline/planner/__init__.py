@@ -20,6 +20,7 @@ from pipelaunch.pipeline.compute.threads import available_cores, cpu_threads
 from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.core.plan_records import DevicePeak, PlannedStep, SearchSummary
 from pipelaunch.pipeline.core.precision import PRECISIONS
 from pipelaunch.pipeline.graph.trace import TracedModel
 from pipelaunch.pipeline.planner.build import PlanRequest, build_plan, needs_profile, plugin_name
@@ -180,13 +181,11 @@ def _finished(plan: Plan, prediction: Prediction | None, result: SearchResult | 
     """The plan with what the planner predicted and what its search chose recorded in it."""
     found: dict = {}
     if prediction is not None:
-        found["device_memory"] = [d.to_dict() for d in prediction.devices]
-        found["prediction"] = {"step_time_s": prediction.step_s, "schedule_s": prediction.schedule_s,
-                               "makespan_s": prediction.result.makespan_s,
-                               "bubble_per_rank": prediction.result.bubble,
-                               "peak_activation_bytes_per_rank": prediction.result.peak_activation_bytes}
+        found["device_memory"] = [DevicePeak(**d.to_dict()) for d in prediction.devices]
+        found["prediction"] = PlannedStep(prediction.step_s, prediction.schedule_s, prediction.result.makespan_s,
+                                          prediction.result.bubble, prediction.result.peak_activation_bytes)
     if result is not None:
         win = result.winner.candidate
-        found["search"] = {"chosen": {"label": win.label, **win.overrides(), "scheduler_option": win.scheduler},
-                           "why": result.why(), **result.to_dict()}
+        found["search"] = SearchSummary(
+            chosen={"label": win.label, **win.overrides(), "scheduler_option": win.scheduler}, **result.to_dict())
     return replace(plan, meta=replace(plan.meta, **found))

@@ -8,7 +8,7 @@ and a U-Net go through the same steps; only their graphs differ.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import networkx as nx
 import torch
@@ -17,6 +17,7 @@ from hydra.utils import get_method
 from pipelaunch.pipeline.core.config import LINK_BANDWIDTH, LINK_LATENCY_S, PluginConfig
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan import Plan, PlanMeta, StagePlan, dtype_name
+from pipelaunch.pipeline.core.plan_records import MachineFacts, PartitionSummary
 from pipelaunch.pipeline.graph.split import split_model
 from pipelaunch.pipeline.graph.trace import TracedModel
 from pipelaunch.pipeline.planner.fit.budget import (
@@ -307,12 +308,11 @@ def _plan_meta(traced: TracedModel, split, part: Partition, stages: list[StagePl
     return {"remat": req.remat, "optimizer_states": req.optimizer_states, "memory_cap": req.memory_cap,
             "reserve_bytes": req.reserve_bytes, "remat_stages": schedule.remat_stages(),
             "partitioner": plugin_name(req.partitioner), "partition": partition_summary(part),
-            "profiled": req.profiled, "precision": req.precision, "rank_slots": req.rank_slots,
-            "optimizer_s_per_byte": req.optimizer_s_per_byte,
-            "optimizer_temporaries": list(req.optimizer_temporaries),
+            "profiled": req.profiled, "precision": req.precision,
+            "machine": MachineFacts(req.rank_slots, req.optimizer_s_per_byte, list(req.optimizer_temporaries),
+                                    req.link_latency_s, req.action_overhead_s),
             "stage_largest_param_bytes": [max((float(p.numel() * p.element_size()) for p in gm.parameters()),
                                               default=0.0) for gm in split.stages],
-            "link_latency_s": req.link_latency_s, "action_overhead_s": req.action_overhead_s,
             "model_param_bytes": sum(traced.graph.graph.get("param_sizes", {}).values()),
             "stage_tensors": [sorted({traced.param_aliases.get(n, n) for n, _ in [
                 *gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]})
@@ -379,18 +379,6 @@ def weight_stash_bytes(traced: TracedModel, stage: StagePlan) -> float:
     return float(sum(stage.value_bytes(n) for n in stage.outputs if n in stage.values))
 
 
-def partition_summary(partition: Partition) -> dict:
-    return {
-        "bottleneck_s": partition.bottleneck_s,
-        "lower_bound_s": partition.lower_bound_s,
-        "stage_time_s": partition.stage_time_s,
-        "stage_compute_s": partition.stage_compute_s,
-        "stage_param_bytes": partition.stage_param_bytes,
-        "stage_activation_bytes": partition.stage_activation_bytes,
-        "stage_comm_bytes": partition.stage_comm_bytes,
-        "stage_memory_bytes": partition.stage_memory_bytes,
-        "stage_in_flight": partition.stage_in_flight,
-        "stage_full_in_flight": partition.stage_full_in_flight,
-        "stage_input_bytes": partition.stage_input_bytes,
-        "remat_stages": partition.remat_stages,
-    }
+def partition_summary(partition: Partition) -> PartitionSummary:
+    """The split as the plan records it."""
+    return PartitionSummary(**{f.name: getattr(partition, f.name) for f in fields(PartitionSummary)})

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.core.results import RankFacts
 from pipelaunch.pipeline.planner.partition.uniform import layer_container
 from pipelaunch.pipeline.planner.predict.simulate import SimResult
 
@@ -67,15 +68,15 @@ def layer_summaries(plan: Plan, keep: int = 8) -> list[str] | None:
 
 def stage_rows(plan: Plan) -> list[dict]:
     """One dict per stage for metrics.json: placement, blocks and, with a profile, its costs."""
-    part = plan.meta.partition or {}
+    part = plan.meta.partition
     rows = []
     for s in plan.stages:
         row = {"stage": s.index, "rank": s.rank, "blocks": list(s.blocks), "send_bytes": s.send_bytes,
                "receives_from": sorted({p for p in s.inputs.values() if p is not None})}
         for key in ("stage_compute_s", "stage_time_s", "stage_param_bytes", "stage_activation_bytes",
                     "stage_comm_bytes"):
-            if key in part:
-                row[key.removeprefix("stage_")] = part[key][s.index]
+            if part is not None:
+                row[key.removeprefix("stage_")] = getattr(part, key)[s.index]
         if plan.meta.stage_forward_s:
             row["forward_s"], row["backward_s"] = plan.meta.stage_forward_s[s.index], plan.meta.stage_backward_s[s.index]
         rows.append(row)
@@ -96,21 +97,21 @@ def stage_table(plan: Plan) -> str:
     mib = 2**20
     fwd, bwd = plan.meta.stage_forward_s, plan.meta.stage_backward_s
     remat = set(plan.schedule.remat_stages())
-    in_flight = [f"{n}{'*' if i in remat else ''}" for i, n in enumerate(part.get("stage_in_flight") or [])]
+    in_flight = [f"{n}{'*' if i in remat else ''}" for i, n in enumerate(part.stage_in_flight)]
     in_flight = in_flight or ["?"] * len(plan.stages)
     lines = [f"{'stage':>5} {'rank':>4} {'F ms':>7} {'B ms':>7} {'+comm ms':>8} {'params MB':>9} {'act MB':>7} "
              f"{'x mbs':>5} {'held MB':>8} {'send MB':>7}  blocks"]
     for s in plan.stages:
         i = s.index
         lines.append(
-            f"{i:>5} {s.rank:>4} {fwd[i] * 1e3:>7.2f} {bwd[i] * 1e3:>7.2f} {part['stage_time_s'][i] * 1e3:>8.2f} "
-            f"{part['stage_param_bytes'][i] / mib:>9.2f} {part['stage_activation_bytes'][i] / mib:>7.2f} "
-            f"{in_flight[i]:>5} {part['stage_memory_bytes'][i] / mib:>8.2f} "
-            f"{part['stage_comm_bytes'][i] / mib:>7.2f}  {held[i]}"
+            f"{i:>5} {s.rank:>4} {fwd[i] * 1e3:>7.2f} {bwd[i] * 1e3:>7.2f} {part.stage_time_s[i] * 1e3:>8.2f} "
+            f"{part.stage_param_bytes[i] / mib:>9.2f} {part.stage_activation_bytes[i] / mib:>7.2f} "
+            f"{in_flight[i]:>5} {part.stage_memory_bytes[i] / mib:>8.2f} "
+            f"{part.stage_comm_bytes[i] / mib:>7.2f}  {held[i]}"
         )
     if remat:
         lines.append("* recomputes its forward in the backward (remat): full activations for "
-                     + ", ".join(f"{part['stage_full_in_flight'][i]} on stage {i}" for i in sorted(remat))
+                     + ", ".join(f"{part.stage_full_in_flight[i]} on stage {i}" for i in sorted(remat))
                      + ", the inputs of the rest")
     layers = [s for s in plan.stages if s.recompute]
     if layers:
@@ -119,14 +120,14 @@ def stage_table(plan: Plan) -> str:
     if plan.meta.device_memory:
         lines.append(device_memory_table(plan))
     lines.append(
-        f"partition ({plan.meta.partitioner}): bottleneck {part['bottleneck_s'] * 1e3:.2f} ms, lower bound "
-        f"max(total / stages, slowest block) {part['lower_bound_s'] * 1e3:.2f} ms "
-        f"({part['bottleneck_s'] / max(part['lower_bound_s'], 1e-12):.2f}x)"
+        f"partition ({plan.meta.partitioner}): bottleneck {part.bottleneck_s * 1e3:.2f} ms, lower bound "
+        f"max(total / stages, slowest block) {part.lower_bound_s * 1e3:.2f} ms "
+        f"({part.bottleneck_s / max(part.lower_bound_s, 1e-12):.2f}x)"
     )
     return "\n".join(lines)
 
 
-def device_memory_table(plan: Plan, ranks: Sequence[dict] | None = None) -> str:
+def device_memory_table(plan: Plan, ranks: Sequence[RankFacts] | None = None) -> str:
     """Per pipeline rank, the predicted peak by what holds it; with the ranks' run reports, the
     measured peaks beside it: the tensors' (CUDA's allocated peak; on CPU, the profiled first steps)
     against the prediction less the reserve, and the resident set's rise (on CPU, above what the
@@ -140,21 +141,21 @@ def device_memory_table(plan: Plan, ranks: Sequence[dict] | None = None) -> str:
     tensors: dict[int, list[int]] = {}
     resident: dict[int, list[int]] = {}
     for r in ranks or []:
-        resident.setdefault(r["pp_rank"], []).append(r.get("peak_above_start_bytes", r.get("peak_memory_bytes", 0)))
-        if r.get("peak_tensor_bytes") is not None:
-            tensors.setdefault(r["pp_rank"], []).append(r["peak_tensor_bytes"])
+        resident.setdefault(r.pp_rank, []).append(r.peak_above_start_bytes)
+        if r.peak_tensor_bytes is not None:
+            tensors.setdefault(r.pp_rank, []).append(r.peak_tensor_bytes)
     for d in plan.meta.device_memory:
-        row = (f"{d['rank']:>5} {d['params'] / mib:>8.1f} {d['grads'] / mib:>8.1f} {d['optimizer'] / mib:>8.1f} "
-               f"{d['activations'] / mib:>8.1f} {d['recompute'] / mib:>7.1f} {d['workspace'] / mib:>7.1f} "
-               f"{d.get('update', 0.0) / mib:>7.1f} {d['reserve'] / mib:>7.1f} {d['total'] / mib:>10.1f}")
-        if d["rank"] in tensors:
-            got, live = max(tensors[d["rank"]]), d["total"] - d["reserve"]
+        row = (f"{d.rank:>5} {d.params / mib:>8.1f} {d.grads / mib:>8.1f} {d.optimizer / mib:>8.1f} "
+               f"{d.activations / mib:>8.1f} {d.recompute / mib:>7.1f} {d.workspace / mib:>7.1f} "
+               f"{d.update / mib:>7.1f} {d.reserve / mib:>7.1f} {d.total / mib:>10.1f}")
+        if d.rank in tensors:
+            got, live = max(tensors[d.rank]), d.total - d.reserve
             row += f" {got / mib:>8.1f} {got / live if live else 0.0:>6.2f}"
         elif ranks:
             row += f" {'-':>8} {'':>6}"
-        if d["rank"] in resident:
-            got = max(resident[d["rank"]])
-            row += f" {got / mib:>9.1f} {got / d['total'] if d['total'] else 0.0:>6.2f}"
+        if d.rank in resident:
+            got = max(resident[d.rank])
+            row += f" {got / mib:>9.1f} {got / d.total if d.total else 0.0:>6.2f}"
         lines.append(row)
     return "\n".join(lines)
 

@@ -13,6 +13,7 @@ from pipelaunch.pipeline.compute.host_allocator import configure_host_allocator
 from pipelaunch.pipeline.compute.threads import cpu_threads
 from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.core.results import RankResult
 from pipelaunch.pipeline.runtime.context import (
     RankContext,
     backend_for,
@@ -41,7 +42,7 @@ class RankJob:
     initial_weights: str | None = None
 
 
-def rank_main(job: RankJob) -> dict:
+def rank_main(job: RankJob) -> RankResult:
     """Run one rank of one job: join the process group, train, leave it."""
     rank, device = join_process_group(job.cfg, job.run_dir)
     result = run_job(job, rank, device)
@@ -91,7 +92,7 @@ def join_process_group(cfg: TrainConfig, run_dir: str | None) -> tuple[int, torc
     return rank, device
 
 
-def run_job(job: RankJob, rank: int, device: torch.device) -> dict:
+def run_job(job: RankJob, rank: int, device: torch.device) -> RankResult:
     """Train one job in the process group this rank has joined."""
     world = dist.get_world_size()
     local_rank, local_world = env_int("LOCAL_RANK", 0), env_int("LOCAL_WORLD_SIZE", world)

@@ -25,6 +25,7 @@ from pipelaunch.pipeline.compute.memory import TensorPeak, current_memory_bytes,
 from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.core.plan import Plan, dtype_of
 from pipelaunch.pipeline.core.precision import PRECISIONS
+from pipelaunch.pipeline.core.results import RankFacts, RankResult, TrainingHistory
 from pipelaunch.pipeline.graph.init import name_seed
 from pipelaunch.pipeline.graph.initial_weights import InitialWeights
 from pipelaunch.pipeline.runtime import checkpoint
@@ -88,7 +89,7 @@ class Callback:
         """The step is over (outputs hold the model's outputs per micro-batch when not training)."""
 
     def result(self, trainer: RankTrainer) -> dict:
-        """Merged into what the rank returns once training ends."""
+        """Merged into what the rank returns once training ends (`RankResult.extras`)."""
         return {}
 
 
@@ -284,18 +285,20 @@ class RunRecord:
 
 def train_rank(cfg: TrainConfig, plan: Plan, ctx: RankContext, run_dir: Path | None,
                callbacks: Sequence[Callback] = (), resume_from: str | None = None,
-               initial_weights: str | None = None) -> dict:
+               initial_weights: str | None = None) -> RankResult:
     """Run steps up to `cfg.steps` (from `resume_from`, a checkpoint, when resuming); rank 0 reports progress,
     and its result carries what the launcher's report writes (`_finish`). `initial_weights`: the
     file of the constructor's own weights (RankJob), or None to initialise by name."""
     trainer = RankTrainer(cfg, plan, ctx, callbacks, initial_weights)
     at_start = _memory_before_model(trainer)
-    tokens_per_step = _tokens_per_step(cfg, trainer)
+    # tokens for a language model, samples otherwise (`ModelSpec.tokens_per_sample`)
+    tokens_per_step = cfg.batch_size * trainer.spec.tokens_per_sample
     record = RunRecord.resumed(resume_from, trainer)
     reset_peak(ctx.device)
     tensors = TensorPeak(ctx.device, lambda: _tensor_bytes_held(trainer), cfg.steps - record.start_step)
     tracker = make_tracker(cfg, run_dir) if ctx.rank == 0 else None
-    progress = Progress(cfg.steps, tokens_per_step, cfg.log_every, record.start_step, _unit(trainer)) \
+    progress = Progress(cfg.steps, tokens_per_step, cfg.log_every, record.start_step,
+                        trainer.spec.throughput_unit) \
         if ctx.rank == 0 else None
     for step in range(record.start_step, cfg.steps):
         trainer.heartbeat.phase(hb.STEP_START, step)
@@ -354,16 +357,6 @@ def _tensor_bytes_held(trainer: RankTrainer) -> int:
     return sum(storages.values())
 
 
-def _unit(trainer: RankTrainer) -> str:
-    """What `tokens_per_s` counts: tokens for a language model, samples (images) otherwise."""
-    return "tokens" if trainer.spec.input_dtype == torch.long else "samples"
-
-
-def _tokens_per_step(cfg: TrainConfig, trainer: RankTrainer) -> int:
-    """Tokens for language models; samples for image models."""
-    return cfg.batch_size * (trainer.spec.input_shape[0] if trainer.spec.input_dtype == torch.long else 1)
-
-
 def _maybe_evaluate(trainer: RankTrainer, record: RunRecord, step: int, tracker: Tracker | None) -> None:
     """The held-out loss every `eval.every` steps and after the last one (collective)."""
     cfg = trainer.cfg
@@ -391,7 +384,7 @@ def _maybe_checkpoint(trainer: RankTrainer, record: RunRecord, step: int, run_di
             "losses": record.losses, "lrs": record.lrs, "grad_norms": record.grad_norms,
             "eval_losses": record.eval_losses, "model": plan.model, "model_config": cfg.model,
             "layout": {"pp": plan.pp, "dp": plan.dp, "schedule": plan.schedule.name,
-                       "partition": (plan.meta.partition or {}).get("method")}}
+                       "partition": plan.meta.partitioner}}
     trainer.heartbeat.phase(hb.CHECKPOINT)
     path = checkpoint.save(root, step + 1, trainer.modules, trainer.optimizer, trainer.lr_scheduler, trainer.ctx,
                            meta)
@@ -400,93 +393,63 @@ def _maybe_checkpoint(trainer: RankTrainer, record: RunRecord, step: int, run_di
         checkpoint.prune(root, cfg.checkpoint.keep)
 
 
-def _rank_info(trainer: RankTrainer, record: RunRecord, at_start: float, tensors: TensorPeak) -> dict:
-    """This rank's part of metrics.json: where it ran, its memory, its busy time and events."""
+def _rank_info(trainer: RankTrainer, record: RunRecord, at_start: float,
+               tensors: TensorPeak) -> tuple[RankFacts, list[dict], list[dict]]:
+    """This rank's facts for metrics.json (where it ran, its memory, its busy time), with its
+    last step's events and those of the cost window (only a first replica's: dp_rank 0)."""
     ctx, plan, slots = trainer.ctx, trainer.plan, trainer.slots
     warm = trainer.cfg.warmup_steps
     median_step = _median_after_warmup(record.step_times, warm) if record.step_times else 0.0
     median_busy = _median_after_warmup(record.busy, warm) if record.busy else 0.0
     peak = peak_memory_bytes(ctx.device)
-    return {
-        "rank": ctx.rank,
-        "pp_rank": ctx.pp_rank,
-        "dp_rank": ctx.dp_rank,
-        "stages": sorted(slots),
-        "blocks": {s: plan.stages[s].blocks for s in sorted(slots)},
-        "peak_memory_bytes": peak,
-        # what the planner predicts (parameters, gradients, optimizer state, activations) is this
-        # part of the peak; on CPU the process held the interpreter and torch before it
-        "memory_at_start_bytes": at_start,
-        "peak_above_start_bytes": peak - at_start,
-        # the tensors' own peak, as CUDA's allocator counts it (on CPU: the first steps, profiled)
-        "peak_tensor_bytes": tensors.peak_bytes(),
-        "predicted_peak_bytes": _predicted_peak(plan, ctx.pp_rank),
-        "busy_s": median_busy,
-        "bubble": max(0.0, 1.0 - median_busy / median_step) if median_step else 0.0,
-        "device": str(ctx.device),
-        "cpu_cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "huge_pages": huge_pages_active(),
-        # pretrained weights this rank read by name (model.path): its own stages' tensors only
-        "weights_read": list(getattr(trainer.spec.load, "read", [])),
-        # where its initial weights came from, constructor or by_name (pretrained ones: weights_read)
-        "initial_weights": trainer.initial_weights,
-        "events": record.last_events if ctx.dp_rank == 0 else [],
-        "cost_events": [{**e, "step": s} for s, step_events in record.window for e in step_events]
-        if ctx.dp_rank == 0 else [],
-    }
+    devices = plan.meta.device_memory
+    facts = RankFacts(
+        rank=ctx.rank, pp_rank=ctx.pp_rank, dp_rank=ctx.dp_rank, stages=sorted(slots),
+        blocks={s: plan.stages[s].blocks for s in sorted(slots)},
+        peak_memory_bytes=peak, memory_at_start_bytes=at_start, peak_above_start_bytes=peak - at_start,
+        peak_tensor_bytes=tensors.peak_bytes(),
+        predicted_peak_bytes=float(devices[ctx.pp_rank].total) if devices else None,
+        busy_s=median_busy, bubble=max(0.0, 1.0 - median_busy / median_step) if median_step else 0.0,
+        device=str(ctx.device),
+        cpu_cores=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        huge_pages=huge_pages_active(), weights_read=list(getattr(trainer.spec.load, "read", [])),
+        initial_weights=trainer.initial_weights)
+    if ctx.dp_rank != 0:
+        return facts, [], []
+    return facts, record.last_events, [{**e, "step": s} for s, step_events in record.window for e in step_events]
 
 
 def _finish(trainer: RankTrainer, record: RunRecord, at_start: float, tokens_per_step: int,
-            tracker: Tracker | None, tensors: TensorPeak) -> dict:
+            tracker: Tracker | None, tensors: TensorPeak) -> RankResult:
     """Gather every rank's facts on rank 0; return this rank's result (losses, its facts, what the
-    callbacks add; rank 0 also: `metrics`, every rank's last-step `events` on one clock, the
-    `cost_events` of the steps after warm-up and the step's time outside the schedule
-    `overhead_s`, from which the report (pipelaunch.pipeline.report.artifacts, run by the launcher) predicts
-    this run's step and writes metrics.json, the trace and the timeline)."""
-    cfg, plan, ctx = trainer.cfg, trainer.plan, trainer.ctx
-    rank_info = _rank_info(trainer, record, at_start, tensors)
-    gathered: list[dict] | None = [None] * ctx.world_size if ctx.rank == 0 else None
-    dist.gather_object(rank_info, gathered, dst=0)
-    result: dict = {"losses": record.losses, "rank_info": rank_info}
+    callbacks add; rank 0 also the run's history, every rank's last-step events on one clock, the
+    cost events of the steps after warm-up and the step's time outside the schedule, from which
+    the report (pipelaunch.pipeline.report, run by the launcher) predicts this run's step and
+    writes metrics.json, the trace and the timeline)."""
+    cfg, ctx = trainer.cfg, trainer.ctx
+    facts, events, cost_events = _rank_info(trainer, record, at_start, tensors)
+    gathered: list | None = [None] * ctx.world_size if ctx.rank == 0 else None
+    dist.gather_object((facts, events, cost_events), gathered, dst=0)
+    result = RankResult(record.losses, facts)
     for callback in trainer.callbacks:
-        result.update(callback.result(trainer))
+        result.extras.update(callback.result(trainer))
     if ctx.rank != 0:
-        rank_info.pop("events")
-        rank_info.pop("cost_events")
         return result
     warm = cfg.warmup_steps
     median_step = _median_after_warmup(record.step_times, warm) if record.step_times else 0.0
-    metrics = {
-        "config": cfg.to_dict(),
-        "losses": record.losses,
-        "lr": record.lrs,
-        "eval_loss": record.eval_losses,
-        "start_step": record.start_step,
-        "resumed_from": record.resumed_from,
-        "checkpoints": record.checkpoints,
-        "step_time_s": median_step,
-        "step_times_s": record.step_times,
-        "tokens_per_s": tokens_per_step / median_step if median_step else 0.0,
-        "throughput_unit": _unit(trainer),
-        "ranks": gathered,
-        "schedule": plan.schedule.name,
-        "partition": plan.meta.partition,
-    }
-    if trainer.clip is not None:
-        metrics["grad_norm"] = record.grad_norms
-    result["overhead_s"] = (_median_after_warmup(
+    result.history = TrainingHistory(
+        losses=record.losses, lr=record.lrs, eval_loss=record.eval_losses, start_step=record.start_step,
+        resumed_from=record.resumed_from, checkpoints=record.checkpoints, step_time_s=median_step,
+        step_times_s=record.step_times, tokens_per_s=tokens_per_step / median_step if median_step else 0.0,
+        throughput_unit=trainer.spec.throughput_unit, ranks=[f for f, _, _ in gathered],
+        grad_norm=record.grad_norms if trainer.clip is not None else None)
+    result.overhead_s = (_median_after_warmup(
         [t - s for t, s in zip(record.step_times, record.schedule_times, strict=True)], warm)
         if record.step_times else 0.0)
-    result["events"] = _one_clock(gathered)
-    result["cost_events"] = [e for info in gathered for e in info.pop("cost_events", [])]
-    result["metrics"] = metrics
-    tracker.finish({k: metrics[k] for k in ("step_time_s", "tokens_per_s")})
+    result.events = _one_clock([e for _, rank_events, _ in gathered for e in rank_events])
+    result.cost_events = [e for _, _, rank_costs in gathered for e in rank_costs]
+    tracker.finish({"step_time_s": median_step, "tokens_per_s": result.history.tokens_per_s})
     return result
-
-
-def _predicted_peak(plan: Plan, pp_rank: int) -> float | None:
-    devices = plan.meta.device_memory
-    return float(devices[pp_rank]["total"]) if devices else None
 
 
 def _median_after_warmup(values: list[float], warmup: int) -> float:
@@ -494,9 +457,9 @@ def _median_after_warmup(values: list[float], warmup: int) -> float:
     return statistics.median(values[warmup:] if len(values) > warmup else values)
 
 
-def _one_clock(ranks: list[dict]) -> list[dict]:
+def _one_clock(events: list[dict]) -> list[dict]:
     """Every rank's last-step events, sorted, with time 0 at the first one's start."""
-    events = sorted((e for info in ranks for e in info.pop("events")), key=lambda e: e["start_s"])
+    events = sorted(events, key=lambda e: e["start_s"])
     t0 = events[0]["start_s"] if events else 0.0
     for e in events:
         e["start_s"], e["end_s"] = e["start_s"] - t0, e["end_s"] - t0

@@ -100,11 +100,11 @@ def _recompute_layers(plan: Plan, prediction: Prediction, graph: nx.DiGraph, cap
                       bandwidth: float) -> tuple[Prediction | None, Prediction]:
     """(the plan's prediction within the cap, recomputing chosen modules, or None; its floor)."""
     part = plan.meta.partition
-    plain_act = list(part["stage_activation_bytes"])
+    plain_act = list(part.stage_activation_bytes)
     whole = set(plan.schedule.remat_stages())  # stages that already recompute entirely (R actions)
     split = {s.index for s in plan.stages if s.index > 0} if plan.schedule.meta.get("split_backward") else set()
     options = [o for o in recompute_options(graph, plan.assignment, split) if o.stage not in whole]
-    held = dict(enumerate(part["stage_in_flight"]))
+    held = dict(enumerate(part.stage_in_flight))
     rank_of = {s.index: s.rank for s in plan.stages}
     excess = {d.rank: d.total - cap for d in over_budget(prediction.devices, cap)}
     for _ in range(ROUNDS):
@@ -149,7 +149,7 @@ def _floor_message(plan: Plan, floor: Prediction, graph: nx.DiGraph) -> str:
     floor leaves out a module whose rerun buffer outweighs what recomputing it frees (a stage
     holding one micro-batch frees its saved bytes once and holds all of them again to rerun it)."""
     whole = plan.schedule.remat_stages()
-    held = dict(enumerate(plan.meta.partition["stage_in_flight"]))
+    held = dict(enumerate(plan.meta.partition.stage_in_flight))
     candidates = {(o.stage, o.node) for o in recompute_options(graph, plan.assignment, False)
                   if o.stage not in whole and held.get(o.stage, 0) * o.saves_bytes > 0}
     recomputed = {(s.index, n) for s in floor.plan.stages for n in s.recompute}
@@ -177,6 +177,6 @@ def _apply(plan: Plan, graph: nx.DiGraph, options: list[RecomputeOption], chosen
         recompute_s[s] = sum(float(graph.nodes[n].get("forward_s", 0.0)) for n in nodes)
         region[s] = max((rerun[(s, n)] for n in nodes), default=0.0)
     return replace(plan, meta=replace(
-        plan.meta, partition={**plan.meta.partition, "stage_activation_bytes": activation},
+        plan.meta, partition=replace(plan.meta.partition, stage_activation_bytes=activation),
         stage_recompute_s=recompute_s, stage_recompute_region_bytes=region,
         recompute={str(s.index): s.recompute for s in plan.stages if s.recompute}))

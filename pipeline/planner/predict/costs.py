@@ -90,10 +90,10 @@ def cost_model_from_plan(plan: Plan, latency_s: float, bandwidth: float) -> Cost
         if s > 0:
             bwd_i[s] += extra
     # the runtime's fixed cost per compute action (measured: pipelaunch.pipeline.planner.measure.overheads)
-    fixed = float(plan.meta.action_overhead_s or 0.0)
+    fixed = float(plan.meta.machine.action_overhead_s or 0.0)
     if fixed:
         fwd, bwd, bwd_i, bwd_w = ([x + fixed for x in xs] for xs in (fwd, bwd, bwd_i, bwd_w))
-    act, freed = stage_held_bytes(plan.stages, plan.meta.partition["stage_activation_bytes"],
+    act, freed = stage_held_bytes(plan.stages, plan.meta.partition.stage_activation_bytes,
                                   plan.meta.stage_loss_activation_bytes)
     stash = plan.meta.stage_weight_stash_bytes
     return CostModel(

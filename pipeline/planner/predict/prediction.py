@@ -58,16 +58,16 @@ def predict(plan: Plan, latency_s: float, bandwidth: float) -> Prediction:
     at the simulated peak (the planner records the winner's in `plan.meta.device_memory`)."""
     cost = cost_model_from_plan(plan, latency_s, bandwidth)
     result = simulate(plan.schedule, cost)
-    part = plan.meta.partition
-    devices = device_memory(part["stage_param_bytes"], plan.schedule.placement, result.peak_activation_bytes,
+    machine = plan.meta.machine
+    devices = device_memory(plan.meta.partition.stage_param_bytes, plan.schedule.placement, result.peak_activation_bytes,
                             int(plan.meta.optimizer_states), plan.meta.stage_recompute_region_bytes,
                             plan.meta.stage_workspace_bytes, float(plan.meta.reserve_bytes or 0.0),
                             update=UpdateMemory(plan.meta.stage_largest_param_bytes,
-                                                tuple(plan.meta.optimizer_temporaries), plan.dp))
+                                                tuple(machine.optimizer_temporaries), plan.dp))
     schedule_s = result.makespan_s
-    slots = plan.meta.rank_slots
+    slots = machine.rank_slots
     if slots:  # more local ranks than cores: busy ranks share them (pipeline/planner/predict/shared_cores.py)
         schedule_s = shared_makespan(plan.schedule, cost, slots, plan.dp)
-    per_byte = float(plan.meta.optimizer_s_per_byte or 0.0)
+    per_byte = float(machine.optimizer_s_per_byte or 0.0)
     optimizer = [d.params * per_byte for d in devices]
     return Prediction(plan, cost, result, devices, schedule_s, optimizer)

@@ -1,0 +1,111 @@
+"""The typed parts of a Plan's metadata (`PlanMeta`): the partition summary, the prediction, the
+search summary and the facts of the machine it was planned on.
+
+Each is a frozen record whose fields, in order, are the keys plan.json has always held for it, so
+`dataclasses.asdict` writes the same JSON and `from_json` reads a plan.json of an earlier version
+(unknown keys dropped, missing ones left at their defaults).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
+
+R = TypeVar("R")
+
+
+def known_fields(cls: type[R], data: dict) -> R:
+    """`cls` from the keys of `data` it knows (a record written by another version loads)."""
+    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass(frozen=True)
+class PartitionSummary:
+    """The partitioner's split as the one judge (`partition.evaluate`) priced it: per stage its
+    time with communication, compute, parameter/activation/communication/memory bytes, the
+    micro-batches it holds (and of those, with full activations), its input bytes; the slowest
+    stage, the lower bound of any split, and the stages recomputing entirely."""
+
+    bottleneck_s: float = 0.0
+    lower_bound_s: float = 0.0
+    stage_time_s: list[float] = field(default_factory=list)
+    stage_compute_s: list[float] = field(default_factory=list)
+    stage_param_bytes: list[int] = field(default_factory=list)
+    stage_activation_bytes: list[float] = field(default_factory=list)
+    stage_comm_bytes: list[int] = field(default_factory=list)
+    stage_memory_bytes: list[int] = field(default_factory=list)
+    stage_in_flight: list[int] = field(default_factory=list)
+    stage_full_in_flight: list[int] = field(default_factory=list)
+    stage_input_bytes: list[int] = field(default_factory=list)
+    remat_stages: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, data: dict | None) -> PartitionSummary | None:
+        """None for a plan without a partition (an empty dict in plan.json)."""
+        return known_fields(cls, data) if data else None
+
+
+@dataclass(frozen=True)
+class DevicePeak:
+    """One pipeline rank's predicted peak memory by what holds it, in bytes (the planner's
+    `predict.memory.DeviceMemory`, with its `total`)."""
+
+    rank: int
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    recompute: float = 0.0
+    workspace: float = 0.0
+    reserve: float = 0.0
+    update: float = 0.0
+    total: float = 0.0
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """The step the planner predicted for the plan as run: the whole step and its schedule part
+    (the schedule stretched where ranks share cores), the simulated makespan, and per pipeline
+    rank the bubble and the peak activation bytes."""
+
+    step_time_s: float
+    schedule_s: float
+    makespan_s: float
+    bubble_per_rank: list[float] = field(default_factory=list)
+    peak_activation_bytes_per_rank: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SearchSummary:
+    """What plan=auto (or scheduler=auto) compared and chose: the winner's settings (`chosen`: its
+    label, config overrides and scheduler option), why it won, the search's time and counts,
+    and the table rows of the winner, the best candidates, those over the memory budget and
+    those that failed (rows are the search table's cells: `search.choose.Outcome.row`)."""
+
+    chosen: dict[str, Any] = field(default_factory=dict)
+    why: str = ""
+    seconds: float = 0.0
+    candidates: int = 0
+    fit: int = 0
+    over_budget: int = 0
+    failed: int = 0
+    winner: dict[str, Any] = field(default_factory=dict)
+    top: list[dict] = field(default_factory=list)
+    excluded: list[dict] = field(default_factory=list)
+    errors: list[dict] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class MachineFacts:
+    """What the planner measured of the machine the plan runs on: local ranks' worth of cores
+    when ranks outnumber them (CPU, else None), the optimizer step's seconds per parameter byte
+    and its temporaries per byte (of a rank's largest tensor, of all its parameters:
+    `optimizer_costs.optimizer_temporaries`), the runtime's seconds per message (the link
+    latency, None: the config's) and per compute action (`planner.measure.overheads`)."""
+
+    rank_slots: float | None = None
+    optimizer_s_per_byte: float = 0.0
+    optimizer_temporaries: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    link_latency_s: float | None = None
+    action_overhead_s: float = 0.0
