@@ -34,7 +34,7 @@ def test_every_compute_action_pays_the_fixed_cost() -> None:
                        "action_overhead_s=0"])
     plan = prepare(cfg).plan
     fixed = 0.002
-    slower = replace(plan, meta=replace(plan.meta, action_overhead_s=fixed))
+    slower = replace(plan, meta=replace(plan.meta, machine=replace(plan.meta.machine, action_overhead_s=fixed)))
     base, more = predict(plan, 0.001, cfg.link_bandwidth), predict(slower, 0.001, cfg.link_bandwidth)
     # a rank runs 2m compute actions one after another, each now `fixed` longer
     assert more.result.makespan_s - base.result.makespan_s >= 2 * plan.microbatches * fixed - 1e-9

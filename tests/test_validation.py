@@ -178,10 +178,10 @@ def test_remat_full_split_is_priced_with_its_recomputation_by_every_partitioner(
         base = [*FAST, "pp=2", "memory=budget", "memory.cap_bytes=1e12", f"partitioner={part}"]
         plain = prepare(compose_cfg([*base, "remat=none"])).plan.meta
         full = prepare(compose_cfg([*base, "remat=full"])).plan.meta
-        assert full.partition["remat_stages"] == [0, 1]
+        assert full.partition.remat_stages == [0, 1]
         # whatever the split, the stages together compute everything once plus every forward again
-        assert sum(full.partition["stage_compute_s"]) == pytest.approx(
-            sum(plain.partition["stage_compute_s"]) + sum(full.stage_forward_s), rel=1e-6), part
+        assert sum(full.partition.stage_compute_s) == pytest.approx(
+            sum(plain.partition.stage_compute_s) + sum(full.stage_forward_s), rel=1e-6), part
 
 
 def test_impossible_budget_suggests_recomputing_only_when_it_was_not_counted() -> None:
