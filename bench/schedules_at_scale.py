@@ -18,8 +18,8 @@ paper's published profiles (bench/_zb_profiles.py, source cited there) at their 
 tests/schedules.py finds them (a schedule added by YAML appears here), with the variants
 conf/plan/auto.yaml lists (an option with `stages_per_rank` and no variant listed: 2 and 4), except
 `torch`; and every torch class (interleaved ones at 2 and 4 stages per rank). A schedule with v stages per rank runs chunks of 1/v of a stage: its F, I, W per chunk are the
-stage's divided by v, given to cost-aware generators through `use_stage_costs` with the hop on every cut
-between ranks (`hop_s`). The simulator charges every such cut the hop latency (CostModel.latency_s).
+stage's divided by v, given to cost-aware generators as `ScheduleCosts` with the hop on every cut
+between ranks (`hop`). The simulator charges every such cut the hop latency (CostModel.latency_s).
 
 Columns:
 - bubble: the idle share of the step, averaged over ranks: mean of (makespan - busy_r) / makespan
@@ -65,7 +65,7 @@ from pipelaunch.pipeline.planner.placement import placement_for  # noqa: E402
 from pipelaunch.pipeline.planner.predict.simulate import CostModel, simulate, validate  # noqa: E402
 from pipelaunch.pipeline.planner.schedules import build_schedule  # noqa: E402
 from pipelaunch.pipeline.planner.schedules.auto import AutoSchedule  # noqa: E402
-from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator  # noqa: E402
+from pipelaunch.pipeline.planner.schedules.base import ScheduleCosts, ScheduleGenerator  # noqa: E402
 from pipelaunch.pipeline.planner.schedules.torch_orders import SHAPES, TorchSchedule  # noqa: E402
 from pipelaunch.pipeline.planner.search.choose import scheduler_variants  # noqa: E402
 
@@ -153,8 +153,7 @@ def build(entry: Entry, case: Case, hop: float) -> Schedule | None:
         v = n / case.p
         f, i, w = (x / v for x in case.fiw)
         hops = [hop if placement[s] != placement[s + 1] else 0.0 for s in range(n - 1)]
-        gen.use_stage_costs([f] * n, [i] * n, [w] * n, hop_s=hops)
-        schedule = build_schedule(gen, placement, case.m)
+        schedule = build_schedule(gen, placement, case.m, costs=ScheduleCosts.of([f] * n, [i] * n, [w] * n, hop=hops))
     except ConfigError:
         return None
     validate(schedule)

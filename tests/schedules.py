@@ -23,7 +23,7 @@ def scheduler_options() -> dict[str, dict]:
 
 
 def build(name: str) -> ScheduleGenerator:
-    """A fresh generator from the option's YAML (fresh: generators keep the stage costs they are given)."""
+    """The generator the option's YAML builds (a frozen value: costs are arguments of each call)."""
     cfg = scheduler_options()[name]
     gen = instantiate({k: v for k, v in cfg.items() if k != "name"})
     assert isinstance(gen, ScheduleGenerator), f"scheduler={name}: {cfg['_target_']} is not a ScheduleGenerator"

@@ -8,6 +8,7 @@ import pytest
 from pipelaunch.pipeline.core.ir import Kind, Schedule
 from pipelaunch.pipeline.planner.placement import v_shape
 from pipelaunch.pipeline.planner.predict.simulate import makespan, validate
+from pipelaunch.pipeline.planner.schedules.base import ScheduleCosts
 from pipelaunch.pipeline.planner.schedules.fuse import MAX_WORK, fuse_slack_backwards
 from pipelaunch.pipeline.planner.schedules.zbv import ZBV
 from pipelaunch.pipeline.planner.schedules.zero_bubble import ZBH2
@@ -32,10 +33,8 @@ def test_fusing_never_lengthens_the_step(gen, pp: int, m: int, uneven: bool) -> 
     placement = v_shape(pp) if gen is ZBV else list(range(pp))
     costs = _costs(len(placement), uneven)
     split, fused = gen(fuse_backward=False), gen()
-    for g in (split, fused):
-        g.use_stage_costs(*costs)
-    before = split.compute_actions(placement, m)
-    after = fused.compute_actions(placement, m)
+    before = split.compute_actions(placement, m, ScheduleCosts.of(*costs))
+    after = fused.compute_actions(placement, m, ScheduleCosts.of(*costs))
     schedule = Schedule(gen.name, len(placement), m, placement, after)
     validate(schedule)  # one F and one backward (B, or I and W) per (stage, micro-batch), right ranks
     assert makespan(after, placement, m, costs) <= makespan(before, placement, m, costs) * (1 + 1e-9)
@@ -68,11 +67,9 @@ def test_a_fused_backward_priced_below_i_plus_w_is_credited(gen, pp: int, m: int
     f, i, w = _costs(len(placement), uneven=True)
     fused_b = [0.9 * (a + b) for a, b in zip(i, w, strict=True)]
     split, plain, credited = gen(fuse_backward=False), gen(), gen()
-    for g in (split, plain):
-        g.use_stage_costs(f, i, w)
-    credited.use_stage_costs(f, i, w, backward_s=fused_b)
-    programs = {name: g.compute_actions(placement, m) for name, g in
-                (("split", split), ("plain", plain), ("credited", credited))}
+    measured, measured_b = ScheduleCosts.of(f, i, w), ScheduleCosts.of(f, i, w, backward=fused_b)
+    programs = {name: g.compute_actions(placement, m, c) for name, g, c in
+                (("split", split, measured), ("plain", plain, measured), ("credited", credited, measured_b))}
     same = {name: fuse_slack_backwards(programs["split"], placement, m, (f, i, w), b)
             for name, b in (("plain", None), ("credited", fused_b))}
     count = {name: count_fused(Schedule(gen.name, len(placement), m, placement, p)) for name, p in same.items()}

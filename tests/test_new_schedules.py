@@ -17,6 +17,7 @@ from pipelaunch.pipeline.core.ir import Kind, Schedule
 from pipelaunch.pipeline.planner.placement import interleaved, v_shape
 from pipelaunch.pipeline.planner.predict.simulate import CostModel, simulate, validate
 from pipelaunch.pipeline.planner.schedules import build_schedule
+from pipelaunch.pipeline.planner.schedules.base import ScheduleCosts
 from pipelaunch.pipeline.planner.schedules.dualpipev import DualPipeV
 from pipelaunch.pipeline.planner.schedules.interleaved import Interleaved1F1B
 from pipelaunch.pipeline.planner.schedules.interleaved_zb import InterleavedZB
@@ -47,10 +48,9 @@ def _stage_microbatches(schedule: Schedule) -> float:
 def _run(gen, placement: list[int], m: int, f: float = 1.0, i: float = 1.0, w: float = 1.0, hop: float = 0.0):
     """Build (on these costs) and simulate; the schedule and its result."""
     n = len(placement)
-    if getattr(gen, "cost_aware", False):
-        gen.use_stage_costs([f] * n, [i] * n, [w] * n,
-                            hop_s=[hop if placement[s] != placement[s + 1] else 0.0 for s in range(n - 1)])
-    schedule = build_schedule(gen, placement, m)
+    costs = ScheduleCosts.of([f] * n, [i] * n, [w] * n,
+                             hop=[hop if placement[s] != placement[s + 1] else 0.0 for s in range(n - 1)])
+    schedule = build_schedule(gen, placement, m, costs=costs)
     validate(schedule)
     return schedule, simulate(schedule, CostModel([f] * n, [i] * n, [w] * n, latency_s=hop))
 

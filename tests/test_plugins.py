@@ -37,14 +37,14 @@ from pipelaunch.pipeline.planner.partition.common import assignment_from_order, 
 from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
 
 
-@dataclass
+@dataclass(frozen=True)
 class LastInFirstOut(ScheduleGenerator):
     """GPipe's forwards, then the backwards newest micro-batch first."""
 
     name: ClassVar[str] = "lifo"
     supported_placements: ClassVar[tuple] = ("linear",)
 
-    def compute_actions(self, placement, microbatches):
+    def compute_actions(self, placement, microbatches, costs=None, *, first_order=False):
         programs = [[] for _ in range(max(placement) + 1)]
         for stage, rank in enumerate(placement):
             programs[rank] += [F(stage, mb) for mb in range(microbatches)]

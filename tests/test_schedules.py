@@ -270,16 +270,14 @@ def test_zbv_runs_each_w_right_after_its_i_until_the_cool_down(pp: int) -> None:
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_play_through_keeps_eager_w_only_when_the_simulator_finds_it_no_slower(pp: int) -> None:
-    from pipelaunch.pipeline.planner.schedules.base import makespan
+    from pipelaunch.pipeline.planner.schedules.base import ScheduleCosts, makespan
     from pipelaunch.pipeline.planner.schedules.zbv import ZBV
     from pipelaunch.pipeline.planner.schedules.zero_bubble import list_schedule
 
     m, placement = 4 * pp, v_shape(pp)
     f = ([1.0, 2.0, 1.5, 3.0] * pp)[: 2 * pp]
     costs = (f, f, [c / 2 for c in f])
-    gen = ZBV()
-    gen.use_stage_costs(*costs)
-    chosen = makespan(gen.compute_actions(placement, m), placement, m, costs)
+    chosen = makespan(ZBV().compute_actions(placement, m, ScheduleCosts.of(*costs)), placement, m, costs)
     for eager in (False, True):
         other = list_schedule(placement, m, split_backward=True, cap=[2 * pp] * pp, forward_first=True,
                               costs=costs, reserve_deeper=True, eager_w=eager)

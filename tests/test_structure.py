@@ -123,3 +123,57 @@ def test_the_design_table_lists_every_package_and_module() -> None:
         files = {p.name for p in (ROOT / folder).glob("*.py") if p.name != "__init__.py"}
         files |= {f"{p.name}/" for p in (ROOT / folder).iterdir() if (p / "__init__.py").is_file()}
         assert named == files, (folder, sorted(files - named), sorted(named - files))
+
+
+def test_no_product_function_is_over_80_lines() -> None:
+    """Every function of the product (decorators excluded) fits on a screen: a longer one is split."""
+    import ast
+
+    long = {}
+    for folder in ("pipeline", "launcher", "models", "pipelaunch"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80:
+                    long[f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"] = node.end_lineno - node.lineno + 1
+    assert long == {}
+
+
+def test_schedule_generators_are_frozen_values() -> None:
+    """Every schedule option of conf/scheduler/ builds a frozen dataclass holding only its options:
+    computing actions on measured-looking costs (and in first-order mode) leaves it equal, with the
+    same hash, to one freshly built from the YAML, and adds no attribute beyond its fields."""
+    import random
+    from dataclasses import fields, is_dataclass
+
+    from hydra.utils import get_class, instantiate
+    from omegaconf import OmegaConf
+
+    from pipelaunch.pipeline.planner.placement import placement_for
+    from pipelaunch.pipeline.planner.schedules.base import ScheduleCosts, ScheduleGenerator
+    from pipelaunch.pipeline.planner.schedules.weight_fill import StageMemory
+
+    assert ScheduleGenerator.__dataclass_params__.frozen and fields(ScheduleGenerator) == ()
+    checked = []
+    for path in sorted((ROOT / "conf" / "scheduler").glob("*.yaml")):
+        if path.stem == "auto":  # the search over the others, not a schedule
+            continue
+        cfg = OmegaConf.to_container(OmegaConf.load(path))
+        cls = get_class(cfg["_target_"])
+        if not issubclass(cls, ScheduleGenerator):
+            continue
+        assert is_dataclass(cls) and cls.__dataclass_params__.frozen, f"{path.name}: {cls.__name__} is not frozen"
+        gen, twin = instantiate(cfg), instantiate(cfg)
+        pp, m = 4, 8
+        placement = placement_for(gen, pp)
+        n, rnd = len(placement), random.Random(path.stem)
+        f = [rnd.uniform(0.5, 2.0) for _ in range(n)]
+        costs = ScheduleCosts.of(f, [1.1 * x for x in f], [0.6 * x for x in f], backward=[1.6 * x for x in f],
+                                 hop=[0.05 * (placement[s] != placement[s + 1]) for s in range(n - 1)],
+                                 memory=StageMemory(tuple(3.0 for _ in f), tuple(2.0 for _ in f)))
+        gen.check(pp, m, placement)
+        gen.compute_actions(placement, m, costs)
+        gen.compute_actions(placement, m, first_order=True)
+        assert gen == twin and hash(gen) == hash(twin), f"{path.name}: computing changed the generator"
+        assert vars(gen).keys() == {f.name for f in fields(gen)}, f"{path.name}: state beyond its options"
+        checked.append(path.stem)
+    assert len(checked) >= 10, checked

@@ -79,9 +79,9 @@ def test_each_torch_order_equals_torchs_own_list_and_simulates(name: str, pp: in
         assert lists[last] in (ours[last], drawn)
     else:
         assert lists == ours
-    assert len(gen.overlapped) == overlaps
+    assert len(gen.overlapped(placement, m)) == overlaps
     assert (overlaps > 0) == (name == "DualPipeV")
-    for fwd, bwd in gen.overlapped:  # each pair adjacent in its rank's program, forward first
+    for fwd, bwd in gen.overlapped(placement, m):  # each pair adjacent in its rank's program, forward first
         program = sched.actions[placement[fwd.stage]]
         at = program.index(fwd)
         assert program[at + 1] == bwd and bwd.kind in (Kind.B, Kind.I) and placement[bwd.stage] == placement[fwd.stage]

@@ -86,7 +86,7 @@ def make_plan(cfg: TrainConfig, spec: ModelSpec, options: GroupOptions, *, profi
     if not profile:
         return Planned(_finished(plan, None, None), model=models.model)
     prediction = fit_budget(plan, predict(plan, *link), traced.graph, cfg.memory.cap_bytes, *link,
-                            rebuild=lambda whole: build(_scheduler(cfg), traced, whole=whole))
+                            rebuild=lambda whole: build(generator, traced, whole=whole))
     return Planned(_finished(prediction.plan, prediction, None), prediction, model=models.model)
 
 

@@ -35,7 +35,7 @@ from pipelaunch.pipeline.planner.passes.p2p_check import check_p2p, edge_message
 from pipelaunch.pipeline.planner.passes.remat import per_module_suffices
 from pipelaunch.pipeline.planner.predict.costs import split_backward_cost, stage_held_bytes
 from pipelaunch.pipeline.planner.schedules import build_schedule
-from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
+from pipelaunch.pipeline.planner.schedules.base import ScheduleCosts, ScheduleGenerator
 from pipelaunch.pipeline.planner.schedules.inference import Inference
 from pipelaunch.pipeline.planner.schedules.weight_fill import StageMemory
 
@@ -189,12 +189,14 @@ def build_plan(traced: TracedModel, generator: ScheduleGenerator, req: PlanReque
     stages = _stage_plans(traced, split, part, placement, req.value_dtypes)
     forward, backward, split_costs = _stage_costs(traced, part, len(placement), req.profiled)
     held = _held_beyond_activations(traced, stages) if req.profiled else None
+    costs = None
     if held is not None:  # as the prediction prices them: the runtime's fixed cost on every action
         fixed = req.action_overhead_s
-        generator.use_stage_costs(*([x + fixed for x in xs] for xs in (forward, *split_costs)),
-                                  backward_s=[b + fixed for b in backward], hop_s=_hops(part, placement, req),
-                                  memory=_stage_memory(stages, part, *held))
-    schedule = build_schedule(generator, placement, req.microbatches, req.remat, _whole_stages(traced, part, req))
+        costs = ScheduleCosts.of(*([x + fixed for x in xs] for xs in (forward, *split_costs)),
+                                 backward=[b + fixed for b in backward], hop=_hops(part, placement, req),
+                                 memory=_stage_memory(stages, part, *held))
+    schedule = build_schedule(generator, placement, req.microbatches, req.remat, _whole_stages(traced, part, req),
+                              costs)
     reprice_for_schedule(part, schedule)
     messages = edge_messages(stages)
     # gradients flow back only along edges carrying a floating-point value

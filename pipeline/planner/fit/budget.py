@@ -12,7 +12,6 @@ exists); recomputing stages (remat) hold full activations for fewer of them and 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
 
 import networkx as nx
 
@@ -34,8 +33,7 @@ def partition_request(
     micro-batches, V-Min's candidates took 1.4 s)."""
     placement = list(placement)
     # without a cap the counts only break ties between splits: the first candidate order will do
-    with generator.first_order_only() if cap is None else nullcontext():
-        plain = build_schedule(generator, placement, microbatches).peak_in_flight()
+    plain = build_schedule(generator, placement, microbatches, first_order=cap is None).peak_in_flight()
     if not generator.training or remat == "none" or (remat == "auto" and cap is None):
         return PartitionRequest(bandwidth, plain, cap)
     recomputed = build_schedule(generator, placement, microbatches, "full").peak_in_flight()

@@ -6,7 +6,7 @@ from collections.abc import Collection
 
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.ir import Action, Kind, R, Schedule
-from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
+from pipelaunch.pipeline.planner.schedules.base import ScheduleCosts, ScheduleGenerator
 
 REMAT_CHOICES = ("none", "full", "auto")
 
@@ -30,16 +30,17 @@ def insert_recompute(actions: list[list[Action]], stages: Collection[int] | None
 
 def build_schedule(
     generator: ScheduleGenerator, placement: list[int], microbatches: int, remat: str = "none",
-    remat_stages: Collection[int] = (),
+    remat_stages: Collection[int] = (), costs: ScheduleCosts | None = None, *, first_order: bool = False,
 ) -> Schedule:
-    """Check the generator's rules, generate compute actions, and add recomputation if asked:
+    """Check the generator's rules, generate compute actions on `costs` (None: unit costs; with
+    `first_order`, the generator's first feasible candidate order), and add recomputation if asked:
     `remat=full` on every stage, `remat=auto` on `remat_stages` (what the planner chose to fit
     the memory budget)."""
     if remat not in REMAT_CHOICES:
         raise ConfigError("remat", f"got {remat!r}; valid: {', '.join(REMAT_CHOICES)}")
     pp = max(placement) + 1
     generator.check(pp, microbatches, list(placement))
-    actions = generator.compute_actions(list(placement), microbatches)
+    actions = generator.compute_actions(list(placement), microbatches, costs, first_order=first_order)
     if remat == "full":
         if not generator.training:
             raise ConfigError("remat", f"scheduler {generator.name!r} runs no backward; use remat=none")
@@ -47,7 +48,7 @@ def build_schedule(
     elif remat == "auto" and remat_stages and generator.training:
         actions = insert_recompute(actions, set(remat_stages))
     meta = {"remat": remat, "split_backward": generator.split_backward}
-    pairs = getattr(generator, "overlapped", None)
+    pairs = generator.overlapped(list(placement), microbatches)
     if pairs:  # run back to back as one overlapped action (DualPipeV): "0F4+1B2"
         meta["overlapped"] = [f"{f}+{b}" for f, b in pairs]
     return Schedule(

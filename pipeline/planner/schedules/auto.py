@@ -14,10 +14,10 @@ from typing import ClassVar, NoReturn
 
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.ir import Action
-from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
+from pipelaunch.pipeline.planner.schedules.base import ScheduleCosts, ScheduleGenerator
 
 
-@dataclass
+@dataclass(frozen=True)
 class AutoSchedule(ScheduleGenerator):
     """Marks `scheduler=auto`; the launcher's plan search picks the concrete schedule."""
 
@@ -27,7 +27,8 @@ class AutoSchedule(ScheduleGenerator):
     def check(self, pp: int, microbatches: int, placement: list[int]) -> None:
         self._refuse()
 
-    def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
+    def compute_actions(self, placement: list[int], microbatches: int, costs: ScheduleCosts | None = None,
+                        *, first_order: bool = False) -> list[list[Action]]:
         self._refuse()
 
     @staticmethod

@@ -1,7 +1,8 @@
-"""What every schedule generator is: a pure function of (placement, micro-batches) plus its rules.
+"""What every schedule generator is: a pure function of (placement, micro-batches, costs) plus its rules.
 
-A generator is a small dataclass so that Hydra can build it from `conf/scheduler/<name>.yaml`
-(`_target_` + option fields). It declares which placement `placement=auto` should give it, checks
+A generator is a small frozen dataclass so that Hydra can build it from `conf/scheduler/<name>.yaml`
+(`_target_` + option fields) and it holds nothing else: the measured costs (`ScheduleCosts`) are an
+argument of `compute_actions`. It declares which placement `placement=auto` should give it, checks
 its own requirements, and returns compute actions per rank; sends and receives come from
 `pipelaunch.pipeline.planner.passes.lowering`, never from the generator.
 """
@@ -9,8 +10,7 @@ its own requirements, and returns compute actions per rank; sends and receives c
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
@@ -72,9 +72,39 @@ def step_floor(placement: Sequence[int], microbatches: int, costs: StageCosts) -
     return max(start[r] + work[r] for r in work)
 
 
-@dataclass
+@dataclass(frozen=True)
+class ScheduleCosts:
+    """A measured per-stage profile, handed to `compute_actions` by the planner: generators that order
+    actions by a simulated play-through (`cost_aware` ones) choose on it; others ignore it. None in its
+    place means unit costs (F = I = W = 1, free hops). A value, not generator state, so that one
+    generator serves every candidate of a search and a plan is a function of its arguments.
+
+    `backward`: the fused backward, when profiled apart (it costs less than I + W), so that fusing a
+    pair is credited its saving. `hop[s]`: the time a value takes from stage s to stage s + 1 (0 on
+    one rank). `memory`: the bytes a micro-batch holds on each stage, for generators whose memory
+    promise is in bytes."""
+
+    forward: tuple[float, ...]
+    input_grad: tuple[float, ...]
+    weight_grad: tuple[float, ...]
+    backward: tuple[float, ...] | None = None
+    hop: tuple[float, ...] | None = None
+    memory: StageMemory | None = None
+
+    @classmethod
+    def of(cls, forward: Sequence[float], input_grad: Sequence[float], weight_grad: Sequence[float],
+           backward: Sequence[float] | None = None, hop: Sequence[float] | None = None,
+           memory: StageMemory | None = None) -> ScheduleCosts:
+        """From per-stage sequences (lists are copied into tuples, so the value stays frozen)."""
+        return cls(tuple(forward), tuple(input_grad), tuple(weight_grad),
+                   tuple(backward) if backward is not None else None, tuple(hop) if hop is not None else None, memory)
+
+
+@dataclass(frozen=True)
 class ScheduleGenerator:
-    """Base class: subclasses set the class variables and implement `compute_actions`."""
+    """Base class: subclasses set the class variables and implement `compute_actions`. A frozen
+    value holding only its configured options (what `conf/scheduler/<name>.yaml` passes): the costs
+    and the first-order mode are arguments of each call, so one generator serves every plan."""
 
     name: ClassVar[str] = "base"
     #: placement kind `placement=auto` resolves to ("linear", "interleaved" or "v").
@@ -88,74 +118,54 @@ class ScheduleGenerator:
     #: whether scheduler=auto and plan=auto try it unless `plan.schedulers` names the schedules
     searched_by_default: ClassVar[bool] = True
 
-    #: set by `first_order_only`: `best_filled` keeps the first candidate that fills
-    _first_order_only: ClassVar[bool] = False
-
     def stages_per_rank(self) -> int:
         return 1
 
-    @contextmanager
-    def first_order_only(self) -> Iterator[None]:
-        """Inside the block, `best_filled` keeps its first feasible candidate (the most promising),
-        neither timed nor with its backwards fused: for a caller that needs the order's shape, not
-        its best step (the partitioner's in-flight counts without a memory budget, before the
-        measured costs choose the order that runs; they only break ties between splits there)."""
-        self._first_order_only = True
-        try:
-            yield
-        finally:
-            del self._first_order_only
+    def measured(self, costs: ScheduleCosts | None) -> ScheduleCosts | None:
+        """The profile orders are chosen on: `costs` for a cost-aware generator, else None (units)."""
+        return costs if getattr(self, "cost_aware", False) else None
 
-    def use_stage_costs(
-        self, forward_s: list[float], backward_input_s: list[float], backward_weight_s: list[float],
-        backward_s: list[float] | None = None, hop_s: list[float] | None = None,
-        memory: StageMemory | None = None,
-    ) -> None:
-        """Hand a measured per-stage profile to generators that order actions by a simulated
-        play-through (`cost_aware` ones); others ignore it. `backward_s`: the fused backward, when
-        profiled apart (it costs less than I + W), so that fusing a pair is credited its saving.
-        `hop_s[s]`: the time a value takes from stage s to stage s + 1 (0 on one rank). `memory`:
-        the bytes a micro-batch holds on each stage, for generators whose memory promise is in bytes."""
-        self._stage_costs = (list(forward_s), list(backward_input_s), list(backward_weight_s))
-        self._fused_backward = list(backward_s) if backward_s is not None else None
-        self._hop = list(hop_s) if hop_s is not None else None
-        self._memory = memory
-
-    def stage_costs(self, num_stages: int) -> StageCosts:
+    def stage_costs(self, num_stages: int, costs: ScheduleCosts | None) -> StageCosts:
         """The costs orders are chosen on: the measured ones when cost-aware and given (with the
         hops), else F = I = W = 1 and free hops."""
-        costs = self.play_costs()
-        if costs == (1, 1, 1):
-            return StageCosts.of(num_stages, costs)
-        return StageCosts.of(num_stages, costs, getattr(self, "_hop", None) or 0.0,
-                             getattr(self, "_fused_backward", None))
+        measured = self.measured(costs)
+        if measured is None:
+            return StageCosts.of(num_stages, (1, 1, 1))
+        return StageCosts.of(num_stages, self.play_costs(measured), measured.hop or 0.0, measured.backward)
 
-    def stage_memory(self) -> StageMemory | None:
+    def stage_memory(self, costs: ScheduleCosts | None) -> StageMemory | None:
         """The bytes a micro-batch holds per stage, when cost-aware and given with the measured costs."""
-        return getattr(self, "_memory", None) if self.play_costs() != (1, 1, 1) else None
+        measured = self.measured(costs)
+        return measured.memory if measured is not None else None
 
-    def best_filled(self, candidates: Iterable[Candidate], placement: list[int], microbatches: int
-                    ) -> list[list[Action]]:
+    def best_filled(self, candidates: Iterable[Candidate], placement: list[int], microbatches: int,
+                    costs: ScheduleCosts | None, first_order: bool = False) -> list[list[Action]]:
         """The candidate whose programs take the shortest step on `stage_costs` (of equal steps, the
         one idling least inside the ranks' spans; then the first): a critical order whose W
         `weight_fill` places, or finished programs; at most CANDIDATE_WORK actions in all. With `fuse_backward`,
-        the I/W pairs whose split buys nothing then run as one B (schedules/fuse.py)."""
-        costs = self.stage_costs(len(placement))
+        the I/W pairs whose split buys nothing then run as one B (schedules/fuse.py).
+
+        `first_order`: keep the first feasible candidate (the most promising), neither timed nor
+        with its backwards fused: for a caller that needs the order's shape, not its best step (the
+        partitioner's in-flight counts without a memory budget, before the measured costs choose the
+        order that runs; they only break ties between splits there)."""
+        unit = self.measured(costs) is None
+        costs = self.stage_costs(len(placement), costs)
         # on unit costs (the order the split is priced on, before the measured one; and the order of
         # cost_aware=false) an order at the lower bound cannot take a shorter step, so the rest are
         # not tried (of equal steps the first is kept, not the one with the shortest rank span)
-        floor = step_floor(placement, microbatches, costs) if self.play_costs() == (1, 1, 1) else 0.0
+        floor = step_floor(placement, microbatches, costs) if unit else 0.0
         best: Filled | None = None
         error: ConfigError | None = None
         spent = 0
         for cand in candidates:
-            if best is not None and (best.makespan <= floor * (1 + 1e-9) or self._first_order_only):
+            if best is not None and (best.makespan <= floor * (1 + 1e-9) or first_order):
                 break
             spent += sum(len(acts) for acts in cand.orders)
             if best is not None and spent > CANDIDATE_WORK:
                 break
             try:
-                got = cand.fill(placement, microbatches, costs, timed=not self._first_order_only)
+                got = cand.fill(placement, microbatches, costs, timed=not first_order)
             except ConfigError as err:
                 error = error or err
                 continue
@@ -164,13 +174,14 @@ class ScheduleGenerator:
         if best is None:
             raise error or ConfigError("microbatches", f"scheduler {self.name!r} has no order for these settings")
         programs = best.programs
-        if getattr(self, "fuse_backward", False) and not self._first_order_only:
+        if getattr(self, "fuse_backward", False) and not first_order:
             triple = (list(costs.forward), list(costs.input_grad), list(costs.weight_grad))
             fused = list(costs.backward) if costs.backward is not None else None
             programs = fuse_slack_backwards(programs, placement, microbatches, triple, fused, costs.hop)
         return programs
 
-    def play_through(self, play, placement: list[int], microbatches: int, **kwargs) -> list[list[Action]]:
+    def play_through(self, play, placement: list[int], microbatches: int, costs: ScheduleCosts | None,
+                     **kwargs) -> list[list[Action]]:
         """Run a list-scheduling play-through on the measured costs when cost-aware; if real costs
         would leave the greedy stuck under the memory cap, keep the unit-cost order (always valid).
 
@@ -178,18 +189,19 @@ class ScheduleGenerator:
         when the simulator, on the same costs, finds it no slower: the W then reuses what its I
         just touched while it is still in cache, and frees the micro-batch's memory sooner. With
         `fuse_backward`, I/W pairs whose split buys nothing then run as one B (schedules/fuse.py)."""
-        costs = self.play_costs()
+        measured = self.measured(costs)
+        triple = self.play_costs(measured)
         if not kwargs.get("split_backward"):
-            return self._play_once(play, placement, microbatches, costs, **kwargs)
-        eager = self._play_once(play, placement, microbatches, costs, eager_w=True, **kwargs)
-        deferred = self._play_once(play, placement, microbatches, costs, **kwargs)
-        hop = getattr(self, "_hop", None) if costs != (1, 1, 1) else None
-        slower = makespan(eager, placement, microbatches, costs, hop=hop) > (
-            makespan(deferred, placement, microbatches, costs, hop=hop) * (1 + 1e-9))
+            return self._play_once(play, placement, microbatches, triple, **kwargs)
+        eager = self._play_once(play, placement, microbatches, triple, eager_w=True, **kwargs)
+        deferred = self._play_once(play, placement, microbatches, triple, **kwargs)
+        hop = list(measured.hop) if measured is not None and measured.hop is not None else None
+        slower = makespan(eager, placement, microbatches, triple, hop=hop) > (
+            makespan(deferred, placement, microbatches, triple, hop=hop) * (1 + 1e-9))
         programs = deferred if slower else eager
         if getattr(self, "fuse_backward", False):
-            fused = getattr(self, "_fused_backward", None) if costs != (1, 1, 1) else None
-            programs = fuse_slack_backwards(programs, placement, microbatches, costs, fused, hop)
+            fused = list(measured.backward) if measured is not None and measured.backward is not None else None
+            programs = fuse_slack_backwards(programs, placement, microbatches, triple, fused, hop)
         return programs
 
     @staticmethod
@@ -201,10 +213,17 @@ class ScheduleGenerator:
                 pass
         return play(placement, microbatches, **kwargs)
 
-    def play_costs(self) -> tuple:
+    def play_costs(self, costs: ScheduleCosts | None) -> tuple:
         """(F, I, W) for the play-through: the measured per-stage costs when cost-aware, else units."""
-        costs = getattr(self, "_stage_costs", None)
-        return costs if costs is not None and getattr(self, "cost_aware", False) else (1, 1, 1)
+        measured = self.measured(costs)
+        if measured is None:
+            return (1, 1, 1)
+        return (list(measured.forward), list(measured.input_grad), list(measured.weight_grad))
+
+    def overlapped(self, placement: list[int], microbatches: int) -> list[tuple[Action, Action]]:
+        """The (forward, backward) pairs of `compute_actions`' programs that run back to back as one
+        overlapped action (DualPipeV's); none for most schedules."""
+        return []
 
     def check(self, pp: int, microbatches: int, placement: list[int]) -> None:
         """Raise ConfigError if this schedule cannot run with these settings."""
@@ -225,7 +244,11 @@ class ScheduleGenerator:
                 f"i.e. {pp * self.stages_per_rank()} stages for pp={pp}, but the placement has {len(placement)}",
             )
 
-    def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
+    def compute_actions(self, placement: list[int], microbatches: int, costs: ScheduleCosts | None = None,
+                        *, first_order: bool = False) -> list[list[Action]]:
+        """Per rank, the compute actions (F, B or I and W) in the order it runs them: a function of
+        the arguments and the generator's options. `costs`: the measured profile (None: unit
+        costs); `first_order`: the first feasible candidate order will do (`best_filled`)."""
         raise NotImplementedError
 
 
@@ -237,4 +260,4 @@ def require_microbatches_at_least(name: str, microbatches: int, minimum: int, wh
         )
 
 
-__all__ = ["Candidate", "ScheduleGenerator", "makespan", "require_microbatches_at_least"]
+__all__ = ["Candidate", "ScheduleCosts", "ScheduleGenerator", "makespan", "require_microbatches_at_least"]

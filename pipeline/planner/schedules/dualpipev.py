@@ -15,7 +15,7 @@ DualPipeV's own placement holds, whichever the simulator finds faster.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 from pipelaunch.pipeline.core.errors import ConfigError
@@ -23,6 +23,7 @@ from pipelaunch.pipeline.core.ir import Action, Kind
 from pipelaunch.pipeline.planner.placement import v_shape
 from pipelaunch.pipeline.planner.schedules.base import (
     Candidate,
+    ScheduleCosts,
     ScheduleGenerator,
     require_microbatches_at_least,
 )
@@ -31,7 +32,7 @@ from pipelaunch.pipeline.planner.schedules.orders import dualpipe_v
 from pipelaunch.pipeline.planner.schedules.zero_bubble import ALPHAS
 
 
-@dataclass
+@dataclass(frozen=True)
 class DualPipeV(ScheduleGenerator):
     """DualPipeV on the V placement; microbatches >= 2 * pp."""
 
@@ -41,8 +42,6 @@ class DualPipeV(ScheduleGenerator):
     split_backward: ClassVar[bool] = True
     #: place the W on the measured per-stage costs (else F = I = W units)
     cost_aware: bool = True
-    #: the (forward, backward) pairs of the last order computed, run as one overlapped action
-    overlapped: list[tuple[Action, Action]] = field(default_factory=list, init=False, repr=False)
 
     def stages_per_rank(self) -> int:
         return 2
@@ -54,12 +53,16 @@ class DualPipeV(ScheduleGenerator):
         require_microbatches_at_least(self.name, microbatches, 2 * pp,
                                       f"its steady state pairs the two chunks of {2 * pp} stages")
 
-    def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
+    def overlapped(self, placement: list[int], microbatches: int) -> list[tuple[Action, Action]]:
+        """DualPipeV's overlapped (forward, backward) pairs: every candidate keeps them glued."""
+        return list(dualpipe_v(max(placement) + 1, microbatches).overlapped)
+
+    def compute_actions(self, placement: list[int], microbatches: int, costs: ScheduleCosts | None = None,
+                        *, first_order: bool = False) -> list[list[Action]]:
         pp = max(placement) + 1
         reference = dualpipe_v(pp, microbatches)
-        self.overlapped = list(reference.overlapped)
         critical = [[a for a in acts if a.kind is not Kind.W] for acts in reference.orders]
         glued = frozenset(b for _, b in reference.overlapped)
         caps = peak_held(reference.orders)
         candidates = [Candidate(reference.orders), *(Candidate(critical, caps, alpha, glued) for alpha in ALPHAS)]
-        return self.best_filled(candidates, placement, microbatches)
+        return self.best_filled(candidates, placement, microbatches, costs, first_order)

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from pipelaunch.pipeline.core.ir import Action, B, F
-from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
+from pipelaunch.pipeline.planner.schedules.base import ScheduleCosts, ScheduleGenerator
 
 
-@dataclass
+@dataclass(frozen=True)
 class GPipe(ScheduleGenerator):
     name: ClassVar[str] = "gpipe"
     supported_placements: ClassVar[tuple[str, ...]] = ("linear", "interleaved", "v", "explicit")
@@ -19,7 +19,8 @@ class GPipe(ScheduleGenerator):
         # respect every dependency.
         return None
 
-    def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
+    def compute_actions(self, placement: list[int], microbatches: int, costs: ScheduleCosts | None = None,
+                        *, first_order: bool = False) -> list[list[Action]]:
         pp = max(placement) + 1
         programs: list[list[Action]] = [[] for _ in range(pp)]
         for rank in range(pp):

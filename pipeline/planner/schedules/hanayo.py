@@ -18,11 +18,15 @@ from typing import ClassVar
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.ir import Action
 from pipelaunch.pipeline.planner.placement import wave
-from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator, require_microbatches_at_least
+from pipelaunch.pipeline.planner.schedules.base import (
+    ScheduleCosts,
+    ScheduleGenerator,
+    require_microbatches_at_least,
+)
 from pipelaunch.pipeline.planner.schedules.zero_bubble import list_schedule
 
 
-@dataclass
+@dataclass(frozen=True)
 class Hanayo(ScheduleGenerator):
     """Wave schedule: `waves` zig-zags over the ranks, full backward."""
 
@@ -51,7 +55,8 @@ class Hanayo(ScheduleGenerator):
             )
         require_microbatches_at_least(self.name, microbatches, 1, "it needs at least one micro-batch")
 
-    def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
+    def compute_actions(self, placement: list[int], microbatches: int, costs: ScheduleCosts | None = None,
+                        *, first_order: bool = False) -> list[list[Action]]:
         pp = max(placement) + 1
-        return self.play_through(list_schedule, placement, microbatches, split_backward=False,
+        return self.play_through(list_schedule, placement, microbatches, costs, split_backward=False,
                                  cap=[2 * self.waves * pp] * pp, forward_first=True)

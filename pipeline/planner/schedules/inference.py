@@ -10,10 +10,14 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from pipelaunch.pipeline.core.ir import Action, F
-from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator, require_microbatches_at_least
+from pipelaunch.pipeline.planner.schedules.base import (
+    ScheduleCosts,
+    ScheduleGenerator,
+    require_microbatches_at_least,
+)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Inference(ScheduleGenerator):
     """Only F actions; no activations are kept for a backward."""
 
@@ -24,7 +28,8 @@ class Inference(ScheduleGenerator):
     def check(self, pp: int, microbatches: int, placement: list[int]) -> None:
         require_microbatches_at_least(self.name, microbatches, 1, "it needs at least one micro-batch")
 
-    def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
+    def compute_actions(self, placement: list[int], microbatches: int, costs: ScheduleCosts | None = None,
+                        *, first_order: bool = False) -> list[list[Action]]:
         pp = max(placement) + 1
         programs: list[list[Action]] = [[] for _ in range(pp)]
         # Sorting by (mb, stage) gives each rank an order consistent with every dependency.

@@ -17,7 +17,7 @@ from typing import ClassVar
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.ir import Action, Kind, action_table
 from pipelaunch.pipeline.planner.placement import interleaved
-from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
+from pipelaunch.pipeline.planner.schedules.base import ScheduleCosts, ScheduleGenerator
 
 
 class _StagesPerRank(int):
@@ -28,7 +28,7 @@ class _StagesPerRank(int):
         return int(self)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Interleaved1F1B(ScheduleGenerator):
     """Megatron's interleaved 1F1B over the round-robin placement (stage s on rank s % pp)."""
 
@@ -40,7 +40,7 @@ class Interleaved1F1B(ScheduleGenerator):
     def __post_init__(self) -> None:
         if not isinstance(self.stages_per_rank, int) or self.stages_per_rank < 1:
             raise ConfigError("scheduler.stages_per_rank", f"must be an integer >= 1, got {self.stages_per_rank!r}")
-        self.stages_per_rank = _StagesPerRank(self.stages_per_rank)
+        object.__setattr__(self, "stages_per_rank", _StagesPerRank(self.stages_per_rank))  # frozen: normalised once
 
     def check(self, pp: int, microbatches: int, placement: list[int]) -> None:
         self.check_placement(pp, placement)
@@ -62,7 +62,8 @@ class Interleaved1F1B(ScheduleGenerator):
                 f"{expected} (placement=interleaved or auto), got {placement}",
             )
 
-    def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
+    def compute_actions(self, placement: list[int], microbatches: int, costs: ScheduleCosts | None = None,
+                        *, first_order: bool = False) -> list[list[Action]]:
         pp = max(placement) + 1
         return interleaved_order(pp, len(placement) // pp, microbatches)
 

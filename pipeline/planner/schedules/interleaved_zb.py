@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from pipelaunch.pipeline.core.ir import Action, Kind, action_table
-from pipelaunch.pipeline.planner.schedules.base import Candidate
+from pipelaunch.pipeline.planner.schedules.base import Candidate, ScheduleCosts
 from pipelaunch.pipeline.planner.schedules.interleaved import Interleaved1F1B, interleaved_order
 from pipelaunch.pipeline.planner.schedules.weight_fill import deferred_by
 from pipelaunch.pipeline.planner.schedules.zero_bubble import ALPHAS
@@ -62,7 +62,7 @@ def critical_orders(pp: int, v: int, microbatches: int) -> tuple[dict[int, Progr
     return orders, fitting, bound
 
 
-@dataclass
+@dataclass(frozen=True)
 class InterleavedZB(Interleaved1F1B):
     """Interleaved 1F1B's order with a split backward and W placed on the measured costs."""
 
@@ -73,10 +73,12 @@ class InterleavedZB(Interleaved1F1B):
     #: run an I and its W as one fused B wherever the simulated step does not grow (schedules/fuse.py)
     fuse_backward: bool = True
 
-    def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
+    def compute_actions(self, placement: list[int], microbatches: int, costs: ScheduleCosts | None = None,
+                        *, first_order: bool = False) -> list[list[Action]]:
         pp = max(placement) + 1
         orders, references, bound = critical_orders(pp, len(placement) // pp, microbatches)
-        return self.best_filled(self._candidates(orders, references, bound), placement, microbatches)
+        return self.best_filled(self._candidates(orders, references, bound), placement, microbatches,
+                                costs, first_order)
 
     @staticmethod
     def _candidates(orders: dict, references: dict, bound: Sequence[int]) -> Iterator[Candidate]:

@@ -30,7 +30,7 @@ from typing import ClassVar
 
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.ir import Action, B, F, I
-from pipelaunch.pipeline.planner.schedules.base import Candidate
+from pipelaunch.pipeline.planner.schedules.base import Candidate, ScheduleCosts
 from pipelaunch.pipeline.planner.schedules.interleaved import Interleaved1F1B
 from pipelaunch.pipeline.planner.schedules.zero_bubble import ALPHAS
 
@@ -51,7 +51,7 @@ def breadth_first_order(pp: int, v: int, microbatches: int, reverse: bool = True
     return programs
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoopedBFS(Interleaved1F1B):
     """Breadth-first over the round-robin placement, backward split, W placed on the measured costs."""
 
@@ -68,10 +68,12 @@ class LoopedBFS(Interleaved1F1B):
         if microbatches < 1:
             raise ConfigError("microbatches", f"scheduler {self.name!r} needs microbatches >= 1, got {microbatches}")
 
-    def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
+    def compute_actions(self, placement: list[int], microbatches: int, costs: ScheduleCosts | None = None,
+                        *, first_order: bool = False) -> list[list[Action]]:
         pp = max(placement) + 1
         v = len(placement) // pp
-        return self.best_filled(self._candidates(pp, v, microbatches), placement, microbatches)
+        return self.best_filled(self._candidates(pp, v, microbatches), placement, microbatches, costs,
+                                first_order)
 
     @staticmethod
     def _candidates(pp: int, v: int, m: int) -> Iterator[Candidate]:

@@ -9,10 +9,14 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from pipelaunch.pipeline.core.ir import Action, B, F
-from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator, require_microbatches_at_least
+from pipelaunch.pipeline.planner.schedules.base import (
+    ScheduleCosts,
+    ScheduleGenerator,
+    require_microbatches_at_least,
+)
 
 
-@dataclass
+@dataclass(frozen=True)
 class OneFOneB(ScheduleGenerator):
     name: ClassVar[str] = "1f1b"
 
@@ -22,7 +26,8 @@ class OneFOneB(ScheduleGenerator):
             self.name, microbatches, pp, "its warm-up fills the pipeline with pp micro-batches"
         )
 
-    def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
+    def compute_actions(self, placement: list[int], microbatches: int, costs: ScheduleCosts | None = None,
+                        *, first_order: bool = False) -> list[list[Action]]:
         pp = len(placement)
         programs: list[list[Action]] = []
         for rank in range(pp):

@@ -35,7 +35,7 @@ from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.ir import Action, Kind, Schedule
 from pipelaunch.pipeline.planner.placement import from_kind
 from pipelaunch.pipeline.planner.predict.simulate import ScheduleError, validate
-from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
+from pipelaunch.pipeline.planner.schedules.base import ScheduleCosts, ScheduleGenerator
 from pipelaunch.pipeline.planner.schedules.interleaved import _StagesPerRank
 
 
@@ -168,7 +168,7 @@ def torch_order(name: str, pp: int, stages_per_rank: int, microbatches: int) -> 
     return TorchOrder(tuple(map(tuple, programs)), tuple(placement), tuple(overlapped))
 
 
-@dataclass
+@dataclass(frozen=True)
 class TorchSchedule(ScheduleGenerator):
     """One of torch.distributed.pipelining's schedule classes (`schedule`, torch's name), its order
     lowered into our IR: runs on our runtime, and is what our orders are compared with."""
@@ -182,7 +182,8 @@ class TorchSchedule(ScheduleGenerator):
     stages_per_rank: int | None = None  # type: ignore[assignment]  # a field here, a method on the base
 
     def __post_init__(self) -> None:
-        self.schedule = canonical_name(self.schedule)
+        # normalised once, as the frozen value's own fields (dataclasses' idiom for a frozen __post_init__)
+        object.__setattr__(self, "schedule", canonical_name(self.schedule))
         shape = SHAPES[self.schedule]
         count = self.stages_per_rank
         if count is None:
@@ -193,9 +194,7 @@ class TorchSchedule(ScheduleGenerator):
             raise ConfigError("scheduler.stages_per_rank",
                               f"torch's {self.schedule} holds exactly {shape.stages_per_rank} stage(s) per rank, "
                               f"got {count}; leave it null")
-        self.stages_per_rank = _StagesPerRank(count)
-        #: (forward, backward) pairs torch runs as one OVERLAP_F_B action (DualPipeV), set by compute_actions
-        self.overlapped: list[tuple[Action, Action]] = []
+        object.__setattr__(self, "stages_per_rank", _StagesPerRank(count))
 
     @property
     def default_placement(self) -> str:  # type: ignore[override]
@@ -234,10 +233,14 @@ class TorchSchedule(ScheduleGenerator):
                                               f"{int(self.stages_per_rank)} stage(s) per rank and "
                                               f"microbatches={microbatches} {what}: {err}") from None
 
-    def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
+    def compute_actions(self, placement: list[int], microbatches: int, costs: ScheduleCosts | None = None,
+                        *, first_order: bool = False) -> list[list[Action]]:
         order = self._order(max(placement) + 1, microbatches)
-        self.overlapped = list(order.overlapped)
         return [list(program) for program in order.programs]
+
+    def overlapped(self, placement: list[int], microbatches: int) -> list[tuple[Action, Action]]:
+        """The (forward, backward) pairs torch runs as one OVERLAP_F_B action (DualPipeV)."""
+        return list(self._order(max(placement) + 1, microbatches).overlapped)
 
 
 __all__ = ["SHAPES", "TorchOrder", "TorchSchedule", "canonical_name", "lower_order", "torch_order",

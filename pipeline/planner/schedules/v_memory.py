@@ -47,6 +47,7 @@ from pipelaunch.pipeline.core.ir import Action, I, Kind, action_table
 from pipelaunch.pipeline.planner.placement import v_shape
 from pipelaunch.pipeline.planner.schedules.base import (
     Candidate,
+    ScheduleCosts,
     ScheduleGenerator,
     require_microbatches_at_least,
 )
@@ -137,7 +138,7 @@ def fronts(pp: int, budget: int, fine: bool = False) -> list[float]:
     return list(dict.fromkeys(float(f) for f in out))
 
 
-@dataclass
+@dataclass(frozen=True)
 class VHalf(ScheduleGenerator):
     """V-Half: at most ceil(p/2)+1 stage-micro-batches of activations per rank; V-Min derives from
     it with another `memory` (a key of DIVISORS)."""
@@ -169,40 +170,41 @@ class VHalf(ScheduleGenerator):
                                                      f"{stage_microbatches(pp, self.memory)} at pp={pp}) or an "
                                                      "integer >= 1 (micro-batches of activations per rank)")
 
-    def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
+    def compute_actions(self, placement: list[int], microbatches: int, costs: ScheduleCosts | None = None,
+                        *, first_order: bool = False) -> list[list[Action]]:
         """The fastest order under the tightest budget some order meets (module docstring)."""
         pp = max(placement) + 1
         stage_mbs = self.in_flight if self.in_flight is not None else stage_microbatches(pp, self.memory)
-        memory = self.stage_memory()
+        memory = self.stage_memory(costs)
         budgets = [(cap, memory) for cap in byte_budgets(placement, memory, stage_mbs)] if memory is not None else []
         budgets.append(([budget_chunks(pp, self.memory, stage_mbs)] * pp, None))
         error: ConfigError | None = None
         for cap, held in budgets:
             try:
-                return self.best_filled(self._candidates(placement, microbatches, cap, held), placement,
-                                        microbatches)
+                return self.best_filled(self._candidates(placement, microbatches, cap, held, costs), placement,
+                                        microbatches, costs, first_order)
             except ConfigError as err:
                 error = error or err
         assert error is not None
         raise error
 
-    def _candidates(self, placement: list[int], microbatches: int, cap: list[float], memory: StageMemory | None
-                    ) -> Iterator[Candidate]:
+    def _candidates(self, placement: list[int], microbatches: int, cap: list[float], memory: StageMemory | None,
+                    costs: ScheduleCosts | None) -> Iterator[Candidate]:
         """The building block's orders first (each front, W placed two ways), then the greedy
         play-throughs, built only when `best_filled` gets to them (they are the slower to make).
         The orders' own micro-batch counts come from the count budget; `cap` is what the W are
         placed under (in bytes as `memory` prices them, else in micro-batches)."""
         pp = max(placement) + 1
         budget = budget_chunks(pp, self.memory, self.in_flight)
-        costs = self.stage_costs(len(placement))
+        priced = self.stage_costs(len(placement), costs)
         for front in fronts(pp, budget, fine=memory is not None):
-            order = block_order(placement, microbatches, costs, front)
+            order = block_order(placement, microbatches, priced, front)
             yield from (Candidate(order, cap, alpha, memory=memory) for alpha in ALPHAS[:2])
         # under bytes, the play-through's count is a guess: from the budget's down to half of it
         counts = range(budget, max(2, budget // 2) - 1, -1) if memory is not None else (budget,)
         for count, shift in ((c, k) for c in counts for k in (0, -1, 1)):
             try:
-                order = self.play_through(list_schedule, placement, microbatches, split_backward=False,
+                order = self.play_through(list_schedule, placement, microbatches, costs, split_backward=False,
                                           cap=[count] * pp, stage_cap=stage_caps(pp, count, shift),
                                           forward_first=False)
             except ConfigError:
@@ -211,7 +213,7 @@ class VHalf(ScheduleGenerator):
             yield from (Candidate(critical, cap, alpha, memory=memory) for alpha in ALPHAS)
 
 
-@dataclass
+@dataclass(frozen=True)
 class VMin(VHalf):
     """V-Min: at most ceil(p/3)+1 stage-micro-batches of activations per rank."""
 

@@ -159,12 +159,13 @@ class _Fill:
     def _advance(self, r: int) -> list[int]:
         """Place rank r's critical actions until one waits for an input not placed yet; the ranks
         that were waiting on what it placed. One loop with the state in locals: it runs once per
-        critical action, 65k times per candidate at pp=64 with 256 micro-batches."""
+        critical action, 65k times per candidate at pp=64 with 256 micro-batches (the W that go
+        before an action are `_weights_before`'s, called only when some are pending)."""
         order, woken = self.orders[r], []
         m, n, glued, f_waiting, g_waiting = self.m, self.n, self.glued, self.f_waiting, self.g_waiting
         f_end, g_end, hop = self.f_end, self.g_end, self.costs.hop
         forward, input_grad, weight_grad = self.costs.forward, self.costs.input_grad, self.costs.weight_grad
-        cap, backlog, alpha = self.cap[r], self.backlog[r], self.alpha
+        cap = self.cap[r]
         on_forward, on_input_grad, on_weight_grad = self.on_forward, self.on_input_grad, self.on_weight_grad
         unit = self.in_units
         limit = cap + 0.5 if unit else cap * (1 + 1e-9)
@@ -200,23 +201,8 @@ class _Fill:
                         ready = grad
             adds = on_forward[s] if kind is kind_f else on_input_grad[s] if kind is kind_i else 0.0
             if not glued or act not in glued:
-                # W before it: those the cap forces out before an action that adds (a forward; an I
-                # holding more than its F did), those past the backlog and those that end before its
-                # input arrives; then one more if the gap left is at least alpha of it
-                slack = ready + 1e-9 * (ready if ready > 1.0 else 1.0)  # a W that fits exactly fits (times are >= 0)
-                stretched = False
-                while pending:
-                    stage = pending[0][0]
-                    w = weight_grad[stage]
-                    if not ((adds > 0 and held + adds > limit) or len(pending) > backlog or free + w <= slack):
-                        if not (ready > free and ready - free >= alpha * w):
-                            break
-                        stretched = True
-                    program.append(pending.popleft())
-                    free += w
-                    held -= on_weight_grad[stage]
-                    if stretched:
-                        break
+                if pending:
+                    free, held = self._weights_before(r, free, held, ready, adds, limit)
                 if adds > 0 and held + adds > limit:
                     raise ConfigError("microbatches", f"the schedule's order holds more than {cap:g} "
                                                       f"{'micro-batches' if unit else 'bytes'} on rank {r} at {act}")
@@ -248,6 +234,32 @@ class _Fill:
             pos += 1
         self.free[r], self.pos[r], self.held[r], self.first[r] = free, pos, held, first
         return woken
+
+    def _weights_before(self, r: int, free: float, held: float, ready: float, adds: float, limit: float
+                        ) -> tuple[float, float]:
+        """Run rank r's pending W before a critical action whose input arrives at `ready` and that
+        adds `adds` to what the rank holds (`limit` at most): those the cap forces out before an
+        action that adds (a forward; an I holding more than its F did), those past the backlog and
+        those that end before its input arrives; then one more if the gap left is at least alpha of
+        it. The rank's free time and held amount after them."""
+        pending, program, weight_grad, on_weight_grad = self.pending[r], self.programs[r], self.costs.weight_grad, \
+            self.on_weight_grad
+        backlog, alpha = self.backlog[r], self.alpha
+        slack = ready + 1e-9 * (ready if ready > 1.0 else 1.0)  # a W that fits exactly fits (times are >= 0)
+        stretched = False
+        while pending:
+            stage = pending[0][0]
+            w = weight_grad[stage]
+            if not ((adds > 0 and held + adds > limit) or len(pending) > backlog or free + w <= slack):
+                if not (ready > free and ready - free >= alpha * w):
+                    break
+                stretched = True
+            program.append(pending.popleft())
+            free += w
+            held -= on_weight_grad[stage]
+            if stretched:
+                break
+        return free, held
 
     def _put_w(self, r: int) -> None:
         w = self.pending[r].popleft()

@@ -21,6 +21,7 @@ from pipelaunch.pipeline.core.ir import Action
 from pipelaunch.pipeline.planner.placement import v_shape
 from pipelaunch.pipeline.planner.schedules.base import (
     Candidate,
+    ScheduleCosts,
     ScheduleGenerator,
     require_microbatches_at_least,
 )
@@ -28,7 +29,7 @@ from pipelaunch.pipeline.planner.schedules.orders import zero_bubble_v
 from pipelaunch.pipeline.planner.schedules.zero_bubble import ALPHAS, greedy_candidate
 
 
-@dataclass
+@dataclass(frozen=True)
 class ZBV(ScheduleGenerator):
     """Zero-bubble V schedule: 2 stages per rank, split backward, 1F1B-like memory."""
 
@@ -53,12 +54,13 @@ class ZBV(ScheduleGenerator):
         require_microbatches_at_least(self.name, microbatches, 1, "it needs at least one micro-batch; "
                                       f"zero bubble needs >= {2 * pp}")
 
-    def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
+    def compute_actions(self, placement: list[int], microbatches: int, costs: ScheduleCosts | None = None,
+                        *, first_order: bool = False) -> list[list[Action]]:
         pp = max(placement) + 1
         caps = [2 * pp] * pp
-        greedy = greedy_candidate(self, placement, microbatches, cap=caps, forward_first=True)
+        greedy = greedy_candidate(self, placement, microbatches, costs, cap=caps, forward_first=True)
         return self.best_filled(itertools.chain(greedy, self._templates(pp, microbatches, caps)), placement,
-                                microbatches)
+                                microbatches, costs, first_order)
 
     @staticmethod
     def _templates(pp: int, microbatches: int, caps: list[int]) -> Iterator[Candidate]:

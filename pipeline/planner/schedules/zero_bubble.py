@@ -32,6 +32,7 @@ from pipelaunch.pipeline.core.ir import Action, F, I, Kind, W, action_table
 from pipelaunch.pipeline.planner.passes.dependencies import Step, Wait, released_stage, wait_table
 from pipelaunch.pipeline.planner.schedules.base import (
     Candidate,
+    ScheduleCosts,
     ScheduleGenerator,
     require_microbatches_at_least,
 )
@@ -355,12 +356,13 @@ ALPHAS = (0.5, math.inf, 0.0, 1.0)
 GREEDY_LIMIT = 8192
 
 
-def greedy_candidate(gen: ScheduleGenerator, placement: list[int], microbatches: int, **play) -> list[Candidate]:
+def greedy_candidate(gen: ScheduleGenerator, placement: list[int], microbatches: int, costs: ScheduleCosts | None,
+                     **play) -> list[Candidate]:
     """The list scheduler's play-through (module docstring) as one finished candidate, where the
     schedule is small enough; none above GREEDY_LIMIT."""
     if len(placement) * microbatches > GREEDY_LIMIT:
         return []
-    programs = gen.play_through(list_schedule, placement, microbatches, split_backward=True, **play)
+    programs = gen.play_through(list_schedule, placement, microbatches, costs, split_backward=True, **play)
     return [Candidate(programs)]
 
 
@@ -393,12 +395,12 @@ def _mixed(top: Sequence[int], x: float, cap: int) -> tuple[int, ...]:
     return tuple(max(0, min(cap - 1, round(x * top[r] + (1 - x) * (pp - 1 - r)))) for r in range(pp))
 
 
-def linear_candidates(gen: ScheduleGenerator, pp: int, microbatches: int, caps: Sequence[int]) -> Iterator[Candidate]:
-    """ZB-H1/ZB-H2 orders, most promising first: under each of `caps` micro-batches per rank, the
-    tight warm-up and its taper (TIGHT_MIX), then warm-ups from 1F1B's to the one that fills the time
-    to the first input gradient (WARMUP_MIX), each with the W placed by every ALPHAS, then with each
-    rank's W backlog bounded by what fills its drain (rank r waits about r input-gradient hops for
-    the last gradient: ZB-H1's r deferred W at unit costs).
+def linear_candidates(costs: StageCosts, pp: int, microbatches: int, caps: Sequence[int]) -> Iterator[Candidate]:
+    """ZB-H1/ZB-H2 orders on `costs` (the generator's `stage_costs`), most promising first: under
+    each of `caps` micro-batches per rank, the tight warm-up and its taper (TIGHT_MIX), then warm-ups
+    from 1F1B's to the one that fills the time to the first input gradient (WARMUP_MIX), each with the
+    W placed by every ALPHAS, then with each rank's W backlog bounded by what fills its drain (rank r
+    waits about r input-gradient hops for the last gradient: ZB-H1's r deferred W at unit costs).
 
     The tight warm-up ends each rank's forwards before its first input gradient arrives (one forward
     fewer than the filling one, whose last forward runs past that arrival): a rank then idles a
@@ -407,7 +409,6 @@ def linear_candidates(gen: ScheduleGenerator, pp: int, microbatches: int, caps: 
     rates) until this order was tried. Where the cap clips the first ranks' warm-ups (p=32, m=256,
     slow hops), every rank at its cap makes each step wait for the gradient chain (1.5x the step);
     tapering the others' warm-ups a little toward 1F1B's avoids it."""
-    costs = gen.stage_costs(pp)
     backlog = [math.ceil(r * (costs.input_grad[r] + (costs.hop[r] if r < pp - 1 else 0.0))
                          / max(costs.weight_grad[r], 1e-12)) for r in range(pp)]
     fill = fill_warmup(costs, pp)
@@ -421,7 +422,7 @@ def linear_candidates(gen: ScheduleGenerator, pp: int, microbatches: int, caps: 
                 yield from (Candidate(order, [cap] * pp, alpha, backlog=limit) for alpha in ALPHAS)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ZBH1(ScheduleGenerator):
     """ZB-H1: 1F1B's peak memory, a third of its bubble when F = I = W; any microbatches >= 1."""
 
@@ -435,14 +436,15 @@ class ZBH1(ScheduleGenerator):
     #: order and place the W on the measured per-stage costs (else F = I = W units)
     cost_aware: bool = True
 
-    def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
+    def compute_actions(self, placement: list[int], microbatches: int, costs: ScheduleCosts | None = None,
+                        *, first_order: bool = False) -> list[list[Action]]:
         pp = len(placement)
         fixed = Candidate(zb_h1_programs(pp, microbatches))
-        candidates = linear_candidates(self, pp, microbatches, [pp])
-        return self.best_filled(itertools.chain([fixed], candidates), placement, microbatches)
+        candidates = linear_candidates(self.stage_costs(pp, costs), pp, microbatches, [pp])
+        return self.best_filled(itertools.chain([fixed], candidates), placement, microbatches, costs, first_order)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ZBH2(ScheduleGenerator):
     """ZB-H2: at most 2p-1 micro-batches per rank; with F = I = W the makespan is the lower bound
     3m + p - 1 from m >= p, and from m >= 2p - 1 each rank is busy without a gap from r to 3m + r
@@ -468,9 +470,10 @@ class ZBH2(ScheduleGenerator):
                                                      f"ZB-H2's) or an integer >= pp = {pp} (2p = {2 * pp}: the "
                                                      "memory of the Zero Bubble paper's ZB-2p)")
 
-    def compute_actions(self, placement: list[int], microbatches: int) -> list[list[Action]]:
+    def compute_actions(self, placement: list[int], microbatches: int, costs: ScheduleCosts | None = None,
+                        *, first_order: bool = False) -> list[list[Action]]:
         pp = len(placement)
         cap = 2 * pp - 1 if self.in_flight is None else self.in_flight
-        greedy = greedy_candidate(self, placement, microbatches, cap=[cap] * pp)
-        candidates = linear_candidates(self, pp, microbatches, [cap, pp])
-        return self.best_filled(itertools.chain(greedy, candidates), placement, microbatches)
+        greedy = greedy_candidate(self, placement, microbatches, costs, cap=[cap] * pp)
+        candidates = linear_candidates(self.stage_costs(pp, costs), pp, microbatches, [cap, pp])
+        return self.best_filled(itertools.chain(greedy, candidates), placement, microbatches, costs, first_order)

@@ -138,13 +138,16 @@ def search(cfg: TrainConfig, models: TracedModels, build: Callable[..., Plan], c
     remat=auto's fit asks for); `link`: the (latency, bandwidth) the predictions price."""
     cap = cfg.memory.cap_bytes
 
+    generators: dict[str, ScheduleGenerator] = {}  # one frozen value per scheduler option (and variant)
+
     def evaluate(c: Candidate) -> Prediction:
-        gen = instantiate_scheduler(c.scheduler, dict(c.scheduler_cfg))  # fresh: cost-aware ones keep costs
+        if c.scheduler not in generators:
+            generators[c.scheduler] = instantiate_scheduler(c.scheduler, dict(c.scheduler_cfg))
+        gen = generators[c.scheduler]
         traced = models.get(micro_batch_size(cfg, c.microbatches))
         plan = build(gen, traced, c)
-        # a fresh generator for a rebuild too (a cost-aware one keeps the costs it was given)
-        return fit_budget(plan, predict(plan, *link), traced.graph, cap, *link, rebuild=lambda whole: build(
-            instantiate_scheduler(c.scheduler, dict(c.scheduler_cfg)), traced, c, whole))
+        return fit_budget(plan, predict(plan, *link), traced.graph, cap, *link,
+                          rebuild=lambda whole: build(gen, traced, c, whole))
 
     tie = cfg.plan.tie
     if not 0.0 <= tie < 1.0:
