@@ -92,7 +92,7 @@ def _paired_rank(rank: int, job: PairedJob, port: int, out: mp.SimpleQueue) -> N
     try:
         ctx = RankContext(rank, world, rank, world, job.plan.pp, job.plan.dp, torch.device("cpu"))
         ctx.mesh = make_mesh(ctx)
-        ours = RankTrainer(job.cfg, job.plan, ctx, initial_weights=job.initial_weights)
+        ours = RankTrainer(job.cfg, job.plan, job.plugins, ctx, initial_weights=job.initial_weights)
         theirs = TorchRank(job.torch_job, rank)
 
         events: list[dict] = []

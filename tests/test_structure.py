@@ -123,3 +123,14 @@ def test_the_design_table_lists_every_package_and_module() -> None:
         files = {p.name for p in (ROOT / folder).glob("*.py") if p.name != "__init__.py"}
         files |= {f"{p.name}/" for p in (ROOT / folder).iterdir() if (p / "__init__.py").is_file()}
         assert named == files, (folder, sorted(files - named), sorted(named - files))
+
+
+def test_no_target_or_dictconfig_below_the_launcher() -> None:
+    """Plug-ins are built once, at the edge (launcher/plugins.py): below the launcher nothing reads
+    how an option names its callable, nor holds an OmegaConf node; the planner and the ranks see
+    the typed objects the launcher built (pipelaunch.pipeline.core.plugins). Comments and
+    docstrings count: they would describe a mechanism that is not there."""
+    target, node = "_target_", "DictConfig"
+    offenders = sorted(str(p.relative_to(ROOT)) for folder in ("pipeline", "models") for p in (ROOT / folder).rglob("*.py")
+                       if target in p.read_text() or node in p.read_text())
+    assert offenders == []

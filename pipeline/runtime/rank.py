@@ -13,6 +13,7 @@ from pipelaunch.pipeline.compute.host_allocator import configure_host_allocator
 from pipelaunch.pipeline.compute.threads import cpu_threads
 from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.core.plugins import Plugins
 from pipelaunch.pipeline.runtime.context import (
     RankContext,
     backend_for,
@@ -27,11 +28,13 @@ from pipelaunch.pipeline.runtime.trainer import train_rank
 
 @dataclass
 class RankJob:
-    """Everything a rank needs, picklable: the resolved config, the plan and where to write."""
+    """Everything a rank needs, picklable: the resolved config, the plan, the plug-ins and where to write."""
 
     cfg: TrainConfig
     plan: Plan
     run_dir: str | None
+    #: the run's plug-ins as the launcher built them (model, data, optimizer, tracker, ...)
+    plugins: Plugins
     #: observers of the rank's training (pipelaunch.pipeline.runtime.trainer.Callback), picklable
     callbacks: tuple = ()
     #: the checkpoint this run resumes from (checked by the launcher), or None for a fresh start
@@ -98,7 +101,7 @@ def run_job(job: RankJob, rank: int, device: torch.device) -> dict:
     ctx = RankContext(rank, world, local_rank, local_world, job.plan.pp, job.plan.dp, device)
     ctx.mesh = make_mesh(ctx)
     run_dir = Path(job.run_dir) if job.run_dir else None
-    return train_rank(job.cfg, job.plan, ctx, run_dir, job.callbacks, job.resume_from, job.initial_weights)
+    return train_rank(job.cfg, job.plan, job.plugins, ctx, run_dir, job.callbacks, job.resume_from, job.initial_weights)
 
 
 def leave_process_group() -> None:

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from hydra.utils import instantiate
 from torch import nn
 
 from pipelaunch.models.spec import ModelSpec
@@ -24,6 +23,7 @@ from pipelaunch.pipeline.compute.host_allocator import huge_pages_active, releas
 from pipelaunch.pipeline.compute.memory import TensorPeak, current_memory_bytes, peak_memory_bytes, reset_peak
 from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.core.plan import Plan, dtype_of
+from pipelaunch.pipeline.core.plugins import Plugins
 from pipelaunch.pipeline.core.precision import PRECISIONS
 from pipelaunch.pipeline.graph.init import name_seed
 from pipelaunch.pipeline.graph.initial_weights import InitialWeights
@@ -109,13 +109,13 @@ class RankTrainer:
     """This rank's stages, executor and optimizer, built once; `step` runs one training step.
     train_rank loops over it, and bench/paired_runtimes.py interleaves it with torch's runtime."""
 
-    def __init__(self, cfg: TrainConfig, plan: Plan, ctx: RankContext, callbacks: Sequence[Callback] = (),
-                 initial_weights: str | None = None) -> None:
-        self.cfg, self.plan, self.ctx = cfg, plan, ctx
+    def __init__(self, cfg: TrainConfig, plan: Plan, plugins: Plugins, ctx: RankContext,
+                 callbacks: Sequence[Callback] = (), initial_weights: str | None = None) -> None:
+        self.cfg, self.plan, self.plugins, self.ctx = cfg, plan, plugins, ctx
         self.callbacks = list(callbacks)
         self.heartbeat = Heartbeat(ctx.rank)
-        self.spec: ModelSpec = instantiate(cfg.model)
-        self.data = instantiate(cfg.data)
+        self.spec: ModelSpec = plugins.model.build()
+        self.data = plugins.data.build()
         self.slots = build_slots(self.spec, plan, ctx, cfg.seed, initial_weights)
         self.initial_weights = "constructor" if initial_weights is not None else "by_name"
         # the stream dropout draws from: set by (seed, rank), so a run repeats itself and DP
@@ -130,7 +130,7 @@ class RankTrainer:
         self.shared = SharedGrads(plan, ctx, self.slots)
         self.training = plan.schedule.training
         # a stage of parameter-free ops (masks, position ids of an op-level trace) has nothing to update
-        self.optimizer, self.lr_scheduler = (build_optimizer(cfg, self.params) if self.training and self.params
+        self.optimizer, self.lr_scheduler = (build_optimizer(plugins.optimizer, plugins.lr_scheduler, self.params) if self.training and self.params
                                              else (None, None))
         self.clip = cfg.clip_grad_norm
         self.record_p2p = cfg.debug.record_p2p
@@ -282,19 +282,19 @@ class RunRecord:
             self.window.append((step, outcome.events))
 
 
-def train_rank(cfg: TrainConfig, plan: Plan, ctx: RankContext, run_dir: Path | None,
+def train_rank(cfg: TrainConfig, plan: Plan, plugins: Plugins, ctx: RankContext, run_dir: Path | None,
                callbacks: Sequence[Callback] = (), resume_from: str | None = None,
                initial_weights: str | None = None) -> dict:
     """Run steps up to `cfg.steps` (from `resume_from`, a checkpoint, when resuming); rank 0 reports progress,
     and its result carries what the launcher's report writes (`_finish`). `initial_weights`: the
     file of the constructor's own weights (RankJob), or None to initialise by name."""
-    trainer = RankTrainer(cfg, plan, ctx, callbacks, initial_weights)
+    trainer = RankTrainer(cfg, plan, plugins, ctx, callbacks, initial_weights)
     at_start = _memory_before_model(trainer)
     tokens_per_step = _tokens_per_step(cfg, trainer)
     record = RunRecord.resumed(resume_from, trainer)
     reset_peak(ctx.device)
     tensors = TensorPeak(ctx.device, lambda: _tensor_bytes_held(trainer), cfg.steps - record.start_step)
-    tracker = make_tracker(cfg, run_dir) if ctx.rank == 0 else None
+    tracker = make_tracker(plugins.tracker, cfg.to_dict(), run_dir) if ctx.rank == 0 else None
     progress = Progress(cfg.steps, tokens_per_step, cfg.log_every, record.start_step, _unit(trainer)) \
         if ctx.rank == 0 else None
     for step in range(record.start_step, cfg.steps):

@@ -6,7 +6,7 @@
 output_bytes, params; edges carry bytes; see `pipelaunch.pipeline.planner.partition.common`), `request` says what the
 split is priced by (`PartitionRequest`: link bandwidth, the schedule's in-flight micro-batches per
 stage, the memory cap, recomputation), and `options` are the YAML's own keys (everything but
-`_target_`). A function that reads no measured costs sets `needs_profile = False`, so the launcher
+the function's import path and `name`), bound by the launcher. A function that reads no measured costs sets `needs_profile = False`, so the launcher
 need not profile the model for it. The planner prices whatever a partitioner returns once more with
 the one judge, `evaluate`, so partitioners only have to choose the assignment.
 
