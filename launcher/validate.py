@@ -17,12 +17,14 @@ import torch
 from pipelaunch.launcher.config import group_configs
 from pipelaunch.launcher.initial_weights import choose
 from pipelaunch.launcher.plugins import TARGET, build_plugins, search_options
+from pipelaunch.launcher.run_spec import run_spec
 from pipelaunch.models.module import LOSSES
 from pipelaunch.models.spec import ModelSpec, causal_lm_loss
 from pipelaunch.pipeline.core.config import Objective, TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan import Plan, dtype_of
 from pipelaunch.pipeline.core.plugins import GroupOptions, Plugins
+from pipelaunch.pipeline.core.run_spec import RunSpec
 from pipelaunch.pipeline.graph.init import uncovered_tensors
 from pipelaunch.pipeline.planner import Planned, make_plan
 from pipelaunch.pipeline.planner.predict.prediction import Prediction
@@ -34,8 +36,9 @@ from pipelaunch.pipeline.runtime.context import bound_to_one_gpu
 class Prepared:
     spec: ModelSpec
     plan: Plan
-    #: the run's plug-ins, built once here: what the planner read and what every rank builds from
-    plugins: Plugins
+    #: what every rank reads beside the plan: seed, steps, the plug-ins built once here (what the
+    #: planner read too), evaluation, the one checkpoint root, ...
+    run: RunSpec
     prediction: Prediction | None = None
     #: plan=auto / scheduler=auto: every candidate planned and simulated on the profile
     search: SearchResult | None = None
@@ -201,10 +204,11 @@ def prepare(cfg: TrainConfig, profile: bool | None = None, device: torch.device 
     planned = make_plan(cfg, spec, plugins, options if options is not None else group_options(cfg),
                         profile=profile, device=device, cuda=on_cuda(cfg))
     check_output(cfg, spec, planned.plan)
-    resume_from = resume_checkpoint(cfg, planned.model, checkpoint_root(cfg, run_dir))
+    run = run_spec(cfg, plugins, run_dir)
+    resume_from = resume_checkpoint(cfg, planned.model, Path(run.checkpoint.root) if run.checkpoint.root else None)
     if choose(cfg, spec, planned.model)[0] != "constructor":  # the constructor's own values need no initialiser
         _warn_uncovered(spec, planned)
-    return Prepared(spec, planned.plan, plugins, planned.prediction, planned.search, resume_from, planned.model)
+    return Prepared(spec, planned.plan, run, planned.prediction, planned.search, resume_from, planned.model)
 
 
 def check_data(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins) -> None:
@@ -330,13 +334,6 @@ def check_optimizer(cfg: TrainConfig, plugins: Plugins) -> None:
         plugins.optimizer([torch.nn.Parameter(torch.zeros(1))])
     except (ValueError, TypeError) as exc:
         raise ConfigError("optimizer", f"{opt.get(TARGET)} refused its arguments: {exc}") from None
-
-
-def checkpoint_root(cfg: TrainConfig, run_dir: Path | None) -> Path | None:
-    """Where this run's checkpoints go: checkpoint.dir, else <run dir>/checkpoints."""
-    if cfg.checkpoint.dir:
-        return Path(cfg.checkpoint.dir)
-    return run_dir / "checkpoints" if run_dir is not None else None
 
 
 def resume_checkpoint(cfg: TrainConfig, model: torch.nn.Module | None, root: Path | None) -> str | None:
