@@ -7,11 +7,12 @@ links, and the checkpoint root is decided once (here), so a rank reading a setti
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.core.plugins import Plugins
-from pipelaunch.pipeline.core.run_spec import CheckpointSpec, EvalSpec, FaultSpec, ProcessSpec, RunSpec
+from pipelaunch.pipeline.core.run_spec import CheckpointSpec, ProcessSpec, RunSpec
 
 
 def checkpoint_root(cfg: TrainConfig, run_dir: Path | None) -> Path | None:
@@ -30,11 +31,10 @@ def process_spec(cfg: TrainConfig) -> ProcessSpec:
 def run_spec(cfg: TrainConfig, plugins: Plugins, run_dir: Path | None) -> RunSpec:
     """What every rank of this run reads besides the Plan."""
     root = checkpoint_root(cfg, run_dir)
-    d = cfg.debug
     return RunSpec(
         plugins=plugins, seed=cfg.seed, steps=cfg.steps, warmup_steps=cfg.warmup_steps, batch_size=cfg.batch_size,
         log_every=cfg.log_every, clip_grad_norm=cfg.clip_grad_norm,
-        eval=EvalSpec(cfg.eval.every, cfg.eval.batches),
+        eval=replace(cfg.eval),
         checkpoint=CheckpointSpec(cfg.checkpoint.every, cfg.checkpoint.keep, str(root) if root is not None else None),
-        debug=FaultSpec(d.kill_rank, d.kill_step, d.hang_rank, d.hang_step, d.record_p2p),
+        debug=replace(cfg.debug),
         process=process_spec(cfg), config=cfg.to_dict(), model_config=dict(cfg.model))

@@ -9,55 +9,38 @@ no setting has two sources on a rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from pipelaunch.pipeline.core.config import DebugConfig, EvalConfig
 from pipelaunch.pipeline.core.plugins import Plugins
 
 
 @dataclass(frozen=True)
 class CheckpointSpec:
     #: save every this many steps and after the last one; 0 = never
-    every: int = 0
+    every: int
     #: complete checkpoints kept (the oldest are deleted); 0 = keep all
-    keep: int = 3
+    keep: int
     #: where step_<N>/ directories go (checkpoint.dir, else <run dir>/checkpoints); None = nowhere
-    root: str | None = None
-
-
-@dataclass(frozen=True)
-class EvalSpec:
-    #: a forward-only pass over held-out batches every this many steps (and after the last); 0 = never
-    every: int = 0
-    #: held-out global batches per evaluation
-    batches: int = 2
-
-
-@dataclass(frozen=True)
-class FaultSpec:
-    """Fault injection and P2P-order recording (`debug.*`), for testing failure handling."""
-
-    kill_rank: int | None = None
-    kill_step: int | None = None
-    hang_rank: int | None = None
-    hang_step: int | None = None
-    record_p2p: bool = False
+    root: str | None
 
 
 @dataclass(frozen=True)
 class ProcessSpec:
     """A rank process's settings: its device kind, threads, allocator, cores and collective timeout."""
 
-    device: str = "auto"
-    threads: int = 0
-    host_allocator: str = "retain"
-    cpu_affinity: str = "auto"
-    timeout_s: int = 120
+    device: str
+    threads: int
+    host_allocator: str
+    cpu_affinity: str
+    timeout_s: int
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    """Everything a rank needs of the run but the Plan (module docstring)."""
+    """Everything a rank needs of the run but the Plan (module docstring); the launcher builds it
+    (`pipelaunch.launcher.run_spec`), so no default is stated twice."""
 
     plugins: Plugins
     seed: int
@@ -68,11 +51,12 @@ class RunSpec:
     batch_size: int
     log_every: int
     clip_grad_norm: float | None
-    eval: EvalSpec = field(default_factory=EvalSpec)
-    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
-    debug: FaultSpec = field(default_factory=FaultSpec)
-    process: ProcessSpec = field(default_factory=ProcessSpec)
+    eval: EvalConfig
+    checkpoint: CheckpointSpec
+    #: fault injection and P2P-order recording (`debug.*`), for testing failure handling
+    debug: DebugConfig
+    process: ProcessSpec
     #: the run's config as plain data: metrics.json's `config`, the tracker's run config
-    config: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any]
     #: the model option as written, recorded in each checkpoint (export rebuilds the model from it)
-    model_config: dict[str, Any] = field(default_factory=dict)
+    model_config: dict[str, Any]
