@@ -74,16 +74,17 @@ def search_space(cfg: TrainConfig, plugins: Plugins, options: GroupOptions, grap
 
 
 def _partitioners(names: list[str], options: GroupOptions, graph: nx.DiGraph) -> dict[str, Plugin]:
-    """The partitioner options `plan.partitioners` names (milp dropped on a chain, where the
-    contiguous optimum is balanced's: the same split, slower)."""
-    names = list(names)
+    """The partitioner options `plan.partitioners` names; on a chain, those whose split there is
+    another chosen one's (`same_split_on_a_chain`: milp finds balanced's split, slower) are left out."""
     unknown = [n for n in names if n not in options.partitioner]
     if unknown:
         raise ConfigError("plan.partitioners", f"unknown partitioner option(s) {unknown}; valid: "
                                                f"{sorted(options.partitioner)}")
-    if "milp" in names and _is_chain(graph) and "balanced" in names:
-        names.remove("milp")
-    return {n: options.partitioner[n] for n in names}
+    chosen = {n: options.partitioner[n] for n in names}
+    if _is_chain(graph):
+        fns = {p.fn for p in chosen.values()}
+        chosen = {n: p for n, p in chosen.items() if p.attribute("same_split_on_a_chain", None) not in fns}
+    return chosen
 
 
 def _is_chain(graph: nx.DiGraph) -> bool:
