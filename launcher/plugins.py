@@ -72,7 +72,7 @@ def build_plugin(group: str, cfg: PluginConfig, option: str | None = None) -> Pl
                           f"could not build {target} ({group}={option}): {' '.join(str(cause).split())}") from None
     except Exception as exc:  # noqa: BLE001 - OmegaConf refusing the option's values
         raise ConfigError(group, f"could not build {target} ({group}={option}): {' '.join(str(exc).split())}") from None
-    return Plugin(group, option, made.func, dict(made.keywords), config=cfg)
+    return Plugin(group, option, made.func, dict(made.keywords), config=cfg, args=tuple(made.args), path=target)
 
 
 def _unimportable(cause: BaseException) -> bool:
@@ -151,7 +151,8 @@ def group_plugins(group: str, options: Mapping[str, PluginConfig]) -> dict[str, 
         try:
             out[name] = build_plugin(group, cfg, name)
         except ConfigError as err:
-            out[name] = Plugin(group, name, Refused(group, name, str(err).split(": ", 1)[-1]), {}, dict(cfg))
+            out[name] = Plugin(group, name, Refused(group, name, str(err).split(": ", 1)[-1]), {}, dict(cfg),
+                               path=str(cfg.get(TARGET)))
     return out
 
 

@@ -31,10 +31,20 @@ class Plugin:
     fn: Callable[..., Any]
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     config: Mapping[str, Any] = field(default_factory=dict)
+    #: leading positional arguments the option gives its callable (rare; most take keywords)
+    args: tuple[Any, ...] = ()
+    #: the callable's import path as the option names it (`torch.optim.AdamW`), for messages
+    path: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            fn = self.fn
+            name = getattr(fn, "__qualname__", type(fn).__name__)
+            object.__setattr__(self, "path", f"{getattr(fn, '__module__', '?')}.{name}")
 
     def __call__(self, *args: Any, **more: Any) -> Any:
         """The callable with the option's arguments (and `more`, which win)."""
-        return self.fn(*args, **{**self.kwargs, **more})
+        return self.fn(*self.args, *args, **{**self.kwargs, **more})
 
     def build(self, *args: Any, **more: Any) -> Any:
         """`self(*args, **more)`, what the callable refuses a ConfigError naming group and option."""
@@ -45,11 +55,6 @@ class Plugin:
         except Exception as err:  # noqa: BLE001 - whatever the callable refuses is the option's error
             raise ConfigError(f"{self.group} ({self.option})",
                               f"could not build {self.path}: {' '.join(str(err).split())}") from err
-
-    @property
-    def path(self) -> str:
-        """The callable's import path (`torch.optim.AdamW`)."""
-        return f"{getattr(self.fn, '__module__', '?')}.{getattr(self.fn, '__qualname__', type(self.fn).__name__)}"
 
     def attribute(self, name: str, default: Any) -> Any:
         """A class-level declaration of the callable (`training`, `needs_profile`, ...)."""
@@ -62,7 +67,7 @@ class Plugin:
 
     def same_as(self, other: Plugin) -> bool:
         """Whether both build the same thing: one callable, equal arguments."""
-        return self.fn is other.fn and dict(self.kwargs) == dict(other.kwargs)
+        return self.fn is other.fn and self.args == other.args and dict(self.kwargs) == dict(other.kwargs)
 
 
 @dataclass(frozen=True)
