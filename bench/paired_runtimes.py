@@ -49,6 +49,8 @@ from _torch_pp import (  # noqa: E402
 )
 
 from pipelaunch.launcher.initial_weights import launcher_initial_weights  # noqa: E402
+from pipelaunch.launcher.plugins import build_plugins  # noqa: E402
+from pipelaunch.launcher.run_spec import run_spec  # noqa: E402
 from pipelaunch.launcher.spawn import environment  # noqa: E402
 from pipelaunch.pipeline.compute.host_allocator import rank_environment  # noqa: E402
 from pipelaunch.pipeline.core.config import TrainConfig  # noqa: E402
@@ -92,7 +94,8 @@ def _paired_rank(rank: int, job: PairedJob, port: int, out: mp.SimpleQueue) -> N
     try:
         ctx = RankContext(rank, world, rank, world, job.plan.pp, job.plan.dp, torch.device("cpu"))
         ctx.mesh = make_mesh(ctx)
-        ours = RankTrainer(job.cfg, job.plan, ctx, initial_weights=job.initial_weights)
+        ours = RankTrainer(run_spec(job.cfg, build_plugins(job.cfg), None), job.plan, ctx,
+                           initial_weights=job.initial_weights)
         theirs = TorchRank(job.torch_job, rank)
 
         events: list[dict] = []

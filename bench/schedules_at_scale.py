@@ -55,16 +55,15 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from _zb_profiles import PROFILES  # noqa: E402
-from hydra.utils import get_object, instantiate  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from pipelaunch.launcher.config import group_configs  # noqa: E402
+from pipelaunch.launcher.plugins import build_plugin, is_search  # noqa: E402
 from pipelaunch.pipeline.core.errors import ConfigError  # noqa: E402
 from pipelaunch.pipeline.core.ir import Kind, Schedule  # noqa: E402
 from pipelaunch.pipeline.planner.placement import placement_for  # noqa: E402
 from pipelaunch.pipeline.planner.predict.simulate import CostModel, simulate, validate  # noqa: E402
 from pipelaunch.pipeline.planner.schedules import build_schedule  # noqa: E402
-from pipelaunch.pipeline.planner.schedules.auto import AutoSchedule  # noqa: E402
 from pipelaunch.pipeline.planner.schedules.base import ScheduleCosts, ScheduleGenerator  # noqa: E402
 from pipelaunch.pipeline.planner.schedules.torch_orders import SHAPES, TorchSchedule  # noqa: E402
 from pipelaunch.pipeline.planner.search.choose import scheduler_variants  # noqa: E402
@@ -125,17 +124,19 @@ def entries() -> list[Entry]:
     """Our training schedules (with plan=auto's variants) and torch's classes, each as a factory."""
     options = {}
     for name, cfg in group_configs("scheduler").items():
-        target = get_object(str(cfg["_target_"]))
-        if not (isinstance(target, type) and issubclass(target, AutoSchedule | TorchSchedule)):
-            options[name] = {k: v for k, v in cfg.items() if k != "name"}
+        if is_search(cfg):
+            continue
+        option = build_plugin("scheduler", cfg, name)
+        if not (isinstance(option.fn, type) and issubclass(option.fn, TorchSchedule)):
+            options[name] = option
     variants = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "plan" / "auto.yaml"))["variants"]
     for name, cfg in options.items():  # stages per rank 2 and 4, as torch's interleaved classes run below
-        if "stages_per_rank" in cfg and name not in variants:
+        if "stages_per_rank" in cfg.kwargs and name not in variants:
             variants[name] = {"stages_per_rank": [2, 4]}
     out = []
-    for label, cfg in scheduler_variants(options, None, variants):
-        if instantiate(cfg).training:
-            out.append(Entry(label, "ours", lambda cfg=cfg: instantiate(cfg)))
+    for label, option in scheduler_variants(options, None, variants):
+        if option().training:
+            out.append(Entry(label, "ours", option))
     for name, shape in SHAPES.items():
         for v in (2, 4) if shape.stages_per_rank is None else (None,):
             label = f"torch:{name}" + (f"(v={v})" if v else "")

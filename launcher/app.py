@@ -68,7 +68,7 @@ def spawn(cfg: TrainConfig, prepared: Prepared, initial: Initial, run_dir: Path)
     from pipelaunch.pipeline.runtime.rank import RankJob
 
     plan = prepared.plan
-    job = RankJob(cfg, plan, str(run_dir), resume_from=prepared.resume_from,
+    job = RankJob(prepared.run, plan, str(run_dir), resume_from=prepared.resume_from,
                   initial_weights=str(initial.path) if initial.path is not None else None)
     print(check_split(cfg, prepared.spec, plan, prepared.model, initial), flush=True)
     print(f"schedule {plan.schedule.name}: pp={plan.pp} dp={plan.dp} microbatches={plan.microbatches}", flush=True)
@@ -135,7 +135,7 @@ def join(cfg: TrainConfig, run_dir: Path) -> dict:
         run_job,
     )
 
-    rank, device = join_process_group(cfg, str(run_dir))
+    rank, device = join_process_group(validated.run.process, cfg.pp, cfg.dp, str(run_dir))
     plan = None
     if rank == 0:
         with few_full_collections():
@@ -152,7 +152,7 @@ def join(cfg: TrainConfig, run_dir: Path) -> dict:
     with node_initial_weights(cfg, validated.spec, validated.model, env_int("LOCAL_RANK", 0)) as initial:
         if rank == 0:
             print(initial.line, flush=True)
-        job = RankJob(cfg, plan, str(run_dir), resume_from=validated.resume_from,
+        job = RankJob(validated.run, plan, str(run_dir), resume_from=validated.resume_from,
                       initial_weights=str(initial.path) if initial.path is not None else None)
         result = run_job(job, rank, device)
     metrics = finish_report(result, plan, cfg, run_dir).to_json() if rank == 0 else {}

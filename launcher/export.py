@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from hydra.utils import instantiate
 from safetensors.torch import save_file
 
+from pipelaunch.launcher.plugins import build_plugin
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.runtime import checkpoint
 
@@ -42,7 +42,7 @@ def export(path: str | Path, out: str | Path) -> Path:
                                         f"and {checkpoint.META})")
     meta = checkpoint.read_meta(path)
     tensors = model_tensors(path)
-    spec = instantiate(meta["model_config"]) if meta.get("model_config") else None
+    spec = build_plugin("model", meta["model_config"]).build() if meta.get("model_config") else None
     if spec is not None and spec.save is not None:
         spec.save(tensors, out)
     else:

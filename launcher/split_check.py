@@ -14,9 +14,9 @@ how many threads, and what the user reads.
 from __future__ import annotations
 
 import torch
-from hydra.utils import instantiate
 from torch import nn
 
+from pipelaunch.launcher.plugins import build_plugin
 from pipelaunch.launcher.split_compare import Outcome, ReferenceFailed, compare
 from pipelaunch.models.spec import ModelSpec
 from pipelaunch.pipeline.compute.threads import cpu_threads
@@ -86,7 +86,7 @@ def check_split(cfg: TrainConfig, spec: ModelSpec, plan: Plan, model: nn.Module 
     reason = skip_reason(cfg, model)
     if reason is not None:
         return f"check_split: skipped: {reason}"
-    x, y = instantiate(cfg.data).batch(0, plan.micro_batch_size)
+    x, y = build_plugin("data", cfg.data).build().batch(0, plan.micro_batch_size)
     threads = torch.get_num_threads()
     # a rank's share of the cores: on a tiny model more threads only wait for each other
     torch.set_num_threads(cpu_threads(cfg.threads, cfg.world_size))

@@ -13,22 +13,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from hydra.errors import InstantiationException
-from hydra.utils import instantiate
 
 from pipelaunch.launcher.config import group_configs
 from pipelaunch.launcher.initial_weights import choose
+from pipelaunch.launcher.plugins import TARGET, build_plugins, search_options
+from pipelaunch.launcher.run_spec import run_spec
 from pipelaunch.models.module import LOSSES
 from pipelaunch.models.spec import ModelSpec, causal_lm_loss
-from pipelaunch.pipeline.core.config import Objective, PluginConfig, TrainConfig
+from pipelaunch.pipeline.core.config import Objective, TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan import Plan, dtype_of
+from pipelaunch.pipeline.core.plugins import GroupOptions, Plugins
+from pipelaunch.pipeline.core.run_spec import RunSpec
 from pipelaunch.pipeline.graph.init import uncovered_tensors
 from pipelaunch.pipeline.planner import Planned, make_plan
-from pipelaunch.pipeline.planner.build import plugin
 from pipelaunch.pipeline.planner.predict.prediction import Prediction
 from pipelaunch.pipeline.planner.search.choose import SearchResult
-from pipelaunch.pipeline.planner.search.space import GroupOptions, is_auto
 from pipelaunch.pipeline.runtime.context import bound_to_one_gpu
 
 
@@ -36,6 +36,9 @@ from pipelaunch.pipeline.runtime.context import bound_to_one_gpu
 class Prepared:
     spec: ModelSpec
     plan: Plan
+    #: what every rank reads beside the plan: seed, steps, the plug-ins built once here (what the
+    #: planner read too), evaluation, the one checkpoint root, ...
+    run: RunSpec
     prediction: Prediction | None = None
     #: plan=auto / scheduler=auto: every candidate planned and simulated on the profile
     search: SearchResult | None = None
@@ -52,21 +55,6 @@ def _integer(value, key: str, minimum: int = 1, maximum: int | None = None, what
         bound = f"from {minimum} to {maximum}" if maximum is not None else f">= {minimum}"
         raise ConfigError(key, f"must be an integer {bound}{what}, got {value!r}")
     return value
-
-
-def _build(group: str, group_cfg: PluginConfig):
-    """Instantiate a plug-in group's option; what it refuses becomes a ConfigError naming the group."""
-    try:
-        return instantiate(group_cfg)
-    except InstantiationException as exc:
-        cause = exc.__cause__ or exc
-        if isinstance(cause, ConfigError):
-            raise cause from None
-        raise ConfigError(group, f"could not build {group_cfg.get('_target_')}: {cause}") from exc
-    except ConfigError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - OmegaConf or the target refusing its arguments
-        raise ConfigError(group, f"could not build {group_cfg.get('_target_')}: {' '.join(str(exc).split())}") from exc
 
 
 def _number(value, key: str, low: float, high: float | None = None, strict: bool = False, what: str = "") -> float:
@@ -193,10 +181,8 @@ def check_training_keys(cfg: TrainConfig) -> None:
 
 
 def group_options(cfg: TrainConfig) -> GroupOptions:
-    """The scheduler and partitioner options a search compares (on this run's search path)."""
-    if not (cfg.plan.search or is_auto(cfg.scheduler)):
-        return GroupOptions()
-    return GroupOptions(group_configs("scheduler"), group_configs("partitioner"))
+    """The scheduler and partitioner options a search compares (on this run's search path), built."""
+    return search_options(cfg, group_configs)
 
 
 def prepare(cfg: TrainConfig, profile: bool | None = None, device: torch.device | None = None,
@@ -211,22 +197,21 @@ def prepare(cfg: TrainConfig, profile: bool | None = None, device: torch.device 
     (pipeline/planner/measure/traced.py). Nothing else here touches a GPU. `options`: the group options a
     search compares (default: read from this run's search path)."""
     check_config(cfg)
-    spec = _build("model", cfg.model)
-    check_optimizer(cfg)
-    for group in ("partitioner", "placement"):
-        plugin(getattr(cfg, group), group)  # an unknown _target_ is a config error now, not in a rank
-    _build("scheduler", {k: v for k, v in cfg.scheduler.items() if k != "name"})
-    check_data(cfg, spec)
-    planned = make_plan(cfg, spec, options if options is not None else group_options(cfg), profile=profile,
-                        device=device, cuda=on_cuda(cfg))
+    plugins = build_plugins(cfg)  # every callable imported now: a config error here, not in a rank
+    spec = plugins.model.build()
+    check_optimizer(cfg, plugins)
+    check_data(cfg, spec, plugins)
+    planned = make_plan(cfg, spec, plugins, options if options is not None else group_options(cfg),
+                        profile=profile, device=device, cuda=on_cuda(cfg))
     check_output(cfg, spec, planned.plan)
-    resume_from = resume_checkpoint(cfg, planned.model, checkpoint_root(cfg, run_dir))
+    run = run_spec(cfg, plugins, run_dir)
+    resume_from = resume_checkpoint(cfg, planned.model, Path(run.checkpoint.root) if run.checkpoint.root else None)
     if choose(cfg, spec, planned.model)[0] != "constructor":  # the constructor's own values need no initialiser
         _warn_uncovered(spec, planned)
-    return Prepared(spec, planned.plan, planned.prediction, planned.search, resume_from, planned.model)
+    return Prepared(spec, planned.plan, run, planned.prediction, planned.search, resume_from, planned.model)
 
 
-def check_data(cfg: TrainConfig, spec: ModelSpec) -> None:
+def check_data(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins) -> None:
     """The data must give what the model takes, with ids it can embed; missing files, a wrong
     dtype or a short corpus are refused here, not in a rank. For `model=module` (its input set
     by hand) each disagreement names the model key to set and its value."""
@@ -245,7 +230,7 @@ def check_data(cfg: TrainConfig, spec: ModelSpec) -> None:
         _check_token_windows(cfg, spec, adapter)
     if data_vocab is not None and model_vocab is not None and data_vocab > model_vocab:
         raise ConfigError("data.vocab_size", f"{data_vocab} exceeds model.vocab_size={model_vocab}")
-    data = _build("data", cfg.data)
+    data = plugins.data.build()
     if model_vocab is not None and hasattr(data, "check_vocabulary"):
         data.check_vocabulary(model_vocab)  # ids the model cannot embed
 
@@ -302,7 +287,7 @@ def check_output(cfg: TrainConfig, spec: ModelSpec, plan: Plan) -> None:
     target = [mbs, *spec.target_shape]
     loss = cfg.model.get("loss")
     name = next((k for k, f in LOSSES.items() if f is spec.loss_fn), None) or (
-        loss.get("_target_") if isinstance(loss, Mapping) else None) or "the loss"
+        loss.get(TARGET) if isinstance(loss, Mapping) else None) or "the loss"
     problem = None
     if spec.loss_fn is causal_lm_loss and shape[:-1] != target:
         problem = "it needs the output's shape but its last dimension (the logits) to equal the targets'"
@@ -336,7 +321,7 @@ def _warn_uncovered(spec: ModelSpec, planned: Planned) -> None:
                       "(give their module a reset_parameters() to choose)", stacklevel=3)
 
 
-def check_optimizer(cfg: TrainConfig) -> None:
+def check_optimizer(cfg: TrainConfig, plugins: Plugins) -> None:
     """Build the optimizer over a dummy parameter: a bad learning rate or argument fails here,
     naming the key, and not in every rank after spawning."""
     opt = cfg.optimizer
@@ -346,19 +331,9 @@ def check_optimizer(cfg: TrainConfig) -> None:
     if opt.get("lr") == 0:
         raise ConfigError("optimizer.lr", "got 0: nothing would train; valid: a positive number")
     try:
-        instantiate(opt)([torch.nn.Parameter(torch.zeros(1))])
-    except InstantiationException as exc:
-        cause = exc.__cause__ or exc
-        raise ConfigError("optimizer", f"could not build {opt.get('_target_')}: {cause}") from None
+        plugins.optimizer([torch.nn.Parameter(torch.zeros(1))])
     except (ValueError, TypeError) as exc:
-        raise ConfigError("optimizer", f"{opt.get('_target_')} refused its arguments: {exc}") from None
-
-
-def checkpoint_root(cfg: TrainConfig, run_dir: Path | None) -> Path | None:
-    """Where this run's checkpoints go: checkpoint.dir, else <run dir>/checkpoints."""
-    if cfg.checkpoint.dir:
-        return Path(cfg.checkpoint.dir)
-    return run_dir / "checkpoints" if run_dir is not None else None
+        raise ConfigError("optimizer", f"{opt.get(TARGET)} refused its arguments: {exc}") from None
 
 
 def resume_checkpoint(cfg: TrainConfig, model: torch.nn.Module | None, root: Path | None) -> str | None:

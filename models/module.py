@@ -1,10 +1,9 @@
 """`model=module`: any callable that returns an `nn.Module`, pipelined as it is.
 
-    python train.py model=module model.module._target_=mymodel.tiny_lm model.seq_len=64 \
-        data=tokens data.path=train.bin
-    python train.py model=module model.module._target_=diffusers.UNet2DModel \
-        +model.module.sample_size=32 ... 'model.input.shape=[3,32,32]' model.input.dtype=float32 \
-        model.output=sample 'model.extra_inputs=[10]' model.loss=mse
+`model.module` names the factory by its import path (`mymodel.tiny_lm`, `diffusers.UNet2DModel`,
+with `+model.module.<argument>=...`); README.md's "Your model and your data" shows the command
+lines. The launcher builds it as a factory with its arguments bound (conf/model/module.yaml), so
+it reaches `module` below as a callable.
 
 The module is built on the meta device like every model (its factory must not load weights
 itself); `output` picks an attribute or key of what it returns (`logits`, `sample`) or an element
@@ -33,8 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from hydra.utils import instantiate
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import OmegaConf
 from torch import nn
 
 from pipelaunch.models.spec import ModelSpec, causal_lm_loss, model_loss
@@ -206,16 +204,22 @@ def _dtype(value: str, key: str) -> torch.dtype:
     return DTYPES[value]
 
 
-def _loss(loss: str | dict) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def _loss(loss: str | Callable) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A loss by name, or the callable the launcher built from the option's mapping."""
     if isinstance(loss, str):
         if loss not in LOSSES:
             raise ConfigError("model.loss", f"got {loss!r}; valid: {', '.join(LOSSES)}, model (the model's own) or a "
-                                            "`_target_` callable")
+                                            "callable named by the option (its import path and arguments)")
         return LOSSES[loss]
-    try:
-        return instantiate(loss)
-    except Exception as err:  # noqa: BLE001 - any failure to build the loss is a config error
-        raise ConfigError("model.loss", f"could not build {loss.get('_target_')}: {err}") from None
+    if not callable(loss):
+        raise ConfigError("model.loss", f"got {loss!r}, which is not a loss: name a callable that scores (output, target)")
+    return loss
+
+
+def _callable_name(fn: Any) -> str:
+    """A factory's import path, through the partial the launcher binds its arguments with."""
+    fn = getattr(fn, "func", fn)
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 def _input(input: dict | None, seq_len: int | None, tokens: bool) -> tuple[tuple[int, ...], torch.dtype]:  # noqa: A002
@@ -285,12 +289,12 @@ def _own_loss_args(inner: nn.Module, targets_arg: str | None, labels: str | None
 
 
 def module(
-    module: dict,
+    module: Callable[[], nn.Module],
     input: dict | None = None,  # noqa: A002 - the config key users write
     target: dict | None = None,
     output: str | int | None = None,
     extra_inputs: Sequence[Any] = (),
-    loss: str | dict | None = None,
+    loss: str | Callable | None = None,
     leaf_modules: Sequence[str] = (),
     name: str = "module",
     vocab_size: int | None = None,
@@ -300,7 +304,8 @@ def module(
     targets_arg: str | None = None,
     labels: str | None = None,
 ) -> ModelSpec:
-    """A ModelSpec around `instantiate(module)` (see the module docstring). `input`/`target`:
+    """A ModelSpec around `module()`, the factory the launcher built with its arguments bound (see
+    the module docstring). `input`/`target`:
     `{shape: [...], dtype: ...}` of one sample (shape null: `[seq_len]`; dtype null: int64 on
     token data, else float32); `loss` null: causal_lm on integer input, else cross_entropy; the
     target defaults to what the loss needs (mse: the input's shape; causal_lm: the input's token
@@ -308,28 +313,28 @@ def module(
     targets passed as `targets_arg` (`labels`: the data's `targets` or the `inputs`), `output`
     picking the loss. `data_kind`: the data's kind (`tokens`, `images`)."""
     module, input, target, loss, extra_inputs = (
-        OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig | ListConfig) else v
+        OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
         for v in (module, input, target, loss, extra_inputs))
     extra_inputs = list(extra_inputs)
     leaf_modules = list(leaf_modules)
     output = _output(output)
-    if not isinstance(module, dict) or "_target_" not in module:
-        raise ConfigError("model.module", "needs a `_target_` naming a callable that returns an nn.Module, "
-                                          "e.g. model.module._target_=diffusers.UNet2DModel")
+    if not callable(module):
+        raise ConfigError("model.module", f"needs to name a callable that returns an nn.Module (its import path, "
+                                          f"diffusers.UNet2DModel), got {module!r}")
     in_shape, in_dtype = _input(input, seq_len, data_kind == "tokens")
     if loss is None:
         loss = "cross_entropy" if in_dtype.is_floating_point else "causal_lm"
     if target is None:
         target = _target(loss, in_shape, in_dtype)
-    factory_cfg = dict(module)
+    factory = module
 
     def make() -> nn.Module:
         try:
-            inner = instantiate(factory_cfg)
+            inner = factory()
         except Exception as err:  # noqa: BLE001
-            raise ConfigError("model.module", f"could not build {factory_cfg['_target_']}: {err}") from None
+            raise ConfigError("model.module", f"could not build {_callable_name(factory)}: {err}") from None
         if not isinstance(inner, nn.Module):
-            raise ConfigError("model.module", f"{factory_cfg['_target_']} returned {type(inner).__name__}, not an nn.Module")
+            raise ConfigError("model.module", f"{_callable_name(factory)} returned {type(inner).__name__}, not an nn.Module")
         return inner
 
     wrapper, data_args = Adapted, ("input",)

@@ -51,11 +51,12 @@ class CaptureState(Callback):
 def rank_main_many(jobs: list[RankJob]) -> list[dict]:
     """Run several jobs of the same world size in one process group, one after the other, so the
     suite checks many configurations without paying for a spawn each."""
-    rank, device = join_process_group(jobs[0].cfg, jobs[0].run_dir)
+    first = jobs[0].plan
+    rank, device = join_process_group(jobs[0].run.process, first.pp, first.dp, jobs[0].run_dir)
     results = []
     for job in jobs:
-        world = job.cfg.pp * job.cfg.dp
-        if world != jobs[0].cfg.pp * jobs[0].cfg.dp:
+        world = job.plan.pp * job.plan.dp
+        if world != first.pp * first.dp:
             raise RuntimeError(f"jobs of one spawn must have one world size, got {world}")
         results.append(run_job(job, rank, device))
     leave_process_group()

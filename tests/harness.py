@@ -63,7 +63,7 @@ def run_jobs(cfgs: list[TrainConfig], log_dir: Path, plans: list | None = None,
                 line = check_split(cfg, prepared.spec, prepared.plan, prepared.model, initial)
                 assert line.startswith(f"check_split: the {len(prepared.plan.stages)} stages match"), line
             plan = prepared.plan if plans is None else plans[i]
-            jobs.append(RankJob(cfg, plan, None, callbacks=(CaptureState(),), resume_from=prepared.resume_from,
+            jobs.append(RankJob(prepared.run, plan, None, callbacks=(CaptureState(),), resume_from=prepared.resume_from,
                                 initial_weights=str(initial.path) if initial.path is not None else None))
         world = jobs[0].plan.pp * jobs[0].plan.dp
         env = rank_environment(cfgs[0].huge_pages)

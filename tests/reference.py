@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from hydra.utils import instantiate
 
+from pipelaunch.launcher.plugins import build_plugins
 from pipelaunch.models.spec import ModelSpec
 from pipelaunch.pipeline.core.precision import PRECISIONS
 from pipelaunch.pipeline.runtime.optim import build_optimizer
@@ -20,7 +21,8 @@ def reference_run(cfg: dict, capture_state: bool = True) -> dict:
     spec: ModelSpec = instantiate(cfg.model)
     data = instantiate(cfg.data)
     model = spec.build_full(cfg.seed)
-    optimizer, lr_scheduler = build_optimizer(cfg, list(model.parameters()))
+    plugins = build_plugins(cfg)
+    optimizer, lr_scheduler = build_optimizer(plugins.optimizer, plugins.lr_scheduler, list(model.parameters()))
     autocast = PRECISIONS[str(cfg.precision)]
     clip = cfg.clip_grad_norm
     dp, m, batch = cfg.dp, cfg.microbatches, cfg.batch_size

@@ -4,10 +4,10 @@ them (`pipelaunch.launcher.config.group_configs`), never a list kept in code. A 
 
 from __future__ import annotations
 
-from hydra.utils import get_object, instantiate
+from hydra.utils import instantiate
 
 from pipelaunch.launcher.config import group_configs
-from pipelaunch.pipeline.planner.schedules.auto import AutoSchedule
+from pipelaunch.launcher.plugins import is_search
 from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
 
 
@@ -16,8 +16,7 @@ def scheduler_options() -> dict[str, dict]:
     the others), as its YAML."""
     out = {}
     for name, cfg in group_configs("scheduler").items():
-        target = get_object(str(cfg["_target_"]))
-        if not (isinstance(target, type) and issubclass(target, AutoSchedule)):
+        if not is_search(cfg):
             out[name] = cfg
     return out
 

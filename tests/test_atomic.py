@@ -8,6 +8,7 @@ import networkx as nx
 import pytest
 import torch
 
+from pipelaunch.launcher.plugins import build_plugin
 from pipelaunch.models.gpt import gpt
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.graph.split import split_model
@@ -50,8 +51,8 @@ def test_graph_of_tensors_only_is_left_alone() -> None:
 @pytest.mark.parametrize("stages", [2, 4, 7])
 def test_every_partitioner_cuts_only_tensor_edges_and_the_split_is_exact(name: str, stages: int) -> None:
     traced = _traced()
-    cfg = {"_target_": f"pipelaunch.pipeline.planner.partition.plugins.{name}_split"}
-    part = partition_graph(cfg, traced.graph, list(range(stages)), PartitionRequest(1e9, [stages - s for s in range(stages)]))
+    partitioner = build_plugin("partitioner", {"_target_": f"pipelaunch.pipeline.planner.partition.plugins.{name}_split"})
+    part = partition_graph(partitioner, traced.graph, list(range(stages)), PartitionRequest(1e9, [stages - s for s in range(stages)]))
     validate_assignment(traced.graph, part.assignment, stages)
     for u, v in traced.graph.edges:
         if part.assignment[u] != part.assignment[v]:

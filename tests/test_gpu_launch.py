@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from pipelaunch.launcher.diagnose import where_ranks_were
+from pipelaunch.launcher.plugins import build_plugin
 from pipelaunch.launcher.validate import check_config, prepare
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.graph.trace import trace_model
@@ -195,9 +196,9 @@ def test_a_gpu_run_is_profiled_by_a_child_on_rank_0s_gpu_and_a_rank_on_its_own(f
     fake_gpus(2, accelerator=False)  # the stand-ins below profile on the CPU for real
     asked = []
 
-    def child(cfg, micro_batch_size, device):  # stands in for the child process: profile on the CPU
+    def child(cfg, model, micro_batch_size, device):  # stands in for the child process: profile on the CPU
         asked.append(("child", device))
-        spec = search.instantiate(cfg.model)
+        spec = model.build()
         traced = spec.trace(micro_batch_size, spec.build_meta())
         search.profile_traced(spec, cfg, traced, micro_batch_size, torch.device("cpu"))
         return search.profiled_nodes(traced.graph), False
@@ -225,9 +226,10 @@ def test_the_profiling_child_retraces_to_the_same_nodes(tmp_path, monkeypatch) -
 
     monkeypatch.setenv("PIPELAUNCH_CACHE", str(tmp_path))
     cfg = compose_cfg([*FAST, "pp=2"])
-    spec = search.instantiate(cfg.model)
+    model = build_plugin("model", cfg.model)
+    spec = model.build()
     traced = spec.trace(4, spec.build_meta())
-    nodes, cached = search.profile_in_child(cfg, 4, torch.device("cpu"))
+    nodes, cached = search.profile_in_child(cfg, model, 4, torch.device("cpu"))
     profile_mod.apply_profile(traced.graph, nodes)
     assert cached is False and all(traced.graph.nodes[n]["forward_s"] > 0 for n in traced.graph.nodes)
 

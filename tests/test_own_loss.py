@@ -16,6 +16,7 @@ from hydra.utils import instantiate
 from torch import nn
 
 from pipelaunch.launcher import split_compare
+from pipelaunch.launcher.plugins import build_plugins
 from pipelaunch.launcher.split_check import check_split
 from pipelaunch.launcher.validate import prepare
 from pipelaunch.pipeline.core.errors import ConfigError
@@ -50,7 +51,8 @@ def _user_script(cfg, model: nn.Module, loss_of) -> dict:
     """The user's own single-process loop: the whole batch, its own loss, the run's optimizer;
     the held-out loss (`eval.every`) as the mean over the held-out batches."""
     data = instantiate(cfg.data)
-    optimizer, lr_scheduler = build_optimizer(cfg, list(model.parameters()))
+    plugins = build_plugins(cfg)
+    optimizer, lr_scheduler = build_optimizer(plugins.optimizer, plugins.lr_scheduler, list(model.parameters()))
     losses, eval_losses = [], []
     for step in range(cfg.steps):
         loss = loss_of(model, *data.batch(step, cfg.batch_size))

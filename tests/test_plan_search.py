@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from pipelaunch.launcher.plugins import build_plugin
 from pipelaunch.launcher.validate import prepare
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.planner.predict.memory import BudgetExceeded, DeviceMemory
@@ -34,11 +35,15 @@ def test_microbatch_counts_are_multiples_of_pp_that_split_the_replica_batch() ->
 
 
 def test_scheduler_variants_try_each_listed_setting() -> None:
-    options = {"1f1b": {"_target_": "a.B"}, "interleaved_1f1b": {"_target_": "a.I", "stages_per_rank": 2}}
+    b, i = (f"pipelaunch.pipeline.planner.schedules.{m}" for m in ("one_f_one_b.OneFOneB", "interleaved.Interleaved1F1B"))
+    options = {"1f1b": build_plugin("scheduler", {"_target_": b}, "1f1b"),
+               "interleaved_1f1b": build_plugin("scheduler", {"_target_": i, "stages_per_rank": 2}, "interleaved_1f1b")}
     got = scheduler_variants(options, None, {"interleaved_1f1b": {"stages_per_rank": [2, 4]}})
-    assert got == [("1f1b", {"_target_": "a.B"}),
-                   ("interleaved_1f1b(stages_per_rank=2)", {"_target_": "a.I", "stages_per_rank": 2}),
-                   ("interleaved_1f1b(stages_per_rank=4)", {"_target_": "a.I", "stages_per_rank": 4})]
+    assert [(label, dict(p.config)) for label, p in got] == [
+        ("1f1b", {"_target_": b}),
+        ("interleaved_1f1b(stages_per_rank=2)", {"_target_": i, "stages_per_rank": 2}),
+        ("interleaved_1f1b(stages_per_rank=4)", {"_target_": i, "stages_per_rank": 4})]
+    assert [dict(p.kwargs) for _, p in got] == [{}, {"stages_per_rank": 2}, {"stages_per_rank": 4}]
     with pytest.raises(ConfigError, match="plan.schedulers"):
         scheduler_variants(options, ["zbv"], None)
 

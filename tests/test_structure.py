@@ -177,3 +177,14 @@ def test_schedule_generators_are_frozen_values() -> None:
         assert vars(gen).keys() == {f.name for f in fields(gen)}, f"{path.name}: state beyond its options"
         checked.append(path.stem)
     assert len(checked) >= 10, checked
+
+
+def test_no_target_or_dictconfig_below_the_launcher() -> None:
+    """Plug-ins are built once, at the edge (launcher/plugins.py): below the launcher nothing reads
+    how an option names its callable, nor holds an OmegaConf node; the planner and the ranks see
+    the typed objects the launcher built (pipelaunch.pipeline.core.plugins). Comments and
+    docstrings count: they would describe a mechanism that is not there."""
+    target, node = "_target_", "DictConfig"
+    offenders = sorted(str(p.relative_to(ROOT)) for folder in ("pipeline", "models") for p in (ROOT / folder).rglob("*.py")
+                       if target in p.read_text() or node in p.read_text())
+    assert offenders == []

@@ -5,13 +5,13 @@ of the backward's and the update's."""
 from __future__ import annotations
 
 import pytest
-from omegaconf import OmegaConf
 
+from pipelaunch.launcher.plugins import optimizer_spec
 from pipelaunch.pipeline.planner.measure.optimizer_costs import _step_rise, measure_temporaries
 from pipelaunch.pipeline.planner.predict.memory import MIB, UpdateMemory, device_memory
 
-ADAMW = OmegaConf.create({"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 1e-3})
-SGD_MOMENTUM = OmegaConf.create({"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1, "momentum": 0.9})
+ADAMW = optimizer_spec({"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 1e-3})
+SGD_MOMENTUM = optimizer_spec({"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1, "momentum": 0.9})
 N = 1 << 14
 
 

@@ -7,8 +7,10 @@ flows unchanged through the launcher, the planner and every rank: nothing writes
 default is stated here once.
 
 Plug-in groups (`model`, `data`, `scheduler`, `partitioner`, `placement`, `optimizer`,
-`lr_scheduler`, `logger`) stay open mappings: each option names its callable by `_target_` and
-carries that callable's own arguments. The fixed-shape groups (`memory`, `plan`, `eval`,
+`lr_scheduler`, `logger`) stay open mappings here: each option names its callable (by its import
+path) and carries that callable's own arguments. Only the launcher reads them: it builds each into
+a typed plug-in once (`pipelaunch.pipeline.core.plugins`), which is what the planner and the ranks
+use. The fixed-shape groups (`memory`, `plan`, `eval`,
 `checkpoint`, `debug`) are typed here.
 """
 
@@ -23,7 +25,7 @@ from omegaconf import MISSING, OmegaConf
 
 from pipelaunch.pipeline.core.errors import ConfigError
 
-#: one option of a plug-in group: `_target_` (the callable) and that callable's own arguments
+#: one option of a plug-in group as written: the callable's import path and its own arguments
 PluginConfig = Mapping[str, Any]
 
 
@@ -178,7 +180,8 @@ class PlanConfig:
     schedulers: list[str] | None = None
     #: per scheduler option, settings to try each value of (e.g. stages_per_rank: [2, 4])
     variants: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
-    partitioners: list[str] = field(default_factory=lambda: ["uniform", "balanced", "milp"])
+    #: partitioner options to try (conf/plan/auto.yaml lists them); null = the run's own partitioner
+    partitioners: list[str] | None = None
     #: micro-batch counts to try; null = pp, 2pp, 4pp, 8pp and the configured count
     microbatches: list[int] | None = None
     #: remat values to try; null = none and auto (auto only under a memory cap)

@@ -392,7 +392,7 @@ def _fetch_attr(gm: nn.Module, target: str) -> Any:
     return obj
 
 
-def _target_str(node: fx.Node) -> str:
+def _node_target(node: fx.Node) -> str:
     t = node.target
     if isinstance(t, str):
         return t
@@ -434,7 +434,7 @@ def build_cost_graph(gm: fx.GraphModule, leaves: Iterable[str] = ()) -> nx.DiGra
         g.add_node(
             node.name,
             op=node.op,
-            target=_target_str(node),
+            target=_node_target(node),
             module=node.target if node.op == "call_module" else _innermost_module(node),
             params=params,
             param_bytes=sum(param_sizes.get(p, 0) for p in params),

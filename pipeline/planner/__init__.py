@@ -21,9 +21,10 @@ from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.core.plan_records import DevicePeak, PlannedStep, SearchSummary
+from pipelaunch.pipeline.core.plugins import GroupOptions, Plugins
 from pipelaunch.pipeline.core.precision import PRECISIONS
 from pipelaunch.pipeline.graph.trace import TracedModel
-from pipelaunch.pipeline.planner.build import PlanRequest, build_plan, needs_profile, plugin_name
+from pipelaunch.pipeline.planner.build import PlanRequest, build_plan, needs_profile
 from pipelaunch.pipeline.planner.fit.under_cap import fit_budget
 from pipelaunch.pipeline.planner.measure.optimizer_costs import (
     optimizer_seconds_per_byte,
@@ -31,17 +32,10 @@ from pipelaunch.pipeline.planner.measure.optimizer_costs import (
 )
 from pipelaunch.pipeline.planner.measure.overheads import cached_overheads
 from pipelaunch.pipeline.planner.measure.traced import TracedModels, micro_batch_size
-from pipelaunch.pipeline.planner.predict.memory import optimizer_states
 from pipelaunch.pipeline.planner.predict.prediction import Prediction, predict
 from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
 from pipelaunch.pipeline.planner.search.choose import Candidate, SearchResult
-from pipelaunch.pipeline.planner.search.space import (
-    GroupOptions,
-    instantiate_scheduler,
-    is_auto,
-    search,
-    search_space,
-)
+from pipelaunch.pipeline.planner.search.space import build_generator, search, search_space
 
 
 @dataclass(frozen=True)
@@ -56,29 +50,30 @@ class Planned:
     model: torch.nn.Module | None = None
 
 
-def make_plan(cfg: TrainConfig, spec: ModelSpec, options: GroupOptions, *, profile: bool | None = None,
-              device: torch.device | None = None, cuda: bool = False) -> Planned:
-    """The Plan of this run. Profiled (on `device`, or for a GPU run in the launcher a child on
-    cuda:0 when `cuda`) whenever something reads costs; `profile=False` only validates that the
+def make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: GroupOptions, *,
+              profile: bool | None = None, device: torch.device | None = None, cuda: bool = False) -> Planned:
+    """The Plan of this run, from the plug-ins the launcher built (`plugins`) and, for a search,
+    the group options it compares. Profiled (on `device`, or for a GPU run in the launcher a child
+    on cuda:0 when `cuda`) whenever something reads costs; `profile=False` only validates that the
     config can be planned (joined ranks before rank 0 plans for all)."""
-    generator = _scheduler(cfg)
-    searching = cfg.plan.search or is_auto(cfg.scheduler)
+    searching = cfg.plan.search or plugins.search_schedules
+    generator = None if plugins.scheduler is None else build_generator(plugins.scheduler)
     if profile is None:
-        profile = needs_profiling(cfg, generator)
-    models = TracedModels(spec, cfg, profile, cuda=cuda, device=device)
+        profile = needs_profiling(cfg, plugins, generator)
+    models = TracedModels(spec, plugins.model, cfg, profile, cuda=cuda, device=device)
     traced = models.get(micro_batch_size(cfg, cfg.microbatches))
-    facts = _machine_facts(cfg, cuda, profile)
+    facts = _machine_facts(cfg, plugins, cuda, profile)
     link = (facts["link_latency_s"], cfg.link_bandwidth)
 
     def build(gen: ScheduleGenerator, traced: TracedModel, c: Candidate | None = None,
               whole: list[int] | None = None) -> Plan:
-        req = _request(cfg, spec, traced, c, facts, profile, cuda)
+        req = _request(cfg, spec, plugins, traced, c, facts, profile, cuda)
         return build_plan(traced, gen, req if whole is None else replace(req, whole_stages=tuple(whole)))
 
     if searching and not profile:
-        return Planned(_first_plannable(cfg, options, models, build, traced), model=models.model)
+        return Planned(_first_plannable(cfg, plugins, options, models, build, traced), model=models.model)
     if searching:
-        cands, given = search_space(cfg, options, traced.graph)
+        cands, given = search_space(cfg, plugins, options, traced.graph)
         result = search(cfg, models, build, cands, given, link)
         prediction = result.winner.prediction
         return Planned(_finished(prediction.plan, prediction, result), prediction, result, models.model)
@@ -90,27 +85,23 @@ def make_plan(cfg: TrainConfig, spec: ModelSpec, options: GroupOptions, *, profi
     return Planned(_finished(prediction.plan, prediction, None), prediction, model=models.model)
 
 
-def needs_profiling(cfg: TrainConfig, generator: ScheduleGenerator) -> bool:
+def needs_profiling(cfg: TrainConfig, plugins: Plugins, generator: ScheduleGenerator | None) -> bool:
     """Whether anything reads measured costs: a search, a dry run, `predict`, a partitioner or a
     schedule that reads them, or a memory budget."""
-    return bool(cfg.plan.search or is_auto(cfg.scheduler) or cfg.mode == "plan" or cfg.predict
-                or needs_profile(cfg.partitioner) or getattr(generator, "cost_aware", False)
+    return bool(cfg.plan.search or plugins.search_schedules or cfg.mode == "plan" or cfg.predict
+                or needs_profile(plugins.partitioner) or getattr(generator, "cost_aware", False)
                 or cfg.memory.cap_bytes is not None)
 
 
-def _scheduler(cfg: TrainConfig) -> ScheduleGenerator:
-    return instantiate_scheduler(plugin_name(cfg.scheduler), cfg.scheduler)
-
-
-def _machine_facts(cfg: TrainConfig, cuda: bool, profile: bool) -> dict:
+def _machine_facts(cfg: TrainConfig, plugins: Plugins, cuda: bool, profile: bool) -> dict:
     """What the prediction reads of this machine: how many ranks' worth of cores it has when the
     local ranks need more (CPU), the optimizer's time and temporaries per parameter byte, and the runtime's
     latency per message and fixed cost per compute action (`overheads`)."""
     threads = cpu_threads(cfg.threads, cfg.world_size)
     latency, action = runtime_overheads(cfg, cuda, profile, threads)
     return {"rank_slots": rank_slots(cfg, cuda),
-            "optimizer_s_per_byte": optimizer_seconds_per_byte(cfg.optimizer, threads) if profile else 0.0,
-            "optimizer_temporaries": optimizer_temporaries(cfg.optimizer, cuda) if profile else (0.0, 0.0),
+            "optimizer_s_per_byte": optimizer_seconds_per_byte(plugins.optimizer, threads) if profile else 0.0,
+            "optimizer_temporaries": optimizer_temporaries(plugins.optimizer, cuda) if profile else (0.0, 0.0),
             "link_latency_s": latency, "action_overhead_s": action}
 
 
@@ -138,14 +129,14 @@ def rank_slots(cfg: TrainConfig, cuda: bool) -> float | None:
     return cores / threads if local * threads > cores else None
 
 
-def _request(cfg: TrainConfig, spec: ModelSpec, traced: TracedModel, c: Candidate | None, facts: dict,
-             profile: bool, cuda: bool) -> PlanRequest:
+def _request(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, traced: TracedModel, c: Candidate | None,
+             facts: dict, profile: bool, cuda: bool) -> PlanRequest:
     microbatches = c.microbatches if c else cfg.microbatches
     return PlanRequest(
         model_name=spec.name, pp=cfg.pp, dp=cfg.dp, microbatches=microbatches, batch_size=cfg.batch_size,
-        placement=cfg.placement, partitioner=c.partitioner_cfg if c else cfg.partitioner,
+        placement=plugins.placement, partitioner=c.partitioner_plugin if c else plugins.partitioner,
         remat=c.remat if c else str(cfg.remat), memory_cap=cfg.memory.cap_bytes,
-        reserve_bytes=cfg.memory.reserve_bytes, optimizer_states=optimizer_states(cfg.optimizer),
+        reserve_bytes=cfg.memory.reserve_bytes, optimizer_states=plugins.optimizer.states_per_param,
         bandwidth=cfg.link_bandwidth, profiled=profile, precision=str(cfg.precision),
         evaluates=cfg.eval.every > 0, data_args=tuple(spec.data_args),
         value_dtypes=_autocast_dtypes(cfg, spec, traced, micro_batch_size(cfg, microbatches), cuda),
@@ -164,13 +155,14 @@ def _autocast_dtypes(cfg: TrainConfig, spec: ModelSpec, traced: TracedModel, mbs
     return autocast_dtypes(traced, spec.meta_args(mbs), torch.device("cuda" if cuda else "cpu"), dtype)
 
 
-def _first_plannable(cfg: TrainConfig, options: GroupOptions, models: TracedModels, build, traced: TracedModel) -> Plan:
+def _first_plannable(cfg: TrainConfig, plugins: Plugins, options: GroupOptions, models: TracedModels, build,
+                     traced: TracedModel) -> Plan:
     """Validation without a profile: any candidate that builds shows the config can be planned."""
-    cands, _ = search_space(cfg, options, traced.graph)
+    cands, _ = search_space(cfg, plugins, options, traced.graph)
     errors = []
     for c in cands:
         try:
-            gen = instantiate_scheduler(c.scheduler, dict(c.scheduler_cfg))
+            gen = build_generator(c.scheduler_plugin)
             return _finished(build(gen, models.get(micro_batch_size(cfg, c.microbatches)), c), None, None)
         except ConfigError as err:
             errors.append(err)

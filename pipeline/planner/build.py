@@ -12,12 +12,12 @@ from dataclasses import dataclass, fields
 
 import networkx as nx
 import torch
-from hydra.utils import get_method
 
-from pipelaunch.pipeline.core.config import LINK_BANDWIDTH, LINK_LATENCY_S, PluginConfig
+from pipelaunch.pipeline.core.config import LINK_BANDWIDTH, LINK_LATENCY_S
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan import Plan, PlanMeta, StagePlan, dtype_name
 from pipelaunch.pipeline.core.plan_records import MachineFacts, PartitionSummary
+from pipelaunch.pipeline.core.plugins import Plugin
 from pipelaunch.pipeline.graph.split import split_model
 from pipelaunch.pipeline.graph.trace import TracedModel
 from pipelaunch.pipeline.planner.fit.budget import (
@@ -39,45 +39,23 @@ from pipelaunch.pipeline.planner.schedules.base import ScheduleCosts, ScheduleGe
 from pipelaunch.pipeline.planner.schedules.inference import Inference
 from pipelaunch.pipeline.planner.schedules.weight_fill import StageMemory
 
-#: keys of a partitioner or placement YAML that are not arguments of its callable
-RESERVED = ("_target_", "_partial_", "name")
 
-
-def plugin(cfg: PluginConfig, group: str):
-    """The callable a `conf/<group>/*.yaml` names, and its own options (the YAML's other keys)."""
-    target = cfg.get("_target_")
-    if not isinstance(target, str):
-        raise ConfigError(group, f"needs a `_target_` naming a callable (got {cfg!r}); see conf/{group}/")
-    try:
-        fn = get_method(target)
-    except Exception as err:  # noqa: BLE001 - Hydra raises several kinds for a bad path
-        raise ConfigError(f"{group}._target_", f"cannot import {target!r}: {err}") from None
-    return fn, {k: v for k, v in cfg.items() if k not in RESERVED}
-
-
-def plugin_name(cfg: PluginConfig) -> str:
-    """How a plug-in is shown: its `name` key, or its callable's name."""
-    return str(cfg.get("name") or str(cfg.get("_target_", "?")).rsplit(".", 1)[-1])
-
-
-def resolve_placement(placement_cfg: PluginConfig, generator: ScheduleGenerator, pp: int) -> list[int]:
+def resolve_placement(placement: Plugin, generator: ScheduleGenerator, pp: int) -> list[int]:
     """Stage -> pipeline rank, from the placement plug-in: `fn(pp, schedule, **options)`."""
-    fn, options = plugin(placement_cfg, "placement")
     try:
-        return [int(r) for r in fn(pp, generator, **options)]
+        return [int(r) for r in placement(pp, generator)]
     except TypeError as err:
-        raise ConfigError("placement", f"{placement_cfg.get('_target_')} cannot be called as "
-                                       f"placement(pp, schedule, **{options}): {err}") from None
+        raise ConfigError("placement", f"{placement.path} cannot be called as "
+                                       f"placement(pp, schedule, **{dict(placement.kwargs)}): {err}") from None
 
 
-def needs_profile(partitioner_cfg: PluginConfig) -> bool:
+def needs_profile(partitioner: Plugin) -> bool:
     """Whether the partitioner reads measured costs (those that do not set `needs_profile = False`)."""
-    fn, _ = plugin(partitioner_cfg, "partitioner")
-    return bool(getattr(fn, "needs_profile", True))
+    return bool(partitioner.attribute("needs_profile", True))
 
 
 def partition_graph(
-    partitioner_cfg: PluginConfig, graph: nx.DiGraph, placement: Sequence[int], request: PartitionRequest,
+    partitioner: Plugin, graph: nx.DiGraph, placement: Sequence[int], request: PartitionRequest,
     param_factor: float = 1.0,
 ) -> Partition:
     """Cut the traced graph into stages with the partitioner plug-in, then price the split with the
@@ -94,16 +72,15 @@ def partition_graph(
             f"has {graph.number_of_nodes()} ({', '.join(list(graph.nodes)[:12])}); lower pp, use a schedule "
             f"with fewer stages per rank, or a model with more layers (e.g. model.layers), or model.granularity=op",
         )
-    fn, options = plugin(partitioner_cfg, "partitioner")
     contraction = contract_unsendable(graph)  # cut only where single tensors cross
     cut_graph = graph if contraction is None else contraction.graph
     if request.memory_cap is not None:
         cut_graph = device_view(cut_graph, param_factor)
-    part = fn(cut_graph, num_stages, request, **options)
+    part = partitioner(cut_graph, num_stages, request)
     if not isinstance(part, Partition):
-        raise ConfigError("partitioner", f"{partitioner_cfg.get('_target_')} returned {type(part).__name__}, "
+        raise ConfigError("partitioner", f"{partitioner.path} returned {type(part).__name__}, "
                                          f"not a pipelaunch.pipeline.planner.partition.Partition")
-    if len(set(placement)) < num_stages and getattr(fn, "needs_profile", True):
+    if len(set(placement)) < num_stages and needs_profile(partitioner):
         part = _rank_balanced(part, cut_graph, placement, request)
     if contraction is not None:
         part.assignment = contraction.expand(part.assignment)
@@ -142,8 +119,8 @@ class PlanRequest:
     dp: int
     microbatches: int
     batch_size: int
-    placement: Mapping
-    partitioner: Mapping
+    placement: Plugin
+    partitioner: Plugin
     remat: str = "none"
     memory_cap: float | None = None
     #: what a device holds beyond the model's tensors, left out of the cap by the partitioners
@@ -181,7 +158,7 @@ def _value_meta(traced: TracedModel, name: str, dtypes: Mapping[str, torch.dtype
 def build_plan(traced: TracedModel, generator: ScheduleGenerator, req: PlanRequest) -> Plan:
     """Place, count, partition, price, schedule and lower: a pure function of the request and the
     traced (and, when `req.profiled`, measured) graph."""
-    placement = resolve_placement(dict(req.placement), generator, req.pp)
+    placement = resolve_placement(req.placement, generator, req.pp)
     generator.check(req.pp, req.microbatches, list(placement))  # schedule rules first: clearer than a split error
     part = _partition(traced, generator, placement, req)
     split = split_model(traced, part.assignment, len(placement))
@@ -238,7 +215,7 @@ def _partition(traced: TracedModel, generator: ScheduleGenerator, placement: lis
     stage_cap = None if req.memory_cap is None else req.memory_cap - req.reserve_bytes
     request = partition_request(generator, placement, req.microbatches, req.remat, stage_cap, req.bandwidth)
     try:
-        return partition_graph(dict(req.partitioner), traced.graph, placement, request, 2 + req.optimizer_states)
+        return partition_graph(req.partitioner, traced.graph, placement, request, 2 + req.optimizer_states)
     except ConfigError as err:
         if err.key != "memory.cap_bytes" or not req.reserve_bytes:
             raise
@@ -309,7 +286,7 @@ def _plan_meta(traced: TracedModel, split, part: Partition, stages: list[StagePl
     """What the runtime, the report and the prediction read besides the stages and schedules."""
     return {"remat": req.remat, "optimizer_states": req.optimizer_states, "memory_cap": req.memory_cap,
             "reserve_bytes": req.reserve_bytes, "remat_stages": schedule.remat_stages(),
-            "partitioner": plugin_name(req.partitioner), "partition": partition_summary(part),
+            "partitioner": req.partitioner.option, "partition": partition_summary(part),
             "profiled": req.profiled, "precision": req.precision,
             "machine": MachineFacts(req.rank_slots, req.optimizer_s_per_byte, list(req.optimizer_temporaries),
                                     req.link_latency_s, req.action_overhead_s),

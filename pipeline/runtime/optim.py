@@ -1,8 +1,9 @@
 """The optimizer step's companions: the learning-rate schedule and global gradient clipping.
 
 An LR schedule is a callable `factor(step) -> float` (the LR of optimizer step `step` is the
-optimizer's own `lr` times it), named by `_target_` in `conf/lr_scheduler/*.yaml` with `_partial_`
-and wrapped in `torch.optim.lr_scheduler.LambdaLR`; a new one is one function plus one YAML.
+optimizer's own `lr` times it), named in `conf/lr_scheduler/*.yaml` (built by the launcher, with
+its options bound) and wrapped in `torch.optim.lr_scheduler.LambdaLR`; a new one is one function
+plus one YAML.
 The single-process reference builds the very same objects, so a pipeline and one process
 follow the same curve.
 """
@@ -14,10 +15,9 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
-from hydra.utils import instantiate
 from torch.optim.lr_scheduler import LambdaLR
 
-from pipelaunch.pipeline.core.config import TrainConfig
+from pipelaunch.pipeline.core.plugins import OptimizerSpec, Plugin
 
 
 def _warm(step: int, warmup_steps: int) -> float | None:
@@ -51,10 +51,12 @@ def linear(step: int, warmup_steps: int = 0, min_lr_ratio: float = 0.0, total_st
     return 1.0 - (1 - min_lr_ratio) * _progress(step, warmup_steps, total_steps)
 
 
-def build_optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> tuple[torch.optim.Optimizer, LambdaLR]:
-    """The configured optimizer over `params` and its LR schedule (positioned at step 0)."""
-    optimizer = instantiate(cfg.optimizer)(params)
-    factor: Callable[[int], float] = instantiate(cfg.lr_scheduler) if cfg.lr_scheduler else constant
+def build_optimizer(optimizer_spec: OptimizerSpec, lr_scheduler: Plugin | None,
+                    params: list[torch.nn.Parameter]) -> tuple[torch.optim.Optimizer, LambdaLR]:
+    """The configured optimizer over `params` and its LR schedule (positioned at step 0); no
+    `lr_scheduler`: the optimizer's LR throughout."""
+    optimizer = optimizer_spec(params)
+    factor: Callable[[int], float] = lr_scheduler if lr_scheduler is not None else constant
     return optimizer, LambdaLR(optimizer, factor)
 
 

@@ -11,9 +11,9 @@ import torch.distributed as dist
 
 from pipelaunch.pipeline.compute.host_allocator import configure_host_allocator
 from pipelaunch.pipeline.compute.threads import cpu_threads
-from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.core.results import RankResult
+from pipelaunch.pipeline.core.run_spec import ProcessSpec, RunSpec
 from pipelaunch.pipeline.runtime.context import (
     RankContext,
     backend_for,
@@ -28,9 +28,11 @@ from pipelaunch.pipeline.runtime.trainer import train_rank
 
 @dataclass
 class RankJob:
-    """Everything a rank needs, picklable: the resolved config, the plan and where to write."""
+    """Everything a rank needs, picklable: the run (`RunSpec`: seed, steps, plug-ins, evaluation,
+    checkpoints, ...), the plan (which alone says pp, dp, micro-batches, precision and links) and
+    where to write."""
 
-    cfg: TrainConfig
+    run: RunSpec
     plan: Plan
     run_dir: str | None
     #: observers of the rank's training (pipelaunch.pipeline.runtime.trainer.Callback), picklable
@@ -44,7 +46,7 @@ class RankJob:
 
 def rank_main(job: RankJob) -> RankResult:
     """Run one rank of one job: join the process group, train, leave it."""
-    rank, device = join_process_group(job.cfg, job.run_dir)
+    rank, device = join_process_group(job.run.process, job.plan.pp, job.plan.dp, job.run_dir)
     result = run_job(job, rank, device)
     leave_process_group()
     return result
@@ -58,17 +60,16 @@ def set_up_rank_process(host_allocator: str, cpu_affinity: str, local_rank: int,
     bind_rank_to_cores(cpu_affinity, local_rank, local_world, threads)
 
 
-def join_process_group(cfg: TrainConfig, run_dir: str | None) -> tuple[int, torch.device]:
+def join_process_group(process: ProcessSpec, pp: int, dp: int, run_dir: str | None) -> tuple[int, torch.device]:
     """Take this rank's device, set up its process (threads, malloc, cores) and join the process
     group of WORLD_SIZE ranks; returns (global rank, device)."""
     rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
     local_rank, local_world = env_int("LOCAL_RANK", 0), env_int("LOCAL_WORLD_SIZE", world)
-    pp, dp = cfg.pp, cfg.dp
     if world != pp * dp:
         raise RuntimeError(f"WORLD_SIZE={world} but pp x dp = {pp} x {dp} = {pp * dp}; start pp x dp ranks")
-    device = select_device(str(cfg.device), local_rank)
-    threads = cpu_threads(cfg.threads, local_world)
-    set_up_rank_process(str(cfg.host_allocator), str(cfg.cpu_affinity),
+    device = select_device(process.device, local_rank)
+    threads = cpu_threads(process.threads, local_world)
+    set_up_rank_process(process.host_allocator, process.cpu_affinity,
                         local_rank, local_world, threads)
     if device.type == "cpu":
         torch.set_num_threads(threads)
@@ -82,7 +83,7 @@ def join_process_group(cfg: TrainConfig, run_dir: str | None) -> tuple[int, torc
         rank=rank,
         world_size=world,
         # on NCCL too: the watchdog aborts an operation that runs longer, after the flight recorder dump
-        timeout=timedelta(seconds=cfg.timeout_s),
+        timeout=timedelta(seconds=process.timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
     # No try/finally around what follows: a rank that raises keeps its connections open until its
@@ -99,7 +100,7 @@ def run_job(job: RankJob, rank: int, device: torch.device) -> RankResult:
     ctx = RankContext(rank, world, local_rank, local_world, job.plan.pp, job.plan.dp, device)
     ctx.mesh = make_mesh(ctx)
     run_dir = Path(job.run_dir) if job.run_dir else None
-    return train_rank(job.cfg, job.plan, ctx, run_dir, job.callbacks, job.resume_from, job.initial_weights)
+    return train_rank(job.run, job.plan, ctx, run_dir, job.callbacks, job.resume_from, job.initial_weights)
 
 
 def leave_process_group() -> None:

@@ -1,7 +1,8 @@
 """Experiment tracking on global rank 0: the `logger` config group's plug-ins.
 
-Each option of `conf/logger/` names a `Tracker` subclass by `_target_` (a user's own too): it is
-built on rank 0 with the run's config as plain data and the run directory, then told each step's
+Each option of `conf/logger/` names a `Tracker` subclass (a user's own too), which the launcher
+imports (`Plugins.tracker`): it is built on rank 0 with the run's config as plain data, the run
+directory and the option's other keys, then told each step's
 values and, at the end, the run's summary. The console line per step is the progress display's
 (`pipelaunch.pipeline.runtime.progress`), whatever the logger.
 """
@@ -12,9 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hydra.utils import get_class
-
-from pipelaunch.pipeline.core.config import TrainConfig
+from pipelaunch.pipeline.core.plugins import Plugin
 
 
 class Tracker:
@@ -55,9 +54,7 @@ class WandbTracker(Tracker):
             self.run = None
 
 
-def make_tracker(cfg: TrainConfig, run_dir: Path | None) -> Tracker:
-    """The `logger` option's tracker for this run: its `_target_` class, called with the run's
-    config as plain data (not instantiated), the run directory and the option's other keys (its
-    `name` only labels the option)."""
-    options = {k: v for k, v in cfg.logger.items() if k not in ("name", "_target_")}
-    return get_class(cfg.logger["_target_"])(cfg.to_dict(), run_dir, **options)
+def make_tracker(logger: Plugin, run_config: dict, run_dir: Path | None) -> Tracker:
+    """The `logger` option's tracker for this run: its class, called with the run's config as plain
+    data, the run directory and the option's other keys (its `name` only labels the option)."""
+    return logger.build(run_config, run_dir)

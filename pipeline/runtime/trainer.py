@@ -16,16 +16,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from hydra.utils import instantiate
 from torch import nn
 
 from pipelaunch.models.spec import ModelSpec
 from pipelaunch.pipeline.compute.host_allocator import huge_pages_active, release_free_memory
 from pipelaunch.pipeline.compute.memory import TensorPeak, current_memory_bytes, peak_memory_bytes, reset_peak
-from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.core.plan import Plan, dtype_of
 from pipelaunch.pipeline.core.precision import PRECISIONS
 from pipelaunch.pipeline.core.results import RankFacts, RankResult, TrainingHistory
+from pipelaunch.pipeline.core.run_spec import RunSpec
 from pipelaunch.pipeline.graph.init import name_seed
 from pipelaunch.pipeline.graph.initial_weights import InitialWeights
 from pipelaunch.pipeline.runtime import checkpoint
@@ -110,18 +109,19 @@ class RankTrainer:
     """This rank's stages, executor and optimizer, built once; `step` runs one training step.
     train_rank loops over it, and bench/paired_runtimes.py interleaves it with torch's runtime."""
 
-    def __init__(self, cfg: TrainConfig, plan: Plan, ctx: RankContext, callbacks: Sequence[Callback] = (),
+    def __init__(self, run: RunSpec, plan: Plan, ctx: RankContext, callbacks: Sequence[Callback] = (),
                  initial_weights: str | None = None) -> None:
-        self.cfg, self.plan, self.ctx = cfg, plan, ctx
+        self.run, self.plan, self.ctx = run, plan, ctx
+        plugins = run.plugins
         self.callbacks = list(callbacks)
         self.heartbeat = Heartbeat(ctx.rank)
-        self.spec: ModelSpec = instantiate(cfg.model)
-        self.data = instantiate(cfg.data)
-        self.slots = build_slots(self.spec, plan, ctx, cfg.seed, initial_weights)
+        self.spec: ModelSpec = plugins.model.build()
+        self.data = plugins.data.build()
+        self.slots = build_slots(self.spec, plan, ctx, run.seed, initial_weights)
         self.initial_weights = "constructor" if initial_weights is not None else "by_name"
         # the stream dropout draws from: set by (seed, rank), so a run repeats itself and DP
         # replicas draw different masks (a resume then restores the stream it saved)
-        torch.manual_seed(name_seed(cfg.seed, f"train:rank{ctx.rank}"))
+        torch.manual_seed(name_seed(run.seed, f"train:rank{ctx.rank}"))
         self.modules: list[nn.Module] = [s.module for s in self.slots.values()]
         named = {n: p for m in self.modules for n, p in m.named_model_parameters()}  # stages may share one
         self.params = list({id(p): p for p in named.values()}.values())
@@ -131,13 +131,14 @@ class RankTrainer:
         self.shared = SharedGrads(plan, ctx, self.slots)
         self.training = plan.schedule.training
         # a stage of parameter-free ops (masks, position ids of an op-level trace) has nothing to update
-        self.optimizer, self.lr_scheduler = (build_optimizer(cfg, self.params) if self.training and self.params
-                                             else (None, None))
-        self.clip = cfg.clip_grad_norm
-        self.record_p2p = cfg.debug.record_p2p
+        self.optimizer, self.lr_scheduler = (
+            build_optimizer(plugins.optimizer, plugins.lr_scheduler, self.params) if self.training and self.params
+            else (None, None))
+        self.clip = run.clip_grad_norm
+        self.record_p2p = run.debug.record_p2p
         self.executor = Executor(
             plan.schedule, ctx.pp_rank, self.slots, self.spec.loss_fn, ctx.device,
-            loss_scale=float(plan.microbatches * plan.dp), autocast=PRECISIONS[str(cfg.precision)],
+            loss_scale=float(plan.microbatches * plan.dp), autocast=PRECISIONS[plan.meta.precision],
             heartbeat=self.heartbeat, record_p2p=self.record_p2p, model_inputs=plan.model_inputs,
         )
         # what this rank's stages read of the data: the model inputs they take (a first stage's
@@ -158,7 +159,7 @@ class RankTrainer:
         if not (self.needs_inputs or self.needs_targets):
             return None, None
         ctx, m = self.ctx, self.plan.microbatches
-        inputs, targets = draw(index, self.cfg.batch_size)
+        inputs, targets = draw(index, self.run.batch_size)
         in_mbs = replica_microbatches(inputs, ctx.dp_rank, ctx.dp, m, ctx.device) if self.needs_inputs else None
         tgt_mbs = replica_microbatches(targets, ctx.dp_rank, ctx.dp, m, ctx.device) if self.needs_targets else None
         return in_mbs, tgt_mbs
@@ -283,26 +284,26 @@ class RunRecord:
             self.window.append((step, outcome.events))
 
 
-def train_rank(cfg: TrainConfig, plan: Plan, ctx: RankContext, run_dir: Path | None,
+def train_rank(run: RunSpec, plan: Plan, ctx: RankContext, run_dir: Path | None,
                callbacks: Sequence[Callback] = (), resume_from: str | None = None,
                initial_weights: str | None = None) -> RankResult:
-    """Run steps up to `cfg.steps` (from `resume_from`, a checkpoint, when resuming); rank 0 reports progress,
+    """Run steps up to `run.steps` (from `resume_from`, a checkpoint, when resuming); rank 0 reports progress,
     and its result carries what the launcher's report writes (`_finish`). `initial_weights`: the
     file of the constructor's own weights (RankJob), or None to initialise by name."""
-    trainer = RankTrainer(cfg, plan, ctx, callbacks, initial_weights)
+    trainer = RankTrainer(run, plan, ctx, callbacks, initial_weights)
     at_start = _memory_before_model(trainer)
     # tokens for a language model, samples otherwise (`ModelSpec.tokens_per_sample`)
-    tokens_per_step = cfg.batch_size * trainer.spec.tokens_per_sample
+    tokens_per_step = run.batch_size * trainer.spec.tokens_per_sample
     record = RunRecord.resumed(resume_from, trainer)
     reset_peak(ctx.device)
-    tensors = TensorPeak(ctx.device, lambda: _tensor_bytes_held(trainer), cfg.steps - record.start_step)
-    tracker = make_tracker(cfg, run_dir) if ctx.rank == 0 else None
-    progress = Progress(cfg.steps, tokens_per_step, cfg.log_every, record.start_step,
+    tensors = TensorPeak(ctx.device, lambda: _tensor_bytes_held(trainer), run.steps - record.start_step)
+    tracker = make_tracker(run.plugins.tracker, run.config, run_dir) if ctx.rank == 0 else None
+    progress = Progress(run.steps, tokens_per_step, run.log_every, record.start_step,
                         trainer.spec.throughput_unit) \
         if ctx.rank == 0 else None
-    for step in range(record.start_step, cfg.steps):
+    for step in range(record.start_step, run.steps):
         trainer.heartbeat.phase(hb.STEP_START, step)
-        fault_injection(cfg.debug, ctx.rank, step, trainer.heartbeat)
+        fault_injection(run.debug, ctx.rank, step, trainer.heartbeat)
         with tensors.measure(step - record.start_step):
             outcome = trainer.step(step)
         if step - record.start_step + 1 == tensors.steps:
@@ -312,7 +313,7 @@ def train_rank(cfg: TrainConfig, plan: Plan, ctx: RankContext, run_dir: Path | N
         if not math.isfinite(outcome.loss):
             # every rank gathered the same facts: whichever fails first, the report is the whole one
             raise FloatingPointError(trainer.nonfinite_report(step, outcome.loss))
-        record.add(step, outcome, cfg.warmup_steps)
+        record.add(step, outcome, run.warmup_steps)
         if tracker is not None:
             values = {"loss": outcome.loss, "step_time_s": outcome.elapsed_s,
                       "tokens_per_s": tokens_per_step / outcome.elapsed_s}
@@ -321,7 +322,7 @@ def train_rank(cfg: TrainConfig, plan: Plan, ctx: RankContext, run_dir: Path | N
         if progress is not None:
             progress.update(step, outcome.loss, outcome.elapsed_s)
         _maybe_evaluate(trainer, record, step, tracker)
-        _maybe_checkpoint(trainer, record, step, run_dir)
+        _maybe_checkpoint(trainer, record, step)
     if progress is not None:
         progress.close()
     if trainer.record_p2p:
@@ -359,30 +360,30 @@ def _tensor_bytes_held(trainer: RankTrainer) -> int:
 
 def _maybe_evaluate(trainer: RankTrainer, record: RunRecord, step: int, tracker: Tracker | None) -> None:
     """The held-out loss every `eval.every` steps and after the last one (collective)."""
-    cfg = trainer.cfg
-    every, batches = cfg.eval.every, cfg.eval.batches
-    if not every or not ((step + 1) % every == 0 or step + 1 == cfg.steps):
+    run = trainer.run
+    every, batches = run.eval.every, run.eval.batches
+    if not every or not ((step + 1) % every == 0 or step + 1 == run.steps):
         return
     eval_loss = trainer.evaluate(batches)
     record.eval_losses.append({"step": step, "eval_loss": eval_loss})
     if tracker is not None:
         tracker.log_step(step, {"eval_loss": eval_loss})
     if trainer.ctx.rank == 0:
-        print(f"step {step:>4}/{cfg.steps} | eval_loss {eval_loss:.4f} ({batches} held-out batches, "
+        print(f"step {step:>4}/{run.steps} | eval_loss {eval_loss:.4f} ({batches} held-out batches, "
               "after this step's update)", flush=True)
 
 
-def _maybe_checkpoint(trainer: RankTrainer, record: RunRecord, step: int, run_dir: Path | None) -> None:
-    """A checkpoint every `checkpoint.every` steps and after the last one (collective); rank 0
-    prunes all but the newest `checkpoint.keep`."""
-    cfg, plan = trainer.cfg, trainer.plan
-    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else (run_dir / "checkpoints" if run_dir else None)
-    every = cfg.checkpoint.every
-    if not every or root is None or not ((step + 1) % every == 0 or step + 1 == cfg.steps):
+def _maybe_checkpoint(trainer: RankTrainer, record: RunRecord, step: int) -> None:
+    """A checkpoint every `checkpoint.every` steps and after the last one (collective), under the
+    root the launcher decided; rank 0 prunes all but the newest `checkpoint.keep`."""
+    run, plan = trainer.run, trainer.plan
+    every, root = run.checkpoint.every, run.checkpoint.root
+    if not every or root is None or not ((step + 1) % every == 0 or step + 1 == run.steps):
         return
-    meta = {"samples_seen": (step + 1) * cfg.batch_size, "batch_size": cfg.batch_size,
+    root = Path(root)
+    meta = {"samples_seen": (step + 1) * run.batch_size, "batch_size": run.batch_size,
             "losses": record.losses, "lrs": record.lrs, "grad_norms": record.grad_norms,
-            "eval_losses": record.eval_losses, "model": plan.model, "model_config": cfg.model,
+            "eval_losses": record.eval_losses, "model": plan.model, "model_config": run.model_config,
             "layout": {"pp": plan.pp, "dp": plan.dp, "schedule": plan.schedule.name,
                        "partition": plan.meta.partitioner}}
     trainer.heartbeat.phase(hb.CHECKPOINT)
@@ -390,7 +391,7 @@ def _maybe_checkpoint(trainer: RankTrainer, record: RunRecord, step: int, run_di
                            meta)
     record.checkpoints.append(str(path))
     if trainer.ctx.rank == 0:
-        checkpoint.prune(root, cfg.checkpoint.keep)
+        checkpoint.prune(root, run.checkpoint.keep)
 
 
 def _rank_info(trainer: RankTrainer, record: RunRecord, at_start: float,
@@ -398,7 +399,7 @@ def _rank_info(trainer: RankTrainer, record: RunRecord, at_start: float,
     """This rank's facts for metrics.json (where it ran, its memory, its busy time), with its
     last step's events and those of the cost window (only a first replica's: dp_rank 0)."""
     ctx, plan, slots = trainer.ctx, trainer.plan, trainer.slots
-    warm = trainer.cfg.warmup_steps
+    warm = trainer.run.warmup_steps
     median_step = _median_after_warmup(record.step_times, warm) if record.step_times else 0.0
     median_busy = _median_after_warmup(record.busy, warm) if record.busy else 0.0
     peak = peak_memory_bytes(ctx.device)
@@ -426,7 +427,7 @@ def _finish(trainer: RankTrainer, record: RunRecord, at_start: float, tokens_per
     cost events of the steps after warm-up and the step's time outside the schedule, from which
     the report (pipelaunch.pipeline.report, run by the launcher) predicts this run's step and
     writes metrics.json, the trace and the timeline)."""
-    cfg, ctx = trainer.cfg, trainer.ctx
+    run, ctx = trainer.run, trainer.ctx
     facts, events, cost_events = _rank_info(trainer, record, at_start, tensors)
     gathered: list | None = [None] * ctx.world_size if ctx.rank == 0 else None
     dist.gather_object((facts, events, cost_events), gathered, dst=0)
@@ -435,7 +436,7 @@ def _finish(trainer: RankTrainer, record: RunRecord, at_start: float, tokens_per
         result.extras.update(callback.result(trainer))
     if ctx.rank != 0:
         return result
-    warm = cfg.warmup_steps
+    warm = run.warmup_steps
     median_step = _median_after_warmup(record.step_times, warm) if record.step_times else 0.0
     result.history = TrainingHistory(
         losses=record.losses, lr=record.lrs, eval_loss=record.eval_losses, start_step=record.start_step,

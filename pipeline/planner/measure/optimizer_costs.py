@@ -16,11 +16,9 @@ import statistics
 import time
 
 import torch
-from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
 from pipelaunch.pipeline.compute.memory import TensorPeak
-from pipelaunch.pipeline.core.config import PluginConfig
+from pipelaunch.pipeline.core.plugins import OptimizerSpec
 from pipelaunch.pipeline.planner.measure.profile import load_cached, save_cached
 from pipelaunch.pipeline.planner.predict.prediction import profiling_threads
 
@@ -28,14 +26,14 @@ from pipelaunch.pipeline.planner.predict.prediction import profiling_threads
 MEASURE_VERSION = "2-and-4-tensors-v2"
 
 
-def optimizer_seconds_per_byte(optimizer_cfg: PluginConfig, threads: int, numel: int = 1 << 20) -> float:
+def optimizer_seconds_per_byte(optimizer: OptimizerSpec, threads: int, numel: int = 1 << 20) -> float:
     """Time one step of the configured optimizer over a parameter of `numel` floats, per byte of
     parameter (median of a few steps, at the ranks' thread count): its cost grows with the bytes
     it updates, and a stage's parameter bytes are known before any rank exists."""
     param = torch.nn.Parameter(torch.zeros(numel))
     param.grad = torch.full_like(param, 1e-3)
     with profiling_threads(threads):
-        opt = instantiate(optimizer_cfg)([param])
+        opt = optimizer([param])
         times = []
         for _ in range(5):
             start = time.perf_counter()
@@ -44,22 +42,21 @@ def optimizer_seconds_per_byte(optimizer_cfg: PluginConfig, threads: int, numel:
     return statistics.median(times[1:]) / (numel * param.element_size())
 
 
-def optimizer_temporaries(optimizer_cfg: PluginConfig, cuda: bool) -> tuple[float, float]:
+def optimizer_temporaries(optimizer: OptimizerSpec, cuda: bool) -> tuple[float, float]:
     """What the optimizer's step allocates beyond its state, per parameter byte: (of a rank's largest
     parameter tensor, of all its parameters); cached (module docstring)."""
-    config = OmegaConf.to_yaml(optimizer_cfg) if OmegaConf.is_config(optimizer_cfg) else json.dumps(
-        optimizer_cfg, sort_keys=True, default=str)
+    config = json.dumps([optimizer.factory.path, dict(optimizer.factory.kwargs)], sort_keys=True, default=str)
     digest = hashlib.sha256("|".join([config, str(cuda), torch.__version__, MEASURE_VERSION]).encode())
     key = f"optimizer/{digest.hexdigest()[:16]}"
     cached = load_cached(key)
     if cached is not None:
         return float(cached["per_largest"]), float(cached["per_all"])
-    per_largest, per_all = measure_temporaries(optimizer_cfg, cuda)
+    per_largest, per_all = measure_temporaries(optimizer, cuda)
     save_cached(key, {"per_largest": per_largest, "per_all": per_all})
     return per_largest, per_all
 
 
-def measure_temporaries(optimizer_cfg: PluginConfig, cuda: bool, numel: int = 1 << 16) -> tuple[float, float]:
+def measure_temporaries(optimizer: OptimizerSpec, cuda: bool, numel: int = 1 << 16) -> tuple[float, float]:
     """(per byte of the largest parameter tensor, per byte of all parameters) that one step holds.
     A single-tensor implementation (torch's default on CPU) updates one tensor at a time: AdamW
     holds two temporaries of the tensor it updates and one of the one before, three times the
@@ -68,23 +65,21 @@ def measure_temporaries(optimizer_cfg: PluginConfig, cuda: bool, numel: int = 1 
     four tell them apart: what grows from two to four is per byte of all parameters, the rest of
     the two-tensor step per byte of the largest."""
     size = float(numel * 4)
-    two, four = (_step_rise(optimizer_cfg, cuda, [numel] * count) for count in (2, 4))
+    two, four = (_step_rise(optimizer, cuda, [numel] * count) for count in (2, 4))
     per_all = max(0.0, (four - two) / (2 * size))
     return max(0.0, two / size - 2 * per_all), per_all
 
 
-def _step_rise(optimizer_cfg: PluginConfig, cuda: bool, sizes: list[int]) -> float:
+def _step_rise(optimizer: OptimizerSpec, cuda: bool, sizes: list[int]) -> float:
     """The most a step over parameters of `sizes` floats holds at once beyond what it started
     with (a first step makes the optimizer's state, which is not counted)."""
     params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
-    factory = instantiate(optimizer_cfg)
-    chosen = any(k in optimizer_cfg for k in ("foreach", "fused"))
     try:  # as torch picks on CUDA tensors, unless the config chose
-        opt = factory(params, foreach=True) if cuda and not chosen else factory(params)
+        opt = optimizer(params, foreach=True) if cuda and not optimizer.chooses_implementation else optimizer(params)
     except TypeError:  # an optimizer without the option
-        opt = factory(params)
+        opt = optimizer(params)
     opt.step()
     meter = TensorPeak(torch.device("cpu"), lambda: 0, run_steps=2)
     with meter.measure(0):

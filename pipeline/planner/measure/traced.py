@@ -10,13 +10,13 @@ import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 
 import torch
-from hydra.utils import instantiate
 
 from pipelaunch.models.spec import ModelSpec
 from pipelaunch.pipeline.compute.host_allocator import configure_host_allocator
 from pipelaunch.pipeline.compute.threads import cpu_threads
 from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.plugins import Plugin
 from pipelaunch.pipeline.graph.trace import TracedModel
 from pipelaunch.pipeline.planner.measure.profile import apply_profile, profile_graph, profiled_nodes
 from pipelaunch.pipeline.planner.predict.prediction import profiling_threads
@@ -33,9 +33,10 @@ class TracedModels:
     launcher itself never opens a CUDA context (it would hold GPU memory on GPU 0 for the whole
     run)."""
 
-    def __init__(self, spec: ModelSpec, cfg: TrainConfig, profile: bool, cuda: bool = False,
+    def __init__(self, spec: ModelSpec, model: Plugin, cfg: TrainConfig, profile: bool, cuda: bool = False,
                  device: torch.device | None = None) -> None:
-        self.spec, self.cfg, self.profile = spec, cfg, profile
+        #: `model` builds `spec` again in a child process (a GPU run's profile)
+        self.spec, self.model_plugin, self.cfg, self.profile = spec, model, cfg, profile
         #: where to profile: this process's device (None: a child process on cuda:0)
         self.device = device if device is not None else (None if cuda else torch.device("cpu"))
         self.model = None
@@ -54,7 +55,7 @@ class TracedModels:
                                            f"options: {type(err).__name__}: {err}") from err
             if self.profile:
                 if self.device is None:
-                    nodes, cached = profile_in_child(self.cfg, micro_batch_size, torch.device("cuda", 0))
+                    nodes, cached = profile_in_child(self.cfg, self.model_plugin, micro_batch_size, torch.device("cuda", 0))
                     apply_profile(traced.graph, nodes)
                     traced.graph.graph["profile_cached"] = cached
                 else:
@@ -86,19 +87,20 @@ def profile_traced(spec: ModelSpec, cfg: TrainConfig, traced: TracedModel, micro
                       model_config={"model": cfg.model, "threads": threads, "host_allocator": allocator})
 
 
-def profile_in_child(cfg: TrainConfig, micro_batch_size: int, device: torch.device) -> tuple[dict[str, dict], bool]:
+def profile_in_child(cfg: TrainConfig, model: Plugin, micro_batch_size: int, device: torch.device) -> tuple[dict[str, dict], bool]:
     """Profile the model of `cfg` on `device` in a fresh process that exits before this returns,
     taking its CUDA context with it; returns every node's profile fields and whether the on-disk
     cache had them."""
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        return pool.submit(_profile_child, cfg, micro_batch_size, str(device)).result()
+        return pool.submit(_profile_child, cfg, model, micro_batch_size, str(device)).result()
 
 
-def _profile_child(cfg: TrainConfig, micro_batch_size: int, device: str) -> tuple[dict[str, dict], bool]:
+def _profile_child(cfg: TrainConfig, model: Plugin, micro_batch_size: int, device: str
+                   ) -> tuple[dict[str, dict], bool]:
     """The child's side: rebuild and retrace the model (deterministic: the same node names), then
     profile it on its GPU."""
-    spec = instantiate(cfg.model)
+    spec = model.build()
     traced = spec.trace(micro_batch_size, spec.build_meta())
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(torch.device(device))

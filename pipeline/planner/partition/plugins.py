@@ -6,8 +6,10 @@
 output_bytes, params; edges carry bytes; see `pipelaunch.pipeline.planner.partition.common`), `request` says what the
 split is priced by (`PartitionRequest`: link bandwidth, the schedule's in-flight micro-batches per
 stage, the memory cap, recomputation), and `options` are the YAML's own keys (everything but
-`_target_`). A function that reads no measured costs sets `needs_profile = False`, so the launcher
-need not profile the model for it. The planner prices whatever a partitioner returns once more with
+the function's import path and `name`), bound by the launcher. A function that reads no measured
+costs sets `needs_profile = False`, so the launcher need not profile the model for it; one whose
+split on a chain of blocks is another's sets `same_split_on_a_chain` to that one, so a search
+comparing both leaves it out there. The planner prices whatever a partitioner returns once more with
 the one judge, `evaluate`, so partitioners only have to choose the assignment.
 
 A user's partitioner is one such function in their own package plus one YAML file in their own
@@ -97,3 +99,7 @@ def milp_split(
         in_flight = request.remat_in_flight
     return milp_partition(graph, num_stages, request.bandwidth, request.memory_cap, in_flight,
                           time_limit=float(time_limit_s))
+
+
+# on a chain of blocks the contiguous optimum is balanced's: the same split, found slower
+milp_split.same_split_on_a_chain = balanced_split  # type: ignore[attr-defined]

@@ -25,31 +25,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pipelaunch.pipeline.core.config import PluginConfig
 from pipelaunch.pipeline.core.errors import ConfigError
 
 MIB = 2**20
-
-#: optimizer state tensors per parameter (the size of the parameter each), by torch.optim class name
-STATES_PER_PARAM = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adadelta": 2, "Adagrad": 1,
-                    "RMSprop": 1, "Rprop": 2, "ASGD": 2, "SGD": 0}
-#: what an optimizer the table does not know is priced at (AdamW's, the common worst case)
-UNKNOWN_STATES = 2
-
-
-def optimizer_states(optimizer_cfg: PluginConfig) -> int:
-    """State tensors per parameter for the configured optimizer (its `_target_` and options)."""
-    name = str(optimizer_cfg.get("_target_", "")).rsplit(".", 1)[-1]
-    states = STATES_PER_PARAM.get(name, UNKNOWN_STATES)
-    momentum = float(optimizer_cfg.get("momentum") or 0.0)
-    if name == "SGD" and momentum:
-        states = 1
-    elif name == "RMSprop":
-        states += int(bool(momentum)) + int(bool(optimizer_cfg.get("centered")))
-    elif name in ("Adam", "AdamW") and optimizer_cfg.get("amsgrad"):
-        states += 1
-    return states
-
 
 @dataclass
 class DeviceMemory:

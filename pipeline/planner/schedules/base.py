@@ -1,7 +1,7 @@
 """What every schedule generator is: a pure function of (placement, micro-batches, costs) plus its rules.
 
-A generator is a small frozen dataclass so that Hydra can build it from `conf/scheduler/<name>.yaml`
-(`_target_` + option fields) and it holds nothing else: the measured costs (`ScheduleCosts`) are an
+A generator is a small frozen dataclass so that the launcher can build it from
+`conf/scheduler/<name>.yaml` (its class's import path and its fields) and it holds nothing else: the measured costs (`ScheduleCosts`) are an
 argument of `compute_actions`. It declares which placement `placement=auto` should give it, checks
 its own requirements, and returns compute actions per rank; sends and receives come from
 `pipelaunch.pipeline.planner.passes.lowering`, never from the generator.

@@ -17,11 +17,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.plugins import Plugin
 from pipelaunch.pipeline.planner.predict.memory import MIB, BudgetExceeded, DeviceMemory, budget_message
 from pipelaunch.pipeline.planner.predict.prediction import Prediction
-
-#: keys of a scheduler option that are not settings (the variants vary the others)
-_NOT_SETTINGS = ("_target_", "_partial_", "_recursive_", "name", "candidates", "cost_aware")
 
 
 @dataclass(frozen=True)
@@ -30,9 +28,9 @@ class Candidate:
     option, micro-batches per step and replica, remat."""
 
     scheduler: str
-    scheduler_cfg: Mapping
+    scheduler_plugin: Plugin
     partitioner: str
-    partitioner_cfg: Mapping
+    partitioner_plugin: Plugin
     microbatches: int
     remat: str
 
@@ -42,7 +40,7 @@ class Candidate:
 
     def overrides(self) -> dict:
         """The config keys this candidate sets."""
-        return {"scheduler": dict(self.scheduler_cfg), "partitioner": dict(self.partitioner_cfg),
+        return {"scheduler": dict(self.scheduler_plugin.config), "partitioner": dict(self.partitioner_plugin.config),
                 "microbatches": self.microbatches, "remat": self.remat}
 
 
@@ -258,9 +256,9 @@ def remat_values(wanted: Sequence[str] | None, capped: bool) -> list[str]:
     return [v for v in values if v != "auto" or capped] or ["none"]
 
 
-def scheduler_variants(options: Mapping[str, Mapping], wanted: Sequence[str] | None,
-                       variants: Mapping[str, Mapping[str, Sequence]] | None) -> list[tuple[str, dict]]:
-    """(label, config) per scheduler option to try: the options named in `wanted` (all when None),
+def scheduler_variants(options: Mapping[str, Plugin], wanted: Sequence[str] | None,
+                       variants: Mapping[str, Mapping[str, Sequence]] | None) -> list[tuple[str, Plugin]]:
+    """(label, option) per scheduler option to try: the options named in `wanted` (all when None),
     each once per combination of the values its `variants` entry lists (e.g. interleaved_1f1b with
     stages_per_rank 2 and 4)."""
     names = list(wanted) if wanted else sorted(options)
@@ -269,27 +267,27 @@ def scheduler_variants(options: Mapping[str, Mapping], wanted: Sequence[str] | N
         raise ConfigError("plan.schedulers", f"unknown scheduler option(s) {unknown}; valid: {sorted(options)}")
     out = []
     for name in names:
-        base = dict(options[name])
+        base = options[name]
         grid = dict((variants or {}).get(name) or {})
         if not grid:
             out.append((name, base))
             continue
         keys = sorted(grid)
         for values in itertools.product(*(list(grid[k]) for k in keys)):
-            cfg = {**base, **dict(zip(keys, values, strict=True))}
-            out.append((f"{name}({', '.join(f'{k}={v}' for k, v in zip(keys, values, strict=True))})", cfg))
+            label = f"{name}({', '.join(f'{k}={v}' for k, v in zip(keys, values, strict=True))})"
+            out.append((label, base.with_settings(label, **dict(zip(keys, values, strict=True)))))
     return out
 
 
 def candidates(
-    schedulers: Sequence[tuple[str, dict]],
-    partitioners: Mapping[str, Mapping],
+    schedulers: Sequence[tuple[str, Plugin]],
+    partitioners: Mapping[str, Plugin],
     counts: Sequence[int],
     remats: Sequence[str],
 ) -> list[Candidate]:
     """Every combination, in a fixed order."""
-    return [Candidate(s, cfg, p, dict(pcfg), m, r)
-            for (s, cfg), (p, pcfg), m, r in itertools.product(schedulers, partitioners.items(), counts, remats)]
+    return [Candidate(s, sched, p, part, m, r)
+            for (s, sched), (p, part), m, r in itertools.product(schedulers, partitioners.items(), counts, remats)]
 
 
 def run_search(
