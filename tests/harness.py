@@ -4,6 +4,7 @@ single-process reference."""
 from __future__ import annotations
 
 import os
+import shutil
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
@@ -135,3 +136,30 @@ def assert_no_process_left(before: set[int], grace_s: float = 10.0) -> None:
             break
         time.sleep(0.2)
     assert not left, f"processes left behind: {sorted(left)}"
+
+
+def use_stored_profile(mp, cache: Path, profile_file: Path, temporaries_file: Path) -> None:
+    """Plan on stored measurements: $PIPELAUNCH_CACHE at `cache`, where the model's profile and the
+    optimizer's temporaries are copied under whatever key the planner asks for (the keys hold the
+    torch version). A test whose assertion hangs on a timing-driven choice (a balanced split, a
+    recomputation) then plans the same way on every machine; measuring instead fails the test."""
+    from pipelaunch.pipeline.planner.measure import optimizer_costs, profile
+
+    mp.setenv("PIPELAUNCH_CACHE", str(cache))
+    load = profile.load_cached
+
+    def stored_load(key: str):
+        path = cache / f"{key}.json"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(temporaries_file if key.startswith("optimizer/") else profile_file, path)
+        return load(key)
+
+    def no_save(key: str, data) -> None:
+        raise AssertionError(f"the planner measured {key} instead of reading {profile_file.parent} (the model's "
+                             f"nodes changed? then store a new profile there)")
+
+    mp.setattr(profile, "load_cached", stored_load)
+    mp.setattr(profile, "save_cached", no_save)
+    mp.setattr(optimizer_costs, "load_cached", stored_load)  # it imported both by name
+    mp.setattr(optimizer_costs, "save_cached", no_save)

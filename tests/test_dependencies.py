@@ -85,8 +85,8 @@ def _imports(path: Path) -> set[str]:
 def test_imports_run_one_way() -> None:
     """dependencies <- simulate <- shared_cores; simulate <- fuse <- base: no module imports back."""
     planner = ROOT / "pipeline" / "planner"
-    assert not {m for m in _imports(planner / "dependencies.py") if m.startswith("pipelaunch.pipeline.planner")}
-    assert {m for m in _imports(planner / "simulate.py") if m.startswith("pipelaunch.pipeline.planner")} == {
+    assert not {m for m in _imports(planner / "passes" / "dependencies.py") if m.startswith("pipelaunch.pipeline.planner")}
+    assert {m for m in _imports(planner / "predict" / "simulate.py") if m.startswith("pipelaunch.pipeline.planner")} == {
         "pipelaunch.pipeline.planner.passes.dependencies"}
     assert "pipelaunch.pipeline.planner.schedules.base" not in _imports(planner / "schedules" / "fuse.py")
     for module in ("pipelaunch.pipeline.planner.schedules.fuse", "pipelaunch.pipeline.planner.schedules.base"):  # each imported first

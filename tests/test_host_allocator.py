@@ -99,7 +99,7 @@ def test_huge_pages_back_the_rank_heap() -> None:
 
 
 def test_rank_environment_merges_and_respects_the_user(monkeypatch, tmp_path) -> None:
-    from pipelaunch.pipeline.runtime import host_allocator as ha
+    from pipelaunch.pipeline.compute import host_allocator as ha
 
     setting = tmp_path / "enabled"
     monkeypatch.setattr(ha, "THP_SETTING", setting)

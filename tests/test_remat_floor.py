@@ -17,7 +17,6 @@ runtime overheads are the ones measured with it. Nothing here starts a rank.
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -25,9 +24,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipelaunch.launcher.validate import prepare
-from pipelaunch.pipeline.planner.measure import optimizer_costs, profile
 from pipelaunch.pipeline.planner.predict.memory import BudgetExceeded
-from tests.harness import compose_cfg
+from tests.harness import compose_cfg, use_stored_profile
 from tests.test_graph_equivalence import MODELS
 
 DATA = Path(__file__).parent / "data" / "remat-auto-cache"
@@ -47,25 +45,7 @@ def stored_cache(tmp_path_factory):
     measured here instead would fail the test: the planning must be the stored profile's."""
     cache = tmp_path_factory.mktemp("remat-auto-cache")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PIPELAUNCH_CACHE", str(cache))
-        load = profile.load_cached
-
-        def stored_load(key: str):
-            path = cache / f"{key}.json"
-            if not path.exists():
-                path.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy(DATA / ("sgd-temporaries.json" if key.startswith("optimizer/") else "unet-profile.json"),
-                            path)
-            return load(key)
-
-        def no_save(key: str, data) -> None:
-            raise AssertionError(f"the planner measured {key} instead of reading the stored file (the model's "
-                                 f"nodes changed? then store a new profile in {DATA})")
-
-        mp.setattr(profile, "load_cached", stored_load)
-        mp.setattr(profile, "save_cached", no_save)
-        mp.setattr(optimizer_costs, "load_cached", stored_load)  # it imported both by name
-        mp.setattr(optimizer_costs, "save_cached", no_save)
+        use_stored_profile(mp, cache, DATA / "unet-profile.json", DATA / "sgd-temporaries.json")
         yield cache
 
 
