@@ -20,11 +20,12 @@ from pipelaunch.launcher.diagnose import where_ranks_were
 from pipelaunch.launcher.gc_pause import few_full_collections
 from pipelaunch.launcher.initial_weights import Initial
 from pipelaunch.launcher.joined import export_submitit_env, joined_rank_env
+from pipelaunch.launcher.preempt import forward_stop_signals, stopped_line
 from pipelaunch.launcher.validate import Prepared, group_options, on_cuda, prepare
 from pipelaunch.pipeline.compute.host_allocator import rank_environment
 from pipelaunch.pipeline.compute.memory import peak_memory_bytes
 from pipelaunch.pipeline.core.config import OBJECTIVE_DIRECTION, CheckSplit, TrainConfig
-from pipelaunch.pipeline.core.errors import ConfigError, RankFailed
+from pipelaunch.pipeline.core.errors import ConfigError, RankFailed, RunStopped
 from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.core.results import RankResult
 from pipelaunch.pipeline.report.artifacts import report_run
@@ -79,12 +80,22 @@ def spawn(cfg: TrainConfig, prepared: Prepared, initial: Initial, run_dir: Path)
         env.update({k: v for k, v in nccl_environment(run_dir / "logs").items() if k not in os.environ})
         flight = dump_prefix(run_dir / "logs")
     started = time.time()
-    try:
-        results = spawn_ranks(job, plan.pp * plan.dp, run_dir / "logs", env=env)
-    except RankFailed as err:
-        where = where_ranks_were(beats, plan, flight, since=started)
-        raise RankFailed(f"{err}\n{where}" if where else str(err)) from None
-    metrics = finish_report(results[0], plan, cfg, run_dir)
+    with forward_stop_signals(run_dir):  # SIGUSR1: every rank stops after a step, checkpointed
+        try:
+            results = spawn_ranks(job, plan.pp * plan.dp, run_dir / "logs", env=env)
+        except RankFailed as err:
+            where = where_ranks_were(beats, plan, flight, since=started)
+            raise RankFailed(f"{err}\n{where}" if where else str(err)) from None
+        except RunStopped as stop:
+            return stopped_run(stop.signal_name, prepared, run_dir)
+        if results.get(0) is None:  # the ranks exited for a SIGTERM of their own, the launcher got none
+            return stopped_run("SIGTERM", prepared, run_dir)
+        return report(results[0], plan, cfg, run_dir)
+
+
+def report(rank0: RankResult, plan: Plan, cfg: TrainConfig, run_dir: Path) -> dict:
+    """Write metrics.json and the run's pictures; print the memory table and the run's last line."""
+    metrics = finish_report(rank0, plan, cfg, run_dir)
     history = metrics.history
     if plan.meta.device_memory:
         print(device_memory_table(plan, history.ranks), flush=True)
@@ -93,7 +104,25 @@ def spawn(cfg: TrainConfig, prepared: Prepared, initial: Initial, run_dir: Path)
         f"final loss {history.losses[-1]:.4f}; metrics in {run_dir / 'metrics.json'}",
         flush=True,
     )
+    if history.stopped_by is not None:
+        print(stopped_line(history.stopped_by, len(history.losses), cfg.steps, Path(history.checkpoints[-1]) if history.checkpoints
+                           else None), flush=True)
     return metrics.to_json()
+
+
+def stopped_run(signal_name: str, prepared: Prepared, run_dir: Path) -> dict:
+    """The ranks stopped for a signal and exited before reporting (SIGTERM): say which checkpoint
+    they wrote; metrics.json records the stop (a sweeper counts the job as failed)."""
+    from pipelaunch.pipeline.runtime.checkpoint import complete_checkpoints, read_meta
+
+    root = prepared.run.checkpoint.root
+    found = complete_checkpoints(Path(root)) if root else []
+    latest = found[-1] if found else None
+    step = read_meta(latest).get("step") if latest is not None else None
+    print(stopped_line(signal_name, step, prepared.run.steps, latest), flush=True)
+    result = {"status": "stopped", "stopped_by": signal_name, "checkpoint": str(latest) if latest else None}
+    (run_dir / "metrics.json").write_text(json.dumps(result, indent=1))
+    return result
 
 
 def finish_report(rank0: RankResult, plan: Plan, cfg: TrainConfig, run_dir: Path) -> RunMetrics:
@@ -154,8 +183,13 @@ def join(cfg: TrainConfig, run_dir: Path) -> dict:
             print(initial.line, flush=True)
         job = RankJob(validated.run, plan, str(run_dir), resume_from=validated.resume_from,
                       initial_weights=str(initial.path) if initial.path is not None else None)
-        result = run_job(job, rank, device)
-    metrics = finish_report(result, plan, cfg, run_dir).to_json() if rank == 0 else {}
+        with forward_stop_signals(run_dir) as stop:  # submitit's SIGUSR1 handler requeues after the report
+            result = run_job(job, rank, device)
+            stop.ranks_stopped_by = result.stopped_by
+            metrics = finish_report(result, plan, cfg, run_dir).to_json() if rank == 0 else {}
+            if rank == 0 and result.stopped_by is not None:
+                print(stopped_line(result.stopped_by, len(result.losses), cfg.steps,
+                                   Path(metrics["checkpoints"][-1]) if metrics["checkpoints"] else None), flush=True)
     leave_process_group()
     return metrics
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -15,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from pipelaunch.pipeline.core.errors import RankFailed
+from pipelaunch.pipeline.core.errors import RankFailed, RunStopped
 from pipelaunch.pipeline.runtime.progress import PROGRESS_TTY
 from pipelaunch.pipeline.runtime.rank import RankJob, rank_main
 
@@ -77,6 +79,8 @@ def spawn_ranks(
     try:
         with environment({**(env or {}), "PYTHONWARNINGS": quiet}), elastic_log_to(log_dir / "launcher.log"):
             return elastic_launch(config, entry)(job)
+    except SignalException as sig:  # elastic passed it on to every rank, which checkpointed and exited
+        raise RunStopped(signal.Signals(sig.sigval).name) from None
     except ChildFailedError as err:
         logs = sorted(log_dir.glob(f"{config.run_id}*/attempt_0"))
         where = f"\neach rank's full output: {logs[0]}/<rank>/stderr.log (and error.json)" if logs else ""

@@ -11,3 +11,12 @@ class ConfigError(ValueError):
 
 class RankFailed(RuntimeError):
     """A rank raised, died or timed out; the message holds its traceback and where each rank was."""
+
+
+class RunStopped(RuntimeError):
+    """The ranks stopped for a signal (SIGTERM) before the launcher could collect their results;
+    each had written its part of a checkpoint first (pipeline/runtime/preempt.py)."""
+
+    def __init__(self, signal_name: str) -> None:
+        self.signal_name = signal_name
+        super().__init__(f"stopped by {signal_name}")

@@ -70,6 +70,8 @@ class TrainingHistory:
     throughput_unit: str
     ranks: list[RankFacts]
     grad_norm: list[float | None] | None = None
+    #: the signal the run stopped for before its last step (SIGTERM, SIGUSR1), checkpointed then
+    stopped_by: str | None = None
 
 
 @dataclass
@@ -87,3 +89,5 @@ class RankResult:
     events: list[dict] = field(default_factory=list)
     cost_events: list[dict] = field(default_factory=list)
     overhead_s: float = 0.0
+    #: the signal every rank stopped for after the same step (runtime/preempt.py), or None
+    stopped_by: str | None = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -49,6 +51,12 @@ def rank_main(job: RankJob) -> RankResult:
     rank, device = join_process_group(job.run.process, job.plan.pp, job.plan.dp, job.run_dir)
     result = run_job(job, rank, device)
     leave_process_group()
+    if result.stopped_by == "SIGTERM":
+        # torch elastic is tearing the job down (it passed the launcher's SIGTERM on): it collects
+        # no result, and a spawned rank that returned one would wait for it to, until SIGKILL
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return result
 
 

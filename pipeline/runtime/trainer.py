@@ -36,6 +36,7 @@ from pipelaunch.pipeline.runtime.executor import Executor, StageSlot
 from pipelaunch.pipeline.runtime.faults import fault_injection
 from pipelaunch.pipeline.runtime.heartbeat import Heartbeat
 from pipelaunch.pipeline.runtime.optim import build_optimizer, clip_gradients
+from pipelaunch.pipeline.runtime.preempt import StopRequests, control_group
 from pipelaunch.pipeline.runtime.progress import Progress
 from pipelaunch.pipeline.runtime.stage import build_stage_modules
 from pipelaunch.pipeline.runtime.tracking import Tracker, make_tracker
@@ -261,6 +262,8 @@ class RunRecord:
     # the events of the last few steps after warm-up: what the run's own per-stage costs are taken from
     window: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW_STEPS))
     checkpoints: list[str] = field(default_factory=list)
+    #: the signal the ranks stopped for before the last step (runtime/preempt.py), if any
+    stopped_by: str | None = None
 
     @classmethod
     def resumed(cls, resume_from: str | None, trainer: RankTrainer) -> RunRecord:
@@ -301,13 +304,35 @@ def train_rank(run: RunSpec, plan: Plan, ctx: RankContext, run_dir: Path | None,
     progress = Progress(run.steps, tokens_per_step, run.log_every, record.start_step,
                         trainer.spec.throughput_unit) \
         if ctx.rank == 0 else None
+    stops = StopRequests(run_dir, control_group(ctx.device), ctx.world_size)
+    stops.install()
+    try:
+        restarted = _train_steps(trainer, record, tensors, tracker, progress, stops, tokens_per_step)
+    finally:
+        stops.restore()
+    at_start = at_start if restarted is None else restarted
+    if progress is not None:
+        progress.close()
+    if trainer.record_p2p:
+        trainer.verify_p2p_order()
+    trainer.heartbeat.phase(hb.FINISHED)
+    return _finish(trainer, record, at_start, tokens_per_step, tracker, tensors)
+
+
+def _train_steps(trainer: RankTrainer, record: RunRecord, tensors: TensorPeak, tracker: Tracker | None,
+                 progress: Progress | None, stops: StopRequests, tokens_per_step: int) -> float | None:
+    """The steps from the record's start up to `run.steps`, or up to the step every rank agreed to
+    stop after (SIGTERM, SIGUSR1: runtime/preempt.py), checkpointed then; returns the resident
+    memory measure restarted after the last step (None when the run stopped before it)."""
+    run, ctx = trainer.run, trainer.ctx
+    restarted = None
     for step in range(record.start_step, run.steps):
         trainer.heartbeat.phase(hb.STEP_START, step)
         fault_injection(run.debug, ctx.rank, step, trainer.heartbeat)
         with tensors.measure(step - record.start_step):
             outcome = trainer.step(step)
         if step - record.start_step + 1 == tensors.steps:
-            at_start = _restart_resident_measure(trainer)
+            restarted = _restart_resident_measure(trainer)
         for callback in trainer.callbacks:
             callback.after_step(trainer, step, outcome)
         if not math.isfinite(outcome.loss):
@@ -323,12 +348,19 @@ def train_rank(run: RunSpec, plan: Plan, ctx: RankContext, run_dir: Path | None,
             progress.update(step, outcome.loss, outcome.elapsed_s)
         _maybe_evaluate(trainer, record, step, tracker)
         _maybe_checkpoint(trainer, record, step)
-    if progress is not None:
-        progress.close()
-    if trainer.record_p2p:
-        trainer.verify_p2p_order()
-    trainer.heartbeat.phase(hb.FINISHED)
-    return _finish(trainer, record, at_start, tokens_per_step, tracker, tensors)
+        stopped = stops.agreed()
+        if stopped is not None and step + 1 < run.steps:
+            record.stopped_by = stopped.name
+            if not _checkpointed_after(record, step):
+                _save_checkpoint(trainer, record, step)
+            if ctx.rank == 0:
+                print(f"stopping after step {step + 1} of {run.steps} ({stopped.name})", flush=True)
+            break
+    return restarted
+
+
+def _checkpointed_after(record: RunRecord, step: int) -> bool:
+    return bool(record.checkpoints) and Path(record.checkpoints[-1]).name == checkpoint.step_dir(Path(), step + 1).name
 
 
 def _memory_before_model(trainer: RankTrainer) -> float:
@@ -376,11 +408,19 @@ def _maybe_evaluate(trainer: RankTrainer, record: RunRecord, step: int, tracker:
 def _maybe_checkpoint(trainer: RankTrainer, record: RunRecord, step: int) -> None:
     """A checkpoint every `checkpoint.every` steps and after the last one (collective), under the
     root the launcher decided; rank 0 prunes all but the newest `checkpoint.keep`."""
-    run, plan = trainer.run, trainer.plan
+    run = trainer.run
     every, root = run.checkpoint.every, run.checkpoint.root
     if not every or root is None or not ((step + 1) % every == 0 or step + 1 == run.steps):
         return
-    root = Path(root)
+    _save_checkpoint(trainer, record, step)
+
+
+def _save_checkpoint(trainer: RankTrainer, record: RunRecord, step: int) -> None:
+    """Every rank's part of the checkpoint after `step` (collective), under the launcher's root."""
+    run, plan = trainer.run, trainer.plan
+    if run.checkpoint.root is None:
+        return
+    root = Path(run.checkpoint.root)
     meta = {"samples_seen": (step + 1) * run.batch_size, "batch_size": run.batch_size,
             "losses": record.losses, "lrs": record.lrs, "grad_norms": record.grad_norms,
             "eval_losses": record.eval_losses, "model": plan.model, "model_config": run.model_config,
@@ -431,7 +471,7 @@ def _finish(trainer: RankTrainer, record: RunRecord, at_start: float, tokens_per
     facts, events, cost_events = _rank_info(trainer, record, at_start, tensors)
     gathered: list | None = [None] * ctx.world_size if ctx.rank == 0 else None
     dist.gather_object((facts, events, cost_events), gathered, dst=0)
-    result = RankResult(record.losses, facts)
+    result = RankResult(record.losses, facts, stopped_by=record.stopped_by)
     for callback in trainer.callbacks:
         result.extras.update(callback.result(trainer))
     if ctx.rank != 0:
@@ -443,7 +483,7 @@ def _finish(trainer: RankTrainer, record: RunRecord, at_start: float, tokens_per
         resumed_from=record.resumed_from, checkpoints=record.checkpoints, step_time_s=median_step,
         step_times_s=record.step_times, tokens_per_s=tokens_per_step / median_step if median_step else 0.0,
         throughput_unit=trainer.spec.throughput_unit, ranks=[f for f, _, _ in gathered],
-        grad_norm=record.grad_norms if trainer.clip is not None else None)
+        grad_norm=record.grad_norms if trainer.clip is not None else None, stopped_by=record.stopped_by)
     result.overhead_s = (_median_after_warmup(
         [t - s for t, s in zip(record.step_times, record.schedule_times, strict=True)], warm)
         if record.step_times else 0.0)
