@@ -18,7 +18,7 @@ import torch
 
 from pipelaunch.pipeline.core.ir import Schedule
 from pipelaunch.pipeline.core.plan_records import (
-    DevicePeak,
+    DeviceMemory,
     MachineFacts,
     PartitionSummary,
     PlannedStep,
@@ -113,7 +113,7 @@ class PlanMeta:
     stage_recompute_s: list[float] | None = None
     stage_recompute_region_bytes: list[float] | None = None
     #: the prediction of the plan as run: each pipeline rank's memory, and the step
-    device_memory: list[DevicePeak] | None = None
+    device_memory: list[DeviceMemory] | None = None
     prediction: PlannedStep | None = None
     #: plan=auto / scheduler=auto: what was compared, what was chosen and why
     search: SearchSummary | None = None
@@ -124,6 +124,8 @@ class PlanMeta:
         data = asdict(self)
         machine = data.pop("machine")
         data["partition"] = data["partition"] or {}
+        if self.device_memory is not None:  # with each device's total, which asdict leaves out
+            data["device_memory"] = [d.to_dict() for d in self.device_memory]
         out: dict = {}
         for key, value in data.items():
             out[key] = value
@@ -138,7 +140,7 @@ class PlanMeta:
         devices = data.get("device_memory")
         return replace(
             flat, machine=MachineFacts(**machine), partition=PartitionSummary.from_json(data.get("partition")),
-            device_memory=[known_fields(DevicePeak, d) for d in devices] if devices is not None else None,
+            device_memory=[known_fields(DeviceMemory, d) for d in devices] if devices is not None else None,
             prediction=known_fields(PlannedStep, data["prediction"]) if data.get("prediction") else None,
             search=known_fields(SearchSummary, data["search"]) if data.get("search") else None)
 

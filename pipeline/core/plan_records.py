@@ -8,10 +8,12 @@ Each is a frozen record whose fields, in order, are the keys plan.json has alway
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
 R = TypeVar("R")
+
+MIB = 2**20
 
 
 def known_fields(cls: type[R], data: dict) -> R:
@@ -47,9 +49,10 @@ class PartitionSummary:
 
 
 @dataclass(frozen=True)
-class DevicePeak:
-    """One pipeline rank's predicted peak memory by what holds it, in bytes (the planner's
-    `predict.memory.DeviceMemory`, with its `total`)."""
+class DeviceMemory:
+    """One pipeline rank's predicted peak, by what holds it (bytes): what the planner prices
+    (`predict.memory.device_memory`) and PlanMeta keeps; plan.json writes its `total` too
+    (`to_dict`), which loading drops (it is computed)."""
 
     rank: int
     params: float
@@ -59,8 +62,31 @@ class DevicePeak:
     recompute: float = 0.0
     workspace: float = 0.0
     reserve: float = 0.0
+    #: the update's temporaries after the backward (`UpdateMemory`)
     update: float = 0.0
-    total: float = 0.0
+
+    @property
+    def backward(self) -> float:
+        """What the schedule's phase holds above the parameters, gradients and optimizer state."""
+        return self.activations + self.recompute + self.workspace
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + max(self.backward, self.update) + self.reserve
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+    def breakdown(self) -> str:
+        """`params 10.0 + grads 10.0 + optimizer 20.0 + activations 3.1 + ... MiB` (recompute when
+        any; the update in place of the backward's terms where it is the larger)."""
+        phase = [("activations", self.activations)] + ([("recompute", self.recompute)] if self.recompute else []) \
+            + [("workspace", self.workspace)]
+        text = " + ".join(f"{label} {value / MIB:.1f}" for label, value in phase)
+        if self.update > self.backward:
+            text = f"update {self.update / MIB:.1f} (more than the backward's {text})"
+        return (f"params {self.params / MIB:.1f} + grads {self.grads / MIB:.1f} + optimizer {self.optimizer / MIB:.1f}"
+                f" + {text} + reserve {self.reserve / MIB:.1f} MiB")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from pipelaunch.pipeline.compute.threads import available_cores, cpu_threads
 from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan import Plan
-from pipelaunch.pipeline.core.plan_records import DevicePeak, PlannedStep, SearchSummary
+from pipelaunch.pipeline.core.plan_records import PlannedStep, SearchSummary
 from pipelaunch.pipeline.core.plugins import GroupOptions, Plugins
 from pipelaunch.pipeline.core.precision import PRECISIONS
 from pipelaunch.pipeline.graph.trace import TracedModel
@@ -173,7 +173,7 @@ def _finished(plan: Plan, prediction: Prediction | None, result: SearchResult | 
     """The plan with what the planner predicted and what its search chose recorded in it."""
     found: dict = {}
     if prediction is not None:
-        found["device_memory"] = [DevicePeak(**d.to_dict()) for d in prediction.devices]
+        found["device_memory"] = list(prediction.devices)
         found["prediction"] = PlannedStep(prediction.step_s, prediction.schedule_s, prediction.result.makespan_s,
                                           prediction.result.bubble, prediction.result.peak_activation_bytes)
     if result is not None:

@@ -22,50 +22,11 @@ and optimizer state: with many small micro-batches the update can be the larger.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from pipelaunch.pipeline.core.errors import ConfigError
-
-MIB = 2**20
-
-@dataclass
-class DeviceMemory:
-    """One pipeline rank's predicted peak, by what holds it (bytes)."""
-
-    rank: int
-    params: float
-    grads: float
-    optimizer: float
-    activations: float
-    recompute: float = 0.0
-    workspace: float = 0.0
-    reserve: float = 0.0
-    #: the update's temporaries after the backward (`UpdateMemory`)
-    update: float = 0.0
-
-    @property
-    def backward(self) -> float:
-        """What the schedule's phase holds above the parameters, gradients and optimizer state."""
-        return self.activations + self.recompute + self.workspace
-
-    @property
-    def total(self) -> float:
-        return self.params + self.grads + self.optimizer + max(self.backward, self.update) + self.reserve
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "total": self.total}
-
-    def breakdown(self) -> str:
-        """`params 10.0 + grads 10.0 + optimizer 20.0 + activations 3.1 + ... MiB` (recompute when
-        any; the update in place of the backward's terms where it is the larger)."""
-        phase = [("activations", self.activations)] + ([("recompute", self.recompute)] if self.recompute else []) \
-            + [("workspace", self.workspace)]
-        text = " + ".join(f"{label} {value / MIB:.1f}" for label, value in phase)
-        if self.update > self.backward:
-            text = f"update {self.update / MIB:.1f} (more than the backward's {text})"
-        return (f"params {self.params / MIB:.1f} + grads {self.grads / MIB:.1f} + optimizer {self.optimizer / MIB:.1f}"
-                f" + {text} + reserve {self.reserve / MIB:.1f} MiB")
+from pipelaunch.pipeline.core.plan_records import MIB, DeviceMemory
 
 
 @dataclass(frozen=True)
