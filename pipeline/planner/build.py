@@ -333,7 +333,7 @@ def _profiled_meta(traced: TracedModel, stages: list[StagePlan], forward: list[f
 def stage_split_backward(traced: TracedModel, assignment: dict[str, int],
                          backward: list[float]) -> tuple[list[float], list[float]]:
     """(I, W) per stage as profiled: each node's split backward summed, which costs more than its
-    fused one (`graph/profile.py`). Stage 0 receives no input: its I does nothing and W runs the
+    fused one (`planner/measure/profile.py`). Stage 0 receives no input: its I does nothing and W runs the
     whole backward, at the fused price. A profile without split timings (none of its nodes has
     one) falls back to an even split of the fused backward."""
     nodes = traced.graph.nodes

@@ -353,7 +353,7 @@ def _pool(first: dict[str, Any], later: Sequence[dict[str, Any]]) -> dict[str, A
 
 def _stash_bytes(stash: WeightGradStash) -> int:
     """Bytes the runtime's split backward keeps for W after an op's I: the gradients captured
-    where W restarts (runtime/backward.py), e.g. a linear layer's output gradient. They sit beside
+    where W restarts (compute/backward.py), e.g. a linear layer's output gradient. They sit beside
     the saved activations from I to W, so zero-bubble schedules that defer W hold them too."""
     held = [g for _, grads, _ in stash.restarts for g in grads] + [g for g in stash.root_grads if g is not None] \
         + [g for _, g in stash.direct]
@@ -500,7 +500,7 @@ def profile_graph(
                 results[producer][k] += loss_stats[k]
             # the loss has no weights: a split backward runs its backward in I
             results[producer]["backward_input_s"] += loss_stats["backward_s"]
-            # kept apart too: a split backward frees them at I (runtime/backward.py keeps only
+            # kept apart too: a split backward frees them at I (compute/backward.py keeps only
             # what lies below the nodes W restarts from)
             results[producer]["loss_activation_bytes"] = loss_stats["activation_bytes"]
     for name in traced.graph.nodes:

@@ -111,7 +111,7 @@ def stage_held_bytes(stages: Sequence[StagePlan], activation_bytes: Sequence[flo
     logits) and what a split backward's I frees of it. The I keeps the autograd graph for W
     (retain_graph) except what lies above the nodes W restarts from: the outputs and the loss's
     saved tensors go, and the gradients W restarts from come (`weight_stash_bytes`;
-    runtime/backward.py, both profiled, see graph/profile.py)."""
+    compute/backward.py, both profiled, see planner/measure/profile.py)."""
     held = [held_output_bytes(s) for s in stages]
     act = [float(a) + h for a, h in zip(activation_bytes, held, strict=True)]
     loss = loss_activation_bytes or [0.0] * len(held)

@@ -10,7 +10,7 @@ work until it needs that gradient, so running both as one fused B loses nothing.
 The pass walks each rank's program in order and replaces an adjacent `I(s, mb) W(s, mb)` by
 `B(s, mb)` when the simulator finds the step shorter, or as long with no rank's span (first start to
 last end) longer. B is priced as profiled when the profile
-timed both (`graph/profile.py`: the split costs 4-7% more on gpt_bench stages), else at I + W
+timed both (`planner/measure/profile.py`: the split costs 4-7% more on gpt_bench stages), else at I + W
 (no credit for the saving); either way the real run is then faster by what the fused backward saves.
 """
 
