@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -191,6 +192,11 @@ def join(cfg: TrainConfig, run_dir: Path) -> dict:
                 print(stopped_line(result.stopped_by, len(result.losses), cfg.steps,
                                    Path(metrics["checkpoints"][-1]) if metrics["checkpoints"] else None), flush=True)
     leave_process_group()
+    if result.stopped_by == signal.SIGTERM.name:
+        # checkpointed, but terminated: a rank ending 0 would leave the torchrun agent of a node that
+        # was not signalled waiting in elastic's exit barrier (300 s) for the agent that was
+        sys.stdout.flush()
+        sys.exit(128 + signal.SIGTERM)
     return metrics
 
 

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from pipelaunch.pipeline.runtime import heartbeat
+from pipelaunch.pipeline.runtime.checkpoint import complete_checkpoints
 from tests.harness import FAST, ROOT, assert_no_process_left, compose_cfg, job_processes
 from tests.test_cli import metrics
 
@@ -71,4 +72,7 @@ def test_stopping_one_agent_ends_the_other_promptly(tmp_path) -> None:
     assert agents[0].returncode != 0
     assert took < 30, took
     assert "ChildFailedError" in err or "failed" in err, err[-3000:]
+    # every rank, on both nodes, stopped after the same step and wrote its part of one checkpoint
+    # (pipeline/runtime/preempt.py), then the ranks ended with 128 + SIGTERM
+    assert len(complete_checkpoints(run_dir / "checkpoints")) == 1
     assert_no_process_left(before)
