@@ -28,7 +28,7 @@ from pipelaunch.pipeline.compute.memory import peak_memory_bytes
 from pipelaunch.pipeline.core.config import OBJECTIVE_DIRECTION, CheckSplit, TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError, RankFailed, RunStopped
 from pipelaunch.pipeline.core.plan import Plan
-from pipelaunch.pipeline.core.results import RankResult
+from pipelaunch.pipeline.core.results import RankResult, TrainingHistory
 from pipelaunch.pipeline.report.artifacts import report_run
 from pipelaunch.pipeline.report.metrics import RunMetrics
 from pipelaunch.pipeline.report.tables import device_memory_table, format_prediction, stage_table
@@ -105,10 +105,15 @@ def report(rank0: RankResult, plan: Plan, cfg: TrainConfig, run_dir: Path) -> di
         f"final loss {history.losses[-1]:.4f}; metrics in {run_dir / 'metrics.json'}",
         flush=True,
     )
-    if history.stopped_by is not None:
-        print(stopped_line(history.stopped_by, len(history.losses), cfg.steps, Path(history.checkpoints[-1]) if history.checkpoints
-                           else None), flush=True)
+    say_if_stopped(history, cfg.steps)
     return metrics.to_json()
+
+
+def say_if_stopped(history: TrainingHistory, steps: int) -> None:
+    """The stopped run's line (a signal ended it after a step, checkpointed: `history.stopped_by`)."""
+    if history.stopped_by is not None:
+        last = Path(history.checkpoints[-1]) if history.checkpoints else None
+        print(stopped_line(history.stopped_by, len(history.losses), steps, last), flush=True)
 
 
 def stopped_run(signal_name: str, prepared: Prepared, run_dir: Path) -> dict:
@@ -187,10 +192,11 @@ def join(cfg: TrainConfig, run_dir: Path) -> dict:
         with forward_stop_signals(run_dir) as stop:  # submitit's SIGUSR1 handler requeues after the report
             result = run_job(job, rank, device)
             stop.ranks_stopped_by = result.stopped_by
-            metrics = finish_report(result, plan, cfg, run_dir).to_json() if rank == 0 else {}
-            if rank == 0 and result.stopped_by is not None:
-                print(stopped_line(result.stopped_by, len(result.losses), cfg.steps,
-                                   Path(metrics["checkpoints"][-1]) if metrics["checkpoints"] else None), flush=True)
+            metrics = {}
+            if rank == 0:
+                reported = finish_report(result, plan, cfg, run_dir)
+                say_if_stopped(reported.history, cfg.steps)
+                metrics = reported.to_json()
     leave_process_group()
     if result.stopped_by == signal.SIGTERM.name:
         # checkpointed, but terminated: a rank ending 0 would leave the torchrun agent of a node that

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from pipelaunch.pipeline.core.config import PluginConfig, TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plugins import GroupOptions, OptimizerSpec, Plugin, Plugins, Refused
-from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
+from pipelaunch.pipeline.planner.search.space import build_generator
 
 #: keys of an option that are not arguments of its callable (`name` only labels the option)
 RESERVED = ("name",)
@@ -85,8 +85,7 @@ def is_search(scheduler_cfg: PluginConfig) -> bool:
 
 
 def schedule_option(cfg: PluginConfig, option: str | None = None) -> Plugin:
-    """A scheduler option, checked to build a ScheduleGenerator (a fresh one per call of the
-    Plugin: generators keep the stage costs they are given)."""
+    """A scheduler option, checked to build a ScheduleGenerator (`search.space.build_generator`)."""
     if is_search(cfg):
         raise ConfigError(
             "scheduler",
@@ -95,9 +94,7 @@ def schedule_option(cfg: PluginConfig, option: str | None = None) -> Plugin:
             "option name instead, e.g. scheduler=1f1b",
         )
     plugin = build_plugin("scheduler", cfg, option)
-    made = plugin.build()
-    if not isinstance(made, ScheduleGenerator):
-        raise ConfigError(f"scheduler ({plugin.option})", f"{plugin.path} is not a ScheduleGenerator")
+    build_generator(plugin)
     return plugin
 
 

@@ -4,7 +4,7 @@ Every plug-in group (`model`, `data`, `scheduler`, `partitioner`, `placement`, `
 `lr_scheduler`, `logger`) is an open mapping in the config: a YAML option naming a callable and
 that callable's arguments. The launcher turns each into one of these, once, at the edge
 (`pipelaunch.launcher.plugins`), so that nothing below it reads how an option names its callable:
-the planner asks a `Plugin` for a fresh generator, the memory model asks the `OptimizerSpec` how
+the planner builds a schedule generator from a `Plugin` once, the memory model asks the `OptimizerSpec` how
 many state tensors it keeps per parameter, a rank builds its optimizer, data and tracker from
 them. They are plain data (a callable importable by name, plain arguments), so a `RankJob`
 carrying them pickles to a spawned rank.
@@ -104,8 +104,8 @@ class OptimizerSpec:
 @dataclass(frozen=True)
 class Plugins:
     """Every plug-in of one run, built by the launcher: what the planner and each rank build
-    their objects from. `model()` is the ModelSpec, `data()` the batch source, `scheduler()` a
-    fresh schedule generator, `tracker(run_config, run_dir)` rank 0's tracker; `lr_scheduler` is
+    their objects from. `model()` is the ModelSpec, `data()` the batch source, `scheduler()` the
+    schedule generator (a frozen value), `tracker(run_config, run_dir)` rank 0's tracker; `lr_scheduler` is
     None for a constant learning rate. `search_schedules`: `scheduler=auto` (no generator: the
     planner searches the scheduler group's options)."""
 

@@ -9,9 +9,9 @@ asked, all of them stop after that same step, write a checkpoint and return norm
 
 A rank is asked by its own signal (SIGTERM from torch elastic or torchrun tearing the job down,
 either signal from SLURM) or by the launcher, which writes the signal's name into `STOP_FILE`
-under the run directory when it is signalled itself (`launcher/preempt.py`). The handlers the
-process had before are put back when training ends, and returned so that a caller can chain
-to them (submitit's SIGUSR1 handler requeues the job).
+under the run directory when it is signalled itself (`launcher/preempt.py`, which afterwards
+calls the handler that was there before: submitit's SIGUSR1 handler requeues the job). The
+handlers the process had before are put back when training ends.
 """
 
 from __future__ import annotations
@@ -47,12 +47,11 @@ class StopRequests:
         for sig in STOP_SIGNALS:
             self.previous[sig] = signal.signal(sig, self._receive)
 
-    def restore(self) -> dict[signal.Signals, Handler]:
-        """Put the handlers the process had back; return them."""
+    def restore(self) -> None:
+        """Put the handlers the process had back."""
         for sig, handler in self.previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-        previous, self.previous = self.previous, {}
-        return previous
+        self.previous = {}
 
     def _receive(self, signum: int, frame: FrameType | None) -> None:
         self.received = self.received or signal.Signals(signum)

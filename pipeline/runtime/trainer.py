@@ -347,20 +347,15 @@ def _train_steps(trainer: RankTrainer, record: RunRecord, tensors: TensorPeak, t
         if progress is not None:
             progress.update(step, outcome.loss, outcome.elapsed_s)
         _maybe_evaluate(trainer, record, step, tracker)
-        _maybe_checkpoint(trainer, record, step)
         stopped = stops.agreed()
-        if stopped is not None and step + 1 < run.steps:
+        stopping = stopped is not None and step + 1 < run.steps
+        _maybe_checkpoint(trainer, record, step, now=stopping)
+        if stopping:
             record.stopped_by = stopped.name
-            if not _checkpointed_after(record, step):
-                _save_checkpoint(trainer, record, step)
             if ctx.rank == 0:
                 print(f"stopping after step {step + 1} of {run.steps} ({stopped.name})", flush=True)
             break
     return restarted
-
-
-def _checkpointed_after(record: RunRecord, step: int) -> bool:
-    return bool(record.checkpoints) and Path(record.checkpoints[-1]).name == checkpoint.step_dir(Path(), step + 1).name
 
 
 def _memory_before_model(trainer: RankTrainer) -> float:
@@ -405,22 +400,15 @@ def _maybe_evaluate(trainer: RankTrainer, record: RunRecord, step: int, tracker:
               "after this step's update)", flush=True)
 
 
-def _maybe_checkpoint(trainer: RankTrainer, record: RunRecord, step: int) -> None:
-    """A checkpoint every `checkpoint.every` steps and after the last one (collective), under the
-    root the launcher decided; rank 0 prunes all but the newest `checkpoint.keep`."""
-    run = trainer.run
-    every, root = run.checkpoint.every, run.checkpoint.root
-    if not every or root is None or not ((step + 1) % every == 0 or step + 1 == run.steps):
-        return
-    _save_checkpoint(trainer, record, step)
-
-
-def _save_checkpoint(trainer: RankTrainer, record: RunRecord, step: int) -> None:
-    """Every rank's part of the checkpoint after `step` (collective), under the launcher's root."""
+def _maybe_checkpoint(trainer: RankTrainer, record: RunRecord, step: int, now: bool = False) -> None:
+    """A checkpoint every `checkpoint.every` steps, after the last one and `now` (a stop), under the
+    root the launcher decided (collective); rank 0 prunes all but the newest `checkpoint.keep`."""
     run, plan = trainer.run, trainer.plan
-    if run.checkpoint.root is None:
+    every, root = run.checkpoint.every, run.checkpoint.root
+    due = bool(every) and ((step + 1) % every == 0 or step + 1 == run.steps)
+    if root is None or not (due or now):
         return
-    root = Path(run.checkpoint.root)
+    root = Path(root)
     meta = {"samples_seen": (step + 1) * run.batch_size, "batch_size": run.batch_size,
             "losses": record.losses, "lrs": record.lrs, "grad_norms": record.grad_norms,
             "eval_losses": record.eval_losses, "model": plan.model, "model_config": run.model_config,
