@@ -31,6 +31,9 @@ from pipelaunch.pipeline.planner.predict.prediction import Prediction
 from pipelaunch.pipeline.planner.search.choose import SearchResult
 from pipelaunch.pipeline.runtime.context import bound_to_one_gpu
 
+#: the data-parallel sharding levels (`zero`; docs/sharding.md)
+ZERO_LEVELS = (0, 1, 2, 3)
+
 
 @dataclass
 class Prepared:
@@ -78,6 +81,7 @@ def check_config(cfg: TrainConfig) -> None:
         _number(cfg.link_latency_s, "link_latency_s", 0.0, strict=True, what=" (the simulator's link model; null: measured)")
     if cfg.action_overhead_s is not None:
         _number(cfg.action_overhead_s, "action_overhead_s", 0.0, what=" (seconds per compute action; null: measured)")
+    check_zero(cfg)
     batch, dp, m = cfg.batch_size, cfg.dp, cfg.microbatches
     if batch % (dp * m):
         raise ConfigError(
@@ -91,6 +95,16 @@ def check_config(cfg: TrainConfig) -> None:
     check_memory(cfg)
     check_training_keys(cfg)
     check_objective(cfg)
+
+
+def check_zero(cfg: TrainConfig) -> None:
+    """zero is a level in 0..3, and above 0 needs replicas to shard over."""
+    if isinstance(cfg.zero, bool) or cfg.zero not in ZERO_LEVELS:
+        raise ConfigError("zero", f"got {cfg.zero!r}; valid: 0 (replicas hold everything), 1 (optimizer states "
+                                  "sharded over the dp replicas), 2 (gradients too), 3 (parameters too)")
+    if cfg.zero and cfg.dp < 2:
+        raise ConfigError("zero", f"zero={cfg.zero} shards a stage's states over its data-parallel replicas, and "
+                                  f"dp={cfg.dp} has one; set dp >= 2 (e.g. dp=2 zero={cfg.zero}) or zero=0")
 
 
 def check_memory(cfg: TrainConfig) -> None:

@@ -206,6 +206,10 @@ class TrainConfig:
     pp: int = 2
     #: data-parallel degree: number of pipeline replicas
     dp: int = 1
+    #: what the dp replicas of a stage shard among themselves (FSDP2 over the replicas): 0 nothing
+    #: (each holds everything, gradients all-reduced), 1 the optimizer states, 2 the gradients too,
+    #: 3 the parameters too (gathered around each compute action, freed after it)
+    zero: int = 0
     #: micro-batches per step in each replica
     microbatches: int = 4
     #: the global batch (sequences per optimizer step), the same whatever pp and dp are

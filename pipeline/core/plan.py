@@ -85,6 +85,8 @@ class PlanMeta:
     partitioner: str = ""
     partition: PartitionSummary | None = None
     precision: str = "fp32"
+    #: the data-parallel sharding level the runtime applies (TrainConfig.zero; docs/sharding.md)
+    zero: int = 0
     #: the graph carried measured costs (the stage_*_s lists below are filled)
     profiled: bool = False
     optimizer_states: int = 0

@@ -130,6 +130,8 @@ class PlanRequest:
     bandwidth: float = LINK_BANDWIDTH
     profiled: bool = True
     precision: str = "fp32"
+    #: the data-parallel sharding level (TrainConfig.zero)
+    zero: int = 0
     #: what the data gives each input of the traced model, in order (`ModelSpec.data_args`)
     data_args: tuple[str, ...] = ("input",)
     value_dtypes: Mapping[str, torch.dtype] | None = None
@@ -287,7 +289,7 @@ def _plan_meta(traced: TracedModel, split, part: Partition, stages: list[StagePl
     return {"remat": req.remat, "optimizer_states": req.optimizer_states, "memory_cap": req.memory_cap,
             "reserve_bytes": req.reserve_bytes, "remat_stages": schedule.remat_stages(),
             "partitioner": req.partitioner.option, "partition": partition_summary(part),
-            "profiled": req.profiled, "precision": req.precision,
+            "profiled": req.profiled, "precision": req.precision, "zero": req.zero,
             "machine": MachineFacts(req.rank_slots, req.optimizer_s_per_byte, list(req.optimizer_temporaries),
                                     req.link_latency_s, req.action_overhead_s),
             "stage_largest_param_bytes": [max((float(p.numel() * p.element_size()) for p in gm.parameters()),
