@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from pipelaunch.pipeline.runtime.executor import StageSlot
 from pipelaunch.pipeline.runtime.rank import RankJob, join_process_group, leave_process_group, run_job
@@ -14,11 +15,14 @@ from pipelaunch.pipeline.runtime.trainer import Callback, StepOutcome
 
 
 def stage_state(slots: dict[int, StageSlot], what: str) -> dict[str, torch.Tensor]:
-    """Parameters or gradients of this rank's stages, keyed by their name in the full model."""
+    """Parameters or gradients of this rank's stages, keyed by their name in the full model (a
+    sharded one gathered whole: collective over the replicas, every one calls it in one order)."""
     out = {}
     for slot in slots.values():
         for name, p in slot.module.named_model_parameters():
             t = p.grad if what == "grad" else p
+            if isinstance(t, DTensor):
+                t = t.full_tensor()
             if t is not None:
                 out[name] = t.detach().cpu().clone()
     return out

@@ -8,10 +8,10 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
-def allreduce_gradients(modules: list[nn.Module], group: dist.ProcessGroup | None) -> None:
-    """Sum gradients over `group` (the loss is already scaled by 1/(dp x micro-batches))."""
-    unique = {id(p): p for m in modules for p in m.parameters()}.values()
-    grads = [p.grad for p in unique if p.grad is not None]
+def allreduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
+    """Sum the gradients of `params` (each once) over `group` (the loss is already scaled by
+    1/(dp x micro-batches)): every parameter at zero=0, the replicated ones above."""
+    grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return
     flat = _flatten_dense_tensors(grads)

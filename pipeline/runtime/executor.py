@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -67,6 +68,17 @@ class MicroBatchState:
     rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
 
+class ComputeHooks(Protocol):
+    """Told around every compute action: data-parallel sharding gathers, releases and reduces a
+    stage's tensors there (runtime/sharding.py)."""
+
+    def begin_step(self) -> None: ...
+
+    def before(self, action: Action) -> None: ...
+
+    def after(self, action: Action, pos: int) -> None: ...
+
+
 def message_label(direction: str, producer: int, consumer: int, mb: int) -> str:
     """What both ends of a message call it (posting-order logs, errors)."""
     return f"{direction} {producer}>{consumer} mb{mb}"
@@ -86,6 +98,7 @@ class Executor:
         heartbeat: Heartbeat | None = None,
         record_p2p: bool = False,
         model_inputs: Mapping[str, str] | None = None,
+        hooks: ComputeHooks | None = None,
     ) -> None:
         self.actions = schedule.actions[pp_rank]
         # model input -> what the data gives it: `input`, or `target` (a model taking its targets)
@@ -109,7 +122,7 @@ class Executor:
         self.heartbeat = heartbeat
         # with record_p2p, the first step's posting order is logged per peer (debug.record_p2p)
         self.p2p = P2P(device, record=record_p2p)
-        self._params = {s: [p for p in slot.module.parameters() if p.requires_grad] for s, slot in slots.items()}
+        self.hooks = hooks
         # remote neighbours per stage: the messages its forward and backward wait for
         self._remote_in = {s: [p for p in sorted(set(slot.inputs.values()) - {None}) if slot.peer_of[p] is not None]
                            for s, slot in slots.items()}
@@ -145,6 +158,8 @@ class Executor:
         clock = StepClock(self.device) if self.record_timings else None
         marks: list[tuple[Action, object, object]] = []
         beat = self.heartbeat.action if self.heartbeat is not None else None
+        if self.hooks is not None and self.training:
+            self.hooks.begin_step()
         for pos, action in enumerate(self.actions):
             if beat is not None:
                 beat(pos)
@@ -155,7 +170,11 @@ class Executor:
             if beat is not None:
                 beat(pos)
             start = clock.mark() if clock is not None else None
+            if self.hooks is not None:
+                self.hooks.before(action)
             loss = self._dispatch(action)
+            if self.hooks is not None:
+                self.hooks.after(action, pos)
             if loss is not None:
                 loss_sum += loss
             if clock is not None:
@@ -312,7 +331,9 @@ class Executor:
             input_grads = {n: x.grad for n, x in leaves.items()}
             del self._state[(s, mb)]
         else:
-            input_grads, state.stash = backward_input(roots, grads, leaves, self._params[s])
+            # read now: under sharding, the parameters the graph used are the gathered ones
+            params = [p for p in slot.module.parameters() if p.requires_grad]
+            input_grads, state.stash = backward_input(roots, grads, leaves, params)
             state.outputs = state.loss = None
         # an input the graph did not reach gets a zero gradient: its producer still waits for one
         grads = {n: g if (g := input_grads.get(n)) is not None else torch.zeros_like(x) for n, x in leaves.items()}

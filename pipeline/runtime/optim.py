@@ -15,9 +15,11 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from pipelaunch.pipeline.core.plugins import OptimizerSpec, Plugin
+from pipelaunch.pipeline.runtime.sharding import local
 
 
 def _warm(step: int, warmup_steps: int) -> float | None:
@@ -61,27 +63,36 @@ def build_optimizer(optimizer_spec: OptimizerSpec, lr_scheduler: Plugin | None,
 
 
 def square_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Sum of squares of `grads`, in float32 (a 0-d tensor on their device)."""
+    """Sum of squares of `grads`, in float32 (a 0-d tensor on their device); of a DTensor, its
+    local shard's."""
     grads = list(grads)
     if not grads:
         return torch.zeros(())
-    norms = torch._foreach_norm([g.float() for g in grads], 2.0)
+    norms = torch._foreach_norm([local(g).float() for g in grads], 2.0)
     return torch.stack(norms).square().sum()
 
 
 def clip_gradients(params: list[torch.nn.Parameter], counted: list[torch.nn.Parameter], max_norm: float,
-                   group: dist.ProcessGroup | None, device: torch.device) -> float:
+                   group: dist.ProcessGroup | None, device: torch.device,
+                   shard_group: dist.ProcessGroup | None = None) -> float:
     """Scale every gradient of `params` so that the global norm is at most `max_norm`, as one
     process's `torch.nn.utils.clip_grad_norm_` would. `counted` are the parameters this rank adds to
     the norm (a tied parameter held by several ranks counts on one of them only); the squares are
     summed over `group` (the pipeline ranks of one replica: the replicas' gradients are equal
-    after the data-parallel all-reduce). Returns the norm before clipping."""
-    total = square_norm(p.grad for p in counted if p.grad is not None).to(device)
+    after the data-parallel all-reduce). Sharded gradients (DTensors, zero >= 1) add their shards'
+    squares over `shard_group` first. Returns the norm before clipping."""
+    grads = [p.grad for p in counted if p.grad is not None]
+    total = square_norm(g for g in grads if not isinstance(g, DTensor)).to(device)
+    sharded = [g for g in grads if isinstance(g, DTensor)]
+    if sharded:
+        shards = square_norm(sharded).to(device)
+        dist.all_reduce(shards, group=shard_group)
+        total = total + shards
     if group is not None:
         dist.all_reduce(total, group=group)
     norm = total.sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [local(p.grad) for p in params if p.grad is not None]
     if grads:
         torch._foreach_mul_(grads, coef.to(grads[0].device))
     return float(norm)

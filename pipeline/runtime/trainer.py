@@ -38,6 +38,7 @@ from pipelaunch.pipeline.runtime.heartbeat import Heartbeat
 from pipelaunch.pipeline.runtime.optim import build_optimizer, clip_gradients
 from pipelaunch.pipeline.runtime.preempt import StopRequests, control_group
 from pipelaunch.pipeline.runtime.progress import Progress
+from pipelaunch.pipeline.runtime.sharding import ShardedStages, local
 from pipelaunch.pipeline.runtime.stage import build_stage_modules
 from pipelaunch.pipeline.runtime.tracking import Tracker, make_tracker
 
@@ -119,6 +120,12 @@ class RankTrainer:
         self.spec: ModelSpec = plugins.model.build()
         self.data = plugins.data.build()
         self.slots = build_slots(self.spec, plan, ctx, run.seed, initial_weights)
+        self.training = plan.schedule.training
+        # zero >= 1: the stages' parameters become DTensors sharded over the replicas (before the
+        # optimizer is built over them)
+        self.sharding = (ShardedStages(plan.meta.zero, plan, {s: slot.module for s, slot in self.slots.items()},
+                                       plan.schedule.actions[ctx.pp_rank], ctx.dp_group, ctx.device)
+                         if plan.meta.zero and self.training and ctx.dp > 1 else None)
         self.initial_weights = "constructor" if initial_weights is not None else "by_name"
         # the stream dropout draws from: set by (seed, rank), so a run repeats itself and DP
         # replicas draw different masks (a resume then restores the stream it saved)
@@ -130,7 +137,8 @@ class RankTrainer:
         # the global gradient norm counts a tied parameter once: on the lowest pipeline rank holding it
         self.norm_params = [p for n, p in named.items() if n not in tied or tied[n][0] == ctx.pp_rank]
         self.shared = SharedGrads(plan, ctx, self.slots)
-        self.training = plan.schedule.training
+        # what the replicas all-reduce after the step: everything, or under sharding the parameters kept whole
+        self.allreduced = self.params if self.sharding is None else self.sharding.replicated
         # a stage of parameter-free ops (masks, position ids of an op-level trace) has nothing to update
         self.optimizer, self.lr_scheduler = (
             build_optimizer(plugins.optimizer, plugins.lr_scheduler, self.params) if self.training and self.params
@@ -141,6 +149,7 @@ class RankTrainer:
             plan.schedule, ctx.pp_rank, self.slots, self.spec.loss_fn, ctx.device,
             loss_scale=float(plan.microbatches * plan.dp), autocast=PRECISIONS[plan.meta.precision],
             heartbeat=self.heartbeat, record_p2p=self.record_p2p, model_inputs=plan.model_inputs,
+            hooks=self.sharding,
         )
         # what this rank's stages read of the data: the model inputs they take (a first stage's
         # input; the targets a model computing its own loss reads, on whichever stage reads them)
@@ -201,11 +210,12 @@ class RankTrainer:
         if self.training and bool(torch.isfinite(loss_sum)):
             self.shared.sum_across_stages()
             if ctx.dp > 1:
-                allreduce_gradients(self.modules, ctx.dp_group)
+                allreduce_gradients(self.allreduced, ctx.dp_group)
             for callback in self.callbacks:
                 callback.before_optimizer_step(self, step)
             if self.clip is not None:
-                grad_norm = clip_gradients(self.params, self.norm_params, float(self.clip), ctx.pp_group, ctx.device)
+                grad_norm = clip_gradients(self.params, self.norm_params, float(self.clip), ctx.pp_group, ctx.device,
+                                           ctx.dp_group)
             if self.optimizer is not None:
                 lr = self.optimizer.param_groups[0]["lr"]
                 self.optimizer.step()
@@ -228,7 +238,7 @@ class RankTrainer:
     def nonfinite_report(self, step: int, loss: float) -> str:
         """Where a NaN or inf first showed (collective): the first stage, in pipeline order, whose
         parameters or forward outputs held one this step, else the loss of the last stage."""
-        mine = {s: {"params": any(not torch.isfinite(p).all() for p in self.slots[s].module.parameters()),
+        mine = {s: {"params": any(not torch.isfinite(local(p)).all() for p in self.slots[s].module.parameters()),
                     "outputs": bool(self.executor.nonfinite[s])} for s in self.slots}
         everyone: list = [None] * self.ctx.world_size
         dist.all_gather_object(everyone, mine)
@@ -381,6 +391,7 @@ def _tensor_bytes_held(trainer: RankTrainer) -> int:
                *(b for m in trainer.modules for b in m.buffers())]
     if trainer.optimizer is not None:
         tensors += [v for state in trainer.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    tensors = [local(t) for t in tensors]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.device.type != "meta"}
     return sum(storages.values())
 
