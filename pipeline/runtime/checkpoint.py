@@ -1,7 +1,9 @@
 """Checkpoints keyed by name, not by rank, so they resume under any (pp, dp, schedule, partition).
 
 A checkpoint is a directory `step_<N>` (N: the next step to run) written with
-torch.distributed.checkpoint (DCP): every rank saves the tensors of its own stages,
+torch.distributed.checkpoint (DCP): every rank saves the tensors of its own stages (under
+`zero` >= 1 the shards it holds of them: DTensors, whose global shape DCP records, so any layout
+reads back its own part),
 `model/<fqn>` for parameters and buffers and `optim/<fqn>/<key>` for the optimizer's state, under
 the full model's qualified names (replicas and tied copies hold the same key and DCP writes it
 once). Rank 0 adds `meta.json`: the step, the global sample index, the LR schedule's state, the
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pipelaunch.pipeline.core.errors import ConfigError
 
@@ -180,7 +183,11 @@ def load(path: Path, modules: list[nn.Module], optimizer, lr_scheduler, ctx) -> 
         params[name] = tensor
         for skey, state_key in optim_keys.get(name, []):
             shape, dtype = stored[skey]
-            dest[skey] = optim_state.setdefault(name, {})[state_key] = torch.empty(shape, dtype=dtype)
+            # a sharded parameter's state is sharded as it is (zero >= 1): DCP reads this rank's part
+            # whatever layout wrote it
+            like = isinstance(tensor, DTensor) and tuple(shape) == tuple(tensor.shape)
+            dest[skey] = optim_state.setdefault(name, {})[state_key] = (
+                torch.empty_like(tensor.detach(), dtype=dtype) if like else torch.empty(shape, dtype=dtype))
     rng = _rng_key(ctx)
     same_layout = f"{rng}/cpu" in stored
     if same_layout:  # dropout continues exactly only on the layout that wrote it
