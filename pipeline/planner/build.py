@@ -294,10 +294,19 @@ def _plan_meta(traced: TracedModel, split, part: Partition, stages: list[StagePl
                                     req.link_latency_s, req.action_overhead_s),
             "stage_largest_param_bytes": [max((float(p.numel() * p.element_size()) for p in gm.parameters()),
                                               default=0.0) for gm in split.stages],
+            "stage_replicated_param_bytes": _replicated_bytes(traced, split),
             "model_param_bytes": sum(traced.graph.graph.get("param_sizes", {}).values()),
             "stage_tensors": [sorted({traced.param_aliases.get(n, n) for n, _ in [
                 *gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]})
                 for gm in split.stages]}
+
+
+def _replicated_bytes(traced: TracedModel, split) -> list[float]:
+    """Per stage, the bytes of its parameters that other stages hold too (`split.shared_params`):
+    what data-parallel sharding leaves whole."""
+    shared = split.shared_params
+    return [float(sum(p.numel() * p.element_size() for name, p in gm.named_parameters()
+                      if traced.param_aliases.get(name, name) in shared)) for gm in split.stages]
 
 
 def _held_beyond_activations(traced: TracedModel, stages: list[StagePlan]) -> tuple[list[float], list[float]]:
