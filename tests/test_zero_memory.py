@@ -120,3 +120,31 @@ def test_a_cap_zero0_misses_is_met_by_sharding(plans) -> None:
         prepare(compose_cfg([*budget, "zero=0"]))
     plan = prepare(compose_cfg([*budget, "zero=3"])).plan
     assert max(d.total for d in plan.meta.device_memory) <= cap
+
+
+#: plan=auto over the sharding levels only
+LEVELS = ["plan=auto", "plan.schedulers=[1f1b]", "plan.partitioners=[uniform]", "plan.microbatches=[4]",
+          "plan.remat=[none]", "plan.zero=[0,1,2,3]"]
+
+
+def test_plan_auto_runs_the_lowest_level_that_fits(plans) -> None:
+    """Without a cap the levels tie and zero=0 runs; under a cap zero=0 misses, the lowest level
+    that fits runs, and the labels and the summary carry each candidate's level."""
+    free = prepare(compose_cfg([*BASE, *LEVELS]))
+    assert free.plan.meta.zero == 0 and free.search.winner.candidate.label.endswith("/ zero=0")
+    assert "higher ones (zero=1, zero=2, zero=3) fit too" in free.search.why()
+    cap = max(d.total for d in plans[0].meta.device_memory) - 1000
+    capped = prepare(compose_cfg([*BASE, *LEVELS, "memory=budget", f"memory.cap_bytes={cap:.0f}"]))
+    fitting = min(z for z, p in plans.items() if max(d.total for d in p.meta.device_memory) <= cap)
+    assert capped.plan.meta.zero == fitting > 0
+    summary = capped.plan.meta.search
+    assert summary.chosen["zero"] == fitting and f"zero={fitting}" in summary.chosen["label"]
+    assert [row["zero"] for row in summary.excluded] == [0] and "lower sharding levels of it (zero=0)" in summary.why
+    assert " zero " in capped.search.table().splitlines()[0]
+
+
+def test_plan_zero_names_levels_dp_can_shard() -> None:
+    with pytest.raises(ConfigError, match="plan.zero"):
+        prepare(compose_cfg([*BASE, *LEVELS, "plan.zero=[4]"]))
+    with pytest.raises(ConfigError, match="dp=1 has one"):
+        prepare(compose_cfg([*BASE, *LEVELS, "dp=1"]))
