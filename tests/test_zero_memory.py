@@ -62,7 +62,7 @@ def test_the_partitioners_stage_factor_is_the_same_formula() -> None:
     assert stage_param_factors(2, Sharding(0, 2)) == (4.0, 4.0)
     assert stage_param_factors(2, Sharding(1, 2)) == (3.0, 4.0)
     assert stage_param_factors(2, Sharding(3, 4)) == (1.0 + 2.0, 4.0)
-    assert Sharding(2, 1).degree == 1 and Sharding(0, 4).degree == 1
+    assert Sharding(2, 1).degree == 1 and Sharding(0, 4).degree == 1 and Sharding(3, 1).gathered(1.0) == 0.0
 
 
 @pytest.fixture(scope="module")

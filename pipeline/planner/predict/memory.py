@@ -71,8 +71,8 @@ class Sharding:
 
     def gathered(self, stage_sharded: float) -> float:
         """What one stage's backward holds unsharded beside the shards: zero=2 its gradients
-        before their reduce-scatter, zero=3 its gathered parameters too."""
-        return stage_sharded * {2: 1.0, 3: 2.0}.get(self.zero, 0.0)
+        before their reduce-scatter, zero=3 its gathered parameters too (nothing over one replica)."""
+        return stage_sharded * {2: 1.0, 3: 2.0}.get(self.zero, 0.0) if self.degree > 1 else 0.0
 
     def stage_factor(self, states: int) -> float:
         """Bytes per parameter byte of a stage alone on its device (the partitioners' view)."""
