@@ -186,6 +186,8 @@ class PlanConfig:
     microbatches: list[int] | None = None
     #: remat values to try; null = none and auto (auto only under a memory cap)
     remat: list[Remat] | None = None
+    #: data-parallel sharding levels (`zero`) to try; null = the configured level only
+    zero: list[int] | None = None
     #: candidates predicted within this share of the fastest count as tied
     tie: float = 0.0
 

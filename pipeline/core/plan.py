@@ -101,6 +101,9 @@ class PlanMeta:
     machine: MachineFacts = field(default_factory=MachineFacts)
     #: per stage its largest parameter tensor (the update's temporaries scale with it)
     stage_largest_param_bytes: list[float] | None = None
+    #: per stage, the bytes of its parameters other stages hold too (tied weights), which every
+    #: sharding level keeps whole (`predict.memory.Sharding`); None in a plan.json before it
+    stage_replicated_param_bytes: list[float] | None = None
     #: profiled per-stage costs: forward, backward, its input and weight halves; a backward's
     #: transient gradients; what a split backward keeps from I to W; the loss's saved tensors
     stage_forward_s: list[float] = field(default_factory=list)

@@ -64,11 +64,13 @@ class DeviceMemory:
     reserve: float = 0.0
     #: the update's temporaries after the backward (`UpdateMemory`)
     update: float = 0.0
+    #: under zero=2/3, what one stage holds unsharded during its backward (`Sharding.gathered`)
+    gathered: float = 0.0
 
     @property
     def backward(self) -> float:
         """What the schedule's phase holds above the parameters, gradients and optimizer state."""
-        return self.activations + self.recompute + self.workspace
+        return self.activations + self.recompute + self.workspace + self.gathered
 
     @property
     def total(self) -> float:
@@ -78,10 +80,10 @@ class DeviceMemory:
         return {**asdict(self), "total": self.total}
 
     def breakdown(self) -> str:
-        """`params 10.0 + grads 10.0 + optimizer 20.0 + activations 3.1 + ... MiB` (recompute when
-        any; the update in place of the backward's terms where it is the larger)."""
+        """`params 10.0 + grads 10.0 + optimizer 20.0 + activations 3.1 + ... MiB` (recompute and
+        gathered when any; the update in place of the backward's terms where it is the larger)."""
         phase = [("activations", self.activations)] + ([("recompute", self.recompute)] if self.recompute else []) \
-            + [("workspace", self.workspace)]
+            + [("workspace", self.workspace)] + ([("gathered", self.gathered)] if self.gathered else [])
         text = " + ".join(f"{label} {value / MIB:.1f}" for label, value in phase)
         if self.update > self.backward:
             text = f"update {self.update / MIB:.1f} (more than the backward's {text})"

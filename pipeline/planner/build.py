@@ -25,6 +25,7 @@ from pipelaunch.pipeline.planner.fit.budget import (
     partition_request,
     reprice_for_schedule,
     reprice_split,
+    stage_param_factors,
 )
 from pipelaunch.pipeline.planner.partition import Partition, PartitionRequest, evaluate
 from pipelaunch.pipeline.planner.partition.atomic import contract_unsendable
@@ -34,6 +35,7 @@ from pipelaunch.pipeline.planner.passes.lowering import lower
 from pipelaunch.pipeline.planner.passes.p2p_check import check_p2p, edge_messages
 from pipelaunch.pipeline.planner.passes.remat import per_module_suffices
 from pipelaunch.pipeline.planner.predict.costs import split_backward_cost, stage_held_bytes
+from pipelaunch.pipeline.planner.predict.memory import Sharding
 from pipelaunch.pipeline.planner.schedules import build_schedule
 from pipelaunch.pipeline.planner.schedules.base import ScheduleCosts, ScheduleGenerator
 from pipelaunch.pipeline.planner.schedules.inference import Inference
@@ -56,14 +58,15 @@ def needs_profile(partitioner: Plugin) -> bool:
 
 def partition_graph(
     partitioner: Plugin, graph: nx.DiGraph, placement: Sequence[int], request: PartitionRequest,
-    param_factor: float = 1.0,
+    param_factor: float = 1.0, shared_factor: float | None = None,
 ) -> Partition:
     """Cut the traced graph into stages with the partitioner plug-in, then price the split with the
     one judge (`evaluate`), recomputing stages picked, on the real graph. Values that are not one
     tensor never cross a boundary (the graph is contracted first). When a rank holds several
     stages, a profiled split is re-balanced so that the busiest rank, not only the slowest stage,
     is as light as it can be. Under a memory cap the partitioner sees every parameter byte
-    `param_factor` times (gradient and optimizer state too: `budget.device_view`)."""
+    `param_factor` times (gradient and optimizer state too), a parameter several nodes read
+    `shared_factor` times (`budget.device_view`, `budget.stage_param_factors`)."""
     num_stages = len(placement)
     if num_stages > graph.number_of_nodes():
         raise ConfigError(
@@ -75,7 +78,7 @@ def partition_graph(
     contraction = contract_unsendable(graph)  # cut only where single tensors cross
     cut_graph = graph if contraction is None else contraction.graph
     if request.memory_cap is not None:
-        cut_graph = device_view(cut_graph, param_factor)
+        cut_graph = device_view(cut_graph, param_factor, shared_factor)
     part = partitioner(cut_graph, num_stages, request)
     if not isinstance(part, Partition):
         raise ConfigError("partitioner", f"{partitioner.path} returned {type(part).__name__}, "
@@ -217,7 +220,8 @@ def _partition(traced: TracedModel, generator: ScheduleGenerator, placement: lis
     stage_cap = None if req.memory_cap is None else req.memory_cap - req.reserve_bytes
     request = partition_request(generator, placement, req.microbatches, req.remat, stage_cap, req.bandwidth)
     try:
-        return partition_graph(req.partitioner, traced.graph, placement, request, 2 + req.optimizer_states)
+        factors = stage_param_factors(req.optimizer_states, Sharding(req.zero, req.dp))
+        return partition_graph(req.partitioner, traced.graph, placement, request, *factors)
     except ConfigError as err:
         if err.key != "memory.cap_bytes" or not req.reserve_bytes:
             raise
@@ -294,10 +298,19 @@ def _plan_meta(traced: TracedModel, split, part: Partition, stages: list[StagePl
                                     req.link_latency_s, req.action_overhead_s),
             "stage_largest_param_bytes": [max((float(p.numel() * p.element_size()) for p in gm.parameters()),
                                               default=0.0) for gm in split.stages],
+            "stage_replicated_param_bytes": _replicated_bytes(traced, split),
             "model_param_bytes": sum(traced.graph.graph.get("param_sizes", {}).values()),
             "stage_tensors": [sorted({traced.param_aliases.get(n, n) for n, _ in [
                 *gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]})
                 for gm in split.stages]}
+
+
+def _replicated_bytes(traced: TracedModel, split) -> list[float]:
+    """Per stage, the bytes of its parameters that other stages hold too (`split.shared_params`):
+    what data-parallel sharding leaves whole."""
+    shared = split.shared_params
+    return [float(sum(p.numel() * p.element_size() for name, p in gm.named_parameters()
+                      if traced.param_aliases.get(name, name) in shared)) for gm in split.stages]
 
 
 def _held_beyond_activations(traced: TracedModel, stages: list[StagePlan]) -> tuple[list[float], list[float]]:

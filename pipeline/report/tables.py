@@ -134,10 +134,12 @@ def device_memory_table(plan: Plan, ranks: Sequence[RankFacts] | None = None) ->
     process held apart from its tensors) against the whole prediction."""
     mib = 2**20
     cap = plan.meta.memory_cap
+    gathered = any(d.gathered for d in plan.meta.device_memory)
     head = (f"{'rank':>5} {'params':>8} {'grads':>8} {'optim':>8} {'act':>8} {'recomp':>7} {'wkspace':>7} "
-            f"{'update':>7} {'reserve':>7} {'predicted':>10}"
+            + (f"{'gathered':>8} " if gathered else "") + f"{'update':>7} {'reserve':>7} {'predicted':>10}"
             + (f" {'tensors':>8} {'ratio':>6} {'resident':>9} {'ratio':>6}" if ranks else ""))
-    lines = [f"memory per device, MiB (predicted peak{f'; cap {cap / mib:.1f}' if cap else ''}):", head]
+    lines = [f"memory per device, MiB (predicted peak{f'; cap {cap / mib:.1f}' if cap else ''}):",
+             *([sharding_line(plan)] if plan.meta.zero else []), head]
     tensors: dict[int, list[int]] = {}
     resident: dict[int, list[int]] = {}
     for r in ranks or []:
@@ -147,7 +149,8 @@ def device_memory_table(plan: Plan, ranks: Sequence[RankFacts] | None = None) ->
     for d in plan.meta.device_memory:
         row = (f"{d.rank:>5} {d.params / mib:>8.1f} {d.grads / mib:>8.1f} {d.optimizer / mib:>8.1f} "
                f"{d.activations / mib:>8.1f} {d.recompute / mib:>7.1f} {d.workspace / mib:>7.1f} "
-               f"{d.update / mib:>7.1f} {d.reserve / mib:>7.1f} {d.total / mib:>10.1f}")
+               + (f"{d.gathered / mib:>8.1f} " if gathered else "")
+               + f"{d.update / mib:>7.1f} {d.reserve / mib:>7.1f} {d.total / mib:>10.1f}")
         if d.rank in tensors:
             got, live = max(tensors[d.rank]), d.total - d.reserve
             row += f" {got / mib:>8.1f} {got / live if live else 0.0:>6.2f}"
@@ -158,6 +161,20 @@ def device_memory_table(plan: Plan, ranks: Sequence[RankFacts] | None = None) ->
             row += f" {got / mib:>9.1f} {got / d.total if d.total else 0.0:>6.2f}"
         lines.append(row)
     return "\n".join(lines)
+
+
+#: per sharding level: what it shards, and what its backward holds unsharded (the gathered column)
+_SHARDED = {1: ("optimizer states", ""),
+            2: ("optimizer states and gradients", "; gathered: a stage's gradients before their reduce-scatter"),
+            3: ("optimizer states, gradients and parameters",
+                "; gathered: a stage's full parameters and gradients while it computes")}
+
+
+def sharding_line(plan: Plan) -> str:
+    """`zero=2 over dp=2: optimizer states and gradients sharded; ...`: the level the memory table prices."""
+    what, window = _SHARDED[plan.meta.zero]
+    tied = " (tied parameters whole)" if any(plan.meta.stage_replicated_param_bytes or []) else ""
+    return f"zero={plan.meta.zero} over dp={plan.dp}: {what} sharded{tied}{window}"
 
 
 def format_prediction(res: SimResult) -> str:

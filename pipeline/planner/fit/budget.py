@@ -3,8 +3,11 @@
 `memory.cap_bytes` caps each device (pipeline rank): parameters, gradients, optimizer state and the
 activations all its stages hold at the schedule's peak (`pipelaunch.pipeline.planner.predict.memory`, checked on the
 simulated schedule once the split exists). Before that, a partitioner cuts so that each stage
-alone fits the device: its parameters count `2 + optimizer states` times (the parameter, its
-gradient, the optimizer's tensors), and its activations once per micro-batch the schedule keeps in
+alone fits the device: its parameters count `Sharding.stage_factor` times (the parameter, its
+gradient, the optimizer's tensors as the data-parallel sharding level `zero` leaves them, and at
+zero=2/3 the stage's unsharded window: `2 + optimizer states` at zero=0; a parameter several nodes
+read, which may end up tied between stages and so kept whole, at the larger of that and the
+unsharded `2 + optimizer states`), and its activations once per micro-batch the schedule keeps in
 flight there (`Schedule.peak_in_flight`, counted on the schedule's unit-cost order before the split
 exists); recomputing stages (remat) hold full activations for fewer of them and the inputs of all.
 """
@@ -17,6 +20,7 @@ import networkx as nx
 
 from pipelaunch.pipeline.core.ir import Schedule
 from pipelaunch.pipeline.planner.partition import Partition, PartitionRequest, evaluate
+from pipelaunch.pipeline.planner.predict.memory import Sharding
 from pipelaunch.pipeline.planner.schedules import build_schedule
 from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
 
@@ -40,20 +44,35 @@ def partition_request(
     return PartitionRequest(bandwidth, plain, cap, recomputed, remat_all=remat == "full")
 
 
-def device_view(graph: nx.DiGraph, param_factor: float) -> nx.DiGraph:
+def device_view(graph: nx.DiGraph, param_factor: float, shared_factor: float | None = None) -> nx.DiGraph:
     """The cost graph with every parameter byte counted `param_factor` times (the parameter, its
     gradient and the optimizer's state): what a partitioner prices a stage's memory on when the
-    cap is a device's. Times, activations and the graph itself are unchanged."""
-    if param_factor == 1:
+    cap is a device's; a parameter more than one node reads (maybe tied between stages, which
+    sharding leaves whole) `shared_factor` times when given. Times, activations and the graph
+    itself are unchanged."""
+    readers: dict[str, int] = {}
+    for _, data in graph.nodes(data=True):
+        for name in data.get("params") or ():
+            readers[name] = readers.get(name, 0) + 1
+    shared = {name for name, count in readers.items() if count > 1} if shared_factor is not None else set()
+    if param_factor == 1 and not shared:
         return graph
     view = graph.copy()
     sizes = graph.graph.get("param_sizes")
     if sizes:
-        view.graph["param_sizes"] = {name: size * param_factor for name, size in sizes.items()}
+        view.graph["param_sizes"] = {name: size * (shared_factor if name in shared else param_factor)
+                                     for name, size in sizes.items()}
     for node, data in view.nodes(data=True):
         if data.get("param_bytes"):
             view.nodes[node]["param_bytes"] = int(graph.nodes[node]["param_bytes"] * param_factor)
     return view
+
+
+def stage_param_factors(states: int, sharding: Sharding) -> tuple[float, float]:
+    """(per parameter byte, per byte of a parameter several nodes read) of a stage alone on its
+    device at this sharding level: what `device_view` counts."""
+    factor = sharding.stage_factor(states)
+    return factor, max(factor, sum(sharding.held(0.0, 1.0, states)))
 
 
 def reprice_split(part: Partition, graph, **price) -> Partition:

@@ -17,6 +17,24 @@ After the backward the activations are gone, and the update holds its own tempor
 data-parallel all-reduce's flat copy of the gradients (dp > 1), then the optimizer step's
 (`UpdateMemory`). A device's peak is the larger of the two phases above its parameters, gradients
 and optimizer state: with many small micro-batches the update can be the larger.
+
+Data-parallel sharding (`zero`, `Sharding`; docs/sharding.md "What each level holds"): with P the
+parameter bytes of a rank's stages, R of them held by several stages (tied weights: replicated at
+every level, counted whole), S = P - R the sharded part, k the optimizer's states per parameter,
+d = dp at zero >= 1 (1 at zero=0), own = S/d + R, and S_s the largest sharded part of one of the
+rank's stages::
+
+    level   params      grads       optimizer   gathered (in the backward phase)
+    0       P           P           kP          0
+    1       P           P           k own       0
+    2       P           own         k own       S_s      (one stage's gradients before its reduce-scatter)
+    3       own         own         k own       2 S_s    (one stage's full parameters, and its gradients)
+
+At zero >= 1 the update holds no flat all-reduce copy and the optimizer's temporaries scale with
+the shard (of the largest tensor, largest/d; of all, own). The predicted step time does not price
+sharding: neither the collectives it adds nor the smaller optimizer step (`predict.prediction`).
+A partitioner pricing one stage alone on its device counts each parameter byte
+`Sharding.stage_factor` times (`fit.budget.device_view`).
 """
 
 from __future__ import annotations
@@ -30,19 +48,62 @@ from pipelaunch.pipeline.core.plan_records import MIB, DeviceMemory
 
 
 @dataclass(frozen=True)
+class Sharding:
+    """The data-parallel sharding level (`zero`, 0..3, ZeRO's vocabulary) over `dp` replicas: what
+    a device holds of its stages' parameters, gradients and optimizer state (the module's table).
+    The one formula the prediction and the partitioners' cap both price."""
+
+    zero: int = 0
+    dp: int = 1
+
+    @property
+    def degree(self) -> int:
+        """How many replicas share a sharded tensor: dp at zero >= 1, else 1."""
+        return max(1, int(self.dp)) if self.zero > 0 else 1
+
+    def held(self, sharded: float, replicated: float, states: int) -> tuple[float, float, float]:
+        """(params, grads, optimizer) bytes a device holds through the step for `sharded` parameter
+        bytes it shares with the other replicas and `replicated` ones it keeps whole (tied)."""
+        whole = sharded + replicated
+        own = sharded / self.degree + replicated
+        return (own if self.zero >= 3 else whole, own if self.zero >= 2 else whole,
+                states * (own if self.zero >= 1 else whole))
+
+    def gathered(self, stage_sharded: float) -> float:
+        """What one stage's backward holds unsharded beside the shards: zero=2 its gradients
+        before their reduce-scatter, zero=3 its gathered parameters too (nothing over one replica)."""
+        return stage_sharded * {2: 1.0, 3: 2.0}.get(self.zero, 0.0) if self.degree > 1 else 0.0
+
+    def stage_factor(self, states: int) -> float:
+        """Bytes per parameter byte of a stage alone on its device (the partitioners' view)."""
+        return sum(self.held(1.0, 0.0, states)) + self.gathered(1.0)
+
+
+@dataclass(frozen=True)
 class UpdateMemory:
     """What prices the update's temporaries: per stage its largest parameter tensor (bytes), the
     optimizer's temporaries per byte (of the largest tensor, of all the rank's parameters:
     `optimizer_costs.optimizer_temporaries`), and the data-parallel degree (dp > 1 all-reduces the
-    gradients through one flat copy of them)."""
+    gradients through one flat copy of them, unless they are sharded)."""
 
     largest_param_bytes: Sequence[float] | None = None
     temporaries: tuple[float, float] = (0.0, 0.0)
     dp: int = 1
 
-    def bytes(self, params: float, largest: float) -> float:
+    def bytes(self, params: float, largest: float, shard: int = 1) -> float:
+        """For `params` bytes the optimizer steps (a shard of them when `shard` > 1: no flat copy,
+        the largest tensor's temporaries scaled by 1/shard)."""
         per_largest, per_all = self.temporaries
-        return max(per_largest * largest + per_all * params, params if self.dp > 1 else 0.0)
+        flat = params if self.dp > 1 and shard == 1 else 0.0
+        return max(per_largest * largest / shard + per_all * params, flat)
+
+
+def rank_param_bytes(stage_param_bytes: Sequence[float], placement: Sequence[int]) -> list[float]:
+    """Per pipeline rank, the parameter bytes of its stages (a tensor two of them share, twice)."""
+    params = [0.0] * (max(placement) + 1)
+    for stage, rank in enumerate(placement):
+        params[rank] += float(stage_param_bytes[stage])
+    return params
 
 
 def device_memory(
@@ -54,28 +115,38 @@ def device_memory(
     workspace_bytes: Sequence[float] | None = None,
     reserve_bytes: float = 0.0,
     update: UpdateMemory | None = None,
+    sharding: Sharding | None = None,
+    replicated_bytes: Sequence[float] | None = None,
 ) -> list[DeviceMemory]:
     """Per rank: the parameters of its stages (a parameter two of its stages share counts twice:
-    a slight over-estimate), as much again in gradients, `states_per_param` times as much in
-    optimizer state, the simulated activation peak, the largest region it recomputes, the largest
-    backward workspace of its stages (per stage: its largest node's activations), the reserve,
-    and the update's temporaries."""
-    pp = max(placement) + 1
-    params = [0.0] * pp
-    for stage, rank in enumerate(placement):
-        params[rank] += float(stage_param_bytes[stage])
-    regions = list(recompute_bytes) if recompute_bytes is not None else [0.0] * len(placement)
-    spaces = list(workspace_bytes) if workspace_bytes is not None else [0.0] * len(placement)
+    a slight over-estimate), their gradients and `states_per_param` times their bytes in optimizer
+    state as `sharding` leaves them (`replicated_bytes`, per stage: its tied parameters, never
+    sharded), the unsharded window of its largest stage, the simulated activation peak, the
+    largest region it recomputes, the largest backward workspace of its stages (per stage: its
+    largest node's activations), the reserve, and the update's temporaries."""
+    sharding = sharding or Sharding()
+    n = len(placement)
+    whole = rank_param_bytes(stage_param_bytes, placement)
+    replicated = rank_param_bytes(replicated_bytes if replicated_bytes is not None else [0.0] * n, placement)
+    sharded = [float(stage_param_bytes[s]) - (float(replicated_bytes[s]) if replicated_bytes is not None else 0.0)
+               for s in range(n)]
+    regions = list(recompute_bytes) if recompute_bytes is not None else [0.0] * n
+    spaces = list(workspace_bytes) if workspace_bytes is not None else [0.0] * n
 
-    def largest(values: list[float], rank: int) -> float:
+    def largest(values: Sequence[float], rank: int) -> float:
         return max((float(values[s]) for s, rr in enumerate(placement) if rr == rank), default=0.0)
 
     update = update or UpdateMemory()
-    tensors = list(update.largest_param_bytes) if update.largest_param_bytes else [0.0] * len(placement)
-    return [DeviceMemory(r, params[r], params[r], states_per_param * params[r], float(activation_peak[r]),
-                         largest(regions, r), largest(spaces, r), float(reserve_bytes),
-                         update.bytes(params[r], largest(tensors, r)))
-            for r in range(pp)]
+    tensors = list(update.largest_param_bytes) if update.largest_param_bytes else [0.0] * n
+    out = []
+    for r in range(len(whole)):
+        params, grads, optimizer = sharding.held(whole[r] - replicated[r], replicated[r], states_per_param)
+        stepped = sharding.held(whole[r] - replicated[r], replicated[r], 1)[2]  # the bytes the optimizer steps
+        out.append(DeviceMemory(r, params, grads, optimizer, float(activation_peak[r]), largest(regions, r),
+                                largest(spaces, r), float(reserve_bytes),
+                                update.bytes(stepped, largest(tensors, r), sharding.degree),
+                                sharding.gathered(largest(sharded, r))))
+    return out
 
 
 def over_budget(devices: Sequence[DeviceMemory], cap: float | None) -> list[DeviceMemory]:

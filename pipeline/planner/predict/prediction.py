@@ -14,7 +14,13 @@ import torch
 
 from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.planner.predict.costs import cost_model_from_plan
-from pipelaunch.pipeline.planner.predict.memory import DeviceMemory, UpdateMemory, device_memory
+from pipelaunch.pipeline.planner.predict.memory import (
+    DeviceMemory,
+    Sharding,
+    UpdateMemory,
+    device_memory,
+    rank_param_bytes,
+)
 from pipelaunch.pipeline.planner.predict.shared_cores import shared_makespan
 from pipelaunch.pipeline.planner.predict.simulate import CostModel, SimResult, simulate
 
@@ -63,11 +69,16 @@ def predict(plan: Plan, latency_s: float, bandwidth: float) -> Prediction:
                             int(plan.meta.optimizer_states), plan.meta.stage_recompute_region_bytes,
                             plan.meta.stage_workspace_bytes, float(plan.meta.reserve_bytes or 0.0),
                             update=UpdateMemory(plan.meta.stage_largest_param_bytes,
-                                                tuple(machine.optimizer_temporaries), plan.dp))
+                                                tuple(machine.optimizer_temporaries), plan.dp),
+                            sharding=Sharding(plan.meta.zero, plan.dp),
+                            replicated_bytes=plan.meta.stage_replicated_param_bytes)
     schedule_s = result.makespan_s
     slots = machine.rank_slots
     if slots:  # more local ranks than cores: busy ranks share them (pipeline/planner/predict/shared_cores.py)
         schedule_s = shared_makespan(plan.schedule, cost, slots, plan.dp)
     per_byte = float(machine.optimizer_s_per_byte or 0.0)
-    optimizer = [d.params * per_byte for d in devices]
+    # on every parameter byte at every sharding level: the step time does not price sharding yet
+    # (neither its smaller optimizer step nor its collectives), so levels tie on time
+    whole = rank_param_bytes(plan.meta.partition.stage_param_bytes, plan.schedule.placement)
+    optimizer = [p * per_byte for p in whole]
     return Prediction(plan, cost, result, devices, schedule_s, optimizer)

@@ -25,7 +25,8 @@ from pipelaunch.pipeline.planner.predict.prediction import Prediction
 @dataclass(frozen=True)
 class Candidate:
     """One configuration the search plans: scheduler option (with its settings), partitioner
-    option, micro-batches per step and replica, remat."""
+    option, micro-batches per step and replica, remat, and the data-parallel sharding level when
+    the search tries levels (`plan.zero`; None: the configured `zero`)."""
 
     scheduler: str
     scheduler_plugin: Plugin
@@ -33,15 +34,23 @@ class Candidate:
     partitioner_plugin: Plugin
     microbatches: int
     remat: str
+    zero: int | None = None
 
     @property
     def label(self) -> str:
-        return f"{self.scheduler} / {self.partitioner} / {self.microbatches} mbs / remat={self.remat}"
+        level = "" if self.zero is None else f" / zero={self.zero}"
+        return f"{self.scheduler} / {self.partitioner} / {self.microbatches} mbs / remat={self.remat}{level}"
+
+    @property
+    def level(self) -> int:
+        """The sharding level for ranking (the configured one counts as 0: it is not compared)."""
+        return self.zero or 0
 
     def overrides(self) -> dict:
         """The config keys this candidate sets."""
         return {"scheduler": dict(self.scheduler_plugin.config), "partitioner": dict(self.partitioner_plugin.config),
-                "microbatches": self.microbatches, "remat": self.remat}
+                "microbatches": self.microbatches, "remat": self.remat,
+                **({} if self.zero is None else {"zero": self.zero})}
 
 
 @dataclass
@@ -63,7 +72,8 @@ class Outcome:
         """A JSON row for metrics.json / prediction.json."""
         row: dict = {"label": self.candidate.label, "scheduler": self.candidate.scheduler,
                      "partitioner": self.candidate.partitioner, "microbatches": self.candidate.microbatches,
-                     "remat": self.candidate.remat}
+                     "remat": self.candidate.remat, **({} if self.candidate.zero is None else
+                                                        {"zero": self.candidate.zero})}
         if self.prediction is not None:
             res = self.prediction.result
             row.update(step_s=res.makespan_s, bubble=res.mean_bubble,
@@ -91,9 +101,11 @@ class SearchResult:
 
     @property
     def ranked(self) -> list[Outcome]:
-        """Candidates that fit, fastest first (ties: the lower fullest-device peak, then fewer micro-batches)."""
+        """Candidates that fit, fastest first (ties: the lower sharding level, the lower fullest-device
+        peak, then fewer micro-batches)."""
         fits = [o for o in self.outcomes if o.fits]
-        return sorted(fits, key=lambda o: (o.prediction.step_s, o.prediction.peak_bytes, o.candidate.microbatches))
+        return sorted(fits, key=lambda o: (o.prediction.step_s, o.candidate.level, o.prediction.peak_bytes,
+                                           o.candidate.microbatches))
 
     @property
     def excluded(self) -> list[Outcome]:
@@ -114,8 +126,10 @@ class SearchResult:
         # Fewest stages first: each stage adds transfers and switches between stages that the
         # predictions price least well (interleaved 1F1B at pp=2 measured 1.06-1.13x its prediction in
         # four runs, median 1.10, with 4 stages per rank 1.13x; one or two stages per rank 0.94-1.10x,
-        # median 1.03).
-        return min(self._tied(ranked), key=lambda o: (_stages(o), o.prediction.peak_bytes, o.prediction.step_s))
+        # median 1.03). Then the lowest sharding level: a higher one adds collectives (gathers,
+        # reduce-scatters) the simulator does not price yet, so its equal prediction is optimistic.
+        return min(self._tied(ranked), key=lambda o: (_stages(o), o.candidate.level, o.prediction.peak_bytes,
+                                                      o.prediction.step_s))
 
     def _tied(self, ranked: list[Outcome]) -> list[Outcome]:
         """The fits predicted within `tie` of the fastest."""
@@ -142,13 +156,15 @@ class SearchResult:
         """The fastest candidates that fit, then those over the budget and those that could not be planned."""
         cap = f" (cap {self.cap / MIB:.1f})" if self.cap is not None else ""
         width = max([8, *(len(o.candidate.scheduler) for o in self.ranked[:top])])
-        lines = [f"{'#':>3}  {'schedule':<{width}} {'partitioner':<11} {'mbs':>4} {'remat':<5} {'step ms':>9} "
-                 f"{'bubble':>7}  peak MiB per device{cap}"]
+        levels = any(o.candidate.zero is not None for o in self.outcomes)  # the search tries levels
+        lines = [f"{'#':>3}  {'schedule':<{width}} {'partitioner':<11} {'mbs':>4} {'remat':<5} "
+                 + (f"{'zero':>4} " if levels else "") + f"{'step ms':>9} {'bubble':>7}  peak MiB per device{cap}"]
         for i, o in enumerate(self.ranked[:top], 1):
             c, p = o.candidate, o.prediction
             mark = "  <- runs" if o is self.winner else ""
             lines.append(f"{i:>3}  {c.scheduler:<{width}} {c.partitioner:<11} {c.microbatches:>4} {c.remat:<5} "
-                         f"{p.step_s * 1e3:>9.1f} {p.result.mean_bubble:>7.1%}  "
+                         + (f"{c.level:>4} " if levels else "")
+                         + f"{p.step_s * 1e3:>9.1f} {p.result.mean_bubble:>7.1%}  "
                          f"{' / '.join(f'{d.total / MIB:.1f}' for d in p.devices)}{mark}")
         hidden = len(self.ranked) - top
         if hidden > 0:
@@ -179,6 +195,10 @@ class SearchResult:
                 parts.append(f"{tied}, and cuts the model into {_stages(fastest)} stages against {_stages(win)} "
                              "(among tied candidates the fewest stages run: the predictions hold least well for "
                              "many stages per rank)")
+            elif fastest.candidate.level > win.candidate.level:
+                parts.append(f"{tied}, and shards more (zero={fastest.candidate.level} against "
+                             f"zero={win.candidate.level}: among tied candidates the lowest level runs, since the "
+                             "predictions do not price its collectives yet)")
             else:
                 parts.append(f"{tied}, and holds {(fp.peak_bytes - wp.peak_bytes) / MIB:.1f} MiB more on its fullest "
                              f"device ({fp.peak_bytes / MIB:.1f} MiB)")
@@ -190,6 +210,7 @@ class SearchResult:
                          f"({op.step_s * 1e3:.1f} ms, bubble {op.result.mean_bubble:.1%})")
         same = next((o for o in rest if o.candidate.scheduler == win.candidate.scheduler
                      and o.candidate.partitioner != win.candidate.partitioner), None)
+        parts += _level_reasons(win, self.ranked, self.excluded)
         if same is not None:
             parts.append(f"{_faster(same.prediction.step_s, wp.step_s)} the same schedule split by "
                          f"{same.candidate.partitioner} ({same.prediction.step_s * 1e3:.1f} ms)")
@@ -220,6 +241,26 @@ def _faster(other_s: float, own_s: float) -> str:
     if gain > 0.0005:
         return f"{gain:.1%} faster than"
     return f"{own_s / other_s - 1:.1%} slower than" if gain < -0.0005 else "as fast as"
+
+
+def _level_reasons(win: Outcome, ranked: Sequence[Outcome], excluded: Sequence[Outcome]) -> list[str]:
+    """Why the winner's sharding level: lower levels of its configuration over the budget, higher
+    ones that fit too but run only on a tie (their collectives are not priced yet)."""
+    same = [o for o in (*ranked, *excluded) if o is not win and _same_but_level(o.candidate, win.candidate)]
+    lower = [o.candidate.level for o in same if (o.over or o.split_over) and o.candidate.level < win.candidate.level]
+    higher = [o.candidate.level for o in same if o.fits and o.candidate.level > win.candidate.level]
+    out = []
+    if lower:
+        out.append(f"lower sharding levels of it ({', '.join(f'zero={z}' for z in sorted(lower))}) are over the budget")
+    if higher:
+        out.append(f"higher ones ({', '.join(f'zero={z}' for z in sorted(higher))}) fit too, but the lowest level that "
+                   "fits runs: the predictions do not price the collectives a higher level adds yet")
+    return out
+
+
+def _same_but_level(a: Candidate, b: Candidate) -> bool:
+    return (a.scheduler, a.partitioner, a.microbatches, a.remat) == (b.scheduler, b.partitioner, b.microbatches,
+                                                                     b.remat)
 
 
 def _stages(outcome: Outcome) -> int:
@@ -256,6 +297,20 @@ def remat_values(wanted: Sequence[str] | None, capped: bool) -> list[str]:
     return [v for v in values if v != "auto" or capped] or ["none"]
 
 
+def zero_levels(wanted: Sequence[int] | None, dp: int) -> list[int | None]:
+    """The sharding levels to try: `wanted` (`plan.zero`), or [None], the configured level only
+    (labels then leave the level out). A level above 0 needs dp >= 2, as `zero` does."""
+    if wanted is None:
+        return [None]
+    levels = list(wanted)
+    if not levels or not all(isinstance(z, int) and not isinstance(z, bool) and 0 <= z <= 3 for z in levels):
+        raise ConfigError("plan.zero", f"got {wanted!r}; valid: a list of levels in 0..3 (e.g. [0, 1, 2, 3]), or null")
+    if dp < 2 and any(levels):
+        raise ConfigError("plan.zero", f"levels {sorted(z for z in levels if z)} shard over the data-parallel "
+                                       f"replicas, and dp={dp} has one; set dp >= 2 or plan.zero=[0]")
+    return sorted(set(levels))
+
+
 def scheduler_variants(options: Mapping[str, Plugin], wanted: Sequence[str] | None,
                        variants: Mapping[str, Mapping[str, Sequence]] | None) -> list[tuple[str, Plugin]]:
     """(label, option) per scheduler option to try: the options named in `wanted` (all when None),
@@ -284,10 +339,12 @@ def candidates(
     partitioners: Mapping[str, Plugin],
     counts: Sequence[int],
     remats: Sequence[str],
+    zeros: Sequence[int | None] = (None,),
 ) -> list[Candidate]:
     """Every combination, in a fixed order."""
-    return [Candidate(s, sched, p, part, m, r)
-            for (s, sched), (p, part), m, r in itertools.product(schedulers, partitioners.items(), counts, remats)]
+    return [Candidate(s, sched, p, part, m, r, z)
+            for (s, sched), (p, part), m, r, z in itertools.product(schedulers, partitioners.items(), counts, remats,
+                                                                    zeros)]
 
 
 def run_search(

@@ -28,6 +28,7 @@ from pipelaunch.pipeline.planner.search.choose import (
     remat_values,
     run_search,
     scheduler_variants,
+    zero_levels,
 )
 
 
@@ -65,12 +66,13 @@ def search_space(cfg: TrainConfig, plugins: Plugins, options: GroupOptions, grap
     partitioners = _partitioners(space.partitioners or [plugins.partitioner.option], options, graph)
     counts = microbatch_counts(cfg.pp, cfg.dp, cfg.batch_size, cfg.microbatches, space.microbatches)
     rematting = [str(r) for r in space.remat] if space.remat else None
-    cands = candidates(chosen, partitioners, counts, remat_values(rematting, cfg.memory.cap_bytes is not None))
+    cands = candidates(chosen, partitioners, counts, remat_values(rematting, cfg.memory.cap_bytes is not None),
+                       zero_levels(space.zero, cfg.dp))
     given, named = None, plugins.scheduler
     if named is not None:
         given = next((c for c in cands if c.scheduler_plugin.same_as(named)
                       and c.partitioner == plugins.partitioner.option and c.microbatches == cfg.microbatches
-                      and c.remat == remat), None)
+                      and c.remat == remat and c.zero in (None, cfg.zero)), None)
     return cands, given
 
 

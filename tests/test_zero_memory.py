@@ -1,0 +1,150 @@
+"""What a device holds at each data-parallel sharding level (`zero`): the formula of
+`predict.memory.Sharding` on hand-made stages, the planner's prediction of a small model at every
+level, tied parameters kept whole, and a memory cap only sharding meets. No rank is spawned."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from pipelaunch.launcher.validate import prepare
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.plan import PlanMeta
+from pipelaunch.pipeline.planner.fit.budget import stage_param_factors
+from pipelaunch.pipeline.planner.predict.memory import MIB, Sharding, UpdateMemory, device_memory
+from pipelaunch.pipeline.planner.predict.prediction import predict
+from pipelaunch.pipeline.report.tables import device_memory_table
+from tests.harness import FAST, compose_cfg
+
+#: a gpt_bench-like shape in miniature: AdamW, parameters well above activations, no reserve
+BASE = [*FAST, "model.dim=128", "model.layers=4", "pp=2", "dp=2", "mode=plan", "optimizer=adamw",
+        "memory.reserve_bytes=0"]
+
+
+def _devices(zero: int, placement=(0, 0, 1), replicated=None, update=None):
+    """Three stages of 8, 4 and 6 MiB (the first two on rank 0), AdamW's two states, dp=2."""
+    return device_memory([8 * MIB, 4 * MIB, 6 * MIB], list(placement), [1 * MIB, 1 * MIB], 2,
+                         update=update, sharding=Sharding(zero, 2), replicated_bytes=replicated)
+
+
+@pytest.mark.parametrize(("zero", "held", "gathered"), [
+    (0, (12, 12, 24), 0), (1, (12, 12, 12), 0), (2, (12, 6, 12), 8), (3, (6, 6, 12), 16)])
+def test_each_level_holds_what_the_table_says(zero: int, held: tuple, gathered: float) -> None:
+    """Rank 0 holds 12 MiB of parameters in two stages, the larger 8 MiB: zero=1 halves the
+    optimizer state, zero=2 the gradients too (one stage's whole during its backward), zero=3 the
+    parameters too (one stage's gathered parameters and gradients during its backward)."""
+    rank0 = _devices(zero)[0]
+    assert (rank0.params, rank0.grads, rank0.optimizer) == tuple(h * MIB for h in held)
+    assert rank0.gathered == gathered * MIB
+    assert rank0.total == sum(held) * MIB + rank0.activations + gathered * MIB  # in the backward phase
+    assert ("gathered" in rank0.breakdown()) == bool(gathered)
+
+
+def test_tied_parameters_stay_whole_at_every_level() -> None:
+    """2 MiB of stage 0 and 2 MiB of stage 2 are one tied tensor: never sharded, nor in the window."""
+    rank0, rank1 = _devices(3, replicated=[2 * MIB, 0.0, 2 * MIB])
+    assert rank0.params == 10 * MIB / 2 + 2 * MIB and rank0.grads == rank0.params
+    assert rank0.optimizer == 2 * rank0.params and rank0.gathered == 2 * 6 * MIB  # stage 0's 6 sharded MiB
+    assert rank1.params == 4 * MIB / 2 + 2 * MIB and rank1.gathered == 2 * 4 * MIB
+
+
+def test_sharded_updates_hold_no_flat_copy_and_temporaries_on_the_shard() -> None:
+    update = UpdateMemory([4 * MIB, 1 * MIB, 2 * MIB], temporaries=(1.0, 1.0), dp=2)
+    flat, sharded = _devices(0, update=update)[0], _devices(1, update=update)[0]
+    assert flat.update == 4 * MIB + 12 * MIB  # the optimizer's temporaries beat the flat copy (12 MiB)
+    assert sharded.update == 4 * MIB / 2 + 12 * MIB / 2
+
+
+def test_the_partitioners_stage_factor_is_the_same_formula() -> None:
+    """A stage alone on its device: zero=0 counts 2 + k; parameters maybe tied never count less
+    than unsharded."""
+    assert stage_param_factors(2, Sharding(0, 2)) == (4.0, 4.0)
+    assert stage_param_factors(2, Sharding(1, 2)) == (3.0, 4.0)
+    assert stage_param_factors(2, Sharding(3, 4)) == (1.0 + 2.0, 4.0)
+    assert Sharding(2, 1).degree == 1 and Sharding(0, 4).degree == 1 and Sharding(3, 1).gathered(1.0) == 0.0
+
+
+@pytest.fixture(scope="module")
+def plans():
+    return {z: prepare(compose_cfg([*BASE, f"zero={z}"])).plan for z in range(4)}
+
+
+def test_zero3_holds_about_half_the_parameters_gradients_and_optimizer_state_of_zero0(plans) -> None:
+    def held(plan):
+        return max(d.params + d.grads + d.optimizer for d in plan.meta.device_memory)
+
+    assert all(p.meta.zero == z and p.meta.device_memory for z, p in plans.items())
+    assert held(plans[3]) <= 0.55 * held(plans[0])
+    assert held(plans[3]) < held(plans[2]) < held(plans[1]) < held(plans[0])
+    assert all(d.gathered == 0 for d in plans[1].meta.device_memory)
+    assert all(d.gathered > 0 for d in plans[3].meta.device_memory)
+    # the predicted step does not price sharding yet: on the same plan, the levels tie on time
+    same = [predict(replace(plans[0], meta=replace(plans[0].meta, zero=z)), 1e-4, 1e9) for z in range(4)]
+    assert len({p.step_s for p in same}) == 1 and len({p.peak_bytes for p in same}) == 4
+
+
+def test_the_memory_table_says_the_level_and_shows_the_window(plans) -> None:
+    table = device_memory_table(plans[3])
+    assert "zero=3 over dp=2: optimizer states, gradients and parameters sharded" in table
+    assert "gathered" in table.splitlines()[2]
+    assert "zero=" not in device_memory_table(plans[0]) and "gathered" not in device_memory_table(plans[0])
+    assert "gathered" not in device_memory_table(plans[1]).splitlines()[2]
+
+
+def test_a_plan_json_keeps_the_window_and_an_older_one_loads(plans) -> None:
+    meta = plans[3].meta
+    assert PlanMeta.from_json(meta.to_json()) == meta
+    old = {"zero": 3, "device_memory": [{"rank": 0, "params": 1.0, "grads": 1.0, "optimizer": 2.0,
+                                         "activations": 3.0, "total": 7.0}]}
+    loaded = PlanMeta.from_json(old)
+    assert loaded.device_memory[0].gathered == 0.0 and loaded.stage_replicated_param_bytes is None
+
+
+def test_tied_embeddings_are_counted_whole() -> None:
+    plan = prepare(compose_cfg([*BASE, "zero=3", "+model.tie_embeddings=true"])).plan
+    tied = plan.meta.stage_replicated_param_bytes
+    assert plan.shared_params and tied[0] == tied[-1] == 64 * 128 * 4  # vocab x dim, fp32
+    stage_bytes = plan.meta.partition.stage_param_bytes
+    rank0 = plan.meta.device_memory[0]
+    assert rank0.params == pytest.approx((stage_bytes[0] - tied[0]) / 2 + tied[0])
+    assert "tied parameters whole" in device_memory_table(plan)
+
+
+def test_a_cap_zero0_misses_is_met_by_sharding(plans) -> None:
+    """Under memory=budget the same run plans at zero=3 where zero=0 is over the cap."""
+    low, high = (max(d.total for d in plans[z].meta.device_memory) for z in (3, 0))
+    cap = (low + high) / 2
+    budget = [*BASE, "memory=budget", f"memory.cap_bytes={cap:.0f}"]
+    with pytest.raises(ConfigError, match="memory.cap_bytes"):
+        prepare(compose_cfg([*budget, "zero=0"]))
+    plan = prepare(compose_cfg([*budget, "zero=3"])).plan
+    assert max(d.total for d in plan.meta.device_memory) <= cap
+
+
+#: plan=auto over the sharding levels only
+LEVELS = ["plan=auto", "plan.schedulers=[1f1b]", "plan.partitioners=[uniform]", "plan.microbatches=[4]",
+          "plan.remat=[none]", "plan.zero=[0,1,2,3]"]
+
+
+def test_plan_auto_runs_the_lowest_level_that_fits(plans) -> None:
+    """Without a cap the levels tie and zero=0 runs; under a cap zero=0 misses, the lowest level
+    that fits runs, and the labels and the summary carry each candidate's level."""
+    free = prepare(compose_cfg([*BASE, *LEVELS]))
+    assert free.plan.meta.zero == 0 and free.search.winner.candidate.label.endswith("/ zero=0")
+    assert "higher ones (zero=1, zero=2, zero=3) fit too" in free.search.why()
+    cap = max(d.total for d in plans[0].meta.device_memory) - 1000
+    capped = prepare(compose_cfg([*BASE, *LEVELS, "memory=budget", f"memory.cap_bytes={cap:.0f}"]))
+    fitting = min(z for z, p in plans.items() if max(d.total for d in p.meta.device_memory) <= cap)
+    assert capped.plan.meta.zero == fitting > 0
+    summary = capped.plan.meta.search
+    assert summary.chosen["zero"] == fitting and f"zero={fitting}" in summary.chosen["label"]
+    assert [row["zero"] for row in summary.excluded] == [0] and "lower sharding levels of it (zero=0)" in summary.why
+    assert " zero " in capped.search.table().splitlines()[0]
+
+
+def test_plan_zero_names_levels_dp_can_shard() -> None:
+    with pytest.raises(ConfigError, match="plan.zero"):
+        prepare(compose_cfg([*BASE, *LEVELS, "plan.zero=[4]"]))
+    with pytest.raises(ConfigError, match="dp=1 has one"):
+        prepare(compose_cfg([*BASE, *LEVELS, "dp=1"]))
