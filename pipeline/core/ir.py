@@ -25,15 +25,22 @@ class Kind(str, Enum):
     RECV_F = "RECV_F"  # receive a stage's inputs from the previous stage's rank
     SEND_B = "SEND_B"  # send gradients of a stage's inputs to the previous stage's rank
     RECV_B = "RECV_B"  # receive gradients of a stage's outputs from the next stage's rank
+    # data-parallel collectives over a stage's replicas (passes/data_parallel.py; dp > 1 only)
+    UNSHARD = "UNSHARD"  # gather the stage's sharded parameters (zero >= 1)
+    RESHARD = "RESHARD"  # release the gathered parameters, keep the shard (zero >= 1)
+    REDUCE_GRAD = "REDUCE_GRAD"  # reduce the stage's gradients over the replicas: all-reduce at
+    # zero=0, reduce-scatter into the shard above; started, not waited for (the update waits)
 
 
 COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.R})
 COMM_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
+DP_KINDS = frozenset({Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD})
 
 _TEXT = {k: k.value for k in Kind}
 #: a message's arrow before its peer stage: sent to, received from
 _ARROW = {Kind.SEND_F: ">", Kind.SEND_B: ">", Kind.RECV_F: "<", Kind.RECV_B: "<"}
-_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W|R)(\d+)(?:([<>])(\d+))?$")
+_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD|F|B|I|W|R)(\d+)"
+                        r"(?:([<>])(\d+))?$")
 
 
 class Action(NamedTuple):

@@ -31,6 +31,7 @@ from pipelaunch.pipeline.planner.partition import Partition, PartitionRequest, e
 from pipelaunch.pipeline.planner.partition.atomic import contract_unsendable
 from pipelaunch.pipeline.planner.partition.common import assignment_from_order, topo_order
 from pipelaunch.pipeline.planner.partition.rank_balance import rank_balanced_starts
+from pipelaunch.pipeline.planner.passes.data_parallel import place_data_parallel
 from pipelaunch.pipeline.planner.passes.lowering import lower
 from pipelaunch.pipeline.planner.passes.p2p_check import check_p2p, edge_messages
 from pipelaunch.pipeline.planner.passes.remat import per_module_suffices
@@ -183,6 +184,8 @@ def build_plan(traced: TracedModel, generator: ScheduleGenerator, req: PlanReque
     messages = edge_messages(stages)
     # gradients flow back only along edges carrying a floating-point value
     schedule = lower(schedule, messages, grad_edges=[e for e, (_, grads) in messages.items() if grads])
+    # the replicas' collectives: gathers, releases and gradient reductions where the program allows
+    schedule = place_data_parallel(schedule, req.zero, req.dp)
     # evaluation runs the same stages on the same ranks, forward only (a pp=64 plan of 256
     # micro-batches spends about 0.3 s lowering and checking it: not for a run that never evaluates)
     eval_schedule = lower(build_schedule(Inference(), placement, req.microbatches), messages) \

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pipelaunch.pipeline.core.ir import COMM_KINDS, Action
+from pipelaunch.pipeline.core.ir import COMM_KINDS, DP_KINDS, Action
 
 if TYPE_CHECKING:
     import matplotlib.pyplot as plt
@@ -51,7 +51,8 @@ LABEL_CHAR_IN = 0.085
 #: below this many pixels per bar on average on the busiest rank (the white edges, 0.6 px a side,
 #: would wash the colours out), ranks are drawn as rows of pixels
 MIN_BAR_PX = 4
-_COMM = {k.value for k in COMM_KINDS}
+#: drawn as communication: P2P and the data-parallel collectives
+_COMM = {k.value for k in COMM_KINDS | DP_KINDS}
 
 
 def _mb_of(event: dict) -> int | None:

@@ -1,4 +1,8 @@
-"""Data-parallel gradient sync: one flat all-reduce per stage across the replicas."""
+"""Data-parallel gradients at zero=0 (every replica holds everything): each stage's gradients
+all-reduced as one bucket when its program's REDUCE_GRAD comes (right after the stage's last
+backward, planner/passes/data_parallel.py), in flight while the rank's other stages still compute;
+the update waits for them. Tied parameters (several stages hold them) are summed across stages and
+then all-reduced after the step, at every level."""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from pipelaunch.pipeline.core.ir import Kind
 
 
 def allreduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
@@ -19,6 +25,53 @@ def allreduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | N
     with torch.no_grad():
         for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
             g.copy_(synced)
+
+
+class ReplicatedGrads:
+    """zero=0: the program's REDUCE_GRAD actions start an asynchronous all-reduce of one stage's
+    gradients (one flat bucket); `finish` waits for them all and writes the sums back."""
+
+    def __init__(self, plan, modules: dict[int, nn.Module], actions: list, group: dist.ProcessGroup) -> None:
+        tied = set(plan.shared_params)
+        self.params = {s: [p for n, p in m.named_model_parameters() if n not in tied] for s, m in modules.items()}
+        #: the tied parameters, all-reduced after the step (each once)
+        self.replicated = list({id(p): p for m in modules.values() for n, p in m.named_model_parameters()
+                                if n in tied}.values())
+        require_reductions(actions, [s for s, params in self.params.items() if params])
+        self.group = group
+        self.in_flight: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor]]] = []
+
+    def begin_step(self) -> None:
+        self.in_flight = []
+
+    def run(self, action, pos: int) -> None:
+        grads = [p.grad for p in self.params.get(action.stage, []) if p.grad is not None]
+        if not grads:
+            return
+        flat = _flatten_dense_tensors(grads)
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self.in_flight.append((work, flat, grads))
+
+    def finish(self) -> None:
+        for work, flat, grads in self.in_flight:
+            work.wait()
+            with torch.no_grad():
+                for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+                    g.copy_(synced)
+        self.in_flight = []
+
+    def release(self) -> None:
+        """Nothing is gathered at zero=0."""
+
+
+def require_reductions(actions: list, stages: list[int]) -> None:
+    """A stage with parameters to reduce has a REDUCE_GRAD in the program, or its replicas would
+    silently drift apart (a schedule built without planner/passes/data_parallel.py)."""
+    reduced = {a.stage for a in actions if a.kind is Kind.REDUCE_GRAD}
+    missing = [s for s in stages if s not in reduced]
+    if missing:
+        raise RuntimeError(f"the program reduces no gradients of stage(s) {missing} over the dp replicas: its "
+                           "schedule was built without planner.passes.data_parallel.place_data_parallel")
 
 
 class SharedGrads:

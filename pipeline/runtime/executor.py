@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from pipelaunch.pipeline.compute.backward import WeightGradStash, backward_input, backward_weight
-from pipelaunch.pipeline.core.ir import Action, Kind, Schedule
+from pipelaunch.pipeline.core.ir import DP_KINDS, Action, Kind, Schedule
 from pipelaunch.pipeline.runtime.comm import P2P
 from pipelaunch.pipeline.runtime.heartbeat import Heartbeat
 
@@ -68,15 +68,14 @@ class MicroBatchState:
     rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
 
-class ComputeHooks(Protocol):
-    """Told around every compute action: data-parallel sharding gathers, releases and reduces a
-    stage's tensors there (runtime/sharding.py)."""
+class Collectives(Protocol):
+    """Runs the data-parallel actions of a program (UNSHARD, RESHARD, REDUCE_GRAD: placed by
+    planner/passes/data_parallel.py): replicated gradients (runtime/dp.py) or sharded stages
+    (runtime/sharding.py)."""
 
     def begin_step(self) -> None: ...
 
-    def before(self, action: Action) -> None: ...
-
-    def after(self, action: Action, pos: int) -> None: ...
+    def run(self, action: Action, pos: int) -> None: ...
 
 
 def message_label(direction: str, producer: int, consumer: int, mb: int) -> str:
@@ -98,7 +97,7 @@ class Executor:
         heartbeat: Heartbeat | None = None,
         record_p2p: bool = False,
         model_inputs: Mapping[str, str] | None = None,
-        hooks: ComputeHooks | None = None,
+        collectives: Collectives | None = None,
     ) -> None:
         self.actions = schedule.actions[pp_rank]
         # model input -> what the data gives it: `input`, or `target` (a model taking its targets)
@@ -122,7 +121,7 @@ class Executor:
         self.heartbeat = heartbeat
         # with record_p2p, the first step's posting order is logged per peer (debug.record_p2p)
         self.p2p = P2P(device, record=record_p2p)
-        self.hooks = hooks
+        self.collectives = collectives
         # remote neighbours per stage: the messages its forward and backward wait for
         self._remote_in = {s: [p for p in sorted(set(slot.inputs.values()) - {None}) if slot.peer_of[p] is not None]
                            for s, slot in slots.items()}
@@ -158,11 +157,17 @@ class Executor:
         clock = StepClock(self.device) if self.record_timings else None
         marks: list[tuple[Action, object, object]] = []
         beat = self.heartbeat.action if self.heartbeat is not None else None
-        if self.hooks is not None and self.training:
-            self.hooks.begin_step()
+        if self.collectives is not None and self.training:
+            self.collectives.begin_step()
         for pos, action in enumerate(self.actions):
             if beat is not None:
                 beat(pos)
+            if action.kind in DP_KINDS:
+                start = clock.mark() if clock is not None else None
+                self.collectives.run(action, pos)
+                if clock is not None:
+                    marks.append((action, start, clock.mark()))
+                continue
             if not action.is_compute:
                 self._communicate(action, pos)
                 continue
@@ -170,11 +175,7 @@ class Executor:
             if beat is not None:
                 beat(pos)
             start = clock.mark() if clock is not None else None
-            if self.hooks is not None:
-                self.hooks.before(action)
             loss = self._dispatch(action)
-            if self.hooks is not None:
-                self.hooks.after(action, pos)
             if loss is not None:
                 loss_sum += loss
             if clock is not None:

@@ -31,7 +31,7 @@ from pipelaunch.pipeline.runtime import checkpoint
 from pipelaunch.pipeline.runtime import heartbeat as hb
 from pipelaunch.pipeline.runtime.comm import verify_posting_order
 from pipelaunch.pipeline.runtime.context import RankContext
-from pipelaunch.pipeline.runtime.dp import SharedGrads, allreduce_gradients
+from pipelaunch.pipeline.runtime.dp import ReplicatedGrads, SharedGrads, allreduce_gradients
 from pipelaunch.pipeline.runtime.executor import Executor, StageSlot
 from pipelaunch.pipeline.runtime.faults import fault_injection
 from pipelaunch.pipeline.runtime.heartbeat import Heartbeat
@@ -69,6 +69,17 @@ def build_slots(spec: ModelSpec, plan: Plan, ctx: RankContext, seed: int,
             peer_of=peer_of,
         )
     return slots
+
+
+def _data_parallel(plan: Plan, ctx: RankContext, slots: dict[int, StageSlot]) -> ReplicatedGrads | ShardedStages:
+    """What carries out the program's data-parallel actions: the replicas' all-reduces (zero=0),
+    or FSDP2 over each stage (zero >= 1: the parameters become DTensors, before the optimizer is
+    built over them)."""
+    modules = {s: slot.module for s, slot in slots.items()}
+    actions = plan.schedule.actions[ctx.pp_rank]
+    if plan.meta.zero:
+        return ShardedStages(plan, modules, actions, ctx.dp_group, ctx.device)
+    return ReplicatedGrads(plan, modules, actions, ctx.dp_group)
 
 
 def replica_microbatches(
@@ -121,11 +132,7 @@ class RankTrainer:
         self.data = plugins.data.build()
         self.slots = build_slots(self.spec, plan, ctx, run.seed, initial_weights)
         self.training = plan.schedule.training
-        # zero >= 1: the stages' parameters become DTensors sharded over the replicas (before the
-        # optimizer is built over them)
-        self.sharding = (ShardedStages(plan.meta.zero, plan, {s: slot.module for s, slot in self.slots.items()},
-                                       plan.schedule.actions[ctx.pp_rank], ctx.dp_group, ctx.device)
-                         if plan.meta.zero and self.training and ctx.dp > 1 else None)
+        self.data_parallel = _data_parallel(plan, ctx, self.slots) if self.training and ctx.dp > 1 else None
         self.initial_weights = "constructor" if initial_weights is not None else "by_name"
         # the stream dropout draws from: set by (seed, rank), so a run repeats itself and DP
         # replicas draw different masks (a resume then restores the stream it saved)
@@ -137,8 +144,6 @@ class RankTrainer:
         # the global gradient norm counts a tied parameter once: on the lowest pipeline rank holding it
         self.norm_params = [p for n, p in named.items() if n not in tied or tied[n][0] == ctx.pp_rank]
         self.shared = SharedGrads(plan, ctx, self.slots)
-        # what the replicas all-reduce after the step: everything, or under sharding the parameters kept whole
-        self.allreduced = self.params if self.sharding is None else self.sharding.replicated
         # a stage of parameter-free ops (masks, position ids of an op-level trace) has nothing to update
         self.optimizer, self.lr_scheduler = (
             build_optimizer(plugins.optimizer, plugins.lr_scheduler, self.params) if self.training and self.params
@@ -149,7 +154,7 @@ class RankTrainer:
             plan.schedule, ctx.pp_rank, self.slots, self.spec.loss_fn, ctx.device,
             loss_scale=float(plan.microbatches * plan.dp), autocast=PRECISIONS[plan.meta.precision],
             heartbeat=self.heartbeat, record_p2p=self.record_p2p, model_inputs=plan.model_inputs,
-            hooks=self.sharding,
+            collectives=self.data_parallel,
         )
         # what this rank's stages read of the data: the model inputs they take (a first stage's
         # input; the targets a model computing its own loss reads, on whichever stage reads them)
@@ -194,6 +199,8 @@ class RankTrainer:
         dist.all_reduce(total)
         for m in self.modules:
             m.train(self.training)
+        if self.data_parallel is not None:
+            self.data_parallel.release()
         return float(total) / batches
 
     def step(self, step: int) -> StepOutcome:
@@ -202,6 +209,8 @@ class RankTrainer:
         in_mbs, tgt_mbs = self._microbatches(self.data.batch, step)
         start = time.perf_counter()
         loss_sum, events, outputs = self.executor.run_step(in_mbs, tgt_mbs)
+        if self.data_parallel is not None:  # every replica waits for what it started, whatever the loss
+            self.data_parallel.finish()
         schedule_s = time.perf_counter() - start
         self.heartbeat.phase(hb.UPDATE)
         dist.all_reduce(loss_sum)  # only last-stage ranks hold a non-zero share
@@ -209,8 +218,8 @@ class RankTrainer:
         # a NaN or inf loss leaves the weights as they were, for the report to look at
         if self.training and bool(torch.isfinite(loss_sum)):
             self.shared.sum_across_stages()
-            if ctx.dp > 1:
-                allreduce_gradients(self.allreduced, ctx.dp_group)
+            if self.data_parallel is not None:
+                allreduce_gradients(self.data_parallel.replicated, ctx.dp_group)
             for callback in self.callbacks:
                 callback.before_optimizer_step(self, step)
             if self.clip is not None:

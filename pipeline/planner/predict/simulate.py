@@ -535,6 +535,8 @@ def _in_flight(schedule: Schedule, cost: CostModel, raw_events: list[tuple[int, 
             if kind in COMPLETES:
                 done += 1
                 continue
+            if kind not in held:  # a data-parallel collective: priced by predict/data_parallel.py
+                continue
             nbytes = held[kind][a.stage]
             if not nbytes:
                 continue
