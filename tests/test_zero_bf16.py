@@ -27,9 +27,10 @@ def _relative(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> flo
 
 @pytest.mark.timeout(300)
 def test_bf16_sharding_trains_like_one_process_under_bf16(tmp_path) -> None:
-    """Losses within 1e-2 of one process's bf16 (seen: 1.5e-4), step 0's gradients and the final
-    weights within 3e-2 of its own (relative to each tensor's norm), all of them fp32."""
-    cfgs = [compose_cfg([*FAST, "pp=2", "dp=2", "precision=bf16", *args]) for args in CASES.values()]
+    """Losses within 1e-2 of one process's bf16 (seen: 4e-5), step 0's gradients and the final
+    weights within 3e-2 of its own, relative to each tensor's norm (seen: 1.5e-2, a LayerNorm's
+    small bias), all of them fp32: the master weights and the reduced gradients."""
+    cfgs = [compose_cfg([*FAST, "pp=2", "dp=2", "precision=bf16", "steps=2", *args]) for args in CASES.values()]
     for what, cfg, ranks in zip(CASES, cfgs, run_jobs(cfgs, tmp_path / "logs"), strict=True):
         ref = reference_run(cfg)
         assert ranks[0].losses == pytest.approx(ref["losses"], rel=1e-2), what
