@@ -43,8 +43,9 @@ _BACKWARD = (Kind.B, Kind.I, Kind.W)
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:
     """FSDP2's policy for `precision`: under bf16 the all-gather and the compute use bf16 copies
     of the parameters, while the shards (the optimizer's master weights), their states and the
-    reduce-scatter stay fp32. Outputs and inputs keep their dtypes (no casts): autocast, on as
-    without sharding, decides them, so what a stage sends is what the plan's values record."""
+    reduce-scatter stay fp32 (docs/sharding.md "Mixed precision"). A stage's floating inputs are
+    cast to bf16 (a CPU LayerNorm with bf16 weights refuses fp32 ones); autocast stays on, and the
+    executor casts its outputs to the dtypes the plan records for them."""
     compute = PRECISIONS[precision]
     if compute is None:
         return MixedPrecisionPolicy()
