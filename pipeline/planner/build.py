@@ -223,7 +223,7 @@ def _partition(traced: TracedModel, generator: ScheduleGenerator, placement: lis
     stage_cap = None if req.memory_cap is None else req.memory_cap - req.reserve_bytes
     request = partition_request(generator, placement, req.microbatches, req.remat, stage_cap, req.bandwidth)
     try:
-        factors = stage_param_factors(req.optimizer_states, Sharding(req.zero, req.dp))
+        factors = stage_param_factors(req.optimizer_states, Sharding(req.zero, req.dp, req.precision))
         return partition_graph(req.partitioner, traced.graph, placement, request, *factors)
     except ConfigError as err:
         if err.key != "memory.cap_bytes" or not req.reserve_bytes:

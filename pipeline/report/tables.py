@@ -174,7 +174,8 @@ def sharding_line(plan: Plan) -> str:
     """`zero=2 over dp=2: optimizer states and gradients sharded; ...`: the level the memory table prices."""
     what, window = _SHARDED[plan.meta.zero]
     tied = " (tied parameters whole)" if any(plan.meta.stage_replicated_param_bytes or []) else ""
-    return f"zero={plan.meta.zero} over dp={plan.dp}: {what} sharded{tied}{window}"
+    mixed = f"; computes in {plan.meta.precision}, reduces in fp32" if plan.meta.precision != "fp32" else ""
+    return f"zero={plan.meta.zero} over dp={plan.dp}: {what} sharded{tied}{window}{mixed}"
 
 
 def format_prediction(res: SimResult) -> str:

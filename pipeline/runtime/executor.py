@@ -56,6 +56,13 @@ class StageSlot:
         return sorted(n for n, cs in self.outputs.items() if consumer in cs)
 
 
+def _as_planned(outs: dict[str, torch.Tensor], values: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
+    """A stage's outputs in the dtypes the plan records (what receivers allocate): those autocast
+    gives with fp32 parameters; sharding's bf16 parameters (runtime/sharding.py) can turn an fp32
+    value bf16, which is cast back here (autograd casts its gradient)."""
+    return {n: t.to(values[n][1]) if n in values and t.is_floating_point() else t for n, t in outs.items()}
+
+
 @dataclass
 class MicroBatchState:
     """What a (stage, micro-batch) keeps between its forward and its backward."""
@@ -264,7 +271,7 @@ class Executor:
 
     def _run(self, slot: StageSlot, kw: dict[str, torch.Tensor], mb: int, state: MicroBatchState) -> torch.Tensor | None:
         with self._autocast():
-            outs = slot.module(**kw)
+            outs = _as_planned(slot.module(**kw), slot.values)
             loss = None
             if slot.loss_value is not None and self._targets is not None:
                 loss = self.loss_fn(outs[slot.loss_value], self._targets[mb]) / self.loss_scale

@@ -24,12 +24,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from pipelaunch.pipeline.core.ir import Action, Kind
 from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.core.precision import PRECISIONS
 from pipelaunch.pipeline.runtime.dp import require_reductions
+
+
+def mixed_precision(precision: str) -> MixedPrecisionPolicy:
+    """FSDP2's policy for `precision`: under bf16 the all-gather and the compute use bf16 copies
+    of the parameters, while the shards (the optimizer's master weights), their states and the
+    reduce-scatter stay fp32 (docs/sharding.md "Mixed precision"). A stage's floating inputs are
+    cast to bf16 (a CPU LayerNorm with bf16 weights refuses fp32 ones); autocast stays on, and the
+    executor casts its outputs to the dtypes the plan records for them."""
+    compute = PRECISIONS[precision]
+    if compute is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -52,7 +65,8 @@ class ShardedStages:
             self.replicated += [p for p in kept if all(p is not q for q in self.replicated)]
             if len(kept) == len({id(p) for p in named.values()}):
                 continue  # nothing of this stage to shard
-            fully_shard(module, mesh=mesh, reshard_after_forward=False, ignored_params=kept)
+            fully_shard(module, mesh=mesh, reshard_after_forward=False, ignored_params=kept,
+                        mp_policy=mixed_precision(plan.meta.precision))
             # the loss is already divided by dp x micro-batches: a plain sum (no PREMUL_SUM, which
             # gloo lacks; NCCL's zero-copy path needs SUM too)
             module.set_gradient_divide_factor(1.0)

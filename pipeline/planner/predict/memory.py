@@ -30,6 +30,12 @@ rank's stages::
     2       P           own         k own       S_s      (one stage's gradients before its reduce-scatter)
     3       own         own         k own       2 S_s    (one stage's full parameters, and its gradients)
 
+Under precision=bf16 the gathered parameters are bf16 copies (half the bytes) and the gradients
+reach the reduce-scatter in fp32: the window is 1.5 S_s at zero=3 and stays S_s at zero=2, and
+zero=1 adds one stage's bf16 gradients, 0.5 S_s, before they join the fp32 whole ones
+(`Sharding.compute_bytes`). The params column still counts P at zero <= 2: the fp32 shards plus
+the bf16 gathered copies are at most that from dp=2.
+
 At zero >= 1 the update holds no flat all-reduce copy and the optimizer's temporaries scale with
 the shard (of the largest tensor, largest/d; of all, own). The predicted step time does not price
 sharding: neither the collectives it adds nor the smaller optimizer step (`predict.prediction`).
@@ -45,6 +51,7 @@ from typing import Any
 
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan_records import MIB, DeviceMemory
+from pipelaunch.pipeline.core.precision import PRECISIONS
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,15 @@ class Sharding:
 
     zero: int = 0
     dp: int = 1
+    #: `precision`: under bf16, FSDP2 gathers and computes with bf16 copies of the parameters
+    #: (runtime/sharding.py `mixed_precision`) while shards, states and reductions stay fp32
+    precision: str = "fp32"
+
+    @property
+    def compute_bytes(self) -> float:
+        """A gathered parameter's (or its unreduced gradient's) bytes per byte of its fp32 shard."""
+        dtype = PRECISIONS[self.precision]
+        return 1.0 if dtype is None else dtype.itemsize / 4.0
 
     @property
     def degree(self) -> int:
@@ -70,9 +86,15 @@ class Sharding:
                 states * (own if self.zero >= 1 else whole))
 
     def gathered(self, stage_sharded: float) -> float:
-        """What one stage's backward holds unsharded beside the shards: zero=2 its gradients
-        before their reduce-scatter, zero=3 its gathered parameters too (nothing over one replica)."""
-        return stage_sharded * {2: 1.0, 3: 2.0}.get(self.zero, 0.0) if self.degree > 1 else 0.0
+        """What one stage's backward holds unsharded beside the shards (nothing over one replica):
+        zero=2 its gradients before their reduce-scatter, in the fp32 reduce dtype (FSDP2 copies
+        bf16 ones into an fp32 buffer); zero=3 its gathered parameters too, in the compute dtype;
+        zero=1 under bf16 a micro-batch's bf16 gradients before FSDP2 adds them into the fp32
+        whole ones."""
+        if self.degree <= 1:
+            return 0.0
+        half = self.compute_bytes
+        return stage_sharded * {1: half if half < 1.0 else 0.0, 2: 1.0, 3: 1.0 + half}.get(self.zero, 0.0)
 
     def stage_factor(self, states: int) -> float:
         """Bytes per parameter byte of a stage alone on its device (the partitioners' view)."""

@@ -70,7 +70,7 @@ def predict(plan: Plan, latency_s: float, bandwidth: float) -> Prediction:
                             plan.meta.stage_workspace_bytes, float(plan.meta.reserve_bytes or 0.0),
                             update=UpdateMemory(plan.meta.stage_largest_param_bytes,
                                                 tuple(machine.optimizer_temporaries), plan.dp),
-                            sharding=Sharding(plan.meta.zero, plan.dp),
+                            sharding=Sharding(plan.meta.zero, plan.dp, plan.meta.precision),
                             replicated_bytes=plan.meta.stage_replicated_param_bytes)
     schedule_s = result.makespan_s
     slots = machine.rank_slots
