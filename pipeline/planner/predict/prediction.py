@@ -14,6 +14,7 @@ import torch
 
 from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.planner.predict.costs import cost_model_from_plan
+from pipelaunch.pipeline.planner.predict.data_parallel import Collectives, data_parallel_step
 from pipelaunch.pipeline.planner.predict.memory import (
     DeviceMemory,
     Sharding,
@@ -22,7 +23,7 @@ from pipelaunch.pipeline.planner.predict.memory import (
     rank_param_bytes,
 )
 from pipelaunch.pipeline.planner.predict.shared_cores import shared_makespan
-from pipelaunch.pipeline.planner.predict.simulate import CostModel, SimResult, simulate
+from pipelaunch.pipeline.planner.predict.simulate import CostModel, SimResult, compute_end_times, simulate
 
 
 @dataclass
@@ -36,11 +37,15 @@ class Prediction:
     schedule_s: float = 0.0
     #: each pipeline rank's optimizer step after the schedule
     optimizer_s: list[float] = field(default_factory=list)
+    #: each pipeline rank's time past the schedule's end spent on data-parallel collectives (its
+    #: gathers' delay and the reductions still running after its last compute; dp > 1)
+    data_parallel_s: list[float] = field(default_factory=list)
 
     @property
     def step_s(self) -> float:
-        """A training step: the schedule, then the slowest rank's optimizer step."""
-        return self.schedule_s + max(self.optimizer_s, default=0.0)
+        """A training step: the schedule, then the slowest rank's collectives and optimizer step."""
+        extra = [o + (self.data_parallel_s[r] if self.data_parallel_s else 0.0) for r, o in enumerate(self.optimizer_s)]
+        return self.schedule_s + max(extra, default=0.0)
 
     @property
     def peak_bytes(self) -> float:
@@ -77,8 +82,30 @@ def predict(plan: Plan, latency_s: float, bandwidth: float) -> Prediction:
     if slots:  # more local ranks than cores: busy ranks share them (pipeline/planner/predict/shared_cores.py)
         schedule_s = shared_makespan(plan.schedule, cost, slots, plan.dp)
     per_byte = float(machine.optimizer_s_per_byte or 0.0)
-    # on every parameter byte at every sharding level: the step time does not price sharding yet
-    # (neither its smaller optimizer step nor its collectives), so levels tie on time
-    whole = rank_param_bytes(plan.meta.partition.stage_param_bytes, plan.schedule.placement)
-    optimizer = [p * per_byte for p in whole]
-    return Prediction(plan, cost, result, devices, schedule_s, optimizer)
+    sharded, tied = _sharded_and_tied(plan)
+    degree = plan.dp if plan.meta.zero else 1  # a replica steps its shard of what is sharded
+    optimizer = [(s / degree + t) * per_byte for s, t in zip(rank_param_bytes(sharded, plan.schedule.placement),
+                                                              rank_param_bytes(tied, plan.schedule.placement),
+                                                              strict=True)]
+    return Prediction(plan, cost, result, devices, schedule_s, optimizer,
+                      data_parallel_seconds(plan, cost, result.makespan_s, flat=False))
+
+
+def _sharded_and_tied(plan: Plan) -> tuple[list[float], list[float]]:
+    """Per stage: parameter bytes the replicas shard or reduce as a stage, and tied bytes (kept whole)."""
+    whole = [float(b) for b in plan.meta.partition.stage_param_bytes]
+    tied = [float(b) for b in (plan.meta.stage_replicated_param_bytes or [0.0] * len(whole))]
+    return [max(0.0, w - t) for w, t in zip(whole, tied, strict=True)], tied
+
+
+def data_parallel_seconds(plan: Plan, cost: CostModel, makespan_s: float, flat: bool = False) -> list[float]:
+    """Per pipeline rank, the time its data-parallel collectives add past the schedule's end
+    (predict/data_parallel.py); `flat`: as if every reduction started after the rank's last compute."""
+    if plan.dp < 2 or not plan.schedule.training:
+        return []
+    ends = compute_end_times(plan.schedule, cost)
+    sharded, tied = _sharded_and_tied(plan)
+    links = Collectives(plan.dp, cost.latency_s, cost.bandwidth_bytes_per_s)
+    step = data_parallel_step(plan.schedule, ends, plan.meta.zero, sharded, tied, links, flat=flat)
+    return [max(0.0, (e[-1] if e else 0.0) + g + t - makespan_s)
+            for e, g, t in zip(ends, step.gather_s, step.tail_s, strict=True)]
