@@ -39,16 +39,24 @@ class ReplicatedGrads:
                                 if n in tied}.values())
         require_reductions(actions, [s for s, params in self.params.items() if params])
         self.group = group
+        #: what this rank issued, in order (debug.record_p2p: replicas must agree)
+        self.issued: list[str] | None = None
         self.in_flight: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor]]] = []
 
     def begin_step(self) -> None:
         self.in_flight = []
 
     def run(self, action, pos: int) -> None:
-        grads = [p.grad for p in self.params.get(action.stage, []) if p.grad is not None]
-        if not grads:
+        params = self.params.get(action.stage, [])
+        if not params:
             return
+        for p in params:  # unused on this replica's data (an MoE expert): the replicas still agree on sizes
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
         flat = _flatten_dense_tensors(grads)
+        if self.issued is not None:
+            self.issued.append(f"{action} all_reduce {flat.numel()}")
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         self.in_flight.append((work, flat, grads))
 
@@ -62,6 +70,26 @@ class ReplicatedGrads:
 
     def release(self) -> None:
         """Nothing is gathered at zero=0."""
+
+
+def verify_collective_order(logs: list[tuple[int, list[str] | None]]) -> None:
+    """`logs[rank]`: (its pipeline rank, the data-parallel collectives it issued in one step). The
+    replicas of one pipeline rank form a communicator, and NCCL matches its collectives by order:
+    raise RuntimeError at the first one where two replicas differ."""
+    first: dict[int, tuple[int, list[str]]] = {}
+    for rank, (pp_rank, log) in enumerate(logs):
+        log = log or []
+        if pp_rank not in first:
+            first[pp_rank] = (rank, log)
+            continue
+        other, theirs = first[pp_rank]
+        for k in range(max(len(log), len(theirs))):
+            x = log[k] if k < len(log) else None
+            y = theirs[k] if k < len(theirs) else None
+            if x != y:
+                raise RuntimeError(f"replicas {other} and {rank} of pipeline rank {pp_rank} issued different "
+                                   f"data-parallel collectives #{k}: {y or 'nothing'} and {x or 'nothing'}; NCCL "
+                                   "matches a communicator's collectives by order, so it would hang or mix them")
 
 
 def require_reductions(actions: list, stages: list[int]) -> None:

@@ -71,11 +71,16 @@ class ShardedStages:
             # gloo lacks; NCCL's zero-copy path needs SUM too)
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+            # a parameter one replica's data left unused (an MoE expert no token chose) still takes
+            # part: every replica reduce-scatters the same tensors, or the collective mismatches
+            module.set_reduce_scatter_unused_params(True)
             self.units[s] = module
         require_reductions(actions, list(self.units))
         reductions = [pos for pos, a in enumerate(actions) if a.kind is Kind.REDUCE_GRAD]
         #: per stage, the position of its last reduction of the step
         self.last = {actions[pos].stage: pos for pos in reductions}
+        #: what this rank issued, in order (debug.record_p2p: replicas must agree)
+        self.issued: list[str] | None = None
 
     def begin_step(self) -> None:
         """Gradients accumulate whole and parameters stay as they are until an action says otherwise."""
@@ -88,6 +93,8 @@ class ShardedStages:
         unit = self.units.get(action.stage)
         if unit is None:
             return
+        if self.issued is not None:
+            self.issued.append(f"{action} ({unit.__class__.__name__})")
         if action.kind is Kind.UNSHARD:
             unit.unshard()
         elif action.kind is Kind.RESHARD:

@@ -31,7 +31,12 @@ from pipelaunch.pipeline.runtime import checkpoint
 from pipelaunch.pipeline.runtime import heartbeat as hb
 from pipelaunch.pipeline.runtime.comm import verify_posting_order
 from pipelaunch.pipeline.runtime.context import RankContext
-from pipelaunch.pipeline.runtime.dp import ReplicatedGrads, SharedGrads, allreduce_gradients
+from pipelaunch.pipeline.runtime.dp import (
+    ReplicatedGrads,
+    SharedGrads,
+    allreduce_gradients,
+    verify_collective_order,
+)
 from pipelaunch.pipeline.runtime.executor import Executor, StageSlot
 from pipelaunch.pipeline.runtime.faults import fault_injection
 from pipelaunch.pipeline.runtime.heartbeat import Heartbeat
@@ -150,6 +155,10 @@ class RankTrainer:
             else (None, None))
         self.clip = run.clip_grad_norm
         self.record_p2p = run.debug.record_p2p
+        # debug.record_p2p: the data-parallel collectives this rank issues in its first step
+        self.collective_log: list[str] | None = None
+        if self.record_p2p and self.data_parallel is not None:
+            self.data_parallel.issued = []
         self.executor = Executor(
             plan.schedule, ctx.pp_rank, self.slots, self.spec.loss_fn, ctx.device,
             loss_scale=float(plan.microbatches * plan.dp), autocast=PRECISIONS[plan.meta.precision],
@@ -211,6 +220,8 @@ class RankTrainer:
         loss_sum, events, outputs = self.executor.run_step(in_mbs, tgt_mbs)
         if self.data_parallel is not None:  # every replica waits for what it started, whatever the loss
             self.data_parallel.finish()
+            if self.data_parallel.issued is not None:  # one step's order is every step's: log the first
+                self.collective_log, self.data_parallel.issued = self.data_parallel.issued, None
         schedule_s = time.perf_counter() - start
         self.heartbeat.phase(hb.UPDATE)
         dist.all_reduce(loss_sum)  # only last-stage ranks hold a non-zero share
@@ -236,13 +247,15 @@ class RankTrainer:
 
     def verify_p2p_order(self) -> None:
         """debug.record_p2p (collective): every pair of ranks posted complementary messages in the
-        same order, in the training and the evaluation program; rank 0 raises if not."""
+        same order, in the training and the evaluation program, and the replicas of each pipeline
+        rank issued the same data-parallel collectives in the same order; rank 0 raises if not."""
         logs = [getattr(e, "posting_log", None) for e in (self.executor, self._eval)]
         everyone: list = [None] * self.ctx.world_size
-        dist.all_gather_object(everyone, logs)
+        dist.all_gather_object(everyone, (logs, self.ctx.pp_rank, self.collective_log))
         if self.ctx.rank == 0:
             for which in range(2):
-                verify_posting_order([part[which] for part in everyone])
+                verify_posting_order([part[0][which] for part in everyone])
+            verify_collective_order([(pp_rank, log) for _, pp_rank, log in everyone])
 
     def nonfinite_report(self, step: int, loss: float) -> str:
         """Where a NaN or inf first showed (collective): the first stage, in pipeline order, whose
