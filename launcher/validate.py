@@ -105,6 +105,15 @@ def check_zero(cfg: TrainConfig) -> None:
     if cfg.zero and cfg.dp < 2:
         raise ConfigError("zero", f"zero={cfg.zero} shards a stage's states over its data-parallel replicas, and "
                                   f"dp={cfg.dp} has one; set dp >= 2 (e.g. dp=2 zero={cfg.zero}) or zero=0")
+    shard = cfg.dp_shard
+    if shard is not None:
+        divisors = [d for d in range(2, cfg.dp + 1) if cfg.dp % d == 0]
+        if isinstance(shard, bool) or not isinstance(shard, int) or shard not in divisors:
+            raise ConfigError("dp_shard", f"got {shard!r} with dp={cfg.dp}; valid: null (shard over all replicas) or "
+                                          f"a divisor of dp of at least 2: {divisors or 'none (dp < 2)'}")
+        if not cfg.zero:
+            raise ConfigError("dp_shard", f"dp_shard={shard} splits sharded states over groups of replicas, and "
+                                          "zero=0 shards nothing; set zero=1, 2 or 3, or leave dp_shard null")
 
 
 def check_memory(cfg: TrainConfig) -> None:

@@ -124,3 +124,31 @@ def test_replicas_that_issue_other_collectives_are_caught() -> None:
         verify_collective_order([(0, same), (1, None), (0, ["0REDUCE_GRAD3 all_reduce 12"]), (1, None)])
     with pytest.raises(RuntimeError, match="nothing"):
         verify_collective_order([(0, same), (0, [])])
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["dp=4", "zero=2", "dp_shard=3"], "a divisor of dp of at least 2: [2, 4]"),
+    (["dp=4", "zero=0", "dp_shard=2"], "zero=0 shards nothing"),
+    (["dp=1", "zero=2"], "set dp >= 2"),
+    (["dp=2", "zero=4"], "valid: 0 (replicas hold everything)"),
+])
+def test_bad_sharding_keys_are_refused_before_any_rank_starts(args: list[str], says: str) -> None:
+    from pipelaunch.pipeline.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"dp_shard|zero") as err:
+        prepare(compose_cfg([*FAST, "pp=1", "scheduler=1f1b", "mode=plan", *args]))
+    assert says in str(err.value)
+
+
+def test_hybrid_sharding_prices_a_shard_of_its_group_and_the_groups_all_reduce() -> None:
+    """dp=4 in two groups of 2: a device holds half (not a quarter) of its optimizer states, and a
+    reduction is a reduce-scatter over 2 plus an all-reduce of the shard over the 2 groups."""
+    plan = prepare(compose_cfg([*FAST, "pp=1", "scheduler=1f1b", "dp=4", "dp_shard=2", "zero=1", "mode=plan",
+                                "optimizer=adamw", "predict=true"])).plan
+    assert plan.meta.dp_shard == 2
+    device = plan.meta.device_memory[0]
+    assert device.optimizer == pytest.approx(device.params)  # two states over two replicas: one params' worth
+    hybrid, flat = Collectives(4, 0.0, 1.0, shard=2), Collectives(4, 0.0, 1.0)
+    # within a group: 1/2 of 8 bytes; across the groups, an all-reduce of the 4-byte shard: 2 x 1/2 x 4
+    assert hybrid.reduce_scatter(8.0) == pytest.approx(4.0 + 4.0) and flat.reduce_scatter(8.0) == pytest.approx(6.0)
+    assert hybrid.all_gather(8.0) == pytest.approx(4.0)

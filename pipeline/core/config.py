@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from omegaconf import MISSING, OmegaConf
 
@@ -212,6 +212,10 @@ class TrainConfig:
     #: (each holds everything, gradients all-reduced), 1 the optimizer states, 2 the gradients too,
     #: 3 the parameters too (gathered around each compute action, freed after it)
     zero: int = 0
+    #: under zero >= 1, how many replicas a sharded tensor is split over (a divisor of dp); the
+    #: groups of that many replicate one another (hybrid sharding, HSDP: shard within a node,
+    #: replicate across nodes). null: all dp replicas
+    dp_shard: Optional[int] = None  # noqa: UP045 - OmegaConf reads typing.Optional
     #: micro-batches per step in each replica
     microbatches: int = 4
     #: the global batch (sequences per optimizer step), the same whatever pp and dp are

@@ -87,6 +87,9 @@ class PlanMeta:
     precision: str = "fp32"
     #: the data-parallel sharding level the runtime applies (TrainConfig.zero; docs/sharding.md)
     zero: int = 0
+    #: the replicas a sharded tensor is split over (hybrid sharding: the groups of them replicate);
+    #: None: all dp
+    dp_shard: int | None = None
     #: the graph carried measured costs (the stage_*_s lists below are filled)
     profiled: bool = False
     optimizer_states: int = 0

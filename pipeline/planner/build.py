@@ -134,8 +134,10 @@ class PlanRequest:
     bandwidth: float = LINK_BANDWIDTH
     profiled: bool = True
     precision: str = "fp32"
-    #: the data-parallel sharding level (TrainConfig.zero)
+    #: the data-parallel sharding level and the replicas a sharded tensor spans (TrainConfig.zero,
+    #: dp_shard; None: all dp)
     zero: int = 0
+    dp_shard: int | None = None
     #: what the data gives each input of the traced model, in order (`ModelSpec.data_args`)
     data_args: tuple[str, ...] = ("input",)
     value_dtypes: Mapping[str, torch.dtype] | None = None
@@ -223,7 +225,7 @@ def _partition(traced: TracedModel, generator: ScheduleGenerator, placement: lis
     stage_cap = None if req.memory_cap is None else req.memory_cap - req.reserve_bytes
     request = partition_request(generator, placement, req.microbatches, req.remat, stage_cap, req.bandwidth)
     try:
-        factors = stage_param_factors(req.optimizer_states, Sharding(req.zero, req.dp, req.precision))
+        factors = stage_param_factors(req.optimizer_states, Sharding(req.zero, req.dp_shard or req.dp, req.precision))
         return partition_graph(req.partitioner, traced.graph, placement, request, *factors)
     except ConfigError as err:
         if err.key != "memory.cap_bytes" or not req.reserve_bytes:
@@ -296,7 +298,7 @@ def _plan_meta(traced: TracedModel, split, part: Partition, stages: list[StagePl
     return {"remat": req.remat, "optimizer_states": req.optimizer_states, "memory_cap": req.memory_cap,
             "reserve_bytes": req.reserve_bytes, "remat_stages": schedule.remat_stages(),
             "partitioner": req.partitioner.option, "partition": partition_summary(part),
-            "profiled": req.profiled, "precision": req.precision, "zero": req.zero,
+            "profiled": req.profiled, "precision": req.precision, "zero": req.zero, "dp_shard": req.dp_shard,
             "machine": MachineFacts(req.rank_slots, req.optimizer_s_per_byte, list(req.optimizer_temporaries),
                                     req.link_latency_s, req.action_overhead_s),
             "stage_largest_param_bytes": [max((float(p.numel() * p.element_size()) for p in gm.parameters()),

@@ -39,6 +39,7 @@ class ReplicatedGrads:
                                 if n in tied}.values())
         require_reductions(actions, [s for s, params in self.params.items() if params])
         self.group = group
+        self.shard_group = None  # nothing is sharded
         #: what this rank issued, in order (debug.record_p2p: replicas must agree)
         self.issued: list[str] | None = None
         self.in_flight: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor]]] = []

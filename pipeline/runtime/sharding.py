@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -45,6 +45,19 @@ def mixed_precision(precision: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
 
 
+def replica_mesh(dp_group: dist.ProcessGroup, device: torch.device, dp: int, pp: int,
+                 dp_shard: int | None) -> DeviceMesh:
+    """The mesh FSDP2 shards this rank's stages over: its replicas (1-D), or under hybrid sharding
+    (`dp_shard` < dp) replicas x shards (2-D: FSDP2 reduce-scatters within a group of `dp_shard`
+    and all-reduces the shards across the groups). Ranks are laid out dp-major (RankContext), so a
+    group of consecutive replicas is a node's when pp x dp_shard ranks fill a node. Collective: every
+    rank calls it."""
+    if dp_shard is None or dp_shard == dp:
+        return DeviceMesh.from_group(dp_group, device.type)
+    world = init_device_mesh(device.type, (dp // dp_shard, dp_shard, pp), mesh_dim_names=("replicate", "shard", "pp"))
+    return world["replicate", "shard"]
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: a DTensor's local shard, any other tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
@@ -53,9 +66,9 @@ def local(t: torch.Tensor) -> torch.Tensor:
 class ShardedStages:
     """This rank's stages under FSDP2, carrying out the program's data-parallel actions."""
 
-    def __init__(self, plan: Plan, modules: dict[int, nn.Module], actions: list[Action],
-                 dp_group: dist.ProcessGroup, device: torch.device) -> None:
-        mesh = DeviceMesh.from_group(dp_group, device.type)
+    def __init__(self, plan: Plan, modules: dict[int, nn.Module], actions: list[Action], mesh: DeviceMesh) -> None:
+        #: the replicas a shard spans: a clipping norm sums the shards' squares over them
+        self.shard_group = (mesh if mesh.ndim == 1 else mesh["shard"]).get_group()
         replicated_names = set(plan.shared_params)
         self.units: dict[int, FSDPModule] = {}
         self.replicated: list[nn.Parameter] = []

@@ -43,7 +43,7 @@ from pipelaunch.pipeline.runtime.heartbeat import Heartbeat
 from pipelaunch.pipeline.runtime.optim import build_optimizer, clip_gradients
 from pipelaunch.pipeline.runtime.preempt import StopRequests, control_group
 from pipelaunch.pipeline.runtime.progress import Progress
-from pipelaunch.pipeline.runtime.sharding import ShardedStages, local
+from pipelaunch.pipeline.runtime.sharding import ShardedStages, local, replica_mesh
 from pipelaunch.pipeline.runtime.stage import build_stage_modules
 from pipelaunch.pipeline.runtime.tracking import Tracker, make_tracker
 
@@ -83,7 +83,8 @@ def _data_parallel(plan: Plan, ctx: RankContext, slots: dict[int, StageSlot]) ->
     modules = {s: slot.module for s, slot in slots.items()}
     actions = plan.schedule.actions[ctx.pp_rank]
     if plan.meta.zero:
-        return ShardedStages(plan, modules, actions, ctx.dp_group, ctx.device)
+        mesh = replica_mesh(ctx.dp_group, ctx.device, ctx.dp, ctx.pp, plan.meta.dp_shard)
+        return ShardedStages(plan, modules, actions, mesh)
     return ReplicatedGrads(plan, modules, actions, ctx.dp_group)
 
 
@@ -235,7 +236,7 @@ class RankTrainer:
                 callback.before_optimizer_step(self, step)
             if self.clip is not None:
                 grad_norm = clip_gradients(self.params, self.norm_params, float(self.clip), ctx.pp_group, ctx.device,
-                                           ctx.dp_group)
+                                           self.data_parallel.shard_group if self.data_parallel else None)
             if self.optimizer is not None:
                 lr = self.optimizer.param_groups[0]["lr"]
                 self.optimizer.step()

@@ -34,9 +34,11 @@ class Collectives:
     dp: int
     latency_s: float
     bandwidth: float
+    #: hybrid sharding: the replicas a shard spans (None: all dp); the groups then all-reduce shards
+    shard: int | None = None
 
-    def _ring(self, nbytes: float, rounds: int) -> float:
-        d = self.dp
+    def _ring(self, nbytes: float, rounds: int, d: int | None = None) -> float:
+        d = self.dp if d is None else d
         if d < 2 or nbytes <= 0:
             return 0.0
         return rounds * ((d - 1) * self.latency_s + (d - 1) / d * nbytes / self.bandwidth)
@@ -45,10 +47,12 @@ class Collectives:
         return self._ring(nbytes, 2)
 
     def reduce_scatter(self, nbytes: float) -> float:
-        return self._ring(nbytes, 1)
+        """Into the shards; under hybrid sharding also the shard's all-reduce across the groups."""
+        shard = self.shard or self.dp
+        return self._ring(nbytes, 1, shard) + self._ring(nbytes / shard, 2, self.dp // shard)
 
     def all_gather(self, nbytes: float) -> float:
-        return self._ring(nbytes, 1)
+        return self._ring(nbytes, 1, self.shard or self.dp)
 
 
 @dataclass(frozen=True)

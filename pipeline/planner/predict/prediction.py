@@ -75,7 +75,7 @@ def predict(plan: Plan, latency_s: float, bandwidth: float) -> Prediction:
                             plan.meta.stage_workspace_bytes, float(plan.meta.reserve_bytes or 0.0),
                             update=UpdateMemory(plan.meta.stage_largest_param_bytes,
                                                 tuple(machine.optimizer_temporaries), plan.dp),
-                            sharding=Sharding(plan.meta.zero, plan.dp, plan.meta.precision),
+                            sharding=Sharding(plan.meta.zero, plan.meta.dp_shard or plan.dp, plan.meta.precision),
                             replicated_bytes=plan.meta.stage_replicated_param_bytes)
     schedule_s = result.makespan_s
     slots = machine.rank_slots
@@ -83,7 +83,7 @@ def predict(plan: Plan, latency_s: float, bandwidth: float) -> Prediction:
         schedule_s = shared_makespan(plan.schedule, cost, slots, plan.dp)
     per_byte = float(machine.optimizer_s_per_byte or 0.0)
     sharded, tied = _sharded_and_tied(plan)
-    degree = plan.dp if plan.meta.zero else 1  # a replica steps its shard of what is sharded
+    degree = (plan.meta.dp_shard or plan.dp) if plan.meta.zero else 1  # a replica steps its shard
     optimizer = [(s / degree + t) * per_byte for s, t in zip(rank_param_bytes(sharded, plan.schedule.placement),
                                                               rank_param_bytes(tied, plan.schedule.placement),
                                                               strict=True)]
@@ -105,7 +105,7 @@ def data_parallel_seconds(plan: Plan, cost: CostModel, makespan_s: float, flat: 
         return []
     ends = compute_end_times(plan.schedule, cost)
     sharded, tied = _sharded_and_tied(plan)
-    links = Collectives(plan.dp, cost.latency_s, cost.bandwidth_bytes_per_s)
+    links = Collectives(plan.dp, cost.latency_s, cost.bandwidth_bytes_per_s, plan.meta.dp_shard)
     step = data_parallel_step(plan.schedule, ends, plan.meta.zero, sharded, tied, links, flat=flat)
     return [max(0.0, (e[-1] if e else 0.0) + g + t - makespan_s)
             for e, g, t in zip(ends, step.gather_s, step.tail_s, strict=True)]
