@@ -180,6 +180,15 @@ SCENARIOS = [
              slow=True, timeout=300),
     Scenario("refused-remat-auto-budget", "docs/planner.md",
              (refused("python train.py remat=auto memory=budget memory.cap_bytes=90e6 model=gpt_bench pp=4"),)),
+    # sharded data parallel
+    Scenario("zero-3", "README.md", (train("python train.py pp=2 dp=2 zero=3"),), timeout=180),
+    Scenario("zero-plan", "README.md", (plan("python train.py mode=plan model=gpt_bench pp=2 dp=2 zero=1"),),
+             slow=True, timeout=300),
+    Scenario("zero-auto", "README.md", (train("python train.py plan=auto 'plan.zero=[0,1,2,3]' 'plan.schedulers=[1f1b]' "
+                                              "model=gpt_bench pp=2 dp=2 memory=budget memory.cap_bytes=145e6"),),
+             slow=True, timeout=400),
+    Scenario("zero-hybrid", "README.md", (train("python train.py pp=1 dp=4 dp_shard=2 zero=2 scheduler=1f1b"),),
+             slow=True, timeout=180),
     Scenario("scheduler-auto", "README.md", (train("python train.py scheduler=auto pp=2 microbatches=8"),),
              slow=True, timeout=300),
     Scenario("sweep-4-jobs", "README.md",
