@@ -26,9 +26,14 @@ rank's stages::
 
     level   params      grads       optimizer   gathered (in the backward phase)
     0       P           P           kP          0
-    1       P           P           k own       0
-    2       P           own         k own       S_s      (one stage's gradients before its reduce-scatter)
-    3       own         own         k own       2 S_s    (one stage's full parameters, and its gradients)
+    1       P + S/d     P           k own       0
+    2       P + S/d     own         k own       S_s + S      (one stage's gradients before its reduce-scatter)
+    3       own         own         k own       2 S_s + S    (one stage's full parameters, and its gradients)
+
+At zero=1 and 2 the gathered parameters sit beside their shards (FSDP2 keeps a parameter's shard
+while it is unsharded: S/d more than the whole). At zero=2 and 3 every stage keeps the input
+buffer of its last reduce-scatter (the flat copy of its gradients, S of the rank in all) until its
+next one or the step's last (FSDP2's `reduce_scatter_states`, at least one buffer a stage).
 
 At zero >= 1 the update holds no flat all-reduce copy and the optimizer's temporaries scale with
 the shard (of the largest tensor, largest/d; of all, own). The predicted step time does not price
@@ -63,16 +68,23 @@ class Sharding:
 
     def held(self, sharded: float, replicated: float, states: int) -> tuple[float, float, float]:
         """(params, grads, optimizer) bytes a device holds through the step for `sharded` parameter
-        bytes it shares with the other replicas and `replicated` ones it keeps whole (tied)."""
+        bytes it shares with the other replicas and `replicated` ones it keeps whole (tied); at
+        zero=1 and 2 the parameters gathered for the step beside their shards."""
         whole = sharded + replicated
         own = sharded / self.degree + replicated
-        return (own if self.zero >= 3 else whole, own if self.zero >= 2 else whole,
-                states * (own if self.zero >= 1 else whole))
+        shards = own - replicated if self.degree > 1 else 0.0
+        return (own if self.zero >= 3 else whole + shards if self.zero >= 1 else whole,
+                own if self.zero >= 2 else whole, states * (own if self.zero >= 1 else whole))
 
-    def gathered(self, stage_sharded: float) -> float:
-        """What one stage's backward holds unsharded beside the shards: zero=2 its gradients
-        before their reduce-scatter, zero=3 its gathered parameters too (nothing over one replica)."""
-        return stage_sharded * {2: 1.0, 3: 2.0}.get(self.zero, 0.0) if self.degree > 1 else 0.0
+    def gathered(self, stage_sharded: float, rank_sharded: float | None = None) -> float:
+        """What the backward holds unsharded beside the shards: zero=2 one stage's gradients before
+        their reduce-scatter, zero=3 its gathered parameters too, and at both every stage's kept
+        reduce-scatter input (`rank_sharded`, the sharded bytes of all the rank's stages; by default
+        the one stage's). Nothing over one replica."""
+        if self.degree == 1 or self.zero < 2:
+            return 0.0
+        kept = stage_sharded if rank_sharded is None else rank_sharded
+        return stage_sharded * (self.zero - 1) + kept
 
     def stage_factor(self, states: int) -> float:
         """Bytes per parameter byte of a stage alone on its device (the partitioners' view)."""
@@ -145,7 +157,7 @@ def device_memory(
         out.append(DeviceMemory(r, params, grads, optimizer, float(activation_peak[r]), largest(regions, r),
                                 largest(spaces, r), float(reserve_bytes),
                                 update.bytes(stepped, largest(tensors, r), sharding.degree),
-                                sharding.gathered(largest(sharded, r))))
+                                sharding.gathered(largest(sharded, r), whole[r] - replicated[r])))
     return out
 
 
