@@ -146,8 +146,8 @@ def test_hybrid_sharding_prices_a_shard_of_its_group_and_the_groups_all_reduce()
     plan = prepare(compose_cfg([*FAST, "pp=1", "scheduler=1f1b", "dp=4", "dp_shard=2", "zero=1", "mode=plan",
                                 "optimizer=adamw", "predict=true"])).plan
     assert plan.meta.dp_shard == 2
-    device = plan.meta.device_memory[0]
-    assert device.optimizer == pytest.approx(device.params)  # two states over two replicas: one params' worth
+    device, stage = plan.meta.device_memory[0], plan.meta.partition.stage_param_bytes[0]
+    assert device.optimizer == pytest.approx(2 * stage / 2)  # AdamW's two states over a group of two, not four
     hybrid, flat = Collectives(4, 0.0, 1.0, shard=2), Collectives(4, 0.0, 1.0)
     # within a group: 1/2 of 8 bytes; across the groups, an all-reduce of the 4-byte shard: 2 x 1/2 x 4
     assert hybrid.reduce_scatter(8.0) == pytest.approx(4.0 + 4.0) and flat.reduce_scatter(8.0) == pytest.approx(6.0)

@@ -80,8 +80,8 @@ def test_a_runs_timeline_is_labelled_with_the_micro_batches_its_plan_ran(tmp_pat
     titles = []
     monkeypatch.setattr(artifacts, "draw_timeline", lambda path, *events, title: titles.append(title))
     events = simulate(plan.schedule, CostModel.uniform(plan.schedule.num_stages)).events
-    facts = RankFacts(0, 0, 0, [0], {0: plan.stages[0].blocks}, 1.0, 0.0, 1.0, None, None, 0.0, 0.0, "cpu",
-                      None, False, [], "by_name")
+    facts = RankFacts(0, 0, 0, [0], {0: plan.stages[0].blocks}, 1.0, 0.0, 1.0, None, None, None, 0.0, 0.0,
+                      "cpu", None, False, [], "by_name")
     history = TrainingHistory([1.0], [None], [], 0, None, [], 1.0, [1.0], 1.0, "tokens", [facts])
     rank0 = RankResult([1.0], facts, history=history, events=events)
     metrics = artifacts.report_run(rank0, plan, cfg.to_dict(), (5e-5, 1e9), 0.0, tmp_path)

@@ -31,6 +31,9 @@ class RankFacts:
     peak_tensor_bytes: float | None
     #: the plan's predicted peak of this pipeline rank (`PlanMeta.device_memory`), None without one
     predicted_peak_bytes: float | None
+    #: what the rank held at its optimizer step (parameters, gradients, buffers, optimizer states;
+    #: a sharded tensor by its local shard), the largest over the run; None without an optimizer step
+    state_bytes: int | None
     busy_s: float
     bubble: float
     device: str

@@ -128,39 +128,48 @@ def stage_table(plan: Plan) -> str:
 
 
 def device_memory_table(plan: Plan, ranks: Sequence[RankFacts] | None = None) -> str:
-    """Per pipeline rank, the predicted peak by what holds it; with the ranks' run reports, the
-    measured peaks beside it: the tensors' (CUDA's allocated peak; on CPU, the profiled first steps)
-    against the prediction less the reserve, and the resident set's rise (on CPU, above what the
-    process held apart from its tensors) against the whole prediction."""
+    """Per pipeline rank, the predicted peak by what holds it; with the ranks' run reports, what they
+    measured beside it: the state held at the optimizer step (`RankFacts.state_bytes`) against the
+    predicted params + grads + optim, the tensors' peak (CUDA's allocated peak; on CPU, the profiled
+    first steps) against the prediction less the reserve, and the resident set's rise (on CPU, above
+    what the process held apart from its tensors) against the whole prediction."""
     mib = 2**20
     cap = plan.meta.memory_cap
     gathered = any(d.gathered for d in plan.meta.device_memory)
     head = (f"{'rank':>5} {'params':>8} {'grads':>8} {'optim':>8} {'act':>8} {'recomp':>7} {'wkspace':>7} "
             + (f"{'gathered':>8} " if gathered else "") + f"{'update':>7} {'reserve':>7} {'predicted':>10}"
-            + (f" {'tensors':>8} {'ratio':>6} {'resident':>9} {'ratio':>6}" if ranks else ""))
+            + (f" {'state':>8} {'ratio':>6} {'tensors':>8} {'ratio':>6} {'resident':>9} {'ratio':>6}" if ranks else ""))
     lines = [f"memory per device, MiB (predicted peak{f'; cap {cap / mib:.1f}' if cap else ''}):",
              *([sharding_line(plan)] if plan.meta.zero else []), head]
-    tensors: dict[int, list[int]] = {}
-    resident: dict[int, list[int]] = {}
+    state: dict[int, list[float]] = {}
+    tensors: dict[int, list[float]] = {}
+    resident: dict[int, list[float]] = {}
     for r in ranks or []:
         resident.setdefault(r.pp_rank, []).append(r.peak_above_start_bytes)
         if r.peak_tensor_bytes is not None:
             tensors.setdefault(r.pp_rank, []).append(r.peak_tensor_bytes)
+        if r.state_bytes is not None:
+            state.setdefault(r.pp_rank, []).append(r.state_bytes)
     for d in plan.meta.device_memory:
         row = (f"{d.rank:>5} {d.params / mib:>8.1f} {d.grads / mib:>8.1f} {d.optimizer / mib:>8.1f} "
                f"{d.activations / mib:>8.1f} {d.recompute / mib:>7.1f} {d.workspace / mib:>7.1f} "
                + (f"{d.gathered / mib:>8.1f} " if gathered else "")
                + f"{d.update / mib:>7.1f} {d.reserve / mib:>7.1f} {d.total / mib:>10.1f}")
-        if d.rank in tensors:
-            got, live = max(tensors[d.rank]), d.total - d.reserve
-            row += f" {got / mib:>8.1f} {got / live if live else 0.0:>6.2f}"
-        elif ranks:
-            row += f" {'-':>8} {'':>6}"
-        if d.rank in resident:
-            got = max(resident[d.rank])
-            row += f" {got / mib:>9.1f} {got / d.total if d.total else 0.0:>6.2f}"
+        if ranks:
+            row += (_measured(state.get(d.rank), d.params + d.grads + d.optimizer, 8)
+                    + _measured(tensors.get(d.rank), d.total - d.reserve, 8)
+                    + _measured(resident.get(d.rank), d.total, 9))
         lines.append(row)
     return "\n".join(lines)
+
+
+def _measured(values: list[float] | None, predicted: float, width: int) -> str:
+    """` 57.1   0.88`: the largest of a pipeline rank's replicas' measures (MiB) and its ratio to the
+    prediction; a dash where no replica measured it."""
+    if not values:
+        return f" {'-':>{width}} {'':>6}"
+    got = max(values)
+    return f" {got / 2**20:>{width}.1f} {got / predicted if predicted else 0.0:>6.2f}"
 
 
 #: per sharding level: what it shards, and what its backward holds unsharded (the gathered column)

@@ -173,6 +173,8 @@ class RankTrainer:
         self.needs_inputs = "input" in reads
         self.needs_targets = "target" in reads or any(s.is_last for s in self.slots.values())
         self._eval: Executor | None = None
+        #: the largest `_tensor_bytes_held` at an optimizer step so far (RankFacts.state_bytes)
+        self.state_bytes: int | None = None
         for m in self.modules:
             m.train(self.training)
 
@@ -240,6 +242,8 @@ class RankTrainer:
             if self.optimizer is not None:
                 lr = self.optimizer.param_groups[0]["lr"]
                 self.optimizer.step()
+                # what the rank holds between steps, its gradients still there (RankFacts.state_bytes)
+                self.state_bytes = max(self.state_bytes or 0, _tensor_bytes_held(self))
                 self.optimizer.zero_grad(set_to_none=True)
                 self.lr_scheduler.step()
         if ctx.device.type == "cuda":  # the step is over: its time includes the device's work
@@ -472,6 +476,7 @@ def _rank_info(trainer: RankTrainer, record: RunRecord, at_start: float,
         peak_memory_bytes=peak, memory_at_start_bytes=at_start, peak_above_start_bytes=peak - at_start,
         peak_tensor_bytes=tensors.peak_bytes(),
         predicted_peak_bytes=float(devices[ctx.pp_rank].total) if devices else None,
+        state_bytes=trainer.state_bytes,
         busy_s=median_busy, bubble=max(0.0, 1.0 - median_busy / median_step) if median_step else 0.0,
         device=str(ctx.device),
         cpu_cores=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,

@@ -26,9 +26,14 @@ rank's stages::
 
     level   params      grads       optimizer   gathered (in the backward phase)
     0       P           P           kP          0
-    1       P           P           k own       0
-    2       P           own         k own       S_s      (one stage's gradients before its reduce-scatter)
-    3       own         own         k own       2 S_s    (one stage's full parameters, and its gradients)
+    1       P + S/d     P           k own       0
+    2       P + S/d     own         k own       S_s + S      (one stage's gradients before its reduce-scatter)
+    3       own         own         k own       2 S_s + S    (one stage's full parameters, and its gradients)
+
+At zero=1 and 2 the gathered parameters sit beside their shards (FSDP2 keeps a parameter's shard
+while it is unsharded: S/d more than the whole). At zero=2 and 3 every stage keeps the input
+buffer of its last reduce-scatter (the flat copy of its gradients, S of the rank in all) until its
+next one or the step's last (FSDP2's `reduce_scatter_states`, at least one buffer a stage).
 
 Under precision=bf16 the gathered parameters are bf16 copies (half the bytes) and the gradients
 reach the reduce-scatter in fp32: the window is 1.5 S_s at zero=3 and stays S_s at zero=2, and
@@ -79,22 +84,27 @@ class Sharding:
 
     def held(self, sharded: float, replicated: float, states: int) -> tuple[float, float, float]:
         """(params, grads, optimizer) bytes a device holds through the step for `sharded` parameter
-        bytes it shares with the other replicas and `replicated` ones it keeps whole (tied)."""
+        bytes it shares with the other replicas and `replicated` ones it keeps whole (tied); at
+        zero=1 and 2 the parameters gathered for the step beside their shards."""
         whole = sharded + replicated
         own = sharded / self.degree + replicated
-        return (own if self.zero >= 3 else whole, own if self.zero >= 2 else whole,
-                states * (own if self.zero >= 1 else whole))
+        shards = own - replicated if self.degree > 1 else 0.0
+        return (own if self.zero >= 3 else whole + shards if self.zero >= 1 else whole,
+                own if self.zero >= 2 else whole, states * (own if self.zero >= 1 else whole))
 
-    def gathered(self, stage_sharded: float) -> float:
-        """What one stage's backward holds unsharded beside the shards (nothing over one replica):
-        zero=2 its gradients before their reduce-scatter, in the fp32 reduce dtype (FSDP2 copies
-        bf16 ones into an fp32 buffer); zero=3 its gathered parameters too, in the compute dtype;
-        zero=1 under bf16 a micro-batch's bf16 gradients before FSDP2 adds them into the fp32
-        whole ones."""
+    def gathered(self, stage_sharded: float, rank_sharded: float | None = None) -> float:
+        """What the backward holds unsharded beside the shards (nothing over one replica): zero=2 one
+        stage's gradients before their reduce-scatter, in the fp32 reduce dtype (FSDP2 copies bf16
+        ones into an fp32 buffer); zero=3 its gathered parameters too, in the compute dtype; zero=1
+        under bf16 a micro-batch's bf16 gradients before FSDP2 adds them into the fp32 whole ones;
+        and at zero 2 and 3 every stage's kept reduce-scatter input (`rank_sharded`, the sharded
+        bytes of all the rank's stages; by default the one stage's)."""
         if self.degree <= 1:
             return 0.0
         half = self.compute_bytes
-        return stage_sharded * {1: half if half < 1.0 else 0.0, 2: 1.0, 3: 1.0 + half}.get(self.zero, 0.0)
+        window = stage_sharded * {1: half if half < 1.0 else 0.0, 2: 1.0, 3: 1.0 + half}.get(self.zero, 0.0)
+        kept = (stage_sharded if rank_sharded is None else rank_sharded) if self.zero >= 2 else 0.0
+        return window + kept
 
     def stage_factor(self, states: int) -> float:
         """Bytes per parameter byte of a stage alone on its device (the partitioners' view)."""
@@ -167,7 +177,7 @@ def device_memory(
         out.append(DeviceMemory(r, params, grads, optimizer, float(activation_peak[r]), largest(regions, r),
                                 largest(spaces, r), float(reserve_bytes),
                                 update.bytes(stepped, largest(tensors, r), sharding.degree),
-                                sharding.gathered(largest(sharded, r))))
+                                sharding.gathered(largest(sharded, r), whole[r] - replicated[r])))
     return out
 
 
