@@ -23,9 +23,9 @@ from tests.schedules import training_schedules
 TRAINING = list(training_schedules())
 
 
-#: world 4 in the default suite: every schedule at pp=2 dp=2 without recomputation and at pp=4
-#: with it (each schedule runs both remat values at pp=2 in world 2); the other half is `-m slow`
-FIRST_HALF = {(2, 2, "none"), (4, 1, "full")}
+#: world 4 in the default suite: every schedule at pp=2 dp=2 with recomputation and at pp=4
+#: without it (world 2 runs each without it at pp=2); the other half is `-m slow`
+FIRST_HALF = {(2, 2, "full"), (4, 1, "none")}
 
 
 def _cases(world: int, remats: tuple[str, ...] = ("none", "full"), half: str = "all") -> list[tuple[dict, str]]:
@@ -48,10 +48,12 @@ def _cases(world: int, remats: tuple[str, ...] = ("none", "full"), half: str = "
     return out
 
 
+#: the default suite's worlds: every schedule without recomputation at pp=2 (world 2) and pp=4,
+#: with it at pp=2 dp=2 (world 4); the rest of the matrix is `-m slow`
+DEFAULT_WORLDS = [(1, ("none", "full"), "all"), (2, ("none",), "all"), (4, ("none", "full"), "first")]
 WORLDS = [
-    pytest.param(1, ("none", "full"), "all", id="world1"),
-    pytest.param(2, ("none", "full"), "all", id="world2"),
-    pytest.param(4, ("none", "full"), "first", id="world4"),
+    *(pytest.param(*w, id=f"world{w[0]}") for w in DEFAULT_WORLDS),
+    pytest.param(2, ("full",), "all", id="world2-remat", marks=pytest.mark.slow),
     pytest.param(4, ("none", "full"), "second", id="world4-rest", marks=pytest.mark.slow),
     # every schedule at dp=2 runs in world4 (pp=2 dp=2) and at pp=4 in world4 too; both together
     # (pp=4 dp=2: tests/test_cli.py runs README's zbv command so) are for `-m slow`
@@ -129,8 +131,10 @@ def test_remat_auto_recomputes_modules_only_on_the_devices_over_budget_and_match
 
 
 def test_every_training_schedule_is_covered() -> None:
-    covered = {what.split()[0] for world in (2, 4, 8) for _, what in _cases(world, ("none",))}
-    assert covered == set(TRAINING)
+    """By the default suite's worlds, with and without recomputation."""
+    default = [what for world, remats, half in DEFAULT_WORLDS for _, what in _cases(world, remats, half)]
+    for remat in ("none", "full"):
+        assert {what.split()[0] for what in default if what.endswith(f"remat={remat}")} == set(TRAINING), remat
 
 
 @pytest.mark.timeout(300)

@@ -121,7 +121,9 @@ SCENARIOS = [
               "data.path=train.bin pp=2"),
         typed("mkdir -p conf/model && cat > conf/model/tiny.yaml <<'EOF'", produces="myproject/conf/model/tiny.yaml"),
         train("pipelaunch model=tiny data=tokens data.path=train.bin pp=4 scheduler=zbv"),
-    ), timeout=180),
+    # slow: tests/test_bring_your_own.py trains this module on a token file as typed, and
+    # tests/test_project_dir.py a project's own model by its own config name
+    ), slow=True, timeout=180),
     Scenario("transformers", "README.md", (
         train("python train.py model=hf_llama_tiny scheduler=zbv pp=2 partitioner=balanced"),
         typed("python -c \"from transformers import LlamaConfig, LlamaForCausalLM; LlamaForCausalLM(LlamaConfig("
@@ -210,7 +212,9 @@ SCENARIOS = [
     Scenario("refused-model-unet", "README.md", (refused("python train.py model=unet"),)),
     Scenario("hung-rank-report", "README.md", (
         Step("python train.py pp=2 timeout_s=8 debug.hang_rank=1 debug.hang_step=2", "hydra.run.dir={run}",
-             expect="failed"),)),
+             expect="failed"),),
+        # slow: tests/test_faults.py hangs a rank with the same keys and checks the report line by line
+        slow=True),
     # docs/config.md
     Scenario("help-and-config", "docs/config.md",
              (typed("python train.py --cfg job"), typed("python train.py --help"))),

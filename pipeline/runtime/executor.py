@@ -75,7 +75,7 @@ class MicroBatchState:
     rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
 
-class Collectives(Protocol):
+class ReplicaCollectives(Protocol):
     """Runs the data-parallel actions of a program (UNSHARD, RESHARD, REDUCE_GRAD: placed by
     planner/passes/data_parallel.py): replicated gradients (runtime/dp.py) or sharded stages
     (runtime/sharding.py)."""
@@ -104,7 +104,7 @@ class Executor:
         heartbeat: Heartbeat | None = None,
         record_p2p: bool = False,
         model_inputs: Mapping[str, str] | None = None,
-        collectives: Collectives | None = None,
+        collectives: ReplicaCollectives | None = None,
     ) -> None:
         self.actions = schedule.actions[pp_rank]
         # model input -> what the data gives it: `input`, or `target` (a model taking its targets)
