@@ -389,7 +389,9 @@ def test_plan_auto_remat_candidates_differ_from_their_twins_where_the_twin_is_ov
     lower peak on the twin's fullest device (its floor): recomputation is never a no-op. Compared
     where both have the same split: balanced cuts a remat=auto candidate by the partitioner's
     pricing of recomputation, which on some profiles moves parameters onto the fullest device."""
-    search = prepare(compose_cfg([*README_BUDGET, "plan=auto", "memory.cap_bytes=120e6"])).search
+    # five schedule families (one stage a rank, zero bubble, V in three memory settings): 19 pairs
+    search = prepare(compose_cfg([*README_BUDGET, "plan=auto", "memory.cap_bytes=120e6",
+                                  "plan.schedulers=[1f1b,zb_h1,zbv,v_half,v_min]"])).search
     by_key = {(o.candidate.label.replace("remat=auto", "remat=none"), o.candidate.remat): o for o in search.outcomes}
     compared = 0
     for (label, remat), auto in by_key.items():

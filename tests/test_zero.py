@@ -33,7 +33,7 @@ def _check(cases: list[tuple[list[str], str]], log_dir) -> None:
 @pytest.mark.timeout(600)
 def test_every_schedule_at_pp2_dp2_trains_like_one_process_under_sharding(tmp_path) -> None:
     """Each schedule at one level (the levels in turn, each on four or more schedules), every
-    other one recomputing; hybrid sharding (dp=4 in two groups of 2); and a U-Net at zero 2 and 3."""
+    other one recomputing; hybrid sharding (dp=4 in two groups of 2); and a U-Net's skips at zero=3."""
     cases = []
     for i, sched in enumerate(TRAINING):
         zero, remat = 1 + i % 3, ("full" if i % 2 else "none")
@@ -41,9 +41,8 @@ def test_every_schedule_at_pp2_dp2_trains_like_one_process_under_sharding(tmp_pa
                       f"{sched} zero={zero} remat={remat}"))
     # hybrid sharding: groups of 2 replicas shard, the 2 groups replicate (HSDP)
     cases += [([*TIED, f"scheduler={sched}", "pp=1", "dp=4", "dp_shard=2", f"zero={zero}"],
-               f"{sched} pp=1 dp=4 dp_shard=2 zero={zero}") for sched, zero in (("1f1b", 3), ("gpipe", 2))]
-    cases += [([*UNET, "scheduler=zbv", "pp=2", "dp=2", "zero=3"], "unet zbv zero=3"),
-              ([*UNET, "scheduler=1f1b", "pp=2", "dp=2", "zero=2"], "unet 1f1b zero=2")]
+               f"{sched} pp=1 dp=4 dp_shard=2 zero={zero}") for sched, zero in (("1f1b", 3),)]
+    cases += [([*UNET, "scheduler=zbv", "pp=2", "dp=2", "zero=3"], "unet zbv zero=3")]
     assert {w for _, what in cases for w in what.split() if w.startswith("zero=")} == {"zero=1", "zero=2", "zero=3"}
     _check(cases, tmp_path / "logs")
 

@@ -88,6 +88,8 @@ class ShardedStages:
             # part: every replica reduce-scatters the same tensors, or the collective mismatches
             module.set_reduce_scatter_unused_params(True)
             self.units[s] = module
+        #: per sharded stage, the parameters' elements its collectives move (what the order check logs)
+        self.numel = {s: sum(p.numel() for p in unit.parameters()) for s, unit in self.units.items()}
         require_reductions(actions, list(self.units))
         reductions = [pos for pos, a in enumerate(actions) if a.kind is Kind.REDUCE_GRAD]
         #: per stage, the position of its last reduction of the step
@@ -107,7 +109,7 @@ class ShardedStages:
         if unit is None:
             return
         if self.issued is not None:
-            self.issued.append(f"{action} ({unit.__class__.__name__})")
+            self.issued.append(f"{action} {self.numel[action.stage]} elements")
         if action.kind is Kind.UNSHARD:
             unit.unshard()
         elif action.kind is Kind.RESHARD:
