@@ -38,6 +38,18 @@ def _weights(run_dir, step: int = 6) -> dict[str, torch.Tensor]:
     return model_tensors(run_dir / f"step_{step:07d}")
 
 
+def _assert_resumed_bitwise(straight_run, straight_ck, resumed_run, resumed_ck, start: int) -> None:
+    """The resumed run follows the uninterrupted one bit for bit (same layout, same state, same
+    data): losses, learning rates (warm-up included), the final weights; clipping bit every step."""
+    straight, resumed = metrics(straight_run), metrics(resumed_run)
+    assert resumed["start_step"] == start and resumed["resumed_from"].endswith(f"step_{start:07d}")
+    assert resumed["losses"] == straight["losses"]
+    assert resumed["lr"] == straight["lr"] and straight["lr"][0] < straight["lr"][1]
+    assert min(straight["grad_norm"]) > 0.05
+    a, c = _weights(straight_ck), _weights(resumed_ck)
+    assert set(a) == set(c) and all(torch.equal(a[k], c[k]) for k in a)
+
+
 @pytest.mark.slow  # the default suite checks the same on the killed rank's resume below
 @pytest.mark.timeout(400)
 def test_resume_is_bitwise_exact_with_adamw_cosine_clipping_and_bf16(tmp_path) -> None:
@@ -46,13 +58,7 @@ def test_resume_is_bitwise_exact_with_adamw_cosine_clipping_and_bf16(tmp_path) -
     _run([*args, "steps=3", f"checkpoint.dir={tmp_path / 'ck'}"], tmp_path / "b")
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_0000003"]
     _run([*args, "steps=6", "resume=auto", f"checkpoint.dir={tmp_path / 'ck'}"], tmp_path / "c")
-    straight, resumed = metrics(tmp_path / "a"), metrics(tmp_path / "c")
-    assert resumed["start_step"] == 3 and resumed["resumed_from"].endswith("step_0000003")
-    assert resumed["losses"] == straight["losses"]  # bitwise: same layout, same state, same data
-    assert resumed["lr"] == straight["lr"] and straight["lr"][0] < straight["lr"][1]  # warm-up
-    assert min(straight["grad_norm"]) > 0.05  # clipping was active every step
-    a, c = _weights(tmp_path / "straight"), _weights(tmp_path / "ck")
-    assert set(a) == set(c) and all(torch.equal(a[k], c[k]) for k in a)
+    _assert_resumed_bitwise(tmp_path / "a", tmp_path / "straight", tmp_path / "c", tmp_path / "ck", 3)
 
 
 @pytest.mark.timeout(500)
@@ -109,13 +115,7 @@ def test_a_killed_rank_ends_the_job_and_resume_auto_finishes_it(tmp_path) -> Non
     assert_no_process_left(before)
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_0000002", "step_0000004"]
     _run([*base, "resume=auto"], tmp_path / "resumed")
-    resumed, straight = metrics(tmp_path / "resumed"), metrics(tmp_path / "straight")
-    assert resumed["start_step"] == 4 and resumed["resumed_from"].endswith("step_0000004")
-    assert resumed["losses"] == straight["losses"]  # bitwise: same layout, same state, same data
-    assert resumed["lr"] == straight["lr"] and straight["lr"][0] < straight["lr"][1]  # warm-up
-    assert min(straight["grad_norm"]) > 0.05  # clipping was active every step
-    a, c = _weights(tmp_path / "straight"), _weights(tmp_path / "ck")
-    assert set(a) == set(c) and all(torch.equal(a[k], c[k]) for k in a)
+    _assert_resumed_bitwise(tmp_path / "straight", tmp_path / "straight", tmp_path / "resumed", tmp_path / "ck", 4)
 
 
 @pytest.mark.timeout(600)

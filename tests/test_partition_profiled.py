@@ -12,9 +12,18 @@ from pipelaunch.models.gpt import gpt
 from pipelaunch.pipeline.graph.trace import trace_model
 from pipelaunch.pipeline.planner.measure.profile import profile_graph
 from pipelaunch.pipeline.planner.partition import balanced, milp_partition, uniform
+from tests.harness import ROOT, use_stored_profile
+
+STORED = ROOT / "tests" / "data" / "validation-cache"
 
 
-def test_balanced_and_milp_near_lower_bound_on_profiled_gpt_bench(capsys) -> None:
+def test_balanced_and_milp_near_lower_bound_on_profiled_gpt_bench(capsys, monkeypatch, tmp_path) -> None:
+    """On a stored profile of gpt_bench (4 blocks, measured on a quiet machine with one thread):
+    the partitioners' quality, not this machine's timing noise, is what is checked (a profile
+    measured under load has put balanced's optimal contiguous split at 1.10x the bound, a bound
+    no split need reach)."""
+    use_stored_profile(monkeypatch, tmp_path / "cache", STORED / "gpt-bench4-profile.json",
+                       STORED / "sgd-temporaries.json")
     spec = gpt(vocab_size=4096, dim=256, layers=4, heads=4, seq_len=128, name="gpt_bench")
     tokens = torch.randint(0, 4096, (4, 128))
     traced = trace_model(spec.build_full(0), tokens)

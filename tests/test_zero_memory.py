@@ -149,7 +149,7 @@ def test_plan_auto_runs_the_lowest_level_that_fits(plans) -> None:
     summary = capped.plan.meta.search
     assert summary.chosen["zero"] == fitting and f"zero={fitting}" in summary.chosen["label"]
     # zero=2 and 3 hold more than zero=0 here (dp=2, one stage a rank): over the cap too
-    assert [row["zero"] for row in summary.excluded] == [0, 2, 3]
+    assert sorted(row["zero"] for row in summary.excluded) == [0, 2, 3]
     assert "lower sharding levels of it (zero=0)" in summary.why
     assert " zero " in capped.search.table().splitlines()[0]
 
