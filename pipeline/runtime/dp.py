@@ -35,8 +35,7 @@ class ReplicatedGrads:
         tied = set(plan.shared_params)
         self.params = {s: [p for n, p in m.named_model_parameters() if n not in tied] for s, m in modules.items()}
         #: the tied parameters, all-reduced after the step (each once)
-        self.replicated = list({id(p): p for m in modules.values() for n, p in m.named_model_parameters()
-                                if n in tied}.values())
+        self.replicated = tied_params(plan, modules)
         require_reductions(actions, [s for s, params in self.params.items() if params])
         self.group = group
         self.shard_group = None  # nothing is sharded
@@ -71,6 +70,13 @@ class ReplicatedGrads:
 
     def release(self) -> None:
         """Nothing is gathered at zero=0."""
+
+
+def tied_params(plan, modules: dict[int, nn.Module]) -> list[nn.Parameter]:
+    """This rank's parameters that several stages hold (`Plan.shared_params`), each once: kept whole
+    on every replica at every level, summed across stages, then all-reduced after the step."""
+    tied = set(plan.shared_params)
+    return list({id(p): p for m in modules.values() for n, p in m.named_model_parameters() if n in tied}.values())
 
 
 def verify_collective_order(logs: list[tuple[int, list[str] | None]]) -> None:

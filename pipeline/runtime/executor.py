@@ -271,7 +271,9 @@ class Executor:
 
     def _run(self, slot: StageSlot, kw: dict[str, torch.Tensor], mb: int, state: MicroBatchState) -> torch.Tensor | None:
         with self._autocast():
-            outs = _as_planned(slot.module(**kw), slot.values)
+            outs = slot.module(**kw)
+            if self.autocast is not None:  # only a compute dtype other than fp32 can change a value's dtype
+                outs = _as_planned(outs, slot.values)
             loss = None
             if slot.loss_value is not None and self._targets is not None:
                 loss = self.loss_fn(outs[slot.loss_value], self._targets[mb]) / self.loss_scale

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from pipelaunch.pipeline.core.ir import Action, Kind
 from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.core.precision import PRECISIONS
-from pipelaunch.pipeline.runtime.dp import require_reductions
+from pipelaunch.pipeline.runtime.dp import require_reductions, tied_params
 
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:
@@ -69,13 +69,12 @@ class ShardedStages:
     def __init__(self, plan: Plan, modules: dict[int, nn.Module], actions: list[Action], mesh: DeviceMesh) -> None:
         #: the replicas a shard spans: a clipping norm sums the shards' squares over them
         self.shard_group = (mesh if mesh.ndim == 1 else mesh["shard"]).get_group()
-        replicated_names = set(plan.shared_params)
+        #: tied parameters, which FSDP2 leaves alone (runtime/dp.py all-reduces them after the step)
+        self.replicated = tied_params(plan, modules)
         self.units: dict[int, FSDPModule] = {}
-        self.replicated: list[nn.Parameter] = []
         for s, module in modules.items():
             named = dict(module.named_model_parameters())
-            kept = {p for n, p in named.items() if n in replicated_names}
-            self.replicated += [p for p in kept if all(p is not q for q in self.replicated)]
+            kept = {p for n, p in named.items() if n in plan.shared_params}
             if len(kept) == len({id(p) for p in named.values()}):
                 continue  # nothing of this stage to shard
             fully_shard(module, mesh=mesh, reshard_after_forward=False, ignored_params=kept,

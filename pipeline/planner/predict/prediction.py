@@ -88,7 +88,7 @@ def predict(plan: Plan, latency_s: float, bandwidth: float) -> Prediction:
                                                               rank_param_bytes(tied, plan.schedule.placement),
                                                               strict=True)]
     return Prediction(plan, cost, result, devices, schedule_s, optimizer,
-                      data_parallel_seconds(plan, cost, result.makespan_s, flat=False))
+                      data_parallel_seconds(plan, cost, result.makespan_s, ends=result.compute_ends))
 
 
 def _sharded_and_tied(plan: Plan) -> tuple[list[float], list[float]]:
@@ -98,12 +98,14 @@ def _sharded_and_tied(plan: Plan) -> tuple[list[float], list[float]]:
     return [max(0.0, w - t) for w, t in zip(whole, tied, strict=True)], tied
 
 
-def data_parallel_seconds(plan: Plan, cost: CostModel, makespan_s: float, flat: bool = False) -> list[float]:
+def data_parallel_seconds(plan: Plan, cost: CostModel, makespan_s: float, flat: bool = False,
+                          ends: list[list[float]] | None = None) -> list[float]:
     """Per pipeline rank, the time its data-parallel collectives add past the schedule's end
-    (predict/data_parallel.py); `flat`: as if every reduction started after the rank's last compute."""
+    (predict/data_parallel.py); `flat`: as if every reduction started after the rank's last compute;
+    `ends`: the compute's end times when a simulation of this plan already has them."""
     if plan.dp < 2 or not plan.schedule.training:
         return []
-    ends = compute_end_times(plan.schedule, cost)
+    ends = compute_end_times(plan.schedule, cost) if ends is None else ends
     sharded, tied = _sharded_and_tied(plan)
     links = Collectives(plan.dp, cost.latency_s, cost.bandwidth_bytes_per_s, plan.meta.dp_shard)
     step = data_parallel_step(plan.schedule, ends, plan.meta.zero, sharded, tied, links, flat=flat)

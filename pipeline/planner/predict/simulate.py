@@ -197,6 +197,14 @@ class SimResult:
     #: builds `events` the first time they are read: generators comparing candidates never read
     #: them (200k dicts at pp=64), a dry run draws them
     event_source: Callable[[], list[dict]] | None = field(default=None, repr=False, compare=False)
+    #: builds `compute_ends` the first time they are read (the data-parallel pricing does)
+    ends_source: Callable[[], list[list[float]]] | None = field(default=None, repr=False, compare=False)
+
+    @cached_property
+    def compute_ends(self) -> list[list[float]]:
+        """Per rank, when each action of its compute program ends, in program order."""
+        source, self.ends_source = self.ends_source, None
+        return source() if source is not None else []
 
     @cached_property
     def events(self) -> list[dict]:
@@ -313,8 +321,12 @@ def compute_end_times(schedule: Schedule, cost: CostModel) -> list[list[float]]:
     (`pipelaunch.pipeline.planner.passes.lowering.causal_order`). Raises ScheduleError on a deadlock."""
     play = _Play(schedule, cost)
     play.run()
-    ends = [[0.0] * len(program) for program in play.programs]
-    for rank, i, _start, end in play.raw_events:
+    return _compute_ends(play.raw_events, play.programs)
+
+
+def _compute_ends(raw_events: list[tuple[int, int, float, float]], programs: list[list[Action]]) -> list[list[float]]:
+    ends = [[0.0] * len(program) for program in programs]
+    for rank, i, _start, end in raw_events:
         ends[rank][i] = end
     return ends
 
@@ -465,6 +477,7 @@ class _Play:
             peak_activation_bytes=[b for b, _ in peaks],
             peak_activation_microbatches=[n for _, n in peaks],
             event_source=partial(_event_dicts, self.raw_events, self.programs),
+            ends_source=partial(_compute_ends, self.raw_events, self.programs),
         )
 
     def _deadlock_message(self) -> str:
