@@ -292,8 +292,12 @@ class Executor:
             loss = self._run(slot, kw, mb, state)
         outs = state.outputs
         flag = self.nonfinite[s]  # checked once per forward, not again when R recomputes it
-        for t in outs.values():
-            if t.is_floating_point():
+        for name, t in outs.items():
+            if name == slot.loss_value and loss is not None:
+                # the scalar loss stands for the logits it scores: a NaN or inf in them reaches it,
+                # and reading the logits again cost ~5% of the last rank's step (vocab-wide tensors)
+                flag |= ~torch.isfinite(loss.detach())
+            elif t.is_floating_point():
                 flag |= ~torch.isfinite(t.detach()).all()
         if slot.loss_value is not None and not self.training:
             self._outputs[mb] = outs[slot.loss_value].detach()
