@@ -9,6 +9,7 @@ from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import torch
 from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -98,6 +99,28 @@ def assert_state_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor
         if elementwise:
             torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6 * float(r.abs().max()) + 1e-5 * floor,
                                        msg=f"{what}: {name}")
+
+
+def check_like_one_process(cases: list[tuple[str, TrainConfig]], tmp_path: Path, inexact: tuple[str, ...] = ()) -> None:
+    """Run (what, config) cases on real ranks, one spawn per world size, and check each against one
+    process (`tests.reference`, the model as `torch.manual_seed(seed); factory()` builds it): losses,
+    step 0's gradients and the final weights of every replica within 1e-5; element-wise too, but
+    for the cases whose `what` starts with one of `inexact` (see `assert_state_close`)."""
+    from tests.reference import reference_run
+
+    worlds = sorted({cfg.pp * cfg.dp for _, cfg in cases})
+    by_world = {w: [(what, cfg) for what, cfg in cases if cfg.pp * cfg.dp == w] for w in worlds}
+    done = [(case, ranks) for w, group in by_world.items()
+            for case, ranks in zip(group, run_jobs([cfg for _, cfg in group], tmp_path / f"logs{w}"), strict=True)]
+    for (what, cfg), ranks in done:
+        ref = reference_run(cfg)
+        assert ranks[0].losses == pytest.approx(ref["losses"], rel=1e-5), what
+        exact = not what.startswith(inexact)
+        for d in range(cfg.dp):
+            assert_state_close(merge_state(ranks, "grads_step0", d), ref["grads_step0"], f"{what} replica {d} grads",
+                               exact)
+            assert_state_close(merge_state(ranks, "params_final", d), ref["params_final"],
+                               f"{what} replica {d} weights", exact)
 
 
 #: the environment variable tests/conftest.py sets to a fresh value for each test

@@ -19,7 +19,7 @@ import torch
 from pipelaunch.launcher.split_check import check_split
 from pipelaunch.launcher.validate import prepare
 from pipelaunch.pipeline.core.errors import ConfigError
-from tests.harness import ROOT, assert_state_close, compose_cfg, merge_state, run_jobs
+from tests.harness import ROOT, check_like_one_process, compose_cfg
 from tests.test_cli import metrics, train
 
 COMMON = ["data=synthetic", "batch_size=16", "steps=3", "warmup_steps=0", "optimizer=sgd", "timeout_s=90",
@@ -58,21 +58,7 @@ ROUNDS_OTHERWISE = ("diffusers.UNet2DConditionModel",)
 
 
 def _check(cases: list[tuple[str, dict]], tmp_path) -> None:
-    from tests.reference import reference_run
-
-    worlds = sorted({cfg.pp * cfg.dp for _, cfg in cases})
-    by_world = {w: [(what, cfg) for what, cfg in cases if cfg.pp * cfg.dp == w] for w in worlds}
-    done = [(case, ranks) for w, group in by_world.items()
-            for case, ranks in zip(group, run_jobs([cfg for _, cfg in group], tmp_path / f"logs{w}"), strict=True)]
-    for (what, cfg), ranks in done:
-        ref = reference_run(cfg)
-        assert ranks[0].losses == pytest.approx(ref["losses"], rel=1e-5), what
-        exact = not what.startswith(ROUNDS_OTHERWISE)
-        for d in range(cfg.dp):
-            assert_state_close(merge_state(ranks, "grads_step0", d), ref["grads_step0"], f"{what} replica {d} grads",
-                               exact)
-            assert_state_close(merge_state(ranks, "params_final", d), ref["params_final"],
-                               f"{what} replica {d} weights", exact)
+    check_like_one_process(cases, tmp_path, inexact=ROUNDS_OTHERWISE)
 
 
 def _cfg(model: list[str], part: str, sched: str, pp: int, dp: int = 1) -> tuple[str, dict]:

@@ -301,17 +301,32 @@ def random_ops(gm: fx.GraphModule) -> list[tuple[str, str]]:
 
 def retarget(gm: fx.GraphModule, device: torch.device) -> None:
     """Point every device an export trace baked into the graph (`arange(..., device=cpu)`: export
-    traces on the CPU) at `device`, the one the graph will really run on."""
+    traces on the CPU) at `device`, the one the graph will really run on; and let a `.to(device)`
+    keep its value's dtype (`_device_only`)."""
     def fix(arg: Any) -> Any:
         return device if isinstance(arg, torch.device) and arg.type in ("meta", "cpu") and arg != device else arg
 
     changed = False
     for node in gm.graph.nodes:
         args, kwargs = fx.node.map_aggregate(node.args, fix), fx.node.map_aggregate(node.kwargs, fix)
+        if _device_only(node):
+            kwargs = {**kwargs, "dtype": None}
         if args != node.args or kwargs != node.kwargs:
             node.args, node.kwargs, changed = args, kwargs, True
     if changed:
         gm.recompile()
+
+
+def _device_only(node: fx.Node) -> bool:
+    """Export records `x.to(device)` as `aten.to.dtype_layout` with the dtype x had while tracing
+    (`.to(dtype)` is `aten.to.dtype`). Baked in, it would cast back to fp32 a value a compute
+    dtype made bf16 (FSDP2's bf16 parameters at zero >= 1: GPT-2's position embedding, then added
+    to the token embedding, meets a bf16 LayerNorm, which CPU layer_norm refuses); the eager
+    `.to(device)` keeps the value's dtype, and so does the node without it (the same at fp32)."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.to.dtype_layout or not node.args:
+        return False
+    val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    return node.kwargs.get("dtype") is not None and getattr(val, "dtype", None) == node.kwargs["dtype"]
 
 
 def is_static(meta: Any) -> bool:

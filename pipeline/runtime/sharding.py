@@ -31,14 +31,16 @@ from pipelaunch.pipeline.core.ir import Action, Kind
 from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.core.precision import PRECISIONS
 from pipelaunch.pipeline.runtime.dp import require_reductions, tied_params
+from pipelaunch.pipeline.runtime.tied_cast import CastOnUse
 
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:
     """FSDP2's policy for `precision`: under bf16 the all-gather and the compute use bf16 copies
     of the parameters, while the shards (the optimizer's master weights), their states and the
     reduce-scatter stay fp32 (docs/sharding.md "Mixed precision"). A stage's floating inputs are
-    cast to bf16 (a CPU LayerNorm with bf16 weights refuses fp32 ones); autocast stays on, and the
-    executor casts its outputs to the dtypes the plan records for them."""
+    cast to bf16 (a CPU LayerNorm with bf16 weights refuses fp32 ones), and so are its tied
+    parameters where it reads them (`CastOnUse`); autocast stays on, and the executor casts its
+    outputs to the dtypes the plan records for them."""
     compute = PRECISIONS[precision]
     if compute is None:
         return MixedPrecisionPolicy()
@@ -77,8 +79,12 @@ class ShardedStages:
             kept = {p for n, p in named.items() if n in plan.shared_params}
             if len(kept) == len({id(p) for p in named.values()}):
                 continue  # nothing of this stage to shard
-            fully_shard(module, mesh=mesh, reshard_after_forward=False, ignored_params=kept,
-                        mp_policy=mixed_precision(plan.meta.precision))
+            policy = mixed_precision(plan.meta.precision)
+            fully_shard(module, mesh=mesh, reshard_after_forward=False, ignored_params=kept, mp_policy=policy)
+            if kept and policy.param_dtype is not None:
+                # the tied parameters FSDP2 leaves alone are read in the policy's dtype too, or an
+                # fp32 one meets bf16 ones in an op autocast does not cast (runtime/tied_cast.py)
+                CastOnUse(module.gm, list(kept), policy.param_dtype)
             # the loss is already divided by dp x micro-batches: a plain sum (no PREMUL_SUM, which
             # gloo lacks; NCCL's zero-copy path needs SUM too)
             module.set_gradient_divide_factor(1.0)
