@@ -156,12 +156,12 @@ def join(cfg: TrainConfig, run_dir: Path) -> dict:
     (profiled on its own device) and broadcast, since a profiled plan (auto, balanced, milp,
     cost-aware orders) depends on timings and every rank must run the very same one. Rank 0 then
     writes the report, as the launcher does for the ranks it spawns."""
-    options = group_options(cfg)  # read once here: the same options on every rank
     world = int(os.environ.get("WORLD_SIZE") or 1)
     if cfg.plan.devices is not None and world != cfg.plan.devices:  # refused on every rank, before joining
         raise ConfigError("plan.devices", f"plan.devices={cfg.plan.devices} lays the run out on that many ranks, "
                                           f"but WORLD_SIZE={world} were started; set plan.devices={world} or start "
                                           f"{cfg.plan.devices} ranks")
+    options = group_options(cfg)  # read once here: the same options on every rank
     validated = prepare(cfg, profile=False, options=options, run_dir=run_dir)
     os.environ.setdefault(HEARTBEAT_DIR, str(run_dir / "heartbeat"))  # where each rank is, on a shared disk
     run_dir.mkdir(parents=True, exist_ok=True)
