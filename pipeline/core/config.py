@@ -207,9 +207,9 @@ class TrainConfig:
     logger: dict[str, Any] = MISSING
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
-    #: pipeline-parallel degree: ranks per pipeline
+    #: pipeline-parallel degree: ranks per pipeline (not used under plan.devices: the search chooses it)
     pp: int = 2
-    #: data-parallel degree: number of pipeline replicas
+    #: data-parallel degree: number of pipeline replicas (not used under plan.devices either)
     dp: int = 1
     #: what the dp replicas of a stage shard among themselves (FSDP2 over the replicas): 0 nothing
     #: (each holds everything, gradients all-reduced), 1 the optimizer states, 2 the gradients too,
