@@ -156,6 +156,11 @@ def join(cfg: TrainConfig, run_dir: Path) -> dict:
     (profiled on its own device) and broadcast, since a profiled plan (auto, balanced, milp,
     cost-aware orders) depends on timings and every rank must run the very same one. Rank 0 then
     writes the report, as the launcher does for the ranks it spawns."""
+    world = int(os.environ.get("WORLD_SIZE") or 1)
+    if cfg.plan.devices is not None and world != cfg.plan.devices:  # refused on every rank, before joining
+        raise ConfigError("plan.devices", f"plan.devices={cfg.plan.devices} lays the run out on that many ranks, "
+                                          f"but WORLD_SIZE={world} were started; set plan.devices={world} or start "
+                                          f"{cfg.plan.devices} ranks")
     options = group_options(cfg)  # read once here: the same options on every rank
     validated = prepare(cfg, profile=False, options=options, run_dir=run_dir)
     os.environ.setdefault(HEARTBEAT_DIR, str(run_dir / "heartbeat"))  # where each rank is, on a shared disk
@@ -170,7 +175,7 @@ def join(cfg: TrainConfig, run_dir: Path) -> dict:
         run_job,
     )
 
-    rank, device = join_process_group(validated.run.process, cfg.pp, cfg.dp, str(run_dir))
+    rank, device = join_process_group(validated.run.process, cfg.world_size, str(run_dir), ranks_needed(cfg))
     plan = None
     if rank == 0:
         with few_full_collections():
@@ -204,6 +209,11 @@ def join(cfg: TrainConfig, run_dir: Path) -> dict:
         sys.stdout.flush()
         sys.exit(128 + signal.SIGTERM)
     return metrics
+
+
+def ranks_needed(cfg: TrainConfig) -> str:
+    """Why the run needs `cfg.world_size` ranks, for the error when another number joined."""
+    return "plan.devices" if cfg.plan.devices is not None else f"pp x dp = {cfg.pp} x {cfg.dp}"
 
 
 def dry_run(prepared: Prepared, run_dir: Path) -> dict:

@@ -81,9 +81,10 @@ def check_config(cfg: TrainConfig) -> None:
         _number(cfg.link_latency_s, "link_latency_s", 0.0, strict=True, what=" (the simulator's link model; null: measured)")
     if cfg.action_overhead_s is not None:
         _number(cfg.action_overhead_s, "action_overhead_s", 0.0, what=" (seconds per compute action; null: measured)")
+    check_devices(cfg)
     check_zero(cfg)
     batch, dp, m = cfg.batch_size, cfg.dp, cfg.microbatches
-    if batch % (dp * m):
+    if cfg.plan.devices is None and batch % (dp * m):  # plan.devices: each layout's own (search/layouts.py)
         raise ConfigError(
             "batch_size",
             f"{batch} is not divisible by dp x microbatches = {dp} x {m} = {dp * m}; each replica's "
@@ -97,20 +98,36 @@ def check_config(cfg: TrainConfig) -> None:
     check_objective(cfg)
 
 
+def check_devices(cfg: TrainConfig) -> None:
+    """`plan.devices` (the search chooses pp and dp with pp x dp == it) is a positive integer, and
+    only plan=auto chooses a layout."""
+    devices = cfg.plan.devices
+    if devices is None:
+        return
+    _integer(devices, "plan.devices", 1, what=" (the ranks plan=auto lays out as pp x dp) or null")
+    if not cfg.plan.search:
+        raise ConfigError("plan.devices", f"plan.devices={devices} asks the search to choose pp and dp, and only "
+                                          f"plan=auto searches; add plan=auto, or set pp and dp (pp x dp ranks) "
+                                          "and leave plan.devices null")
+
+
 def check_zero(cfg: TrainConfig) -> None:
-    """zero is a level in 0..3, and above 0 needs replicas to shard over."""
+    """zero is a level in 0..3, and above 0 needs replicas to shard over (under `plan.devices`,
+    each layout's dp: search/layouts.py leaves out the layouts that cannot)."""
     if isinstance(cfg.zero, bool) or cfg.zero not in ZERO_LEVELS:
         raise ConfigError("zero", f"got {cfg.zero!r}; valid: 0 (replicas hold everything), 1 (optimizer states "
                                   "sharded over the dp replicas), 2 (gradients too), 3 (parameters too)")
-    if cfg.zero and cfg.dp < 2:
+    devices = cfg.plan.devices
+    if cfg.zero and cfg.dp < 2 and devices is None:
         raise ConfigError("zero", f"zero={cfg.zero} shards a stage's states over its data-parallel replicas, and "
                                   f"dp={cfg.dp} has one; set dp >= 2 (e.g. dp=2 zero={cfg.zero}) or zero=0")
     shard = cfg.dp_shard
     if shard is not None:
-        divisors = [d for d in range(2, cfg.dp + 1) if cfg.dp % d == 0]
+        dp, which = (cfg.dp, f"dp={cfg.dp}") if devices is None else (devices, f"plan.devices={devices}")
+        divisors = [d for d in range(2, dp + 1) if dp % d == 0]
         if isinstance(shard, bool) or not isinstance(shard, int) or shard not in divisors:
-            raise ConfigError("dp_shard", f"got {shard!r} with dp={cfg.dp}; valid: null (shard over all replicas) or "
-                                          f"a divisor of dp of at least 2: {divisors or 'none (dp < 2)'}")
+            raise ConfigError("dp_shard", f"got {shard!r} with {which}; valid: null (shard over all replicas) or "
+                                          f"a divisor of {which.split('=')[0]} of at least 2: {divisors or 'none (dp < 2)'}")
         if not cfg.zero:
             raise ConfigError("dp_shard", f"dp_shard={shard} splits sharded states over groups of replicas, and "
                                           "zero=0 shards nothing; set zero=1, 2 or 3, or leave dp_shard null")
@@ -176,9 +193,10 @@ def check_gpus(cfg: TrainConfig) -> None:
                 f"more nodes, or train on the CPU (device=cpu)")
     else:
         auto = " (device=auto takes the GPUs when CUDA is available)" if cfg.device == "auto" else ""
-        what = (f"pp x dp = {cfg.pp} x {cfg.dp} = {needed} ranks on this node need {needed} GPUs (one each){auto}, "
-                f"but {seen}")
-        ways = (f"start fewer ranks per node (lower pp or dp so that pp x dp <= {fit}), train on the CPU "
+        ranks = f"plan.devices = {needed}" if cfg.plan.devices is not None else f"pp x dp = {cfg.pp} x {cfg.dp} = {needed}"
+        what = f"{ranks} ranks on this node need {needed} GPUs (one each){auto}, but {seen}"
+        fewer = f"plan.devices <= {fit}" if cfg.plan.devices is not None else f"lower pp or dp so that pp x dp <= {fit}"
+        ways = (f"start fewer ranks per node ({fewer}), train on the CPU "
                 f"(device=cpu), or spread the ranks over several nodes with torchrun (--nproc-per-node {fit} on "
                 f"each) or SLURM (hydra/launcher=submitit_slurm with hydra.launcher.tasks_per_node={fit}, the GPUs "
                 "per node)")

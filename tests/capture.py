@@ -56,7 +56,7 @@ def rank_main_many(jobs: list[RankJob]) -> list[dict]:
     """Run several jobs of the same world size in one process group, one after the other, so the
     suite checks many configurations without paying for a spawn each."""
     first = jobs[0].plan
-    rank, device = join_process_group(jobs[0].run.process, first.pp, first.dp, jobs[0].run_dir)
+    rank, device = join_process_group(jobs[0].run.process, first.pp * first.dp, jobs[0].run_dir)
     results = []
     for job in jobs:
         world = job.plan.pp * job.plan.dp

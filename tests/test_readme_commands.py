@@ -174,6 +174,8 @@ SCENARIOS = [
     ), slow=True, timeout=300),
     Scenario("plan-auto", "README.md", (train("python train.py plan=auto model=gpt_bench pp=2"),), slow=True,
              timeout=300),
+    Scenario("plan-auto-devices", "README.md", (plan("python train.py plan=auto plan.devices=4 mode=plan model=gpt_bench "
+                                                     "'plan.schedulers=[1f1b,zbv]'"),), slow=True, timeout=300),
     Scenario("plan-auto-budget", "README.md",
              (train("python train.py plan=auto model=gpt_bench pp=4 memory=budget memory.cap_bytes=150e6"),),
              slow=True, timeout=300),

@@ -190,6 +190,9 @@ class PlanConfig:
     zero: list[int] | None = None
     #: candidates predicted within this share of the fastest count as tied
     tie: float = 0.0
+    #: devices (ranks) the run has: the search also tries every layout pp x dp == devices (the
+    #: configured pp and dp are then ignored); null = the configured pp and dp only
+    devices: Optional[int] = None  # noqa: UP045 - OmegaConf reads typing.Optional
 
 
 @dataclass
@@ -204,9 +207,9 @@ class TrainConfig:
     logger: dict[str, Any] = MISSING
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
-    #: pipeline-parallel degree: ranks per pipeline
+    #: pipeline-parallel degree: ranks per pipeline (not used under plan.devices: the search chooses it)
     pp: int = 2
-    #: data-parallel degree: number of pipeline replicas
+    #: data-parallel degree: number of pipeline replicas (not used under plan.devices either)
     dp: int = 1
     #: what the dp replicas of a stage shard among themselves (FSDP2 over the replicas): 0 nothing
     #: (each holds everything, gradients all-reduced), 1 the optimizer states, 2 the gradients too,
@@ -277,7 +280,10 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp
+        """The ranks this run starts: pp x dp, or `plan.devices` when plan=auto chooses the layout
+        (every layout it tries has that many: the threads per rank and the cores they share
+        follow from it before the search has chosen pp and dp)."""
+        return self.plan.devices if self.plan.devices is not None else self.pp * self.dp
 
     def to_dict(self) -> dict:
         """Plain data (enums as their values): metrics.json's `config`, wandb's run config."""

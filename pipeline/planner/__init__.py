@@ -61,7 +61,9 @@ def make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Grou
     if profile is None:
         profile = needs_profiling(cfg, plugins, generator)
     models = TracedModels(spec, plugins.model, cfg, profile, cuda=cuda, device=device)
-    traced = models.get(micro_batch_size(cfg, cfg.microbatches))
+    # (under plan.devices the configured dp may not split the batch: a layout's candidates trace
+    # their own micro-batch size, this one only gives the graph's shape)
+    traced = models.get(max(1, micro_batch_size(cfg, cfg.microbatches)))
     facts = _machine_facts(cfg, plugins, cuda, profile)
     link = (facts["link_latency_s"], cfg.link_bandwidth)
 
@@ -132,15 +134,16 @@ def rank_slots(cfg: TrainConfig, cuda: bool) -> float | None:
 def _request(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, traced: TracedModel, c: Candidate | None,
              facts: dict, profile: bool, cuda: bool) -> PlanRequest:
     microbatches = c.microbatches if c else cfg.microbatches
+    pp, dp = (cfg.pp, cfg.dp) if c is None or c.pp is None else (c.pp, c.dp)  # plan.devices: the candidate's
     return PlanRequest(
-        model_name=spec.name, pp=cfg.pp, dp=cfg.dp, microbatches=microbatches, batch_size=cfg.batch_size,
+        model_name=spec.name, pp=pp, dp=dp, microbatches=microbatches, batch_size=cfg.batch_size,
         placement=plugins.placement, partitioner=c.partitioner_plugin if c else plugins.partitioner,
         remat=c.remat if c else str(cfg.remat), memory_cap=cfg.memory.cap_bytes,
         reserve_bytes=cfg.memory.reserve_bytes, optimizer_states=plugins.optimizer.states_per_param,
         bandwidth=cfg.link_bandwidth, profiled=profile, precision=str(cfg.precision),
         zero=cfg.zero if c is None or c.zero is None else c.zero, dp_shard=cfg.dp_shard,
         evaluates=cfg.eval.every > 0, data_args=tuple(spec.data_args),
-        value_dtypes=_autocast_dtypes(cfg, spec, traced, micro_batch_size(cfg, microbatches), cuda),
+        value_dtypes=_autocast_dtypes(cfg, spec, traced, micro_batch_size(cfg, microbatches, dp), cuda),
         **facts)
 
 
@@ -164,7 +167,7 @@ def _first_plannable(cfg: TrainConfig, plugins: Plugins, options: GroupOptions, 
     for c in cands:
         try:
             gen = build_generator(c.scheduler_plugin)
-            return _finished(build(gen, models.get(micro_batch_size(cfg, c.microbatches)), c), None, None)
+            return _finished(build(gen, models.get(micro_batch_size(cfg, c.microbatches, c.dp)), c), None, None)
         except ConfigError as err:
             errors.append(err)
     raise errors[0] if errors else ConfigError("scheduler", "scheduler=auto has no candidate schedules")

@@ -48,7 +48,8 @@ class RankJob:
 
 def rank_main(job: RankJob) -> RankResult:
     """Run one rank of one job: join the process group, train, leave it."""
-    rank, device = join_process_group(job.run.process, job.plan.pp, job.plan.dp, job.run_dir)
+    rank, device = join_process_group(job.run.process, job.plan.pp * job.plan.dp, job.run_dir,
+                                      f"pp x dp = {job.plan.pp} x {job.plan.dp}")
     result = run_job(job, rank, device)
     leave_process_group()
     if result.stopped_by == "SIGTERM":
@@ -68,13 +69,15 @@ def set_up_rank_process(host_allocator: str, cpu_affinity: str, local_rank: int,
     bind_rank_to_cores(cpu_affinity, local_rank, local_world, threads)
 
 
-def join_process_group(process: ProcessSpec, pp: int, dp: int, run_dir: str | None) -> tuple[int, torch.device]:
+def join_process_group(process: ProcessSpec, ranks: int, run_dir: str | None, needs: str = "the run"
+                       ) -> tuple[int, torch.device]:
     """Take this rank's device, set up its process (threads, malloc, cores) and join the process
-    group of WORLD_SIZE ranks; returns (global rank, device)."""
+    group of WORLD_SIZE ranks, which must be the `ranks` the run needs (`needs` says why: "pp x dp
+    = 2 x 2", or plan.devices when the plan chooses pp and dp); returns (global rank, device)."""
     rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
     local_rank, local_world = env_int("LOCAL_RANK", 0), env_int("LOCAL_WORLD_SIZE", world)
-    if world != pp * dp:
-        raise RuntimeError(f"WORLD_SIZE={world} but pp x dp = {pp} x {dp} = {pp * dp}; start pp x dp ranks")
+    if world != ranks:
+        raise RuntimeError(f"WORLD_SIZE={world} but {needs} = {ranks}; start {ranks} ranks")
     device = select_device(process.device, local_rank)
     threads = cpu_threads(process.threads, local_world)
     set_up_rank_process(process.host_allocator, process.cpu_affinity,

@@ -108,6 +108,7 @@ def _profile_child(cfg: TrainConfig, model: Plugin, micro_batch_size: int, devic
     return profiled_nodes(traced.graph), bool(traced.graph.graph.get("profile_cached"))
 
 
-def micro_batch_size(cfg: TrainConfig, microbatches: int) -> int:
-    """Sequences per micro-batch when each replica's share of the batch is cut into `microbatches`."""
-    return cfg.batch_size // (cfg.dp * microbatches)
+def micro_batch_size(cfg: TrainConfig, microbatches: int, dp: int | None = None) -> int:
+    """Sequences per micro-batch when each replica's share of the batch is cut into `microbatches`;
+    `dp`: the replicas of the layout planned (a `plan.devices` candidate's), None: the configured dp."""
+    return cfg.batch_size // ((cfg.dp if dp is None else dp) * microbatches)

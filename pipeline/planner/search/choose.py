@@ -25,8 +25,9 @@ from pipelaunch.pipeline.planner.predict.prediction import Prediction
 @dataclass(frozen=True)
 class Candidate:
     """One configuration the search plans: scheduler option (with its settings), partitioner
-    option, micro-batches per step and replica, remat, and the data-parallel sharding level when
-    the search tries levels (`plan.zero`; None: the configured `zero`)."""
+    option, micro-batches per step and replica, remat, the data-parallel sharding level when
+    the search tries levels (`plan.zero`; None: the configured `zero`), and the layout when it
+    tries layouts (`plan.devices`; None: the configured pp and dp)."""
 
     scheduler: str
     scheduler_plugin: Plugin
@@ -35,11 +36,14 @@ class Candidate:
     microbatches: int
     remat: str
     zero: int | None = None
+    pp: int | None = None
+    dp: int | None = None
 
     @property
     def label(self) -> str:
         level = "" if self.zero is None else f" / zero={self.zero}"
-        return f"{self.scheduler} / {self.partitioner} / {self.microbatches} mbs / remat={self.remat}{level}"
+        layout = "" if self.pp is None else f" / pp={self.pp} dp={self.dp}"
+        return f"{self.scheduler} / {self.partitioner} / {self.microbatches} mbs / remat={self.remat}{level}{layout}"
 
     @property
     def level(self) -> int:
@@ -50,7 +54,11 @@ class Candidate:
         """The config keys this candidate sets."""
         return {"scheduler": dict(self.scheduler_plugin.config), "partitioner": dict(self.partitioner_plugin.config),
                 "microbatches": self.microbatches, "remat": self.remat,
-                **({} if self.zero is None else {"zero": self.zero})}
+                **({} if self.zero is None else {"zero": self.zero}), **self.layout()}
+
+    def layout(self) -> dict:
+        """{"pp": .., "dp": ..} when the search tries layouts (`plan.devices`), else {}."""
+        return {} if self.pp is None else {"pp": self.pp, "dp": self.dp}
 
 
 @dataclass
@@ -73,7 +81,7 @@ class Outcome:
         row: dict = {"label": self.candidate.label, "scheduler": self.candidate.scheduler,
                      "partitioner": self.candidate.partitioner, "microbatches": self.candidate.microbatches,
                      "remat": self.candidate.remat, **({} if self.candidate.zero is None else
-                                                        {"zero": self.candidate.zero})}
+                                                        {"zero": self.candidate.zero}), **self.candidate.layout()}
         if self.prediction is not None:
             res = self.prediction.result
             row.update(step_s=res.makespan_s, bubble=res.mean_bubble,
@@ -157,13 +165,15 @@ class SearchResult:
         cap = f" (cap {self.cap / MIB:.1f})" if self.cap is not None else ""
         width = max([8, *(len(o.candidate.scheduler) for o in self.ranked[:top])])
         levels = any(o.candidate.zero is not None for o in self.outcomes)  # the search tries levels
+        layouts = any(o.candidate.pp is not None for o in self.outcomes)  # ... and layouts (plan.devices)
         lines = [f"{'#':>3}  {'schedule':<{width}} {'partitioner':<11} {'mbs':>4} {'remat':<5} "
-                 + (f"{'zero':>4} " if levels else "") + f"{'step ms':>9} {'bubble':>7}  peak MiB per device{cap}"]
+                 + (f"{'zero':>4} " if levels else "") + (f"{'pp':>3} {'dp':>3} " if layouts else "")
+                 + f"{'step ms':>9} {'bubble':>7}  peak MiB per device{cap}"]
         for i, o in enumerate(self.ranked[:top], 1):
             c, p = o.candidate, o.prediction
             mark = "  <- runs" if o is self.winner else ""
             lines.append(f"{i:>3}  {c.scheduler:<{width}} {c.partitioner:<11} {c.microbatches:>4} {c.remat:<5} "
-                         + (f"{c.level:>4} " if levels else "")
+                         + (f"{c.level:>4} " if levels else "") + (f"{c.pp:>3} {c.dp:>3} " if layouts else "")
                          + f"{p.step_s * 1e3:>9.1f} {p.result.mean_bubble:>7.1%}  "
                          f"{' / '.join(f'{d.total / MIB:.1f}' for d in p.devices)}{mark}")
         hidden = len(self.ranked) - top
@@ -210,7 +220,7 @@ class SearchResult:
                          f"({op.step_s * 1e3:.1f} ms, bubble {op.result.mean_bubble:.1%})")
         same = next((o for o in rest if o.candidate.scheduler == win.candidate.scheduler
                      and o.candidate.partitioner != win.candidate.partitioner), None)
-        parts += _level_reasons(win, self.ranked, self.excluded)
+        parts += _level_reasons(win, self.ranked, self.excluded) + _layout_reasons(win, self.outcomes)
         if same is not None:
             parts.append(f"{_faster(same.prediction.step_s, wp.step_s)} the same schedule split by "
                          f"{same.candidate.partitioner} ({same.prediction.step_s * 1e3:.1f} ms)")
@@ -259,8 +269,33 @@ def _level_reasons(win: Outcome, ranked: Sequence[Outcome], excluded: Sequence[O
 
 
 def _same_but_level(a: Candidate, b: Candidate) -> bool:
-    return (a.scheduler, a.partitioner, a.microbatches, a.remat) == (b.scheduler, b.partitioner, b.microbatches,
-                                                                     b.remat)
+    return (a.scheduler, a.partitioner, a.microbatches, a.remat, a.pp, a.dp) == (
+        b.scheduler, b.partitioner, b.microbatches, b.remat, b.pp, b.dp)
+
+
+def _layout_reasons(win: Outcome, outcomes: Sequence[Outcome]) -> list[str]:
+    """Under `plan.devices`: which layouts were compared (the configured pp and dp are not used),
+    and the best fitting candidate of each other layout against the winner."""
+    c = win.candidate
+    if c.pp is None:
+        return []
+    tried = sorted({(o.candidate.pp, o.candidate.dp) for o in outcomes})
+    out = [f"plan.devices={c.pp * c.dp} compared the layouts {', '.join(f'pp={p} dp={d}' for p, d in tried)} "
+           f"(the configured pp and dp are not used) and runs pp={c.pp} dp={c.dp}"]
+    for pp, dp in tried:
+        if (pp, dp) == (c.pp, c.dp):
+            continue
+        own = [o for o in outcomes if (o.candidate.pp, o.candidate.dp) == (pp, dp)]
+        fits = [o for o in own if o.fits]
+        if fits:
+            best = min(fits, key=lambda o: o.prediction.step_s)
+            out.append(f"{_faster(best.prediction.step_s, win.prediction.step_s)} pp={pp} dp={dp} at its best "
+                       f"({best.candidate.label}, {best.prediction.step_s * 1e3:.1f} ms)")
+        else:
+            why = "none of its candidates could be planned" if all(o.error for o in own) else \
+                "none of its candidates fits the budget"
+            out.append(f"pp={pp} dp={dp}: {why}")
+    return out
 
 
 def _stages(outcome: Outcome) -> int:
@@ -340,9 +375,11 @@ def candidates(
     counts: Sequence[int],
     remats: Sequence[str],
     zeros: Sequence[int | None] = (None,),
+    layout: tuple[int | None, int | None] = (None, None),
 ) -> list[Candidate]:
-    """Every combination, in a fixed order."""
-    return [Candidate(s, sched, p, part, m, r, z)
+    """Every combination, in a fixed order; `layout`: the (pp, dp) they all run at (None: the
+    configured ones)."""
+    return [Candidate(s, sched, p, part, m, r, z, *layout)
             for (s, sched), (p, part), m, r, z in itertools.product(schedulers, partitioners.items(), counts, remats,
                                                                     zeros)]
 

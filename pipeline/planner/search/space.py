@@ -24,12 +24,11 @@ from pipelaunch.pipeline.planner.search.choose import (
     Candidate,
     SearchResult,
     candidates,
-    microbatch_counts,
     remat_values,
     run_search,
     scheduler_variants,
-    zero_levels,
 )
+from pipelaunch.pipeline.planner.search.layouts import layouts
 
 
 def training_schedules(options: GroupOptions) -> dict[str, Plugin]:
@@ -64,15 +63,16 @@ def search_space(cfg: TrainConfig, plugins: Plugins, options: GroupOptions, grap
         return candidates(scheduler_variants(default, None, None), given_part, [cfg.microbatches], [remat]), None
     chosen = scheduler_variants(schedules if space.schedulers else default, space.schedulers, space.variants)
     partitioners = _partitioners(space.partitioners or [plugins.partitioner.option], options, graph)
-    counts = microbatch_counts(cfg.pp, cfg.dp, cfg.batch_size, cfg.microbatches, space.microbatches)
     rematting = [str(r) for r in space.remat] if space.remat else None
-    cands = candidates(chosen, partitioners, counts, remat_values(rematting, cfg.memory.cap_bytes is not None),
-                       zero_levels(space.zero, cfg.dp))
+    remats = remat_values(rematting, cfg.memory.cap_bytes is not None)
+    cands = [c for lay in layouts(cfg)
+             for c in candidates(chosen, partitioners, lay.counts, remats, lay.zeros, (lay.pp, lay.dp))]
     given, named = None, plugins.scheduler
     if named is not None:
         given = next((c for c in cands if c.scheduler_plugin.same_as(named)
                       and c.partitioner == plugins.partitioner.option and c.microbatches == cfg.microbatches
-                      and c.remat == remat and c.zero in (None, cfg.zero)), None)
+                      and c.remat == remat and c.zero in (None, cfg.zero)
+                      and (c.pp is None or (c.pp, c.dp) == (cfg.pp, cfg.dp))), None)
     return cands, given
 
 
@@ -108,7 +108,7 @@ def search(cfg: TrainConfig, models: TracedModels, build: Callable[..., Plan], c
         if c.scheduler not in generators:
             generators[c.scheduler] = build_generator(c.scheduler_plugin)
         gen = generators[c.scheduler]
-        traced = models.get(micro_batch_size(cfg, c.microbatches))
+        traced = models.get(micro_batch_size(cfg, c.microbatches, c.dp))
         plan = build(gen, traced, c)
         return fit_budget(plan, predict(plan, *link), traced.graph, cap, *link,
                           rebuild=lambda whole: build(gen, traced, c, whole))

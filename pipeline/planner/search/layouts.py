@@ -1,0 +1,72 @@
+"""`plan.devices`: the (pp, dp) layouts `plan=auto` compares, with what each layout lets it try.
+
+Why here and not in validation: which micro-batch counts and sharding levels a layout allows
+depends on its dp (each replica's share of the batch; zero > 0 needs replicas to shard over), so
+a layout the batch or the sharding settings rule out is left out of the search, with the reason,
+rather than refusing the run; only when every layout is ruled out is it a config error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipelaunch.pipeline.core.config import TrainConfig
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.planner.search.choose import microbatch_counts, zero_levels
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One (pp, dp) the search tries, and the micro-batch counts and sharding levels it allows.
+    `pp`, `dp` None: the configured ones (no `plan.devices`)."""
+
+    pp: int | None
+    dp: int | None
+    counts: list[int]
+    zeros: list[int | None]
+
+
+def layouts(cfg: TrainConfig) -> list[Layout]:
+    """The layouts of the search: the configured pp and dp (errors raised as before), or every
+    pp x dp == plan.devices whose dp the batch and the sharding settings allow, pp from 1 up.
+    A pp larger than the model has blocks for stays in: its candidates fail to plan, as any do."""
+    space = cfg.plan
+    if space.devices is None:
+        return [Layout(None, None, microbatch_counts(cfg.pp, cfg.dp, cfg.batch_size, cfg.microbatches,
+                                                     space.microbatches), zero_levels(space.zero, cfg.dp))]
+    found, skipped = [], []
+    for pp in (d for d in range(1, space.devices + 1) if space.devices % d == 0):
+        dp = space.devices // pp
+        try:
+            found.append(_layout(cfg, pp, dp))
+        except ConfigError as err:
+            skipped.append(f"pp={pp} dp={dp}: {str(err).removeprefix('Invalid config ')}")
+    if not found:
+        raise ConfigError("plan.devices", f"no layout pp x dp = {space.devices} can run this config: "
+                                          + "; ".join(skipped))
+    return found
+
+
+def _layout(cfg: TrainConfig, pp: int, dp: int) -> Layout:
+    """The layout (pp, dp) of plan.devices, or a ConfigError saying why it cannot run."""
+    if cfg.batch_size % dp:
+        raise ConfigError("batch_size", f"batch_size={cfg.batch_size} does not split over {dp} replicas")
+    zeros = _levels(cfg, dp)
+    if cfg.dp_shard is not None and dp % cfg.dp_shard:
+        raise ConfigError("dp_shard", f"dp_shard={cfg.dp_shard} does not divide dp={dp}")
+    return Layout(pp, dp, microbatch_counts(pp, dp, cfg.batch_size, cfg.microbatches, cfg.plan.microbatches), zeros)
+
+
+def _levels(cfg: TrainConfig, dp: int) -> list[int | None]:
+    """The sharding levels dp replicas allow: `plan.zero`'s (above 0 only with dp >= 2), or the
+    configured `zero`."""
+    wanted = cfg.plan.zero
+    if wanted is None:
+        if cfg.zero and dp < 2:
+            raise ConfigError("zero", f"zero={cfg.zero} needs dp >= 2")
+        return [None]
+    zero_levels(wanted, 2)  # the list itself is valid whatever dp is
+    levels = [z for z in wanted if dp >= 2 or not z]
+    if not levels:
+        raise ConfigError("plan.zero", f"levels {sorted(set(wanted))} need dp >= 2")
+    return zero_levels(levels, dp)
