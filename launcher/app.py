@@ -169,13 +169,16 @@ def join(cfg: TrainConfig, run_dir: Path) -> dict:
     from pipelaunch.pipeline.runtime.context import env_int
     from pipelaunch.pipeline.runtime.rank import (
         RankJob,
+        bind_local_cores,
         broadcast_plan,
         join_process_group,
         leave_process_group,
         run_job,
     )
 
-    rank, device = join_process_group(validated.run.process, cfg.world_size, str(run_dir), ranks_needed(cfg))
+    # cores are bound once the Plan is there: rank 0 profiles and probes on all of the machine's
+    rank, device = join_process_group(validated.run.process, cfg.world_size, str(run_dir), ranks_needed(cfg),
+                                      bind_cores=False)
     plan = None
     if rank == 0:
         with few_full_collections():
@@ -186,6 +189,7 @@ def join(cfg: TrainConfig, run_dir: Path) -> dict:
         plan.write(run_dir / "plan.json")
         print(stage_table(plan), flush=True)
     plan = broadcast_plan(plan)
+    bind_local_cores(validated.run.process)
     if rank == 0 and cfg.check_split != CheckSplit.never:  # a check here would hold every other rank
         print("check_split: skipped: ranks started by torchrun or SLURM plan on rank 0 inside the process group; "
               "the same command through the launcher (python train.py ... steps=1) checks the split", flush=True)

@@ -113,13 +113,22 @@ def test_sweep_with_a_failing_job_still_ends_with_a_report(tmp_path) -> None:
 
 @pytest.mark.timeout(300)
 def test_torchrun_ranks_join_instead_of_spawning(tmp_path) -> None:
+    """Rank 0 plans inside the group (here plan=auto choosing the layout of the 2 ranks, on an
+    empty profile cache: it profiles and probes before the ranks bind their cores), the others
+    wait for its Plan."""
     run_dir = tmp_path / "tr"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           "train.py", *FAST, "pp=2", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+           "train.py", *FAST, "plan=auto", "plan.devices=2", "plan.schedulers=[1f1b]", "plan.microbatches=[4]",
+           f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "PIPELAUNCH_CACHE": str(tmp_path / "empty-cache")}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = metrics(run_dir)
     assert len(m["ranks"]) == 2 and len(m["losses"]) == 3
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["pp"] * plan["dp"] == 2 and "plan=auto planned and simulated" in proc.stdout
+    # rank 0's overhead probe ran as a job of its own (inside torchrun's environment it waited out its timeout)
+    assert list((tmp_path / "empty-cache" / "overheads").glob("*.json"))
     assert not (run_dir / "logs").exists()  # nothing was spawned: the two processes were the ranks
     assert "check_split: skipped: ranks started by torchrun or SLURM plan on rank 0" in proc.stdout
 

@@ -69,19 +69,22 @@ def set_up_rank_process(host_allocator: str, cpu_affinity: str, local_rank: int,
     bind_rank_to_cores(cpu_affinity, local_rank, local_world, threads)
 
 
-def join_process_group(process: ProcessSpec, ranks: int, run_dir: str | None, needs: str = "the run"
-                       ) -> tuple[int, torch.device]:
+def join_process_group(process: ProcessSpec, ranks: int, run_dir: str | None, needs: str = "the run",
+                       bind_cores: bool = True) -> tuple[int, torch.device]:
     """Take this rank's device, set up its process (threads, malloc, cores) and join the process
     group of WORLD_SIZE ranks, which must be the `ranks` the run needs (`needs` says why: "pp x dp
-    = 2 x 2", or plan.devices when the plan chooses pp and dp); returns (global rank, device)."""
+    = 2 x 2", or plan.devices when the plan chooses pp and dp); returns (global rank, device).
+    `bind_cores=False`: the cores are bound later (`bind_local_cores`), after rank 0 has planned
+    on all of the machine's cores."""
     rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
     local_rank, local_world = env_int("LOCAL_RANK", 0), env_int("LOCAL_WORLD_SIZE", world)
     if world != ranks:
         raise RuntimeError(f"WORLD_SIZE={world} but {needs} = {ranks}; start {ranks} ranks")
     device = select_device(process.device, local_rank)
     threads = cpu_threads(process.threads, local_world)
-    set_up_rank_process(process.host_allocator, process.cpu_affinity,
-                        local_rank, local_world, threads)
+    configure_host_allocator(process.host_allocator)
+    if bind_cores:
+        bind_rank_to_cores(process.cpu_affinity, local_rank, local_world, threads)
     if device.type == "cpu":
         torch.set_num_threads(threads)
     backend = backend_for(device)
@@ -120,9 +123,26 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
+#: how long ranks started by torchrun or SLURM wait for rank 0's Plan: a cold plan=auto profiles
+#: and searches for minutes, longer than `timeout_s` allows a collective of the step; a rank 0 that
+#: fails while planning exits, and torchrun or SLURM then end the others, so the wait is not a hang
+PLAN_WAIT_S = 3600
+
+
 def broadcast_plan(plan: Plan | None) -> Plan:
     """Every rank gets rank 0's Plan (ranks started by torchrun or SLURM: only rank 0 plans, since a
-    profiled Plan depends on timings and every rank must run the very same one)."""
+    profiled Plan depends on timings and every rank must run the very same one), over a gloo group
+    of its own that waits `PLAN_WAIT_S` (the default group's timeout is the step's)."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=PLAN_WAIT_S))
     holder: list = [plan]
-    dist.broadcast_object_list(holder, src=0)
+    dist.broadcast_object_list(holder, src=0, group=group)
+    dist.destroy_process_group(group)
     return holder[0]
+
+
+def bind_local_cores(process: ProcessSpec) -> None:
+    """`cpu_affinity` for a rank torchrun or SLURM started, once the Plan is there: bound before,
+    rank 0 would plan on its own cores only (its probe's two processes sharing one core time out)."""
+    local_world = env_int("LOCAL_WORLD_SIZE", env_int("WORLD_SIZE", 1))
+    bind_rank_to_cores(process.cpu_affinity, env_int("LOCAL_RANK", 0), local_world,
+                       cpu_threads(process.threads, local_world))

@@ -83,7 +83,7 @@ def measure_overheads(threads: int) -> Overheads | None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    env = {**_outside_any_job(os.environ), "OMP_NUM_THREADS": str(threads)}
     procs = [subprocess.Popen([sys.executable, "-m", "pipelaunch.pipeline.runtime.probe", str(rank), str(port), str(threads)],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
                               cwd=ROOT, start_new_session=True)
@@ -101,3 +101,16 @@ def measure_overheads(threads: int) -> Overheads | None:
         return None
     latency = next(r["latency_s"] for r in results if "latency_s" in r)
     return Overheads(latency_s=latency, action_s=statistics.mean(r["action_s"] for r in results))
+
+
+#: what torchrun and SLURM tell a rank about its job; the probe's two processes are a job of their own
+JOB_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _outside_any_job(environ: os._Environ | dict) -> dict[str, str]:
+    """The environment without the job's rendezvous: under torchrun, TORCHELASTIC_USE_AGENT_STORE
+    makes every tcp:// rendezvous a client of the agent's store, so the probe's own rank 0 never
+    serves its port and both probe ranks waited out PROBE_TIMEOUT_S (a joined rank 0 planning
+    plan=auto took 2 minutes and priced the defaults)."""
+    return {k: v for k, v in environ.items() if k not in JOB_VARIABLES and not k.startswith("TORCHELASTIC_")}
