@@ -76,7 +76,7 @@ def test_hf_presets_and_diffusers_modules_match_single_process(tmp_path) -> None
     # the llama preset on real ranks and UNet2DModel here are in the slow test below (test_hf_sweep
     # proves llama exact at pp=2; tests/test_graph_equivalence.py trains UNet2DModel under zbv)
     cases = [
-        _cfg(["model=hf_gpt2_tiny"], "milp", "1f1b", 2, dp=2),
+        _cfg(["model=hf_gpt2_tiny"], "milp", "1f1b", 2),  # at dp=2 (zero=3): tests/test_zero_hf.py
         _cfg(UNET_COND, "balanced", "1f1b", 2),
         _cfg(SD3, "uniform", "zbv", 2),
     ]

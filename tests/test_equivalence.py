@@ -23,9 +23,10 @@ from tests.schedules import training_schedules
 TRAINING = list(training_schedules())
 
 
-#: world 4 in the default suite: every schedule at pp=2 dp=2 with recomputation and at pp=4
-#: without it (world 2 runs each without it at pp=2); the other half is `-m slow`
-FIRST_HALF = {(2, 2, "full"), (4, 1, "none")}
+#: world 4 in the default suite: every schedule at pp=4 without recomputation (world 2 runs each
+#: without it at pp=2; every schedule at pp=2 dp=2, at zero 0-3 with recomputation on every other
+#: one, is tests/test_zero.py's default test); the rest is `-m slow`
+FIRST_HALF = {(4, 1, "none")}
 
 
 def _cases(world: int, remats: tuple[str, ...] = ("none", "full"), half: str = "all") -> list[tuple[dict, str]]:
@@ -48,8 +49,8 @@ def _cases(world: int, remats: tuple[str, ...] = ("none", "full"), half: str = "
     return out
 
 
-#: the default suite's worlds: every schedule without recomputation at pp=2 (world 2) and pp=4,
-#: with it at pp=2 dp=2 (world 4); the rest of the matrix is `-m slow`
+#: the default suite's worlds: every schedule without recomputation at pp=2 (world 2) and pp=4
+#: (world 4); the rest of the matrix is `-m slow`
 DEFAULT_WORLDS = [(1, ("none", "full"), "all"), (2, ("none",), "all"), (4, ("none", "full"), "first")]
 WORLDS = [
     *(pytest.param(*w, id=f"world{w[0]}") for w in DEFAULT_WORLDS),
@@ -131,10 +132,13 @@ def test_remat_auto_recomputes_modules_only_on_the_devices_over_budget_and_match
 
 
 def test_every_training_schedule_is_covered() -> None:
-    """By the default suite's worlds, with and without recomputation."""
+    """By the default suite's worlds without recomputation, and with it by tests/test_zero.py's
+    pp=2 dp=2 cases (the data-parallel levels in turn)."""
+    from tests.test_zero import pp2_dp2_cases
+
     default = [what for world, remats, half in DEFAULT_WORLDS for _, what in _cases(world, remats, half)]
-    for remat in ("none", "full"):
-        assert {what.split()[0] for what in default if what.endswith(f"remat={remat}")} == set(TRAINING), remat
+    assert {what.split()[0] for what in default if what.endswith("remat=none")} == set(TRAINING)
+    assert {what.split()[0] for _, what in pp2_dp2_cases() if what.endswith("remat=full")} == set(TRAINING)
 
 
 @pytest.mark.timeout(300)
