@@ -47,7 +47,8 @@ def test_losses_agree_across_pp_and_dp(tmp_path) -> None:
 
 @pytest.mark.timeout(300)
 def test_default_command_prints_step_lines(tmp_path) -> None:
-    proc = train(["steps=3"], tmp_path / "run")
+    # the default model as typed runs in tests/test_readme_commands.py (quick-start); here a small one
+    proc = train([*FAST, "pp=2"], tmp_path / "run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     step_lines = [line for line in proc.stdout.splitlines() if "| loss" in line]
     assert len(step_lines) == 3, proc.stdout

@@ -185,7 +185,8 @@ SCENARIOS = [
     Scenario("refused-remat-auto-budget", "docs/planner.md",
              (refused("python train.py remat=auto memory=budget memory.cap_bytes=90e6 model=gpt_bench pp=4"),)),
     # sharded data parallel
-    Scenario("zero-3", "README.md", (train("python train.py pp=2 dp=2 zero=3"),), timeout=180),
+    # slow: tests/test_zero.py trains every schedule at pp=2 dp=2 at zero 0-3 through the same launcher code
+    Scenario("zero-3", "README.md", (train("python train.py pp=2 dp=2 zero=3"),), slow=True, timeout=180),
     Scenario("zero-plan", "README.md", (plan("python train.py mode=plan model=gpt_bench pp=2 dp=2 zero=1"),),
              slow=True, timeout=300),
     Scenario("zero-auto", "README.md", (train("python train.py plan=auto 'plan.zero=[0,1,2,3]' 'plan.schedulers=[1f1b]' "
