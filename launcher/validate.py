@@ -123,11 +123,11 @@ def check_zero(cfg: TrainConfig) -> None:
                                   f"dp={cfg.dp} has one; set dp >= 2 (e.g. dp=2 zero={cfg.zero}) or zero=0")
     shard = cfg.dp_shard
     if shard is not None:
-        dp, which = (cfg.dp, f"dp={cfg.dp}") if devices is None else (devices, f"plan.devices={devices}")
+        key, dp = ("dp", cfg.dp) if devices is None else ("plan.devices", devices)
         divisors = [d for d in range(2, dp + 1) if dp % d == 0]
         if isinstance(shard, bool) or not isinstance(shard, int) or shard not in divisors:
-            raise ConfigError("dp_shard", f"got {shard!r} with {which}; valid: null (shard over all replicas) or "
-                                          f"a divisor of {which.split('=')[0]} of at least 2: {divisors or 'none (dp < 2)'}")
+            raise ConfigError("dp_shard", f"got {shard!r} with {key}={dp}; valid: null (shard over all replicas) or "
+                                          f"a divisor of {key} of at least 2: {divisors or 'none (dp < 2)'}")
         if not cfg.zero:
             raise ConfigError("dp_shard", f"dp_shard={shard} splits sharded states over groups of replicas, and "
                                           "zero=0 shards nothing; set zero=1, 2 or 3, or leave dp_shard null")

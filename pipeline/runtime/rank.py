@@ -84,7 +84,7 @@ def join_process_group(process: ProcessSpec, ranks: int, run_dir: str | None, ne
     threads = cpu_threads(process.threads, local_world)
     configure_host_allocator(process.host_allocator)
     if bind_cores:
-        bind_rank_to_cores(process.cpu_affinity, local_rank, local_world, threads)
+        bind_local_cores(process)
     if device.type == "cpu":
         torch.set_num_threads(threads)
     backend = backend_for(device)
