@@ -193,6 +193,57 @@ def test_a_burst_of_noise_hits_one_pass_not_the_profile() -> None:
     assert traced.graph.nodes["_0"]["forward_s"] < 0.01
 
 
+class _IndexedBlock(nn.Module):
+    """A block that keeps its index, as transformers' decoder layers keep `layer_idx`; the first
+    copy runs 30 ms slow in every pass, as the first blocks of a profile measured dear."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.index == 0:
+            time.sleep(0.03)
+        return torch.relu(self.lin(x))
+
+
+class _KindBlock(nn.Module):
+    """A block whose work depends on a plain setting its repr does not show."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "slow":
+            time.sleep(0.02)
+        return self.lin(x)
+
+
+def test_copies_of_one_block_share_one_timing_and_different_blocks_keep_their_own() -> None:
+    """Five copies of a block pool their samples: the copy that measured slow in every pass gets
+    the copies' median, and all five the same figures (a balanced split cannot tell them apart,
+    so it cannot change between profiles). Blocks that differ, in a setting (`kind`) or in their
+    weights' shapes, are timed apart."""
+    x = torch.randn(4, 8)
+    copies = nn.Sequential(*[_IndexedBlock(i) for i in range(5)])
+    traced = trace_model(copies, x, [str(i) for i in range(5)])
+    profile_graph(traced, (x,), repeats=3)
+    forward = {n: traced.graph.nodes[f"_{n}"]["forward_s"] for n in range(5)}
+    backward = {n: traced.graph.nodes[f"_{n}"]["backward_s"] for n in range(5)}
+    assert len(set(forward.values())) == 1 and len(set(backward.values())) == 1, (forward, backward)
+    assert forward[0] < 0.01
+
+    mixed = nn.Sequential(_KindBlock("slow"), _KindBlock("fast"), _KindBlock("fast"), nn.Linear(8, 16))
+    traced = trace_model(mixed, x, ["0", "1", "2", "3"])
+    profile_graph(traced, (x,), repeats=3)
+    times = {n: traced.graph.nodes[n]["forward_s"] for n in ("_0", "_1", "_2", "_3")}
+    assert times["_0"] > 0.015 and times["_1"] < 0.01, times
+    assert times["_1"] == times["_2"] != times["_3"], times
+
+
 class _CountingEvictor(CacheEvictor):
     """Counts evictions instead of writing a cache-sized buffer."""
 

@@ -10,6 +10,13 @@ a shared machine slows down in bursts that last longer than one node's repeats. 
 a burst lands on every sample of one node (in one profile an LM head's backward measured 12% dear);
 timed in passes, it lands on one pass, and the median over passes leaves it out.
 
+Why copies of one layer share one timing: a decoder's eight identical blocks measured 48-66 ms
+each in one profile (the first two dearest) and their order changed from one profile to the next,
+so the balanced split, and with it the schedule plan=auto picks, changed between a first run and
+a second. Nodes whose cost cannot differ (the same module structure and settings, or the same
+operator, on inputs and weights of the same shapes, strides and dtypes: `_signature`) pool every
+pass's samples, and each gets the median of the pool: eight copies give eight times the samples.
+
 The model may live on the meta device: each node runs on real inputs with only the module it calls
 materialised for it, so profiling never holds the model's weights.
 
@@ -83,6 +90,7 @@ def profile_key(model_config: Mapping[str, Any], inputs: Sequence[Any], device: 
     payload = {
         "passes": PASSES,
         "cache": "evicted",
+        "copies": "pooled",
         "model": model_config,
         "inputs": _describe_inputs(inputs),
         "device": device_label(device),
@@ -345,10 +353,24 @@ def _medians(samples: Mapping[str, Sequence[float]]) -> dict[str, float]:
     return {k: max(statistics.median(v), MIN_TIME_S) if v else 0.0 for k, v in samples.items()}
 
 
-def _pool(first: dict[str, Any], later: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One node's result: the first pass's bytes, and medians over every pass's timings."""
-    pooled = {k: [t for r in (first, *later) for t in r["samples"][k]] for k in TIMES}
+def _pool(first: dict[str, Any], samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One node's result: its first pass's bytes, and the medians of `samples` (every pass's
+    results of this node and of its copies)."""
+    pooled = {k: [t for r in samples for t in r["samples"][k]] for k in TIMES}
     return {**{k: v for k, v in first.items() if k != "samples"}, **_medians(pooled)}
+
+
+def _pool_copies(runs: Sequence[Mapping[str, dict[str, Any]]], signatures: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """Every node's result from the passes `runs`, its timings pooled with its copies' (nodes of
+    equal signature; a node without one, the loss, pools its own passes only)."""
+    copies: dict[str, list[str]] = {}
+    for name, sig in signatures.items():
+        copies.setdefault(sig, []).append(name)
+    out = {}
+    for name, first in runs[0].items():
+        group = copies.get(signatures[name], [name]) if name in signatures else [name]
+        out[name] = _pool(first, [r[member] for r in runs for member in group])
+    return out
 
 
 def _stash_bytes(stash: WeightGradStash) -> int:
@@ -378,6 +400,40 @@ def _real_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return nn.Parameter(real, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else real
 
 
+def _layout(value: Any) -> Any:
+    """What of an input can change an op's cost: a tensor's shape, strides, dtype and whether it
+    needs a gradient; anything else by its repr."""
+    if isinstance(value, torch.Tensor):
+        return [list(value.shape), list(value.stride()), str(value.dtype), value.requires_grad]
+    if isinstance(value, (list, tuple)):
+        return [_layout(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _layout(v) for k, v in value.items()}
+    return repr(value)
+
+
+def _settings(module: nn.Module) -> list[Any]:
+    """The module tree's plain settings that its repr may not show (a str, float, bool or None
+    attribute, such as an attention kind). Integers are left out: the layer index a block keeps
+    (transformers' `layer_idx`) differs between copies whose work does not."""
+    found = []
+    for path, sub in module.named_modules():
+        for name, value in vars(sub).items():
+            if not name.startswith("_") and name != "training" and (value is None or isinstance(value, (str, float, bool))):
+                found.append([path, name, value])
+    return found
+
+
+def _signature(n: fx.Node, fn: Callable[..., Any], module: nn.Module | None, args: Any, kwargs: Any,
+               params: Sequence[torch.Tensor]) -> str:
+    """Nodes with equal signatures do the same work: the same module (class, structure, settings) or
+    operator, on inputs and weights laid out alike."""
+    what: Any = [type(module).__qualname__, repr(module), _settings(module)] if module is not None \
+        else [n.op, str(n.target) if n.op == "call_method" else getattr(fn, "__qualname__", repr(fn))]
+    weights = [[list(p.shape), str(p.dtype), p.requires_grad] for p in params]
+    return json.dumps([what, _layout([args, kwargs]), weights], default=repr)
+
+
 class _LeafwiseProfiler(fx.Interpreter):
     """Runs a meta-device graph on one real micro-batch, node by node. Each module a node calls is
     materialised just for that node (a copy, initialised), measured, and dropped; each parameter a
@@ -389,6 +445,8 @@ class _LeafwiseProfiler(fx.Interpreter):
         super().__init__(gm)
         self.device, self.repeats, self.seed, self.evict = device, repeats, seed, evict
         self.results: dict[str, dict[str, Any]] = {}
+        #: each measured node's `_signature`
+        self.signatures: dict[str, str] = {}
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op == "get_attr":
@@ -405,6 +463,7 @@ class _LeafwiseProfiler(fx.Interpreter):
             materialize(module, self.seed, self.device)
         fn, params = _node_callable(self.module, n, module)
         params = params + [a for a in _tensors([args, kwargs]) if isinstance(a, nn.Parameter)]
+        self.signatures[n.name] = _signature(n, fn, module, args, kwargs, params)
         self.results[n.name] = measure_op(fn, args, kwargs, params, self.device, self.repeats, evict=self.evict)
         with torch.no_grad():
             return fn(*args, **kwargs)
@@ -484,14 +543,16 @@ def profile_graph(
 
     evict = CacheEvictor(device)
     runs: list[dict[str, dict[str, Any]]] = []
+    signatures: dict[str, str] = {}
     for _ in range(passes):
         runner = _LeafwiseProfiler(traced.gm, device, per_pass, seed, evict=evict)
         value = next(iter(_tensors(runner.run(*args))), None)
         if loss_of is not None and value is not None:
             runner.results[_LOSS] = measure_op(loss_of, (value,), {}, [], device, per_pass, evict=evict)
         runs.append(runner.results)
+        signatures = runner.signatures
     del evict
-    results = {name: _pool(first, [r[name] for r in runs[1:]]) for name, first in runs[0].items()}
+    results = _pool_copies(runs, signatures)
     loss_stats = results.pop(_LOSS, None)
     if loss_stats is not None:
         producer = traced.graph.graph["outputs"][0]
