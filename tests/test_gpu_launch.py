@@ -200,7 +200,7 @@ def test_a_gpu_run_is_profiled_by_a_child_on_rank_0s_gpu_and_a_rank_on_its_own(f
         asked.append(("child", device))
         spec = model.build()
         traced = spec.trace(micro_batch_size, spec.build_meta())
-        search.profile_traced(spec, cfg, traced, micro_batch_size, torch.device("cpu"))
+        search.profile_traced(spec, cfg, [traced], [micro_batch_size], torch.device("cpu"))
         return search.profiled_nodes(traced.graph), False
 
     monkeypatch.setattr(search, "profile_in_child", child)
@@ -208,13 +208,13 @@ def test_a_gpu_run_is_profiled_by_a_child_on_rank_0s_gpu_and_a_rank_on_its_own(f
     prepare(cfg)
     assert asked == [("child", torch.device("cuda", 0))] and not torch.cuda.is_initialized()
 
-    real = search.profile_graph
+    real = search.profile_graphs
 
-    def here(traced, example_inputs, device="cpu", **kwargs):  # a rank's own GPU, timed on the CPU here
-        asked.append(("here", torch.device(device), kwargs["model_config"]))
-        real(traced, example_inputs, device="cpu", **{**kwargs, "use_cache": False})
+    def here(jobs, device="cpu", **kwargs):  # a rank's own GPU, timed on the CPU here
+        asked.extend(("here", torch.device(device), job.model_config) for job in jobs)
+        real(jobs, device="cpu", **{**kwargs, "use_cache": False})
 
-    monkeypatch.setattr(search, "profile_graph", here)
+    monkeypatch.setattr(search, "profile_graphs", here)
     asked.clear()
     prepare(cfg, device=torch.device("cuda", 1))  # rank 0 of a joined run, on GPU 1 of its node
     assert asked == [("here", torch.device("cuda", 1), {"model": cfg.model})]  # no CPU threads in the key

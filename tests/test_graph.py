@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 
@@ -18,10 +19,13 @@ from pipelaunch.pipeline.compute.backward import backward_input, backward_weight
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.graph.trace import TraceError, trace_model
 from pipelaunch.pipeline.planner.measure.profile import (
+    PASSES,
     CacheEvictor,
+    ProfileJob,
     last_level_cache_bytes,
     measure_op,
     profile_graph,
+    profile_graphs,
 )
 from pipelaunch.pipeline.planner.partition import (
     balanced,
@@ -242,6 +246,33 @@ def test_copies_of_one_block_share_one_timing_and_different_blocks_keep_their_ow
     times = {n: traced.graph.nodes[n]["forward_s"] for n in ("_0", "_1", "_2", "_3")}
     assert times["_0"] > 0.015 and times["_1"] < 0.01, times
     assert times["_1"] == times["_2"] != times["_3"], times
+
+
+#: the tags of `_Tagged` blocks in the order their copies ran
+_RAN: list[str] = []
+
+
+class _Tagged(nn.Module):
+    def __init__(self, tag: str) -> None:
+        super().__init__()
+        self.tag = tag
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _RAN.append(self.tag)
+        return self.lin(x)
+
+
+def test_graphs_profiled_together_share_every_pass() -> None:
+    """plan=auto's micro-batch sizes are measured in shared passes: the first pass runs over every
+    graph before the second starts, so a slow minute lands on every size alike instead of making
+    the size profiled in it look dear."""
+    x = torch.randn(4, 8)
+    jobs = [ProfileJob(trace_model(nn.Sequential(_Tagged(tag)), x, ["0"]), (x,)) for tag in ("a", "b")]
+    _RAN.clear()
+    profile_graphs(jobs, repeats=3)
+    assert [tag for tag, _ in itertools.groupby(_RAN)] == ["a", "b"] * PASSES
+    assert all(job.traced.graph.nodes["_0"]["forward_s"] > 0 for job in jobs)
 
 
 class _CountingEvictor(CacheEvictor):

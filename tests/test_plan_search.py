@@ -110,6 +110,12 @@ def test_search_ranks_what_fits_and_keeps_what_the_budget_or_a_rule_ruled_out() 
                                                   {"1f1b": 2, "zbv": 4}[c.scheduler]), cap=None, tie=0.03)
     assert fewer.winner.candidate.scheduler == "1f1b"
     assert "cuts the model into 4 stages against 2" in fewer.why()
+    # then fewer micro-batches before less memory (each adds actions and messages priced short)
+    sizes = candidates([("zb_h2", {})], {"uniform": {}}, [4, 8], ["none"])
+    batches = run_search(sizes, lambda c: _Pred({4: 1.0, 8: 0.98}[c.microbatches], {4: [90.0], 8: [50.0]}[c.microbatches]),
+                         cap=None, tie=0.03)
+    assert batches.ranked[0].candidate.microbatches == 8 and batches.winner.candidate.microbatches == 4
+    assert "cuts the batch into 8 micro-batches against 4" in batches.why()
     apart = run_search(cands[1:], lambda c: _Pred({"1f1b": 1.0, "zbv": 0.9}[c.scheduler],
                                                   {"1f1b": [90.0], "zbv": [50.0]}[c.scheduler],
                                                   {"1f1b": 2, "zbv": 4}[c.scheduler]), cap=None, tie=0.03)

@@ -63,7 +63,7 @@ def make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Grou
     models = TracedModels(spec, plugins.model, cfg, profile, cuda=cuda, device=device)
     # (under plan.devices the configured dp may not split the batch: a layout's candidates trace
     # their own micro-batch size, this one only gives the graph's shape)
-    traced = models.get(max(1, micro_batch_size(cfg, cfg.microbatches)))
+    size = max(1, micro_batch_size(cfg, cfg.microbatches))
     facts = _machine_facts(cfg, plugins, cuda, profile)
     link = (facts["link_latency_s"], cfg.link_bandwidth)
 
@@ -73,12 +73,13 @@ def make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Grou
         return build_plan(traced, gen, req if whole is None else replace(req, whole_stages=tuple(whole)))
 
     if searching and not profile:
-        return Planned(_first_plannable(cfg, plugins, options, models, build, traced), model=models.model)
+        return Planned(_first_plannable(cfg, plugins, options, models, build, models.get(size)), model=models.model)
     if searching:
-        cands, given = search_space(cfg, plugins, options, traced.graph)
+        cands, given = search_space(cfg, plugins, options, models.structure(size).graph)
         result = search(cfg, models, build, cands, given, link)
         prediction = result.winner.prediction
         return Planned(_finished(prediction.plan, prediction, result), prediction, result, models.model)
+    traced = models.get(size)
     plan = build(generator, traced)
     if not profile:
         return Planned(_finished(plan, None, None), model=models.model)

@@ -34,6 +34,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -499,6 +500,113 @@ def _apply(graph: nx.DiGraph, nodes: Mapping[str, Mapping[str, Any]]) -> None:
         graph.edges[u, v]["bytes"] = graph.nodes[u]["output_bytes"]
 
 
+@dataclass
+class ProfileJob:
+    """One traced graph to measure on one real micro-batch: what `profile_graph` takes, so that
+    `profile_graphs` can measure several in shared passes."""
+
+    traced: TracedModel
+    example_inputs: Any
+    #: the config dict that built the model: the result is cached under `cache_dir()` by it
+    model_config: Mapping[str, Any] | None = None
+    #: (loss_fn, target): the loss is measured too and charged to the node producing the output
+    loss: tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], torch.Tensor] | None = None
+
+
+class _Measuring:
+    """A job under way: its cache key, its inputs on the device, and every pass's results."""
+
+    def __init__(self, job: ProfileJob, device: torch.device, use_cache: bool) -> None:
+        self.job, self.device = job, device
+        args = job.example_inputs if isinstance(job.example_inputs, (tuple, list)) else (job.example_inputs,)
+        self.key = profile_key({"model": job.model_config, "loss": job.loss is not None}, args, device) \
+            if job.model_config is not None and use_cache else None
+        self.args = args
+        self.runs: list[dict[str, dict[str, Any]]] = []
+        self.signatures: dict[str, str] = {}
+
+    def from_cache(self) -> bool:
+        """Annotate the graph from the on-disk cache, if it holds this job's profile."""
+        graph = self.job.traced.graph
+        cached = load_cached(self.key) if self.key else None
+        if cached is None or set(cached.get("nodes", {})) != set(graph.nodes) \
+                or not all(set(PROFILE_FIELDS) <= set(v) for v in cached["nodes"].values()):
+            return False
+        _apply(graph, cached["nodes"])
+        graph.graph["profile_cached"] = True
+        return True
+
+    def start(self) -> None:
+        self.args = [a.to(self.device) if isinstance(a, torch.Tensor) else a for a in self.args]
+        retarget(self.job.traced.gm, self.device)
+        self.loss_of = None
+        if self.job.loss is not None and self.job.traced.graph.graph.get("outputs"):
+            loss_fn, target = self.job.loss
+            target = target.to(self.device)
+
+            def loss_of(x: torch.Tensor) -> torch.Tensor:
+                return loss_fn(x, target)
+
+            self.loss_of = loss_of
+
+    def run_pass(self, repeats: int, seed: int, evict: CacheEvictor) -> None:
+        runner = _LeafwiseProfiler(self.job.traced.gm, self.device, repeats, seed, evict=evict)
+        value = next(iter(_tensors(runner.run(*self.args))), None)
+        if self.loss_of is not None and value is not None:
+            runner.results[_LOSS] = measure_op(self.loss_of, (value,), {}, [], self.device, repeats, evict=evict)
+        self.runs.append(runner.results)
+        self.signatures = runner.signatures
+
+    def finish(self) -> None:
+        """Pool the passes, charge the loss to its producer, annotate the graph and cache it."""
+        traced = self.job.traced
+        results = _pool_copies(self.runs, self.signatures)
+        loss_stats = results.pop(_LOSS, None)
+        if loss_stats is not None:
+            producer = traced.graph.graph["outputs"][0]
+            if producer in results:
+                for k in ("forward_s", "backward_s", "activation_bytes"):
+                    results[producer][k] += loss_stats[k]
+                # the loss has no weights: a split backward runs its backward in I
+                results[producer]["backward_input_s"] += loss_stats["backward_s"]
+                # kept apart too: a split backward frees them at I (compute/backward.py keeps only
+                # what lies below the nodes W restarts from)
+                results[producer]["loss_activation_bytes"] = loss_stats["activation_bytes"]
+        for name in traced.graph.nodes:
+            results[name]["param_bytes"] = traced.graph.nodes[name]["param_bytes"]
+            results[name].setdefault("loss_activation_bytes", 0)
+        _apply(traced.graph, results)
+        traced.graph.graph["profile_cached"] = False
+        if self.key:
+            save_cached(self.key, {"nodes": results, "torch": torch.__version__, "device": device_label(self.device)})
+
+
+def profile_graphs(jobs: Sequence[ProfileJob], device: str | torch.device = "cpu", repeats: int = 5,
+                   use_cache: bool = True, seed: int = 0) -> None:
+    """Annotate every job's graph (`profile_graph`), measuring those the cache lacks in shared
+    passes: pass k runs over every graph before pass k+1 starts.
+
+    Why together: plan=auto compares micro-batch counts on the profiles of their sizes, and the
+    machine's speed drifts between one profile and the next. Measured one after the other, a
+    size profiled in a fast minute looked cheaper than it runs; in shared passes a slow minute
+    lands on every size alike, and each node's median over the passes leaves it out."""
+    device = torch.device(device)
+    todo = [m for m in (_Measuring(job, device, use_cache) for job in jobs) if not m.from_cache()]
+    if not todo:
+        return
+    for m in todo:
+        m.start()
+    passes = max(1, min(PASSES, repeats))
+    per_pass = -(-repeats // passes)
+    evict = CacheEvictor(device)
+    for _ in range(passes):
+        for m in todo:
+            m.run_pass(per_pass, seed, evict)
+    del evict
+    for m in todo:
+        m.finish()
+
+
 def profile_graph(
     traced: TracedModel,
     example_inputs: Any,
@@ -518,56 +626,4 @@ def profile_graph(
     the model) the result is cached under `cache_dir()`, so a sweep profiles each
     model/shape/device once; `traced.graph.graph["profile_cached"]` says whether this call hit.
     """
-    device = torch.device(device)
-    args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    key = profile_key({"model": model_config, "loss": loss is not None}, args, device) if model_config is not None else None
-    if key and use_cache:
-        cached = load_cached(key)
-        if cached is not None and set(cached.get("nodes", {})) == set(traced.graph.nodes) \
-                and all(set(PROFILE_FIELDS) <= set(v) for v in cached["nodes"].values()):
-            _apply(traced.graph, cached["nodes"])
-            traced.graph.graph["profile_cached"] = True
-            return
-
-    args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
-    retarget(traced.gm, device)
-    passes = max(1, min(PASSES, repeats))
-    per_pass = -(-repeats // passes)
-    loss_of = None
-    if loss is not None and traced.graph.graph.get("outputs"):
-        loss_fn, target = loss
-        target = target.to(device)
-
-        def loss_of(x: torch.Tensor) -> torch.Tensor:
-            return loss_fn(x, target)
-
-    evict = CacheEvictor(device)
-    runs: list[dict[str, dict[str, Any]]] = []
-    signatures: dict[str, str] = {}
-    for _ in range(passes):
-        runner = _LeafwiseProfiler(traced.gm, device, per_pass, seed, evict=evict)
-        value = next(iter(_tensors(runner.run(*args))), None)
-        if loss_of is not None and value is not None:
-            runner.results[_LOSS] = measure_op(loss_of, (value,), {}, [], device, per_pass, evict=evict)
-        runs.append(runner.results)
-        signatures = runner.signatures
-    del evict
-    results = _pool_copies(runs, signatures)
-    loss_stats = results.pop(_LOSS, None)
-    if loss_stats is not None:
-        producer = traced.graph.graph["outputs"][0]
-        if producer in results:
-            for k in ("forward_s", "backward_s", "activation_bytes"):
-                results[producer][k] += loss_stats[k]
-            # the loss has no weights: a split backward runs its backward in I
-            results[producer]["backward_input_s"] += loss_stats["backward_s"]
-            # kept apart too: a split backward frees them at I (compute/backward.py keeps only
-            # what lies below the nodes W restarts from)
-            results[producer]["loss_activation_bytes"] = loss_stats["activation_bytes"]
-    for name in traced.graph.nodes:
-        results[name]["param_bytes"] = traced.graph.nodes[name]["param_bytes"]
-        results[name].setdefault("loss_activation_bytes", 0)
-    _apply(traced.graph, results)
-    traced.graph.graph["profile_cached"] = False
-    if key and use_cache:
-        save_cached(key, {"nodes": results, "torch": torch.__version__, "device": device_label(device)})
+    profile_graphs([ProfileJob(traced, example_inputs, model_config, loss)], device, repeats, use_cache, seed)

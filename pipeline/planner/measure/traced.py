@@ -7,7 +7,9 @@ so `plan=auto` asks for each size it tries. The profile is taken on the device t
 from __future__ import annotations
 
 import multiprocessing
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 
 import torch
 
@@ -18,7 +20,12 @@ from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plugins import Plugin
 from pipelaunch.pipeline.graph.trace import TracedModel
-from pipelaunch.pipeline.planner.measure.profile import apply_profile, profile_graph, profiled_nodes
+from pipelaunch.pipeline.planner.measure.profile import (
+    ProfileJob,
+    apply_profile,
+    profile_graphs,
+    profiled_nodes,
+)
 from pipelaunch.pipeline.planner.predict.prediction import profiling_threads
 
 
@@ -41,40 +48,60 @@ class TracedModels:
         self.device = device if device is not None else (None if cuda else torch.device("cpu"))
         self.model = None
         self._traced: dict[int, TracedModel] = {}
+        #: the sizes whose graphs carry their profile (or need none)
+        self._profiled: set[int] = set()
 
     def get(self, micro_batch_size: int) -> TracedModel:
-        if micro_batch_size not in self._traced:
-            try:
-                if self.model is None:
-                    self.model = self.spec.build_meta()
-                traced = self.spec.trace(micro_batch_size, self.model)
-            except ConfigError:
-                raise
-            except Exception as err:  # noqa: BLE001 - a model that cannot be built from these values
-                raise ConfigError("model", f"model={self.spec.name} could not be built and traced with these "
-                                           f"options: {type(err).__name__}: {err}") from err
-            if self.profile:
-                if self.device is None:
-                    nodes, cached = profile_in_child(self.cfg, self.model_plugin, micro_batch_size, torch.device("cuda", 0))
-                    apply_profile(traced.graph, nodes)
-                    traced.graph.graph["profile_cached"] = cached
-                else:
-                    profile_traced(self.spec, self.cfg, traced, micro_batch_size, self.device)
-            self._traced[micro_batch_size] = traced
+        """The model traced (and profiled, if asked) at this micro-batch size."""
+        self.prepare([micro_batch_size])
         return self._traced[micro_batch_size]
 
+    def structure(self, micro_batch_size: int) -> TracedModel:
+        """The model traced at this size, profiled or not yet: for what reads only the graph's shape."""
+        if micro_batch_size not in self._traced:
+            self._traced[micro_batch_size] = self._trace(micro_batch_size)
+        return self._traced[micro_batch_size]
 
-def profile_traced(spec: ModelSpec, cfg: TrainConfig, traced: TracedModel, micro_batch_size: int,
+    def prepare(self, sizes: Iterable[int]) -> None:
+        """Trace, and profile if asked, every size of `sizes` not done yet; on this process's
+        device the sizes are measured in shared passes (`profile_graphs`: the machine's drift
+        between profiles taken one after another made a size look cheaper than another)."""
+        todo = {size: self.structure(size) for size in dict.fromkeys(sizes) if size not in self._profiled}
+        if self.profile and todo:
+            if self.device is None:  # a GPU run planned in the launcher: a child per size
+                for size, t in todo.items():
+                    nodes, cached = profile_in_child(self.cfg, self.model_plugin, size, torch.device("cuda", 0))
+                    apply_profile(t.graph, nodes)
+                    t.graph.graph["profile_cached"] = cached
+            else:
+                profile_traced(self.spec, self.cfg, list(todo.values()), list(todo), self.device)
+        self._profiled.update(todo)
+
+    def _trace(self, micro_batch_size: int) -> TracedModel:
+        try:
+            if self.model is None:
+                self.model = self.spec.build_meta()
+            return self.spec.trace(micro_batch_size, self.model)
+        except ConfigError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a model that cannot be built from these values
+            raise ConfigError("model", f"model={self.spec.name} could not be built and traced with these "
+                                       f"options: {type(err).__name__}: {err}") from err
+
+
+def profile_traced(spec: ModelSpec, cfg: TrainConfig, traced: Sequence[TracedModel], micro_batch_sizes: Sequence[int],
                    device: torch.device) -> None:
-    """Measure `traced` on one real micro-batch on `device` (cached on disk). A model that computes
-    its own loss has it among its nodes (and the targets among its inputs): nothing to add."""
-    x, y = spec.example_batch(micro_batch_size, cfg.seed)
-    args, loss = spec.model_args(x, y), None if spec.own_loss else (spec.loss_fn, y)
+    """Measure each of `traced` (one per micro-batch size) on one real micro-batch on `device`
+    (cached on disk), in shared passes. A model that computes its own loss has it among its nodes
+    (and the targets among its inputs): nothing to add."""
+    jobs = []
+    for t, size in zip(traced, micro_batch_sizes, strict=True):
+        x, y = spec.example_batch(size, cfg.seed)
+        jobs.append(ProfileJob(t, spec.model_args(x, y), loss=None if spec.own_loss else (spec.loss_fn, y)))
     if device.type == "cuda":
         # what CPU profiles add to the key (threads, malloc) does not change a GPU's timings;
         # the GPU's name does (profile_key)
-        profile_graph(traced, args, device=device, loss=loss, seed=cfg.seed,
-                      model_config={"model": cfg.model})
+        profile_graphs([replace(j, model_config={"model": cfg.model}) for j in jobs], device=device, seed=cfg.seed)
         return
     # Timed as the ranks will run: their thread count, and their malloc (with glibc's defaults an
     # 8 MiB logits buffer is mapped afresh on some repeats and not on others: the head measured
@@ -82,9 +109,9 @@ def profile_traced(spec: ModelSpec, cfg: TrainConfig, traced: TracedModel, micro
     allocator = str(cfg.host_allocator)
     threads = cpu_threads(cfg.threads, cfg.world_size)
     configure_host_allocator(allocator)
+    key = {"model": cfg.model, "threads": threads, "host_allocator": allocator}
     with profiling_threads(threads):
-        profile_graph(traced, args, device=device, loss=loss, seed=cfg.seed,
-                      model_config={"model": cfg.model, "threads": threads, "host_allocator": allocator})
+        profile_graphs([replace(j, model_config=key) for j in jobs], device=device, seed=cfg.seed)
 
 
 def profile_in_child(cfg: TrainConfig, model: Plugin, micro_batch_size: int, device: torch.device) -> tuple[dict[str, dict], bool]:
@@ -104,7 +131,7 @@ def _profile_child(cfg: TrainConfig, model: Plugin, micro_batch_size: int, devic
     traced = spec.trace(micro_batch_size, spec.build_meta())
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(torch.device(device))
-    profile_traced(spec, cfg, traced, micro_batch_size, torch.device(device))
+    profile_traced(spec, cfg, [traced], [micro_batch_size], torch.device(device))
     return profiled_nodes(traced.graph), bool(traced.graph.graph.get("profile_cached"))
 
 

@@ -8,6 +8,7 @@ every option on the run's search path, a user's own too), never from a list kept
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import networkx as nx
@@ -116,4 +117,11 @@ def search(cfg: TrainConfig, models: TracedModels, build: Callable[..., Plan], c
     tie = cfg.plan.tie
     if not 0.0 <= tie < 1.0:
         raise ConfigError("plan.tie", f"got {tie}; valid: a share of the fastest prediction in [0, 1), e.g. 0.03")
-    return run_search(cands, evaluate, cap, given, tie)
+    started = time.perf_counter()
+    # every size the candidates run, measured in shared passes (the machine's drift between
+    # profiles taken one after another decided between micro-batch counts)
+    try:
+        models.prepare(s for s in {micro_batch_size(cfg, c.microbatches, c.dp) for c in cands} if s >= 1)
+    except ConfigError:
+        pass  # a size the model cannot be traced at fails its own candidates below
+    return run_search(cands, evaluate, cap, given, tie, started=started)
