@@ -62,18 +62,6 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "pipelaunch" / "profiles"
 
 
-def _describe_inputs(inputs: Sequence[Any]) -> list[Any]:
-    out: list[Any] = []
-    for x in inputs:
-        if isinstance(x, torch.Tensor):
-            out.append([list(x.shape), str(x.dtype)])
-        elif isinstance(x, (list, tuple)):
-            out.append(_describe_inputs(x))
-        else:
-            out.append(repr(x))
-    return out
-
-
 def device_label(device: str | torch.device) -> str:
     """The device a profile's timings belong to: `cpu`, or a GPU by its model name
     (`cuda:NVIDIA H100 80GB HBM3`), whatever its index, so that a profile taken on one GPU of a
@@ -93,7 +81,7 @@ def profile_key(model_config: Mapping[str, Any], inputs: Sequence[Any], device: 
         "cache": "evicted",
         "copies": "pooled",
         "model": model_config,
-        "inputs": _describe_inputs(inputs),
+        "inputs": _layout(list(inputs)),
         "device": device_label(device),
         "torch": torch.__version__,
     }
@@ -369,7 +357,7 @@ def _pool_copies(runs: Sequence[Mapping[str, dict[str, Any]]], signatures: Mappi
         copies.setdefault(sig, []).append(name)
     out = {}
     for name, first in runs[0].items():
-        group = copies.get(signatures[name], [name]) if name in signatures else [name]
+        group = copies[signatures[name]] if name in signatures else [name]
         out[name] = _pool(first, [r[member] for r in runs for member in group])
     return out
 
@@ -522,7 +510,9 @@ class _Measuring:
         self.key = profile_key({"model": job.model_config, "loss": job.loss is not None}, args, device) \
             if job.model_config is not None and use_cache else None
         self.args = args
+        self.loss_of: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.runs: list[dict[str, dict[str, Any]]] = []
+        #: each node's `_signature` (the same in every pass)
         self.signatures: dict[str, str] = {}
 
     def from_cache(self) -> bool:
@@ -539,7 +529,6 @@ class _Measuring:
     def start(self) -> None:
         self.args = [a.to(self.device) if isinstance(a, torch.Tensor) else a for a in self.args]
         retarget(self.job.traced.gm, self.device)
-        self.loss_of = None
         if self.job.loss is not None and self.job.traced.graph.graph.get("outputs"):
             loss_fn, target = self.job.loss
             target = target.to(self.device)
@@ -555,7 +544,7 @@ class _Measuring:
         if self.loss_of is not None and value is not None:
             runner.results[_LOSS] = measure_op(self.loss_of, (value,), {}, [], self.device, repeats, evict=evict)
         self.runs.append(runner.results)
-        self.signatures = runner.signatures
+        self.signatures = self.signatures or runner.signatures
 
     def finish(self) -> None:
         """Pool the passes, charge the loss to its producer, annotate the graph and cache it."""

@@ -6,10 +6,10 @@ so `plan=auto` asks for each size it tries. The profile is taken on the device t
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
 
 import torch
 
@@ -94,24 +94,25 @@ def profile_traced(spec: ModelSpec, cfg: TrainConfig, traced: Sequence[TracedMod
     """Measure each of `traced` (one per micro-batch size) on one real micro-batch on `device`
     (cached on disk), in shared passes. A model that computes its own loss has it among its nodes
     (and the targets among its inputs): nothing to add."""
-    jobs = []
-    for t, size in zip(traced, micro_batch_sizes, strict=True):
-        x, y = spec.example_batch(size, cfg.seed)
-        jobs.append(ProfileJob(t, spec.model_args(x, y), loss=None if spec.own_loss else (spec.loss_fn, y)))
     if device.type == "cuda":
         # what CPU profiles add to the key (threads, malloc) does not change a GPU's timings;
         # the GPU's name does (profile_key)
-        profile_graphs([replace(j, model_config={"model": cfg.model}) for j in jobs], device=device, seed=cfg.seed)
-        return
-    # Timed as the ranks will run: their thread count, and their malloc (with glibc's defaults an
-    # 8 MiB logits buffer is mapped afresh on some repeats and not on others: the head measured
-    # 1.22-1.49x a block, 1.25-1.27x with freed memory kept).
-    allocator = str(cfg.host_allocator)
-    threads = cpu_threads(cfg.threads, cfg.world_size)
-    configure_host_allocator(allocator)
-    key = {"model": cfg.model, "threads": threads, "host_allocator": allocator}
-    with profiling_threads(threads):
-        profile_graphs([replace(j, model_config=key) for j in jobs], device=device, seed=cfg.seed)
+        key: dict = {"model": cfg.model}
+        timed_as_ranks: contextlib.AbstractContextManager = contextlib.nullcontext()
+    else:
+        # Timed as the ranks will run: their thread count, and their malloc (with glibc's defaults an
+        # 8 MiB logits buffer is mapped afresh on some repeats and not on others: the head measured
+        # 1.22-1.49x a block, 1.25-1.27x with freed memory kept).
+        threads = cpu_threads(cfg.threads, cfg.world_size)
+        key = {"model": cfg.model, "threads": threads, "host_allocator": str(cfg.host_allocator)}
+        configure_host_allocator(key["host_allocator"])
+        timed_as_ranks = profiling_threads(threads)
+    jobs = []
+    for t, size in zip(traced, micro_batch_sizes, strict=True):
+        x, y = spec.example_batch(size, cfg.seed)
+        jobs.append(ProfileJob(t, spec.model_args(x, y), key, None if spec.own_loss else (spec.loss_fn, y)))
+    with timed_as_ranks:
+        profile_graphs(jobs, device=device, seed=cfg.seed)
 
 
 def profile_in_child(cfg: TrainConfig, model: Plugin, micro_batch_size: int, device: torch.device) -> tuple[dict[str, dict], bool]:
