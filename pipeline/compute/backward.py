@@ -10,7 +10,7 @@ work is done once and only the weight-gradient work is deferred.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
@@ -167,11 +167,15 @@ def _one_recompute() -> AbstractContextManager:
     return group() if group is not None else nullcontext()
 
 
-def backward_weight(stash: WeightGradStash) -> None:
+def backward_weight(stash: WeightGradStash,
+                    around: Callable[[list[list[nn.Parameter]]], Iterator[None]] | None = None) -> None:
     """Accumulate the deferred parameter gradients into `.grad`, then drop the graph.
 
     `autograd.backward(..., inputs=params)` lets AccumulateGrad add straight into `.grad` (no
-    separate gradient tensors to allocate and add)."""
+    separate gradient tensors to allocate and add). `around(jobs)`, given the parameters of each
+    restart, yields once before each of them and resumes after the last: a sharded stage gathers
+    the blocks a restart needs then, and reduces a block after its last restart
+    (runtime/stage_driver.py); a plain backward (`roots`) runs without it."""
     with torch.no_grad():
         for p, g in stash.direct:
             p.grad = g.clone() if p.grad is None else p.grad + g
@@ -182,7 +186,12 @@ def backward_weight(stash: WeightGradStash) -> None:
         stash.roots.clear()
         stash.root_grads.clear()
         return
+    steps = around([params for _, _, params in stash.restarts]) if around is not None else None
     with _one_recompute():
         for edges, grads, params in stash.restarts:
+            if steps is not None:
+                next(steps)
             torch.autograd.backward(edges, grads, inputs=params)
+    if steps is not None:
+        next(steps, None)
     stash.restarts.clear()

@@ -90,6 +90,9 @@ class PlanMeta:
     #: the replicas a sharded tensor is split over (hybrid sharding: the groups of them replicate);
     #: None: all dp
     dp_shard: int | None = None
+    #: zero=3: when a block's gathered parameters are released, `use` (after each forward or
+    #: backward of it) or `run` (after the stage's run of consecutive actions; docs/sharding.md)
+    reshard: str = "use"
     #: the graph carried measured costs (the stage_*_s lists below are filled)
     profiled: bool = False
     optimizer_states: int = 0

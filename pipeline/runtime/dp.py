@@ -1,22 +1,31 @@
-"""Data-parallel gradients at zero=0 (every replica holds everything): each stage's gradients
-all-reduced as one bucket when its program's REDUCE_GRAD comes (right after the stage's last
-backward, planner/passes/data_parallel.py), in flight while the rank's other stages still compute;
-the update waits for them. Tied parameters (several stages hold them) are summed across stages and
-then all-reduced after the step, at every level."""
+"""Data-parallel gradients at zero=0 (every replica holds everything): each block's gradients
+all-reduced as one bucket as soon as the stage's last backward of the step has finished them,
+in flight while the rest of that backward and the rank's other stages still compute; the update
+waits for them. A bucket is a unit of the stage (pipeline/graph/units.py: a transformer layer, a
+U-Net block; the small ones joined to a neighbour), as DDP's buckets fill in the backward's order:
+with one bucket per stage, a rank holding one stage had nothing left to hide its all-reduce behind.
+Tied parameters (several stages hold them) are summed across stages and then all-reduced after
+the step, at every level."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from pipelaunch.pipeline.core.ir import Kind
+from pipelaunch.pipeline.core.ir import Action, Kind
+from pipelaunch.pipeline.runtime import unit_hooks
+from pipelaunch.pipeline.runtime.stage import module_units
+from pipelaunch.pipeline.runtime.stage_driver import StageDriver
 
 
 def allreduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
     """Sum the gradients of `params` (each once) over `group` (the loss is already scaled by
-    1/(dp x micro-batches)): every parameter at zero=0, the replicated ones above."""
+    1/(dp x micro-batches)): the replicated (tied) parameters after the step."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return
@@ -27,27 +36,27 @@ def allreduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | N
             g.copy_(synced)
 
 
-class ReplicatedGrads:
-    """zero=0: the program's REDUCE_GRAD actions start an asynchronous all-reduce of one stage's
-    gradients (one flat bucket); `finish` waits for them all and writes the sums back."""
+class BucketStage(StageDriver):
+    """One stage at zero=0: its units are buckets, all-reduced as their gradients are final."""
 
-    def __init__(self, plan, modules: dict[int, nn.Module], actions: list, group: dist.ProcessGroup) -> None:
-        tied = set(plan.shared_params)
-        self.params = {s: [p for n, p in m.named_model_parameters() if n not in tied] for s, m in modules.items()}
-        #: the tied parameters, all-reduced after the step (each once)
-        self.replicated = tied_params(plan, modules)
-        require_reductions(actions, [s for s, params in self.params.items() if params])
+    def __init__(self, plan, stage: int, module: nn.Module, actions: list[Action], group: dist.ProcessGroup,
+                 in_flight: list) -> None:
+        units = module_units(module, plan)
+        super().__init__(stage, units, actions, 0, "use")
+        named = dict(module.gm.named_parameters(remove_duplicate=False))
+        self.buckets = [list({id(named[n]): named[n] for n in u.params}.values()) for u in units.units]
+        self.buckets.append(list({id(named[n]): named[n] for n in units.root}.values()))
+        self.names = [u.name for u in units.units] + ["root"]
+        self._index = {id(p): u for u, ps in enumerate(self.buckets[:-1]) for p in ps}
         self.group = group
-        self.shard_group = None  # nothing is sharded
-        #: what this rank issued, in order (debug.record_p2p: replicas must agree)
-        self.issued: list[str] | None = None
-        self.in_flight: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor]]] = []
+        self.in_flight = in_flight
+        unit_hooks.install(module.gm, units, self)
 
-    def begin_step(self) -> None:
-        self.in_flight = []
+    def units_of(self, params: list[nn.Parameter]) -> list[int]:
+        return sorted({self._index[id(p)] for p in params if id(p) in self._index})
 
-    def run(self, action, pos: int) -> None:
-        params = self.params.get(action.stage, [])
+    def reduce(self, unit: int) -> None:
+        params = [p for p in self.buckets[unit] if p.requires_grad]
         if not params:
             return
         for p in params:  # unused on this replica's data (an MoE expert): the replicas still agree on sizes
@@ -56,9 +65,61 @@ class ReplicatedGrads:
         grads = [p.grad for p in params]
         flat = _flatten_dense_tensors(grads)
         if self.issued is not None:
-            self.issued.append(f"{action} all_reduce {flat.numel()}")
+            self.issued.append(f"{self.stage}:{self.names[unit]} all_reduce {flat.numel()}")
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         self.in_flight.append((work, flat, grads))
+
+
+class ReplicatedGrads:
+    """zero=0: per stage a `BucketStage`, whose buckets the backward's hooks and the program's
+    REDUCE_GRAD actions all-reduce asynchronously; `finish` waits for them and writes the sums back."""
+
+    def __init__(self, plan, modules: dict[int, nn.Module], actions: list, group: dist.ProcessGroup) -> None:
+        tied = set(plan.shared_params)
+        #: the tied parameters, all-reduced after the step (each once)
+        self.replicated = tied_params(plan, modules)
+        self.in_flight: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor]]] = []
+        self.stages = {s: BucketStage(plan, s, m, actions, group, self.in_flight) for s, m in modules.items()
+                       if any(n not in tied for n, _ in m.named_model_parameters())}
+        require_reductions(actions, list(self.stages))
+        self.last = {a.stage: pos for pos, a in enumerate(actions) if a.kind is Kind.REDUCE_GRAD}
+        self.shard_group = None  # nothing is sharded
+        self._issued: list[str] | None = None
+
+    @property
+    def issued(self) -> list[str] | None:
+        """What this rank issued, in order (debug.record_p2p: replicas must agree)."""
+        return self._issued
+
+    @issued.setter
+    def issued(self, log: list[str] | None) -> None:
+        self._issued = log
+        for driver in self.stages.values():
+            driver.issued = log
+
+    def begin_step(self) -> None:
+        self.in_flight.clear()
+
+    def run(self, action, pos: int) -> None:
+        driver = self.stages.get(action.stage)
+        if driver is not None and action.kind is Kind.REDUCE_GRAD:
+            driver.reduce_leftovers(final=False)
+
+    @contextmanager
+    def compute(self, action: Action, pos: int) -> Iterator[None]:
+        driver = self.stages.get(action.stage)
+        if driver is None:
+            yield
+            return
+        with driver.action(action, pos):
+            yield
+
+    def weight_jobs(self, stage: int):
+        driver = self.stages.get(stage)
+        return driver.weight_jobs if driver is not None else None
+
+    def graph_params(self, stage: int) -> list[nn.Parameter] | None:
+        return None  # the module's own parameters are what the graph computes with
 
     def finish(self) -> None:
         for work, flat, grads in self.in_flight:
@@ -66,7 +127,7 @@ class ReplicatedGrads:
             with torch.no_grad():
                 for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
                     g.copy_(synced)
-        self.in_flight = []
+        self.in_flight.clear()
 
     def release(self) -> None:
         """Nothing is gathered at zero=0."""

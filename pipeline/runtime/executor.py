@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
@@ -77,12 +77,21 @@ class MicroBatchState:
 
 class ReplicaCollectives(Protocol):
     """Runs the data-parallel actions of a program (UNSHARD, RESHARD, REDUCE_GRAD: placed by
-    planner/passes/data_parallel.py): replicated gradients (runtime/dp.py) or sharded stages
-    (runtime/sharding.py)."""
+    planner/passes/data_parallel.py) and the per-block ones inside its compute actions:
+    replicated gradients (runtime/dp.py) or sharded stages (runtime/sharding.py)."""
 
     def begin_step(self) -> None: ...
 
     def run(self, action: Action, pos: int) -> None: ...
+
+    def compute(self, action: Action, pos: int) -> AbstractContextManager:
+        """Around a compute action: which of its stage's blocks to gather, release and reduce."""
+
+    def weight_jobs(self, stage: int) -> Callable[[list[list[nn.Parameter]]], Iterator[None]] | None:
+        """What drives a W's restarts block by block (`compute.backward.backward_weight`)."""
+
+    def graph_params(self, stage: int) -> list[nn.Parameter] | None:
+        """The parameters the stage's graph computes with (FSDP2's unsharded ones), None: its own."""
 
 
 def message_label(direction: str, producer: int, consumer: int, mb: int) -> str:
@@ -182,7 +191,8 @@ class Executor:
             if beat is not None:
                 beat(pos)
             start = clock.mark() if clock is not None else None
-            loss = self._dispatch(action)
+            with self._collectives(action, pos):
+                loss = self._dispatch(action)
             if loss is not None:
                 loss_sum += loss
             if clock is not None:
@@ -239,6 +249,12 @@ class Executor:
                     for name, t in zip(names, self._wait((Kind.B, s, mb, c)), strict=True):
                         self._bwd_box[(s, mb, name, c)] = t
 
+    def _collectives(self, action: Action, pos: int) -> AbstractContextManager:
+        """The per-block collectives of a training compute action (nothing without replicas)."""
+        if self.collectives is None or not self.training:
+            return nullcontext()
+        return self.collectives.compute(action, pos)
+
     def _dispatch(self, action: Action) -> torch.Tensor | None:
         kind, s, mb = action.kind, action.stage, action.mb
         if kind is Kind.F:
@@ -248,7 +264,8 @@ class Executor:
         elif kind is Kind.I:
             self._backward(action, full=False)
         elif kind is Kind.W:
-            backward_weight(self._state.pop((s, mb)).stash)
+            around = self.collectives.weight_jobs(s) if self.collectives is not None else None
+            backward_weight(self._state.pop((s, mb)).stash, around)
         elif kind is Kind.R:
             self._recompute(action)
         return None
@@ -345,8 +362,11 @@ class Executor:
             input_grads = {n: x.grad for n, x in leaves.items()}
             del self._state[(s, mb)]
         else:
-            # read now: under sharding, the parameters the graph used are the gathered ones
-            params = [p for p in slot.module.parameters() if p.requires_grad]
+            # the parameters the graph computed with: under sharding the gathered ones, which a
+            # block released since holds even when the module holds its shard again
+            params = self.collectives.graph_params(s) if self.collectives is not None else None
+            if params is None:
+                params = [p for p in slot.module.parameters() if p.requires_grad]
             input_grads, state.stash = backward_input(roots, grads, leaves, params)
             state.outputs = state.loss = None
         # an input the graph did not reach gets a zero gradient: its producer still waits for one

@@ -1,36 +1,52 @@
-"""Data-parallel sharding (`zero=1|2|3`): torch's FSDP2 over each stage's replicas, driven by the program.
+"""Data-parallel sharding (`zero=1|2|3`): torch's FSDP2 over each stage's replicas, one unit per block.
 
-Each stage module of this rank is wrapped with `fully_shard` on the data-parallel group (a 1-D
-DeviceMesh over the replicas of this pipeline rank): its parameters become DTensors sharded on
-dim 0, the optimizer (built after) holds a shard's states, and DCP checkpoints write each shard.
-When to gather, release and reduce is not left to FSDP2's autograd hooks, which cannot see a
-backward split into input (I) and weight (W) halves or micro-batches interleaved across stages:
-the planner places UNSHARD, RESHARD and REDUCE_GRAD actions in the rank's program
-(planner/passes/data_parallel.py says where, per level) and `run` carries each out, as
-torch.distributed.pipelining does with its explicit unshard / reshard / reduce-grad calls.
-FSDP2 never reshards on its own (reshard_after_forward and reshard_after_backward are off), so a
-stage's parameters are gathered exactly between its UNSHARD and its RESHARD.
+Each block of a stage (its units: pipeline/graph/units.py, a transformer layer, a U-Net block) is
+wrapped with `fully_shard` on the data-parallel group (a DeviceMesh over the replicas of this
+pipeline rank), then the stage module itself, which keeps the parameters of no block (the root
+unit). The parameters become DTensors sharded on dim 0, the optimizer (built after) holds a shard's
+states, and DCP checkpoints write each shard. When to gather, release and reduce is not left to
+FSDP2's module hooks, which an export-traced stage never calls (it reads its weights by
+`get_attr`) and which cannot see a backward split into input (I) and weight (W) halves: they are
+removed, and a `ShardedStage` (runtime/stage_driver.py) drives each unit's FSDP2 parameter group
+from the hooks rewritten into the stage's graph (runtime/unit_hooks.py) and from the program's
+UNSHARD, RESHARD and REDUCE_GRAD actions (planner/passes/data_parallel.py):
 
-A stage's last REDUCE_GRAD of the step also waits for its reductions and finishes FSDP2's backward
-state. A parameter that several stages hold (tied weights, `Plan.shared_params`) stays whole on
-every replica and is all-reduced after the step as at zero=0: FSDP2 manages a parameter within one
+- zero=1 and 2: the stage's units are gathered at its first compute of the step (UNSHARD) and
+  released after its last reduction (RESHARD); zero=2 reduce-scatters each unit's gradients as
+  the backward finishes them, in every micro-batch; zero=1 in the stage's last backward only;
+- zero=3: each unit is gathered as it begins (the next prefetched) and, with `reshard=use`,
+  released as it ends, in the forward and again in the backward; with `reshard=run` it stays
+  gathered until the RESHARD that ends the stage's run of consecutive actions.
+
+A parameter that several stages hold (tied weights, `Plan.shared_params`) stays whole on every
+replica and is all-reduced after the step as at zero=0: FSDP2 manages a parameter within one
 module only. The executor's loss is already divided by dp x micro-batches, so FSDP2's own division
 of the reduced gradient is turned off.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.tensor import DTensor
 
 from pipelaunch.pipeline.core.ir import Action, Kind
 from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.core.precision import PRECISIONS
+from pipelaunch.pipeline.graph.units import StageUnits, Unit
+from pipelaunch.pipeline.runtime import unit_hooks
 from pipelaunch.pipeline.runtime.dp import require_reductions, tied_params
+from pipelaunch.pipeline.runtime.stage import module_units
+from pipelaunch.pipeline.runtime.stage_driver import StageDriver
 from pipelaunch.pipeline.runtime.tied_cast import CastOnUse
 
 
@@ -65,6 +81,197 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def unit_modules(gm: nn.Module, unit: Unit, kept: set[int]) -> list[nn.Module] | None:
+    """The submodules whose parameters are exactly the unit's (tied ones, `kept`, aside): each
+    parameter's module, lifted to an ancestor while the ancestor holds nothing else. None when no
+    such set exists (a module holding the unit's parameter beside another unit's)."""
+    mine = set(unit.params)
+
+    def holds_only_mine(path: str) -> bool:
+        module = gm.get_submodule(path)
+        return all(f"{path}.{n}" in mine or id(p) in kept for n, p in module.named_parameters(remove_duplicate=False))
+
+    chosen: set[str] = set()
+    for name in unit.params:
+        path = name.rpartition(".")[0]
+        if not path or not holds_only_mine(path):
+            return None
+        while "." in path and holds_only_mine(path.rpartition(".")[0]):
+            path = path.rpartition(".")[0]
+        chosen.add(path)
+    outer = sorted(p for p in chosen if not any(p.startswith(f"{q}.") for q in chosen))
+    return [gm.get_submodule(p) for p in outer]
+
+
+def _cast_inputs(dtype: torch.dtype, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def cast(t: object) -> object:
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+    return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+
+def _group(module: nn.Module) -> FSDPParamGroup | None:
+    groups = fully_shard.state(module)._fsdp_param_groups
+    return groups[0] if groups else None
+
+
+class ShardedStage(StageDriver):
+    """One stage under FSDP2, one parameter group per unit (and the root's), driven explicitly."""
+
+    def __init__(self, plan: Plan, stage: int, module: nn.Module, actions: list[Action], mesh: DeviceMesh) -> None:
+        kept_params = [p for n, p in module.named_model_parameters() if n in plan.shared_params]
+        kept = {id(p) for p in kept_params}
+        units = module_units(module, plan)
+        covered = [(u, unit_modules(module.gm, u, kept)) for u in units.units]
+        # a unit no clean set of modules holds joins the root (its parameters gathered per action)
+        units = StageUnits(tuple(u for u, mods in covered if mods is not None),
+                           units.root + tuple(p for u, mods in covered if mods is None for p in u.params))
+        super().__init__(stage, units, actions, plan.meta.zero, plan.meta.reshard)
+        policy = mixed_precision(plan.meta.precision)
+        ignored = set(kept_params)
+        for _, mods in covered:
+            if mods is not None:
+                fully_shard(mods if len(mods) > 1 else mods[0], mesh=mesh, reshard_after_forward=False,
+                            ignored_params=ignored, mp_policy=policy)
+        fully_shard(module, mesh=mesh, reshard_after_forward=False, ignored_params=ignored, mp_policy=policy)
+        self.groups: list[FSDPParamGroup | None] = [_group(mods[0]) for _, mods in covered if mods is not None]
+        self.groups.append(_group(module))  # the root unit (index n), None when it holds nothing
+        root = fully_shard.state(module)
+        root._lazy_init()
+        for state in root._state_ctx.all_states:  # driven from the program, not from module calls
+            state._pre_forward_hook_handle.remove()
+            state._post_forward_hook_handle.remove()
+        self.comm_ctx = root._comm_ctx
+        for group in self._groups():
+            # the loss is already divided by dp x micro-batches: a plain sum (no PREMUL_SUM, which
+            # gloo lacks; NCCL's zero-copy path needs SUM too); a parameter one replica's data left
+            # unused (an MoE expert no token chose) still takes part, so the replicas agree
+            group.gradient_divide_factor = 1.0
+            group.force_sum_reduction_for_comms = True
+            group.reduce_scatter_unused_params = True
+        if policy.param_dtype is not None:
+            # the stage's floating inputs in the policy's dtype, as FSDP2's root pre-forward casts
+            # them (its hooks are gone): a LayerNorm with bf16 weights refuses an fp32 input on CPU
+            module.register_forward_pre_hook(partial(_cast_inputs, policy.param_dtype), with_kwargs=True)
+        if kept and policy.param_dtype is not None:
+            # the tied parameters FSDP2 leaves alone are read in the policy's dtype too, or an
+            # fp32 one meets bf16 ones in an op autocast does not cast (runtime/tied_cast.py)
+            CastOnUse(module.gm, kept_params, policy.param_dtype)
+        self.kept = kept_params
+        self.names = [self.units.units[u].name for u in range(self.n)] + ["root"]
+        self._index = {id(fp._unsharded_param): u for u, g in enumerate(self.groups) if g is not None
+                       for fp in g.fsdp_params if hasattr(fp, "_unsharded_param")}
+        unit_hooks.install(module.gm, self.units, self)
+
+    def _groups(self) -> Iterator[FSDPParamGroup]:
+        return (g for g in self.groups if g is not None)
+
+    def numel(self, unit: int) -> int:
+        group = self.groups[unit]
+        return 0 if group is None else sum(fp._orig_size.numel() for fp in group.fsdp_params)
+
+    def _log(self, what: str, unit: int) -> None:
+        if self.issued is not None:
+            self.issued.append(f"{self.stage}:{self.names[unit]} {what} {self.numel(unit)} elements")
+
+    # ---- the parameters the stage computes with ------------------------------------------------
+    def graph_params(self) -> list[nn.Parameter]:
+        """The unsharded parameters (what autograd accumulates into) and the tied ones."""
+        out = [fp._unsharded_param for g in self._groups() for fp in g.fsdp_params
+               if hasattr(fp, "_unsharded_param") and fp._unsharded_param.requires_grad]
+        return out + [p for p in self.kept if p.requires_grad]
+
+    def units_of(self, params: list[nn.Parameter]) -> list[int]:
+        if len(self._index) < sum(len(g.fsdp_params) for g in self._groups()):  # made at the first gather
+            self._index = {id(fp._unsharded_param): u for u, g in enumerate(self.groups) if g is not None
+                           for fp in g.fsdp_params if hasattr(fp, "_unsharded_param")}
+        return sorted({self._index[id(p)] for p in params if id(p) in self._index and self._index[id(p)] < self.n})
+
+    # ---- gather, release, reduce ---------------------------------------------------------------
+    def gather(self, unit: int, wait: bool) -> None:
+        group = self.groups[unit]
+        if group is None:
+            return
+        if not group.is_unsharded and group._all_gather_result is None:
+            self._log("all_gather", unit)
+            group.unshard(async_op=True)
+        if wait:
+            group.wait_for_unshard()
+
+    def release(self, unit: int) -> None:
+        group = self.groups[unit]
+        if group is None:
+            return
+        if group._all_gather_result is not None:  # a prefetch nothing used: finish it first
+            group.wait_for_unshard()
+        group.reshard()
+
+    def reduce(self, unit: int) -> None:
+        group = self.groups[unit]
+        if group is None:
+            return
+        self._log("reduce_scatter", unit)
+        group.reduce_grads = True
+        try:
+            group.post_backward()
+        finally:
+            group.reduce_grads = False
+            group._training_state = TrainingState.IDLE
+        if group.device.type == "cpu":
+            # gloo's reduce-scatter has returned: its input buffer, which FSDP2 keeps until the next
+            # one so that a GPU's allocator does not reuse it while the reduce stream reads it, is
+            # free now (on a GPU it stays, and the memory model prices one unit's)
+            self.comm_ctx.reduce_scatter_states.clear()
+
+    def accumulate(self, unit: int) -> None:
+        group = self.groups[unit]
+        if group is None:
+            return
+        group.post_backward()  # reduce_grads off: a bf16 micro-batch joins the fp32 whole gradients
+        group._training_state = TrainingState.IDLE
+
+    def begin_action(self) -> None:
+        if self.zero == 3:
+            self.gather(self.n, wait=True)
+
+    def end_action(self) -> None:
+        if self.after_use:
+            self.release(self.n)
+
+    def finish_backward(self) -> None:
+        for group in self._groups():
+            group.finalize_backward()
+            group._training_state = TrainingState.IDLE
+        ctx = self.comm_ctx
+        for state in ctx.reduce_scatter_states:  # the compute stream reuses their memory after them
+            if state.event is not None:
+                ctx.device_handle.current_stream().wait_event(state.event)
+        ctx.reduce_scatter_states.clear()
+
+    def gather_all(self) -> None:
+        """UNSHARD at zero 1-2: the whole stage for the step (started together, then waited for)."""
+        for u in range(self.n + 1):
+            self.gather(u, wait=False)
+        for u in range(self.n + 1):
+            self.gather(u, wait=True)
+
+    def prefetch(self, kind: Kind) -> None:
+        """UNSHARD at zero=3: start gathering what the next action needs first (the root, and the
+        first unit of a forward or the last of a backward), overlapped with its receives."""
+        self.gather(self.n, wait=False)
+        if self.n:
+            self.gather(0 if kind in (Kind.F, Kind.R) else self.n - 1, wait=False)
+
+    def release_all(self) -> None:
+        for u in range(self.n + 1):
+            self.release(u)
+
+    def begin_step(self) -> None:
+        for group in self._groups():
+            group.reduce_grads = False
+            group.reshard_after_backward = False
+            group._training_state = TrainingState.IDLE
+
+
 class ShardedStages:
     """This rank's stages under FSDP2, carrying out the program's data-parallel actions."""
 
@@ -73,73 +280,71 @@ class ShardedStages:
         self.shard_group = (mesh if mesh.ndim == 1 else mesh["shard"]).get_group()
         #: tied parameters, which FSDP2 leaves alone (runtime/dp.py all-reduces them after the step)
         self.replicated = tied_params(plan, modules)
-        self.units: dict[int, FSDPModule] = {}
+        self.actions = actions
+        self.stages: dict[int, ShardedStage] = {}
         for s, module in modules.items():
             named = dict(module.named_model_parameters())
-            kept = {p for n, p in named.items() if n in plan.shared_params}
-            if len(kept) == len({id(p) for p in named.values()}):
+            if all(n in plan.shared_params for n in named):
                 continue  # nothing of this stage to shard
-            policy = mixed_precision(plan.meta.precision)
-            fully_shard(module, mesh=mesh, reshard_after_forward=False, ignored_params=kept, mp_policy=policy)
-            if kept and policy.param_dtype is not None:
-                # the tied parameters FSDP2 leaves alone are read in the policy's dtype too, or an
-                # fp32 one meets bf16 ones in an op autocast does not cast (runtime/tied_cast.py)
-                CastOnUse(module.gm, list(kept), policy.param_dtype)
-            # the loss is already divided by dp x micro-batches: a plain sum (no PREMUL_SUM, which
-            # gloo lacks; NCCL's zero-copy path needs SUM too)
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
-            # a parameter one replica's data left unused (an MoE expert no token chose) still takes
-            # part: every replica reduce-scatters the same tensors, or the collective mismatches
-            module.set_reduce_scatter_unused_params(True)
-            self.units[s] = module
-        #: per sharded stage, the parameters' elements its collectives move (what the order check logs)
-        self.numel = {s: sum(p.numel() for p in unit.parameters()) for s, unit in self.units.items()}
-        require_reductions(actions, list(self.units))
-        reductions = [pos for pos, a in enumerate(actions) if a.kind is Kind.REDUCE_GRAD]
+            self.stages[s] = ShardedStage(plan, s, module, actions, mesh)
+        require_reductions(actions, list(self.stages))
         #: per stage, the position of its last reduction of the step
-        self.last = {actions[pos].stage: pos for pos in reductions}
-        #: what this rank issued, in order (debug.record_p2p: replicas must agree)
-        self.issued: list[str] | None = None
+        self.last = {a.stage: pos for pos, a in enumerate(actions) if a.kind is Kind.REDUCE_GRAD}
+        self._issued: list[str] | None = None
+
+    @property
+    def issued(self) -> list[str] | None:
+        """What this rank issued, in order (debug.record_p2p: replicas must agree)."""
+        return self._issued
+
+    @issued.setter
+    def issued(self, log: list[str] | None) -> None:
+        self._issued = log
+        for driver in self.stages.values():
+            driver.issued = log
 
     def begin_step(self) -> None:
-        """Gradients accumulate whole and parameters stay as they are until an action says otherwise."""
-        for unit in self.units.values():
-            unit.set_requires_gradient_sync(False)
-            unit.set_reshard_after_backward(False)
-            unit.set_is_last_backward(False)
+        for driver in self.stages.values():
+            driver.begin_step()
 
     def run(self, action: Action, pos: int) -> None:
-        unit = self.units.get(action.stage)
-        if unit is None:
+        driver = self.stages.get(action.stage)
+        if driver is None:
             return
-        if self.issued is not None:
-            self.issued.append(f"{action} {self.numel[action.stage]} elements")
         if action.kind is Kind.UNSHARD:
-            unit.unshard()
+            if driver.zero == 3:
+                driver.prefetch(self._next_compute(action.stage, pos))
+            else:
+                driver.gather_all()
         elif action.kind is Kind.RESHARD:
-            unit.reshard()
+            driver.release_all()
         elif action.kind is Kind.REDUCE_GRAD:
-            self._reduce(unit, final=self.last.get(action.stage) == pos)
+            driver.reduce_leftovers(final=self.last.get(action.stage) == pos)
+
+    def _next_compute(self, stage: int, pos: int) -> Kind:
+        return next((a.kind for a in self.actions[pos + 1:] if a.stage == stage and a.is_compute), Kind.F)
+
+    @contextmanager
+    def compute(self, action: Action, pos: int) -> Iterator[None]:
+        driver = self.stages.get(action.stage)
+        if driver is None:
+            yield
+            return
+        with driver.action(action, pos):
+            yield
+
+    def weight_jobs(self, stage: int):
+        driver = self.stages.get(stage)
+        return driver.weight_jobs if driver is not None else None
+
+    def graph_params(self, stage: int) -> list[nn.Parameter] | None:
+        driver = self.stages.get(stage)
+        return driver.graph_params() if driver is not None else None
 
     def finish(self) -> None:
         """Nothing left in flight: a stage's last reduction waited for its own."""
 
     def release(self) -> None:
         """Back to the shards (after an evaluation, whose forwards gathered the parameters)."""
-        for unit in self.units.values():
-            unit.reshard()
-
-    @staticmethod
-    def _reduce(unit: FSDPModule, final: bool) -> None:
-        """Reduce-scatter the stage's whole gradients into its shard (accumulating there); `final`:
-        its last of the step, which also waits for the reductions."""
-        unit.set_requires_gradient_sync(True)
-        unit.set_is_last_backward(final)
-        state = fully_shard.state(unit)
-        for each in state._state_ctx.all_states:
-            for group in each._fsdp_param_groups:
-                group.post_backward()
-        if final:
-            state._root_post_backward_final_callback()
-        unit.set_requires_gradient_sync(False)
+        for driver in self.stages.values():
+            driver.release_all()

@@ -18,6 +18,7 @@ from pipelaunch.pipeline.graph.materialize import materialize
 from pipelaunch.pipeline.graph.recompute import recompute_modules
 from pipelaunch.pipeline.graph.split import split_model
 from pipelaunch.pipeline.graph.trace import TracedModel, retarget
+from pipelaunch.pipeline.graph.units import StageUnits, node_param_uses, stage_units
 
 
 class StageModule(nn.Module):
@@ -83,3 +84,10 @@ def _constants_to(gm: torch.fx.GraphModule, device: torch.device) -> None:
         if (isinstance(value, torch.Tensor) and attr not in owner._parameters and attr not in owner._buffers
                 and value.device != device):
             setattr(owner, attr, value.to(device))
+
+
+def module_units(module: StageModule, plan: Plan) -> StageUnits:
+    """The stage's units (pipeline/graph/units.py) on its own graph: what the data-parallel
+    collectives gather, release and reduce together; tied parameters (`plan.shared_params`) in none."""
+    sizes = {n: float(p.numel() * p.element_size()) for n, p in module.gm.named_parameters(remove_duplicate=False)}
+    return stage_units(node_param_uses(module.gm), sizes, excluded=plan.shared_params, canonical=module.aliases)
