@@ -131,6 +131,11 @@ def check_zero(cfg: TrainConfig) -> None:
         if not cfg.zero:
             raise ConfigError("dp_shard", f"dp_shard={shard} splits sharded states over groups of replicas, and "
                                           "zero=0 shards nothing; set zero=1, 2 or 3, or leave dp_shard null")
+    if str(cfg.reshard) != "use" and cfg.zero != 3 and not (cfg.plan.zero and 3 in cfg.plan.zero):
+        raise ConfigError("reshard", f"reshard={cfg.reshard} keeps a block's gathered parameters until the stage's "
+                                     f"run of actions ends, and only zero=3 gathers parameters per block (zero={cfg.zero} "
+                                     "holds them whole for the step or never shards them); set zero=3, or leave "
+                                     "reshard=use")
 
 
 def check_memory(cfg: TrainConfig) -> None:

@@ -9,8 +9,13 @@ import pytest
 from pipelaunch.launcher.validate import prepare
 from pipelaunch.pipeline.core.ir import DP_KINDS, Action, Kind
 from pipelaunch.pipeline.planner.passes.data_parallel import gradient_points, place_data_parallel
-from pipelaunch.pipeline.planner.predict.data_parallel import Collectives, data_parallel_step
-from pipelaunch.pipeline.planner.predict.simulate import CostModel, compute_end_times
+from pipelaunch.pipeline.planner.predict.data_parallel import (
+    Collectives,
+    Sharded,
+    data_parallel_step,
+    whole_stages,
+)
+from pipelaunch.pipeline.planner.predict.simulate import CostModel, compute_spans
 from pipelaunch.pipeline.runtime.dp import verify_collective_order
 from tests.harness import FAST, compose_cfg
 from tests.schedules import training_schedules
@@ -87,9 +92,10 @@ def _toy(zero: int, flat: bool, v: bool) -> float:
         order = [[Action(0, Kind.F, 0), Action(1, Kind.F, 0), Action(1, Kind.B, 0), Action(0, Kind.B, 0)]]
     schedule = place_data_parallel(Schedule("toy", 2, 1, placement, order), zero, 2)
     cost = CostModel.uniform(2)
-    ends = compute_end_times(schedule, cost)
-    step = data_parallel_step(schedule, ends, zero, [8.0, 8.0], None, Collectives(2, 0.0, 1.0), flat=flat)
-    return max(e[-1] + g + t for e, g, t in zip(ends, step.gather_s, step.tail_s, strict=True))
+    spans = compute_spans(schedule, cost)
+    step = data_parallel_step(schedule, spans, Sharded(zero, whole_stages([8.0, 8.0])), None,
+                              Collectives(2, 0.0, 1.0), flat=flat)
+    return max(e[-1][1] + g + t for e, g, t in zip(spans, step.gather_s, step.tail_s, strict=True))
 
 
 def test_pricing_overlaps_a_reduction_with_the_rank_s_remaining_backward() -> None:

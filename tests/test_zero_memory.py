@@ -22,35 +22,47 @@ BASE = [*FAST, "model.dim=128", "model.layers=4", "pp=2", "dp=2", "mode=plan", "
         "memory.reserve_bytes=0"]
 
 
-def _devices(zero: int, placement=(0, 0, 1), replicated=None, update=None):
-    """Three stages of 8, 4 and 6 MiB (the first two on rank 0), AdamW's two states, dp=2."""
+def _devices(zero: int, placement=(0, 0, 1), replicated=None, update=None, reshard="use", gpu=False):
+    """Three stages of 8, 4 and 6 MiB (the first two on rank 0), cut into units of 4+3+1, 2+2 and
+    3+3 MiB; AdamW's two states, dp=2."""
+    units = [([4 * MIB, 3 * MIB, 1 * MIB], 0.0), ([2 * MIB, 2 * MIB], 0.0), ([3 * MIB, 3 * MIB], 0.0)]
     return device_memory([8 * MIB, 4 * MIB, 6 * MIB], list(placement), [1 * MIB, 1 * MIB], 2,
-                         update=update, sharding=Sharding(zero, 2), replicated_bytes=replicated)
+                         update=update, sharding=Sharding(zero, 2, reshard=reshard, keeps_reduce_input=gpu),
+                         replicated_bytes=replicated, units=units)
 
 
-@pytest.mark.parametrize(("zero", "held", "gathered"), [
-    (0, (12, 12, 24), 0), (1, (18, 12, 12), 0), (2, (18, 6, 12), 20), (3, (6, 6, 12), 28)])
-def test_each_level_holds_what_the_table_says(zero: int, held: tuple, gathered: float) -> None:
-    """Rank 0 holds 12 MiB of parameters in two stages, the larger 8 MiB: zero=1 halves the
-    optimizer state (the gathered parameters beside their 6 MiB of shards), zero=2 the gradients
-    too (one stage's whole during its backward, and each stage's kept reduce-scatter input: 12
-    MiB), zero=3 the parameters too (one stage's gathered parameters and gradients, and the kept
-    inputs)."""
+@pytest.mark.parametrize(("zero", "held", "cpu", "gpu"), [
+    (0, (12, 12, 24), 0, 0), (1, (18, 12, 12), 4, 4 + 4 + 2), (2, (18, 6, 12), 4 + 4, 4 + 4 + 4 + 2),
+    (3, (6, 6, 12), (4 + 3) + 4, (4 + 3) + 4 + 4 + 2)])
+def test_each_level_holds_what_the_table_says(zero: int, held: tuple, cpu: float, gpu: float) -> None:
+    """Rank 0 holds 12 MiB of parameters in two stages, the larger cut into blocks of 4, 3 and 1
+    MiB: zero=1 halves the optimizer state (the gathered parameters beside their 6 MiB of shards)
+    and reduce-scatters one block at a time (its 4 MiB input); zero=2 the gradients too (a block's
+    gradients and their reduce-scatter input); zero=3 the parameters too (the block computing, the
+    next one prefetched, a block's gradients). On a GPU each reduce-scatter's input stays until the
+    next (4 MiB), and the other stage keeps its last (2 MiB)."""
     rank0 = _devices(zero)[0]
     assert (rank0.params, rank0.grads, rank0.optimizer) == tuple(h * MIB for h in held)
-    assert rank0.gathered == gathered * MIB
-    assert rank0.total == sum(held) * MIB + rank0.activations + gathered * MIB  # in the backward phase
-    assert ("gathered" in rank0.breakdown()) == bool(gathered)
+    assert rank0.gathered == cpu * MIB and _devices(zero, gpu=True)[0].gathered == gpu * MIB
+    assert rank0.total == sum(held) * MIB + rank0.activations + cpu * MIB  # in the backward phase
+    assert ("gathered" in rank0.breakdown()) == bool(cpu)
+
+
+def test_reshard_run_holds_the_stage_and_use_a_few_blocks() -> None:
+    """reshard=run keeps every block of the stage gathered until its run ends (8 MiB), beside a
+    block's gradients and their reduce-scatter input; reshard=use two blocks and the gradients."""
+    assert _devices(3, reshard="run")[0].gathered == (8 + 4 + 4) * MIB
+    assert _devices(3)[0].gathered == (4 + 3 + 4) * MIB
+    assert Sharding(3, 2, reshard="run").window([1.0, 1.0], 2.0) == 4.0 + 3.0 + 1.0
+    assert Sharding(3, 1).window([1.0]) == 0.0 and Sharding(0, 8).window([1.0]) == 0.0
 
 
 def test_tied_parameters_stay_whole_at_every_level() -> None:
-    """2 MiB of stage 0 and 2 MiB of stage 2 are one tied tensor: never sharded, nor in the window
-    (stage 0's 6 sharded MiB gathered with their gradients, beside the kept reduce-scatter inputs of
-    the rank's 10 sharded MiB)."""
+    """2 MiB of stage 0 and 2 MiB of stage 2 are one tied tensor: never sharded, nor in any unit."""
     rank0, rank1 = _devices(3, replicated=[2 * MIB, 0.0, 2 * MIB])
     assert rank0.params == 10 * MIB / 2 + 2 * MIB and rank0.grads == rank0.params
-    assert rank0.optimizer == 2 * rank0.params and rank0.gathered == 2 * 6 * MIB + 10 * MIB
-    assert rank1.params == 4 * MIB / 2 + 2 * MIB and rank1.gathered == 2 * 4 * MIB + 4 * MIB
+    assert rank0.optimizer == 2 * rank0.params and rank0.gathered == (4 + 3 + 4) * MIB
+    assert rank1.params == 4 * MIB / 2 + 2 * MIB and rank1.gathered == (3 + 3 + 3) * MIB
 
 
 def test_sharded_updates_hold_no_flat_copy_and_temporaries_on_the_shard() -> None:
@@ -61,12 +73,14 @@ def test_sharded_updates_hold_no_flat_copy_and_temporaries_on_the_shard() -> Non
 
 
 def test_the_partitioners_stage_factor_is_the_same_formula() -> None:
-    """A stage alone on its device: zero=0 counts 2 + k; parameters maybe tied never count less
-    than unsharded."""
+    """A stage alone on its device, before its blocks exist: what it holds through the step (zero=0
+    counts 2 + k), and with reshard=run its whole parameters gathered; parameters maybe tied never
+    count less than unsharded."""
     assert stage_param_factors(2, Sharding(0, 2)) == (4.0, 4.0)
     assert stage_param_factors(2, Sharding(1, 2)) == (3.5, 4.0)
-    assert stage_param_factors(2, Sharding(3, 4)) == (1.0 + 3.0, 4.0)
-    assert Sharding(2, 1).degree == 1 and Sharding(0, 4).degree == 1 and Sharding(3, 1).gathered(1.0) == 0.0
+    assert stage_param_factors(2, Sharding(3, 4)) == (1.0, 4.0)
+    assert stage_param_factors(2, Sharding(3, 4, reshard="run")) == (1.0 + 1.0, 4.0)
+    assert Sharding(2, 1).degree == 1 and Sharding(0, 4).degree == 1 and Sharding(3, 1).gathered([([1.0], 0.0)]) == 0.0
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +95,10 @@ def test_zero3_holds_about_half_the_parameters_gradients_and_optimizer_state_of_
     assert all(p.meta.zero == z and p.meta.device_memory for z, p in plans.items())
     assert held(plans[3]) <= 0.55 * held(plans[0])
     assert held(plans[3]) < held(plans[2]) < held(plans[1]) < held(plans[0])
-    assert all(d.gathered == 0 for d in plans[1].meta.device_memory)
-    assert all(d.gathered > 0 for d in plans[3].meta.device_memory)
+    assert all(0 < d1.gathered < d2.gathered < d3.gathered for d1, d2, d3 in zip(
+        *(plans[z].meta.device_memory for z in (1, 2, 3)), strict=True))
+    # a block at a time: the peak falls with the level (one block per unit here: 0.8 MiB a stage of 1.6)
+    assert max(d.total for d in plans[3].meta.device_memory) < max(d.total for d in plans[0].meta.device_memory)
     # the levels' peaks differ on one plan (their step times: tests/test_dp_actions.py)
     same = [predict(replace(plans[0], meta=replace(plans[0].meta, zero=z)), 1e-4, 1e9) for z in range(4)]
     assert len({p.peak_bytes for p in same}) > 1
@@ -91,9 +107,12 @@ def test_zero3_holds_about_half_the_parameters_gradients_and_optimizer_state_of_
 def test_the_memory_table_says_the_level_and_shows_the_window(plans) -> None:
     table = device_memory_table(plans[3])
     assert "zero=3 over dp=2: optimizer states, gradients and parameters sharded" in table
-    assert "gathered" in table.splitlines()[2]
-    assert "zero=" not in device_memory_table(plans[0]) and "gathered" not in device_memory_table(plans[0])
-    assert "gathered" not in device_memory_table(plans[1]).splitlines()[2]
+    assert "gathered" in table.splitlines()[3]
+    zero0 = device_memory_table(plans[0]).splitlines()
+    # zero=0 shards nothing; its units are the buckets it all-reduces
+    assert "zero=" not in zero0[1] and zero0[1].startswith("units") and "gathered" not in zero0[2]
+    assert "reshard=use" in table and table.splitlines()[2].startswith("units (gathered and reduced together)")
+    assert "layer1 0.8" in table.splitlines()[2]
 
 
 def test_a_plan_json_keeps_the_window_and_an_older_one_loads(plans) -> None:
@@ -116,8 +135,7 @@ def test_tied_embeddings_are_counted_whole() -> None:
 
 
 def test_a_cap_zero0_misses_is_met_by_sharding(plans) -> None:
-    """Under memory=budget the same run plans at zero=1 where zero=0 is over the cap (at dp=2 with
-    one stage a rank, zero=2 and 3 hold more in their backward window than they shard)."""
+    """Under memory=budget the same run plans at zero=1 where zero=0 is over the cap."""
     low, high = (max(d.total for d in plans[z].meta.device_memory) for z in (1, 0))
     cap = (low + high) / 2
     budget = [*BASE, "memory=budget", f"memory.cap_bytes={cap:.0f}"]
@@ -148,8 +166,8 @@ def test_plan_auto_runs_the_lowest_level_that_fits(plans) -> None:
     assert capped.plan.meta.zero == fitting > 0
     summary = capped.plan.meta.search
     assert summary.chosen["zero"] == fitting and f"zero={fitting}" in summary.chosen["label"]
-    # zero=2 and 3 hold more than zero=0 here (dp=2, one stage a rank): over the cap too
-    assert sorted(row["zero"] for row in summary.excluded) == [0, 2, 3]
+    # a block at a time, zero=2 and 3 hold less than zero=0 too: only zero=0 is over the cap
+    assert sorted(row["zero"] for row in summary.excluded) == [0]
     assert "lower sharding levels of it (zero=0)" in summary.why
     assert " zero " in capped.search.table().splitlines()[0]
 
@@ -174,7 +192,7 @@ def test_the_memory_table_after_a_run_sets_the_state_against_params_grads_and_op
                          "cpu", None, False, [], "by_name")
 
     table = device_memory_table(plan, [facts(0, 0, 0.9 * held[0]), facts(2, 0, held[0]), facts(1, 1, None)])
-    head, rank0, rank1 = table.splitlines()[2:5]
+    head, rank0, rank1 = table.splitlines()[3:6]
     assert head.split()[-6:] == ["state", "ratio", "tensors", "ratio", "resident", "ratio"]
     columns = head.split().index("state")  # after the prediction's 11 columns (gathered among them)
     assert rank0.split()[columns:columns + 2] == [f"{held[0] / MIB:.1f}", "1.00"]

@@ -51,6 +51,13 @@ class Remat(Choice):
     auto = "auto"  # under a memory cap: recompute only what would not fit otherwise
 
 
+class Reshard(Choice):
+    """zero=3: when a block's gathered parameters are released (docs/sharding.md "Units")."""
+
+    use = "use"  # after each forward or backward of the block: one block (and the next) gathered
+    run = "run"  # after the stage's run of consecutive actions: fewer gathers, the stage whole
+
+
 class Mode(Choice):
     train = "train"
     plan = "plan"  # dry run: plan, simulate, draw; no ranks
@@ -188,6 +195,8 @@ class PlanConfig:
     remat: list[Remat] | None = None
     #: data-parallel sharding levels (`zero`) to try; null = the configured level only
     zero: list[int] | None = None
+    #: at zero=3, the release points (`reshard`) to try; null = the configured one only
+    reshard: list[Reshard] | None = None
     #: candidates predicted within this share of the fastest count as tied
     tie: float = 0.0
     #: devices (ranks) the run has: the search also tries every layout pp x dp == devices (the
@@ -213,12 +222,16 @@ class TrainConfig:
     dp: int = 1
     #: what the dp replicas of a stage shard among themselves (FSDP2 over the replicas): 0 nothing
     #: (each holds everything, gradients all-reduced), 1 the optimizer states, 2 the gradients too,
-    #: 3 the parameters too (gathered around each compute action, freed after it)
+    #: 3 the parameters too (each block gathered ahead of its use, released after: `reshard`)
     zero: int = 0
     #: under zero >= 1, how many replicas a sharded tensor is split over (a divisor of dp); the
     #: groups of that many replicate one another (hybrid sharding, HSDP: shard within a node,
     #: replicate across nodes). null: all dp replicas
     dp_shard: Optional[int] = None  # noqa: UP045 - OmegaConf reads typing.Optional
+    #: at zero=3, when a block's gathered parameters are released: `use` (after each forward or
+    #: backward of it, the next block prefetched) or `run` (after the stage's run of consecutive
+    #: actions: fewer gathers, the whole stage gathered by the end of its forward)
+    reshard: Reshard = Reshard.use
     #: micro-batches per step in each replica
     microbatches: int = 4
     #: the global batch (sequences per optimizer step), the same whatever pp and dp are

@@ -23,6 +23,7 @@ from pipelaunch.pipeline.core.plan_records import (
     PartitionSummary,
     PlannedStep,
     SearchSummary,
+    UnitCost,
     known_fields,
 )
 
@@ -93,6 +94,12 @@ class PlanMeta:
     #: zero=3: when a block's gathered parameters are released, `use` (after each forward or
     #: backward of it) or `run` (after the stage's run of consecutive actions; docs/sharding.md)
     reshard: str = "use"
+    #: the device type the plan runs on (`cpu`, `cuda`): on a GPU FSDP2 keeps each stage's last
+    #: reduce-scatter input until its next, which the memory model prices
+    device_type: str = "cpu"
+    #: per stage, its units in forward order (the root unit last when it holds any): what the
+    #: data-parallel collectives move together and how long each part of an action takes
+    stage_units: list[list[UnitCost]] | None = None
     #: the graph carried measured costs (the stage_*_s lists below are filled)
     profiled: bool = False
     optimizer_states: int = 0
@@ -152,6 +159,8 @@ class PlanMeta:
         return replace(
             flat, machine=MachineFacts(**machine), partition=PartitionSummary.from_json(data.get("partition")),
             device_memory=[known_fields(DeviceMemory, d) for d in devices] if devices is not None else None,
+            stage_units=[[known_fields(UnitCost, u) for u in units] for units in data["stage_units"]]
+            if data.get("stage_units") is not None else None,
             prediction=known_fields(PlannedStep, data["prediction"]) if data.get("prediction") else None,
             search=known_fields(SearchSummary, data["search"]) if data.get("search") else None)
 

@@ -92,6 +92,21 @@ class DeviceMemory:
 
 
 @dataclass(frozen=True)
+class UnitCost:
+    """One unit of a stage (pipeline/graph/units.py: the parameters gathered, released and reduced
+    together) as the planner prices it: its name, the bytes of its parameters, and the profiled
+    time its nodes take in each kind of action (0 without a profile). The root unit of a stage
+    (parameters read at two distant places, gathered for a whole action) is named `root`."""
+
+    name: str
+    param_bytes: float
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    backward_input_s: float = 0.0
+    backward_weight_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class PlannedStep:
     """The step the planner predicted for the plan as run: the whole step and its schedule part
     (the schedule stretched where ranks share cores), the simulated makespan, and per pipeline

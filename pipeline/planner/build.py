@@ -16,10 +16,11 @@ import torch
 from pipelaunch.pipeline.core.config import LINK_BANDWIDTH, LINK_LATENCY_S
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan import Plan, PlanMeta, StagePlan, dtype_name
-from pipelaunch.pipeline.core.plan_records import MachineFacts, PartitionSummary
+from pipelaunch.pipeline.core.plan_records import MachineFacts, PartitionSummary, UnitCost
 from pipelaunch.pipeline.core.plugins import Plugin
 from pipelaunch.pipeline.graph.split import split_model
 from pipelaunch.pipeline.graph.trace import TracedModel
+from pipelaunch.pipeline.graph.units import node_param_uses, stage_units
 from pipelaunch.pipeline.planner.fit.budget import (
     device_view,
     partition_request,
@@ -138,6 +139,10 @@ class PlanRequest:
     #: dp_shard; None: all dp)
     zero: int = 0
     dp_shard: int | None = None
+    #: zero=3: when a unit's gathered parameters are released (TrainConfig.reshard)
+    reshard: str = "use"
+    #: the device type the run trains on (`cuda` for a GPU run)
+    device_type: str = "cpu"
     #: what the data gives each input of the traced model, in order (`ModelSpec.data_args`)
     data_args: tuple[str, ...] = ("input",)
     value_dtypes: Mapping[str, torch.dtype] | None = None
@@ -225,7 +230,8 @@ def _partition(traced: TracedModel, generator: ScheduleGenerator, placement: lis
     stage_cap = None if req.memory_cap is None else req.memory_cap - req.reserve_bytes
     request = partition_request(generator, placement, req.microbatches, req.remat, stage_cap, req.bandwidth)
     try:
-        factors = stage_param_factors(req.optimizer_states, Sharding(req.zero, req.dp_shard or req.dp, req.precision))
+        factors = stage_param_factors(req.optimizer_states, Sharding(req.zero, req.dp_shard or req.dp, req.precision,
+                                                                     req.reshard))
         return partition_graph(req.partitioner, traced.graph, placement, request, *factors)
     except ConfigError as err:
         if err.key != "memory.cap_bytes" or not req.reserve_bytes:
@@ -299,6 +305,7 @@ def _plan_meta(traced: TracedModel, split, part: Partition, stages: list[StagePl
             "reserve_bytes": req.reserve_bytes, "remat_stages": schedule.remat_stages(),
             "partitioner": req.partitioner.option, "partition": partition_summary(part),
             "profiled": req.profiled, "precision": req.precision, "zero": req.zero, "dp_shard": req.dp_shard,
+            "reshard": req.reshard, "device_type": req.device_type, "stage_units": unit_costs(traced, split),
             "machine": MachineFacts(req.rank_slots, req.optimizer_s_per_byte, list(req.optimizer_temporaries),
                                     req.link_latency_s, req.action_overhead_s),
             "stage_largest_param_bytes": [max((float(p.numel() * p.element_size()) for p in gm.parameters()),
@@ -308,6 +315,27 @@ def _plan_meta(traced: TracedModel, split, part: Partition, stages: list[StagePl
             "stage_tensors": [sorted({traced.param_aliases.get(n, n) for n, _ in [
                 *gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]})
                 for gm in split.stages]}
+
+
+def unit_costs(traced: TracedModel, split) -> list[list[UnitCost]]:
+    """Per stage, its units (graph/units.py: what the runtime gathers, releases and reduces
+    together) in forward order, each with its parameter bytes and the profiled time of the nodes in
+    its span (0 unprofiled); the root unit last when it holds any."""
+    nodes = traced.graph.nodes
+    keys = ("forward_s", "backward_s", "backward_input_s", "backward_weight_s")
+    out = []
+    for gm in split.stages:
+        sizes = {n: float(p.numel() * p.element_size()) for n, p in gm.named_parameters(remove_duplicate=False)}
+        units = stage_units(node_param_uses(gm), sizes, excluded=split.shared_params, canonical=split.param_aliases)
+        names = [n.name for n in gm.graph.nodes]
+        row = []
+        for unit in units.units:
+            span = [n for n in names[unit.first:unit.last + 1] if n in nodes]
+            row.append(UnitCost(unit.name, unit.nbytes, *(float(sum(nodes[n].get(k, 0.0) for n in span)) for k in keys)))
+        if units.root:
+            row.append(UnitCost("root", units.root_bytes))
+        out.append(row)
+    return out
 
 
 def _replicated_bytes(traced: TracedModel, split) -> list[float]:

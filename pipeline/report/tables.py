@@ -139,8 +139,9 @@ def device_memory_table(plan: Plan, ranks: Sequence[RankFacts] | None = None) ->
     head = (f"{'rank':>5} {'params':>8} {'grads':>8} {'optim':>8} {'act':>8} {'recomp':>7} {'wkspace':>7} "
             + (f"{'gathered':>8} " if gathered else "") + f"{'update':>7} {'reserve':>7} {'predicted':>10}"
             + (f" {'state':>8} {'ratio':>6} {'tensors':>8} {'ratio':>6} {'resident':>9} {'ratio':>6}" if ranks else ""))
+    units = units_line(plan) if plan.dp > 1 and plan.schedule.training else None
     lines = [f"memory per device, MiB (predicted peak{f'; cap {cap / mib:.1f}' if cap else ''}):",
-             *([sharding_line(plan)] if plan.meta.zero else []), head]
+             *([sharding_line(plan)] if plan.meta.zero else []), *([units] if units else []), head]
     state: dict[int, list[float]] = {}
     tensors: dict[int, list[float]] = {}
     resident: dict[int, list[float]] = {}
@@ -173,18 +174,40 @@ def _measured(values: list[float] | None, predicted: float, width: int) -> str:
 
 
 #: per sharding level: what it shards, and what its backward holds unsharded (the gathered column)
-_SHARDED = {1: ("optimizer states", ""),
-            2: ("optimizer states and gradients", "; gathered: a stage's gradients before their reduce-scatter"),
-            3: ("optimizer states, gradients and parameters",
-                "; gathered: a stage's full parameters and gradients while it computes")}
+_SHARDED = {1: ("optimizer states", "; gathered: a block's reduce-scatter input in the stage's last backward"),
+            2: ("optimizer states and gradients",
+                "; gathered: a block's gradients and their reduce-scatter input, in every backward"),
+            3: ("optimizer states, gradients and parameters", "")}
+#: zero=3: what each release point (`reshard`) holds gathered
+_RESHARD = {"use": "; reshard=use, gathered: the block computing, the next one prefetched and a block's gradients",
+            "run": "; reshard=run, gathered: the stage's blocks until its run of actions ends, and a block's "
+                   "gradients"}
 
 
 def sharding_line(plan: Plan) -> str:
-    """`zero=2 over dp=2: optimizer states and gradients sharded; ...`: the level the memory table prices."""
+    """`zero=2 over dp=2: optimizer states and gradients sharded; ...`: the level the memory table
+    prices, and what its window holds."""
     what, window = _SHARDED[plan.meta.zero]
+    if plan.meta.zero == 3:
+        window = _RESHARD.get(plan.meta.reshard, "")
     tied = " (tied parameters whole)" if any(plan.meta.stage_replicated_param_bytes or []) else ""
     mixed = f"; computes in {plan.meta.precision}, reduces in fp32" if plan.meta.precision != "fp32" else ""
     return f"zero={plan.meta.zero} over dp={plan.dp}: {what} sharded{tied}{window}{mixed}"
+
+
+def units_line(plan: Plan, keep: int = 4) -> str | None:
+    """`units (gathered and reduced together), MiB: stage 0: embed.tokens+embed.positions 4.1, layer0 3.0, ...`:
+    each stage's units as the runtime cuts them (None for a plan without them)."""
+    if not plan.meta.stage_units:
+        return None
+    mib = 2**20
+    parts = []
+    for s, units in enumerate(plan.meta.stage_units):
+        named = [f"{u.name} {u.param_bytes / mib:.1f}" for u in units]
+        if len(named) > keep:
+            named = [*named[:2], f"... ({len(named)} units)", named[-1]]
+        parts.append(f"stage {s}: {', '.join(named) or 'none'}")
+    return "units (gathered and reduced together), MiB: " + "; ".join(parts)
 
 
 def format_prediction(res: SimResult) -> str:

@@ -21,31 +21,28 @@ and optimizer state: with many small micro-batches the update can be the larger.
 Data-parallel sharding (`zero`, `Sharding`; docs/sharding.md "What each level holds"): with P the
 parameter bytes of a rank's stages, R of them held by several stages (tied weights: replicated at
 every level, counted whole), S = P - R the sharded part, k the optimizer's states per parameter,
-d = dp at zero >= 1 (1 at zero=0), own = S/d + R, and S_s the largest sharded part of one of the
-rank's stages::
+d = dp at zero >= 1 (1 at zero=0), own = S/d + R::
 
     level   params      grads       optimizer   gathered (in the backward phase)
     0       P           P           kP          0
-    1       P + S/d     P           k own       0
-    2       P + S/d     own         k own       S_s + S      (one stage's gradients before its reduce-scatter)
-    3       own         own         k own       2 S_s + S    (one stage's full parameters, and its gradients)
+    1       P + S/d     P           k own       a unit's reduce-scatter input
+    2       P + S/d     own         k own       a unit's gradients and their reduce-scatter input
+    3       own         own         k own       two units and the root gathered, a unit's gradients
 
-At zero=1 and 2 the gathered parameters sit beside their shards (FSDP2 keeps a parameter's shard
-while it is unsharded: S/d more than the whole). At zero=2 and 3 every stage keeps the input
-buffer of its last reduce-scatter (the flat copy of its gradients, S of the rank in all) until its
-next one or the step's last (FSDP2's `reduce_scatter_states`, at least one buffer a stage).
-
-Under precision=bf16 the gathered parameters are bf16 copies (half the bytes) and the gradients
-reach the reduce-scatter in fp32: the window is 1.5 S_s at zero=3 and stays S_s at zero=2, and
-zero=1 adds one stage's bf16 gradients, 0.5 S_s, before they join the fp32 whole ones
-(`Sharding.compute_bytes`). The params column still counts P at zero <= 2: the fp32 shards plus
+The gathered column is a stage's units (pipeline/graph/units.py: a block each), not the stage:
+`Sharding.window` spells it out per level and `reshard`, for the stage whose window is largest,
+beside the last reduce-scatter input each other stage of the rank keeps on a GPU (FSDP2's
+`reduce_scatter_states`; on a CPU gloo has finished with it and the runtime drops it). At zero=1
+and 2 the gathered parameters sit beside their shards (FSDP2 keeps a parameter's shard while it is
+unsharded: S/d more than the whole). Under precision=bf16 the gathered parameters and the
+gradients autograd computes are bf16 copies (half the bytes: `Sharding.compute_bytes`) and the
+reduce-scatter input fp32. The params column still counts P at zero <= 2: the fp32 shards plus
 the bf16 gathered copies are at most that from dp=2.
 
 At zero >= 1 the update holds no flat all-reduce copy and the optimizer's temporaries scale with
-the shard (of the largest tensor, largest/d; of all, own). The predicted step time does not price
-sharding: neither the collectives it adds nor the smaller optimizer step (`predict.prediction`).
-A partitioner pricing one stage alone on its device counts each parameter byte
-`Sharding.stage_factor` times (`fit.budget.device_view`).
+the shard (of the largest tensor, largest/d; of all, own). The step's collectives are priced by
+`predict.data_parallel`. A partitioner pricing one stage alone on its device counts each parameter
+byte `Sharding.stage_factor` times (`fit.budget.device_view`).
 """
 
 from __future__ import annotations
@@ -62,14 +59,21 @@ from pipelaunch.pipeline.core.precision import PRECISIONS
 @dataclass(frozen=True)
 class Sharding:
     """The data-parallel sharding level (`zero`, 0..3, ZeRO's vocabulary) over `dp` replicas: what
-    a device holds of its stages' parameters, gradients and optimizer state (the module's table).
-    The one formula the prediction and the partitioners' cap both price."""
+    a device holds of its stages' parameters, gradients and optimizer state (the module's table),
+    and what a stage holds unsharded while its blocks compute (`window`). The one formula the
+    prediction and the partitioners' cap both price."""
 
     zero: int = 0
     dp: int = 1
     #: `precision`: under bf16, FSDP2 gathers and computes with bf16 copies of the parameters
     #: (runtime/sharding.py `mixed_precision`) while shards, states and reductions stay fp32
     precision: str = "fp32"
+    #: zero=3: when a unit's gathered parameters are released (`use` or `run`)
+    reshard: str = "use"
+    #: the device keeps each stage's last reduce-scatter input until its next (FSDP2 on a GPU,
+    #: so that its allocator does not reuse it while the reduce stream reads it); on a CPU gloo's
+    #: reduce-scatter has returned and the runtime drops it
+    keeps_reduce_input: bool = False
 
     @property
     def compute_bytes(self) -> float:
@@ -92,23 +96,58 @@ class Sharding:
         return (own if self.zero >= 3 else whole + shards if self.zero >= 1 else whole,
                 own if self.zero >= 2 else whole, states * (own if self.zero >= 1 else whole))
 
-    def gathered(self, stage_sharded: float, rank_sharded: float | None = None) -> float:
-        """What the backward holds unsharded beside the shards (nothing over one replica): zero=2 one
-        stage's gradients before their reduce-scatter, in the fp32 reduce dtype (FSDP2 copies bf16
-        ones into an fp32 buffer); zero=3 its gathered parameters too, in the compute dtype; zero=1
-        under bf16 a micro-batch's bf16 gradients before FSDP2 adds them into the fp32 whole ones;
-        and at zero 2 and 3 every stage's kept reduce-scatter input (`rank_sharded`, the sharded
-        bytes of all the rank's stages; by default the one stage's)."""
-        if self.degree <= 1:
+    def window(self, units: Sequence[float], root: float = 0.0) -> float:
+        """What one stage holds unsharded at the fullest moment of its backward, beside the shards
+        (docs/sharding.md "Units"), for its units' sharded bytes and its root unit's. With U1 and U2
+        the largest two units, R the root, c the compute dtype's bytes per fp32 byte and k one unit's
+        kept reduce-scatter input where the device keeps it:
+
+        - zero=1: the last backward's reduce-scatter input of a unit (fp32) and the kept one: U1 + k;
+        - zero=2: a unit's gradients and their reduce-scatter input, the kept one, the root's
+          gradients: c U1 + U1 + k + c R;
+        - zero=3, reshard=use: the unit computing, the next one prefetched and the root gathered,
+          the unit's and the root's gradients, and the kept input or, once the unit is released,
+          its reduce-scatter input: c (U1 + U2 + R) + c (U1 + R) + max(k, U1 - c U1);
+        - zero=3, reshard=run: the whole stage gathered (S = the units and the root), a unit's
+          gradients and their reduce-scatter input: c S + c (U1 + R) + U1."""
+        if self.degree <= 1 or self.zero == 0:
             return 0.0
-        half = self.compute_bytes
-        window = stage_sharded * {1: half if half < 1.0 else 0.0, 2: 1.0, 3: 1.0 + half}.get(self.zero, 0.0)
-        kept = (stage_sharded if rank_sharded is None else rank_sharded) if self.zero >= 2 else 0.0
-        return window + kept
+        c = self.compute_bytes
+        sizes = sorted((float(u) for u in units), reverse=True) + [0.0, 0.0]
+        u1, u2, root = sizes[0], sizes[1], float(root)
+        kept = u1 if self.keeps_reduce_input else 0.0
+        if self.zero == 1:
+            return u1 + kept
+        if self.zero == 2:
+            return c * u1 + u1 + kept + c * root
+        if self.reshard == "run":
+            return c * (sum(units) + root) + c * (u1 + root) + u1
+        return c * (u1 + u2 + root) + c * (u1 + root) + max(kept, u1 - c * u1)
+
+    def kept(self, units: Sequence[float]) -> float:
+        """What a stage keeps between its reductions: its last reduce-scatter input (one unit's, on
+        a device that keeps it; zero >= 1)."""
+        if self.degree <= 1 or self.zero == 0 or not self.keeps_reduce_input:
+            return 0.0
+        return max((float(u) for u in units), default=0.0)
+
+    def gathered(self, stages: Sequence[tuple[Sequence[float], float]]) -> float:
+        """What a device holds unsharded in the backward phase: the fullest `window` of its stages
+        (`stages`: each stage's (units, root)), beside the kept reduce-scatter inputs of the others."""
+        if not stages or self.degree <= 1 or self.zero == 0:
+            return 0.0
+        windows = [self.window(units, root) for units, root in stages]
+        kept = [self.kept(units) for units, _ in stages]
+        fullest = max(range(len(stages)), key=windows.__getitem__)
+        return windows[fullest] + sum(k for i, k in enumerate(kept) if i != fullest)
 
     def stage_factor(self, states: int) -> float:
-        """Bytes per parameter byte of a stage alone on its device (the partitioners' view)."""
-        return sum(self.held(1.0, 0.0, states)) + self.gathered(1.0)
+        """Bytes per parameter byte of a stage alone on its device (the partitioners' view, before
+        the split and so its units exist): what it holds through the step, and at zero=3 with
+        reshard=run its whole parameters gathered. A unit's window is a few blocks, priced once
+        the split exists (`device_memory`)."""
+        run = self.compute_bytes if self.zero == 3 and self.reshard == "run" and self.degree > 1 else 0.0
+        return sum(self.held(1.0, 0.0, states)) + run
 
 
 @dataclass(frozen=True)
@@ -149,19 +188,22 @@ def device_memory(
     update: UpdateMemory | None = None,
     sharding: Sharding | None = None,
     replicated_bytes: Sequence[float] | None = None,
+    units: Sequence[tuple[Sequence[float], float]] | None = None,
 ) -> list[DeviceMemory]:
     """Per rank: the parameters of its stages (a parameter two of its stages share counts twice:
     a slight over-estimate), their gradients and `states_per_param` times their bytes in optimizer
     state as `sharding` leaves them (`replicated_bytes`, per stage: its tied parameters, never
-    sharded), the unsharded window of its largest stage, the simulated activation peak, the
-    largest region it recomputes, the largest backward workspace of its stages (per stage: its
-    largest node's activations), the reserve, and the update's temporaries."""
+    sharded), what its stages hold unsharded while their units compute (`units`, per stage: its
+    units' sharded bytes and its root unit's; by default the stage as one unit), the simulated
+    activation peak, the largest region it recomputes, the largest backward workspace of its stages
+    (per stage: its largest node's activations), the reserve, and the update's temporaries."""
     sharding = sharding or Sharding()
     n = len(placement)
     whole = rank_param_bytes(stage_param_bytes, placement)
     replicated = rank_param_bytes(replicated_bytes if replicated_bytes is not None else [0.0] * n, placement)
     sharded = [float(stage_param_bytes[s]) - (float(replicated_bytes[s]) if replicated_bytes is not None else 0.0)
                for s in range(n)]
+    stage_units = list(units) if units is not None else [([sharded[s]], 0.0) for s in range(n)]
     regions = list(recompute_bytes) if recompute_bytes is not None else [0.0] * n
     spaces = list(workspace_bytes) if workspace_bytes is not None else [0.0] * n
 
@@ -174,10 +216,11 @@ def device_memory(
     for r in range(len(whole)):
         params, grads, optimizer = sharding.held(whole[r] - replicated[r], replicated[r], states_per_param)
         stepped = sharding.held(whole[r] - replicated[r], replicated[r], 1)[2]  # the bytes the optimizer steps
+        mine = [stage_units[s] for s, rr in enumerate(placement) if rr == r]
         out.append(DeviceMemory(r, params, grads, optimizer, float(activation_peak[r]), largest(regions, r),
                                 largest(spaces, r), float(reserve_bytes),
                                 update.bytes(stepped, largest(tensors, r), sharding.degree),
-                                sharding.gathered(largest(sharded, r), whole[r] - replicated[r])))
+                                sharding.gathered(mine)))
     return out
 
 

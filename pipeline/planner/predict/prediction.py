@@ -13,8 +13,15 @@ from dataclasses import dataclass, field
 import torch
 
 from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.core.plan_records import UnitCost
 from pipelaunch.pipeline.planner.predict.costs import cost_model_from_plan
-from pipelaunch.pipeline.planner.predict.data_parallel import Collectives, data_parallel_step
+from pipelaunch.pipeline.planner.predict.data_parallel import (
+    Collectives,
+    DataParallelStep,
+    Sharded,
+    data_parallel_step,
+    whole_stages,
+)
 from pipelaunch.pipeline.planner.predict.memory import (
     DeviceMemory,
     Sharding,
@@ -23,7 +30,7 @@ from pipelaunch.pipeline.planner.predict.memory import (
     rank_param_bytes,
 )
 from pipelaunch.pipeline.planner.predict.shared_cores import shared_makespan
-from pipelaunch.pipeline.planner.predict.simulate import CostModel, SimResult, compute_end_times, simulate
+from pipelaunch.pipeline.planner.predict.simulate import CostModel, SimResult, compute_spans, simulate
 
 
 @dataclass
@@ -40,6 +47,8 @@ class Prediction:
     #: each pipeline rank's time past the schedule's end spent on data-parallel collectives (its
     #: gathers' delay and the reductions still running after its last compute; dp > 1)
     data_parallel_s: list[float] = field(default_factory=list)
+    #: the replicas' collectives as timeline events (their own `dp` lane per rank; dp > 1)
+    collective_events: list[dict] = field(default_factory=list)
 
     @property
     def step_s(self) -> float:
@@ -75,8 +84,8 @@ def predict(plan: Plan, latency_s: float, bandwidth: float) -> Prediction:
                             plan.meta.stage_workspace_bytes, float(plan.meta.reserve_bytes or 0.0),
                             update=UpdateMemory(plan.meta.stage_largest_param_bytes,
                                                 tuple(machine.optimizer_temporaries), plan.dp),
-                            sharding=Sharding(plan.meta.zero, plan.meta.dp_shard or plan.dp, plan.meta.precision),
-                            replicated_bytes=plan.meta.stage_replicated_param_bytes)
+                            sharding=plan_sharding(plan), replicated_bytes=plan.meta.stage_replicated_param_bytes,
+                            units=stage_unit_bytes(plan))
     schedule_s = result.makespan_s
     slots = machine.rank_slots
     if slots:  # more local ranks than cores: busy ranks share them (pipeline/planner/predict/shared_cores.py)
@@ -87,8 +96,27 @@ def predict(plan: Plan, latency_s: float, bandwidth: float) -> Prediction:
     optimizer = [(s / degree + t) * per_byte for s, t in zip(rank_param_bytes(sharded, plan.schedule.placement),
                                                               rank_param_bytes(tied, plan.schedule.placement),
                                                               strict=True)]
+    collectives = data_parallel_collectives(plan, cost, result.compute_spans)
     return Prediction(plan, cost, result, devices, schedule_s, optimizer,
-                      data_parallel_seconds(plan, cost, result.makespan_s, ends=result.compute_ends))
+                      data_parallel_seconds(plan, cost, result.makespan_s, spans=result.compute_spans,
+                                            step=collectives),
+                      collectives.events if collectives is not None else [])
+
+
+def plan_sharding(plan: Plan) -> Sharding:
+    """The plan's sharding as the memory model prices it."""
+    meta = plan.meta
+    return Sharding(meta.zero, meta.dp_shard or plan.dp, meta.precision, meta.reshard,
+                    keeps_reduce_input=meta.device_type != "cpu")
+
+
+def stage_unit_bytes(plan: Plan) -> list[tuple[list[float], float]] | None:
+    """Per stage, its units' parameter bytes and its root unit's (None: a plan without units, whose
+    stages count as one unit each)."""
+    if plan.meta.stage_units is None:
+        return None
+    return [([u.param_bytes for u in units if u.name != "root"],
+             sum(u.param_bytes for u in units if u.name == "root")) for units in plan.meta.stage_units]
 
 
 def _sharded_and_tied(plan: Plan) -> tuple[list[float], list[float]]:
@@ -98,16 +126,35 @@ def _sharded_and_tied(plan: Plan) -> tuple[list[float], list[float]]:
     return [max(0.0, w - t) for w, t in zip(whole, tied, strict=True)], tied
 
 
-def data_parallel_seconds(plan: Plan, cost: CostModel, makespan_s: float, flat: bool = False,
-                          ends: list[list[float]] | None = None) -> list[float]:
-    """Per pipeline rank, the time its data-parallel collectives add past the schedule's end
-    (predict/data_parallel.py); `flat`: as if every reduction started after the rank's last compute;
-    `ends`: the compute's end times when a simulation of this plan already has them."""
+def plan_units(plan: Plan) -> list[list[UnitCost]]:
+    """Per stage, its units as the runtime moves them (the plan's, else the stage as one unit of its
+    sharded bytes); tied parameters are in none."""
+    if plan.meta.stage_units is not None:
+        return [list(units) for units in plan.meta.stage_units]
+    return whole_stages(_sharded_and_tied(plan)[0])
+
+
+def data_parallel_collectives(plan: Plan, cost: CostModel, spans: list[list[tuple[float, float]]] | None = None,
+                              flat: bool = False) -> DataParallelStep | None:
+    """The replicas' collectives of the plan priced on its simulated compute (predict/data_parallel.py),
+    None without replicas; `spans`: the compute's start and end times when a simulation of this
+    plan already has them; `flat`: as if every reduction started after the rank's last compute."""
     if plan.dp < 2 or not plan.schedule.training:
-        return []
-    ends = compute_end_times(plan.schedule, cost) if ends is None else ends
-    sharded, tied = _sharded_and_tied(plan)
+        return None
+    spans = compute_spans(plan.schedule, cost) if spans is None else spans
     links = Collectives(plan.dp, cost.latency_s, cost.bandwidth_bytes_per_s, plan.meta.dp_shard)
-    step = data_parallel_step(plan.schedule, ends, plan.meta.zero, sharded, tied, links, flat=flat)
-    return [max(0.0, (e[-1] if e else 0.0) + g + t - makespan_s)
-            for e, g, t in zip(ends, step.gather_s, step.tail_s, strict=True)]
+    sharded = Sharded(plan.meta.zero, plan_units(plan), plan.meta.reshard, plan_sharding(plan).compute_bytes)
+    return data_parallel_step(plan.schedule, spans, sharded, _sharded_and_tied(plan)[1], links, flat=flat)
+
+
+def data_parallel_seconds(plan: Plan, cost: CostModel, makespan_s: float, flat: bool = False,
+                          spans: list[list[tuple[float, float]]] | None = None,
+                          step: DataParallelStep | None = None) -> list[float]:
+    """Per pipeline rank, the time its data-parallel collectives add past the schedule's end
+    (`data_parallel_collectives`, or `step` when priced already)."""
+    step = step if step is not None else data_parallel_collectives(plan, cost, spans, flat)
+    if step is None:
+        return []
+    spans = spans if spans is not None else compute_spans(plan.schedule, cost)
+    return [max(0.0, (e[-1][1] if e else 0.0) + g + t - makespan_s)
+            for e, g, t in zip(spans, step.gather_s, step.tail_s, strict=True)]

@@ -197,14 +197,19 @@ class SimResult:
     #: builds `events` the first time they are read: generators comparing candidates never read
     #: them (200k dicts at pp=64), a dry run draws them
     event_source: Callable[[], list[dict]] | None = field(default=None, repr=False, compare=False)
-    #: builds `compute_ends` the first time they are read (the data-parallel pricing does)
+    #: builds `compute_spans` the first time they are read (the data-parallel pricing does)
     ends_source: Callable[[], list[list[float]]] | None = field(default=None, repr=False, compare=False)
 
     @cached_property
-    def compute_ends(self) -> list[list[float]]:
-        """Per rank, when each action of its compute program ends, in program order."""
+    def compute_spans(self) -> list[list[tuple[float, float]]]:
+        """Per rank, when each action of its compute program starts and ends, in program order."""
         source, self.ends_source = self.ends_source, None
         return source() if source is not None else []
+
+    @property
+    def compute_ends(self) -> list[list[float]]:
+        """Per rank, when each action of its compute program ends, in program order."""
+        return [[end for _, end in spans] for spans in self.compute_spans]
 
     @cached_property
     def events(self) -> list[dict]:
@@ -319,16 +324,22 @@ def compute_end_times(schedule: Schedule, cost: CostModel) -> list[list[float]]:
     """Per rank, when each action of its compute program ends (program order), unchecked: the
     play of `simulate` without the result (events, peaks), for callers that need only the times
     (`pipelaunch.pipeline.planner.passes.lowering.causal_order`). Raises ScheduleError on a deadlock."""
+    return [[end for _, end in spans] for spans in compute_spans(schedule, cost)]
+
+
+def compute_spans(schedule: Schedule, cost: CostModel) -> list[list[tuple[float, float]]]:
+    """Per rank, when each action of its compute program starts and ends (program order), unchecked."""
     play = _Play(schedule, cost)
     play.run()
-    return _compute_ends(play.raw_events, play.programs)
+    return _compute_spans(play.raw_events, play.programs)
 
 
-def _compute_ends(raw_events: list[tuple[int, int, float, float]], programs: list[list[Action]]) -> list[list[float]]:
-    ends = [[0.0] * len(program) for program in programs]
-    for rank, i, _start, end in raw_events:
-        ends[rank][i] = end
-    return ends
+def _compute_spans(raw_events: list[tuple[int, int, float, float]],
+                   programs: list[list[Action]]) -> list[list[tuple[float, float]]]:
+    spans = [[(0.0, 0.0)] * len(program) for program in programs]
+    for rank, i, start, end in raw_events:
+        spans[rank][i] = (start, end)
+    return spans
 
 
 #: memory events: (time, order, bytes, micro-batches); at one instant frees (order 0) come first
@@ -477,7 +488,7 @@ class _Play:
             peak_activation_bytes=[b for b, _ in peaks],
             peak_activation_microbatches=[n for _, n in peaks],
             event_source=partial(_event_dicts, self.raw_events, self.programs),
-            ends_source=partial(_compute_ends, self.raw_events, self.programs),
+            ends_source=partial(_compute_spans, self.raw_events, self.programs),
         )
 
     def _deadlock_message(self) -> str:
@@ -601,5 +612,5 @@ def makespan(programs: list[list[Action]], placement: list[int], microbatches: i
     return simulate_programs(programs, placement, microbatches, costs, backward, hop).makespan_s
 
 
-__all__ = ["CostModel", "ScheduleError", "SimResult", "compute_end_times", "makespan", "simulate", "simulate_programs",
+__all__ = ["CostModel", "ScheduleError", "SimResult", "compute_end_times", "compute_spans", "makespan", "simulate", "simulate_programs",
            "transfer_delays", "validate"]

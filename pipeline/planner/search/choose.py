@@ -38,10 +38,13 @@ class Candidate:
     zero: int | None = None
     pp: int | None = None
     dp: int | None = None
+    #: zero=3's release point when the search tries them (`plan.reshard`; None: the configured one)
+    reshard: str | None = None
 
     @property
     def label(self) -> str:
-        level = "" if self.zero is None else f" / zero={self.zero}"
+        level = ("" if self.zero is None else f" / zero={self.zero}") + \
+            ("" if self.reshard is None else f" reshard={self.reshard}")
         layout = "" if self.pp is None else f" / pp={self.pp} dp={self.dp}"
         return f"{self.scheduler} / {self.partitioner} / {self.microbatches} mbs / remat={self.remat}{level}{layout}"
 
@@ -54,7 +57,8 @@ class Candidate:
         """The config keys this candidate sets."""
         return {"scheduler": dict(self.scheduler_plugin.config), "partitioner": dict(self.partitioner_plugin.config),
                 "microbatches": self.microbatches, "remat": self.remat,
-                **({} if self.zero is None else {"zero": self.zero}), **self.layout()}
+                **({} if self.zero is None else {"zero": self.zero}),
+                **({} if self.reshard is None else {"reshard": self.reshard}), **self.layout()}
 
     def layout(self) -> dict:
         """{"pp": .., "dp": ..} when the search tries layouts (`plan.devices`), else {}."""
@@ -81,7 +85,9 @@ class Outcome:
         row: dict = {"label": self.candidate.label, "scheduler": self.candidate.scheduler,
                      "partitioner": self.candidate.partitioner, "microbatches": self.candidate.microbatches,
                      "remat": self.candidate.remat, **({} if self.candidate.zero is None else
-                                                        {"zero": self.candidate.zero}), **self.candidate.layout()}
+                                                        {"zero": self.candidate.zero}),
+                     **({} if self.candidate.reshard is None else {"reshard": self.candidate.reshard}),
+                     **self.candidate.layout()}
         if self.prediction is not None:
             res = self.prediction.result
             row.update(step_s=res.makespan_s, bubble=res.mean_bubble,
@@ -277,8 +283,8 @@ def _level_reasons(win: Outcome, ranked: Sequence[Outcome], excluded: Sequence[O
 
 
 def _same_but_level(a: Candidate, b: Candidate) -> bool:
-    return (a.scheduler, a.partitioner, a.microbatches, a.remat, a.pp, a.dp) == (
-        b.scheduler, b.partitioner, b.microbatches, b.remat, b.pp, b.dp)
+    return (a.scheduler, a.partitioner, a.microbatches, a.remat, a.pp, a.dp, a.reshard) == (
+        b.scheduler, b.partitioner, b.microbatches, b.remat, b.pp, b.dp, b.reshard)
 
 
 def _layout_reasons(win: Outcome, outcomes: Sequence[Outcome]) -> list[str]:
@@ -384,12 +390,27 @@ def candidates(
     remats: Sequence[str],
     zeros: Sequence[int | None] = (None,),
     layout: tuple[int | None, int | None] = (None, None),
+    reshards: Sequence[str | None] = (None,),
+    configured_zero: int = 0,
 ) -> list[Candidate]:
     """Every combination, in a fixed order; `layout`: the (pp, dp) they all run at (None: the
-    configured ones)."""
-    return [Candidate(s, sched, p, part, m, r, z, *layout)
+    configured ones); `reshards`: zero=3's release points to try, for the candidates at zero=3
+    (`configured_zero`: the level of those the search does not set)."""
+    return [Candidate(s, sched, p, part, m, r, z, *layout, reshard=h)
             for (s, sched), (p, part), m, r, z in itertools.product(schedulers, partitioners.items(), counts, remats,
-                                                                    zeros)]
+                                                                    zeros)
+            for h in (reshards if (configured_zero if z is None else z) == 3 else (None,))]
+
+
+def reshard_values(wanted: Sequence[str] | None) -> list[str | None]:
+    """zero=3's release points to try: `wanted` (`plan.reshard`), or [None], the configured one."""
+    if wanted is None:
+        return [None]
+    values = [str(v) for v in wanted]
+    if not values or any(v not in ("use", "run") for v in values):
+        raise ConfigError("plan.reshard", f"got {list(wanted)!r}; valid: a list of use and run (e.g. [use, run]), "
+                                          "or null")
+    return sorted(set(values), key=("use", "run").index)
 
 
 def run_search(

@@ -26,6 +26,7 @@ from pipelaunch.pipeline.planner.search.choose import (
     SearchResult,
     candidates,
     remat_values,
+    reshard_values,
     run_search,
     scheduler_variants,
 )
@@ -66,13 +67,15 @@ def search_space(cfg: TrainConfig, plugins: Plugins, options: GroupOptions, grap
     partitioners = _partitioners(space.partitioners or [plugins.partitioner.option], options, graph)
     rematting = [str(r) for r in space.remat] if space.remat else None
     remats = remat_values(rematting, cfg.memory.cap_bytes is not None)
+    reshards = reshard_values(space.reshard)
     cands = [c for lay in layouts(cfg)
-             for c in candidates(chosen, partitioners, lay.counts, remats, lay.zeros, (lay.pp, lay.dp))]
+             for c in candidates(chosen, partitioners, lay.counts, remats, lay.zeros, (lay.pp, lay.dp), reshards,
+                                 cfg.zero)]
     given, named = None, plugins.scheduler
     if named is not None:
         given = next((c for c in cands if c.scheduler_plugin.same_as(named)
                       and c.partitioner == plugins.partitioner.option and c.microbatches == cfg.microbatches
-                      and c.remat == remat and c.zero in (None, cfg.zero)
+                      and c.remat == remat and c.zero in (None, cfg.zero) and c.reshard in (None, str(cfg.reshard))
                       and (c.pp is None or (c.pp, c.dp) == (cfg.pp, cfg.dp))), None)
     return cands, given
 
