@@ -46,7 +46,10 @@ class CaptureState(Callback):
 
     def result(self, trainer) -> dict:
         self.state["params_final"] = stage_state(trainer.slots, "param")
-        out = {"state": self.state, "unneeded_imports": [m for m in UNNEEDED if m in sys.modules]}
+        out = {"state": self.state, "unneeded_imports": [m for m in UNNEEDED if m in sys.modules],
+               # the data-parallel collectives the rank issued in its first step (debug.record_p2p)
+               "collective_log": list(trainer.collective_log or []),
+               "program": [str(a) for a in trainer.executor.actions]}
         if "outputs" in self.state:
             out["outputs"] = self.state["outputs"]
         return out

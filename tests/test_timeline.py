@@ -139,3 +139,125 @@ def test_a_timeline_with_more_actions_than_pixels_is_drawn_as_rows_of_pixels() -
     fig, ax = _panel(_events())
     assert not ax.images and ax.collections and ax.texts
     plt.close(fig)
+
+
+def _with_collectives(events: list[dict], ranks: tuple[int, ...]) -> list[dict]:
+    """`events` and, on each of `ranks`, a gather before and a reduction after every other
+    compute action (on the rank's `dp` lane, overlapping its compute as they would)."""
+    dp = []
+    for e in events:
+        if e["rank"] in ranks and e["kind"] in ("F", "W", "B") and e["mb"] % 2 == 0:
+            kind = "UNSHARD" if e["kind"] == "F" else "REDUCE_GRAD"
+            start = e["start_s"] + (0.0 if kind == "UNSHARD" else 0.5 * (e["end_s"] - e["start_s"]))
+            dp.append({"rank": e["rank"], "action": f"{e['stage']}{kind}{e['mb']}:stage", "kind": kind,
+                       "stage": e["stage"], "mb": e["mb"], "start_s": start, "end_s": start + 0.4, "lane": "dp"})
+    return events + dp
+
+
+def _tick_labels(ax) -> list[str]:
+    return [t.get_text() for t in ax.get_yticklabels()]
+
+
+def test_a_rank_s_collectives_get_their_own_lane_under_its_row(tmp_path) -> None:
+    """The data-parallel collectives of a rank are drawn on a thinner row of their own right under
+    its compute (gathers and reductions in two colours); a trace without any keeps
+    one row per rank. So do rows of pixels."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_hex
+
+    from pipelaunch.pipeline.report.timeline import DP_COLORS
+
+    events = _events()
+    fig, ax = _panel(events)
+    assert _tick_labels(ax) == ["rank 0", "rank 1", "rank 2", "rank 3"]
+    assert list(ax.get_yticks()) == [0, 1, 2, 3]
+    plt.close(fig)
+    fig, ax = _panel(_with_collectives(events, (0, 2)))
+    assert _tick_labels(ax) == ["rank 0", "rank 0 dp", "rank 1", "rank 2", "rank 2 dp", "rank 3"]
+    ticks = list(ax.get_yticks())
+    assert ticks == sorted(ticks) and ticks[2] - ticks[0] < 2 * (ticks[3] - ticks[2])  # a lane: thinner than a row
+    bottom, top = ax.get_ylim()
+    assert top < ticks[0] and bottom > ticks[-1]  # rank 0 on top
+    colors = {to_hex(c) for coll in ax.collections for c in coll.get_facecolors()}
+    assert {to_hex(DP_COLORS["UNSHARD"]), to_hex(DP_COLORS["REDUCE_GRAD"])} <= colors
+    plt.close(fig)
+
+    busy = [{"rank": r, "action": f"0{'FB'[i % 2]}{i}", "kind": "FB"[i % 2], "mb": i, "stage": 0,
+             "start_s": float(i), "end_s": i + 1.0} for r in range(3) for i in range(2000)]
+    fig, ax = _panel(_with_collectives(busy, (1,)))
+    assert len(ax.images) == 4 and not ax.collections  # three rows of pixels and rank 1's lane
+    assert _tick_labels(ax) == ["rank 0", "rank 1", "rank 1 dp", "rank 2"]
+    plt.close(fig)
+
+    plain = draw_timeline(tmp_path / "plain.png", events)
+    lanes = draw_timeline(tmp_path / "lanes.png", _with_collectives(events, (0, 2)), events)
+    for path in (plain, lanes):
+        assert open(path, "rb").read().startswith(b"\x89PNG")
+
+
+def test_the_trace_puts_a_rank_s_collectives_on_a_thread_of_their_own(tmp_path) -> None:
+    """Perfetto shows each rank's collectives as a track of their own ("rank 0 dp")."""
+    events = _with_collectives(_events(), (0, 1))
+    with open(write_chrome_trace(tmp_path / "trace.json", events)) as fh:
+        evs = json.load(fh)["traceEvents"]
+    threads = {e["tid"]: e["args"]["name"] for e in evs if e["name"] == "thread_name"}
+    assert sorted(threads.values()) == ["rank 0", "rank 0 dp", "rank 1", "rank 1 dp", "rank 2", "rank 3"]
+    slices = [e for e in evs if e["ph"] == "X"]
+    assert len(slices) == len(events)
+    compute_tids, dp_tids = set(), set()
+    for event, piece in zip(events, slices, strict=True):  # in the events' order
+        dp = event.get("lane") == "dp"
+        assert threads[piece["tid"]] == f"rank {event['rank']}" + (" dp" if dp else "")
+        (dp_tids if dp else compute_tids).add(piece["tid"])
+    assert len(dp_tids) == 2 and not dp_tids & compute_tids
+
+
+def test_a_rank_running_two_stages_writes_each_bar_s_stage() -> None:
+    """A V schedule's rank 0 runs stages 0 and 3: its bars say "s0:1" and "s3:1", and the later
+    stage is lighter; a rank of one stage writes the micro-batch alone."""
+    import matplotlib.pyplot as plt
+
+    from pipelaunch.pipeline.report.timeline import COLORS
+
+    zbv = simulate(build_schedule(ZBV(), v_shape(2), 2), CostModel.uniform(4)).events
+    fig, ax = _panel(zbv)
+    rank0 = {t.get_text() for t in ax.texts if t.get_position()[1] == 0}
+    assert {"s0:0", "s0:1", "s3:0", "s3:1"} <= rank0 and all(t[:3] in ("s0:", "s3:") for t in rank0)
+    rank1 = {t.get_text() for t in ax.texts if t.get_position()[1] == 1}
+    assert {"s1:0", "s2:1"} <= rank1
+    forward = [c for c in ax.collections if any(tuple(f[:3]) == _rgb(COLORS["F"]) for f in c.get_facecolors())]
+    assert len(forward) == 2  # stage 0's (rank 0) and stage 1's (rank 1); stages 3 and 2 lighter
+    plt.close(fig)
+    linear_events = simulate(build_schedule(OneFOneB(), linear(2), 2), CostModel.uniform(2)).events
+    fig, ax = _panel(linear_events)
+    assert {t.get_text() for t in ax.texts} == {"0", "1"}
+    plt.close(fig)
+
+
+def _rgb(color: str) -> tuple[float, float, float]:
+    from matplotlib.colors import to_rgb
+    return to_rgb(color)
+
+
+def test_a_dry_run_of_replicas_draws_their_collectives(tmp_path, monkeypatch) -> None:
+    """`python train.py mode=plan model=gpt_bench pp=2 dp=2 zero=3 scheduler=zbv` (the issue's
+    command): the timeline it writes holds the simulated gathers and reductions, on dp lanes."""
+    from pipelaunch.launcher import app
+    from pipelaunch.launcher.validate import prepare
+    from tests.harness import compose_cfg
+
+    drawn = []
+
+    def draw(path, events, *rest, **kw):
+        drawn.append(list(events))
+        return draw_timeline(path, events, *rest, **kw)
+
+    monkeypatch.setattr(app, "draw_timeline", draw)
+    prepared = prepare(compose_cfg(["mode=plan", "model=gpt_bench", "pp=2", "dp=2", "zero=3", "scheduler=zbv"]))
+    app.dry_run(prepared, tmp_path)
+    assert (tmp_path / "timeline.png").read_bytes().startswith(b"\x89PNG")
+    [events] = drawn
+    collectives = [e for e in events if e.get("lane") == "dp"]
+    assert {e["kind"] for e in collectives} == {"UNSHARD", "REDUCE_GRAD"}
+    assert {e["rank"] for e in collectives} == {0, 1}
+    assert len(events) == len(prepared.prediction.result.events) + len(collectives)
