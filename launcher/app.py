@@ -228,7 +228,7 @@ def dry_run(prepared: Prepared, run_dir: Path) -> dict:
     print(f"\nschedule {plan.schedule.name} (compute actions per pipeline rank):\n{plan.schedule.grid()}\n")
     print(format_prediction(pred.result), flush=True)
     # the compute, and the replicas' collectives on each rank's own dp lane (none without dp)
-    draw_timeline(run_dir / "timeline.png", [*pred.result.events, *pred.collective_events],
+    draw_timeline(run_dir / "timeline.png", pred.timeline_events(),
                   title=f"simulated {plan.schedule.name} pp={plan.pp}")
     # as the ranks count tokens_per_s: tokens for language models, samples otherwise
     tokens_per_step = plan.dp * plan.microbatches * plan.micro_batch_size * prepared.spec.tokens_per_sample

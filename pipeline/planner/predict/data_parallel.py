@@ -92,6 +92,8 @@ class DataParallelStep:
     tail_s: list[float]
     gather_s: list[float]
     events: list[dict] = field(default_factory=list)
+    #: per rank, each compute action's (start, end) once the gathers' delays are in
+    spans: list[list[tuple[float, float]]] = field(default_factory=list)
 
 
 def whole_stages(stage_bytes: Sequence[float]) -> list[list[UnitCost]]:
@@ -105,7 +107,7 @@ def data_parallel_step(schedule: Schedule, spans: Sequence[Sequence[tuple[float,
     """Price the collectives of each rank's program. `spans[r][i]`: when rank r's i-th compute
     action starts and ends (`SimResult.compute_spans`); `replicated_bytes[s]`: stage s's tied
     parameter bytes (all-reduced after the step)."""
-    tails, gathers, events = [], [], []
+    tails, gathers, events, moved = [], [], [], []
     tied = replicated_bytes or [0.0] * schedule.num_stages
     for rank, acts in enumerate(schedule.actions):
         play = _RankPlay(rank, acts, spans[rank], sharded, links, flat)
@@ -118,7 +120,8 @@ def data_parallel_step(schedule: Schedule, spans: Sequence[Sequence[tuple[float,
         tails.append(max(0.0, play.channel - (play.last + play.shift)))
         gathers.append(play.shift)
         events += play.events
-    return DataParallelStep(tails, gathers, events)
+        moved.append(play.moved)
+    return DataParallelStep(tails, gathers, events, moved)
 
 
 class _RankPlay:
@@ -131,6 +134,7 @@ class _RankPlay:
         self.channel = 0.0  # when the data-parallel channel is next free
         self.shift = 0.0  # what gathers have delayed this rank's compute so far
         self.events: list[dict] = []
+        self.moved: list[tuple[float, float]] = []  # each compute action's span, gathers' delays in
         split = {(a.stage, a.mb) for a in acts if a.kind is Kind.W}
         completes = [pos for pos, a in enumerate(acts)
                      if a.kind is Kind.W or (a.kind is Kind.B and (a.stage, a.mb) not in split)]
@@ -157,7 +161,9 @@ class _RankPlay:
             if a.is_compute:
                 start, end = self.spans[done]
                 done += 1
-                prev_end = self._compute(pos, a, start + self.shift, end + self.shift)
+                shifted = start + self.shift
+                prev_end = self._compute(pos, a, shifted, end + self.shift)
+                self.moved.append((shifted, prev_end))
                 continue
             units = self.sharded.units[a.stage]
             if a.kind is Kind.UNSHARD:

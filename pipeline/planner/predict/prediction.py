@@ -50,6 +50,23 @@ class Prediction:
     #: the replicas' collectives as timeline events (their own `dp` lane per rank; dp > 1)
     collective_events: list[dict] = field(default_factory=list)
 
+    #: per rank, each compute action's (start, end) once the gathers' delays are in (dp > 1)
+    collective_spans: list[list[tuple[float, float]]] = field(default_factory=list)
+
+    def timeline_events(self) -> list[dict]:
+        """The simulated step as the timeline draws it: each compute action where the gathers it
+        waits for put it, and the collectives on their ranks' own lanes."""
+        events = self.result.events
+        if not self.collective_spans:
+            return list(events)
+        order: dict[int, int] = {}
+        moved = []
+        for e in sorted(events, key=lambda e: (e["rank"], e["start_s"])):
+            i = order[e["rank"]] = order.get(e["rank"], -1) + 1
+            start, end = self.collective_spans[e["rank"]][i]
+            moved.append({**e, "start_s": start, "end_s": end})
+        return moved + self.collective_events
+
     @property
     def step_s(self) -> float:
         """A training step: the schedule, then the slowest rank's collectives and optimizer step."""
@@ -100,7 +117,8 @@ def predict(plan: Plan, latency_s: float, bandwidth: float) -> Prediction:
     return Prediction(plan, cost, result, devices, schedule_s, optimizer,
                       data_parallel_seconds(plan, cost, result.makespan_s, spans=result.compute_spans,
                                             step=collectives),
-                      collectives.events if collectives is not None else [])
+                      collectives.events if collectives is not None else [],
+                      collectives.spans if collectives is not None else [])
 
 
 def plan_sharding(plan: Plan) -> Sharding:
