@@ -232,6 +232,10 @@ class TrainConfig:
     #: backward of it, the next block prefetched) or `run` (after the stage's run of consecutive
     #: actions: fewer gathers, the whole stage gathered by the end of its forward)
     reshard: Reshard = Reshard.use
+    #: what the replicas' collectives move together at least: consecutive blocks of a stage join
+    #: until they hold this many bytes (DDP's bucket_cap_mb is 25 MB); null: one per block; more
+    #: than a stage holds: the stage as one (one gather and one reduction per stage)
+    dp_bucket_bytes: Optional[float] = None  # noqa: UP045 - OmegaConf reads typing.Optional
     #: micro-batches per step in each replica
     microbatches: int = 4
     #: the global batch (sequences per optimizer step), the same whatever pp and dp are

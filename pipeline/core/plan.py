@@ -97,6 +97,8 @@ class PlanMeta:
     #: the device type the plan runs on (`cpu`, `cuda`): on a GPU FSDP2 keeps each stage's last
     #: reduce-scatter input until its next, which the memory model prices
     device_type: str = "cpu"
+    #: consecutive units join until one holds this many bytes (`dp_bucket_bytes`; None: one a block)
+    bucket_bytes: float | None = None
     #: per stage, its units in forward order (the root unit last when it holds any): what the
     #: data-parallel collectives move together and how long each part of an action takes
     stage_units: list[list[UnitCost]] | None = None

@@ -24,6 +24,9 @@ which runs them; docs/sharding.md "Units"):
    has a fixed cost (a hop of latency per replica), and a LayerNorm alone is not worth one.
 5. Tied parameters (held by several stages, `Plan.shared_params`) are in no unit: every level
    keeps them whole.
+6. With `bucket_bytes` (the config's `dp_bucket_bytes`, DDP's `bucket_cap_mb`), consecutive units
+   join until one holds at least that many bytes: fewer, larger collectives; a size above the
+   stage's makes the stage one unit.
 """
 
 from __future__ import annotations
@@ -115,11 +118,12 @@ def _resolve(gm: nn.Module, target: str) -> object:
 
 
 def stage_units(uses: Sequence[tuple[str, set[str]]], param_bytes: Mapping[str, float],
-                excluded: Iterable[str] = (), canonical: Mapping[str, str] | None = None) -> StageUnits:
+                excluded: Iterable[str] = (), canonical: Mapping[str, str] | None = None,
+                bucket_bytes: float | None = None) -> StageUnits:
     """The units of one stage (the module's rules) from its nodes' parameter uses in graph order
     (`node_param_uses`), each parameter's bytes, and the parameters in no unit (tied). Names are
     the stage's own; `canonical` maps an alias to the model's name (a tied copy), which excludes it
-    and keys it."""
+    and keys it; `bucket_bytes`: rule 6."""
     canonical = canonical or {}
     skip = set(excluded)
     positions: dict[str, list[int]] = {}  # by the model's own name: a tied copy's reads are its owner's
@@ -156,7 +160,7 @@ def stage_units(uses: Sequence[tuple[str, set[str]]], param_bytes: Mapping[str, 
     units = [Unit("+".join(keys), tuple(sorted(n for k in keys for p in members[k] for n in names[p])), first, last,
                   size(p for k in keys for p in members[k]))
              for first, last, keys in groups]
-    units = _merge_small(units)
+    units = _fill_buckets(_merge_small(units), bucket_bytes)
     return StageUnits(tuple(units), tuple(n for p in root for n in names[p]), size(root))
 
 
@@ -187,6 +191,19 @@ def _merge_small(units: list[Unit]) -> list[Unit]:
         a, b = sorted((i, j))
         units[a:b + 1] = [_join(units[a], units[b])]
     return units
+
+
+def _fill_buckets(units: list[Unit], bucket_bytes: float | None) -> list[Unit]:
+    """Rule 6: consecutive units joined until each holds at least `bucket_bytes` (the last may hold less)."""
+    if not bucket_bytes:
+        return units
+    out: list[Unit] = []
+    for unit in units:
+        if out and out[-1].nbytes < bucket_bytes:
+            out[-1] = _join(out[-1], unit)
+        else:
+            out.append(unit)
+    return out
 
 
 def _shared_prefix(a: str, b: str) -> int:

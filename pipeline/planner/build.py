@@ -143,6 +143,8 @@ class PlanRequest:
     reshard: str = "use"
     #: the device type the run trains on (`cuda` for a GPU run)
     device_type: str = "cpu"
+    #: consecutive units join until one holds this many bytes (TrainConfig.dp_bucket_bytes)
+    bucket_bytes: float | None = None
     #: what the data gives each input of the traced model, in order (`ModelSpec.data_args`)
     data_args: tuple[str, ...] = ("input",)
     value_dtypes: Mapping[str, torch.dtype] | None = None
@@ -305,7 +307,7 @@ def _plan_meta(traced: TracedModel, split, part: Partition, stages: list[StagePl
             "reserve_bytes": req.reserve_bytes, "remat_stages": schedule.remat_stages(),
             "partitioner": req.partitioner.option, "partition": partition_summary(part),
             "profiled": req.profiled, "precision": req.precision, "zero": req.zero, "dp_shard": req.dp_shard,
-            "reshard": req.reshard, "device_type": req.device_type, "stage_units": unit_costs(traced, split),
+            "reshard": req.reshard, "device_type": req.device_type, "stage_units": unit_costs(traced, split, req.bucket_bytes), "bucket_bytes": req.bucket_bytes,
             "machine": MachineFacts(req.rank_slots, req.optimizer_s_per_byte, list(req.optimizer_temporaries),
                                     req.link_latency_s, req.action_overhead_s),
             "stage_largest_param_bytes": [max((float(p.numel() * p.element_size()) for p in gm.parameters()),
@@ -317,7 +319,7 @@ def _plan_meta(traced: TracedModel, split, part: Partition, stages: list[StagePl
                 for gm in split.stages]}
 
 
-def unit_costs(traced: TracedModel, split) -> list[list[UnitCost]]:
+def unit_costs(traced: TracedModel, split, bucket_bytes: float | None = None) -> list[list[UnitCost]]:
     """Per stage, its units (graph/units.py: what the runtime gathers, releases and reduces
     together) in forward order, each with its parameter bytes and the profiled time of the nodes in
     its span (0 unprofiled); the root unit last when it holds any."""
@@ -326,7 +328,8 @@ def unit_costs(traced: TracedModel, split) -> list[list[UnitCost]]:
     out = []
     for gm in split.stages:
         sizes = {n: float(p.numel() * p.element_size()) for n, p in gm.named_parameters(remove_duplicate=False)}
-        units = stage_units(node_param_uses(gm), sizes, excluded=split.shared_params, canonical=split.param_aliases)
+        units = stage_units(node_param_uses(gm), sizes, excluded=split.shared_params, canonical=split.param_aliases,
+                            bucket_bytes=bucket_bytes)
         names = [n.name for n in gm.graph.nodes]
         row = []
         for unit in units.units:

@@ -90,4 +90,5 @@ def module_units(module: StageModule, plan: Plan) -> StageUnits:
     """The stage's units (pipeline/graph/units.py) on its own graph: what the data-parallel
     collectives gather, release and reduce together; tied parameters (`plan.shared_params`) in none."""
     sizes = {n: float(p.numel() * p.element_size()) for n, p in module.gm.named_parameters(remove_duplicate=False)}
-    return stage_units(node_param_uses(module.gm), sizes, excluded=plan.shared_params, canonical=module.aliases)
+    return stage_units(node_param_uses(module.gm), sizes, excluded=plan.shared_params, canonical=module.aliases,
+                       bucket_bytes=plan.meta.bucket_bytes)
