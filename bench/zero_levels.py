@@ -43,7 +43,9 @@ COMMON = ["model=gpt_bench", "data=synthetic", "batch_size=32", "microbatches=8"
 def run(level: int, steps: int, warmup: int, out: Path, extra: list[str]) -> dict:
     """One training run at `level`: rank 0's median step and every rank's measured and predicted bytes."""
     run_dir = out / f"zero{level}"
-    cmd = [sys.executable, "train.py", *COMMON, f"zero={level}", f"steps={steps}", f"warmup_steps={warmup}",
+    given = {e.split("=", 1)[0] for e in extra}
+    common = [c for c in COMMON if c.split("=", 1)[0] not in given]  # an extra override replaces a default
+    cmd = [sys.executable, "train.py", *common, f"zero={level}", f"steps={steps}", f"warmup_steps={warmup}",
            *extra, f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
@@ -106,6 +108,13 @@ def targets(rounds: list[dict[int, dict]]) -> list[str]:
             share = max(r[key] for r in last[3]["ranks"]) / max(r[key] for r in last[0]["ranks"])
             lines.append(f"- zero=3 / zero=0, fullest rank's params + grads + optim, {what}: {share:.3f} "
                          f"({'meets' if share <= 0.55 else 'misses'} <= 0.55)")
+    if 0 in last:
+        base = max(max(rnd[0]["ranks"][i]["tensors"] for rnd in rounds) for i in range(len(last[0]["ranks"])))
+        for lvl in sorted(lv for lv in last if lv):
+            peak = max(max(rnd[lvl]["ranks"][i]["tensors"] for rnd in rounds) for i in range(len(last[lvl]["ranks"])))
+            low = max(min(rnd[lvl]["ranks"][i]["tensors"] for rnd in rounds) for i in range(len(last[lvl]["ranks"])))
+            lines.append(f"- zero={lvl} / zero=0, fullest rank's peak tensors (the largest over the rounds): "
+                         f"{peak / base:.3f} (the smallest round's: {low / base:.3f})")
     state = {lvl: max(abs(r["state"] / r["predicted_state"] - 1) for r in last[lvl]["ranks"])
              for lvl in (0, 3) if lvl in last}
     peak = {lvl: max(abs(max(rnd[lvl]["ranks"][i]["tensors"] for rnd in rounds) / r["predicted_live"] - 1)
@@ -137,7 +146,8 @@ def main() -> None:
                            for lvl in args.levels})
             print(f"round {i + 1}/{args.rounds}: " + ", ".join(
                 f"zero={lvl} {res['step_s'] * 1e3:.0f} ms" for lvl, res in rounds[-1].items()), flush=True)
-    print(f"\ngpt_bench pp=2 dp=2 AdamW, {args.rounds} rounds x {args.steps} steps ({args.warmup} warm-up)\n")
+    print(f"\ngpt_bench AdamW {' '.join(args.extra) or 'pp=2 dp=2'}, {args.rounds} rounds x {args.steps} steps "
+          f"({args.warmup} warm-up)\n")
     print("\n".join(memory_table(rounds)) + "\n")
     print("\n".join(time_table(rounds)) + "\n")
     print("\n".join(targets(rounds)))

@@ -197,3 +197,22 @@ def test_the_memory_table_after_a_run_sets_the_state_against_params_grads_and_op
     columns = head.split().index("state")  # after the prediction's 11 columns (gathered among them)
     assert rank0.split()[columns:columns + 2] == [f"{held[0] / MIB:.1f}", "1.00"]
     assert rank1.split()[columns] == "-"
+
+
+def test_plan_auto_weighs_the_release_points_and_a_cap_refuses_with_the_one_that_fits() -> None:
+    """At zero=3 `plan.reshard=[use,run]` tries both: without a cap the faster runs (run gathers
+    each block once per run of actions, use once per action: never slower on the simulated step),
+    under a cap between their peaks only use fits. A plan over the cap says which setting would fit."""
+    search = [*LEVELS[:-1], "plan.zero=[3]", "plan.reshard=[use,run]"]
+    free = prepare(compose_cfg([*BASE, *search]))
+    steps = {o.candidate.reshard: o.prediction for o in free.search.outcomes}
+    assert set(steps) == {"use", "run"} and steps["run"].step_s <= steps["use"].step_s
+    assert steps["run"].peak_bytes > steps["use"].peak_bytes
+    assert free.plan.meta.reshard == free.search.winner.candidate.reshard
+    assert "reshard=" in free.search.winner.candidate.label
+    cap = (steps["run"].peak_bytes + steps["use"].peak_bytes) / 2
+    capped = prepare(compose_cfg([*BASE, *search, "memory=budget", f"memory.cap_bytes={cap:.0f}"]))
+    assert capped.plan.meta.reshard == "use" and capped.plan.meta.search.chosen["reshard"] == "use"
+    with pytest.raises(ConfigError, match="memory.cap_bytes") as err:
+        prepare(compose_cfg([*BASE, "zero=3", "reshard=run", "memory=budget", f"memory.cap_bytes={cap:.0f}"]))
+    assert "zero=3 reshard=use would hold" in str(err.value) and "within the cap" in str(err.value)

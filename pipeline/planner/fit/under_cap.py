@@ -63,7 +63,7 @@ def fit_budget(plan: Plan, prediction: Prediction, graph: nx.DiGraph, cap: float
         return prediction
     assert cap is not None
     if plan.meta.remat != "auto":
-        raise BudgetExceeded(over, cap, REMEDIES, prediction)
+        raise BudgetExceeded(over, cap, sharding_hint(plan, cap, latency_s, bandwidth) + REMEDIES, prediction)
     fitted, floor = _recompute_layers(plan, prediction, graph, cap, latency_s, bandwidth)
     if fitted is not None:
         return fitted
@@ -83,6 +83,26 @@ def fit_budget(plan: Plan, prediction: Prediction, graph: nx.DiGraph, cap: float
             shown = (alt, alt_floor)
     why = _floor_message(*shown, graph) + AUTO_REMEDIES
     raise BudgetExceeded(over_budget(shown[1].devices, cap), cap, why, shown[1])
+
+
+def sharding_hint(plan: Plan, cap: float, latency_s: float, bandwidth: float) -> str:
+    """With replicas, what the sharding levels above this one (and at zero=3 `reshard=use` for
+    `run`) hold on the fullest device, the first that fits named: `zero=3 would hold 41.2 MiB on
+    its fullest device, within the cap. `"""
+    if plan.dp < 2 or not plan.schedule.training:
+        return ""
+    meta = plan.meta
+    options = ([(3, "use")] if (meta.zero, meta.reshard) == (3, "run") else []) + \
+        [(z, "use") for z in range(meta.zero + 1, 4)]
+    tried = []
+    for zero, reshard in options:
+        other = replace(plan, meta=replace(meta, zero=zero, reshard=reshard))
+        peak = predict(other, latency_s, bandwidth).peak_bytes
+        name = f"zero={zero}" + (" reshard=use" if (meta.zero, meta.reshard) == (3, "run") and zero == 3 else "")
+        if peak <= cap:
+            return f"{name} would hold {peak / MIB:.1f} MiB on its fullest device, within the cap. "
+        tried.append(f"{name} {peak / MIB:.1f} MiB")
+    return f"Sharding more would still be over the cap ({', '.join(tried)} on the fullest device). " if tried else ""
 
 
 def _rebuilt(rebuild: Rebuild | None, whole: list[int]) -> Plan | None:
