@@ -45,6 +45,7 @@ from pipelaunch.pipeline.core.precision import PRECISIONS
 from pipelaunch.pipeline.graph.units import StageUnits, Unit
 from pipelaunch.pipeline.runtime import unit_hooks
 from pipelaunch.pipeline.runtime.dp import require_reductions, tied_params
+from pipelaunch.pipeline.runtime.gloo_comm import InPlaceAllGather, InPlaceReduceScatter
 from pipelaunch.pipeline.runtime.stage import module_units
 from pipelaunch.pipeline.runtime.stage_driver import StageDriver
 from pipelaunch.pipeline.runtime.tied_cast import CastOnUse
@@ -148,6 +149,8 @@ class ShardedStage(StageDriver):
             group.gradient_divide_factor = 1.0
             group.force_sum_reduction_for_comms = True
             group.reduce_scatter_unused_params = True
+            if group.device.type == "cpu":  # gloo: in place, without its full-size temporaries
+                group._all_gather_comm, group._reduce_scatter_comm = InPlaceAllGather(), InPlaceReduceScatter()
         if policy.param_dtype is not None:
             # the stage's floating inputs in the policy's dtype, as FSDP2's root pre-forward casts
             # them (its hooks are gone): a LayerNorm with bf16 weights refuses an fp32 input on CPU
