@@ -32,12 +32,12 @@ def _devices(zero: int, placement=(0, 0, 1), replicated=None, update=None, resha
 
 
 @pytest.mark.parametrize(("zero", "held", "cpu", "gpu"), [
-    (0, (12, 12, 24), 0, 0), (1, (18, 12, 12), 4, 4 + 4 + 2), (2, (18, 6, 12), 4 + 4, 4 + 4 + 4 + 2),
+    (0, (12, 12, 24), 0, 0), (1, (12, 12, 12), 4, 4 + 4 + 2), (2, (12, 6, 12), 4 + 4, 4 + 4 + 4 + 2),
     (3, (6, 6, 12), (4 + 3) + 4, (4 + 3) + 4 + 4 + 2)])
 def test_each_level_holds_what_the_table_says(zero: int, held: tuple, cpu: float, gpu: float) -> None:
     """Rank 0 holds 12 MiB of parameters in two stages, the larger cut into blocks of 4, 3 and 1
-    MiB: zero=1 halves the optimizer state (the gathered parameters beside their 6 MiB of shards)
-    and reduce-scatters one block at a time (its 4 MiB input); zero=2 the gradients too (a block's
+    MiB: zero=1 halves the optimizer state (the parameters gathered whole for the step, their shards'
+    memory returned meanwhile) and reduce-scatters one block at a time (its 4 MiB input); zero=2 the gradients too (a block's
     gradients and their reduce-scatter input); zero=3 the parameters too (the block computing, the
     next one prefetched, a block's gradients). On a GPU each reduce-scatter's input stays until the
     next (4 MiB), and the other stage keeps its last (2 MiB)."""
@@ -77,7 +77,7 @@ def test_the_partitioners_stage_factor_is_the_same_formula() -> None:
     counts 2 + k), and with reshard=run its whole parameters gathered; parameters maybe tied never
     count less than unsharded."""
     assert stage_param_factors(2, Sharding(0, 2)) == (4.0, 4.0)
-    assert stage_param_factors(2, Sharding(1, 2)) == (3.5, 4.0)
+    assert stage_param_factors(2, Sharding(1, 2)) == (3.0, 4.0)
     assert stage_param_factors(2, Sharding(3, 4)) == (1.0, 4.0)
     assert stage_param_factors(2, Sharding(3, 4, reshard="run")) == (1.0 + 1.0, 4.0)
     assert Sharding(2, 1).degree == 1 and Sharding(0, 4).degree == 1 and Sharding(3, 1).gathered([([1.0], 0.0)]) == 0.0

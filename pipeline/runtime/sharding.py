@@ -110,6 +110,26 @@ def _cast_inputs(dtype: torch.dtype, module: nn.Module, args: tuple, kwargs: dic
     return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
 
 
+def _drop_shards(group: FSDPParamGroup) -> None:
+    """Return the memory of the group's shards (its parameters are gathered whole, in the shards'
+    dtype: each shard is a slice of them). Nothing reads a shard until `_refill_shards`: the
+    optimizer steps after the stage's RESHARD, and gradients reduce into separate tensors."""
+    for fp in group.fsdp_params:
+        fp._sharded_param_data.untyped_storage().resize_(0)
+
+
+def _refill_shards(group: FSDPParamGroup) -> None:
+    """The shards back, from this replica's slice of the gathered parameters (FSDP2 lays a gathered
+    parameter out shard after padded shard, in the order of the shard group's ranks)."""
+    with torch.no_grad():
+        for fp in group.fsdp_params:
+            data = fp._sharded_param_data
+            n = data.numel()
+            data.untyped_storage().resize_(n * data.element_size())
+            if n:
+                data.copy_(fp.all_gather_outputs[0].narrow(0, fp.mesh_info.shard_mesh_rank * n, n))
+
+
 def _group(module: nn.Module) -> FSDPParamGroup | None:
     groups = fully_shard.state(module)._fsdp_param_groups
     return groups[0] if groups else None
@@ -160,9 +180,13 @@ class ShardedStage(StageDriver):
             # fp32 one meets bf16 ones in an op autocast does not cast (runtime/tied_cast.py)
             CastOnUse(module.gm, kept_params, policy.param_dtype)
         self.kept = kept_params
+        #: zero 1-2 in fp32: while a unit is gathered for the step its whole parameters hold its
+        #: shard's values, so the shard's memory is returned and refilled from them at its release
+        self.drops_shards = plan.meta.zero in (1, 2) and policy.param_dtype is None
+        self.dropped: set[int] = set()
         self.names = [self.units.units[u].name for u in range(self.n)] + ["root"]
-        self._index = {id(fp._unsharded_param): u for u, g in enumerate(self.groups) if g is not None
-                       for fp in g.fsdp_params if hasattr(fp, "_unsharded_param")}
+        #: unsharded parameter (what autograd saw) -> its unit; FSDP2 makes them at a unit's first gather
+        self._index: dict[int, int] = {}
         unit_hooks.install(module.gm, self.units, self)
 
     def _groups(self) -> Iterator[FSDPParamGroup]:
@@ -184,7 +208,7 @@ class ShardedStage(StageDriver):
         return out + [p for p in self.kept if p.requires_grad]
 
     def units_of(self, params: list[nn.Parameter]) -> list[int]:
-        if len(self._index) < sum(len(g.fsdp_params) for g in self._groups()):  # made at the first gather
+        if len(self._index) < sum(len(g.fsdp_params) for g in self._groups()):
             self._index = {id(fp._unsharded_param): u for u, g in enumerate(self.groups) if g is not None
                            for fp in g.fsdp_params if hasattr(fp, "_unsharded_param")}
         return sorted({self._index[id(p)] for p in params if id(p) in self._index and self._index[id(p)] < self.n})
@@ -206,6 +230,9 @@ class ShardedStage(StageDriver):
             return
         if group._all_gather_result is not None:  # a prefetch nothing used: finish it first
             group.wait_for_unshard()
+        if unit in self.dropped:
+            _refill_shards(group)
+            self.dropped.discard(unit)
         group.reshard()
 
     def reduce(self, unit: int) -> None:
@@ -251,11 +278,16 @@ class ShardedStage(StageDriver):
         ctx.reduce_scatter_states.clear()
 
     def gather_all(self) -> None:
-        """UNSHARD at zero 1-2: the whole stage for the step (started together, then waited for)."""
+        """UNSHARD at zero 1-2: the whole stage for the step (started together, then waited for);
+        in fp32 each unit's shard memory is returned while its whole parameters hold it."""
         for u in range(self.n + 1):
             self.gather(u, wait=False)
         for u in range(self.n + 1):
             self.gather(u, wait=True)
+            group = self.groups[u]
+            if self.drops_shards and group is not None and u not in self.dropped:
+                _drop_shards(group)
+                self.dropped.add(u)
 
     def prefetch(self, kind: Kind) -> None:
         """UNSHARD at zero=3: start gathering what the next action needs first (the root, and the

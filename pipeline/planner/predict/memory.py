@@ -25,19 +25,20 @@ d = dp at zero >= 1 (1 at zero=0), own = S/d + R::
 
     level   params      grads       optimizer   gathered (in the backward phase)
     0       P           P           kP          0
-    1       P + S/d     P           k own       a unit's reduce-scatter input
-    2       P + S/d     own         k own       a unit's gradients and their reduce-scatter input
+    1       P           P           k own       a unit's reduce-scatter input
+    2       P           own         k own       a unit's gradients and their reduce-scatter input
     3       own         own         k own       two units and the root gathered, a unit's gradients
 
 The gathered column is a stage's units (pipeline/graph/units.py: a block each), not the stage:
 `Sharding.window` spells it out per level and `reshard`, for the stage whose window is largest,
 beside the last reduce-scatter input each other stage of the rank keeps on a GPU (FSDP2's
 `reduce_scatter_states`; on a CPU gloo has finished with it and the runtime drops it). At zero=1
-and 2 the gathered parameters sit beside their shards (FSDP2 keeps a parameter's shard while it is
-unsharded: S/d more than the whole). Under precision=bf16 the gathered parameters and the
-gradients autograd computes are bf16 copies (half the bytes: `Sharding.compute_bytes`) and the
-reduce-scatter input fp32. The params column still counts P at zero <= 2: the fp32 shards plus
-the bf16 gathered copies are at most that from dp=2.
+and 2 the parameters are gathered whole for the step; in fp32 the runtime returns the shards'
+memory meanwhile (FSDP2 keeps a shard beside its gathered parameter: S/d more) and refills them from
+the whole ones at the release. Under precision=bf16 the gathered parameters and the gradients
+autograd computes are bf16 copies (half the bytes: `Sharding.compute_bytes`) and the reduce-scatter
+input fp32; the params column counts P: the fp32 shards plus the bf16 gathered copies are at most
+that from dp=2.
 
 At zero >= 1 the update holds no flat all-reduce copy and the optimizer's temporaries scale with
 the shard (of the largest tensor, largest/d; of all, own). The step's collectives are priced by
@@ -88,13 +89,14 @@ class Sharding:
 
     def held(self, sharded: float, replicated: float, states: int) -> tuple[float, float, float]:
         """(params, grads, optimizer) bytes a device holds through the step for `sharded` parameter
-        bytes it shares with the other replicas and `replicated` ones it keeps whole (tied); at
-        zero=1 and 2 the parameters gathered for the step beside their shards."""
+        bytes it shares with the other replicas and `replicated` ones it keeps whole (tied). At
+        zero=1 and 2 the parameters are gathered whole for the step: in fp32 the shards' memory is
+        returned meanwhile (runtime/sharding.py), under bf16 the bf16 whole and the fp32 shards
+        together are at most the fp32 whole from dp=2."""
         whole = sharded + replicated
         own = sharded / self.degree + replicated
-        shards = own - replicated if self.degree > 1 else 0.0
-        return (own if self.zero >= 3 else whole + shards if self.zero >= 1 else whole,
-                own if self.zero >= 2 else whole, states * (own if self.zero >= 1 else whole))
+        return (own if self.zero >= 3 else whole, own if self.zero >= 2 else whole,
+                states * (own if self.zero >= 1 else whole))
 
     def window(self, units: Sequence[float], root: float = 0.0) -> float:
         """What one stage holds unsharded at the fullest moment of its backward, beside the shards
