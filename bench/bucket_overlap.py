@@ -3,8 +3,8 @@
     python bench/bucket_overlap.py                          # gpt_bench pp=2 dp=2 zbv, 5 rounds x 6 steps
     python bench/bucket_overlap.py --rounds 3 -- scheduler=1f1b microbatches=8
 
-Each round runs `python train.py zero=0 ...` twice, once with the default buckets (one per block,
-all-reduced as the stage's last backward finishes each) and once with `dp_bucket_bytes=1e12` (each
+Each round runs `python train.py zero=0 ...` twice, once with `dp_bucket_bytes=0` (one bucket per
+block, all-reduced as the stage's last backward finishes each) and once with `dp_bucket_bytes=1e12` (each
 stage one bucket, all-reduced after its last backward: what the runtime did before), in alternating
 order, so that each ratio comes from two runs side by side on a machine whose speed drifts. Per run
 rank 0's median step after `--warmup` steps; the table gives every round and the median of the
@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["model=gpt_bench", "data=synthetic", "batch_size=16", "microbatches=4", "pp=2", "dp=2", "scheduler=zbv",
           "optimizer=adamw", "threads=1", "zero=0", "timeout_s=900", "log_every=100"]
-VARIANTS = {"per block": [], "per stage": ["dp_bucket_bytes=1e12"]}
+VARIANTS = {"per block": ["dp_bucket_bytes=0"], "per stage": ["dp_bucket_bytes=1e12"]}
 
 
 def run(variant: list[str], steps: int, warmup: int, out: Path, extra: list[str]) -> tuple[float, float]:

@@ -132,9 +132,9 @@ def check_zero(cfg: TrainConfig) -> None:
             raise ConfigError("dp_shard", f"dp_shard={shard} splits sharded states over groups of replicas, and "
                                           "zero=0 shards nothing; set zero=1, 2 or 3, or leave dp_shard null")
     bucket = cfg.dp_bucket_bytes
-    if bucket is not None and (isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or bucket <= 0):
-        raise ConfigError("dp_bucket_bytes", f"got {bucket!r}; valid: null (one collective per block) or a positive "
-                                             "number of bytes (e.g. 25e6, DDP's bucket)")
+    if bucket is not None and (isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or bucket < 0):
+        raise ConfigError("dp_bucket_bytes", f"got {bucket!r}; valid: null (25e6 at zero=0, one collective per block "
+                                             "above), 0 (one per block) or a positive number of bytes")
     if str(cfg.reshard) != "use" and cfg.zero != 3 and not (cfg.plan.zero and 3 in cfg.plan.zero):
         raise ConfigError("reshard", f"reshard={cfg.reshard} keeps a block's gathered parameters until the stage's "
                                      f"run of actions ends, and only zero=3 gathers parameters per block (zero={cfg.zero} "

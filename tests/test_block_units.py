@@ -17,7 +17,7 @@ from tests.reference import reference_run
 
 #: pp=2 dp=2 on the V (rank 1 holds stages 1 and 2, each receiving an input), 4 micro-batches
 BASE = [*FAST, "model.layers=8", "pp=2", "dp=2", "scheduler=zbv", "microbatches=4", "batch_size=16"]
-CASES = {"zero=0": ["zero=0"], "zero=1": ["zero=1"], "zero=2": ["zero=2"], "zero=3 use": ["zero=3"],
+CASES = {"zero=0": ["zero=0", "dp_bucket_bytes=0"], "zero=1": ["zero=1"], "zero=2": ["zero=2"], "zero=3 use": ["zero=3"],
          "zero=3 run": ["zero=3", "reshard=run"]}
 
 

@@ -114,3 +114,19 @@ def test_the_planner_prices_the_units_a_rank_builds(case: str) -> None:
         torch.testing.assert_close(after[name], before[name])
     assert calls == [(w, u) for u in range(len(units.units)) for w in ("begin", "end")]
     assert node_param_uses(module.gm)  # still readable after the rewrite
+
+
+def test_buckets_fill_to_ddp_s_size_at_zero0_and_blocks_stay_units_above() -> None:
+    """Left null, dp_bucket_bytes is DDP's 25 MB at zero=0 (a small model's stage is one bucket) and
+    one unit per block at zero >= 1; 0 asks for one per block, a number for that size at any level."""
+    from pipelaunch.pipeline.planner.build import bucket_bytes
+
+    assert bucket_bytes(None, 0) == 25e6 and bucket_bytes(None, 3) is None and bucket_bytes(0, 0) is None
+    assert bucket_bytes(1e6, 2) == 1e6
+    base = [*FAST, "model.layers=4", "pp=2", "dp=2", "scheduler=1f1b", "mode=plan"]
+    plans = {args: prepare(compose_cfg([*base, *args]), profile=False).plan
+             for args in (("zero=0",), ("zero=0", "dp_bucket_bytes=0"), ("zero=1",), ("zero=1", "dp_bucket_bytes=1e9"))}
+    assert [len(u) for u in plans[("zero=0",)].meta.stage_units] == [1, 1]
+    assert all(len(u) >= 2 for u in plans[("zero=0", "dp_bucket_bytes=0")].meta.stage_units)
+    assert all(len(u) >= 2 for u in plans[("zero=1",)].meta.stage_units)
+    assert [len(u) for u in plans[("zero=1", "dp_bucket_bytes=1e9")].meta.stage_units] == [1, 1]

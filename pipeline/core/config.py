@@ -233,8 +233,8 @@ class TrainConfig:
     #: actions: fewer gathers, the whole stage gathered by the end of its forward)
     reshard: Reshard = Reshard.use
     #: what the replicas' collectives move together at least: consecutive blocks of a stage join
-    #: until they hold this many bytes (DDP's bucket_cap_mb is 25 MB); null: one per block; more
-    #: than a stage holds: the stage as one (one gather and one reduction per stage)
+    #: until they hold this many bytes; 0: one per block; more than a stage holds: the stage as one;
+    #: null: DDP's 25 MB at zero=0, one per block at zero >= 1 (FSDP's per-block units)
     dp_bucket_bytes: Optional[float] = None  # noqa: UP045 - OmegaConf reads typing.Optional
     #: micro-batches per step in each replica
     microbatches: int = 4
