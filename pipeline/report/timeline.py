@@ -77,22 +77,22 @@ def _is_dp(event: dict) -> bool:
     return event.get("lane") == "dp" or str(event["kind"]) in _DP
 
 
-def _mb_of(event: dict) -> int | None:
-    if "mb" in event and event["mb"] is not None:
-        return int(event["mb"])
+def _action_field(event: dict, name: str) -> int | None:
+    """The event's `stage` or `mb`: given, or read from its action ("3F1": stage 3, micro-batch 1)."""
+    if event.get(name) is not None:
+        return int(event[name])
     try:
-        return Action.parse(str(event["action"])).mb
+        return getattr(Action.parse(str(event["action"])), name)
     except ValueError:
         return None
+
+
+def _mb_of(event: dict) -> int | None:
+    return _action_field(event, "mb")
 
 
 def _stage_of(event: dict) -> int | None:
-    if "stage" in event and event["stage"] is not None:
-        return int(event["stage"])
-    try:
-        return Action.parse(str(event["action"])).stage
-    except ValueError:
-        return None
+    return _action_field(event, "stage")
 
 
 class _Rows:

@@ -9,9 +9,6 @@ the step, at every level."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -20,7 +17,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from pipelaunch.pipeline.core.ir import Action, Kind
 from pipelaunch.pipeline.runtime import unit_hooks
 from pipelaunch.pipeline.runtime.stage import module_units
-from pipelaunch.pipeline.runtime.stage_driver import StageDriver
+from pipelaunch.pipeline.runtime.stage_driver import RankStages, StageDriver
 
 
 def allreduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
@@ -70,7 +67,7 @@ class BucketStage(StageDriver):
         self.in_flight.append((work, flat, grads))
 
 
-class ReplicatedGrads:
+class ReplicatedGrads(RankStages):
     """zero=0: per stage a `BucketStage`, whose buckets the backward's hooks and the program's
     REDUCE_GRAD actions all-reduce asynchronously; `finish` waits for them and writes the sums back."""
 
@@ -79,23 +76,10 @@ class ReplicatedGrads:
         #: the tied parameters, all-reduced after the step (each once)
         self.replicated = tied_params(plan, modules)
         self.in_flight: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor]]] = []
-        self.stages = {s: BucketStage(plan, s, m, actions, group, self.in_flight) for s, m in modules.items()
-                       if any(n not in tied for n, _ in m.named_model_parameters())}
+        super().__init__({s: BucketStage(plan, s, m, actions, group, self.in_flight) for s, m in modules.items()
+                          if any(n not in tied for n, _ in m.named_model_parameters())})
         require_reductions(actions, list(self.stages))
-        self.last = {a.stage: pos for pos, a in enumerate(actions) if a.kind is Kind.REDUCE_GRAD}
         self.shard_group = None  # nothing is sharded
-        self._issued: list[str] | None = None
-
-    @property
-    def issued(self) -> list[str] | None:
-        """What this rank issued, in order (debug.record_p2p: replicas must agree)."""
-        return self._issued
-
-    @issued.setter
-    def issued(self, log: list[str] | None) -> None:
-        self._issued = log
-        for driver in self.stages.values():
-            driver.issued = log
 
     def begin_step(self) -> None:
         self.in_flight.clear()
@@ -104,22 +88,6 @@ class ReplicatedGrads:
         driver = self.stages.get(action.stage)
         if driver is not None and action.kind is Kind.REDUCE_GRAD:
             driver.reduce_leftovers(final=False)
-
-    @contextmanager
-    def compute(self, action: Action, pos: int) -> Iterator[None]:
-        driver = self.stages.get(action.stage)
-        if driver is None:
-            yield
-            return
-        with driver.action(action, pos):
-            yield
-
-    def weight_jobs(self, stage: int):
-        driver = self.stages.get(stage)
-        return driver.weight_jobs if driver is not None else None
-
-    def graph_params(self, stage: int) -> list[nn.Parameter] | None:
-        return None  # the module's own parameters are what the graph computes with
 
     def finish(self) -> None:
         for work, flat, grads in self.in_flight:

@@ -27,7 +27,6 @@ of the reduced gradient is turned off.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -47,7 +46,7 @@ from pipelaunch.pipeline.runtime import unit_hooks
 from pipelaunch.pipeline.runtime.dp import require_reductions, tied_params
 from pipelaunch.pipeline.runtime.gloo_comm import InPlaceAllGather, InPlaceReduceScatter
 from pipelaunch.pipeline.runtime.stage import module_units
-from pipelaunch.pipeline.runtime.stage_driver import StageDriver
+from pipelaunch.pipeline.runtime.stage_driver import RankStages, StageDriver
 from pipelaunch.pipeline.runtime.tied_cast import CastOnUse
 
 
@@ -307,7 +306,7 @@ class ShardedStage(StageDriver):
             group._training_state = TrainingState.IDLE
 
 
-class ShardedStages:
+class ShardedStages(RankStages):
     """This rank's stages under FSDP2, carrying out the program's data-parallel actions."""
 
     def __init__(self, plan: Plan, modules: dict[int, nn.Module], actions: list[Action], mesh: DeviceMesh) -> None:
@@ -316,27 +315,12 @@ class ShardedStages:
         #: tied parameters, which FSDP2 leaves alone (runtime/dp.py all-reduces them after the step)
         self.replicated = tied_params(plan, modules)
         self.actions = actions
-        self.stages: dict[int, ShardedStage] = {}
-        for s, module in modules.items():
-            named = dict(module.named_model_parameters())
-            if all(n in plan.shared_params for n in named):
-                continue  # nothing of this stage to shard
-            self.stages[s] = ShardedStage(plan, s, module, actions, mesh)
+        # a stage holding only tied parameters has nothing to shard
+        super().__init__({s: ShardedStage(plan, s, module, actions, mesh) for s, module in modules.items()
+                          if not all(n in plan.shared_params for n, _ in module.named_model_parameters())})
         require_reductions(actions, list(self.stages))
         #: per stage, the position of its last reduction of the step
         self.last = {a.stage: pos for pos, a in enumerate(actions) if a.kind is Kind.REDUCE_GRAD}
-        self._issued: list[str] | None = None
-
-    @property
-    def issued(self) -> list[str] | None:
-        """What this rank issued, in order (debug.record_p2p: replicas must agree)."""
-        return self._issued
-
-    @issued.setter
-    def issued(self, log: list[str] | None) -> None:
-        self._issued = log
-        for driver in self.stages.values():
-            driver.issued = log
 
     def begin_step(self) -> None:
         for driver in self.stages.values():
@@ -358,23 +342,6 @@ class ShardedStages:
 
     def _next_compute(self, stage: int, pos: int) -> Kind:
         return next((a.kind for a in self.actions[pos + 1:] if a.stage == stage and a.is_compute), Kind.F)
-
-    @contextmanager
-    def compute(self, action: Action, pos: int) -> Iterator[None]:
-        driver = self.stages.get(action.stage)
-        if driver is None:
-            yield
-            return
-        with driver.action(action, pos):
-            yield
-
-    def weight_jobs(self, stage: int):
-        driver = self.stages.get(stage)
-        return driver.weight_jobs if driver is not None else None
-
-    def graph_params(self, stage: int) -> list[nn.Parameter] | None:
-        driver = self.stages.get(stage)
-        return driver.graph_params() if driver is not None else None
 
     def finish(self) -> None:
         """Nothing left in flight: a stage's last reduction waited for its own."""

@@ -179,3 +179,46 @@ class StageDriver:
 
     def finish_backward(self) -> None:
         """The stage's reductions of the step are all issued: wait for them."""
+
+    def graph_params(self) -> list[nn.Parameter] | None:
+        """The parameters the graph computes with when its module holds others (None: its own)."""
+        return None
+
+
+class RankStages:
+    """A rank's stage drivers, as the executor sees them (its `ReplicaCollectives`): the compute
+    actions' per-block collectives and the order log, one driver per stage; the program's
+    data-parallel actions are the level's (`run`, in the subclasses)."""
+
+    def __init__(self, stages: dict[int, StageDriver]) -> None:
+        self.stages = stages
+        self._issued: list[str] | None = None
+
+    @property
+    def issued(self) -> list[str] | None:
+        """What this rank issued, in order (debug.record_p2p: replicas must agree)."""
+        return self._issued
+
+    @issued.setter
+    def issued(self, log: list[str] | None) -> None:
+        self._issued = log
+        for driver in self.stages.values():
+            driver.issued = log
+
+    @contextmanager
+    def compute(self, action: Action, pos: int) -> Iterator[None]:
+        driver = self.stages.get(action.stage)
+        if driver is None:
+            yield
+            return
+        with driver.action(action, pos):
+            yield
+
+    def weight_jobs(self, stage: int):
+        driver = self.stages.get(stage)
+        return driver.weight_jobs if driver is not None else None
+
+    def graph_params(self, stage: int) -> list[nn.Parameter] | None:
+        """The parameters the stage's graph computes with, where its module holds others."""
+        driver = self.stages.get(stage)
+        return driver.graph_params() if driver is not None else None
