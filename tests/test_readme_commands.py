@@ -187,11 +187,16 @@ SCENARIOS = [
     # sharded data parallel
     # slow: tests/test_zero.py trains every schedule at pp=2 dp=2 at zero 0-3 through the same launcher code
     Scenario("zero-3", "README.md", (train("python train.py pp=2 dp=2 zero=3"),), slow=True, timeout=180),
-    Scenario("zero-plan", "README.md", (plan("python train.py mode=plan model=gpt_bench pp=2 dp=2 zero=1"),),
-             slow=True, timeout=300),
-    Scenario("zero-auto", "README.md", (train("python train.py plan=auto 'plan.zero=[0,1,2,3]' 'plan.schedulers=[1f1b]' "
-                                              "model=gpt_bench pp=2 dp=2 memory=budget memory.cap_bytes=145e6"),),
-             slow=True, timeout=400),
+    Scenario("zero-plan", "README.md",
+             (plan("python train.py mode=plan model=gpt_bench pp=2 dp=2 zero=3 scheduler=zbv"),), slow=True, timeout=300),
+    # slow: tests/test_block_units.py trains zero=3 reshard=run on the V like one process
+    Scenario("zero-3-run", "README.md", (train("python train.py pp=2 dp=2 zero=3 reshard=run"),), slow=True,
+             timeout=180),
+    Scenario("zero-auto", "README.md", (train("python train.py plan=auto 'plan.zero=[0,1,2,3]' 'plan.reshard=[use,run]' "
+                                              "'plan.schedulers=[1f1b]' model=gpt_bench pp=2 dp=2 memory=budget "
+                                              "memory.cap_bytes=145e6"),), slow=True, timeout=400),
+    # the 70B-class model's peaks and steps, simulated: no rank, about 2 s
+    Scenario("block-units-bench", "README.md", (typed("python bench/block_units.py"),)),
     Scenario("zero-hybrid", "README.md", (train("python train.py pp=1 dp=4 dp_shard=2 zero=2 scheduler=1f1b"),),
              slow=True, timeout=180),
     Scenario("scheduler-auto", "README.md", (train("python train.py scheduler=auto pp=2 microbatches=8"),),
@@ -288,6 +293,9 @@ SKIPPED = {
     "bash ../shared/gpu/prepare.sh": "downloads wheels from the network, for a GPU machine",
     "source .gpu/setup.sh && python bench/gpu_smoke.py --out $OUT": GPU + " and the .gpu/ prepare.sh builds",
     "python -m pipelaunch.launcher.export": "named in prose without its arguments (README's whole command is listed above)",
+    "python train.py model=gpt_bench optimizer=adamw pp=2 dp=2 scheduler=zbv batch_size=16 microbatches=4 zero=Z":
+        "Z stands for each level; bench/zero_levels.py runs it per level (bench/RESULTS.md), and "
+        "tests/test_block_units.py trains every level on the V like one process",
     "python -m pipelaunch.pipeline.runtime.probe": "names, without its arguments (RANK PORT THREADS), the program the planner "
         "starts itself to price the runtime's overheads, as it does in every profiled run above",
 }

@@ -16,7 +16,8 @@ from tests.harness import FAST, compose_cfg
 
 #: plan.json's `meta` keys, in the order it has always written them
 META_KEYS = [
-    "remat", "partitioner", "partition", "precision", "zero", "dp_shard", "profiled", "optimizer_states", "memory_cap", "reserve_bytes",
+    "remat", "partitioner", "partition", "precision", "zero", "dp_shard", "reshard", "device_type", "bucket_bytes",
+    "stage_units", "profiled", "optimizer_states", "memory_cap", "reserve_bytes",
     "remat_stages", "stage_tensors", "model_param_bytes", "rank_slots", "optimizer_s_per_byte",
     "optimizer_temporaries", "stage_largest_param_bytes", "link_latency_s", "action_overhead_s",
     "stage_replicated_param_bytes", "stage_forward_s",
