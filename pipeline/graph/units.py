@@ -68,9 +68,6 @@ class StageUnits:
         """The bytes of the largest unit (the root counts as one)."""
         return max([u.nbytes for u in self.units] + [self.root_bytes], default=0.0)
 
-    def sizes(self) -> list[float]:
-        return [u.nbytes for u in self.units]
-
 
 def unit_key(name: str) -> str:
     """Rule 1: the parameter's name up to its outermost numbered component, else its module's name."""

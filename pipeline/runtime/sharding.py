@@ -129,6 +129,19 @@ def _refill_shards(group: FSDPParamGroup) -> None:
                 data.copy_(fp.all_gather_outputs[0].narrow(0, fp.mesh_info.shard_mesh_rank * n, n))
 
 
+def _next_compute_kinds(actions: list[Action]) -> dict[int, Kind]:
+    """Per UNSHARD position, the kind of its stage's next compute action (one pass from the end)."""
+    ahead: dict[int, Kind] = {}
+    out: dict[int, Kind] = {}
+    for pos in range(len(actions) - 1, -1, -1):
+        a = actions[pos]
+        if a.is_compute:
+            ahead[a.stage] = a.kind
+        elif a.kind is Kind.UNSHARD and a.stage in ahead:
+            out[pos] = ahead[a.stage]
+    return out
+
+
 def _group(module: nn.Module) -> FSDPParamGroup | None:
     groups = fully_shard.state(module)._fsdp_param_groups
     return groups[0] if groups else None
@@ -186,6 +199,10 @@ class ShardedStage(StageDriver):
         self.names = [self.units.units[u].name for u in range(self.n)] + ["root"]
         #: unsharded parameter (what autograd saw) -> its unit; FSDP2 makes them at a unit's first gather
         self._index: dict[int, int] = {}
+        self._params = sum(len(g.fsdp_params) for g in self._groups())
+        #: under a bf16 policy a micro-batch's bf16 gradients join fp32 ones (FSDP2's post-backward);
+        #: in fp32 autograd accumulates straight into them, and nothing is left to do
+        self.mixed = policy.param_dtype is not None
         unit_hooks.install(module.gm, self.units, self)
 
     def _groups(self) -> Iterator[FSDPParamGroup]:
@@ -207,7 +224,7 @@ class ShardedStage(StageDriver):
         return out + [p for p in self.kept if p.requires_grad]
 
     def units_of(self, params: list[nn.Parameter]) -> list[int]:
-        if len(self._index) < sum(len(g.fsdp_params) for g in self._groups()):
+        if len(self._index) < self._params:
             self._index = {id(fp._unsharded_param): u for u, g in enumerate(self.groups) if g is not None
                            for fp in g.fsdp_params if hasattr(fp, "_unsharded_param")}
         return sorted({self._index[id(p)] for p in params if id(p) in self._index and self._index[id(p)] < self.n})
@@ -253,7 +270,7 @@ class ShardedStage(StageDriver):
 
     def accumulate(self, unit: int) -> None:
         group = self.groups[unit]
-        if group is None:
+        if group is None or not self.mixed:
             return
         group.post_backward()  # reduce_grads off: a bf16 micro-batch joins the fp32 whole gradients
         group._training_state = TrainingState.IDLE
@@ -314,7 +331,8 @@ class ShardedStages(RankStages):
         self.shard_group = (mesh if mesh.ndim == 1 else mesh["shard"]).get_group()
         #: tied parameters, which FSDP2 leaves alone (runtime/dp.py all-reduces them after the step)
         self.replicated = tied_params(plan, modules)
-        self.actions = actions
+        # per UNSHARD at zero=3: the kind of its stage's next compute action (which block to prefetch)
+        self.next_kind = _next_compute_kinds(actions)
         # a stage holding only tied parameters has nothing to shard
         super().__init__({s: ShardedStage(plan, s, module, actions, mesh) for s, module in modules.items()
                           if not all(n in plan.shared_params for n, _ in module.named_model_parameters())})
@@ -332,16 +350,13 @@ class ShardedStages(RankStages):
             return
         if action.kind is Kind.UNSHARD:
             if driver.zero == 3:
-                driver.prefetch(self._next_compute(action.stage, pos))
+                driver.prefetch(self.next_kind.get(pos, Kind.F))
             else:
                 driver.gather_all()
         elif action.kind is Kind.RESHARD:
             driver.release_all()
         elif action.kind is Kind.REDUCE_GRAD:
             driver.reduce_leftovers(final=self.last.get(action.stage) == pos)
-
-    def _next_compute(self, stage: int, pos: int) -> Kind:
-        return next((a.kind for a in self.actions[pos + 1:] if a.stage == stage and a.is_compute), Kind.F)
 
     def finish(self) -> None:
         """Nothing left in flight: a stage's last reduction waited for its own."""

@@ -128,13 +128,10 @@ def plan_sharding(plan: Plan) -> Sharding:
                     keeps_reduce_input=meta.device_type != "cpu")
 
 
-def stage_unit_bytes(plan: Plan) -> list[tuple[list[float], float]] | None:
-    """Per stage, its units' parameter bytes and its root unit's (None: a plan without units, whose
-    stages count as one unit each)."""
-    if plan.meta.stage_units is None:
-        return None
+def stage_unit_bytes(plan: Plan) -> list[tuple[list[float], float]]:
+    """Per stage, its units' parameter bytes and its root unit's (`plan_units`)."""
     return [([u.param_bytes for u in units if u.name != "root"],
-             sum(u.param_bytes for u in units if u.name == "root")) for units in plan.meta.stage_units]
+             sum(u.param_bytes for u in units if u.name == "root")) for units in plan_units(plan)]
 
 
 def _sharded_and_tied(plan: Plan) -> tuple[list[float], list[float]]:

@@ -206,11 +206,6 @@ class SimResult:
         source, self.ends_source = self.ends_source, None
         return source() if source is not None else []
 
-    @property
-    def compute_ends(self) -> list[list[float]]:
-        """Per rank, when each action of its compute program ends, in program order."""
-        return [[end for _, end in spans] for spans in self.compute_spans]
-
     @cached_property
     def events(self) -> list[dict]:
         """Each compute action that ran: {rank, action, kind, stage, mb, start_s, end_s}, by rank
