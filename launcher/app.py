@@ -83,7 +83,7 @@ def spawn(cfg: TrainConfig, prepared: Prepared, initial: Initial, run_dir: Path)
     started = time.time()
     with forward_stop_signals(run_dir):  # SIGUSR1: every rank stops after a step, checkpointed
         try:
-            results = spawn_ranks(job, plan.pp * plan.dp, run_dir / "logs", env=env)
+            results = spawn_ranks(job, plan.world_size, run_dir / "logs", env=env)
         except RankFailed as err:
             where = where_ranks_were(beats, plan, flight, since=started)
             raise RankFailed(f"{err}\n{where}" if where else str(err)) from None

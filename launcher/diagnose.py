@@ -54,7 +54,7 @@ def where_ranks_were(directory: Path, plan: Plan, flight: str | Path | None = No
     """The per-rank report, or '' when no rank left a heartbeat or a flight recorder dump.
     `flight`: the dump prefix of a run on NCCL (`flight_recorder.dump_prefix`); dumps older than
     `since` (a time.time(), the job's start) belong to an earlier run and are ignored."""
-    world = plan.pp * plan.dp
+    world = plan.world_size
     beats = {r: heartbeat.read(directory, r) for r in range(world)}
     nccl = flight_recorder.where_ranks(flight, since) if flight is not None else {}
     if not any(beats.values()) and not nccl:

@@ -14,6 +14,11 @@ from pipelaunch.pipeline.core.errors import ConfigError
 #: where a planner may cut the model: between blocks, also between a block's attention and MLP
 #: halves, or between any two traced operators
 GRANULARITIES = ("block", "sublayer", "op")
+#: Megatron's split of the GPT over tp ranks: the embedding and the head by vocabulary (the loss
+#: computed on the shards), attention by heads, the MLP by its hidden width
+TP_PLAN = {"embed.tokens": "vocab", "layer*.attn.q": "colwise", "layer*.attn.k": "colwise",
+           "layer*.attn.v": "colwise", "layer*.attn.proj": "rowwise", "layer*.mlp.0": "colwise",
+           "layer*.mlp.2": "rowwise", "head.proj": "vocab"}
 #: a decoder block's leaf modules at `granularity="sublayer"`
 SUBLAYER_PARTS = ("ln1", "attn", "ln2", "mlp")
 
@@ -32,22 +37,28 @@ class Embedding(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention. The query, key and value projections are separate and
+    the forward reads the head count from their outputs (`-1`), so a tensor-parallel rank holding
+    `heads / tp` heads runs the same code on its shards (docs/tensor_parallel.md)."""
+
     def __init__(self, dim: int, heads: int, dropout: float) -> None:
         super().__init__()
         if dim % heads:
             raise ValueError(f"model.dim={dim} must be divisible by model.heads={heads}")
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
+        self.head_dim = dim // heads
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+        self.v = nn.Linear(dim, dim)
         self.proj = nn.Linear(dim, dim)
         self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        b, t, _ = x.shape
+        q, k, v = (f(x).view(b, t, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
         y = nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class DecoderBlock(nn.Module):
@@ -124,6 +135,7 @@ def gpt(
         target_dtype=torch.long,
         leaf_modules=_leaf_modules([n for n, _ in blocks], granularity),
         meta={"vocab_size": vocab_size, "seq_len": seq_len, "dim": dim},
+        tp_plan=dict(TP_PLAN),
     )
 
 

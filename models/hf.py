@@ -102,6 +102,25 @@ def decoder_layers(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if type(m).__name__ in classes]
 
 
+def tp_plan(model: nn.Module, own_loss: bool) -> dict[str, str]:
+    """transformers' own tensor-parallel plan of the architecture (`base_model_tp_plan`: attention
+    by heads, key/value heads included, the MLP by its width), the token embedding split by
+    vocabulary, and the LM head by vocabulary too unless the model computes its own loss (its
+    cross-entropy would read the split logits: the head is then replicated)."""
+    base = getattr(model.config, "base_model_tp_plan", None) or {}
+    prefix = f"model.{model.base_model_prefix}."
+    plan = {prefix + pattern: ("colwise" if style.startswith("colwise") else "rowwise" if style.startswith("rowwise")
+                               else style) for pattern, style in base.items()}
+    if not plan:
+        return {}
+    embeddings = model.get_input_embeddings()
+    plan.update({prefix + n: "vocab" for n, m in model.base_model.named_modules() if m is embeddings})
+    if not own_loss:
+        head = model.get_output_embeddings()
+        plan.update({f"model.{n}": "vocab" for n, m in model.named_modules() if m is head})
+    return plan
+
+
 def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, name: str | None = None,
        leaf_modules: list[str] | None = None, dropout: bool = False, vocab_size: int | None = None,
        loss: str = "causal_lm") -> ModelSpec:
@@ -149,6 +168,7 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
         init=transformers_init,
         meta={"vocab_size": text.vocab_size, "seq_len": seq_len, "hf_model_type": cfg.model_type},
         own_loss=own_loss,
+        tp_plan=tp_plan(meta_model, own_loss),
     )
     if path is not None:
         spec.load = SafetensorsDir(Path(path), prefix="model.", model=meta_model)

@@ -65,6 +65,10 @@ class ModelSpec:
     data_args: tuple[str, ...] = ("input",)
     #: the model's output is its own loss (`model.loss=model`); `loss_fn` is then `model_loss`
     own_loss: bool = False
+    #: how tensor parallelism (tp > 1) splits the model: module-name pattern (`*` one name
+    #: component) -> colwise | rowwise | vocab | replicate (pipeline/graph/tensor_parallel.py);
+    #: modules no pattern names are replicated
+    tp_plan: dict[str, str] = field(default_factory=dict)
 
     def build_meta(self) -> nn.Module:
         """The module with every tensor on the meta device: shapes only, no memory."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from pipelaunch.pipeline.runtime.executor import StageSlot
@@ -14,15 +15,21 @@ from pipelaunch.pipeline.runtime.rank import RankJob, join_process_group, leave_
 from pipelaunch.pipeline.runtime.trainer import Callback, StepOutcome
 
 
-def stage_state(slots: dict[int, StageSlot], what: str) -> dict[str, torch.Tensor]:
+def stage_state(slots: dict[int, StageSlot], what: str, tp=None) -> dict[str, torch.Tensor]:
     """Parameters or gradients of this rank's stages, keyed by their name in the full model (a
-    sharded one gathered whole: collective over the replicas, every one calls it in one order)."""
+    sharded one gathered whole: collective over the replicas, every one calls it in one order; a
+    tensor-parallel slice gathered over the tp ranks, likewise)."""
     out = {}
     for slot in slots.values():
+        dims = slot.module.split_dims
         for name, p in slot.module.named_model_parameters():
             t = p.grad if what == "grad" else p
             if isinstance(t, DTensor):
                 t = t.full_tensor()
+            if t is not None and name in dims and tp is not None:
+                parts = [torch.empty_like(t) for _ in range(tp.size)]
+                dist.all_gather(parts, t.detach().contiguous(), group=tp.group)
+                t = torch.cat(parts, dim=dims[name])
             if t is not None:
                 out[name] = t.detach().cpu().clone()
     return out
@@ -38,14 +45,14 @@ class CaptureState(Callback):
 
     def before_optimizer_step(self, trainer, step: int) -> None:
         if step == 0:
-            self.state["grads_step0"] = stage_state(trainer.slots, "grad")
+            self.state["grads_step0"] = stage_state(trainer.slots, "grad", trainer.tp)
 
     def after_step(self, trainer, step: int, outcome: StepOutcome) -> None:
         if step == 0 and outcome.outputs:
             self.state["outputs"] = torch.cat([outcome.outputs[mb].cpu() for mb in sorted(outcome.outputs)])
 
     def result(self, trainer) -> dict:
-        self.state["params_final"] = stage_state(trainer.slots, "param")
+        self.state["params_final"] = stage_state(trainer.slots, "param", trainer.tp)
         out = {"state": self.state, "unneeded_imports": [m for m in UNNEEDED if m in sys.modules],
                # the data-parallel collectives the rank issued in its first step (debug.record_p2p)
                "collective_log": list(trainer.collective_log or []),
@@ -59,11 +66,11 @@ def rank_main_many(jobs: list[RankJob]) -> list[dict]:
     """Run several jobs of the same world size in one process group, one after the other, so the
     suite checks many configurations without paying for a spawn each."""
     first = jobs[0].plan
-    rank, device = join_process_group(jobs[0].run.process, first.pp * first.dp, jobs[0].run_dir)
+    rank, device = join_process_group(jobs[0].run.process, first.world_size, jobs[0].run_dir)
     results = []
     for job in jobs:
-        world = job.plan.pp * job.plan.dp
-        if world != first.pp * first.dp:
+        world = job.plan.world_size
+        if world != first.world_size:
             raise RuntimeError(f"jobs of one spawn must have one world size, got {world}")
         results.append(run_job(job, rank, device))
     leave_process_group()

@@ -67,7 +67,7 @@ def run_jobs(cfgs: list[TrainConfig], log_dir: Path, plans: list | None = None,
             plan = prepared.plan if plans is None else plans[i]
             jobs.append(RankJob(prepared.run, plan, None, callbacks=(CaptureState(),), resume_from=prepared.resume_from,
                                 initial_weights=str(initial.path) if initial.path is not None else None))
-        world = jobs[0].plan.pp * jobs[0].plan.dp
+        world = jobs[0].plan.world_size
         env = rank_environment(cfgs[0].huge_pages)
         per_rank = spawn_ranks(jobs, world, log_dir, echo_rank0=False, entry=rank_main_many, env=env)
     return [[per_rank[r][i] for r in range(world)] for i in range(len(jobs))]
@@ -84,14 +84,15 @@ def merge_state(rank_results: list[dict], key: str, dp_rank: int = 0) -> dict[st
 
 def assert_state_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], what: str,
                        elementwise: bool = True) -> None:
-    """Every tensor within 1e-5 of the reference, relative to its own norm, or to 1e-4 of the
-    largest norm (so within 1e-9 of it in absolute terms) for a tensor that is zero in exact
-    arithmetic: a key bias under softmax, whose reference gradient is rounding noise. And, unless
+    """Every tensor within 1e-5 of the reference, relative to its own norm, or to 1e-3 of the
+    largest norm (so within 1e-8 of it in absolute terms, a tenth of fp32's epsilon) for a tensor
+    that is zero in exact arithmetic: a key bias under softmax, whose reference gradient is
+    rounding noise (1.3e-9 of the largest under tp=2, where the sums run in another order). And, unless
     `elementwise=False`, every element within 1e-5 of it plus 1e-6 of the tensor's largest: a
     model whose traced operators round otherwise than its eager ones (export's attention) differs
     there by rounding noise alone."""
     assert set(got) == set(ref), f"{what}: parameter names differ: {sorted(set(got) ^ set(ref))}"
-    floor = 1e-4 * max((float(r.norm()) for r in ref.values()), default=0.0) + 1e-12
+    floor = 1e-3 * max((float(r.norm()) for r in ref.values()), default=0.0) + 1e-12
     for name, r in ref.items():
         g = got[name]
         rel = float((g - r).norm()) / max(float(r.norm()), floor)
@@ -108,8 +109,8 @@ def check_like_one_process(cases: list[tuple[str, TrainConfig]], tmp_path: Path,
     for the cases whose `what` starts with one of `inexact` (see `assert_state_close`)."""
     from tests.reference import reference_run
 
-    worlds = sorted({cfg.pp * cfg.dp for _, cfg in cases})
-    by_world = {w: [(what, cfg) for what, cfg in cases if cfg.pp * cfg.dp == w] for w in worlds}
+    worlds = sorted({cfg.world_size for _, cfg in cases})
+    by_world = {w: [(what, cfg) for what, cfg in cases if cfg.world_size == w] for w in worlds}
     done = [(case, ranks) for w, group in by_world.items()
             for case, ranks in zip(group, run_jobs([cfg for _, cfg in group], tmp_path / f"logs{w}"), strict=True)]
     for (what, cfg), ranks in done:

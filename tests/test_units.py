@@ -18,7 +18,7 @@ from tests.harness import FAST, compose_cfg
 @pytest.mark.parametrize(("name", "key"), [
     ("model.layers.3.self_attn.q_proj.weight", "model.layers.3"),
     ("transformer.h.0.mlp.c_fc.weight", "transformer.h.0"),
-    ("layer3.attn.qkv.weight", "layer3"),
+    ("layer3.attn.q.weight", "layer3"),
     ("down_blocks.1.resnets.0.conv1.weight", "down_blocks.1"),
     ("model.layers.2.mlp.experts.7.w1", "model.layers.2"),  # the outermost numbered component
     ("model.embed_tokens.weight", "model.embed_tokens"),

@@ -236,6 +236,9 @@ class TrainConfig:
     #: until they hold this many bytes; 0: one per block; more than a stage holds: the stage as one;
     #: null: DDP's 25 MB at zero=0, one per block at zero >= 1 (FSDP's per-block units)
     dp_bucket_bytes: Optional[float] = None  # noqa: UP045 - OmegaConf reads typing.Optional
+    #: tensor-parallel degree: each pipeline rank's stages split over this many ranks (consecutive
+    #: ranks: one node's GPUs), Megatron-style (the model's own plan: `model.tp_plan`)
+    tp: int = 1
     #: micro-batches per step in each replica
     microbatches: int = 4
     #: the global batch (sequences per optimizer step), the same whatever pp and dp are
@@ -300,7 +303,7 @@ class TrainConfig:
         """The ranks this run starts: pp x dp, or `plan.devices` when plan=auto chooses the layout
         (every layout it tries has that many: the threads per rank and the cores they share
         follow from it before the search has chosen pp and dp)."""
-        return self.plan.devices if self.plan.devices is not None else self.pp * self.dp
+        return self.plan.devices if self.plan.devices is not None else self.pp * self.dp * self.tp
 
     def to_dict(self) -> dict:
         """Plain data (enums as their values): metrics.json's `config`, wandb's run config."""

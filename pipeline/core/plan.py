@@ -186,6 +186,16 @@ class Plan:
     #: the traced model's inputs (the placeholders a stage reads with producer None) -> what the
     #: data gives each: `input`, or `target` (a model computing its own loss); empty: all `input`
     model_inputs: dict[str, str] = field(default_factory=dict)
+    #: tensor-parallel degree: the ranks each pipeline rank's stages are split over
+    tp: int = 1
+    #: under tp > 1, module qualified name -> how it is split (colwise, rowwise, vocab, replicate:
+    #: pipeline/graph/tensor_parallel.py), the model's plan resolved against its modules
+    tp_modules: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        """The ranks the plan runs on: pp x dp x tp."""
+        return self.pp * self.dp * self.tp
 
     def data_of(self, value: str) -> str:
         """What the data gives the model input `value`: `input` or `target`."""

@@ -23,6 +23,7 @@ from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.core.plan_records import PlannedStep, SearchSummary
 from pipelaunch.pipeline.core.plugins import GroupOptions, Plugins
 from pipelaunch.pipeline.core.precision import PRECISIONS
+from pipelaunch.pipeline.graph.tensor_parallel import resolve
 from pipelaunch.pipeline.graph.trace import TracedModel
 from pipelaunch.pipeline.planner.build import PlanRequest, build_plan, needs_profile
 from pipelaunch.pipeline.planner.fit.under_cap import fit_budget
@@ -65,11 +66,12 @@ def make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Grou
     # their own micro-batch size, this one only gives the graph's shape)
     size = max(1, micro_batch_size(cfg, cfg.microbatches))
     facts = _machine_facts(cfg, plugins, cuda, profile)
+    tp_modules = tensor_parallel_modules(cfg.tp, spec, models)
     link = (facts["link_latency_s"], cfg.link_bandwidth)
 
     def build(gen: ScheduleGenerator, traced: TracedModel, c: Candidate | None = None,
               whole: list[int] | None = None) -> Plan:
-        req = _request(cfg, spec, plugins, traced, c, facts, profile, cuda)
+        req = replace(_request(cfg, spec, plugins, traced, c, facts, profile, cuda), tp=cfg.tp, tp_modules=tp_modules)
         return build_plan(traced, gen, req if whole is None else replace(req, whole_stages=tuple(whole)))
 
     if searching and not profile:
@@ -86,6 +88,20 @@ def make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Grou
     prediction = fit_budget(plan, predict(plan, *link), traced.graph, cfg.memory.cap_bytes, *link,
                             rebuild=lambda whole: build(generator, traced, whole=whole))
     return Planned(_finished(prediction.plan, prediction, None), prediction, model=models.model)
+
+
+def tensor_parallel_modules(tp: int, spec: ModelSpec, models: TracedModels) -> dict[str, str]:
+    """Under tp > 1, the model's tensor-parallel plan (`ModelSpec.tp_plan`) resolved against its
+    modules: module name -> style; a model without one is refused naming `model.tp_plan`."""
+    if tp == 1:
+        return {}
+    if not spec.tp_plan:
+        raise ConfigError("model.tp_plan", f"tp={tp} splits every stage over {tp} ranks, but model={spec.name} has no "
+                                           "tensor-parallel plan; give one (model.tp_plan: {module pattern: colwise | "
+                                           "rowwise | vocab | replicate}, docs/tensor_parallel.md), or tp=1")
+    if models.model is None:
+        models.model = spec.build_meta()
+    return resolve(models.model, spec.tp_plan)
 
 
 def needs_profiling(cfg: TrainConfig, plugins: Plugins, generator: ScheduleGenerator | None) -> bool:

@@ -8,7 +8,7 @@ and a U-Net go through the same steps; only their graphs differ.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import networkx as nx
 import torch
@@ -158,6 +158,9 @@ class PlanRequest:
     #: under remat=auto, the stages that recompute whole (`R` actions) in place of the partition's
     #: choice (`fit.fit_budget` asks for them where recomputing modules cannot meet the cap)
     whole_stages: tuple[int, ...] | None = None
+    #: tensor-parallel degree and the modules it splits (TrainConfig.tp; the model's plan resolved)
+    tp: int = 1
+    tp_modules: Mapping[str, str] = field(default_factory=dict)
 
 
 def _value_meta(traced: TracedModel, name: str, dtypes: Mapping[str, torch.dtype] | None) -> list:
@@ -209,7 +212,7 @@ def build_plan(traced: TracedModel, generator: ScheduleGenerator, req: PlanReque
     return Plan(req.pp, req.dp, req.microbatches, req.batch_size // (req.dp * req.microbatches), req.model_name,
                 stages, schedule, assignment=dict(part.assignment),
                 shared_params={n: list(v) for n, v in split.shared_params.items()}, meta=PlanMeta(**meta),
-                eval_schedule=eval_schedule, model_inputs=inputs)
+                eval_schedule=eval_schedule, model_inputs=inputs, tp=req.tp, tp_modules=dict(req.tp_modules))
 
 
 def model_inputs(names: Sequence[str], data_args: Sequence[str]) -> dict[str, str]:

@@ -1,4 +1,8 @@
-"""Where this rank sits: its global rank, its (dp, pp) coordinates, device and process groups."""
+"""Where this rank sits: its global rank, its (dp, pp, tp) coordinates, device and process groups.
+
+The layout: global rank = (dp_rank * pp + pp_rank) * tp + tp_rank. The tp ranks of a pipeline
+rank are consecutive (one node's GPUs, where tensor parallelism's per-layer collectives belong),
+then the pipeline ranks of a replica, then the replicas."""
 
 from __future__ import annotations
 
@@ -20,18 +24,30 @@ class RankContext:
     dp: int
     device: torch.device
     mesh: DeviceMesh | None = None
+    tp: int = 1
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
 
     @property
     def pp_rank(self) -> int:
-        return self.rank % self.pp
+        return (self.rank // self.tp) % self.pp
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.pp
+        return self.rank // (self.tp * self.pp)
 
-    def global_rank(self, pp_rank: int, dp_rank: int | None = None) -> int:
-        """Global rank of a pipeline rank in this (or another) replica: dp-major layout."""
-        return (self.dp_rank if dp_rank is None else dp_rank) * self.pp + pp_rank
+    def global_rank(self, pp_rank: int, dp_rank: int | None = None, tp_rank: int | None = None) -> int:
+        """Global rank of a pipeline rank in this (or another) replica, at this (or another) tp
+        rank: a stage's counterpart in a neighbouring stage is the one at the same tp rank."""
+        dp_rank = self.dp_rank if dp_rank is None else dp_rank
+        return (dp_rank * self.pp + pp_rank) * self.tp + (self.tp_rank if tp_rank is None else tp_rank)
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup | None:
+        """The tp ranks of this pipeline rank (None when there is one)."""
+        return self.mesh["tp"].get_group() if self.mesh is not None and self.tp > 1 else None
 
     @property
     def pp_group(self) -> dist.ProcessGroup | None:
@@ -86,4 +102,4 @@ def env_int(name: str, default: int) -> int:
 
 
 def make_mesh(ctx: RankContext) -> DeviceMesh:
-    return init_device_mesh(ctx.device.type, (ctx.dp, ctx.pp), mesh_dim_names=("dp", "pp"))
+    return init_device_mesh(ctx.device.type, (ctx.dp, ctx.pp, ctx.tp), mesh_dim_names=("dp", "pp", "tp"))

@@ -74,7 +74,7 @@ def square_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
 
 def clip_gradients(params: list[torch.nn.Parameter], counted: list[torch.nn.Parameter], max_norm: float,
                    group: dist.ProcessGroup | None, device: torch.device,
-                   shard_group: dist.ProcessGroup | None = None) -> float:
+                   shard_group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None) -> float:
     """Scale every gradient of `params` so that the global norm is at most `max_norm`, as one
     process's `torch.nn.utils.clip_grad_norm_` would. `counted` are the parameters this rank adds to
     the norm (a tied parameter held by several ranks counts on one of them only); the squares are
@@ -88,6 +88,8 @@ def clip_gradients(params: list[torch.nn.Parameter], counted: list[torch.nn.Para
         shards = square_norm(sharded).to(device)
         dist.all_reduce(shards, group=shard_group)
         total = total + shards
+    if tp_group is not None:  # `counted` holds this tp rank's slices and, on tp rank 0, the whole ones
+        dist.all_reduce(total, group=tp_group)
     if group is not None:
         dist.all_reduce(total, group=group)
     norm = total.sqrt()

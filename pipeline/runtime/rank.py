@@ -48,8 +48,9 @@ class RankJob:
 
 def rank_main(job: RankJob) -> RankResult:
     """Run one rank of one job: join the process group, train, leave it."""
-    rank, device = join_process_group(job.run.process, job.plan.pp * job.plan.dp, job.run_dir,
-                                      f"pp x dp = {job.plan.pp} x {job.plan.dp}")
+    plan = job.plan
+    rank, device = join_process_group(job.run.process, plan.world_size, job.run_dir,
+                                      f"pp x dp x tp = {plan.pp} x {plan.dp} x {plan.tp}")
     result = run_job(job, rank, device)
     leave_process_group()
     if result.stopped_by == "SIGTERM":
@@ -111,7 +112,7 @@ def run_job(job: RankJob, rank: int, device: torch.device) -> RankResult:
     """Train one job in the process group this rank has joined."""
     world = dist.get_world_size()
     local_rank, local_world = env_int("LOCAL_RANK", 0), env_int("LOCAL_WORLD_SIZE", world)
-    ctx = RankContext(rank, world, local_rank, local_world, job.plan.pp, job.plan.dp, device)
+    ctx = RankContext(rank, world, local_rank, local_world, job.plan.pp, job.plan.dp, device, tp=job.plan.tp)
     ctx.mesh = make_mesh(ctx)
     run_dir = Path(job.run_dir) if job.run_dir else None
     return train_rank(job.run, job.plan, ctx, run_dir, job.callbacks, job.resume_from, job.initial_weights)

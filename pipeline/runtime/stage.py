@@ -18,17 +18,24 @@ from pipelaunch.pipeline.graph.materialize import materialize
 from pipelaunch.pipeline.graph.recompute import recompute_modules
 from pipelaunch.pipeline.graph.split import split_model
 from pipelaunch.pipeline.graph.trace import TracedModel, retarget
+from pipelaunch.pipeline.graph.tensor_parallel import Rewritten
 from pipelaunch.pipeline.graph.units import StageUnits, node_param_uses, stage_units
+from pipelaunch.pipeline.runtime.tensor_parallel import TensorParallel, local_stages
 
 
 class StageModule(nn.Module):
     """A stage cut out of a traced model: forward(**named values) -> dict of named values."""
 
-    def __init__(self, index: int, gm: torch.fx.GraphModule, aliases: dict[str, str]) -> None:
+    def __init__(self, index: int, gm: torch.fx.GraphModule, aliases: dict[str, str],
+                 tensor_parallel: Rewritten | None = None, split_dims: dict[str, int] | None = None) -> None:
         super().__init__()
         self.index = index
         self.gm = gm
         self.aliases = aliases
+        #: under tp > 1, what the rewrite inserted and which outputs are vocabulary-split logits
+        self.tensor_parallel = tensor_parallel
+        #: under tp > 1, the parameters this rank holds a slice of -> the dimension split
+        self.split_dims = split_dims or {}
 
     def forward(self, **values: torch.Tensor) -> dict[str, torch.Tensor]:
         return self.gm(**values)
@@ -48,7 +55,7 @@ def meta_tensor_names(module: nn.Module) -> set[str]:
 
 def build_stage_modules(
     spec: ModelSpec, plan: Plan, pp_rank: int, seed: int, device: torch.device, traced: TracedModel | None = None,
-    initial=None,
+    initial=None, tp: TensorParallel | None = None,
 ) -> dict[int, StageModule]:
     """This rank's stage modules with real tensors on `device`; the rest of the model stays on the
     meta device and is dropped. The tensors' values: read by name from `initial` (the constructor's
@@ -57,20 +64,25 @@ def build_stage_modules(
     `recompute` run checkpointed. `traced`: a trace of this model at the plan's micro-batch size
     made earlier, used up here (the launcher's split check builds every rank's stages from copies
     of one: tracing is deterministic, and the stages' tensors come by name from the model
-    materialised here, never from the trace)."""
+    materialised here, never from the trace). `tp`: this rank's tensor-parallel group (plan.tp >
+    1): the stages are then its slices, rewritten with the tp collectives
+    (`runtime/tensor_parallel.py`)."""
     model = spec.build_meta()
     traced = spec.trace(plan.micro_batch_size, model) if traced is None else traced
     retarget(traced.gm, device)
     split = split_model(traced, plan.assignment, len(plan.stages))
     own = {s.index: split.stages[s.index] for s in plan.stages_of(pp_rank)}
-    for i, gm in own.items():
-        recompute_modules(gm, plan.stages[i].recompute)
     names = set().union(*(meta_tensor_names(gm) for gm in own.values()))
     materialize(model, seed, device, spec.init, names={traced.param_aliases.get(n, n) for n in names},
                 also=own.values(), load=spec.load, initial=initial, whole_init=spec.init_weights)
     for gm in own.values():
         _constants_to(gm, device)
-    return {i: StageModule(i, gm, dict(split.param_aliases)) for i, gm in own.items()}
+    rewrites, dims = {}, {}
+    if tp is not None and plan.tp > 1:
+        own, rewrites, dims = local_stages(spec, plan, own, tp, device)
+    for i, gm in own.items():
+        recompute_modules(gm, plan.stages[i].recompute)
+    return {i: StageModule(i, gm, dict(split.param_aliases), rewrites.get(i), dims) for i, gm in own.items()}
 
 
 def _constants_to(gm: torch.fx.GraphModule, device: torch.device) -> None:

@@ -45,6 +45,7 @@ from pipelaunch.pipeline.runtime.preempt import StopRequests, control_group
 from pipelaunch.pipeline.runtime.progress import Progress
 from pipelaunch.pipeline.runtime.sharding import ShardedStages, local, replica_mesh
 from pipelaunch.pipeline.runtime.stage import build_stage_modules
+from pipelaunch.pipeline.runtime.tensor_parallel import TensorParallel, vocab_parallel_loss
 from pipelaunch.pipeline.runtime.tracking import Tracker, make_tracker
 
 #: steps after warm-up whose events price the run's own per-stage costs (bounded: every rank sends
@@ -53,11 +54,11 @@ COST_WINDOW_STEPS = 5
 
 
 def build_slots(spec: ModelSpec, plan: Plan, ctx: RankContext, seed: int,
-                initial_weights: str | None = None) -> dict[int, StageSlot]:
+                initial_weights: str | None = None, tp: TensorParallel | None = None) -> dict[int, StageSlot]:
     """This rank's stages, each knowing the global rank of every stage it exchanges values with;
     their tensors read from `initial_weights` (a file of the constructor's own), else made by name."""
     initial = InitialWeights(initial_weights) if initial_weights is not None else None
-    modules = build_stage_modules(spec, plan, ctx.pp_rank, seed, ctx.device, initial=initial)
+    modules = build_stage_modules(spec, plan, ctx.pp_rank, seed, ctx.device, initial=initial, tp=tp)
     slots: dict[int, StageSlot] = {}
     for sp in plan.stages_of(ctx.pp_rank):
         neighbours = {p for p in sp.inputs.values() if p is not None} | {c for cs in sp.outputs.values() for c in cs}
@@ -86,6 +87,14 @@ def _data_parallel(plan: Plan, ctx: RankContext, slots: dict[int, StageSlot]) ->
         mesh = replica_mesh(ctx.dp_group, ctx.device, ctx.dp, ctx.pp, plan.meta.dp_shard)
         return ShardedStages(plan, modules, actions, mesh)
     return ReplicatedGrads(plan, modules, actions, ctx.dp_group)
+
+
+def _loss_fn(spec: ModelSpec, slots: dict[int, StageSlot], tp: TensorParallel | None) -> Callable:
+    """The model's loss, or under tp the vocabulary-parallel cross-entropy where the last stage's
+    output is logits split by vocabulary (the launcher allowed that only for `causal_lm_loss`)."""
+    split = any(s.loss_value in (s.module.tensor_parallel.vocab_outputs if s.module.tensor_parallel else ())
+                for s in slots.values() if s.loss_value is not None)
+    return vocab_parallel_loss(tp) if split and tp is not None else spec.loss_fn
 
 
 def replica_microbatches(
@@ -136,7 +145,10 @@ class RankTrainer:
         self.heartbeat = Heartbeat(ctx.rank)
         self.spec: ModelSpec = plugins.model.build()
         self.data = plugins.data.build()
-        self.slots = build_slots(self.spec, plan, ctx, run.seed, initial_weights)
+        #: this rank's tp group (plan.tp > 1): its stages are its slices of the planned modules
+        self.tp = TensorParallel(ctx.tp_group, ctx.tp, ctx.tp_rank) if plan.tp > 1 else None
+        self.slots = build_slots(self.spec, plan, ctx, run.seed, initial_weights, self.tp)
+        self.loss_fn = _loss_fn(self.spec, self.slots, self.tp)
         self.training = plan.schedule.training
         self.data_parallel = _data_parallel(plan, ctx, self.slots) if self.training and ctx.dp > 1 else None
         self.initial_weights = "constructor" if initial_weights is not None else "by_name"
@@ -148,7 +160,10 @@ class RankTrainer:
         self.params = list({id(p): p for p in named.values()}.values())
         tied = plan.shared_param_ranks()
         # the global gradient norm counts a tied parameter once: on the lowest pipeline rank holding it
-        self.norm_params = [p for n, p in named.items() if n not in tied or tied[n][0] == ctx.pp_rank]
+        # and a parameter every tp rank holds whole on tp rank 0 only (a split one on each: its slice)
+        split = {n for m in self.modules for n in m.split_dims}
+        self.norm_params = [p for n, p in named.items() if (n not in tied or tied[n][0] == ctx.pp_rank)
+                            and (n in split or ctx.tp_rank == 0)]
         self.shared = SharedGrads(plan, ctx, self.slots)
         # a stage of parameter-free ops (masks, position ids of an op-level trace) has nothing to update
         self.optimizer, self.lr_scheduler = (
@@ -161,7 +176,7 @@ class RankTrainer:
         if self.record_p2p and self.data_parallel is not None:
             self.data_parallel.issued = []
         self.executor = Executor(
-            plan.schedule, ctx.pp_rank, self.slots, self.spec.loss_fn, ctx.device,
+            plan.schedule, ctx.pp_rank, self.slots, self.loss_fn, ctx.device,
             loss_scale=float(plan.microbatches * plan.dp), autocast=PRECISIONS[plan.meta.precision],
             heartbeat=self.heartbeat, record_p2p=self.record_p2p, model_inputs=plan.model_inputs,
             collectives=self.data_parallel,
@@ -197,7 +212,7 @@ class RankTrainer:
         if self.plan.eval_schedule is None:  # the planner builds it only for runs with eval.every > 0
             raise RuntimeError("this plan has no evaluation program: it was planned with eval.every=0")
         if self._eval is None:
-            self._eval = Executor(self.plan.eval_schedule, self.ctx.pp_rank, self.slots, self.spec.loss_fn,
+            self._eval = Executor(self.plan.eval_schedule, self.ctx.pp_rank, self.slots, self.loss_fn,
                                   self.ctx.device, loss_scale=float(self.plan.microbatches * self.plan.dp),
                                   record_timings=False, autocast=self.executor.autocast,
                                   record_p2p=self.record_p2p, model_inputs=self.plan.model_inputs)
@@ -208,6 +223,8 @@ class RankTrainer:
         with torch.no_grad():
             for index in range(batches):
                 total += self._eval.run_step(*self._microbatches(self.data.val_batch, index))[0]
+        if self.ctx.tp_rank:
+            total.zero_()
         dist.all_reduce(total)
         for m in self.modules:
             m.train(self.training)
@@ -227,6 +244,8 @@ class RankTrainer:
                 self.collective_log, self.data_parallel.issued = self.data_parallel.issued, None
         schedule_s = time.perf_counter() - start
         self.heartbeat.phase(hb.UPDATE)
+        if ctx.tp_rank:  # the tp ranks of the last stage hold the same loss: counted once
+            loss_sum.zero_()
         dist.all_reduce(loss_sum)  # only last-stage ranks hold a non-zero share
         lr = grad_norm = None
         # a NaN or inf loss leaves the weights as they were, for the report to look at
@@ -238,7 +257,8 @@ class RankTrainer:
                 callback.before_optimizer_step(self, step)
             if self.clip is not None:
                 grad_norm = clip_gradients(self.params, self.norm_params, float(self.clip), ctx.pp_group, ctx.device,
-                                           self.data_parallel.shard_group if self.data_parallel else None)
+                                           self.data_parallel.shard_group if self.data_parallel else None,
+                                           ctx.tp_group)
             if self.optimizer is not None:
                 lr = self.optimizer.param_groups[0]["lr"]
                 self.optimizer.step()
@@ -482,7 +502,7 @@ def _rank_info(trainer: RankTrainer, record: RunRecord, at_start: float,
         cpu_cores=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         huge_pages=huge_pages_active(), weights_read=list(getattr(trainer.spec.load, "read", [])),
         initial_weights=trainer.initial_weights)
-    if ctx.dp_rank != 0:
+    if ctx.dp_rank != 0 or ctx.tp_rank != 0:
         return facts, [], []
     return facts, record.last_events, [{**e, "step": s} for s, step_events in record.window for e in step_events]
 

@@ -1,0 +1,319 @@
+"""Tensor parallelism on the graph: which tensors a plan shards, the model at its local shapes,
+and a stage's graph rewritten with Megatron's collectives.
+
+Why a rewrite of the traced graph, not DTensor's `parallelize_module`: an export-traced stage
+never calls its modules (it reads weights by `get_attr` and calls `aten.linear`), so module hooks
+never fire; and hooks on each projection give one backward all-reduce per projection (q, k and v:
+three), where Megatron's `f` gives one per value the column-parallel projections share. Here the
+graph says which value feeds which projection, so each gets exactly one `f` (identity forward,
+all-reduce backward) and each row-parallel projection one `g` (all-reduce forward, identity
+backward), its bias added after the reduction.
+
+Why the model is traced again at its local shapes (`shard_meta`): a trace bakes shapes in (an
+export graph's `expand([b, kv_heads, rep, s, d])`); traced with the sharded parameters' local
+shapes, the user's own code computes every reshape for `heads / tp` heads, and a reshape that
+bakes the full head count in fails there, on meta, before any rank exists.
+
+Nothing here communicates: the collectives are modules the caller supplies (`Collectives`), the
+runtime's real ones or the launcher's shape-only stand-ins.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+from torch.nn import functional as F  # noqa: N812
+
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.graph.split import SplitModel, split_model
+from pipelaunch.pipeline.graph.trace import TracedModel, retarget
+
+#: colwise: a Linear's outputs split (its input gathered by `f` in the backward); rowwise: its
+#: inputs split (its output summed by `g`); vocab: an Embedding's rows or an LM head's outputs split
+#: by vocabulary (the loss computed on the shards); replicate: kept whole on every tp rank
+STYLES = ("colwise", "rowwise", "vocab", "replicate")
+LINEARS = {F.linear, torch._C._nn.linear, torch.ops.aten.linear.default}
+EMBEDDINGS = {F.embedding, torch.ops.aten.embedding.default}
+
+
+def _pattern(pattern: str) -> re.Pattern:
+    """transformers' plan syntax: `layers.*.mlp.up_proj`, `*` standing for one name component."""
+    return re.compile("^" + r"[^.]+".join(re.escape(part) for part in pattern.split("*")) + "$")
+
+
+def resolve(model: nn.Module, patterns: Mapping[str, str], key: str = "model.tp_plan") -> dict[str, str]:
+    """Module qualified name -> style, for every module a pattern of `patterns` names. A pattern
+    matching no module, a style not in STYLES, or a style the module's type cannot take is refused
+    naming `key` and the pattern."""
+    modules = dict(model.named_modules())
+    resolved: dict[str, str] = {}
+    for pattern, style in patterns.items():
+        if style not in STYLES:
+            raise ConfigError(key, f"{pattern!r}: {style!r} is not a tensor-parallel style; valid: {', '.join(STYLES)}")
+        matched = [n for n in modules if n and _pattern(pattern).match(n)]
+        if not matched:
+            near = [n for n in modules if n.split(".")[-1] == pattern.split(".")[-1]][:3]
+            raise ConfigError(key, f"{pattern!r} matches no module of the model ({'e.g. ' + ', '.join(near) if near else 'its modules are ' + ', '.join(list(modules)[1:6]) + ' ...'}); "
+                                   "a pattern is a module's qualified name, `*` standing for one component")
+        for name in matched:
+            module = modules[name]
+            fits = (style == "replicate" or isinstance(module, nn.Linear)
+                    or (style == "vocab" and isinstance(module, nn.Embedding)))
+            if not fits:
+                raise ConfigError(key, f"{pattern!r} names {name}, a {type(module).__name__}: colwise and rowwise shard "
+                                       "an nn.Linear, vocab an nn.Embedding or an nn.Linear head")
+            resolved[name] = style
+    return resolved
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """A parameter split over the tp ranks along `dim` (each holds `size / tp` of it)."""
+
+    module: str
+    dim: int
+
+
+def sharded_params(model: nn.Module, modules: Mapping[str, str]) -> dict[str, Sharded]:
+    """Every parameter name (tied aliases included) a plan splits -> how."""
+    by_object: dict[int, Sharded] = {}
+    for name, style in modules.items():
+        if style == "replicate":
+            continue
+        module = model.get_submodule(name)
+        dims = {"weight": 1 if style == "rowwise" else 0}
+        if style != "rowwise":
+            dims["bias"] = 0
+        for attr, dim in dims.items():
+            p = getattr(module, attr, None)
+            if p is None:
+                continue
+            earlier = by_object.get(id(p))
+            if earlier is not None and earlier.dim != dim:
+                raise ConfigError("model.tp_plan", f"{name}.{attr} is tied to {earlier.module}'s, which the plan "
+                                                   f"splits along another dimension; plan both as vocab (or colwise)")
+            by_object.setdefault(id(p), Sharded(name, dim))
+    return {n: by_object[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if id(p) in by_object}
+
+
+def shard_meta(model: nn.Module, modules: Mapping[str, str], tp: int) -> dict[str, Sharded]:
+    """Give the planned parameters of a meta `model` their local shapes (ties kept); refuse a
+    dimension `tp` does not divide, naming the module. Returns `sharded_params`."""
+    sharded = sharded_params(model, modules)
+    replaced: dict[int, nn.Parameter] = {}
+    for name, how in sharded.items():
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner)
+        p = module._parameters[attr]
+        if id(p) not in replaced:
+            size = p.shape[how.dim]
+            if size % tp:
+                what = "input features" if how.dim == 1 else "rows (its vocabulary)" if \
+                    isinstance(module, nn.Embedding) else "output features"
+                raise ConfigError("tp", f"tp={tp} does not divide the {size} {what} of {how.module}; valid: a tp "
+                                        f"dividing {size} (and every other sharded dimension: heads, key/value heads, "
+                                        "the MLP width, the vocabulary)")
+            shape = list(p.shape)
+            shape[how.dim] //= tp
+            replaced[id(p)] = nn.Parameter(torch.empty(shape, dtype=p.dtype, device="meta"), p.requires_grad)
+        module._parameters[attr] = replaced[id(p)]
+    return sharded
+
+
+@dataclass
+class Collectives:
+    """Makes the modules the rewrite inserts: `copy()` (Megatron's f), `reduce()` (g), and
+    `embedding(padding_idx)`, called as `(ids, local_weight)`, a vocabulary-parallel lookup
+    whose output is summed over the tp ranks."""
+
+    copy: Callable[[str], nn.Module]
+    reduce: Callable[[str], nn.Module]
+    embedding: Callable[[str, int | None], nn.Module]
+
+
+@dataclass
+class Rewritten:
+    """What the rewrite did to one graph: the collectives it inserted (name -> kind) and the
+    output values that are vocabulary-sharded logits (scored by the vocabulary-parallel loss)."""
+
+    inserted: dict[str, str] = field(default_factory=dict)
+    vocab_outputs: set[str] = field(default_factory=set)
+
+
+def _param_target(node: fx.Node) -> str | None:
+    return node.target if isinstance(node, fx.Node) and node.op == "get_attr" else None
+
+
+class _Rewriter:
+    def __init__(self, gm: fx.GraphModule, sharded: Mapping[str, Sharded], modules: Mapping[str, str],
+                 make: Collectives, prefix: str = "") -> None:
+        self.gm, self.graph, self.sharded, self.modules, self.make = gm, gm.graph, sharded, modules, make
+        self.prefix = prefix
+        self.copies: dict[fx.Node, fx.Node] = {}
+        self.out = Rewritten()
+
+    def _add(self, kind: str, module: nn.Module, owner: str) -> str:
+        base = f"_tp_{kind}_{re.sub(r'[^0-9a-zA-Z]+', '_', owner)}"
+        name, k = base, 1
+        while hasattr(self.gm, name):
+            name, k = f"{base}_{k}", k + 1
+        self.gm.add_module(name, module)
+        self.out.inserted[name] = kind
+        return name
+
+    def _style(self, weight: str) -> tuple[str, str] | None:
+        how = self.sharded.get(self.prefix + weight)
+        if how is None:
+            return None
+        return how.module, self.modules[how.module]
+
+    def lower_modules(self) -> None:
+        """call_module nodes of planned Linears and Embeddings become functional calls on get_attr
+        weights; a call of a module holding planned ones (an eager block) is traced and rewritten."""
+        for node in list(self.graph.nodes):
+            if node.op != "call_module":
+                continue
+            module = self.gm.get_submodule(node.target)
+            full = self.prefix + node.target
+            if full in self.modules and isinstance(module, (nn.Linear, nn.Embedding)):
+                self._lower(node, module)
+            elif any(m.startswith(full + ".") and s != "replicate" for m, s in self.modules.items()):
+                self._trace_inside(node, module, full)
+
+    def _lower(self, node: fx.Node, module: nn.Module) -> None:
+        with self.graph.inserting_before(node):
+            weight = self.graph.get_attr(f"{node.target}.weight")
+            if isinstance(module, nn.Linear):
+                bias = self.graph.get_attr(f"{node.target}.bias") if module.bias is not None else None
+                node.op, node.target, node.args, node.kwargs = "call_function", F.linear, (node.args[0], weight, bias), {}
+            else:
+                if module.max_norm is not None or module.sparse:
+                    raise ConfigError("model.tp_plan", f"{node.target}: an embedding with max_norm or sparse gradients "
+                                                       "cannot be split by vocabulary")
+                node.op, node.target = "call_function", F.embedding
+                node.args, node.kwargs = (node.args[0], weight, module.padding_idx), {}
+
+    def _trace_inside(self, node: fx.Node, module: nn.Module, full: str) -> None:
+        try:
+            inner = fx.symbolic_trace(module)
+        except Exception as err:  # noqa: BLE001 - any tracing failure is the same refusal
+            raise ConfigError("model.tp_plan", f"{full} holds modules the plan splits, and torch.fx cannot trace "
+                                               f"it to place the collectives: {type(err).__name__}: {err}") from err
+        sub = _Rewriter(inner, self.sharded, self.modules, self.make, prefix=full + ".")
+        sub.run()
+        for name, kind in sub.out.inserted.items():
+            self.out.inserted[f"{node.target}.{name}"] = kind
+        if sub.out.vocab_outputs:  # the block returns vocabulary-split logits: so does its call
+            self._vocab_output(node, full)
+        owner, _, attr = node.target.rpartition(".")
+        setattr(self.gm.get_submodule(owner) if owner else self.gm, attr, inner)
+
+    def run(self) -> Rewritten:
+        self.lower_modules()
+        for node in list(self.graph.nodes):
+            for arg in node.all_input_nodes:
+                target = _param_target(arg)
+                style = self._style(target) if target else None
+                if style is not None:
+                    self._rewrite_use(node, arg, target, *style)
+        self.graph.lint()
+        self.gm.recompile()
+        return self.out
+
+    def _rewrite_use(self, node: fx.Node, weight: fx.Node, target: str, module: str, style: str) -> None:
+        if node.op == "call_function" and node.target in LINEARS and len(node.args) > 1 and node.args[1] is weight:
+            if style == "rowwise":
+                self._row(node, module)
+            else:
+                self._column(node, module, style)
+        elif node.op == "call_function" and node.target in LINEARS and len(node.args) > 2 and node.args[2] is weight:
+            pass  # a bias: its linear is rewritten through its weight
+        elif node.op == "call_function" and node.target in EMBEDDINGS and style == "vocab":
+            self._embedding(node, weight, module)
+        else:
+            raise ConfigError("model.tp_plan", f"{module} ({target}) is read by {node.format_node()}, which tensor "
+                                               "parallelism cannot shard: a split weight may only feed a linear "
+                                               f"projection{' or an embedding lookup' if style == 'vocab' else ''}")
+
+    def _column(self, node: fx.Node, module: str, style: str) -> None:
+        x = node.args[0]
+        if x not in self.copies:
+            with self.graph.inserting_after(x):
+                self.copies[x] = self.graph.call_module(self._add("copy", self.make.copy(module), module), (x,))
+        node.args = (self.copies[x], *node.args[1:])
+        if style == "vocab":
+            self._vocab_output(node, module)
+
+    def _vocab_output(self, node: fx.Node, module: str) -> None:
+        users = [u for u in node.users if u.op != "output"]
+        if users:
+            raise ConfigError("model.tp_plan", f"{module}'s vocabulary-split logits are read by "
+                                               f"{', '.join(u.format_node() for u in users)}; only a loss computed on "
+                                               "the shards (the stage's output scored by the launcher's "
+                                               f"cross-entropy) may read them: plan {module} as replicate, or use "
+                                               "model.loss=causal_lm")
+        self.out.vocab_outputs.add(node.name)
+
+    def _row(self, node: fx.Node, module: str) -> None:
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        node.args, node.kwargs = (node.args[0], node.args[1]), {}
+        users = list(node.users)
+        with self.graph.inserting_after(node):
+            reduced = self.graph.call_module(self._add("reduce", self.make.reduce(module), module), (node,))
+        last = reduced
+        if bias is not None:
+            with self.graph.inserting_after(reduced):
+                last = self.graph.call_function(operator.add, (reduced, bias))
+        for user in users:
+            user.replace_input_with(node, last)
+
+    def _embedding(self, node: fx.Node, weight: fx.Node, module: str) -> None:
+        if node.target is F.embedding:
+            ids, padding = node.args[0], (node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx"))
+        else:  # aten.embedding(weight, indices, padding_idx=-1, ...)
+            ids, padding = node.args[1], (node.args[2] if len(node.args) > 2 else -1)
+        padding = None if padding is None or padding < 0 else int(padding)
+        name = self._add("embedding", self.make.embedding(module, padding), module)
+        node.op, node.target, node.args, node.kwargs = "call_module", name, (ids, weight), {}
+
+
+def parallelize(gm: fx.GraphModule, sharded: Mapping[str, Sharded], modules: Mapping[str, str],
+                make: Collectives) -> Rewritten:
+    """Rewrite a stage's graph (at local shapes) in place with the collectives its split
+    parameters need; refuse, naming the module, a split weight read by anything but a linear
+    projection or an embedding lookup, and vocabulary-split logits read by anything but the
+    stage's output. `sharded` is keyed by the stage graph's own parameter names."""
+    return _Rewriter(gm, sharded, modules, make).run()
+
+
+def local_split(model: nn.Module, trace: Callable[[nn.Module], TracedModel], assignment: Mapping[str, int],
+                num_stages: int, modules: Mapping[str, str], tp: int,
+                device: torch.device | None = None) -> tuple[SplitModel, dict[str, Sharded]]:
+    """The meta `model` at its local shapes, traced by `trace` and cut by the plan's `assignment`
+    (on `device` when given: a rank's). The model's own code runs at the local shapes, so a
+    reshape that bakes a full head count in fails here; the trace must give the very nodes the plan
+    cut (a forward whose graph changes with the shapes cannot be split by the same assignment)."""
+    sharded = shard_meta(model, modules, tp)
+    try:
+        traced = trace(model)
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 - whatever the model's code raised on the local shapes
+        raise ConfigError("tp", f"the model cannot run with its planned modules split over tp={tp} ranks: traced "
+                                f"at its local shapes it fails with {type(err).__name__}: {str(err)[:400]}. A "
+                                "forward that reshapes with a head count or width of its own (view(b, t, "
+                                "self.heads, ...)) instead of reading it from the tensor (-1) cannot be split; "
+                                "plan that module as replicate, or tp=1") from err
+    if set(assignment) - {n.name for n in traced.gm.graph.nodes}:
+        missing = sorted(set(assignment) - {n.name for n in traced.gm.graph.nodes})[:5]
+        raise ConfigError("tp", f"traced with its planned modules split over tp={tp} ranks, the model's graph has "
+                                f"other operators than at full size (missing {', '.join(missing)}): its forward "
+                                "branches on shapes, and the plan's split cannot be applied; use tp=1")
+    if device is not None:
+        retarget(traced.gm, device)
+    return split_model(traced, dict(assignment), num_stages), sharded

@@ -1,0 +1,194 @@
+"""Tensor parallelism on a rank: Megatron's collectives, the vocabulary-parallel loss, and this
+rank's stages at their local shapes.
+
+The tp ranks of one pipeline rank are lockstep copies of it: the same program, the same P2P
+(each with its counterpart in the neighbouring stage) and, inside each compute action, the same
+tp collectives in the same order (the graph fixes it), so NCCL's rule that every member of a
+group issues its collectives in one order holds by construction (docs/tensor_parallel.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F  # noqa: N812
+
+from pipelaunch.models.spec import ModelSpec
+from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.graph.tensor_parallel import Collectives, Rewritten, local_split, parallelize
+
+
+@dataclass
+class TensorParallel:
+    """This rank's place in its tp group; `log`, when a list, records every tp collective issued
+    (`debug.record_p2p`: the order the tests check)."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+    log: list[str] | None = None
+    stats: dict[str, int] = field(default_factory=dict)
+
+    def all_reduce(self, tensor: torch.Tensor, what: str, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.log is not None:
+            self.log.append(what)
+        dist.all_reduce(tensor, op=op, group=self.group)
+        return tensor
+
+
+class _Copy(torch.autograd.Function):
+    """Megatron's f: the value as it is forward; its gradient summed over the tp ranks backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TensorParallel, what: str) -> torch.Tensor:
+        ctx.tp, ctx.what = tp, what
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.tp.all_reduce(grad.contiguous().clone(), f"backward {ctx.what}"), None, None
+
+
+class _Reduce(torch.autograd.Function):
+    """Megatron's g: the partial sums of the tp ranks summed forward; the gradient as it is backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TensorParallel, what: str) -> torch.Tensor:
+        return tp.all_reduce(x.contiguous().clone(), f"forward {what}")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None, None
+
+
+class CopyToTensorParallel(nn.Module):
+    def __init__(self, tp: TensorParallel, what: str) -> None:
+        super().__init__()
+        self.tp, self.what = tp, what
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Copy.apply(x, self.tp, f"copy {self.what}")
+
+
+class ReduceFromTensorParallel(nn.Module):
+    def __init__(self, tp: TensorParallel, what: str) -> None:
+        super().__init__()
+        self.tp, self.what = tp, what
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Reduce.apply(x, self.tp, f"reduce {self.what}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """A lookup in this rank's rows of the vocabulary (ids elsewhere give zeros), summed over the
+    tp ranks: every rank ends with the full embedding of every id (Megatron's)."""
+
+    def __init__(self, tp: TensorParallel, what: str, padding_idx: int | None) -> None:
+        super().__init__()
+        self.tp, self.what, self.padding_idx = tp, what, padding_idx
+
+    def forward(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        rows = weight.shape[0]
+        start = self.tp.rank * rows
+        outside = (ids < start) | (ids >= start + rows)
+        local = torch.where(outside, torch.zeros_like(ids), ids - start)
+        padding = self.padding_idx - start if self.padding_idx is not None and 0 <= self.padding_idx - start < rows \
+            else None
+        out = F.embedding(local, weight, padding) * (~outside).unsqueeze(-1).to(weight.dtype)
+        return _Reduce.apply(out, self.tp, f"embedding {self.what}")
+
+
+def collectives(tp: TensorParallel) -> Collectives:
+    return Collectives(copy=lambda what: CopyToTensorParallel(tp, what),
+                       reduce=lambda what: ReduceFromTensorParallel(tp, what),
+                       embedding=lambda what, padding: VocabParallelEmbedding(tp, what, padding))
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy summed over scored positions, on logits split by vocabulary: three
+    all-reduces of one value per position (the max, the sum of exponentials, the target's logit),
+    never the logits themselves (Megatron's)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, tp: TensorParallel, ignore_index: int):
+        logits = logits.float()
+        rows = logits.shape[-1]
+        start = tp.rank * rows
+        peak = tp.all_reduce(logits.max(dim=-1).values, "loss max", dist.ReduceOp.MAX)
+        shifted = logits - peak.unsqueeze(-1)
+        exp = shifted.exp()
+        total = tp.all_reduce(exp.sum(dim=-1), "loss sum")
+        outside = (targets < start) | (targets >= start + rows)
+        local = torch.where(outside, torch.zeros_like(targets), targets - start)
+        picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        picked = tp.all_reduce(picked, "loss target")
+        scored = targets != ignore_index
+        losses = (total.log() - picked).masked_fill(~scored, 0.0)
+        ctx.save_for_backward(exp.div_(total.unsqueeze(-1)), local, outside, scored)
+        return losses.sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        softmax, local, outside, scored = ctx.saved_tensors
+        onehot = torch.zeros_like(softmax).scatter_(-1, local.unsqueeze(-1), (~outside).unsqueeze(-1).to(softmax.dtype))
+        return (softmax - onehot) * (scored.unsqueeze(-1) * grad).to(softmax.dtype), None, None, None
+
+
+def vocab_parallel_loss(tp: TensorParallel, ignore_index: int = -100):
+    """The mean next-token cross-entropy (`models.spec.causal_lm_loss`) of a micro-batch whose
+    logits this rank holds 1/tp of the vocabulary of: equal to it on the gathered logits."""
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        flat, labels = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        summed = _VocabParallelCrossEntropy.apply(flat, labels, tp, ignore_index)
+        return (summed / (labels != ignore_index).sum().clamp(min=1)).to(logits.dtype)
+
+    return loss
+
+
+def local_stages(spec: ModelSpec, plan: Plan, full: dict[int, torch.fx.GraphModule], tp: TensorParallel,
+                 device: torch.device) -> tuple[dict[int, torch.fx.GraphModule], dict[int, Rewritten], dict[str, int]]:
+    """This rank's stages at their local shapes, rewritten with the tp collectives: the model
+    traced again with its planned parameters at local shapes (`shard_meta`), cut by the plan's
+    assignment, each tensor this rank's slice of the full stage's (`full`, materialised by name).
+    Returns the stages, what each rewrite did, and the split parameters' names -> dimension."""
+    split, sharded = local_split(spec.build_meta(), lambda m: spec.trace(plan.micro_batch_size, m), plan.assignment,
+                                 len(plan.stages), plan.tp_modules, tp.size, device)
+    stages, rewrites = {}, {}
+    for index, whole in full.items():
+        gm = split.stages[index]
+        _take_tensors(gm, whole, {n: s.dim for n, s in sharded.items()}, tp)
+        rewrites[index] = parallelize(gm, sharded, plan.tp_modules, collectives(tp))
+        stages[index] = gm
+    return stages, rewrites, {n: s.dim for n, s in sharded.items()}
+
+
+def _take_tensors(gm: torch.fx.GraphModule, whole: torch.fx.GraphModule, dims: dict[str, int],
+                  tp: TensorParallel) -> None:
+    """Every parameter and buffer of the local stage `gm` from the full one by name: this rank's
+    slice where split, the tensor itself where not; tied names keep one tensor."""
+    made: dict[int, torch.Tensor] = {}
+    wholes = dict(whole.named_parameters(remove_duplicate=False)) | dict(whole.named_buffers(remove_duplicate=False))
+    for name, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
+        source = wholes.get(name)
+        if source is None:
+            if t.device.type == "meta":
+                raise RuntimeError(f"the tensor-parallel stage has {name}, which the full stage lacks")
+            continue
+        if id(source) not in made:
+            value = source.detach()
+            if name in dims:
+                size = value.shape[dims[name]] // tp.size
+                value = value.narrow(dims[name], tp.rank * size, size).clone()
+            made[id(source)] = nn.Parameter(value, source.requires_grad) if isinstance(source, nn.Parameter) else value
+        owner, _, attr = name.rpartition(".")
+        module = gm.get_submodule(owner) if owner else gm
+        if attr in module._parameters:
+            module._parameters[attr] = made[id(source)]
+        elif attr in module._buffers:
+            module._buffers[attr] = made[id(source)]
+        else:
+            setattr(module, attr, made[id(source)])
