@@ -210,8 +210,9 @@ class _Rewriter:
             self.out.inserted[f"{node.target}.{name}"] = kind
         if sub.out.vocab_outputs:  # the block returns vocabulary-split logits: so does its call
             self._vocab_output(node, full)
-        owner, _, attr = node.target.rpartition(".")
-        setattr(self.gm.get_submodule(owner) if owner else self.gm, attr, inner)
+        # the block stays itself (its class, its place in the tree: FSDP2 may wrap it, names hold):
+        # only its forward becomes the rewritten graph's, which reads the very same submodules
+        module.forward = inner.forward
 
     def run(self) -> Rewritten:
         self.lower_modules()
