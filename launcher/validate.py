@@ -18,6 +18,7 @@ from pipelaunch.launcher.config import group_configs
 from pipelaunch.launcher.initial_weights import choose
 from pipelaunch.launcher.plugins import TARGET, build_plugins, search_options
 from pipelaunch.launcher.run_spec import run_spec
+from pipelaunch.launcher.tensor_parallel import check_tensor_parallel, check_tp_sizes
 from pipelaunch.models.module import LOSSES
 from pipelaunch.models.spec import ModelSpec, causal_lm_loss
 from pipelaunch.pipeline.core.config import Objective, TrainConfig
@@ -73,7 +74,7 @@ def _number(value, key: str, low: float, high: float | None = None, strict: bool
 def check_config(cfg: TrainConfig) -> None:
     """What the schema's types cannot say: ranges, and rules between keys. Types and enum values
     (`device`, `remat`, `mode`, `precision`, ...) Hydra checked at composition."""
-    for key, low in (("threads", 0), ("timeout_s", 1), ("log_every", 1), ("seed", 0), ("pp", 1), ("dp", 1),
+    for key, low in (("threads", 0), ("timeout_s", 1), ("log_every", 1), ("seed", 0), ("pp", 1), ("dp", 1), ("tp", 1),
                      ("microbatches", 1), ("batch_size", 1), ("steps", 1), ("warmup_steps", 0)):
         _integer(getattr(cfg, key), key, low)
     _number(cfg.link_bandwidth, "link_bandwidth", 0.0, strict=True, what=" (the simulator's link model)")
@@ -186,6 +187,11 @@ def check_gpus(cfg: TrainConfig) -> None:
     if cfg.mode != "train" or not on_cuda(cfg):
         return
     needed, visible = local_ranks(cfg), torch.cuda.device_count()
+    if cfg.tp > 1 and (needed % cfg.tp or cfg.tp > max(visible, 1)):
+        raise ConfigError("tp", f"tp={cfg.tp} runs each layer's collectives among {cfg.tp} consecutive ranks, which "
+                                f"must share a node (NVLink), but this node has {needed} rank(s) and {visible} "
+                                f"GPU(s); valid: a tp dividing the ranks per node and at most its GPUs (tp within a "
+                                "node, pp and dp across nodes)")
     from pipelaunch.launcher.joined import joined_rank_env
 
     if needed <= visible or (joined_rank_env() and bound_to_one_gpu(visible)):
@@ -251,9 +257,11 @@ def prepare(cfg: TrainConfig, profile: bool | None = None, device: torch.device 
     spec = plugins.model.build()
     check_optimizer(cfg, plugins)
     check_data(cfg, spec, plugins)
+    check_tp_sizes(spec, cfg.tp)
     planned = make_plan(cfg, spec, plugins, options if options is not None else group_options(cfg),
                         profile=profile, device=device, cuda=on_cuda(cfg))
     check_output(cfg, spec, planned.plan)
+    check_tensor_parallel(spec, planned.plan)
     run = run_spec(cfg, plugins, run_dir)
     resume_from = resume_checkpoint(cfg, planned.model, Path(run.checkpoint.root) if run.checkpoint.root else None)
     if choose(cfg, spec, planned.model)[0] != "constructor":  # the constructor's own values need no initialiser

@@ -99,6 +99,7 @@ def gpt(
     name: str = "gpt",
     tie_embeddings: bool = False,
     granularity: str = "block",
+    tp_plan: dict[str, str] | None = None,
 ) -> ModelSpec:
     """Blocks, in order: `embed`, `layer0` .. `layer{layers-1}`, `head` (the leaf modules).
 
@@ -110,7 +111,9 @@ def gpt(
     attention and MLP whole, so a cut may also fall at the residual stream between the attention
     and MLP halves, where only one tensor of the block's input size crosses; `"op"` keeps no leaf
     modules, so a cut may fall between any two operators (inside the MLP, where the crossing
-    tensor is 4x larger, too). Same weights, same arithmetic as `granularity="block"`."""
+    tensor is 4x larger, too). Same weights, same arithmetic as `granularity="block"`.
+
+    `tp_plan`: how tp > 1 splits it (null: `TP_PLAN`, Megatron's split)."""
     require_positive_ints(vocab_size=vocab_size, dim=dim, layers=layers, heads=heads, seq_len=seq_len,
                           mlp_ratio=mlp_ratio)
     if dim % heads:
@@ -134,8 +137,9 @@ def gpt(
         target_shape=(seq_len,),
         target_dtype=torch.long,
         leaf_modules=_leaf_modules([n for n, _ in blocks], granularity),
-        meta={"vocab_size": vocab_size, "seq_len": seq_len, "dim": dim},
-        tp_plan=dict(TP_PLAN),
+        meta={"vocab_size": vocab_size, "seq_len": seq_len, "dim": dim,
+              "tp_divides": {"model.heads": heads, "model.vocab_size": vocab_size}},
+        tp_plan=dict(TP_PLAN if tp_plan is None else tp_plan),
     )
 
 

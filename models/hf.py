@@ -102,7 +102,7 @@ def decoder_layers(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if type(m).__name__ in classes]
 
 
-def tp_plan(model: nn.Module, own_loss: bool) -> dict[str, str]:
+def default_tp_plan(model: nn.Module, own_loss: bool) -> dict[str, str]:
     """transformers' own tensor-parallel plan of the architecture (`base_model_tp_plan`: attention
     by heads, key/value heads included, the MLP by its width), the token embedding split by
     vocabulary, and the LM head by vocabulary too unless the model computes its own loss (its
@@ -123,11 +123,13 @@ def tp_plan(model: nn.Module, own_loss: bool) -> dict[str, str]:
 
 def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, name: str | None = None,
        leaf_modules: list[str] | None = None, dropout: bool = False, vocab_size: int | None = None,
-       loss: str = "causal_lm") -> ModelSpec:
+       loss: str = "causal_lm", tp_plan: dict[str, str] | None = None) -> ModelSpec:
     """A transformers causal LM as a ModelSpec (see the module docstring). `dropout=False` sets the
     config's dropout probabilities to 0, so a pipeline and one process compute the same thing.
     `loss`: `causal_lm` (next-token cross-entropy on the logits, every position scored against the
-    data's targets) or `model` (transformers' own loss, `labels=` the input ids)."""
+    data's targets) or `model` (transformers' own loss, `labels=` the input ids). `tp_plan`: how tp >
+    1 splits it, patterns on the wrapped model's names (`model.model.layers.*.mlp.up_proj`); null:
+    transformers' own (`tp_plan` below)."""
     from transformers import AutoModelForCausalLM
 
     if loss not in ("causal_lm", "model"):
@@ -166,9 +168,12 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
         target_shape=(seq_len,),
         leaf_modules=leaf_modules,
         init=transformers_init,
-        meta={"vocab_size": text.vocab_size, "seq_len": seq_len, "hf_model_type": cfg.model_type},
+        meta={"vocab_size": text.vocab_size, "seq_len": seq_len, "hf_model_type": cfg.model_type,
+              "tp_divides": {f"model.config.{k}": getattr(text, k) for k in
+                             ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+                             if isinstance(getattr(text, k, None), int)}},
         own_loss=own_loss,
-        tp_plan=tp_plan(meta_model, own_loss),
+        tp_plan=default_tp_plan(meta_model, own_loss) if tp_plan is None else dict(tp_plan),
     )
     if path is not None:
         spec.load = SafetensorsDir(Path(path), prefix="model.", model=meta_model)

@@ -303,6 +303,7 @@ def module(
     data_kind: str | None = None,
     targets_arg: str | None = None,
     labels: str | None = None,
+    tp_plan: Mapping[str, str] | None = None,
 ) -> ModelSpec:
     """A ModelSpec around `module()`, the factory the launcher built with its arguments bound (see
     the module docstring). `input`/`target`:
@@ -311,7 +312,9 @@ def module(
     target defaults to what the loss needs (mse: the input's shape; causal_lm: the input's token
     positions; cross_entropy: one label). `loss=model`: the model computes its own loss, its
     targets passed as `targets_arg` (`labels`: the data's `targets` or the `inputs`), `output`
-    picking the loss. `data_kind`: the data's kind (`tokens`, `images`)."""
+    picking the loss. `data_kind`: the data's kind (`tokens`, `images`). `tp_plan`: how tp > 1
+    splits the module, {module-name pattern (the module's own names, `*` one component): colwise |
+    rowwise | vocab | replicate}."""
     module, input, target, loss, extra_inputs = (
         OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
         for v in (module, input, target, loss, extra_inputs))
@@ -365,4 +368,6 @@ def module(
         leaf_modules=[f"inner.{n}" for n in leaf_modules], init=family, init_weights=whole, meta=meta,
         load=ConstructorBuffers(build) if any(True for _ in probe.buffers()) else None,
         data_args=data_args, own_loss=loss == OWN_LOSS,
+        tp_plan={f"inner.{k}": str(v) for k, v in (OmegaConf.to_container(tp_plan) if OmegaConf.is_config(tp_plan)
+                                                 else tp_plan or {}).items()},
     )

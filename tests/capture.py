@@ -56,6 +56,8 @@ class CaptureState(Callback):
         out = {"state": self.state, "unneeded_imports": [m for m in UNNEEDED if m in sys.modules],
                # the data-parallel collectives the rank issued in its first step (debug.record_p2p)
                "collective_log": list(trainer.collective_log or []),
+               # the tensor-parallel collectives it issued in its first step (debug.record_p2p)
+               "tp_log": list(trainer.tp_log or []),
                "program": [str(a) for a in trainer.executor.actions]}
         if "outputs" in self.state:
             out["outputs"] = self.state["outputs"]

@@ -299,3 +299,42 @@ def sequential(vocab_size: int = 64, dim: int = 16, layers: int = 4) -> nn.Seque
     """A token MLP as `nn.Sequential`: embedding, residual-free hidden layers, a head."""
     hidden = [nn.Sequential(nn.Linear(dim, dim), nn.GELU()) for _ in range(layers)]
     return nn.Sequential(nn.Embedding(vocab_size, dim), *hidden, nn.LayerNorm(dim), nn.Linear(dim, vocab_size))
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm decoder layer as a user might write one: separate projections, RMSNorm, SwiGLU;
+    its head count read from the projection's output (`-1`), as transformers' Llama reads it."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.wq, self.wk, self.wv = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.gate, self.up = nn.Linear(dim, 2 * dim, bias=False), nn.Linear(dim, 2 * dim, bias=False)
+        self.down = nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.norm1(x)
+        q, k, v = (w(h).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        x = x + self.wo(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class TinyDecoder(nn.Module):
+    """A user's own decoder: token embedding, `layers` decoder layers, a final norm, an LM head."""
+
+    def __init__(self, vocab_size: int = 64, dim: int = 32, heads: int = 4, layers: int = 4) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, dim)
+        self.blocks = nn.ModuleList(DecoderLayer(dim, heads) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        self.out = nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(self.norm(x))

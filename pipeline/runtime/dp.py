@@ -9,6 +9,8 @@ the step, at every level."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -108,24 +110,26 @@ def tied_params(plan, modules: dict[int, nn.Module]) -> list[nn.Parameter]:
     return list({id(p): p for m in modules.values() for n, p in m.named_model_parameters() if n in tied}.values())
 
 
-def verify_collective_order(logs: list[tuple[int, list[str] | None]]) -> None:
-    """`logs[rank]`: (its pipeline rank, the data-parallel collectives it issued in one step). The
-    replicas of one pipeline rank form a communicator, and NCCL matches its collectives by order:
-    raise RuntimeError at the first one where two replicas differ."""
-    first: dict[int, tuple[int, list[str]]] = {}
-    for rank, (pp_rank, log) in enumerate(logs):
+def verify_collective_order(logs: list[tuple[Hashable, list[str] | None]], kind: str = "data-parallel",
+                            members: str = "replicas of pipeline rank") -> None:
+    """`logs[rank]`: (its communicator, the collectives of `kind` it issued in one step): the
+    replicas of one pipeline rank, or (tensor-parallel) the tp ranks of one pipeline rank of one
+    replica. NCCL matches a communicator's collectives by order: raise RuntimeError at the first
+    one where two members differ."""
+    first: dict[Hashable, tuple[int, list[str]]] = {}
+    for rank, (group, log) in enumerate(logs):
         log = log or []
-        if pp_rank not in first:
-            first[pp_rank] = (rank, log)
+        if group not in first:
+            first[group] = (rank, log)
             continue
-        other, theirs = first[pp_rank]
+        other, theirs = first[group]
         for k in range(max(len(log), len(theirs))):
             x = log[k] if k < len(log) else None
             y = theirs[k] if k < len(theirs) else None
             if x != y:
-                raise RuntimeError(f"replicas {other} and {rank} of pipeline rank {pp_rank} issued different "
-                                   f"data-parallel collectives #{k}: {y or 'nothing'} and {x or 'nothing'}; NCCL "
-                                   "matches a communicator's collectives by order, so it would hang or mix them")
+                raise RuntimeError(f"ranks {other} and {rank}, {members} {group}, issued different {kind} "
+                                   f"collectives #{k}: {y or 'nothing'} and {x or 'nothing'}; NCCL matches a "
+                                   "communicator's collectives by order, so it would hang or mix them")
 
 
 def require_reductions(actions: list, stages: list[int]) -> None:

@@ -175,6 +175,10 @@ class RankTrainer:
         self.collective_log: list[str] | None = None
         if self.record_p2p and self.data_parallel is not None:
             self.data_parallel.issued = []
+        # debug.record_p2p: the tensor-parallel collectives this rank issues in its first step
+        self.tp_log: list[str] | None = None
+        if self.record_p2p and self.tp is not None:
+            self.tp.log = []
         self.executor = Executor(
             plan.schedule, ctx.pp_rank, self.slots, self.loss_fn, ctx.device,
             loss_scale=float(plan.microbatches * plan.dp), autocast=PRECISIONS[plan.meta.precision],
@@ -242,6 +246,8 @@ class RankTrainer:
             self.data_parallel.finish()
             if self.data_parallel.issued is not None:  # one step's order is every step's: log the first
                 self.collective_log, self.data_parallel.issued = self.data_parallel.issued, None
+        if self.tp is not None and self.tp.log is not None:
+            self.tp_log, self.tp.log = self.tp.log, None
         schedule_s = time.perf_counter() - start
         self.heartbeat.phase(hb.UPDATE)
         if ctx.tp_rank:  # the tp ranks of the last stage hold the same loss: counted once
@@ -276,11 +282,15 @@ class RankTrainer:
         rank issued the same data-parallel collectives in the same order; rank 0 raises if not."""
         logs = [getattr(e, "posting_log", None) for e in (self.executor, self._eval)]
         everyone: list = [None] * self.ctx.world_size
-        dist.all_gather_object(everyone, (logs, self.ctx.pp_rank, self.collective_log))
-        if self.ctx.rank == 0:
+        ctx = self.ctx
+        dist.all_gather_object(everyone, (logs, ctx.pp_rank, self.collective_log, (ctx.dp_rank, ctx.pp_rank),
+                                          self.tp_log))
+        if ctx.rank == 0:
             for which in range(2):
                 verify_posting_order([part[0][which] for part in everyone])
-            verify_collective_order([(pp_rank, log) for _, pp_rank, log in everyone])
+            verify_collective_order([(pp_rank, log) for _, pp_rank, log, _, _ in everyone])
+            verify_collective_order([(group, log) for *_, group, log in everyone], "tensor-parallel",
+                                    "the tp ranks of (replica, pipeline rank)")
 
     def nonfinite_report(self, step: int, loss: float) -> str:
         """Where a NaN or inf first showed (collective): the first stage, in pipeline order, whose

@@ -1,0 +1,77 @@
+"""What tensor parallelism (tp > 1) needs of a model, checked before any rank exists: the model
+traced at one tp rank's shapes, each stage's graph rewritten with stand-ins for the collectives
+(the rewrite refuses a split weight it cannot place collectives around), the values crossing a
+stage boundary whole, and vocabulary-split logits scored only by the cross-entropy that computes
+on the shards."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F  # noqa: N812
+
+from pipelaunch.models.spec import ModelSpec, causal_lm_loss
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.graph.tensor_parallel import Collectives, local_split, parallelize
+
+
+class _Lookup(nn.Module):
+    """The vocabulary-parallel lookup's shape: ids in, one row of the local table per id out."""
+
+    def forward(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids.clamp(0, weight.shape[0] - 1), weight)
+
+
+STAND_INS = Collectives(copy=lambda what: nn.Identity(), reduce=lambda what: nn.Identity(),
+                        embedding=lambda what, padding: _Lookup())
+
+
+def check_tp_sizes(spec: ModelSpec, tp: int) -> None:
+    """tp divides every size the model's plan splits (heads, key/value heads, the MLP width, the
+    vocabulary: `ModelSpec.meta["tp_divides"]`), named by its config key."""
+    if tp == 1:
+        return
+    for key, size in spec.meta.get("tp_divides", {}).items():
+        if size % tp:
+            fits = [t for t in range(2, size + 1) if size % t == 0][:4]
+            raise ConfigError("tp", f"tp={tp} does not divide {key}={size}: each tp rank holds {key} / tp of "
+                                    f"it; valid: a tp dividing every one of {', '.join(spec.meta['tp_divides'])} "
+                                    f"(here {', '.join(map(str, fits))} ... divide {size}), or tp=1")
+
+
+def check_tensor_parallel(spec: ModelSpec, plan: Plan) -> None:
+    """Refuse, before spawning, a tensor-parallel plan the ranks could not run exactly: a module
+    whose code bakes a full size in, a split weight read other than by a projection or a lookup,
+    a stage boundary inside a split region, or split logits no vocabulary-parallel loss scores."""
+    if plan.tp == 1:
+        return
+    split, sharded = local_split(spec.build_meta(), lambda m: spec.trace(plan.micro_batch_size, m), plan.assignment,
+                                 len(plan.stages), plan.tp_modules, plan.tp)
+    for stage in plan.stages:
+        gm = split.stages[stage.index]
+        shapes = {n.name: _shape(n) for n in gm.graph.nodes}
+        rewritten = parallelize(gm, sharded, plan.tp_modules, STAND_INS)
+        for value in stage.outputs:
+            if value in rewritten.vocab_outputs:
+                continue
+            local, planned = shapes.get(value), tuple(stage.values[value][0])
+            if local is not None and local != planned:
+                raise ConfigError("tp", f"stage {stage.index} sends {value} to stage(s) {stage.outputs[value]} "
+                                        f"split over the tp ranks (shape {list(local)} on each, {list(planned)} "
+                                        "whole): a stage boundary falls inside a tensor-parallel region (between "
+                                        "a column-parallel projection and its row-parallel one). Cut between "
+                                        "blocks (model.granularity=block, partitioner.split_points) or tp=1")
+        if stage.loss_value in rewritten.vocab_outputs and not spec.own_loss and spec.loss_fn is not causal_lm_loss:
+            raise ConfigError("model.tp_plan", f"the last stage's output is split by vocabulary over the tp ranks, and "
+                                               f"model={spec.name}'s loss is not the next-token cross-entropy "
+                                               "(causal_lm), the one computed on the shards; plan its head as "
+                                               "replicate, or use model.loss=causal_lm")
+
+
+def _shape(node: torch.fx.Node) -> tuple[int, ...] | None:
+    meta = node.meta.get("tensor_meta")
+    if meta is not None and hasattr(meta, "shape"):
+        return tuple(meta.shape)
+    val = node.meta.get("val")
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
