@@ -7,24 +7,11 @@ on the shards."""
 from __future__ import annotations
 
 import torch
-from torch import nn
-from torch.nn import functional as F  # noqa: N812
 
 from pipelaunch.models.spec import ModelSpec, causal_lm_loss
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan import Plan
-from pipelaunch.pipeline.graph.tensor_parallel import Collectives, local_split, parallelize
-
-
-class _Lookup(nn.Module):
-    """The vocabulary-parallel lookup's shape: ids in, one row of the local table per id out."""
-
-    def forward(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids.clamp(0, weight.shape[0] - 1), weight)
-
-
-STAND_INS = Collectives(copy=lambda what: nn.Identity(), reduce=lambda what: nn.Identity(),
-                        embedding=lambda what, padding: _Lookup())
+from pipelaunch.pipeline.graph.tensor_parallel import SHAPE_ONLY, local_split, parallelize
 
 
 def check_tp_sizes(spec: ModelSpec, tp: int) -> None:
@@ -51,7 +38,7 @@ def check_tensor_parallel(spec: ModelSpec, plan: Plan) -> None:
     for stage in plan.stages:
         gm = split.stages[stage.index]
         shapes = {n.name: _shape(n) for n in gm.graph.nodes}
-        rewritten = parallelize(gm, sharded, plan.tp_modules, STAND_INS)
+        rewritten = parallelize(gm, sharded, plan.tp_modules, SHAPE_ONLY)
         for value in stage.outputs:
             if value in rewritten.vocab_outputs:
                 continue

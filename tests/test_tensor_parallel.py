@@ -28,31 +28,44 @@ HF_RUN = ["batch_size=8", "steps=2", "warmup_steps=0", "optimizer=sgd", "timeout
 MODULE = ["model=module", "model.module._target_=tests.zoo.TinyDecoder", "+model.module.vocab_size=64",
           "+model.module.dim=32", "+model.module.heads=4", "+model.module.layers=4", "model.seq_len=8",
           "model.vocab_size=64", "model.tp_plan={tok: vocab, blocks.*.wq: colwise, blocks.*.wk: colwise, "
-          "blocks.*.wv: colwise, blocks.*.wo: rowwise, blocks.*.up: colwise, blocks.*.down: rowwise, "
+          "blocks.*.wv: colwise, blocks.*.wo: rowwise, blocks.*.gate: colwise, blocks.*.up: colwise, blocks.*.down: rowwise, "
           "out: vocab}", "model.leaf_modules=[tok,blocks.0,blocks.1,blocks.2,blocks.3,norm,out]"]
 
 
-def _cases(layouts: list[list[str]]) -> list[tuple[str, object]]:
-    models = {"gpt": FAST, "gpt tied": [*FAST, "+model.tie_embeddings=true"], "llama": [*LLAMA, *HF_RUN],
-              "qwen2": [*QWEN2, *HF_RUN], "module": [*FAST[4:], *MODULE]}
-    return [(f"{name} {' '.join(layout)}", compose_cfg([*base, *layout])) for layout in layouts
-            for name, base in models.items()]
+MODELS = {"gpt": FAST, "gpt tied": [*FAST, "+model.tie_embeddings=true"], "llama": [*LLAMA, *HF_RUN],
+          "qwen2": [*QWEN2, *HF_RUN], "module": [*FAST[4:], *MODULE]}
+#: the layouts of four ranks: pp=2 tp=2 on three schedule families, pp=1 dp=2 tp=2 at zero 0 and 3
+LAYOUTS = [["pp=2", "tp=2", "scheduler=1f1b"], ["pp=2", "tp=2", "scheduler=zbv"],
+           ["pp=2", "tp=2", "scheduler=interleaved_1f1b"], ["pp=1", "dp=2", "tp=2", "zero=0"],
+           ["pp=1", "dp=2", "tp=2", "zero=3"]]
+
+
+def _cases(pairs: list[tuple[str, list[str]]]) -> list[tuple[str, object]]:
+    return [(f"{name} {' '.join(layout)}", compose_cfg([*MODELS[name], *layout])) for name, layout in pairs]
 
 
 def test_pipeline_and_tensor_parallel_train_like_one_process(tmp_path) -> None:
-    """pp=2 tp=2 on three schedule families, and pp=1 dp=2 tp=2 at zero 0 and 3, for every model:
-    like one process, each tp rank's posting order, replicas' and tp ranks' collectives checked."""
-    layouts = [["pp=2", "tp=2", "scheduler=1f1b"], ["pp=2", "tp=2", "scheduler=zbv"],
-               ["pp=2", "tp=2", "scheduler=interleaved_1f1b"], ["pp=1", "dp=2", "tp=2", "zero=0"],
-               ["pp=1", "dp=2", "tp=2", "zero=3"]]
-    check_like_one_process(_cases(layouts), tmp_path, inexact=("llama", "qwen2"))
+    """Every model and every layout of four ranks, each at least once (a Latin diagonal: the full
+    product is the slow test below), like one process; each tp rank's posting order, and the
+    replicas' and tp ranks' collectives, checked in order."""
+    names = list(MODELS)
+    pairs = [(names[i % len(names)], layout) for i, layout in enumerate(LAYOUTS)]
+    pairs += [("gpt tied", LAYOUTS[1]), ("llama", LAYOUTS[4])]  # the V holds both tied ends; GQA with zero=3
+    check_like_one_process(_cases(pairs), tmp_path, inexact=("llama", "qwen2"))
+
+
+@pytest.mark.slow
+def test_every_model_on_every_layout_of_four_ranks_trains_like_one_process(tmp_path) -> None:
+    check_like_one_process(_cases([(n, layout) for layout in LAYOUTS for n in MODELS]), tmp_path,
+                           inexact=("llama", "qwen2"))
 
 
 @pytest.mark.slow
 def test_pipeline_data_and_tensor_parallel_train_like_one_process(tmp_path) -> None:
     """pp=2 dp=2 tp=2 zero=1 (eight ranks) for every model and schedule family."""
     layouts = [["pp=2", "dp=2", "tp=2", "zero=1", f"scheduler={s}"] for s in ("1f1b", "zbv", "interleaved_1f1b")]
-    check_like_one_process(_cases(layouts), tmp_path, inexact=("llama", "qwen2"))
+    check_like_one_process(_cases([(n, layout) for layout in layouts for n in MODELS]), tmp_path,
+                           inexact=("llama", "qwen2"))
 
 
 def test_each_block_issues_megatrons_collectives_once_per_micro_batch(tmp_path) -> None:
@@ -131,3 +144,25 @@ def test_a_plan_resolves_against_module_names() -> None:
         "layer0.0": "colwise", "layer0.1": "rowwise", "layer1.0": "colwise", "layer1.1": "rowwise"}
     with pytest.raises(ConfigError):
         resolve(model, {"*": "colwise"})  # layer0 is a Sequential: no style but replicate fits it
+
+
+@pytest.mark.timeout(600)
+def test_a_tensor_parallel_checkpoint_resumes_under_other_layouts(tmp_path) -> None:
+    """pp=2 tp=2 (AdamW, cosine, clipping that bites) checkpointed at step 3 resumes at pp=4 tp=1
+    and at pp=1 dp=2 tp=2 zero=3 (the slices sharded again over the replicas) on the uninterrupted
+    run's losses; the resumed runs' final weights, exported whole, match its own."""
+    from tests.test_long_runs import RESUME, _run, _weights
+    from tests.test_cli import metrics
+
+    base = [*RESUME, "checkpoint.every=3", "steps=6"]
+    _run([*base, "pp=2", "tp=2", f"checkpoint.dir={tmp_path / 'tp'}"], tmp_path / "tprun")
+    straight = metrics(tmp_path / "tprun")["losses"]
+    for name, layout in (("pp4", ["pp=4"]), ("zero3", ["pp=1", "dp=2", "tp=2", "zero=3"])):
+        _run([*base, *layout, f"resume={tmp_path / 'tp' / 'step_0000003'}", f"checkpoint.dir={tmp_path / name}"],
+             tmp_path / f"{name}run")
+        resumed = metrics(tmp_path / f"{name}run")
+        assert resumed["start_step"] == 3 and resumed["losses"][3:] == pytest.approx(straight[3:], rel=1e-5), name
+        ref, got = _weights(tmp_path / "tp"), _weights(tmp_path / name)
+        assert set(ref) == set(got)
+        for key, r in ref.items():
+            assert float((got[key] - r).norm()) <= 1e-5 * float(r.norm()), (name, key)

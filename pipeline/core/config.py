@@ -285,6 +285,10 @@ class TrainConfig:
     #: LINK_LATENCY_S on a GPU
     link_latency_s: float | None = None
     link_bandwidth: float = LINK_BANDWIDTH
+    #: the link between the tp ranks of a pipeline rank (one node's: NVLink on GPUs), priced for
+    #: tensor parallelism's all-reduces; null: link_latency_s and link_bandwidth
+    tp_link_latency_s: float | None = None
+    tp_link_bandwidth: float | None = None
     #: the runtime's fixed seconds per compute action, priced by the predictions; null: measured
     #: with the latency on CPU, 0 on a GPU
     action_overhead_s: float | None = None

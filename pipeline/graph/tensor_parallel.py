@@ -136,6 +136,18 @@ class Collectives:
     embedding: Callable[[str, int | None], nn.Module]
 
 
+class _Lookup(nn.Module):
+    """The vocabulary-parallel lookup's shape: ids in, one row of the local table per id out."""
+
+    def forward(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids.clamp(0, weight.shape[0] - 1), weight)
+
+
+#: stand-ins with the collectives' shapes and no communication: the launcher's check, the planner
+SHAPE_ONLY = Collectives(copy=lambda what: nn.Identity(), reduce=lambda what: nn.Identity(),
+                         embedding=lambda what, padding: _Lookup())
+
+
 @dataclass
 class Rewritten:
     """What the rewrite did to one graph: the collectives it inserted (name -> kind) and the
@@ -143,6 +155,9 @@ class Rewritten:
 
     inserted: dict[str, str] = field(default_factory=dict)
     vocab_outputs: set[str] = field(default_factory=set)
+    #: inserted module -> the graph node whose work it belongs to (a projection, a lookup, or the
+    #: call of a block the collectives were placed inside): where the planner prices it
+    at: dict[str, str] = field(default_factory=dict)
 
 
 def _param_target(node: fx.Node) -> str | None:
@@ -157,13 +172,14 @@ class _Rewriter:
         self.copies: dict[fx.Node, fx.Node] = {}
         self.out = Rewritten()
 
-    def _add(self, kind: str, module: nn.Module, owner: str) -> str:
+    def _add(self, kind: str, module: nn.Module, owner: str, node: fx.Node) -> str:
         base = f"_tp_{kind}_{re.sub(r'[^0-9a-zA-Z]+', '_', owner)}"
         name, k = base, 1
         while hasattr(self.gm, name):
             name, k = f"{base}_{k}", k + 1
         self.gm.add_module(name, module)
         self.out.inserted[name] = kind
+        self.out.at[name] = node.name
         return name
 
     def _style(self, weight: str) -> tuple[str, str] | None:
@@ -208,6 +224,7 @@ class _Rewriter:
         sub.run()
         for name, kind in sub.out.inserted.items():
             self.out.inserted[f"{node.target}.{name}"] = kind
+            self.out.at[f"{node.target}.{name}"] = node.name
         if sub.out.vocab_outputs:  # the block returns vocabulary-split logits: so does its call
             self._vocab_output(node, full)
         # the block stays itself (its class, its place in the tree: FSDP2 may wrap it, names hold):
@@ -245,7 +262,7 @@ class _Rewriter:
         x = node.args[0]
         if x not in self.copies:
             with self.graph.inserting_after(x):
-                self.copies[x] = self.graph.call_module(self._add("copy", self.make.copy(module), module), (x,))
+                self.copies[x] = self.graph.call_module(self._add("copy", self.make.copy(module), module, node), (x,))
         node.args = (self.copies[x], *node.args[1:])
         if style == "vocab":
             self._vocab_output(node, module)
@@ -265,7 +282,7 @@ class _Rewriter:
         node.args, node.kwargs = (node.args[0], node.args[1]), {}
         users = list(node.users)
         with self.graph.inserting_after(node):
-            reduced = self.graph.call_module(self._add("reduce", self.make.reduce(module), module), (node,))
+            reduced = self.graph.call_module(self._add("reduce", self.make.reduce(module), module, node), (node,))
         last = reduced
         if bias is not None:
             with self.graph.inserting_after(reduced):
@@ -279,7 +296,7 @@ class _Rewriter:
         else:  # aten.embedding(weight, indices, padding_idx=-1, ...)
             ids, padding = node.args[1], (node.args[2] if len(node.args) > 2 else -1)
         padding = None if padding is None or padding < 0 else int(padding)
-        name = self._add("embedding", self.make.embedding(module, padding), module)
+        name = self._add("embedding", self.make.embedding(module, padding), module, node)
         node.op, node.target, node.args, node.kwargs = "call_module", name, (ids, weight), {}
 
 

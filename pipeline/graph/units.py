@@ -80,8 +80,9 @@ def unit_key(name: str) -> str:
 
 def node_param_uses(gm: fx.GraphModule, nodes: Iterable[fx.Node] | None = None) -> list[tuple[str, set[str]]]:
     """Per node of `gm` (or of `nodes`, in that order): the parameter names it reads. A `get_attr`
-    of a parameter or of a module reads those; a `call_module` its module's; any other node the
-    parameters of the `get_attr` nodes it takes (a parameter a node reads is read again where it is
+    of a parameter or of a module reads those; a `call_module` its module's; every node the
+    parameters of the `get_attr` nodes it takes (the tensor-parallel lookup is a module given its
+    weight) (a parameter a node reads is read again where it is
     used, as an export trace reads its weights by `get_attr`)."""
     def params_of(target: str) -> set[str]:
         obj = _resolve(gm, target)
@@ -94,13 +95,12 @@ def node_param_uses(gm: fx.GraphModule, nodes: Iterable[fx.Node] | None = None) 
     cache: dict[str, set[str]] = {}
     out = []
     for node in (gm.graph.nodes if nodes is None else nodes):
+        used = set()
         if node.op in ("get_attr", "call_module"):
-            used = cache.setdefault(str(node.target), params_of(str(node.target)))
-        elif node.op in ("call_function", "call_method"):
-            used = set().union(*(cache.setdefault(str(a.target), params_of(str(a.target)))
-                                 for a in node.all_input_nodes if a.op == "get_attr"))
-        else:
-            used = set()
+            used = set(cache.setdefault(str(node.target), params_of(str(node.target))))
+        if node.op in ("call_function", "call_method", "call_module"):  # a module may take a weight too
+            used |= set().union(*(cache.setdefault(str(a.target), params_of(str(a.target)))
+                                  for a in node.all_input_nodes if a.op == "get_attr"))
         out.append((node.name, used))
     return out
 

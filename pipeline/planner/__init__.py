@@ -67,6 +67,9 @@ def make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Grou
     size = max(1, micro_batch_size(cfg, cfg.microbatches))
     facts = _machine_facts(cfg, plugins, cuda, profile)
     tp_modules = tensor_parallel_modules(cfg.tp, spec, models)
+    models.tp_modules = tp_modules
+    models.tp_link = (facts["link_latency_s"] if cfg.tp_link_latency_s is None else cfg.tp_link_latency_s,
+                      cfg.link_bandwidth if cfg.tp_link_bandwidth is None else cfg.tp_link_bandwidth)
     link = (facts["link_latency_s"], cfg.link_bandwidth)
 
     def build(gen: ScheduleGenerator, traced: TracedModel, c: Candidate | None = None,
@@ -139,13 +142,15 @@ def runtime_overheads(cfg: TrainConfig, cuda: bool, profile: bool, threads: int)
 
 def rank_slots(cfg: TrainConfig, cuda: bool) -> float | None:
     """On CPU, how many ranks' worth of cores this machine has when its local ranks need more
-    (pp x dp ranks of `threads` threads on fewer cores take turns); None when each has its own."""
+    (pp x dp ranks of `threads` threads on fewer cores take turns); None when each has its own.
+    The simulator plays one rank per (pipeline rank, replica): under tp each stands for tp
+    processes, which take tp times the cores."""
     if cuda:
         return None
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or cfg.world_size)
     threads = cpu_threads(cfg.threads, local)
     cores = available_cores()
-    return cores / threads if local * threads > cores else None
+    return cores / threads / cfg.tp if local * threads > cores else None
 
 
 def _request(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, traced: TracedModel, c: Candidate | None,

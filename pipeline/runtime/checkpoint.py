@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from pipelaunch.pipeline.core.errors import ConfigError
 
@@ -100,18 +100,44 @@ def named_tensors(modules: list[nn.Module]) -> Iterator[tuple[str, torch.Tensor,
 
 
 def _rng_key(ctx) -> str:
-    return f"rng/pp{ctx.pp_rank}of{ctx.pp}_dp{ctx.dp_rank}of{ctx.dp}"
+    tp = f"_tp{ctx.tp_rank}of{ctx.tp}" if ctx.tp > 1 else ""
+    return f"rng/pp{ctx.pp_rank}of{ctx.pp}_dp{ctx.dp_rank}of{ctx.dp}{tp}"
+
+
+def split_dims(modules: list[nn.Module]) -> dict[str, int]:
+    """Under tp > 1, the parameters this rank holds a slice of (by every name) -> the dimension."""
+    return {n: d for m in modules for n, d in getattr(m, "split_dims", {}).items()}
+
+
+def global_view(tensor: torch.Tensor, dim: int | None, ctx) -> torch.Tensor:
+    """What DCP writes and reads for this rank's `tensor` of a parameter (or its optimizer state):
+    the tensor itself, or, split by tensor parallelism along `dim`, a DTensor over the tp ranks
+    (2-D over tp x replicas when zero >= 1 shards the slice too) whose global shape is the whole
+    parameter's. Shares the tensor's memory: a load fills it in place. So a checkpoint holds every
+    parameter whole, keyed by name, whatever tp, pp, dp and zero wrote it."""
+    if dim is None or tensor.dim() == 0:
+        return tensor
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    shape = list(tensor.shape)  # a DTensor's over the replicas: the tp slice's
+    shape[dim] *= ctx.tp
+    stride = torch.empty(shape, device="meta").stride()
+    if isinstance(tensor, DTensor):  # FSDP2's Shard(0) over the replicas, inside the tp slice
+        return DTensor.from_local(local, ctx.tp_dp_mesh(), [Shard(dim), Shard(0)], run_check=False,
+                                  shape=torch.Size(shape), stride=stride)
+    return DTensor.from_local(local, ctx.mesh["tp"], [Shard(dim)], run_check=False, shape=torch.Size(shape),
+                              stride=stride)
 
 
 def rank_state(modules: list[nn.Module], optimizer: torch.optim.Optimizer | None, ctx) -> dict[str, torch.Tensor]:
     """What this rank writes: its stages' tensors, their optimizer state, its RNG states."""
     state: dict[str, torch.Tensor] = {}
+    dims = split_dims(modules)
     for name, tensor, is_param in named_tensors(modules):
-        state[f"model/{name}"] = tensor.detach()
+        state[f"model/{name}"] = global_view(tensor.detach(), dims.get(name), ctx)
         if is_param and optimizer is not None:
             for key, value in optimizer.state.get(tensor, {}).items():
                 if isinstance(value, torch.Tensor):
-                    state[f"optim/{name}/{key}"] = value.detach()
+                    state[f"optim/{name}/{key}"] = global_view(value.detach(), dims.get(name), ctx)
     state[f"{_rng_key(ctx)}/cpu"] = torch.get_rng_state()
     if ctx.device.type == "cuda":
         state[f"{_rng_key(ctx)}/cuda"] = torch.cuda.get_rng_state(ctx.device)
@@ -171,13 +197,14 @@ def load(path: Path, modules: list[nn.Module], optimizer, lr_scheduler, ctx) -> 
     dest: dict[str, torch.Tensor] = {}
     optim_state: dict[str, dict[str, torch.Tensor]] = {}
     params: dict[str, torch.Tensor] = {}
+    dims = split_dims(modules)
     for name, tensor, is_param in named_tensors(modules):
         key = f"model/{name}"
         if key not in stored:
             if is_param:
                 raise RuntimeError(f"checkpoint {path} has no parameter {name!r}: it was written for another model")
             continue  # a buffer the model recomputes (not in the checkpoint): keep the initialised one
-        dest[key] = tensor.detach()
+        dest[key] = global_view(tensor.detach(), dims.get(name), ctx)
         if not is_param or optimizer is None:
             continue
         params[name] = tensor
@@ -185,9 +212,11 @@ def load(path: Path, modules: list[nn.Module], optimizer, lr_scheduler, ctx) -> 
             shape, dtype = stored[skey]
             # a sharded parameter's state is sharded as it is (zero >= 1): DCP reads this rank's part
             # whatever layout wrote it
-            like = isinstance(tensor, DTensor) and tuple(shape) == tuple(tensor.shape)
-            dest[skey] = optim_state.setdefault(name, {})[state_key] = (
-                torch.empty_like(tensor.detach(), dtype=dtype) if like else torch.empty(shape, dtype=dtype))
+            like = (name in dims and len(shape) > 0) or (isinstance(tensor, DTensor)
+                                                         and tuple(shape) == tuple(tensor.shape))
+            value = torch.empty_like(tensor.detach(), dtype=dtype) if like else torch.empty(shape, dtype=dtype)
+            optim_state.setdefault(name, {})[state_key] = value
+            dest[skey] = global_view(value, dims.get(name), ctx) if like else value
     rng = _rng_key(ctx)
     same_layout = f"{rng}/cpu" in stored
     if same_layout:  # dropout continues exactly only on the layout that wrote it

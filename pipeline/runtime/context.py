@@ -7,7 +7,7 @@ then the pipeline ranks of a replica, then the replicas."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ class RankContext:
     device: torch.device
     mesh: DeviceMesh | None = None
     tp: int = 1
+    _tp_dp: DeviceMesh | None = field(default=None, repr=False)
 
     @property
     def tp_rank(self) -> int:
@@ -43,6 +44,15 @@ class RankContext:
         rank: a stage's counterpart in a neighbouring stage is the one at the same tp rank."""
         dp_rank = self.dp_rank if dp_rank is None else dp_rank
         return (dp_rank * self.pp + pp_rank) * self.tp + (self.tp_rank if tp_rank is None else tp_rank)
+
+    def tp_dp_mesh(self) -> DeviceMesh:
+        """This pipeline rank's tp ranks x replicas, tp first (a checkpoint's view of a parameter
+        split by tp, then sharded over the replicas: Shard(d) over tp, then Shard(0) over dp).
+        Collective the first time: every rank builds the world's (pp, tp, dp) mesh."""
+        if self._tp_dp is None:
+            ranks = torch.arange(self.world_size).view(self.dp, self.pp, self.tp).permute(1, 2, 0)
+            self._tp_dp = DeviceMesh(self.device.type, ranks, mesh_dim_names=("pp", "tp", "dp"))["tp", "dp"]
+        return self._tp_dp
 
     @property
     def tp_group(self) -> dist.ProcessGroup | None:

@@ -158,19 +158,20 @@ def local_stages(spec: ModelSpec, plan: Plan, full: dict[int, torch.fx.GraphModu
     split, sharded = local_split(spec.build_meta(), lambda m: spec.trace(plan.micro_batch_size, m), plan.assignment,
                                  len(plan.stages), plan.tp_modules, tp.size, device)
     stages, rewrites = {}, {}
+    made: dict[int, torch.Tensor] = {}  # stages of one rank sharing a tensor share its slice too
     for index, whole in full.items():
         gm = split.stages[index]
-        _take_tensors(gm, whole, {n: s.dim for n, s in sharded.items()}, tp)
+        _take_tensors(gm, whole, {n: s.dim for n, s in sharded.items()}, tp, made)
         rewrites[index] = parallelize(gm, sharded, plan.tp_modules, collectives(tp))
         stages[index] = gm
     return stages, rewrites, {n: s.dim for n, s in sharded.items()}
 
 
 def _take_tensors(gm: torch.fx.GraphModule, whole: torch.fx.GraphModule, dims: dict[str, int],
-                  tp: TensorParallel) -> None:
+                  tp: TensorParallel, made: dict[int, torch.Tensor]) -> None:
     """Every parameter and buffer of the local stage `gm` from the full one by name: this rank's
-    slice where split, the tensor itself where not; tied names keep one tensor."""
-    made: dict[int, torch.Tensor] = {}
+    slice where split, the tensor itself where not; tied names keep one tensor (`made`: full
+    tensor's id -> what replaced it, shared by the rank's stages)."""
     wholes = dict(whole.named_parameters(remove_duplicate=False)) | dict(whole.named_buffers(remove_duplicate=False))
     for name, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
         source = wholes.get(name)

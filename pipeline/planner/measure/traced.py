@@ -19,6 +19,7 @@ from pipelaunch.pipeline.compute.threads import cpu_threads
 from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plugins import Plugin
+from pipelaunch.pipeline.graph.tensor_parallel import shard_meta
 from pipelaunch.pipeline.graph.trace import TracedModel
 from pipelaunch.pipeline.planner.measure.profile import (
     ProfileJob,
@@ -26,6 +27,7 @@ from pipelaunch.pipeline.planner.measure.profile import (
     profile_graphs,
     profiled_nodes,
 )
+from pipelaunch.pipeline.planner.measure.tensor_parallel import localized
 from pipelaunch.pipeline.planner.predict.prediction import profiling_threads
 
 
@@ -48,25 +50,50 @@ class TracedModels:
         self.device = device if device is not None else (None if cuda else torch.device("cpu"))
         self.model = None
         self._traced: dict[int, TracedModel] = {}
+        #: under tp > 1 (set by make_plan): the modules it splits, and the tp link (latency, bandwidth)
+        self.tp, self.tp_modules, self.tp_link = cfg.tp, {}, (0.0, 1.0)
+        #: the model traced at one tp rank's shapes, per size, and the sizes priced from a profile
+        self._local: dict[int, TracedModel] = {}
+        self._localized: set[int] = set()
         #: the sizes whose graphs carry their profile (or need none)
         self._profiled: set[int] = set()
 
     def get(self, micro_batch_size: int) -> TracedModel:
-        """The model traced (and profiled, if asked) at this micro-batch size."""
+        """The model traced (and profiled, if asked) at this micro-batch size; under tp > 1 one
+        tp rank's share of it (`measure/tensor_parallel.py`)."""
         self.prepare([micro_batch_size])
-        return self._traced[micro_batch_size]
+        if self.tp == 1:
+            return self._traced[micro_batch_size]
+        local = self._local_trace(micro_batch_size)
+        if micro_batch_size not in self._localized:
+            localized(self._traced[micro_batch_size], local, self.tp_modules, self._sharded, self.tp, self.tp_link)
+            self._localized.add(micro_batch_size)
+        return local
 
     def structure(self, micro_batch_size: int) -> TracedModel:
         """The model traced at this size, profiled or not yet: for what reads only the graph's shape."""
+        whole = self._whole(micro_batch_size)
+        return whole if self.tp == 1 else self._local_trace(micro_batch_size)
+
+    def _whole(self, micro_batch_size: int) -> TracedModel:
+        """The whole model traced at this size (what the profile measures)."""
         if micro_batch_size not in self._traced:
             self._traced[micro_batch_size] = self._trace(micro_batch_size)
         return self._traced[micro_batch_size]
+
+    def _local_trace(self, micro_batch_size: int) -> TracedModel:
+        """The model traced with its split parameters at one tp rank's shapes (the ranks' own trace)."""
+        if micro_batch_size not in self._local:
+            model = self.spec.build_meta()
+            self._sharded = shard_meta(model, self.tp_modules, self.tp)
+            self._local[micro_batch_size] = self.spec.trace(micro_batch_size, model)
+        return self._local[micro_batch_size]
 
     def prepare(self, sizes: Iterable[int]) -> None:
         """Trace, and profile if asked, every size of `sizes` not done yet; on this process's
         device the sizes are measured in shared passes (`profile_graphs`: the machine's drift
         between profiles taken one after another made a size look cheaper than another)."""
-        todo = {size: self.structure(size) for size in dict.fromkeys(sizes) if size not in self._profiled}
+        todo = {size: self._whole(size) for size in dict.fromkeys(sizes) if size not in self._profiled}
         if self.profile and todo:
             if self.device is None:  # a GPU run planned in the launcher: a child per size
                 for size, t in todo.items():
