@@ -80,6 +80,9 @@ def check_config(cfg: TrainConfig) -> None:
     _number(cfg.link_bandwidth, "link_bandwidth", 0.0, strict=True, what=" (the simulator's link model)")
     if cfg.link_latency_s is not None:
         _number(cfg.link_latency_s, "link_latency_s", 0.0, strict=True, what=" (the simulator's link model; null: measured)")
+    for key in ("tp_link_latency_s", "tp_link_bandwidth"):
+        if getattr(cfg, key) is not None:
+            _number(getattr(cfg, key), key, 0.0, strict=True, what=" or null (the pipeline link's)")
     if cfg.action_overhead_s is not None:
         _number(cfg.action_overhead_s, "action_overhead_s", 0.0, what=" (seconds per compute action; null: measured)")
     check_devices(cfg)
@@ -119,6 +122,9 @@ def check_zero(cfg: TrainConfig) -> None:
         raise ConfigError("zero", f"got {cfg.zero!r}; valid: 0 (replicas hold everything), 1 (optimizer states "
                                   "sharded over the dp replicas), 2 (gradients too), 3 (parameters too)")
     devices = cfg.plan.devices
+    if devices is not None and isinstance(devices, int) and devices % cfg.tp:
+        raise ConfigError("plan.devices", f"{devices} devices do not split into pipeline ranks of tp={cfg.tp} "
+                                          f"devices each; valid: a multiple of {cfg.tp}")
     if cfg.zero and cfg.dp < 2 and devices is None:
         raise ConfigError("zero", f"zero={cfg.zero} shards a stage's states over its data-parallel replicas, and "
                                   f"dp={cfg.dp} has one; set dp >= 2 (e.g. dp=2 zero={cfg.zero}) or zero=0")
@@ -132,6 +138,10 @@ def check_zero(cfg: TrainConfig) -> None:
         if not cfg.zero:
             raise ConfigError("dp_shard", f"dp_shard={shard} splits sharded states over groups of replicas, and "
                                           "zero=0 shards nothing; set zero=1, 2 or 3, or leave dp_shard null")
+        if cfg.tp > 1:
+            raise ConfigError("dp_shard", f"dp_shard={shard} with tp={cfg.tp}: hybrid sharding of tensor-parallel "
+                                          "slices is not supported yet; leave dp_shard null (shard over all "
+                                          "replicas) or set tp=1")
     bucket = cfg.dp_bucket_bytes
     if bucket is not None and (isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or bucket < 0):
         raise ConfigError("dp_bucket_bytes", f"got {bucket!r}; valid: null (25e6 at zero=0, one collective per block "

@@ -165,4 +165,8 @@ def test_a_tensor_parallel_checkpoint_resumes_under_other_layouts(tmp_path) -> N
         ref, got = _weights(tmp_path / "tp"), _weights(tmp_path / name)
         assert set(ref) == set(got)
         for key, r in ref.items():
-            assert float((got[key] - r).norm()) <= 1e-5 * float(r.norm()), (name, key)
+            # a key bias's gradient is zero in exact arithmetic (softmax ignores a shift shared by
+            # every key), so AdamW's normalised steps on its rounding noise follow the order of the
+            # sums, which tp changes: 1.1e-5 of its norm measured, 1e-4 allowed for it alone
+            limit = 1e-4 if key.endswith("attn.k.bias") else 1e-5
+            assert float((got[key] - r).norm()) <= limit * float(r.norm()), (name, key)

@@ -28,15 +28,17 @@ class Layout:
 
 def layouts(cfg: TrainConfig) -> list[Layout]:
     """The layouts of the search: the configured pp and dp (errors raised as before), or every
-    pp x dp == plan.devices whose dp the batch and the sharding settings allow, pp from 1 up.
+    pp x dp x tp == plan.devices (tp as configured) whose dp the batch and the sharding settings
+    allow, pp from 1 up.
     A pp larger than the model has blocks for stays in: its candidates fail to plan, as any do."""
     space = cfg.plan
     if space.devices is None:
         return [Layout(None, None, microbatch_counts(cfg.pp, cfg.dp, cfg.batch_size, cfg.microbatches,
                                                      space.microbatches), zero_levels(space.zero, cfg.dp))]
     found, skipped = [], []
-    for pp in (d for d in range(1, space.devices + 1) if space.devices % d == 0):
-        dp = space.devices // pp
+    pipelines = space.devices // cfg.tp  # each pipeline rank takes tp devices (tp is not searched yet)
+    for pp in (d for d in range(1, pipelines + 1) if pipelines % d == 0):
+        dp = pipelines // pp
         try:
             found.append(_layout(cfg, pp, dp))
         except ConfigError as err:
