@@ -288,6 +288,12 @@ def _own_loss_args(inner: nn.Module, targets_arg: str | None, labels: str | None
     return targets_arg, labels
 
 
+def _tp_plan(plan: Mapping[str, str] | None) -> dict[str, str]:
+    """A user's tensor-parallel plan on the wrapped model's names (the module is `inner`)."""
+    plan = OmegaConf.to_container(plan) if OmegaConf.is_config(plan) else plan
+    return {f"inner.{k}": str(v) for k, v in (plan or {}).items()}
+
+
 def module(
     module: Callable[[], nn.Module],
     input: dict | None = None,  # noqa: A002 - the config key users write
@@ -313,14 +319,11 @@ def module(
     positions; cross_entropy: one label). `loss=model`: the model computes its own loss, its
     targets passed as `targets_arg` (`labels`: the data's `targets` or the `inputs`), `output`
     picking the loss. `data_kind`: the data's kind (`tokens`, `images`). `tp_plan`: how tp > 1
-    splits the module, {module-name pattern (the module's own names, `*` one component): colwise |
-    rowwise | vocab | replicate}."""
+    splits it, {its module-name pattern (`*` one component): colwise | rowwise | vocab | replicate}."""
     module, input, target, loss, extra_inputs = (
         OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
         for v in (module, input, target, loss, extra_inputs))
-    extra_inputs = list(extra_inputs)
-    leaf_modules = list(leaf_modules)
-    output = _output(output)
+    extra_inputs, leaf_modules, output = list(extra_inputs), list(leaf_modules), _output(output)
     if not callable(module):
         raise ConfigError("model.module", f"needs to name a callable that returns an nn.Module (its import path, "
                                           f"diffusers.UNet2DModel), got {module!r}")
@@ -368,6 +371,5 @@ def module(
         leaf_modules=[f"inner.{n}" for n in leaf_modules], init=family, init_weights=whole, meta=meta,
         load=ConstructorBuffers(build) if any(True for _ in probe.buffers()) else None,
         data_args=data_args, own_loss=loss == OWN_LOSS,
-        tp_plan={f"inner.{k}": str(v) for k, v in (OmegaConf.to_container(tp_plan) if OmegaConf.is_config(tp_plan)
-                                                 else tp_plan or {}).items()},
+        tp_plan=_tp_plan(tp_plan),
     )

@@ -151,8 +151,8 @@ def test_a_tensor_parallel_checkpoint_resumes_under_other_layouts(tmp_path) -> N
     """pp=2 tp=2 (AdamW, cosine, clipping that bites) checkpointed at step 3 resumes at pp=4 tp=1
     and at pp=1 dp=2 tp=2 zero=3 (the slices sharded again over the replicas) on the uninterrupted
     run's losses; the resumed runs' final weights, exported whole, match its own."""
-    from tests.test_long_runs import RESUME, _run, _weights
     from tests.test_cli import metrics
+    from tests.test_long_runs import RESUME, _run, _weights
 
     base = [*RESUME, "checkpoint.every=3", "steps=6"]
     _run([*base, "pp=2", "tp=2", f"checkpoint.dir={tmp_path / 'tp'}"], tmp_path / "tprun")

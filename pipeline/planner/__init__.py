@@ -68,8 +68,7 @@ def make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Grou
     facts = _machine_facts(cfg, plugins, cuda, profile)
     tp_modules = tensor_parallel_modules(cfg.tp, spec, models)
     models.tp_modules = tp_modules
-    models.tp_link = (facts["link_latency_s"] if cfg.tp_link_latency_s is None else cfg.tp_link_latency_s,
-                      cfg.link_bandwidth if cfg.tp_link_bandwidth is None else cfg.tp_link_bandwidth)
+    models.tp_link = tp_link(cfg, cuda, profile, facts["link_latency_s"])
     link = (facts["link_latency_s"], cfg.link_bandwidth)
 
     def build(gen: ScheduleGenerator, traced: TracedModel, c: Candidate | None = None,
@@ -138,6 +137,18 @@ def runtime_overheads(cfg: TrainConfig, cuda: bool, profile: bool, threads: int)
             latency = measured.latency_s if latency is None else latency
             action = measured.action_s if action is None else action
     return (cfg.link[0] if latency is None else latency), (0.0 if action is None else action)
+
+
+def tp_link(cfg: TrainConfig, cuda: bool, profile: bool, link_latency_s: float) -> tuple[float, float]:
+    """(seconds per ring step, bytes per second) of the link tp's all-reduces are priced on: as
+    configured, else on a CPU run the all-reduce the probe measured between two busy ranks (a
+    ring of two takes two steps), else the pipeline link's."""
+    latency = cfg.tp_link_latency_s
+    if latency is None and profile and not cuda and cfg.tp > 1:
+        measured = cached_overheads(cpu_threads(cfg.threads, cfg.world_size))
+        latency = measured.all_reduce_s / 2 if measured is not None and measured.all_reduce_s else None
+    return (link_latency_s if latency is None else latency,
+            cfg.link_bandwidth if cfg.tp_link_bandwidth is None else cfg.tp_link_bandwidth)
 
 
 def rank_slots(cfg: TrainConfig, cuda: bool) -> float | None:

@@ -32,8 +32,9 @@ def probe(rank: int, port: int, threads: int) -> dict:
     try:
         with busy_cores():
             latency = _ping_pong(rank)
+            all_reduce = _all_reduces()
         dist.barrier()
-        return {"action_s": _tiny_actions(), **({"latency_s": latency} if rank == 0 else {})}
+        return {"action_s": _tiny_actions(), **({"latency_s": latency, "all_reduce_s": all_reduce} if rank == 0 else {})}
     finally:
         dist.destroy_process_group()
 
@@ -89,6 +90,21 @@ def _ping_pong(rank: int) -> float:
             trip((b + 1) * ROUNDS + i)
         blocks.append((time.perf_counter() - start) / ROUNDS / 2)
     p2p.wait_sends()
+    return statistics.median(blocks)
+
+
+def _all_reduces() -> float:
+    """Seconds per all-reduce of one value between the two ranks (what tensor parallelism's
+    collectives pay beyond their bytes), as `_ping_pong` times its trips: the median block."""
+    x = torch.zeros(1)
+    for _ in range(ROUNDS // 4):
+        dist.all_reduce(x)
+    blocks = []
+    for _ in range(BLOCKS):
+        start = time.perf_counter()
+        for _ in range(ROUNDS):
+            dist.all_reduce(x)
+        blocks.append((time.perf_counter() - start) / ROUNDS)
     return statistics.median(blocks)
 
 

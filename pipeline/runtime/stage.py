@@ -17,8 +17,8 @@ from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.graph.materialize import materialize
 from pipelaunch.pipeline.graph.recompute import recompute_modules
 from pipelaunch.pipeline.graph.split import split_model
-from pipelaunch.pipeline.graph.trace import TracedModel, retarget
 from pipelaunch.pipeline.graph.tensor_parallel import Rewritten
+from pipelaunch.pipeline.graph.trace import TracedModel, retarget
 from pipelaunch.pipeline.graph.units import StageUnits, node_param_uses, stage_units
 from pipelaunch.pipeline.runtime.tensor_parallel import TensorParallel, local_stages
 

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
 from pipelaunch.models.spec import ModelSpec
+from pipelaunch.pipeline.compute.vocab_parallel import vocab_parallel_loss as parallel_loss
 from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.graph.tensor_parallel import Collectives, Rewritten, local_split, parallelize
 
@@ -107,46 +108,10 @@ def collectives(tp: TensorParallel) -> Collectives:
                        embedding=lambda what, padding: VocabParallelEmbedding(tp, what, padding))
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross-entropy summed over scored positions, on logits split by vocabulary: three
-    all-reduces of one value per position (the max, the sum of exponentials, the target's logit),
-    never the logits themselves (Megatron's)."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, tp: TensorParallel, ignore_index: int):
-        logits = logits.float()
-        rows = logits.shape[-1]
-        start = tp.rank * rows
-        peak = tp.all_reduce(logits.max(dim=-1).values, "loss max", dist.ReduceOp.MAX)
-        shifted = logits - peak.unsqueeze(-1)
-        exp = shifted.exp()
-        total = tp.all_reduce(exp.sum(dim=-1), "loss sum")
-        outside = (targets < start) | (targets >= start + rows)
-        local = torch.where(outside, torch.zeros_like(targets), targets - start)
-        picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        picked = tp.all_reduce(picked, "loss target")
-        scored = targets != ignore_index
-        losses = (total.log() - picked).masked_fill(~scored, 0.0)
-        ctx.save_for_backward(exp.div_(total.unsqueeze(-1)), local, outside, scored)
-        return losses.sum()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        softmax, local, outside, scored = ctx.saved_tensors
-        onehot = torch.zeros_like(softmax).scatter_(-1, local.unsqueeze(-1), (~outside).unsqueeze(-1).to(softmax.dtype))
-        return (softmax - onehot) * (scored.unsqueeze(-1) * grad).to(softmax.dtype), None, None, None
-
-
 def vocab_parallel_loss(tp: TensorParallel, ignore_index: int = -100):
-    """The mean next-token cross-entropy (`models.spec.causal_lm_loss`) of a micro-batch whose
-    logits this rank holds 1/tp of the vocabulary of: equal to it on the gathered logits."""
-
-    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        flat, labels = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
-        summed = _VocabParallelCrossEntropy.apply(flat, labels, tp, ignore_index)
-        return (summed / (labels != ignore_index).sum().clamp(min=1)).to(logits.dtype)
-
-    return loss
+    """The mean next-token cross-entropy on this rank's vocabulary shard of the logits, its three
+    all-reduces over the tp group (`compute/vocab_parallel.py`)."""
+    return parallel_loss(tp.rank, tp.all_reduce, ignore_index)
 
 
 def local_stages(spec: ModelSpec, plan: Plan, full: dict[int, torch.fx.GraphModule], tp: TensorParallel,

@@ -45,6 +45,8 @@ class Overheads:
 
     latency_s: float
     action_s: float
+    #: one all-reduce of a value between two busy ranks (tp's collectives' fixed cost)
+    all_reduce_s: float = 0.0
 
 
 def cached_overheads(threads: int) -> Overheads | None:
@@ -69,7 +71,7 @@ def cache_path(threads: int) -> Path:
 
 
 #: how the probe measures (part of the cache key: figures of an earlier probe are measured again)
-PROBE_VERSION = "busy-ping-pong-median"
+PROBE_VERSION = "busy-ping-pong-median-all-reduce"
 
 
 def _key(threads: int) -> str:
@@ -99,8 +101,9 @@ def measure_overheads(threads: int) -> Overheads | None:
                 p.wait()
     if any(p.returncode for p in procs):
         return None
-    latency = next(r["latency_s"] for r in results if "latency_s" in r)
-    return Overheads(latency_s=latency, action_s=statistics.mean(r["action_s"] for r in results))
+    first = next(r for r in results if "latency_s" in r)
+    return Overheads(latency_s=first["latency_s"], action_s=statistics.mean(r["action_s"] for r in results),
+                     all_reduce_s=first["all_reduce_s"])
 
 
 #: what torchrun and SLURM tell a rank about its job; the probe's two processes are a job of their own

@@ -1,31 +1,30 @@
-"""One tp rank's share of a profiled model: what the planner prices under tp > 1.
+"""One tp rank's work, measured, and its collectives priced: what the planner prices under tp > 1.
 
-The profile measures the whole model's nodes (on this machine a rank's slice could not run alone:
-its vocabulary-split lookup and loss read ids outside its rows). Each node of the model traced at
-one tp rank's shapes then takes the measured node's times and activation bytes scaled by the share
-of it a tp rank computes: its parameters' share (a projection split by tp: 1/tp; a norm kept
-whole: 1), or, for a node without parameters, its output's (attention over a rank's heads: 1/tp).
-Its parameters, outputs and the values crossing stage boundaries are the local trace's own. The
-collectives the rewrite places (pipeline/graph/tensor_parallel.py) are priced as ring all-reduces
-on the tp link and added to the node they belong to: `g` and the lookup's to its forward, `f` to
-its backward (the input-gradient half under a split backward: the weight-gradient half needs
-none), the vocabulary-parallel loss's three to the head's forward. Megatron runs them on the
-compute stream, so they add to the node's time rather than overlap it.
+The model is traced at one tp rank's shapes (its planned parameters sliced: the ranks' own trace),
+and that trace is what the profile measures, node by node, with the rewrite's collectives stood in
+by shape-only modules (`SHAPE_ONLY`: the vocabulary-split lookup clamps its ids instead of
+summing over ranks) and the loss by the vocabulary-parallel cross-entropy's local work. So a
+node's time is the rank's own: a projection on its slice, attention over its heads, a norm on the
+whole hidden state, the loss's masked gathers, as the rank runs them.
+
+The collectives the rewrite places are priced apart, as ring all-reduces on the tp link, and added
+to the node they belong to: `g` and the lookup's to its forward, `f` to its backward (the
+input-gradient half under a split backward: the weight-gradient half needs none), the loss's
+three to the head's forward. Megatron runs them on the compute stream, so they add to the node's
+time rather than overlap it.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from dataclasses import replace
 
 import networkx as nx
 
-from pipelaunch.pipeline.graph.tensor_parallel import SHAPE_ONLY, Sharded, parallelize
+from pipelaunch.pipeline.graph.tensor_parallel import SHAPE_ONLY, Rewritten, Sharded, parallelize
 from pipelaunch.pipeline.graph.trace import TracedModel
 
-#: what a node's measured cost is scaled by (its parameters, outputs and edges are the local trace's)
-SCALED = ("forward_s", "backward_s", "backward_input_s", "backward_weight_s", "activation_bytes", "stash_bytes",
-          "loss_activation_bytes")
 #: the vocabulary-parallel loss's all-reduces per micro-batch (max, sum of exponentials, target logit)
 LOSS_ALL_REDUCES = 3
 
@@ -35,28 +34,20 @@ def all_reduce_s(nbytes: float, tp: int, latency_s: float, bandwidth: float) -> 
     return 2 * (tp - 1) * (latency_s + nbytes / tp / bandwidth)
 
 
-def share(whole: Mapping, local: Mapping) -> float:
-    """The part of a node's work one tp rank does: its parameters', else its output's share."""
-    if whole.get("param_bytes"):
-        return local["param_bytes"] / whole["param_bytes"]
-    if whole.get("output_bytes"):
-        return local["output_bytes"] / whole["output_bytes"]
-    return 1.0
+def profiled_twin(local: TracedModel, modules: Mapping[str, str], sharded: Mapping[str, Sharded]
+                  ) -> tuple[TracedModel, Rewritten]:
+    """What the profile runs for `local`: a copy of its graph rewritten with shape-only collectives,
+    annotating `local`'s own cost graph; and what the rewrite placed."""
+    gm = copy.deepcopy(local.gm)
+    done = parallelize(gm, sharded, modules, SHAPE_ONLY)
+    return replace(local, gm=gm), done
 
 
-def localized(full: TracedModel, local: TracedModel, modules: Mapping[str, str], sharded: Mapping[str, Sharded],
-              tp: int, link: tuple[float, float]) -> TracedModel:
-    """`local` (the model traced at one tp rank's shapes) priced from `full`'s profile, with its
-    tp collectives on `link` (latency, bandwidth); in place, returned. Unprofiled: shapes only."""
-    g, measured = local.graph, full.graph
-    profiled = all("forward_s" in measured.nodes[n] for n in measured.nodes)
-    if profiled:
-        for name in g.nodes:
-            whole, node = measured.nodes[name], g.nodes[name]
-            ratio = share(whole, node)
-            node.update({k: whole[k] * ratio for k in SCALED if k in whole})
-            node["tp_share"] = ratio
-    done = parallelize(copy.deepcopy(local.gm), sharded, modules, SHAPE_ONLY)
+def add_collectives(local: TracedModel, done: Rewritten, tp: int, link: tuple[float, float]) -> None:
+    """Each tp collective `done` placed, priced on `link` (latency, bandwidth) and added to its
+    node's times (when profiled) and to its list `tp_collectives` (kind, bytes)."""
+    g = local.graph
+    profiled = all("forward_s" in g.nodes[n] for n in g.nodes)
     for inserted, kind in done.inserted.items():
         owner = done.at[inserted]
         node = g.nodes[owner]
@@ -68,14 +59,13 @@ def localized(full: TracedModel, local: TracedModel, modules: Mapping[str, str],
                 node[key] += seconds
     for owner in done.vocab_outputs:
         node = g.nodes[owner]
-        # one fp32 value per position: the logits' bytes over the rank's vocabulary
         shape = (node.get("shape") or [[1]])[0]  # [dims, dtype]
+        # one fp32 value per position: the logits' bytes over the rank's vocabulary
         per_position = node["output_bytes"] / max(1, shape[-1] if shape else 1)
         node.setdefault("tp_collectives", []).extend([("loss", per_position)] * LOSS_ALL_REDUCES)
         if profiled:
             node["forward_s"] += LOSS_ALL_REDUCES * all_reduce_s(per_position, tp, *link)
     g.graph["tp"] = tp
-    return local
 
 
 def _input_bytes(g: nx.DiGraph, name: str) -> float:

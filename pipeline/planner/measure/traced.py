@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 
 import torch
@@ -16,10 +16,11 @@ import torch
 from pipelaunch.models.spec import ModelSpec
 from pipelaunch.pipeline.compute.host_allocator import configure_host_allocator
 from pipelaunch.pipeline.compute.threads import cpu_threads
+from pipelaunch.pipeline.compute.vocab_parallel import vocab_parallel_loss
 from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plugins import Plugin
-from pipelaunch.pipeline.graph.tensor_parallel import shard_meta
+from pipelaunch.pipeline.graph.tensor_parallel import Rewritten, shard_meta, sharded_params
 from pipelaunch.pipeline.graph.trace import TracedModel
 from pipelaunch.pipeline.planner.measure.profile import (
     ProfileJob,
@@ -27,7 +28,7 @@ from pipelaunch.pipeline.planner.measure.profile import (
     profile_graphs,
     profiled_nodes,
 )
-from pipelaunch.pipeline.planner.measure.tensor_parallel import localized
+from pipelaunch.pipeline.planner.measure.tensor_parallel import add_collectives, profiled_twin
 from pipelaunch.pipeline.planner.predict.prediction import profiling_threads
 
 
@@ -52,9 +53,10 @@ class TracedModels:
         self._traced: dict[int, TracedModel] = {}
         #: under tp > 1 (set by make_plan): the modules it splits, and the tp link (latency, bandwidth)
         self.tp, self.tp_modules, self.tp_link = cfg.tp, {}, (0.0, 1.0)
-        #: the model traced at one tp rank's shapes, per size, and the sizes priced from a profile
+        #: the model traced at one tp rank's shapes, per size; the rewrite of each (what it placed)
         self._local: dict[int, TracedModel] = {}
-        self._localized: set[int] = set()
+        self._rewrites: dict[int, Rewritten] = {}
+        self._priced: set[int] = set()
         #: the sizes whose graphs carry their profile (or need none)
         self._profiled: set[int] = set()
 
@@ -65,15 +67,14 @@ class TracedModels:
         if self.tp == 1:
             return self._traced[micro_batch_size]
         local = self._local_trace(micro_batch_size)
-        if micro_batch_size not in self._localized:
-            localized(self._traced[micro_batch_size], local, self.tp_modules, self._sharded, self.tp, self.tp_link)
-            self._localized.add(micro_batch_size)
+        if micro_batch_size not in self._priced:
+            add_collectives(local, self._rewrites[micro_batch_size], self.tp, self.tp_link)
+            self._priced.add(micro_batch_size)
         return local
 
     def structure(self, micro_batch_size: int) -> TracedModel:
         """The model traced at this size, profiled or not yet: for what reads only the graph's shape."""
-        whole = self._whole(micro_batch_size)
-        return whole if self.tp == 1 else self._local_trace(micro_batch_size)
+        return self._whole(micro_batch_size) if self.tp == 1 else self._local_trace(micro_batch_size)
 
     def _whole(self, micro_batch_size: int) -> TracedModel:
         """The whole model traced at this size (what the profile measures)."""
@@ -86,22 +87,25 @@ class TracedModels:
         if micro_batch_size not in self._local:
             model = self.spec.build_meta()
             self._sharded = shard_meta(model, self.tp_modules, self.tp)
-            self._local[micro_batch_size] = self.spec.trace(micro_batch_size, model)
+            local = self.spec.trace(micro_batch_size, model)
+            self._local[micro_batch_size] = local
+            self._rewrites[micro_batch_size] = profiled_twin(local, self.tp_modules, self._sharded)[1]
         return self._local[micro_batch_size]
 
     def prepare(self, sizes: Iterable[int]) -> None:
         """Trace, and profile if asked, every size of `sizes` not done yet; on this process's
         device the sizes are measured in shared passes (`profile_graphs`: the machine's drift
         between profiles taken one after another made a size look cheaper than another)."""
-        todo = {size: self._whole(size) for size in dict.fromkeys(sizes) if size not in self._profiled}
+        todo = {size: self.structure(size) for size in dict.fromkeys(sizes) if size not in self._profiled}
         if self.profile and todo:
             if self.device is None:  # a GPU run planned in the launcher: a child per size
                 for size, t in todo.items():
-                    nodes, cached = profile_in_child(self.cfg, self.model_plugin, size, torch.device("cuda", 0))
+                    nodes, cached = profile_in_child(self.cfg, self.model_plugin, size, torch.device("cuda", 0),
+                                                     self.tp_modules)
                     apply_profile(t.graph, nodes)
                     t.graph.graph["profile_cached"] = cached
             else:
-                profile_traced(self.spec, self.cfg, list(todo.values()), list(todo), self.device)
+                profile_traced(self.spec, self.cfg, list(todo.values()), list(todo), self.device, self.tp_modules)
         self._profiled.update(todo)
 
     def _trace(self, micro_batch_size: int) -> TracedModel:
@@ -117,10 +121,12 @@ class TracedModels:
 
 
 def profile_traced(spec: ModelSpec, cfg: TrainConfig, traced: Sequence[TracedModel], micro_batch_sizes: Sequence[int],
-                   device: torch.device) -> None:
+                   device: torch.device, tp_modules: Mapping[str, str] | None = None) -> None:
     """Measure each of `traced` (one per micro-batch size) on one real micro-batch on `device`
     (cached on disk), in shared passes. A model that computes its own loss has it among its nodes
-    (and the targets among its inputs): nothing to add."""
+    (and the targets among its inputs): nothing to add. Under tp > 1 (`tp_modules`), `traced` are
+    the model at one tp rank's shapes, run with shape-only collectives and, where the head's
+    logits are split, the vocabulary-parallel loss's local work (`measure/tensor_parallel.py`)."""
     if device.type == "cuda":
         # what CPU profiles add to the key (threads, malloc) does not change a GPU's timings;
         # the GPU's name does (profile_key)
@@ -137,29 +143,38 @@ def profile_traced(spec: ModelSpec, cfg: TrainConfig, traced: Sequence[TracedMod
     jobs = []
     for t, size in zip(traced, micro_batch_sizes, strict=True):
         x, y = spec.example_batch(size, cfg.seed)
-        jobs.append(ProfileJob(t, spec.model_args(x, y), key, None if spec.own_loss else (spec.loss_fn, y)))
+        loss_fn = spec.loss_fn
+        if tp_modules and cfg.tp > 1:
+            key = {**key, "tp": cfg.tp, "tp_modules": dict(tp_modules)}
+            t, done = profiled_twin(t, tp_modules, sharded_params(t.gm, tp_modules))
+            loss_fn = vocab_parallel_loss(0) if done.vocab_outputs else loss_fn
+        jobs.append(ProfileJob(t, spec.model_args(x, y), key, None if spec.own_loss else (loss_fn, y)))
     with timed_as_ranks:
         profile_graphs(jobs, device=device, seed=cfg.seed)
 
 
-def profile_in_child(cfg: TrainConfig, model: Plugin, micro_batch_size: int, device: torch.device) -> tuple[dict[str, dict], bool]:
+def profile_in_child(cfg: TrainConfig, model: Plugin, micro_batch_size: int, device: torch.device,
+                     tp_modules: Mapping[str, str] | None = None) -> tuple[dict[str, dict], bool]:
     """Profile the model of `cfg` on `device` in a fresh process that exits before this returns,
     taking its CUDA context with it; returns every node's profile fields and whether the on-disk
     cache had them."""
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        return pool.submit(_profile_child, cfg, model, micro_batch_size, str(device)).result()
+        return pool.submit(_profile_child, cfg, model, micro_batch_size, str(device), dict(tp_modules or {})).result()
 
 
-def _profile_child(cfg: TrainConfig, model: Plugin, micro_batch_size: int, device: str
-                   ) -> tuple[dict[str, dict], bool]:
-    """The child's side: rebuild and retrace the model (deterministic: the same node names), then
-    profile it on its GPU."""
+def _profile_child(cfg: TrainConfig, model: Plugin, micro_batch_size: int, device: str,
+                   tp_modules: dict[str, str]) -> tuple[dict[str, dict], bool]:
+    """The child's side: rebuild and retrace the model (deterministic: the same node names; under
+    tp at one tp rank's shapes), then profile it on its GPU."""
     spec = model.build()
-    traced = spec.trace(micro_batch_size, spec.build_meta())
+    meta = spec.build_meta()
+    if tp_modules and cfg.tp > 1:
+        shard_meta(meta, tp_modules, cfg.tp)
+    traced = spec.trace(micro_batch_size, meta)
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(torch.device(device))
-    profile_traced(spec, cfg, [traced], [micro_batch_size], torch.device(device))
+    profile_traced(spec, cfg, [traced], [micro_batch_size], torch.device(device), tp_modules)
     return profiled_nodes(traced.graph), bool(traced.graph.graph.get("profile_cached"))
 
 
