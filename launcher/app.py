@@ -73,7 +73,8 @@ def spawn(cfg: TrainConfig, prepared: Prepared, initial: Initial, run_dir: Path)
     job = RankJob(prepared.run, plan, str(run_dir), resume_from=prepared.resume_from,
                   initial_weights=str(initial.path) if initial.path is not None else None)
     print(check_split(cfg, prepared.spec, plan, prepared.model, initial), flush=True)
-    print(f"schedule {plan.schedule.name}: pp={plan.pp} dp={plan.dp} microbatches={plan.microbatches}", flush=True)
+    tp = f" tp={plan.tp}" if plan.tp > 1 else ""
+    print(f"schedule {plan.schedule.name}: pp={plan.pp} dp={plan.dp}{tp} microbatches={plan.microbatches}", flush=True)
     beats = run_dir / "heartbeat"
     env = {**rank_environment(cfg.huge_pages), **launcher_terminal(), HEARTBEAT_DIR: str(beats)}
     flight = None

@@ -1,12 +1,10 @@
-"""What tensor parallelism (tp > 1) needs of a model, checked before any rank exists: the model
-traced at one tp rank's shapes, each stage's graph rewritten with stand-ins for the collectives
-(the rewrite refuses a split weight it cannot place collectives around), the values crossing a
-stage boundary whole, and vocabulary-split logits scored only by the cross-entropy that computes
+"""What tensor parallelism (tp > 1) needs of a model, checked before any rank exists: sizes tp
+divides, the model traced at one tp rank's shapes and cut by the plan, each stage's graph
+rewritten with stand-ins for the collectives (the rewrite refuses a split weight it cannot place
+collectives around), and vocabulary-split logits scored only by the cross-entropy that computes
 on the shards."""
 
 from __future__ import annotations
-
-import torch
 
 from pipelaunch.models.spec import ModelSpec, causal_lm_loss
 from pipelaunch.pipeline.core.errors import ConfigError
@@ -30,35 +28,16 @@ def check_tp_sizes(spec: ModelSpec, tp: int) -> None:
 def check_tensor_parallel(spec: ModelSpec, plan: Plan) -> None:
     """Refuse, before spawning, a tensor-parallel plan the ranks could not run exactly: a module
     whose code bakes a full size in, a split weight read other than by a projection or a lookup,
-    a stage boundary inside a split region, or split logits no vocabulary-parallel loss scores."""
+    or split logits no vocabulary-parallel loss scores. (A stage boundary inside a split region is
+    fine: the plan's values have one tp rank's shapes, and each rank sends its own slice.)"""
     if plan.tp == 1:
         return
     split, sharded = local_split(spec.build_meta(), lambda m: spec.trace(plan.micro_batch_size, m), plan.assignment,
                                  len(plan.stages), plan.tp_modules, plan.tp)
     for stage in plan.stages:
-        gm = split.stages[stage.index]
-        shapes = {n.name: _shape(n) for n in gm.graph.nodes}
-        rewritten = parallelize(gm, sharded, plan.tp_modules, SHAPE_ONLY)
-        for value in stage.outputs:
-            if value in rewritten.vocab_outputs:
-                continue
-            local, planned = shapes.get(value), tuple(stage.values[value][0])
-            if local is not None and local != planned:
-                raise ConfigError("tp", f"stage {stage.index} sends {value} to stage(s) {stage.outputs[value]} "
-                                        f"split over the tp ranks (shape {list(local)} on each, {list(planned)} "
-                                        "whole): a stage boundary falls inside a tensor-parallel region (between "
-                                        "a column-parallel projection and its row-parallel one). Cut between "
-                                        "blocks (model.granularity=block, partitioner.split_points) or tp=1")
+        rewritten = parallelize(split.stages[stage.index], sharded, plan.tp_modules, SHAPE_ONLY)
         if stage.loss_value in rewritten.vocab_outputs and not spec.own_loss and spec.loss_fn is not causal_lm_loss:
             raise ConfigError("model.tp_plan", f"the last stage's output is split by vocabulary over the tp ranks, and "
                                                f"model={spec.name}'s loss is not the next-token cross-entropy "
                                                "(causal_lm), the one computed on the shards; plan its head as "
                                                "replicate, or use model.loss=causal_lm")
-
-
-def _shape(node: torch.fx.Node) -> tuple[int, ...] | None:
-    meta = node.meta.get("tensor_meta")
-    if meta is not None and hasattr(meta, "shape"):
-        return tuple(meta.shape)
-    val = node.meta.get("val")
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None

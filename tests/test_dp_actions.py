@@ -126,7 +126,7 @@ def test_the_prediction_adds_the_collectives_and_a_shard_s_optimizer_step() -> N
 def test_replicas_that_issue_other_collectives_are_caught() -> None:
     same = ["0REDUCE_GRAD3 all_reduce 10"]
     verify_collective_order([(0, same), (1, None), (0, list(same)), (1, None)])
-    with pytest.raises(RuntimeError, match="replicas 0 and 2 of pipeline rank 0 issued different"):
+    with pytest.raises(RuntimeError, match="ranks 0 and 2, replicas of pipeline rank 0, issued different data-parallel"):
         verify_collective_order([(0, same), (1, None), (0, ["0REDUCE_GRAD3 all_reduce 12"]), (1, None)])
     with pytest.raises(RuntimeError, match="nothing"):
         verify_collective_order([(0, same), (0, [])])

@@ -199,6 +199,14 @@ SCENARIOS = [
     Scenario("block-units-bench", "README.md", (typed("python bench/block_units.py"),)),
     Scenario("zero-hybrid", "README.md", (train("python train.py pp=1 dp=4 dp_shard=2 zero=2 scheduler=1f1b"),),
              slow=True, timeout=180),
+    # slow: tests/test_tensor_parallel.py trains these layouts like one process (and the GPT at pp=2
+    # tp=2 on three schedules), and bench/tensor_parallel.py plans and runs gpt_bench at pp=2 tp=2
+    Scenario("tp-train", "README.md", (train("python train.py pp=2 tp=2"),), slow=True, timeout=300),
+    Scenario("tp-plan", "README.md", (plan("python train.py mode=plan model=gpt_bench pp=2 tp=2"),), slow=True,
+             timeout=300),
+    Scenario("tp-llama", "README.md", (train("python train.py model=hf_llama_tiny pp=2 tp=2 scheduler=zbv"),),
+             slow=True, timeout=300),
+    Scenario("tp-zero-3", "README.md", (train("python train.py pp=1 dp=2 tp=2 zero=3"),), slow=True, timeout=300),
     Scenario("scheduler-auto", "README.md", (train("python train.py scheduler=auto pp=2 microbatches=8"),),
              slow=True, timeout=300),
     Scenario("sweep-4-jobs", "README.md",
@@ -268,6 +276,8 @@ SKIPPED = {
     "pytest -q -n 2": SUITE,
     "pytest -m slow": SUITE,
     "pytest tests/test_config_fuzz.py -s": SUITE,
+    "python bench/tensor_parallel.py": "six real training runs of gpt_bench, profiled afresh each (about 4 minutes), "
+                                       "timed: run on an idle machine, bench/RESULTS.md records them",
     "python train.py $RUN pp=4 dp=2 scheduler=zbv partitioner=milp resume=ckpt/run1/step_0000400":
         "resumes from step 400 of the block's 2000-step run, minutes of training here (resuming on another "
         "layout: tests/test_long_runs.py)",

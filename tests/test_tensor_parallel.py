@@ -46,11 +46,15 @@ def _cases(pairs: list[tuple[str, list[str]]]) -> list[tuple[str, object]]:
 
 def test_pipeline_and_tensor_parallel_train_like_one_process(tmp_path) -> None:
     """Every model and every layout of four ranks, each at least once (a Latin diagonal: the full
-    product is the slow test below), like one process; each tp rank's posting order, and the
-    replicas' and tp ranks' collectives, checked in order."""
+    product is the slow test below), and a stage boundary inside a split region, like one process;
+    each tp rank's posting order, and the replicas' and tp ranks' collectives, checked in order."""
     names = list(MODELS)
     pairs = [(names[i % len(names)], layout) for i, layout in enumerate(LAYOUTS)]
-    pairs += [("gpt tied", LAYOUTS[1]), ("llama", LAYOUTS[4])]  # the V holds both tied ends; GQA with zero=3
+    pairs += [("gpt tied", LAYOUTS[1]), ("llama", LAYOUTS[4]),  # the V holds both tied ends; GQA with zero=3
+              # a cut between a column-parallel projection and its row-parallel one: each tp rank
+              # sends its slice of the MLP's hidden state to its counterpart
+              ("gpt", ["pp=2", "tp=2", "model.granularity=op", "partitioner=manual",
+                       "partitioner.split_points=[layer1_mlp_1]"])]
     check_like_one_process(_cases(pairs), tmp_path, inexact=("llama", "qwen2"))
 
 
@@ -124,9 +128,6 @@ def test_the_rewrite_places_one_f_per_shared_input(granularity: str) -> None:
     (["model=module", "model.module._target_=tests.zoo.nanogpt", "model.seq_len=16", "model.vocab_size=64",
       "model.loss=model", "model.tp_plan={transformer.h.*.attn.c_attn: colwise, "
       "transformer.h.*.attn.c_proj: rowwise}", "tp=2", *FAST[4:]], "tp", "cannot run with its planned modules"),
-    # a cut between a column-parallel projection and its row-parallel one
-    ([*FAST, "tp=2", "model.granularity=op", "partitioner=manual", "partitioner.split_points=[layer1_mlp_1]"],
-     "tp", "inside a tensor-parallel region"),
     ([*FAST, "tp=2", "model=mlp"], "model.tp_plan", "no tensor-parallel plan"),
 ])
 def test_refused_before_spawn(overrides: list[str], key: str, words: str) -> None:

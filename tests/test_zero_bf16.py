@@ -30,9 +30,13 @@ CASES = {"zbv zero=1": [*FAST, "scheduler=zbv", "zero=1"],
 
 
 def _relative(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
-    """The largest per-tensor difference relative to the reference tensor's norm."""
+    """The largest per-tensor difference relative to the reference tensor's norm, or to 1e-2 of the
+    largest norm (about bf16's epsilon) for a tensor that is zero in exact arithmetic: a key bias's
+    gradient (softmax ignores a shift shared by every key) is bf16 rounding noise, 1e-5 to 2e-4
+    against a largest gradient of 0.6 to 3.8, whose relative difference means nothing."""
     assert set(got) == set(ref)
-    return max(float((got[n] - r).norm()) / max(float(r.norm()), 1e-12) for n, r in ref.items())
+    floor = 1e-2 * max(float(r.norm()) for r in ref.values())
+    return max(float((got[n] - r).norm()) / max(float(r.norm()), floor, 1e-12) for n, r in ref.items())
 
 
 @pytest.mark.timeout(300)

@@ -45,6 +45,8 @@ class RankFacts:
     initial_weights: str
     #: the bubble the report's simulation of this run predicts (set by the report, on rank 0's copy)
     predicted_bubble: float | None = None
+    #: its place among the tp ranks of its pipeline rank (0 without tensor parallelism)
+    tp_rank: int = 0
 
     def to_json(self) -> dict:
         """metrics.json's entry (`predicted_bubble` only once the report has set it)."""

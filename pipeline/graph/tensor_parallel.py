@@ -309,13 +309,11 @@ def parallelize(gm: fx.GraphModule, sharded: Mapping[str, Sharded], modules: Map
     return _Rewriter(gm, sharded, modules, make).run()
 
 
-def local_split(model: nn.Module, trace: Callable[[nn.Module], TracedModel], assignment: Mapping[str, int],
-                num_stages: int, modules: Mapping[str, str], tp: int,
-                device: torch.device | None = None) -> tuple[SplitModel, dict[str, Sharded]]:
-    """The meta `model` at its local shapes, traced by `trace` and cut by the plan's `assignment`
-    (on `device` when given: a rank's). The model's own code runs at the local shapes, so a
-    reshape that bakes a full head count in fails here; the trace must give the very nodes the plan
-    cut (a forward whose graph changes with the shapes cannot be split by the same assignment)."""
+def trace_local(model: nn.Module, trace: Callable[[nn.Module], TracedModel], modules: Mapping[str, str],
+                tp: int) -> tuple[TracedModel, dict[str, Sharded]]:
+    """The meta `model` at one tp rank's shapes (`shard_meta`), traced by `trace`: the model's own
+    code runs at the local shapes, so a reshape that bakes a full head count in fails here, refused
+    as a ConfigError naming `tp`."""
     sharded = shard_meta(model, modules, tp)
     try:
         traced = trace(model)
@@ -327,6 +325,16 @@ def local_split(model: nn.Module, trace: Callable[[nn.Module], TracedModel], ass
                                 "forward that reshapes with a head count or width of its own (view(b, t, "
                                 "self.heads, ...)) instead of reading it from the tensor (-1) cannot be split; "
                                 "plan that module as replicate, or tp=1") from err
+    return traced, sharded
+
+
+def local_split(model: nn.Module, trace: Callable[[nn.Module], TracedModel], assignment: Mapping[str, int],
+                num_stages: int, modules: Mapping[str, str], tp: int,
+                device: torch.device | None = None) -> tuple[SplitModel, dict[str, Sharded]]:
+    """The meta `model` at its local shapes (`trace_local`), cut by the plan's `assignment` (on
+    `device` when given: a rank's). The trace must give the very nodes the plan cut (a forward
+    whose graph changes with the shapes cannot be split by the same assignment)."""
+    traced, sharded = trace_local(model, trace, modules, tp)
     if set(assignment) - {n.name for n in traced.gm.graph.nodes}:
         missing = sorted(set(assignment) - {n.name for n in traced.gm.graph.nodes})[:5]
         raise ConfigError("tp", f"traced with its planned modules split over tp={tp} ranks, the model's graph has "

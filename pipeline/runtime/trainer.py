@@ -501,7 +501,7 @@ def _rank_info(trainer: RankTrainer, record: RunRecord, at_start: float,
     peak = peak_memory_bytes(ctx.device)
     devices = plan.meta.device_memory
     facts = RankFacts(
-        rank=ctx.rank, pp_rank=ctx.pp_rank, dp_rank=ctx.dp_rank, stages=sorted(slots),
+        rank=ctx.rank, pp_rank=ctx.pp_rank, dp_rank=ctx.dp_rank, tp_rank=ctx.tp_rank, stages=sorted(slots),
         blocks={s: plan.stages[s].blocks for s in sorted(slots)},
         peak_memory_bytes=peak, memory_at_start_bytes=at_start, peak_above_start_bytes=peak - at_start,
         peak_tensor_bytes=tensors.peak_bytes(),

@@ -20,7 +20,7 @@ from pipelaunch.pipeline.compute.vocab_parallel import vocab_parallel_loss
 from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plugins import Plugin
-from pipelaunch.pipeline.graph.tensor_parallel import Rewritten, shard_meta, sharded_params
+from pipelaunch.pipeline.graph.tensor_parallel import Rewritten, shard_meta, sharded_params, trace_local
 from pipelaunch.pipeline.graph.trace import TracedModel
 from pipelaunch.pipeline.planner.measure.profile import (
     ProfileJob,
@@ -85,9 +85,8 @@ class TracedModels:
     def _local_trace(self, micro_batch_size: int) -> TracedModel:
         """The model traced with its split parameters at one tp rank's shapes (the ranks' own trace)."""
         if micro_batch_size not in self._local:
-            model = self.spec.build_meta()
-            self._sharded = shard_meta(model, self.tp_modules, self.tp)
-            local = self.spec.trace(micro_batch_size, model)
+            local, self._sharded = trace_local(self.spec.build_meta(),
+                                               lambda m: self.spec.trace(micro_batch_size, m), self.tp_modules, self.tp)
             self._local[micro_batch_size] = local
             self._rewrites[micro_batch_size] = profiled_twin(local, self.tp_modules, self._sharded)[1]
         return self._local[micro_batch_size]
