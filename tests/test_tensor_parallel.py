@@ -78,9 +78,9 @@ def test_each_block_issues_megatrons_collectives_once_per_micro_batch(tmp_path) 
     MLP (q, k and v share theirs), the embedding's and the head's, and nothing else; the same on
     both tp ranks, and the same under zbv's split backward (the all-reduces ride in I)."""
     m = 4
-    for scheduler in ("1f1b", "zbv"):
-        cfg = compose_cfg([*FAST, "pp=2", "tp=2", f"scheduler={scheduler}", f"microbatches={m}", "steps=1"])
-        ranks = run_jobs([cfg], tmp_path / scheduler)[0]
+    schedulers = ("1f1b", "zbv")
+    cfgs = [compose_cfg([*FAST, "pp=2", "tp=2", f"scheduler={s}", f"microbatches={m}", "steps=1"]) for s in schedulers]
+    for scheduler, cfg, ranks in zip(schedulers, cfgs, run_jobs(cfgs, tmp_path / "logs"), strict=True):
         logs = [r.extras["tp_log"] for r in ranks]
         assert logs[0] == logs[1] and logs[2] == logs[3]  # ranks 0, 1: pipeline rank 0; 2, 3: pipeline rank 1
         counts = Counter(logs[0]) + Counter(logs[2])
