@@ -70,6 +70,18 @@ class ModelSpec:
     #: modules no pattern names are replicated
     tp_plan: dict[str, str] = field(default_factory=dict)
 
+    def tp_refusal(self, tp: int) -> str | None:
+        """Why tensor parallelism over `tp` ranks cannot split this model (no plan, or a size it
+        splits that tp does not divide, named by its config key), else None."""
+        if tp == 1:
+            return None
+        if not self.tp_plan:
+            return f"model={self.name} has no tensor-parallel plan (model.tp_plan)"
+        for key, size in self.meta.get("tp_divides", {}).items():
+            if size % tp:
+                return f"tp={tp} does not divide {key}={size}"
+        return None
+
     def build_meta(self) -> nn.Module:
         """The module with every tensor on the meta device: shapes only, no memory."""
         with torch.device("meta"):

@@ -16,7 +16,7 @@ from tests.test_cli import train
 
 #: one schedule, split and remat: the layouts and the micro-batch counts are what vary
 NARROW = [*FAST, "plan=auto", "plan.schedulers=[1f1b]", "plan.partitioners=[uniform]", "plan.remat=[none]",
-          "mode=plan"]
+          "mode=plan", "plan.tp=[1]"]
 
 
 def _layout(outcome) -> tuple[int, int]:
@@ -114,3 +114,23 @@ def test_a_run_trains_on_the_layout_the_search_chose(tmp_path) -> None:
     assert len(metrics["ranks"]) == 2 and len(metrics["losses"]) == 2
     assert all(loss == loss for loss in metrics["losses"])  # finite, trained
     assert f"pp={plan.pp} dp={plan.dp} microbatches=4" in proc.stdout
+
+
+def test_the_devices_are_also_laid_out_with_tensor_parallelism() -> None:
+    """plan.devices=8 with plan.tp left null compares tp = 1, 2, 4 and 8 (every divisor of the
+    devices up to a node's 8 that divides the model's heads and vocabulary), each at every pp x dp
+    it allows; a tp layout is planned at its own shapes (its parameters per device a tp-th), and
+    `why` names the layouts compared, tp included."""
+    result = prepare(compose_cfg([*NARROW[:-1], "model.heads=8", "plan.devices=8", "plan.microbatches=[8]"])).search
+    tps = {o.candidate.tp for o in result.outcomes}
+    assert tps == {1, 2, 4, 8}
+    assert all(o.candidate.pp * o.candidate.dp * o.candidate.tp == 8 for o in result.outcomes)
+    at_pp4 = {o.candidate.tp: o for o in result.ranked if o.candidate.pp == 4}  # dp=2 tp=1 and dp=1 tp=2
+    whole, split = at_pp4[1].prediction, at_pp4[2].prediction
+    assert split.plan.tp == 2 and split.plan.tp_modules and whole.plan.tp == 1
+    assert split.devices[0].params == pytest.approx(whole.devices[0].params / 2, rel=0.05)
+    why = result.why()
+    assert "pp=4 dp=1 tp=2" in why and "pp=1 dp=1 tp=8" in why
+    assert "tp=" in result.table().splitlines()[0] or " tp " in result.table().splitlines()[0]
+    with pytest.raises(ConfigError, match="plan.tp"):
+        prepare(compose_cfg([*NARROW[:-1], "plan.devices=8", "plan.tp=[3]"]))

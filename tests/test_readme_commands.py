@@ -207,6 +207,10 @@ SCENARIOS = [
     Scenario("tp-llama", "README.md", (train("python train.py model=hf_llama_tiny pp=2 tp=2 scheduler=zbv"),),
              slow=True, timeout=300),
     Scenario("tp-zero-3", "README.md", (train("python train.py pp=1 dp=2 tp=2 zero=3"),), slow=True, timeout=300),
+    # slow: tests/test_plan_devices.py compares tp 1, 2, 4 and 8 on eight devices by default
+    Scenario("tp-plan-devices", "docs/tensor_parallel.md", (
+        plan("python train.py plan=auto plan.devices=8 mode=plan model.heads=8 'plan.schedulers=[1f1b]' "
+             "'plan.partitioners=[uniform]' 'plan.remat=[none]' 'plan.microbatches=[8]'"),), slow=True, timeout=300),
     Scenario("scheduler-auto", "README.md", (train("python train.py scheduler=auto pp=2 microbatches=8"),),
              slow=True, timeout=300),
     Scenario("sweep-4-jobs", "README.md",

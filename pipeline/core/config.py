@@ -202,6 +202,10 @@ class PlanConfig:
     #: devices (ranks) the run has: the search also tries every layout pp x dp == devices (the
     #: configured pp and dp are then ignored); null = the configured pp and dp only
     devices: Optional[int] = None  # noqa: UP045 - OmegaConf reads typing.Optional
+    #: under plan.devices, the tensor-parallel degrees tried (each layout pp x dp x tp == devices);
+    #: null: every divisor of plan.devices up to a node's 8 devices that divides what the model's
+    #: plan splits (tp=1 alone for a model without a plan); without plan.devices, the configured tp
+    tp: Optional[list[int]] = None  # noqa: UP045 - OmegaConf reads typing.Optional
 
 
 @dataclass

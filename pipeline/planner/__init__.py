@@ -66,20 +66,24 @@ def make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Grou
     # their own micro-batch size, this one only gives the graph's shape)
     size = max(1, micro_batch_size(cfg, cfg.microbatches))
     facts = _machine_facts(cfg, plugins, cuda, profile)
-    tp_modules = tensor_parallel_modules(cfg.tp, spec, models)
+    tps = tp_degrees(cfg, spec)
+    tp_modules = tensor_parallel_modules(max(tps), spec, models)
     models.tp_modules = tp_modules
-    models.tp_link = tp_link(cfg, cuda, profile, facts["link_latency_s"])
+    models.tp_link = tp_link(cfg, cuda, profile, facts["link_latency_s"], max(tps))
     link = (facts["link_latency_s"], cfg.link_bandwidth)
 
     def build(gen: ScheduleGenerator, traced: TracedModel, c: Candidate | None = None,
               whole: list[int] | None = None) -> Plan:
-        req = replace(_request(cfg, spec, plugins, traced, c, facts, profile, cuda), tp=cfg.tp, tp_modules=tp_modules)
+        tp = c.tp if c is not None and c.tp is not None else cfg.tp
+        req = _request(cfg, spec, plugins, traced, c, facts, profile, cuda)
+        slots = None if req.rank_slots is None else req.rank_slots / tp  # a simulated rank is tp processes
+        req = replace(req, tp=tp, tp_modules=tp_modules if tp > 1 else {}, rank_slots=slots)
         return build_plan(traced, gen, req if whole is None else replace(req, whole_stages=tuple(whole)))
 
     if searching and not profile:
         return Planned(_first_plannable(cfg, plugins, options, models, build, models.get(size)), model=models.model)
     if searching:
-        cands, given = search_space(cfg, plugins, options, models.structure(size).graph)
+        cands, given = search_space(cfg, plugins, options, models.structure(size).graph, tps)
         result = search(cfg, models, build, cands, given, link)
         prediction = result.winner.prediction
         return Planned(_finished(prediction.plan, prediction, result), prediction, result, models.model)
@@ -90,6 +94,31 @@ def make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Grou
     prediction = fit_budget(plan, predict(plan, *link), traced.graph, cfg.memory.cap_bytes, *link,
                             rebuild=lambda whole: build(generator, traced, whole=whole))
     return Planned(_finished(prediction.plan, prediction, None), prediction, model=models.model)
+
+
+#: the devices tensor parallelism may span by default: one node's (8 GPUs, NVLink); hardware files
+#: that say otherwise are the cluster planner's (conf/hardware)
+NODE_DEVICES = 8
+
+
+def tp_degrees(cfg: TrainConfig, spec: ModelSpec) -> list[int]:
+    """The tensor-parallel degrees planned: the configured tp, or under `plan.devices` those of
+    `plan.tp` (null: every divisor of the devices up to NODE_DEVICES the model can be split over,
+    `ModelSpec.tp_refusal`)."""
+    devices = cfg.plan.devices
+    if devices is None:
+        return [cfg.tp]
+    if cfg.plan.tp is not None:
+        wanted = list(cfg.plan.tp)
+        bad = [t for t in wanted if isinstance(t, bool) or not isinstance(t, int) or t < 1 or devices % t]
+        if bad or not wanted:
+            raise ConfigError("plan.tp", f"got {wanted!r}; valid: a list of tensor-parallel degrees dividing "
+                                         f"plan.devices={devices}, e.g. [1, 2, 4], or null")
+        refused = [f"{t}: {spec.tp_refusal(t)}" for t in wanted if spec.tp_refusal(t)]
+        if refused:
+            raise ConfigError("plan.tp", f"the model cannot be split as asked ({'; '.join(refused)})")
+        return sorted(set(wanted))
+    return [t for t in range(1, min(devices, NODE_DEVICES) + 1) if devices % t == 0 and spec.tp_refusal(t) is None]
 
 
 def tensor_parallel_modules(tp: int, spec: ModelSpec, models: TracedModels) -> dict[str, str]:
@@ -139,12 +168,12 @@ def runtime_overheads(cfg: TrainConfig, cuda: bool, profile: bool, threads: int)
     return (cfg.link[0] if latency is None else latency), (0.0 if action is None else action)
 
 
-def tp_link(cfg: TrainConfig, cuda: bool, profile: bool, link_latency_s: float) -> tuple[float, float]:
+def tp_link(cfg: TrainConfig, cuda: bool, profile: bool, link_latency_s: float, tp: int) -> tuple[float, float]:
     """(seconds per ring step, bytes per second) of the link tp's all-reduces are priced on: as
     configured, else on a CPU run the all-reduce the probe measured between two busy ranks (a
     ring of two takes two steps), else the pipeline link's."""
     latency = cfg.tp_link_latency_s
-    if latency is None and profile and not cuda and cfg.tp > 1:
+    if latency is None and profile and not cuda and tp > 1:
         measured = cached_overheads(cpu_threads(cfg.threads, cfg.world_size))
         latency = measured.all_reduce_s / 2 if measured is not None and measured.all_reduce_s else None
     return (link_latency_s if latency is None else latency,
@@ -155,13 +184,13 @@ def rank_slots(cfg: TrainConfig, cuda: bool) -> float | None:
     """On CPU, how many ranks' worth of cores this machine has when its local ranks need more
     (pp x dp ranks of `threads` threads on fewer cores take turns); None when each has its own.
     The simulator plays one rank per (pipeline rank, replica): under tp each stands for tp
-    processes, which take tp times the cores."""
+    processes, so a plan divides these slots by its tp."""
     if cuda:
         return None
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or cfg.world_size)
     threads = cpu_threads(cfg.threads, local)
     cores = available_cores()
-    return cores / threads / cfg.tp if local * threads > cores else None
+    return cores / threads if local * threads > cores else None
 
 
 def _request(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, traced: TracedModel, c: Candidate | None,
@@ -202,7 +231,7 @@ def _first_plannable(cfg: TrainConfig, plugins: Plugins, options: GroupOptions, 
     for c in cands:
         try:
             gen = build_generator(c.scheduler_plugin)
-            return _finished(build(gen, models.get(micro_batch_size(cfg, c.microbatches, c.dp)), c), None, None)
+            return _finished(build(gen, models.get(micro_batch_size(cfg, c.microbatches, c.dp), c.tp), c), None, None)
         except ConfigError as err:
             errors.append(err)
     raise errors[0] if errors else ConfigError("scheduler", "scheduler=auto has no candidate schedules")

@@ -51,30 +51,34 @@ class TracedModels:
         self.device = device if device is not None else (None if cuda else torch.device("cpu"))
         self.model = None
         self._traced: dict[int, TracedModel] = {}
-        #: under tp > 1 (set by make_plan): the modules it splits, and the tp link (latency, bandwidth)
+        #: the tp degree a size is asked at by default (the configured one), the modules it splits
+        #: (set by make_plan) and the tp link priced (latency, bandwidth)
         self.tp, self.tp_modules, self.tp_link = cfg.tp, {}, (0.0, 1.0)
-        #: the model traced at one tp rank's shapes, per size; the rewrite of each (what it placed)
-        self._local: dict[int, TracedModel] = {}
-        self._rewrites: dict[int, Rewritten] = {}
-        self._priced: set[int] = set()
-        #: the sizes whose graphs carry their profile (or need none)
-        self._profiled: set[int] = set()
+        #: per (size, tp > 1): the model traced at one tp rank's shapes and what the rewrite placed
+        self._local: dict[tuple[int, int], TracedModel] = {}
+        self._rewrites: dict[tuple[int, int], Rewritten] = {}
+        self._priced: set[tuple[int, int]] = set()
+        #: the (size, tp) whose graphs carry their profile (or need none)
+        self._profiled: set[tuple[int, int]] = set()
 
-    def get(self, micro_batch_size: int) -> TracedModel:
-        """The model traced (and profiled, if asked) at this micro-batch size; under tp > 1 one
-        tp rank's share of it (`measure/tensor_parallel.py`)."""
-        self.prepare([micro_batch_size])
-        if self.tp == 1:
+    def get(self, micro_batch_size: int, tp: int | None = None) -> TracedModel:
+        """The model traced (and profiled, if asked) at this micro-batch size; under tp > 1 (the
+        configured tp unless given) one tp rank's share of it (`measure/tensor_parallel.py`)."""
+        tp = tp or self.tp
+        self.prepare([micro_batch_size], tp)
+        if tp == 1:
             return self._traced[micro_batch_size]
-        local = self._local_trace(micro_batch_size)
-        if micro_batch_size not in self._priced:
-            add_collectives(local, self._rewrites[micro_batch_size], self.tp, self.tp_link)
-            self._priced.add(micro_batch_size)
+        key = (micro_batch_size, tp)
+        local = self._local_trace(*key)
+        if key not in self._priced:
+            add_collectives(local, self._rewrites[key], tp, self.tp_link)
+            self._priced.add(key)
         return local
 
-    def structure(self, micro_batch_size: int) -> TracedModel:
+    def structure(self, micro_batch_size: int, tp: int | None = None) -> TracedModel:
         """The model traced at this size, profiled or not yet: for what reads only the graph's shape."""
-        return self._whole(micro_batch_size) if self.tp == 1 else self._local_trace(micro_batch_size)
+        tp = tp or self.tp
+        return self._whole(micro_batch_size) if tp == 1 else self._local_trace(micro_batch_size, tp)
 
     def _whole(self, micro_batch_size: int) -> TracedModel:
         """The whole model traced at this size (what the profile measures)."""
@@ -82,30 +86,34 @@ class TracedModels:
             self._traced[micro_batch_size] = self._trace(micro_batch_size)
         return self._traced[micro_batch_size]
 
-    def _local_trace(self, micro_batch_size: int) -> TracedModel:
+    def _local_trace(self, micro_batch_size: int, tp: int) -> TracedModel:
         """The model traced with its split parameters at one tp rank's shapes (the ranks' own trace)."""
-        if micro_batch_size not in self._local:
-            local, self._sharded = trace_local(self.spec.build_meta(),
-                                               lambda m: self.spec.trace(micro_batch_size, m), self.tp_modules, self.tp)
-            self._local[micro_batch_size] = local
-            self._rewrites[micro_batch_size] = profiled_twin(local, self.tp_modules, self._sharded)[1]
-        return self._local[micro_batch_size]
+        key = (micro_batch_size, tp)
+        if key not in self._local:
+            local, sharded = trace_local(self.spec.build_meta(), lambda m: self.spec.trace(micro_batch_size, m),
+                                         self.tp_modules, tp)
+            self._local[key] = local
+            self._rewrites[key] = profiled_twin(local, self.tp_modules, sharded)[1]
+        return self._local[key]
 
-    def prepare(self, sizes: Iterable[int]) -> None:
-        """Trace, and profile if asked, every size of `sizes` not done yet; on this process's
-        device the sizes are measured in shared passes (`profile_graphs`: the machine's drift
-        between profiles taken one after another made a size look cheaper than another)."""
-        todo = {size: self.structure(size) for size in dict.fromkeys(sizes) if size not in self._profiled}
+    def prepare(self, sizes: Iterable[int], tp: int | None = None) -> None:
+        """Trace, and profile if asked, every size of `sizes` (at `tp`, default the configured)
+        not done yet; on this process's device the sizes are measured in shared passes
+        (`profile_graphs`: the machine's drift between profiles taken one after another made a size
+        look cheaper than another)."""
+        tp = tp or self.tp
+        todo = {size: self.structure(size, tp) for size in dict.fromkeys(sizes) if (size, tp) not in self._profiled}
+        modules = self.tp_modules if tp > 1 else {}
         if self.profile and todo:
             if self.device is None:  # a GPU run planned in the launcher: a child per size
                 for size, t in todo.items():
                     nodes, cached = profile_in_child(self.cfg, self.model_plugin, size, torch.device("cuda", 0),
-                                                     self.tp_modules)
+                                                     modules, tp)
                     apply_profile(t.graph, nodes)
                     t.graph.graph["profile_cached"] = cached
             else:
-                profile_traced(self.spec, self.cfg, list(todo.values()), list(todo), self.device, self.tp_modules)
-        self._profiled.update(todo)
+                profile_traced(self.spec, self.cfg, list(todo.values()), list(todo), self.device, modules, tp)
+        self._profiled.update((size, tp) for size in todo)
 
     def _trace(self, micro_batch_size: int) -> TracedModel:
         try:
@@ -120,7 +128,7 @@ class TracedModels:
 
 
 def profile_traced(spec: ModelSpec, cfg: TrainConfig, traced: Sequence[TracedModel], micro_batch_sizes: Sequence[int],
-                   device: torch.device, tp_modules: Mapping[str, str] | None = None) -> None:
+                   device: torch.device, tp_modules: Mapping[str, str] | None = None, tp: int = 1) -> None:
     """Measure each of `traced` (one per micro-batch size) on one real micro-batch on `device`
     (cached on disk), in shared passes. A model that computes its own loss has it among its nodes
     (and the targets among its inputs): nothing to add. Under tp > 1 (`tp_modules`), `traced` are
@@ -143,8 +151,8 @@ def profile_traced(spec: ModelSpec, cfg: TrainConfig, traced: Sequence[TracedMod
     for t, size in zip(traced, micro_batch_sizes, strict=True):
         x, y = spec.example_batch(size, cfg.seed)
         loss_fn = spec.loss_fn
-        if tp_modules and cfg.tp > 1:
-            key = {**key, "tp": cfg.tp, "tp_modules": dict(tp_modules)}
+        if tp_modules and tp > 1:
+            key = {**key, "tp": tp, "tp_modules": dict(tp_modules)}
             t, done = profiled_twin(t, tp_modules, sharded_params(t.gm, tp_modules))
             loss_fn = vocab_parallel_loss(0) if done.vocab_outputs else loss_fn
         jobs.append(ProfileJob(t, spec.model_args(x, y), key, None if spec.own_loss else (loss_fn, y)))
@@ -153,27 +161,28 @@ def profile_traced(spec: ModelSpec, cfg: TrainConfig, traced: Sequence[TracedMod
 
 
 def profile_in_child(cfg: TrainConfig, model: Plugin, micro_batch_size: int, device: torch.device,
-                     tp_modules: Mapping[str, str] | None = None) -> tuple[dict[str, dict], bool]:
+                     tp_modules: Mapping[str, str] | None = None, tp: int = 1) -> tuple[dict[str, dict], bool]:
     """Profile the model of `cfg` on `device` in a fresh process that exits before this returns,
     taking its CUDA context with it; returns every node's profile fields and whether the on-disk
     cache had them."""
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        return pool.submit(_profile_child, cfg, model, micro_batch_size, str(device), dict(tp_modules or {})).result()
+        return pool.submit(_profile_child, cfg, model, micro_batch_size, str(device), dict(tp_modules or {}),
+                           tp).result()
 
 
 def _profile_child(cfg: TrainConfig, model: Plugin, micro_batch_size: int, device: str,
-                   tp_modules: dict[str, str]) -> tuple[dict[str, dict], bool]:
+                   tp_modules: dict[str, str], tp: int) -> tuple[dict[str, dict], bool]:
     """The child's side: rebuild and retrace the model (deterministic: the same node names; under
     tp at one tp rank's shapes), then profile it on its GPU."""
     spec = model.build()
     meta = spec.build_meta()
-    if tp_modules and cfg.tp > 1:
-        shard_meta(meta, tp_modules, cfg.tp)
+    if tp_modules and tp > 1:
+        shard_meta(meta, tp_modules, tp)
     traced = spec.trace(micro_batch_size, meta)
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(torch.device(device))
-    profile_traced(spec, cfg, [traced], [micro_batch_size], torch.device(device), tp_modules)
+    profile_traced(spec, cfg, [traced], [micro_batch_size], torch.device(device), tp_modules, tp)
     return profiled_nodes(traced.graph), bool(traced.graph.graph.get("profile_cached"))
 
 

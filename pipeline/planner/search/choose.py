@@ -40,12 +40,14 @@ class Candidate:
     dp: int | None = None
     #: zero=3's release point when the search tries them (`plan.reshard`; None: the configured one)
     reshard: str | None = None
+    #: the tensor-parallel degree of the layout under plan.devices (None: the configured tp)
+    tp: int | None = None
 
     @property
     def label(self) -> str:
         level = ("" if self.zero is None else f" / zero={self.zero}") + \
             ("" if self.reshard is None else f" reshard={self.reshard}")
-        layout = "" if self.pp is None else f" / pp={self.pp} dp={self.dp}"
+        layout = "" if self.pp is None else f" / {self.layout_text}"
         return f"{self.scheduler} / {self.partitioner} / {self.microbatches} mbs / remat={self.remat}{level}{layout}"
 
     @property
@@ -61,8 +63,13 @@ class Candidate:
                 **({} if self.reshard is None else {"reshard": self.reshard}), **self.layout()}
 
     def layout(self) -> dict:
-        """{"pp": .., "dp": ..} when the search tries layouts (`plan.devices`), else {}."""
-        return {} if self.pp is None else {"pp": self.pp, "dp": self.dp}
+        """{"pp": .., "dp": .., "tp": ..} when the search tries layouts (`plan.devices`), else {}."""
+        return {} if self.pp is None else {"pp": self.pp, "dp": self.dp, "tp": self.tp or 1}
+
+    @property
+    def layout_text(self) -> str:
+        """`pp=2 dp=2`, `pp=2 dp=1 tp=2`: the layout as its overrides name it."""
+        return f"pp={self.pp} dp={self.dp}" + (f" tp={self.tp}" if self.tp and self.tp > 1 else "")
 
 
 @dataclass
@@ -175,14 +182,17 @@ class SearchResult:
         width = max([8, *(len(o.candidate.scheduler) for o in self.ranked[:top])])
         levels = any(o.candidate.zero is not None for o in self.outcomes)  # the search tries levels
         layouts = any(o.candidate.pp is not None for o in self.outcomes)  # ... and layouts (plan.devices)
+        tps = any((o.candidate.tp or 1) > 1 for o in self.outcomes)  # ... and tensor-parallel degrees
         lines = [f"{'#':>3}  {'schedule':<{width}} {'partitioner':<11} {'mbs':>4} {'remat':<5} "
                  + (f"{'zero':>4} " if levels else "") + (f"{'pp':>3} {'dp':>3} " if layouts else "")
+                 + (f"{'tp':>3} " if tps else "")
                  + f"{'step ms':>9} {'bubble':>7}  peak MiB per device{cap}"]
         for i, o in enumerate(self.ranked[:top], 1):
             c, p = o.candidate, o.prediction
             mark = "  <- runs" if o is self.winner else ""
             lines.append(f"{i:>3}  {c.scheduler:<{width}} {c.partitioner:<11} {c.microbatches:>4} {c.remat:<5} "
                          + (f"{c.level:>4} " if levels else "") + (f"{c.pp:>3} {c.dp:>3} " if layouts else "")
+                         + (f"{c.tp or 1:>3} " if tps else "")
                          + f"{p.step_s * 1e3:>9.1f} {p.result.mean_bubble:>7.1%}  "
                          f"{' / '.join(f'{d.total / MIB:.1f}' for d in p.devices)}{mark}")
         hidden = len(self.ranked) - top
@@ -283,8 +293,8 @@ def _level_reasons(win: Outcome, ranked: Sequence[Outcome], excluded: Sequence[O
 
 
 def _same_but_level(a: Candidate, b: Candidate) -> bool:
-    return (a.scheduler, a.partitioner, a.microbatches, a.remat, a.pp, a.dp, a.reshard) == (
-        b.scheduler, b.partitioner, b.microbatches, b.remat, b.pp, b.dp, b.reshard)
+    return (a.scheduler, a.partitioner, a.microbatches, a.remat, a.pp, a.dp, a.tp, a.reshard) == (
+        b.scheduler, b.partitioner, b.microbatches, b.remat, b.pp, b.dp, b.tp, b.reshard)
 
 
 def _layout_reasons(win: Outcome, outcomes: Sequence[Outcome]) -> list[str]:
@@ -293,22 +303,24 @@ def _layout_reasons(win: Outcome, outcomes: Sequence[Outcome]) -> list[str]:
     c = win.candidate
     if c.pp is None:
         return []
-    tried = sorted({(o.candidate.pp, o.candidate.dp) for o in outcomes})
-    out = [f"plan.devices={c.pp * c.dp} compared the layouts {', '.join(f'pp={p} dp={d}' for p, d in tried)} "
-           f"(the configured pp and dp are not used) and runs pp={c.pp} dp={c.dp}"]
-    for pp, dp in tried:
-        if (pp, dp) == (c.pp, c.dp):
+    by_layout: dict[str, list[Outcome]] = {}
+    for o in sorted(outcomes, key=lambda o: (o.candidate.tp or 1, o.candidate.pp, o.candidate.dp)):
+        by_layout.setdefault(o.candidate.layout_text, []).append(o)
+    devices = c.pp * c.dp * (c.tp or 1)
+    out = [f"plan.devices={devices} compared the layouts {', '.join(by_layout)} "
+           f"(the configured pp and dp are not used) and runs {c.layout_text}"]
+    for text, own in by_layout.items():
+        if text == c.layout_text:
             continue
-        own = [o for o in outcomes if (o.candidate.pp, o.candidate.dp) == (pp, dp)]
         fits = [o for o in own if o.fits]
         if fits:
             best = min(fits, key=lambda o: o.prediction.step_s)
-            out.append(f"{_faster(best.prediction.step_s, win.prediction.step_s)} pp={pp} dp={dp} at its best "
+            out.append(f"{_faster(best.prediction.step_s, win.prediction.step_s)} {text} at its best "
                        f"({best.candidate.label}, {best.prediction.step_s * 1e3:.1f} ms)")
         else:
             why = "none of its candidates could be planned" if all(o.error for o in own) else \
                 "none of its candidates fits the budget"
-            out.append(f"pp={pp} dp={dp}: {why}")
+            out.append(f"{text}: {why}")
     return out
 
 
@@ -392,11 +404,12 @@ def candidates(
     layout: tuple[int | None, int | None] = (None, None),
     reshards: Sequence[str | None] = (None,),
     configured_zero: int = 0,
+    tp: int | None = None,
 ) -> list[Candidate]:
     """Every combination, in a fixed order; `layout`: the (pp, dp) they all run at (None: the
     configured ones); `reshards`: zero=3's release points to try, for the candidates at zero=3
     (`configured_zero`: the level of those the search does not set)."""
-    return [Candidate(s, sched, p, part, m, r, z, *layout, reshard=h)
+    return [Candidate(s, sched, p, part, m, r, z, *layout, reshard=h, tp=tp)
             for (s, sched), (p, part), m, r, z in itertools.product(schedulers, partitioners.items(), counts, remats,
                                                                     zeros)
             for h in (reshards if (configured_zero if z is None else z) == 3 else (None,))]

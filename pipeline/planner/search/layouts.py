@@ -8,7 +8,8 @@ rather than refusing the run; only when every layout is ruled out is it a config
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
@@ -24,11 +25,13 @@ class Layout:
     dp: int | None
     counts: list[int]
     zeros: list[int | None]
+    #: the tensor-parallel degree under plan.devices (None: the configured tp)
+    tp: int | None = None
 
 
-def layouts(cfg: TrainConfig) -> list[Layout]:
+def layouts(cfg: TrainConfig, tps: Sequence[int] = (1,)) -> list[Layout]:
     """The layouts of the search: the configured pp and dp (errors raised as before), or every
-    pp x dp x tp == plan.devices (tp as configured) whose dp the batch and the sharding settings
+    pp x dp x tp == plan.devices, tp among `tps`, whose dp the batch and the sharding settings
     allow, pp from 1 up.
     A pp larger than the model has blocks for stays in: its candidates fail to plan, as any do."""
     space = cfg.plan
@@ -36,13 +39,17 @@ def layouts(cfg: TrainConfig) -> list[Layout]:
         return [Layout(None, None, microbatch_counts(cfg.pp, cfg.dp, cfg.batch_size, cfg.microbatches,
                                                      space.microbatches), zero_levels(space.zero, cfg.dp))]
     found, skipped = [], []
-    pipelines = space.devices // cfg.tp  # each pipeline rank takes tp devices (tp is not searched yet)
-    for pp in (d for d in range(1, pipelines + 1) if pipelines % d == 0):
-        dp = pipelines // pp
-        try:
-            found.append(_layout(cfg, pp, dp))
-        except ConfigError as err:
-            skipped.append(f"pp={pp} dp={dp}: {str(err).removeprefix('Invalid config ')}")
+    for tp in tps:
+        pipelines = space.devices // tp  # each pipeline rank takes tp devices
+        for pp in (d for d in range(1, pipelines + 1) if pipelines % d == 0):
+            dp = pipelines // pp
+            try:
+                if tp > 1 and cfg.dp_shard is not None:
+                    raise ConfigError("dp_shard", "hybrid sharding of tensor-parallel slices is not supported yet")
+                found.append(replace(_layout(cfg, pp, dp), tp=tp))
+            except ConfigError as err:
+                skipped.append(f"pp={pp} dp={dp}{f' tp={tp}' if tp > 1 else ''}: "
+                               f"{str(err).removeprefix('Invalid config ')}")
     if not found:
         raise ConfigError("plan.devices", f"no layout pp x dp = {space.devices} can run this config: "
                                           + "; ".join(skipped))

@@ -9,7 +9,7 @@ every option on the run's search path, a user's own too), never from a list kept
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import networkx as nx
 
@@ -48,8 +48,8 @@ def build_generator(option: Plugin) -> ScheduleGenerator:
     return gen
 
 
-def search_space(cfg: TrainConfig, plugins: Plugins, options: GroupOptions, graph: nx.DiGraph
-                 ) -> tuple[list[Candidate], Candidate | None]:
+def search_space(cfg: TrainConfig, plugins: Plugins, options: GroupOptions, graph: nx.DiGraph,
+                 tps: Sequence[int] = (1,)) -> tuple[list[Candidate], Candidate | None]:
     """The candidates of `plan=auto` (or of `scheduler=auto`: only the schedule varies) and the
     one the config names as given, when it names a concrete one."""
     space = cfg.plan
@@ -68,15 +68,15 @@ def search_space(cfg: TrainConfig, plugins: Plugins, options: GroupOptions, grap
     rematting = [str(r) for r in space.remat] if space.remat else None
     remats = remat_values(rematting, cfg.memory.cap_bytes is not None)
     reshards = reshard_values(space.reshard)
-    cands = [c for lay in layouts(cfg)
+    cands = [c for lay in layouts(cfg, tps)
              for c in candidates(chosen, partitioners, lay.counts, remats, lay.zeros, (lay.pp, lay.dp), reshards,
-                                 cfg.zero)]
+                                 cfg.zero, lay.tp if lay.pp is not None else None)]
     given, named = None, plugins.scheduler
     if named is not None:
         given = next((c for c in cands if c.scheduler_plugin.same_as(named)
                       and c.partitioner == plugins.partitioner.option and c.microbatches == cfg.microbatches
                       and c.remat == remat and c.zero in (None, cfg.zero) and c.reshard in (None, str(cfg.reshard))
-                      and (c.pp is None or (c.pp, c.dp) == (cfg.pp, cfg.dp))), None)
+                      and (c.pp is None or (c.pp, c.dp, c.tp) == (cfg.pp, cfg.dp, cfg.tp))), None)
     return cands, given
 
 
@@ -112,7 +112,7 @@ def search(cfg: TrainConfig, models: TracedModels, build: Callable[..., Plan], c
         if c.scheduler not in generators:
             generators[c.scheduler] = build_generator(c.scheduler_plugin)
         gen = generators[c.scheduler]
-        traced = models.get(micro_batch_size(cfg, c.microbatches, c.dp))
+        traced = models.get(micro_batch_size(cfg, c.microbatches, c.dp), c.tp)
         plan = build(gen, traced, c)
         return fit_budget(plan, predict(plan, *link), traced.graph, cap, *link,
                           rebuild=lambda whole: build(gen, traced, c, whole))
@@ -123,8 +123,10 @@ def search(cfg: TrainConfig, models: TracedModels, build: Callable[..., Plan], c
     started = time.perf_counter()
     # every size the candidates run, measured in shared passes (the machine's drift between
     # profiles taken one after another decided between micro-batch counts)
-    try:
-        models.prepare(s for s in {micro_batch_size(cfg, c.microbatches, c.dp) for c in cands} if s >= 1)
-    except ConfigError:
-        pass  # a size the model cannot be traced at fails its own candidates below
+    for tp in sorted({c.tp for c in cands}, key=lambda t: t or 0):
+        try:
+            models.prepare((s for s in {micro_batch_size(cfg, c.microbatches, c.dp) for c in cands if c.tp == tp}
+                            if s >= 1), tp)
+        except ConfigError:
+            pass  # a size (or tp) the model cannot be traced at fails its own candidates below
     return run_search(cands, evaluate, cap, given, tie, started=started)
