@@ -170,14 +170,16 @@ def runtime_overheads(cfg: TrainConfig, cuda: bool, profile: bool, threads: int)
 
 def tp_link(cfg: TrainConfig, cuda: bool, profile: bool, link_latency_s: float, tp: int) -> tuple[float, float]:
     """(seconds per ring step, bytes per second) of the link tp's all-reduces are priced on: as
-    configured, else on a CPU run the all-reduce the probe measured between two busy ranks (a
-    ring of two takes two steps), else the pipeline link's."""
-    latency = cfg.tp_link_latency_s
-    if latency is None and profile and not cuda and tp > 1:
+    configured, else on a CPU run what the probe measured of two busy ranks' all-reduces (of one
+    value and of a MiB), else the pipeline link's."""
+    latency, bandwidth = cfg.tp_link_latency_s, cfg.tp_link_bandwidth
+    if (latency is None or bandwidth is None) and profile and not cuda and tp > 1:
         measured = cached_overheads(cpu_threads(cfg.threads, cfg.world_size))
-        latency = measured.all_reduce_s / 2 if measured is not None and measured.all_reduce_s else None
-    return (link_latency_s if latency is None else latency,
-            cfg.link_bandwidth if cfg.tp_link_bandwidth is None else cfg.tp_link_bandwidth)
+        link = measured.all_reduce_link() if measured is not None else None
+        if link is not None:
+            latency = link[0] if latency is None else latency
+            bandwidth = link[1] if bandwidth is None else bandwidth
+    return (link_latency_s if latency is None else latency, cfg.link_bandwidth if bandwidth is None else bandwidth)
 
 
 def rank_slots(cfg: TrainConfig, cuda: bool) -> float | None:

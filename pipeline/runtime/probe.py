@@ -1,6 +1,6 @@
 """The probe `pipelaunch.pipeline.planner.measure.overheads` starts: two ranks measuring what the runtime pays per
 message and per compute action, with the runtime's own P2P. Its own program
-(`python -m pipelaunch.pipeline.runtime.probe RANK PORT THREADS`, one JSON line out), so that a probe
+(`python -m pipelaunch.pipeline.runtime.probe RANK PORT THREADS ALL_REDUCE_BYTES`, one JSON line out), so that a probe
 process imports torch and this module, not the launcher's or the planner's."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ BLOCKS = 3
 ACTIONS = 200
 
 
-def probe(rank: int, port: int, threads: int) -> dict:
+def probe(rank: int, port: int, threads: int, all_reduce_bytes: int = 1 << 20) -> dict:
     """One probe rank: the ping-pong with its peer while both keep their compute threads busy, then
     tiny actions while the peer does the same (both ranks busy, as in a step)."""
     torch.set_num_threads(threads)
@@ -32,9 +32,10 @@ def probe(rank: int, port: int, threads: int) -> dict:
     try:
         with busy_cores():
             latency = _ping_pong(rank)
-            all_reduce = _all_reduces()
+            all_reduce, big = _all_reduces(1), _all_reduces(all_reduce_bytes // 4)
         dist.barrier()
-        return {"action_s": _tiny_actions(), **({"latency_s": latency, "all_reduce_s": all_reduce} if rank == 0 else {})}
+        figures = {"latency_s": latency, "all_reduce_s": all_reduce, "all_reduce_big_s": big}
+        return {"action_s": _tiny_actions(), **(figures if rank == 0 else {})}
     finally:
         dist.destroy_process_group()
 
@@ -93,18 +94,20 @@ def _ping_pong(rank: int) -> float:
     return statistics.median(blocks)
 
 
-def _all_reduces() -> float:
-    """Seconds per all-reduce of one value between the two ranks (what tensor parallelism's
-    collectives pay beyond their bytes), as `_ping_pong` times its trips: the median block."""
-    x = torch.zeros(1)
-    for _ in range(ROUNDS // 4):
+def _all_reduces(numel: int) -> float:
+    """Seconds per all-reduce of `numel` float32 values between the two ranks, as `_ping_pong`
+    times its trips (the median block): of one value, what tensor parallelism's collectives pay
+    beyond their bytes; of a MiB (the launcher's `all_reduce_bytes`), with the bytes."""
+    x = torch.zeros(numel)
+    rounds = ROUNDS if numel == 1 else ROUNDS // 10
+    for _ in range(rounds // 4):
         dist.all_reduce(x)
     blocks = []
     for _ in range(BLOCKS):
         start = time.perf_counter()
-        for _ in range(ROUNDS):
+        for _ in range(rounds):
             dist.all_reduce(x)
-        blocks.append((time.perf_counter() - start) / ROUNDS)
+        blocks.append((time.perf_counter() - start) / rounds)
     return statistics.median(blocks)
 
 
@@ -132,4 +135,4 @@ def _tiny_actions() -> float:
 
 
 if __name__ == "__main__":
-    print(json.dumps(probe(*map(int, sys.argv[1:4]))))
+    print(json.dumps(probe(*map(int, sys.argv[1:5]))))

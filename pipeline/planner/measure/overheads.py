@@ -35,6 +35,8 @@ from pipelaunch.pipeline.planner.measure.profile import cache_dir
 
 #: the repository root: where `python -m pipelaunch.pipeline.runtime.probe` finds the package
 ROOT = Path(__file__).resolve().parents[2]
+#: the all-reduce the probe times with its bytes (a block's activations in a small model)
+ALL_REDUCE_BYTES = 1 << 20
 #: the probe gives up (the defaults stand) after this long
 PROBE_TIMEOUT_S = 120.0
 
@@ -45,8 +47,17 @@ class Overheads:
 
     latency_s: float
     action_s: float
-    #: one all-reduce of a value between two busy ranks (tp's collectives' fixed cost)
+    #: one all-reduce of a value between two busy ranks (tp's collectives' fixed cost), and of
+    #: `ALL_REDUCE_BYTES` (with the bytes): the tp link's latency and bandwidth follow
     all_reduce_s: float = 0.0
+    all_reduce_big_s: float = 0.0
+
+    def all_reduce_link(self) -> tuple[float, float] | None:
+        """(seconds per ring step, bytes per second) of two busy ranks' all-reduce: a ring of two
+        takes two steps, each sending half the bytes; None when the probe did not time it."""
+        if not self.all_reduce_s or self.all_reduce_big_s <= self.all_reduce_s:
+            return None
+        return self.all_reduce_s / 2, ALL_REDUCE_BYTES / (self.all_reduce_big_s - self.all_reduce_s)
 
 
 def cached_overheads(threads: int) -> Overheads | None:
@@ -71,7 +82,7 @@ def cache_path(threads: int) -> Path:
 
 
 #: how the probe measures (part of the cache key: figures of an earlier probe are measured again)
-PROBE_VERSION = "busy-ping-pong-median-all-reduce"
+PROBE_VERSION = "busy-ping-pong-median-all-reduce-2"
 
 
 def _key(threads: int) -> str:
@@ -86,7 +97,8 @@ def measure_overheads(threads: int) -> Overheads | None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**_outside_any_job(os.environ), "OMP_NUM_THREADS": str(threads)}
-    procs = [subprocess.Popen([sys.executable, "-m", "pipelaunch.pipeline.runtime.probe", str(rank), str(port), str(threads)],
+    procs = [subprocess.Popen([sys.executable, "-m", "pipelaunch.pipeline.runtime.probe", str(rank), str(port), str(threads),
+                              str(ALL_REDUCE_BYTES)],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
                               cwd=ROOT, start_new_session=True)
              for rank in range(2)]
@@ -103,7 +115,7 @@ def measure_overheads(threads: int) -> Overheads | None:
         return None
     first = next(r for r in results if "latency_s" in r)
     return Overheads(latency_s=first["latency_s"], action_s=statistics.mean(r["action_s"] for r in results),
-                     all_reduce_s=first["all_reduce_s"])
+                     all_reduce_s=first["all_reduce_s"], all_reduce_big_s=first["all_reduce_big_s"])
 
 
 #: what torchrun and SLURM tell a rank about its job; the probe's two processes are a job of their own
