@@ -16,7 +16,7 @@ from torch import nn
 from pipelaunch.launcher.validate import prepare
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.graph.tensor_parallel import Collectives, local_split, parallelize, resolve
-from tests.harness import FAST, check_like_one_process, compose_cfg, run_jobs
+from tests.harness import FAST, check_like_one_process, compose_cfg, merge_state, run_jobs
 
 LLAMA = ["model=hf_llama_tiny", "model.seq_len=16"]
 QWEN2 = ["model=hf", "+model.config.model_type=qwen2", "+model.config.hidden_size=32",
@@ -54,8 +54,25 @@ def test_pipeline_and_tensor_parallel_train_like_one_process(tmp_path) -> None:
               # a cut between a column-parallel projection and its row-parallel one: each tp rank
               # sends its slice of the MLP's hidden state to its counterpart
               ("gpt", ["pp=2", "tp=2", "model.granularity=op", "partitioner=manual",
-                       "partitioner.split_points=[layer1_mlp_1]"])]
+                       "partitioner.split_points=[layer1_mlp_1]"]),
+              ("gpt", ["pp=2", "tp=2", "scheduler=dualpipev"])]  # its overlapped forward-backward pairs
     check_like_one_process(_cases(pairs), tmp_path, inexact=("llama", "qwen2"))
+
+
+def test_tensor_parallel_trains_under_bf16_like_one_process(tmp_path) -> None:
+    """precision=bf16 on zbv's split backward and with the replicas sharding the slices (zero=3):
+    losses within 1e-2 of one process's bf16, step 0's gradients and the final weights within
+    3e-2, fp32 (the tolerance and the comparison of tests/test_zero_bf16.py)."""
+    from tests.reference import reference_run
+    from tests.test_zero_bf16 import _relative
+
+    cases = {"zbv": ["pp=2", "tp=2", "scheduler=zbv"], "zero=3": ["pp=1", "dp=2", "tp=2", "zero=3"]}
+    cfgs = [compose_cfg([*FAST, *args, "precision=bf16", "steps=2"]) for args in cases.values()]
+    for what, cfg, ranks in zip(cases, cfgs, run_jobs(cfgs, tmp_path / "logs"), strict=True):
+        ref = reference_run(cfg)
+        assert ranks[0].losses == pytest.approx(ref["losses"], rel=1e-2), what
+        for key in ("grads_step0", "params_final"):
+            assert _relative(merge_state(ranks, key), ref[key]) < 3e-2, (what, key)
 
 
 @pytest.mark.slow
