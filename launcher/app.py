@@ -218,7 +218,11 @@ def join(cfg: TrainConfig, run_dir: Path) -> dict:
 
 def ranks_needed(cfg: TrainConfig) -> str:
     """Why the run needs `cfg.world_size` ranks, for the error when another number joined."""
-    return "plan.devices" if cfg.plan.devices is not None else f"pp x dp = {cfg.pp} x {cfg.dp}"
+    if cfg.plan.devices is not None:
+        return "plan.devices"
+    if cfg.tp > 1:
+        return f"pp x dp x tp = {cfg.pp} x {cfg.dp} x {cfg.tp}"
+    return f"pp x dp = {cfg.pp} x {cfg.dp}"
 
 
 def dry_run(prepared: Prepared, run_dir: Path) -> dict:
