@@ -218,7 +218,9 @@ def check_gpus(cfg: TrainConfig) -> None:
                 f"more nodes, or train on the CPU (device=cpu)")
     else:
         auto = " (device=auto takes the GPUs when CUDA is available)" if cfg.device == "auto" else ""
-        ranks = f"plan.devices = {needed}" if cfg.plan.devices is not None else f"pp x dp = {cfg.pp} x {cfg.dp} = {needed}"
+        ranks = (f"plan.devices = {needed}" if cfg.plan.devices is not None else
+                 f"pp x dp x tp = {cfg.pp} x {cfg.dp} x {cfg.tp} = {needed}" if cfg.tp > 1 else
+                 f"pp x dp = {cfg.pp} x {cfg.dp} = {needed}")
         what = f"{ranks} ranks on this node need {needed} GPUs (one each){auto}, but {seen}"
         fewer = f"plan.devices <= {fit}" if cfg.plan.devices is not None else f"lower pp or dp so that pp x dp <= {fit}"
         ways = (f"start fewer ranks per node ({fewer}), train on the CPU "
