@@ -9,7 +9,7 @@ group issues its collectives in one order holds by construction (docs/tensor_par
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,6 @@ class TensorParallel:
     size: int
     rank: int
     log: list[str] | None = None
-    stats: dict[str, int] = field(default_factory=dict)
 
     def all_reduce(self, tensor: torch.Tensor, what: str, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         if self.log is not None:
@@ -44,43 +43,36 @@ class _Copy(torch.autograd.Function):
     """Megatron's f: the value as it is forward; its gradient summed over the tp ranks backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TensorParallel, what: str) -> torch.Tensor:
-        ctx.tp, ctx.what = tp, what
+    def forward(ctx, x: torch.Tensor, tp: TensorParallel, label: str) -> torch.Tensor:
+        ctx.tp, ctx.label = tp, label
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ctx.tp.all_reduce(grad.contiguous().clone(), f"backward {ctx.what}"), None, None
+        return ctx.tp.all_reduce(grad.contiguous().clone(), ctx.label), None, None
 
 
 class _Reduce(torch.autograd.Function):
     """Megatron's g: the partial sums of the tp ranks summed forward; the gradient as it is backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TensorParallel, what: str) -> torch.Tensor:
-        return tp.all_reduce(x.contiguous().clone(), f"forward {what}")
+    def forward(ctx, x: torch.Tensor, tp: TensorParallel, label: str) -> torch.Tensor:
+        return tp.all_reduce(x.contiguous().clone(), label)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, None, None
 
 
-class CopyToTensorParallel(nn.Module):
-    def __init__(self, tp: TensorParallel, what: str) -> None:
+class TensorParallelCollective(nn.Module):
+    """`f` (`_Copy`) or `g` (`_Reduce`) where the rewrite placed it; its log label made once."""
+
+    def __init__(self, fn: type[torch.autograd.Function], tp: TensorParallel, label: str) -> None:
         super().__init__()
-        self.tp, self.what = tp, what
+        self.fn, self.tp, self.label = fn, tp, label
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Copy.apply(x, self.tp, f"copy {self.what}")
-
-
-class ReduceFromTensorParallel(nn.Module):
-    def __init__(self, tp: TensorParallel, what: str) -> None:
-        super().__init__()
-        self.tp, self.what = tp, what
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Reduce.apply(x, self.tp, f"reduce {self.what}")
+        return self.fn.apply(x, self.tp, self.label)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -89,7 +81,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, tp: TensorParallel, what: str, padding_idx: int | None) -> None:
         super().__init__()
-        self.tp, self.what, self.padding_idx = tp, what, padding_idx
+        self.tp, self.padding_idx, self.label = tp, padding_idx, f"forward embedding {what}"
 
     def forward(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         rows = weight.shape[0]
@@ -99,12 +91,12 @@ class VocabParallelEmbedding(nn.Module):
         padding = self.padding_idx - start if self.padding_idx is not None and 0 <= self.padding_idx - start < rows \
             else None
         out = F.embedding(local, weight, padding) * (~outside).unsqueeze(-1).to(weight.dtype)
-        return _Reduce.apply(out, self.tp, f"embedding {self.what}")
+        return _Reduce.apply(out, self.tp, self.label)
 
 
 def collectives(tp: TensorParallel) -> Collectives:
-    return Collectives(copy=lambda what: CopyToTensorParallel(tp, what),
-                       reduce=lambda what: ReduceFromTensorParallel(tp, what),
+    return Collectives(copy=lambda what: TensorParallelCollective(_Copy, tp, f"backward copy {what}"),
+                       reduce=lambda what: TensorParallelCollective(_Reduce, tp, f"forward reduce {what}"),
                        embedding=lambda what, padding: VocabParallelEmbedding(tp, what, padding))
 
 
@@ -122,14 +114,15 @@ def local_stages(spec: ModelSpec, plan: Plan, full: dict[int, torch.fx.GraphModu
     Returns the stages, what each rewrite did, and the split parameters' names -> dimension."""
     split, sharded = local_split(spec.build_meta(), lambda m: spec.trace(plan.micro_batch_size, m), plan.assignment,
                                  len(plan.stages), plan.tp_modules, tp.size, device)
+    dims = {n: s.dim for n, s in sharded.items()}
     stages, rewrites = {}, {}
     made: dict[int, torch.Tensor] = {}  # stages of one rank sharing a tensor share its slice too
     for index, whole in full.items():
         gm = split.stages[index]
-        _take_tensors(gm, whole, {n: s.dim for n, s in sharded.items()}, tp, made)
+        _take_tensors(gm, whole, dims, tp, made)
         rewrites[index] = parallelize(gm, sharded, plan.tp_modules, collectives(tp))
         stages[index] = gm
-    return stages, rewrites, {n: s.dim for n, s in sharded.items()}
+    return stages, rewrites, dims
 
 
 def _take_tensors(gm: torch.fx.GraphModule, whole: torch.fx.GraphModule, dims: dict[str, int],
