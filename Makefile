@@ -41,8 +41,11 @@ bench: install
 # The CUDA path end to end on one GPU (bench/gpu_smoke.py; report in $(OUT)/gpu_smoke.json). No
 # install step: a GPU machine runs it with its own torch (`source .gpu/setup.sh` first, see docs/gpu.md).
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+# Then calibrates the device's hardware file (pipeline/planner/measure/calibrate.py): the efficiencies its
+# matmuls, memory-bound ops and launches reach against the datasheet file naming it (conf/hardware/).
 gpu-check:
 	$(GPU_PYTHON) bench/gpu_smoke.py $(if $(OUT),--out $(OUT),)
+	$(GPU_PYTHON) -m pipelaunch.pipeline.planner.measure.calibrate --base auto --out $(or $(OUT),gpu_smoke_out)/hardware_calibrated.yaml
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

@@ -1,0 +1,64 @@
+"""The hardware files (conf/hardware/) and the calibration that writes them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from pipelaunch.pipeline.planner.measure import calibrate
+
+FILES = sorted(calibrate.HARDWARE_DIR.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+def test_every_file_has_each_fact_and_its_source(path: Path):
+    hw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    assert hw["name"] and hw["devices_per_node"] >= 1
+    assert hw["memory_bytes"] > 1e9 and hw["memory_bandwidth"] > 1e11
+    assert hw["peak_flops"]["bf16"] >= hw["peak_flops"]["fp32"] > 1e12
+    assert all(0 < e <= 1 for e in hw["efficiency"]["matmul"].values())
+    assert set(hw["efficiency"]["matmul"]) <= set(hw["peak_flops"])
+    assert 0 < hw["efficiency"]["memory"] <= 1
+    for link in ("intra_node", "inter_node"):
+        assert hw[link]["bandwidth"] > 1e9 and 0 < hw[link]["latency_s"] < 1e-3
+    assert hw["intra_node"]["bandwidth"] > hw["inter_node"]["bandwidth"]
+    for fact in ("peak_flops", "memory", "intra_node", "inter_node", "efficiency"):
+        assert hw["sources"][fact], f"{path.name}: no source for {fact}"
+
+
+def test_calibration_divides_the_best_shape_by_the_datasheet():
+    base = calibrate.load_base("h100_sxm", "")
+    gemms = [{"dtype": "bf16", "shape": [1, 1, 1], "seconds": 1.0, "flops_per_s": 500e12},
+             {"dtype": "bf16", "shape": [2, 2, 2], "seconds": 1.0, "flops_per_s": 742e12}]
+    memory = [{"op": "copy", "bytes": 1, "seconds": 1.0, "bytes_per_s": 2.68e12},
+              {"op": "add", "bytes": 1, "seconds": 1.0, "bytes_per_s": 3.0e12},
+              {"op": "softmax", "bytes": 1, "seconds": 1.0, "bytes_per_s": 1.0e12}]
+    out = calibrate.calibrated(base, gemms, memory, 8e-6, "not measured", "NVIDIA H100 80GB HBM3")
+    assert out["efficiency"]["matmul"]["bf16"] == pytest.approx(742 / 989, abs=1e-3)
+    assert out["efficiency"]["matmul"]["fp32"] == base["efficiency"]["matmul"]["fp32"]  # not measured: kept
+    assert out["efficiency"]["memory"] == pytest.approx(2.68 / 3.35, abs=1e-3)  # the median op
+    assert out["efficiency"]["memory_ops"]["softmax"] == pytest.approx(1 / 3.35, abs=1e-3)
+    assert out["peak_flops"] == base["peak_flops"] and "calibrated" in out["sources"]["efficiency"]
+    bare = calibrate.calibrated({}, gemms, memory, 8e-6, "not measured", "some GPU")
+    assert bare["peak_flops"] == {"bf16": 742e12} and bare["efficiency"]["matmul"] == {"bf16": 1.0}
+    assert bare["memory_bandwidth"] == 2.68e12 and "no datasheet" in bare["calibration"]["source"]
+
+
+def test_auto_base_is_the_file_naming_the_device():
+    assert calibrate.load_base("auto", "NVIDIA H200")["name"] == "h200"
+    assert calibrate.load_base("auto", "a GPU nobody filed") == {}
+
+
+def test_the_command_writes_a_loadable_file(tmp_path):
+    out = tmp_path / "cpu.yaml"
+    proc = subprocess.run([sys.executable, "-m", "pipelaunch.pipeline.planner.measure.calibrate", "--device", "cpu",
+                           "--base", "a100_80gb", "--dtypes", "fp32", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    hw = OmegaConf.load(out)
+    assert hw.name == "a100_80gb" and hw.calibration.device == "cpu"
+    assert len(hw.calibration.gemm) == len(calibrate.GEMM_SIZES) + len(calibrate.MLP_SHAPES)
