@@ -58,6 +58,8 @@ class CaptureState(Callback):
                "collective_log": list(trainer.collective_log or []),
                # the tensor-parallel collectives it issued in its first step (debug.record_p2p)
                "tp_log": list(trainer.tp_log or []),
+               # what it posted to each peer in its first step: (op, label, shape, dtype) (debug.record_p2p)
+               "posting_log": dict(getattr(trainer.executor, "posting_log", None) or {}),
                "program": [str(a) for a in trainer.executor.actions]}
         if "outputs" in self.state:
             out["outputs"] = self.state["outputs"]

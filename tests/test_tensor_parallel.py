@@ -8,6 +8,7 @@ cannot split, before any rank exists."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -93,20 +94,62 @@ def test_each_block_issues_megatrons_collectives_once_per_micro_batch(tmp_path) 
     """The collective log of the first step: per block and micro-batch one forward all-reduce after
     attention and one after the MLP, one backward all-reduce before attention and one before the
     MLP (q, k and v share theirs), the embedding's and the head's, and nothing else; the same on
-    both tp ranks, and the same under zbv's split backward (the all-reduces ride in I)."""
+    both tp ranks, and the same under zbv's split backward (the all-reduces ride in I). Each stage
+    boundary between ranks carries the replicated residual stream scattered: every tp rank sends
+    its 1/tp (the posting log's shapes), the receiving tp ranks all-gather it, once per micro-batch
+    forward on the consumer and once backward (its gradient) on the producer."""
     m = 4
     schedulers = ("1f1b", "zbv")
     cfgs = [compose_cfg([*FAST, "pp=2", "tp=2", f"scheduler={s}", f"microbatches={m}", "steps=1"]) for s in schedulers]
     for scheduler, cfg, ranks in zip(schedulers, cfgs, run_jobs(cfgs, tmp_path / "logs"), strict=True):
         logs = [r.extras["tp_log"] for r in ranks]
         assert logs[0] == logs[1] and logs[2] == logs[3]  # ranks 0, 1: pipeline rank 0; 2, 3: pipeline rank 1
-        counts = Counter(logs[0]) + Counter(logs[2])
+        counts = Counter(e for e in logs[0] + logs[2] if not e.startswith("gather"))
         expected = {"forward embedding embed.tokens": m, "backward copy head.proj": m, "loss max": m,
                     "loss sum": m, "loss target": m}
         for i in range(cfg.model["layers"]):
             expected |= {f"forward reduce layer{i}.attn.proj": m, f"forward reduce layer{i}.mlp.2": m,
                          f"backward copy layer{i}.attn.q": m, f"backward copy layer{i}.mlp.0": m}
         assert dict(counts) == expected, scheduler
+        plan = prepare(cfg).plan
+        crossing = {(n, p, s.index) for s in plan.stages for n, p in s.inputs.items()
+                    if p is not None and plan.stages[p].rank != s.rank}
+        # the residual stream is replicated, the head's logits split by vocabulary
+        assert crossing and all(s.scatter == {n: 2 for n in s.values if n != s.loss_value} for s in plan.stages)
+        gathers = Counter(e.rsplit(" mb", 1)[0] + " " + e.rsplit(" ", 1)[1] for e in logs[0] + logs[2]
+                          if e.startswith("gather"))
+        assert dict(gathers) == {f"gather {d} {p}>{c} {n}": m for n, p, c in crossing for d in "FB"}, scheduler
+        for rank in ranks:  # every message a rank posted carries half of each value, flat
+            for entries in rank.extras["posting_log"].values():
+                for _, label, shape, _ in entries:
+                    producer = int(label.split()[1].split(">")[0])
+                    whole = [plan.stages[producer].values[n][0] for n in sorted(plan.stages[producer].outputs)]
+                    assert len(shape) == 1 and any(shape[0] * 2 == math.prod(w) for w in whole), (label, shape)
+
+
+def test_only_values_every_tp_rank_holds_whole_are_scattered() -> None:
+    """A cut inside the MLP's split region sends the column-parallel projection's output (each rank
+    its own slice) as it is, and the residual stream beside it (equal on every tp rank) in 1/tp
+    parts; each part's bytes are what the plan prices on the link."""
+    cfg = compose_cfg([*FAST, "pp=2", "tp=2", "model.granularity=op", "partitioner=manual",
+                       "partitioner.split_points=[layer1_mlp_1]", "mode=plan"])
+    stages = prepare(cfg).plan.stages
+    split = [n for n in stages[0].outputs if n.startswith("layer1_mlp")]
+    assert split and set(stages[0].outputs) - set(split)
+    assert stages[0].scatter == stages[1].scatter == {n: 2 for n in stages[0].outputs if n not in split}
+    assert stages[0].send_bytes == sum(stages[0].value_bytes(n) // (1 if n in split else 2) for n in stages[0].outputs)
+
+
+def test_dropout_keeps_the_replicated_values_equal_on_every_tp_rank(tmp_path) -> None:
+    """With dropout where every tp rank holds the values whole (a user's module, on its embeddings),
+    the tp ranks of a pipeline rank draw one stream: the norms' weights (which every tp rank holds
+    whole and updates from its own gradient) stay equal after training."""
+    cfg = compose_cfg([*FAST[4:], *MODULE, "+model.module.dropout=0.2", "pp=2", "tp=2", "steps=2"])
+    ranks = run_jobs([cfg], tmp_path / "logs")[0]
+    for a, b in ((0, 1), (2, 3)):
+        pa, pb = ranks[a].extras["state"]["params_final"], ranks[b].extras["state"]["params_final"]
+        norms = [k for k in pa if ".ln" in k or "norm" in k]
+        assert norms and all(pa[k].equal(pb[k]) for k in norms)
 
 
 @pytest.mark.parametrize("granularity", ["block", "op"])

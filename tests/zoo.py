@@ -326,8 +326,10 @@ class DecoderLayer(nn.Module):
 class TinyDecoder(nn.Module):
     """A user's own decoder: token embedding, `layers` decoder layers, a final norm, an LM head."""
 
-    def __init__(self, vocab_size: int = 64, dim: int = 32, heads: int = 4, layers: int = 4) -> None:
+    def __init__(self, vocab_size: int = 64, dim: int = 32, heads: int = 4, layers: int = 4,
+                 dropout: float = 0.0) -> None:
         super().__init__()
+        self.dropout = dropout  # on the embeddings, where every tp rank holds them whole
         self.tok = nn.Embedding(vocab_size, dim)
         self.blocks = nn.ModuleList(DecoderLayer(dim, heads) for _ in range(layers))
         self.norm = nn.RMSNorm(dim)
@@ -335,6 +337,8 @@ class TinyDecoder(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.tok(ids)
+        if self.dropout:
+            x = F.dropout(x, self.dropout, self.training)
         for block in self.blocks:
             x = block(x)
         return self.out(self.norm(x))

@@ -49,6 +49,10 @@ class StagePlan:
     values: dict[str, list]
     loss_value: str | None = None
     recompute: list[str] = field(default_factory=list)
+    #: under tp > 1, the boundary values every tp rank holds whole and equal -> tp: each rank sends
+    #: 1/tp of it to its counterpart and the receiving tp ranks all-gather it (Megatron's
+    #: scatter-gather, SC21 section 4.1), its gradient the same way back
+    scatter: dict[str, int] = field(default_factory=dict)
 
     def value_bytes(self, name: str) -> int:
         shape, dtype = self.values[name]
@@ -57,14 +61,18 @@ class StagePlan:
             n *= int(d)
         return n * torch.empty((), dtype=dtype_of(dtype)).element_size()
 
+    def wire_bytes(self, name: str) -> int:
+        """Bytes one rank sends of `name` per micro-batch: its 1/tp when scattered."""
+        return self.value_bytes(name) // self.scatter.get(name, 1)
+
     @property
     def send_bytes(self) -> int:
         """Bytes this stage sends per micro-batch (one message per consuming stage)."""
-        return sum(self.value_bytes(n) * len(c) for n, c in self.outputs.items())
+        return sum(self.wire_bytes(n) * len(c) for n, c in self.outputs.items())
 
     @property
     def recv_bytes(self) -> int:
-        return sum(self.value_bytes(n) for n, p in self.inputs.items() if p is not None)
+        return sum(self.wire_bytes(n) for n, p in self.inputs.items() if p is not None)
 
 
 #: stands for one rank's actions while plan.json is indented (`Plan.write`)

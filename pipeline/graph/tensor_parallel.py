@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -307,6 +307,43 @@ def parallelize(gm: fx.GraphModule, sharded: Mapping[str, Sharded], modules: Map
     projection or an embedding lookup, and vocabulary-split logits read by anything but the
     stage's output. `sharded` is keyed by the stage graph's own parameter names."""
     return _Rewriter(gm, sharded, modules, make).run()
+
+
+#: the rewrite's inserted modules whose output every tp rank holds whole and equal
+_SAME_AFTER = ("_tp_copy_", "_tp_reduce_", "_tp_embedding_")
+
+
+def replicated_values(gm: fx.GraphModule, sharded: Mapping[str, Sharded], inputs: Sequence[bool] | None = None,
+                      prefix: str = "") -> dict[str, bool]:
+    """Per node of a rewritten graph: whether every tp rank computes the very same value
+    (replicated) or its own part of it (split). A split parameter's reads are split, `f`, `g` and the
+    vocabulary-parallel lookup give replicated values, anything else is replicated when all it reads
+    is (dropout too: the tp ranks of a pipeline rank draw from one random stream). An eager block
+    the rewrite traced inside is followed into its graph. `inputs`: the placeholders' status in
+    order (default: replicated, as the data is). Why: a replicated value crossing a stage boundary
+    need only be sent 1/tp by each rank (Megatron's scatter-gather)."""
+    same: dict[fx.Node, bool] = {}
+    placeholders = iter(inputs or ())
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            same[node] = next(placeholders, True)
+        elif node.op == "get_attr":
+            same[node] = prefix + str(node.target) not in sharded
+        elif node.op == "call_module" and str(node.target).rsplit(".", 1)[-1].startswith(_SAME_AFTER):
+            same[node] = True
+        elif node.op == "call_module":
+            module = gm.get_submodule(node.target)
+            inner = getattr(module.forward, "__self__", None)
+            args = [same.get(a, True) if isinstance(a, fx.Node) else True for a in node.args]
+            if isinstance(inner, fx.GraphModule) and inner is not module:  # a block rewritten inside
+                out = replicated_values(inner, sharded, args, f"{prefix}{node.target}.")
+                same[node] = out["output"] and all(same[a] for a in node.kwargs.values() if isinstance(a, fx.Node))
+            else:
+                own = not any(f"{prefix}{node.target}.{n}" in sharded for n, _ in module.named_parameters())
+                same[node] = own and all(same[a] for a in node.all_input_nodes)
+        else:
+            same[node] = all(same[a] for a in node.all_input_nodes)
+    return {n.name: v for n, v in same.items()}  # the output node's name is "output"
 
 
 def trace_local(model: nn.Module, trace: Callable[[nn.Module], TracedModel], modules: Mapping[str, str],

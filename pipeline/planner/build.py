@@ -28,6 +28,7 @@ from pipelaunch.pipeline.planner.fit.budget import (
     reprice_split,
     stage_param_factors,
 )
+from pipelaunch.pipeline.planner.measure.tensor_parallel import all_gather_s
 from pipelaunch.pipeline.planner.partition import Partition, PartitionRequest, evaluate
 from pipelaunch.pipeline.planner.partition.atomic import contract_unsendable
 from pipelaunch.pipeline.planner.partition.common import assignment_from_order, topo_order
@@ -181,14 +182,16 @@ def build_plan(traced: TracedModel, generator: ScheduleGenerator, req: PlanReque
     part = _partition(traced, generator, placement, req)
     split = split_model(traced, part.assignment, len(placement))
     inputs = model_inputs(split.input_names, req.data_args)
-    stages = _stage_plans(traced, split, part, placement, req.value_dtypes)
+    stages = _stage_plans(traced, split, part, placement, req.value_dtypes, req.tp)
     forward, backward, split_costs = _stage_costs(traced, part, len(placement), req.profiled)
+    if req.profiled and req.tp > 1:
+        _price_gathers(stages, placement, forward, backward, split_costs[0], req.tp, traced.graph.graph["tp_link"])
     held = _held_beyond_activations(traced, stages) if req.profiled else None
     costs = None
     if held is not None:  # as the prediction prices them: the runtime's fixed cost on every action
         fixed = req.action_overhead_s
         costs = ScheduleCosts.of(*([x + fixed for x in xs] for xs in (forward, *split_costs)),
-                                 backward=[b + fixed for b in backward], hop=_hops(part, placement, req),
+                                 backward=[b + fixed for b in backward], hop=_hops(part, placement, req, stages),
                                  memory=_stage_memory(stages, part, *held))
     schedule = build_schedule(generator, placement, req.microbatches, req.remat, _whole_stages(traced, part, req),
                               costs)
@@ -246,10 +249,25 @@ def _partition(traced: TracedModel, generator: ScheduleGenerator, placement: lis
                                    "to any cap stated here.)") from None
 
 
-def _hops(part: Partition, placement: list[int], req: PlanRequest) -> list[float]:
+def _price_gathers(stages: list[StagePlan], placement: list[int], forward: list[float], backward: list[float],
+                   backward_input: list[float], tp: int, link: tuple[float, float]) -> None:
+    """A scattered value's all-gather on the tp link, where the runtime runs it: before the forward
+    of the stage receiving it, and before the backward (its input-gradient half) of the stage
+    that sent it, which gathers the value's gradient."""
+    for stage in stages:
+        for name, producer in stage.inputs.items():
+            if producer is not None and name in stage.scatter and placement[producer] != stage.rank:
+                seconds = all_gather_s(stage.value_bytes(name), tp, *link)
+                forward[stage.index] += seconds
+                backward[producer] += seconds
+                backward_input[producer] += seconds
+
+
+def _hops(part: Partition, placement: list[int], req: PlanRequest, stages: list[StagePlan]) -> list[float]:
     """Per cut between stages s and s + 1, the time its values take to cross it: the link's latency
-    plus their bytes over its bandwidth where the cut joins two ranks, nothing on one rank."""
-    sent = part.stage_comm_bytes
+    plus their bytes over its bandwidth where the cut joins two ranks, nothing on one rank (under
+    tp, what one rank sends: a scattered value's 1/tp)."""
+    sent = [s.send_bytes for s in stages] if req.tp > 1 else part.stage_comm_bytes
     return [req.link_latency_s + (sent[s] / req.bandwidth if s < len(sent) and req.bandwidth else 0.0)
             if placement[s] != placement[s + 1] else 0.0 for s in range(len(placement) - 1)]
 
@@ -278,7 +296,7 @@ def _stage_costs(traced: TracedModel, part: Partition, k: int, profiled: bool
 
 
 def _stage_plans(traced: TracedModel, split, part: Partition, placement: list[int],
-                 dtypes: Mapping[str, torch.dtype] | None) -> list[StagePlan]:
+                 dtypes: Mapping[str, torch.dtype] | None, tp: int = 1) -> list[StagePlan]:
     """Each stage: its rank, its nodes, and the named values it reads and writes."""
     k = len(placement)
     outputs = list(split.model_outputs)
@@ -299,8 +317,19 @@ def _stage_plans(traced: TracedModel, split, part: Partition, placement: list[in
             outputs={n: list(c) for n, c in io.outputs.items() if c},
             values={n: _value_meta(traced, n, dtypes) for n in crossing},
             loss_value=outputs[0] if io.index == k - 1 else None,
+            scatter={n: tp for n in crossing if _scattered(traced, n, tp)},
         ))
     return stages
+
+
+def _scattered(traced: TracedModel, name: str, tp: int) -> bool:
+    """Whether a boundary value crosses in 1/tp slices: every tp rank holds it whole and equal
+    (`graph.tensor_parallel.replicated_values`), it is floating point (its gradient comes back the
+    same way) and tp divides its elements."""
+    if tp == 1 or name not in traced.graph.graph.get("tp_replicated", ()):
+        return False
+    meta = next(n for n in traced.gm.graph.nodes if n.name == name).meta["tensor_meta"]
+    return meta.dtype.is_floating_point and meta.shape.numel() % tp == 0
 
 
 def _plan_meta(traced: TracedModel, split, part: Partition, stages: list[StagePlan], req: PlanRequest,

@@ -11,12 +11,13 @@ gives the gradient of the global-batch mean loss, as single-process accumulation
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -25,6 +26,9 @@ from pipelaunch.pipeline.compute.backward import WeightGradStash, backward_input
 from pipelaunch.pipeline.core.ir import DP_KINDS, Action, Kind, Schedule
 from pipelaunch.pipeline.runtime.comm import P2P
 from pipelaunch.pipeline.runtime.heartbeat import Heartbeat
+
+if TYPE_CHECKING:
+    from pipelaunch.pipeline.runtime.tensor_parallel import TensorParallel
 
 
 @dataclass
@@ -38,6 +42,9 @@ class StageSlot:
     values: dict[str, tuple[tuple[int, ...], torch.dtype]]
     loss_value: str | None
     peer_of: dict[int, int | None]  # neighbouring stage -> its global rank, None when on this rank
+    #: values crossing to or from another rank in 1/tp parts, all-gathered by the receiving tp
+    #: ranks (Megatron's scatter-gather; StagePlan.scatter), their gradients the same way back
+    scatter: frozenset[str] = frozenset()
 
     @property
     def is_last(self) -> bool:
@@ -114,6 +121,7 @@ class Executor:
         record_p2p: bool = False,
         model_inputs: Mapping[str, str] | None = None,
         collectives: ReplicaCollectives | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         self.actions = schedule.actions[pp_rank]
         # model input -> what the data gives it: `input`, or `target` (a model taking its targets)
@@ -138,6 +146,8 @@ class Executor:
         # with record_p2p, the first step's posting order is logged per peer (debug.record_p2p)
         self.p2p = P2P(device, record=record_p2p)
         self.collectives = collectives
+        # the tp group a scattered boundary value is all-gathered over (StageSlot.scatter)
+        self.tp = tp
         # remote neighbours per stage: the messages its forward and backward wait for
         self._remote_in = {s: [p for p in sorted(set(slot.inputs.values()) - {None}) if slot.peer_of[p] is not None]
                            for s, slot in slots.items()}
@@ -213,11 +223,11 @@ class Executor:
         if kind is Kind.RECV_F:
             names = self._reads[(s, other)]
             self.p2p.post_recv((Kind.F, s, mb, other), message_label("F", other, s, mb), slot.peer_of[other],
-                               [slot.values[n] for n in names], pos)
+                               [self._wire(slot, n) for n in names], pos)
         elif kind is Kind.RECV_B:
             names = self._grads_back[(s, other)]
             self.p2p.post_recv((Kind.B, s, mb, other), message_label("B", s, other, mb), slot.peer_of[other],
-                               [slot.values[n] for n in names], pos)
+                               [self._wire(slot, n) for n in names], pos)
         elif kind is Kind.SEND_F:
             self.p2p.send(message_label("F", s, other, mb), slot.peer_of[other],
                           self._outbox.pop((Kind.F, s, mb, other)))
@@ -226,6 +236,24 @@ class Executor:
                           self._outbox.pop((Kind.B, s, mb, other), []))
         else:
             raise ValueError(f"{action} is not a communication action")
+
+    def _wire(self, slot: StageSlot, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """The shape and dtype a message carries of `name`: a scattered value's 1/tp, flat."""
+        shape, dtype = slot.values[name]
+        if name not in slot.scatter:
+            return shape, dtype
+        return (math.prod(shape) // self.tp.size,), dtype
+
+    def _sent(self, slot: StageSlot, name: str, t: torch.Tensor) -> torch.Tensor:
+        """What this rank sends of `name` (or of its gradient): its part when it is scattered."""
+        return self.tp.part(t) if name in slot.scatter else t
+
+    def _received(self, slot: StageSlot, name: str, t: torch.Tensor, label: str) -> torch.Tensor:
+        """A received value whole: a scattered one all-gathered over the tp group (each tp rank
+        received its part from its counterpart)."""
+        if name not in slot.scatter:
+            return t
+        return self.tp.gather(t, slot.values[name][0], f"gather {label} {name}")
 
     def _wait(self, key: tuple[Kind, int, int, int]) -> list[torch.Tensor]:
         if self.heartbeat is not None:  # a stuck rank is reported at the receive it waits on
@@ -238,16 +266,18 @@ class Executor:
         """Wait for what a compute action reads from other ranks: a forward its inputs, a backward
         the gradients of its outputs."""
         kind, s, mb = action.kind, action.stage, action.mb
+        slot = self.slots[s]
         if kind is Kind.F:
             for p in self._remote_in[s]:
                 for name, t in zip(self._reads[(s, p)], self._wait((Kind.F, s, mb, p)), strict=True):
-                    self._fwd_box[(s, mb, name)] = t
+                    self._fwd_box[(s, mb, name)] = self._received(slot, name, t, message_label("F", p, s, mb))
         elif kind in (Kind.B, Kind.I):
             for c in self._remote_out[s]:
                 names = self._grads_back[(s, c)]
                 if names:
                     for name, t in zip(names, self._wait((Kind.B, s, mb, c)), strict=True):
-                        self._bwd_box[(s, mb, name, c)] = t
+                        self._bwd_box[(s, mb, name, c)] = self._received(slot, name, t,
+                                                                         message_label("B", s, c, mb))
 
     def _collectives(self, action: Action, pos: int) -> AbstractContextManager:
         """The per-block collectives of a training compute action (nothing without replicas)."""
@@ -323,7 +353,7 @@ class Executor:
                 if slot.peer_of[c] is None:  # consumer on this rank: hand over in memory
                     self._fwd_box[(c, mb, name)] = outs[name].detach()
         for c in self._remote_out[s]:
-            self._outbox[(Kind.F, s, mb, c)] = [outs[n] for n in slot.sent_to(c)]
+            self._outbox[(Kind.F, s, mb, c)] = [self._sent(slot, n, outs[n]) for n in slot.sent_to(c)]
         if not keep_graph:
             state.outputs = state.loss = None
         if self.training:
@@ -378,7 +408,7 @@ class Executor:
         for p in self._remote_in[s]:
             names = [n for n in self._reads[(s, p)] if n in grads]
             if names:
-                self._outbox[(Kind.B, s, mb, p)] = [grads[n] for n in names]
+                self._outbox[(Kind.B, s, mb, p)] = [self._sent(slot, n, grads[n]) for n in names]
 
 
 def save_rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -21,6 +21,9 @@ from pipelaunch.pipeline.compute.vocab_parallel import vocab_parallel_loss as pa
 from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.graph.tensor_parallel import Collectives, Rewritten, local_split, parallelize
 
+#: torch >= 2.12 names it all_gather_single (all_gather_into_tensor deprecated); older ones only the latter
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @dataclass
 class TensorParallel:
@@ -37,6 +40,18 @@ class TensorParallel:
             self.log.append(what)
         dist.all_reduce(tensor, op=op, group=self.group)
         return tensor
+
+    def part(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's 1/tp of a value every tp rank holds whole: what it sends of a scattered one."""
+        return tensor.detach().reshape(-1).chunk(self.size)[self.rank]
+
+    def gather(self, part: torch.Tensor, shape: tuple[int, ...], what: str) -> torch.Tensor:
+        """The whole value from the tp ranks' parts (`part` of each, in tp rank order)."""
+        if self.log is not None:
+            self.log.append(what)
+        whole = torch.empty(part.numel() * self.size, dtype=part.dtype, device=part.device)
+        _all_gather(whole, part, group=self.group)
+        return whole.view(shape)
 
 
 class _Copy(torch.autograd.Function):

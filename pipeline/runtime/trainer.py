@@ -73,6 +73,7 @@ def build_slots(spec: ModelSpec, plan: Plan, ctx: RankContext, seed: int,
             values={k: (tuple(shape), dtype_of(dtype)) for k, (shape, dtype) in sp.values.items()},
             loss_value=sp.loss_value,
             peer_of=peer_of,
+            scatter=frozenset(sp.scatter),
         )
     return slots
 
@@ -153,8 +154,10 @@ class RankTrainer:
         self.data_parallel = _data_parallel(plan, ctx, self.slots) if self.training and ctx.dp > 1 else None
         self.initial_weights = "constructor" if initial_weights is not None else "by_name"
         # the stream dropout draws from: set by (seed, rank), so a run repeats itself and DP
-        # replicas draw different masks (a resume then restores the stream it saved)
-        torch.manual_seed(name_seed(run.seed, f"train:rank{ctx.rank}"))
+        # replicas draw different masks (a resume then restores the stream it saved); the tp ranks
+        # of a pipeline rank share one (rank // tp: the numbering of tp=1), so a dropout outside
+        # the split regions keeps their values equal, as f, g and the boundaries' scatter assume
+        torch.manual_seed(name_seed(run.seed, f"train:rank{ctx.rank // ctx.tp}"))
         self.modules: list[nn.Module] = [s.module for s in self.slots.values()]
         named = {n: p for m in self.modules for n, p in m.named_model_parameters()}  # stages may share one
         self.params = list({id(p): p for p in named.values()}.values())
@@ -183,7 +186,7 @@ class RankTrainer:
             plan.schedule, ctx.pp_rank, self.slots, self.loss_fn, ctx.device,
             loss_scale=float(plan.microbatches * plan.dp), autocast=PRECISIONS[plan.meta.precision],
             heartbeat=self.heartbeat, record_p2p=self.record_p2p, model_inputs=plan.model_inputs,
-            collectives=self.data_parallel,
+            collectives=self.data_parallel, tp=self.tp,
         )
         # what this rank's stages read of the data: the model inputs they take (a first stage's
         # input; the targets a model computing its own loss reads, on whichever stage reads them)
@@ -219,7 +222,7 @@ class RankTrainer:
             self._eval = Executor(self.plan.eval_schedule, self.ctx.pp_rank, self.slots, self.loss_fn,
                                   self.ctx.device, loss_scale=float(self.plan.microbatches * self.plan.dp),
                                   record_timings=False, autocast=self.executor.autocast,
-                                  record_p2p=self.record_p2p, model_inputs=self.plan.model_inputs)
+                                  record_p2p=self.record_p2p, model_inputs=self.plan.model_inputs, tp=self.tp)
         for m in self.modules:
             m.eval()
         self.heartbeat.phase(hb.EVALUATION)

@@ -34,6 +34,11 @@ def all_reduce_s(nbytes: float, tp: int, latency_s: float, bandwidth: float) -> 
     return 2 * (tp - 1) * (latency_s + nbytes / tp / bandwidth)
 
 
+def all_gather_s(nbytes: float, tp: int, latency_s: float, bandwidth: float) -> float:
+    """A ring all-gather of `nbytes` in all over tp ranks: tp - 1 steps of 1/tp of the bytes."""
+    return (tp - 1) * (latency_s + nbytes / tp / bandwidth)
+
+
 def profiled_twin(local: TracedModel, modules: Mapping[str, str], sharded: Mapping[str, Sharded]
                   ) -> tuple[TracedModel, Rewritten]:
     """What the profile runs for `local`: a copy of its graph rewritten with shape-only collectives,
@@ -66,6 +71,7 @@ def add_collectives(local: TracedModel, done: Rewritten, tp: int, link: tuple[fl
         if profiled:
             node["forward_s"] += LOSS_ALL_REDUCES * all_reduce_s(per_position, tp, *link)
     g.graph["tp"] = tp
+    g.graph["tp_link"] = tuple(link)  # what a stage boundary's all-gather is priced on (planner/build.py)
 
 
 def _input_bytes(g: nx.DiGraph, name: str) -> float:

@@ -20,7 +20,13 @@ from pipelaunch.pipeline.compute.vocab_parallel import vocab_parallel_loss
 from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plugins import Plugin
-from pipelaunch.pipeline.graph.tensor_parallel import Rewritten, shard_meta, sharded_params, trace_local
+from pipelaunch.pipeline.graph.tensor_parallel import (
+    Rewritten,
+    replicated_values,
+    shard_meta,
+    sharded_params,
+    trace_local,
+)
 from pipelaunch.pipeline.graph.trace import TracedModel
 from pipelaunch.pipeline.planner.measure.profile import (
     ProfileJob,
@@ -93,7 +99,10 @@ class TracedModels:
             local, sharded = trace_local(self.spec.build_meta(), lambda m: self.spec.trace(micro_batch_size, m),
                                          self.tp_modules, tp)
             self._local[key] = local
-            self._rewrites[key] = profiled_twin(local, self.tp_modules, sharded)[1]
+            twin, self._rewrites[key] = profiled_twin(local, self.tp_modules, sharded)
+            # the values every tp rank holds whole and equal: sent 1/tp over a stage boundary
+            same = replicated_values(twin.gm, sharded)
+            local.graph.graph["tp_replicated"] = {n for n, v in same.items() if v}
         return self._local[key]
 
     def prepare(self, sizes: Iterable[int], tp: int | None = None) -> None:
