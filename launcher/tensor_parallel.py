@@ -9,7 +9,13 @@ from __future__ import annotations
 from pipelaunch.models.spec import ModelSpec, causal_lm_loss
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan import Plan
-from pipelaunch.pipeline.graph.tensor_parallel import SHAPE_ONLY, local_split, parallelize
+from pipelaunch.pipeline.graph.tensor_parallel import (
+    SHAPE_ONLY,
+    check_local_reshapes,
+    local_split,
+    parallelize,
+    shard_meta,
+)
 
 
 def check_tp_sizes(spec: ModelSpec, tp: int) -> None:
@@ -28,12 +34,17 @@ def check_tp_sizes(spec: ModelSpec, tp: int) -> None:
 def check_tensor_parallel(spec: ModelSpec, plan: Plan) -> None:
     """Refuse, before spawning, a tensor-parallel plan the ranks could not run exactly: a module
     whose code bakes a full size in, a split weight read other than by a projection or a lookup,
-    or split logits no vocabulary-parallel loss scores. (A stage boundary inside a split region is
+    or split logits no vocabulary-parallel loss scores, or a reshape that narrows each head
+    instead of keeping the rank's heads (`check_local_reshapes`). (A stage boundary inside a split region is
     fine: the plan's values have one tp rank's shapes, and each rank sends its own slice.)"""
     if plan.tp == 1:
         return
     split, sharded = local_split(spec.build_meta(), lambda m: spec.trace(plan.micro_batch_size, m), plan.assignment,
                                  len(plan.stages), plan.tp_modules, plan.tp)
+    local = spec.build_meta()
+    shard_meta(local, plan.tp_modules, plan.tp)
+    check_local_reshapes(spec.build_meta(), local, spec.meta_args(plan.micro_batch_size), plan.tp,
+                         lambda m: spec.trace(plan.micro_batch_size, m))
     for stage in plan.stages:
         rewritten = parallelize(split.stages[stage.index], sharded, plan.tp_modules, SHAPE_ONLY)
         if stage.loss_value in rewritten.vocab_outputs and not spec.own_loss and spec.loss_fn is not causal_lm_loss:

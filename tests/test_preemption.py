@@ -24,10 +24,10 @@ LONG = 400
 ARGS = [*SMALL, "pp=2", "log_every=1"]
 
 
-def _stop_mid_run(sig: signal.Signals, tmp_path, at_step: int = 4) -> tuple[str, int, float]:
+def _stop_mid_run(sig: signal.Signals, tmp_path, at_step: int = 4, args: list[str] = ARGS) -> tuple[str, int, float]:
     """Start a long run, send `sig` to the launcher once rank 0 printed step `at_step`; its output,
     exit code and the seconds from the signal to the launcher's exit."""
-    cmd = [sys.executable, "train.py", *ARGS, f"steps={LONG}", f"checkpoint.dir={tmp_path / 'ck'}",
+    cmd = [sys.executable, "train.py", *args, f"steps={LONG}", f"checkpoint.dir={tmp_path / 'ck'}",
            f"hydra.run.dir={tmp_path / 'stopped'}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=os.environ.copy())
@@ -49,9 +49,12 @@ def _stop_mid_run(sig: signal.Signals, tmp_path, at_step: int = 4) -> tuple[str,
 
 
 @pytest.mark.timeout(400)
-def test_sigterm_mid_run_checkpoints_every_rank_and_the_resumed_run_loses_nothing(tmp_path) -> None:
+@pytest.mark.parametrize("layout", [[], pytest.param(["tp=2"], marks=pytest.mark.slow, id="tp")])
+def test_sigterm_mid_run_checkpoints_every_rank_and_the_resumed_run_loses_nothing(tmp_path, layout) -> None:
+    """pp=2, and pp=2 tp=2 (slow): each tp rank's slices in the checkpoint, resumed bitwise."""
+    args = [*ARGS, *layout]
     before = job_processes()
-    out, code, took = _stop_mid_run(signal.SIGTERM, tmp_path)
+    out, code, took = _stop_mid_run(signal.SIGTERM, tmp_path, args=args)
     assert code == 0, out[-3000:]
     # within SLURM's KillWait (30 s by default) on a shared 2-core machine; ~3 s alone: no rank
     # waits for torch elastic to collect a result it no longer collects
@@ -68,8 +71,8 @@ def test_sigterm_mid_run_checkpoints_every_rank_and_the_resumed_run_loses_nothin
                                              "checkpoint": str(tmp_path / "ck" / f"step_{step:07d}")}
     assert_no_process_left(before)
     total = step + 3
-    resumed = train([*ARGS, f"steps={total}", "resume=auto", f"checkpoint.dir={tmp_path / 'ck'}"], tmp_path / "resumed")
-    straight = train([*ARGS, f"steps={total}"], tmp_path / "straight")
+    resumed = train([*args, f"steps={total}", "resume=auto", f"checkpoint.dir={tmp_path / 'ck'}"], tmp_path / "resumed")
+    straight = train([*args, f"steps={total}"], tmp_path / "straight")
     assert resumed.returncode == 0 and straight.returncode == 0, resumed.stderr[-3000:] + straight.stderr[-3000:]
     assert metrics(tmp_path / "resumed")["start_step"] == step
     assert metrics(tmp_path / "resumed")["losses"] == metrics(tmp_path / "straight")["losses"]  # bitwise

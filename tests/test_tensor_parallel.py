@@ -56,7 +56,8 @@ def test_pipeline_and_tensor_parallel_train_like_one_process(tmp_path) -> None:
               # sends its slice of the MLP's hidden state to its counterpart
               ("gpt", ["pp=2", "tp=2", "model.granularity=op", "partitioner=manual",
                        "partitioner.split_points=[layer1_mlp_1]"]),
-              ("gpt", ["pp=2", "tp=2", "scheduler=dualpipev"])]  # its overlapped forward-backward pairs
+              ("gpt", ["pp=2", "tp=2", "scheduler=dualpipev"]),  # its overlapped forward-backward pairs
+              ("gpt", ["pp=1", "dp=2", "tp=2", "zero=3", "reshard=run"])]  # slices gathered once a run
     check_like_one_process(_cases(pairs), tmp_path, inexact=("llama", "qwen2"))
 
 
@@ -189,6 +190,8 @@ def test_the_rewrite_places_one_f_per_shared_input(granularity: str) -> None:
       "model.loss=model", "model.tp_plan={transformer.h.*.attn.c_attn: colwise, "
       "transformer.h.*.attn.c_proj: rowwise}", "tp=2", *FAST[4:]], "tp", "cannot run with its planned modules"),
     ([*FAST, "tp=2", "model=mlp"], "model.tp_plan", "no tensor-parallel plan"),
+    # a head count baked into a view keeps the local shapes consistent and narrows every head
+    ([*FAST[4:], *MODULE, "+model.module.bake_heads=true", "tp=2"], "model.tp_plan", "bakes a count in"),
 ])
 def test_refused_before_spawn(overrides: list[str], key: str, words: str) -> None:
     with pytest.raises(ConfigError) as err:

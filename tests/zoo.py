@@ -305,9 +305,11 @@ class DecoderLayer(nn.Module):
     """A pre-norm decoder layer as a user might write one: separate projections, RMSNorm, SwiGLU;
     its head count read from the projection's output (`-1`), as transformers' Llama reads it."""
 
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, bake_heads: bool = False) -> None:
         super().__init__()
         self.head_dim = dim // heads
+        # bake_heads: the head count as a constant (view(b, t, self.heads, -1)), as some authors write it
+        self.heads, self.bake_heads = heads, bake_heads
         self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
         self.wq, self.wk, self.wv = (nn.Linear(dim, dim, bias=False) for _ in range(3))
         self.wo = nn.Linear(dim, dim, bias=False)
@@ -317,7 +319,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         h = self.norm1(x)
-        q, k, v = (w(h).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        shape = (b, t, self.heads, -1) if self.bake_heads else (b, t, -1, self.head_dim)
+        q, k, v = (w(h).view(*shape).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         x = x + self.wo(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1))
         h = self.norm2(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
@@ -327,11 +330,11 @@ class TinyDecoder(nn.Module):
     """A user's own decoder: token embedding, `layers` decoder layers, a final norm, an LM head."""
 
     def __init__(self, vocab_size: int = 64, dim: int = 32, heads: int = 4, layers: int = 4,
-                 dropout: float = 0.0) -> None:
+                 dropout: float = 0.0, bake_heads: bool = False) -> None:
         super().__init__()
         self.dropout = dropout  # on the embeddings, where every tp rank holds them whole
         self.tok = nn.Embedding(vocab_size, dim)
-        self.blocks = nn.ModuleList(DecoderLayer(dim, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(DecoderLayer(dim, heads, bake_heads) for _ in range(layers))
         self.norm = nn.RMSNorm(dim)
         self.out = nn.Linear(dim, vocab_size, bias=False)
 

@@ -20,6 +20,7 @@ runtime's real ones or the launcher's shape-only stand-ins.
 
 from __future__ import annotations
 
+import math
 import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 from torch.nn import functional as F  # noqa: N812
+from torch.overrides import TorchFunctionMode
 
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.graph.split import SplitModel, split_model
@@ -363,6 +365,113 @@ def trace_local(model: nn.Module, trace: Callable[[nn.Module], TracedModel], mod
                                 "self.heads, ...)) instead of reading it from the tensor (-1) cannot be split; "
                                 "plan that module as replicate, or tp=1") from err
     return traced, sharded
+
+
+#: the calls that regroup a tensor's dimensions, whose local result must split the head (outer) factor
+_RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape}
+
+
+class _ReshapeLog(TorchFunctionMode):
+    """Every view/reshape a forward runs: (the module running it, input shape, output shape)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+        self.where: list[str] = []
+        self._hooks = [h for name, m in model.named_modules() for h in (
+            m.register_forward_pre_hook(lambda mod, args, name=name: self._enter(name)),
+            m.register_forward_hook(lambda mod, args, out: self._leave()))]
+
+    def _enter(self, name: str) -> None:
+        self.where.append(name)
+
+    def _leave(self) -> None:  # a hook returning a value would replace the module's output
+        self.where.pop()
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _RESHAPES and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
+            self.calls.append((self.where[-1] if self.where else "", tuple(args[0].shape), tuple(out.shape)))
+        return out
+
+
+def _reshapes(model: nn.Module, args: Sequence[torch.Tensor]) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    log = _ReshapeLog(model)
+    try:
+        with log, torch.no_grad():
+            model(*args)
+    finally:
+        log.close()
+    return log.calls
+
+
+def _split_as_heads(full_in: Sequence[int], full_out: Sequence[int], local_in: Sequence[int],
+                    tp: int) -> tuple[int, ...] | None:
+    """What a reshape of `full_in` to `full_out` gives on a tp rank whose input is `local_in` (one
+    dimension 1/tp, a contiguous block of it), when the block is the outermost factor of the output
+    dimensions that dimension is cut into (heads, not the width of a head); None: no split dimension."""
+    split = [i for i, (a, b) in enumerate(zip(full_in, local_in, strict=True)) if a != b]
+    if len(split) != 1:
+        return None
+    i = split[0]
+    before = math.prod(full_in[:i])
+    out = list(full_out)
+    for j in range(len(out)):  # the first output dimension starting at or after the split one's start
+        if math.prod(full_out[:j]) >= before and out[j] > 1:
+            if out[j] % tp:
+                return None
+            out[j] //= tp
+            return tuple(out)
+    return None
+
+
+_GRAPH_RESHAPES = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+                   torch.reshape, "view", "reshape"}
+
+
+def _graph_reshapes(traced: TracedModel) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """The view/reshape nodes of a traced graph with their shapes (what a forward that cannot run
+    eagerly on meta is checked on; reshapes inside leaf modules are not in it)."""
+    calls = []
+    for node in traced.gm.graph.nodes:
+        if node.op in ("call_function", "call_method") and node.target in _GRAPH_RESHAPES and node.args:
+            src, out = getattr(node.args[0], "meta", {}).get("tensor_meta"), node.meta.get("tensor_meta")
+            if hasattr(src, "shape") and hasattr(out, "shape"):
+                stack = node.meta.get("nn_module_stack") or {}
+                where = next(reversed(stack.values()))[0] if stack else node.name
+                calls.append((str(where), tuple(src.shape), tuple(out.shape)))
+    return calls
+
+
+def check_local_reshapes(full: nn.Module, local: nn.Module, args: Sequence[torch.Tensor], tp: int,
+                         trace: Callable[[nn.Module], TracedModel]) -> None:
+    """Refuse a forward that reshapes a split tensor by a size of its own: run on meta at the full
+    shapes and at one tp rank's, each view/reshape of a split dimension must cut the tp rank's
+    block as the outermost factor (`view(b, t, -1, head_dim)` gives the rank's heads); a count
+    baked in (`view(b, t, self.heads, -1)`) keeps the shapes consistent but narrows every head,
+    which would train a different model without an error. A forward that cannot run eagerly on
+    meta (transformers' mask helpers read values) is checked on its traced graphs instead."""
+    try:
+        full_calls, local_calls = _reshapes(full, args), _reshapes(local, args)
+    except Exception:  # noqa: BLE001 - a forward reading values: its traced graphs carry the shapes
+        full_calls, local_calls = _graph_reshapes(trace(full)), _graph_reshapes(trace(local))
+    if len(full_calls) != len(local_calls):
+        return  # a forward branching on shapes: the cut check (`local_split`) refuses it
+    for (where, full_in, full_out), (_, local_in, local_out) in zip(full_calls, local_calls, strict=True):
+        if len(full_in) != len(local_in) or tuple(full_in) == tuple(local_in):
+            continue
+        expected = _split_as_heads(full_in, full_out, local_in, tp)
+        if expected is not None and tuple(local_out) != expected:
+            raise ConfigError("model.tp_plan", f"{where or 'the model'} reshapes a tensor split over tp={tp} ranks "
+                                               f"with a size of its own: {list(full_in)} -> {list(full_out)} at full "
+                                               f"size gives {list(local_out)} on a tp rank, where its share of the "
+                                               f"heads would be {list(expected)}. Its forward bakes a count in "
+                                               "(view(b, t, self.heads, -1)); read it from the tensor "
+                                               "(view(b, t, -1, head_dim)), or plan that module as replicate")
 
 
 def local_split(model: nn.Module, trace: Callable[[nn.Module], TracedModel], assignment: Mapping[str, int],
