@@ -9,6 +9,7 @@ from __future__ import annotations
 from pipelaunch.models.spec import ModelSpec, causal_lm_loss
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.graph.sequence_parallel import shape_only
 from pipelaunch.pipeline.graph.tensor_parallel import (
     SHAPE_ONLY,
     check_local_reshapes,
@@ -16,6 +17,7 @@ from pipelaunch.pipeline.graph.tensor_parallel import (
     parallelize,
     shard_meta,
 )
+from pipelaunch.pipeline.runtime.tensor_parallel import apply_sequence_parallel
 
 
 def check_tp_sizes(spec: ModelSpec, tp: int) -> None:
@@ -47,6 +49,9 @@ def check_tensor_parallel(spec: ModelSpec, plan: Plan) -> None:
                          lambda m: spec.trace(plan.micro_batch_size, m))
     for stage in plan.stages:
         rewritten = parallelize(split.stages[stage.index], sharded, plan.tp_modules, SHAPE_ONLY)
+        if plan.sequence_parallel:  # the pass on meta, as each rank will run it (it refuses what it cannot follow)
+            apply_sequence_parallel(split.stages[stage.index], spec, plan, stage.index, sharded, shape_only(plan.tp),
+                                    plan.tp)
         if stage.loss_value in rewritten.vocab_outputs and not spec.own_loss and spec.loss_fn is not causal_lm_loss:
             raise ConfigError("model.tp_plan", f"the last stage's output is split by vocabulary over the tp ranks, and "
                                                f"model={spec.name}'s loss is not the next-token cross-entropy "

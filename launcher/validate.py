@@ -85,6 +85,10 @@ def check_config(cfg: TrainConfig) -> None:
             _number(getattr(cfg, key), key, 0.0, strict=True, what=" or null (the pipeline link's)")
     if cfg.action_overhead_s is not None:
         _number(cfg.action_overhead_s, "action_overhead_s", 0.0, what=" (seconds per compute action; null: measured)")
+    if cfg.sequence_parallel and cfg.tp == 1 and cfg.plan.devices is None:
+        raise ConfigError("sequence_parallel", "sequence_parallel=true splits the positions between tensor-parallel "
+                                               "regions over the tp ranks, and tp=1 has none; set tp > 1, or "
+                                               "sequence_parallel=false")
     check_devices(cfg)
     check_zero(cfg)
     batch, dp, m = cfg.batch_size, cfg.dp, cfg.microbatches

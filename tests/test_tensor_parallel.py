@@ -61,6 +61,19 @@ def test_pipeline_and_tensor_parallel_train_like_one_process(tmp_path) -> None:
     check_like_one_process(_cases(pairs), tmp_path, inexact=("llama", "qwen2"))
 
 
+def test_sequence_parallel_trains_like_one_process(tmp_path) -> None:
+    """sequence_parallel=true (norms, residual adds and the boundaries on 1/tp of the positions):
+    every model family through its own plan, each schedule family, a cut inside a split region,
+    tied embeddings and the replicas sharding the slices, like one process."""
+    sp = ["tp=2", "sequence_parallel=true"]
+    pairs = [("gpt", ["pp=2", *sp, "scheduler=1f1b"]), ("gpt tied", ["pp=2", *sp, "scheduler=zbv"]),
+             ("llama", ["pp=2", *sp, "scheduler=interleaved_1f1b"]), ("qwen2", ["pp=1", "dp=2", *sp, "zero=3"]),
+             ("module", ["pp=2", *sp]),
+             ("gpt", ["pp=2", *sp, "model.granularity=op", "partitioner=manual",
+                      "partitioner.split_points=[layer1_mlp_1]"])]
+    check_like_one_process(_cases(pairs), tmp_path, inexact=("llama", "qwen2"))
+
+
 def test_tensor_parallel_trains_under_bf16_like_one_process(tmp_path) -> None:
     """precision=bf16 on zbv's split backward and with the replicas sharding the slices (zero=3):
     losses within 1e-2 of one process's bf16, step 0's gradients and the final weights within
@@ -153,6 +166,30 @@ def test_dropout_keeps_the_replicated_values_equal_on_every_tp_rank(tmp_path) ->
         assert norms and all(pa[k].equal(pb[k]) for k in norms)
 
 
+def test_sequence_parallel_issues_megatrons_gathers_and_scatters_once_per_micro_batch(tmp_path) -> None:
+    """Under sequence parallelism each block's all-reduces become Megatron's pairs: forward an
+    all-gather before attention and the MLP and a reduce-scatter after each, backward the
+    converse; the lookup's sum a reduce-scatter, the head's input all-gathered; no all-reduce
+    inside a block; the residual stream crosses the boundary as one rank's positions."""
+    m = 4
+    cfg = compose_cfg([*FAST, "pp=2", "tp=2", "sequence_parallel=true", f"microbatches={m}", "steps=1"])
+    ranks = run_jobs([cfg], tmp_path / "logs")[0]
+    counts = Counter(ranks[0].extras["tp_log"]) + Counter(ranks[2].extras["tp_log"])
+    expected = {"forward reduce-scatter embed.tokens": m, "backward all-gather embed.tokens": m,
+                "backward all-gather part positions": m,  # the positional table cut to the rank's positions
+                "forward all-gather head.proj": m, "backward reduce-scatter head.proj": m,
+                "loss max": m, "loss sum": m, "loss target": m}
+    for i in range(cfg.model["layers"]):
+        for what in ("attn.q", "mlp.0"):
+            expected |= {f"forward all-gather layer{i}.{what}": m, f"backward reduce-scatter layer{i}.{what}": m}
+        for what in ("attn.proj", "mlp.2"):
+            expected |= {f"forward reduce-scatter layer{i}.{what}": m, f"backward all-gather layer{i}.{what}": m}
+    assert dict(counts) == expected
+    plan = prepare(cfg).plan
+    (value,) = plan.stages[0].outputs
+    assert plan.stages[0].sequence == {value: 1} and plan.stages[0].values[value][0][1] == cfg.model["seq_len"] // 2
+
+
 @pytest.mark.parametrize("granularity", ["block", "op"])
 def test_the_rewrite_places_one_f_per_shared_input(granularity: str) -> None:
     """On the GPT traced whole or operator by operator: q, k and v read one `f`, the MLP's first
@@ -190,6 +227,8 @@ def test_the_rewrite_places_one_f_per_shared_input(granularity: str) -> None:
       "model.loss=model", "model.tp_plan={transformer.h.*.attn.c_attn: colwise, "
       "transformer.h.*.attn.c_proj: rowwise}", "tp=2", *FAST[4:]], "tp", "cannot run with its planned modules"),
     ([*FAST, "tp=2", "model=mlp"], "model.tp_plan", "no tensor-parallel plan"),
+    ([*FAST, "sequence_parallel=true"], "sequence_parallel", "tp=1 has none"),
+    ([*FAST, "tp=2", "sequence_parallel=true", "model.seq_len=9"], "sequence_parallel", "shape [4, 9]"),
     # a head count baked into a view keeps the local shapes consistent and narrows every head
     ([*FAST[4:], *MODULE, "+model.module.bake_heads=true", "tp=2"], "model.tp_plan", "bakes a count in"),
 ])

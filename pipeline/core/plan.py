@@ -53,6 +53,11 @@ class StagePlan:
     #: 1/tp of it to its counterpart and the receiving tp ranks all-gather it (Megatron's
     #: scatter-gather, SC21 section 4.1), its gradient the same way back
     scatter: dict[str, int] = field(default_factory=dict)
+    #: under sequence parallelism, the boundary values each tp rank holds 1/tp of the positions of
+    #: -> the sequence dimension (their `values` shapes are one rank's part); and the values each
+    #: holds its own slice of (a cut inside a split region)
+    sequence: dict[str, int] = field(default_factory=dict)
+    split: list[str] = field(default_factory=list)
 
     def value_bytes(self, name: str) -> int:
         shape, dtype = self.values[name]
@@ -199,6 +204,8 @@ class Plan:
     #: under tp > 1, module qualified name -> how it is split (colwise, rowwise, vocab, replicate:
     #: pipeline/graph/tensor_parallel.py), the model's plan resolved against its modules
     tp_modules: dict[str, str] = field(default_factory=dict)
+    #: Megatron's sequence parallelism between the split regions (TrainConfig.sequence_parallel)
+    sequence_parallel: bool = False
 
     @property
     def world_size(self) -> int:

@@ -141,6 +141,8 @@ class Collectives:
 class _Lookup(nn.Module):
     """The vocabulary-parallel lookup's shape: ids in, one row of the local table per id out."""
 
+    reduce_output = True  # as the real lookup's (sequence parallelism turns it off)
+
     def forward(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids.clamp(0, weight.shape[0] - 1), weight)
 
@@ -160,6 +162,9 @@ class Rewritten:
     #: inserted module -> the graph node whose work it belongs to (a projection, a lookup, or the
     #: call of a block the collectives were placed inside): where the planner prices it
     at: dict[str, str] = field(default_factory=dict)
+    #: a node whose readers now read another (a row-parallel projection's: its `g`, its bias) ->
+    #: that node: what a stage boundary at the node carries
+    carried: dict[str, str] = field(default_factory=dict)
 
 
 def _param_target(node: fx.Node) -> str | None:
@@ -291,6 +296,7 @@ class _Rewriter:
                 last = self.graph.call_function(operator.add, (reduced, bias))
         for user in users:
             user.replace_input_with(node, last)
+        self.out.carried[node.name] = last.name
 
     def _embedding(self, node: fx.Node, weight: fx.Node, module: str) -> None:
         if node.target is F.embedding:

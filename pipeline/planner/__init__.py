@@ -77,7 +77,8 @@ def make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Grou
         tp = c.tp if c is not None and c.tp is not None else cfg.tp
         req = _request(cfg, spec, plugins, traced, c, facts, profile, cuda)
         slots = None if req.rank_slots is None else req.rank_slots / tp  # a simulated rank is tp processes
-        req = replace(req, tp=tp, tp_modules=tp_modules if tp > 1 else {}, rank_slots=slots)
+        req = replace(req, tp=tp, tp_modules=tp_modules if tp > 1 else {}, rank_slots=slots,
+                      sequence_parallel=cfg.sequence_parallel and tp > 1)
         return build_plan(traced, gen, req if whole is None else replace(req, whole_stages=tuple(whole)))
 
     if searching and not profile:

@@ -18,6 +18,7 @@ from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan import Plan, PlanMeta, StagePlan, dtype_name
 from pipelaunch.pipeline.core.plan_records import MachineFacts, PartitionSummary, UnitCost
 from pipelaunch.pipeline.core.plugins import Plugin
+from pipelaunch.pipeline.graph.sequence_parallel import REPLICATED, SEQUENCE, SPLIT
 from pipelaunch.pipeline.graph.split import split_model
 from pipelaunch.pipeline.graph.trace import TracedModel
 from pipelaunch.pipeline.graph.units import node_param_uses, stage_units
@@ -162,16 +163,21 @@ class PlanRequest:
     #: tensor-parallel degree and the modules it splits (TrainConfig.tp; the model's plan resolved)
     tp: int = 1
     tp_modules: Mapping[str, str] = field(default_factory=dict)
+    sequence_parallel: bool = False
 
 
-def _value_meta(traced: TracedModel, name: str, dtypes: Mapping[str, torch.dtype] | None) -> list:
+def _value_meta(traced: TracedModel, name: str, dtypes: Mapping[str, torch.dtype] | None, tp: int = 1) -> list:
     node = next(n for n in traced.gm.graph.nodes if n.name == name)
     meta = node.meta.get("tensor_meta")
     if meta is None or not hasattr(meta, "shape"):
         raise ConfigError("model", f"value {name!r} crossing a stage boundary is not a single tensor; "
                                    f"make the module producing it a leaf (model leaf_modules) or move the split")
     dtype = meta.dtype if dtypes is None else dtypes.get(name, meta.dtype)
-    return [list(meta.shape), dtype_name(dtype)]
+    shape = list(meta.shape)
+    kind, dim = _layout(traced, name)
+    if kind == SEQUENCE:  # one tp rank's positions
+        shape[dim] //= tp
+    return [shape, dtype_name(dtype)]
 
 
 def build_plan(traced: TracedModel, generator: ScheduleGenerator, req: PlanRequest) -> Plan:
@@ -215,7 +221,8 @@ def build_plan(traced: TracedModel, generator: ScheduleGenerator, req: PlanReque
     return Plan(req.pp, req.dp, req.microbatches, req.batch_size // (req.dp * req.microbatches), req.model_name,
                 stages, schedule, assignment=dict(part.assignment),
                 shared_params={n: list(v) for n, v in split.shared_params.items()}, meta=PlanMeta(**meta),
-                eval_schedule=eval_schedule, model_inputs=inputs, tp=req.tp, tp_modules=dict(req.tp_modules))
+                eval_schedule=eval_schedule, model_inputs=inputs, tp=req.tp, tp_modules=dict(req.tp_modules),
+                sequence_parallel=req.sequence_parallel)
 
 
 def model_inputs(names: Sequence[str], data_args: Sequence[str]) -> dict[str, str]:
@@ -315,18 +322,26 @@ def _stage_plans(traced: TracedModel, split, part: Partition, placement: list[in
             blocks=[n for n, s in part.assignment.items() if s == io.index],
             inputs=dict(io.inputs),
             outputs={n: list(c) for n, c in io.outputs.items() if c},
-            values={n: _value_meta(traced, n, dtypes) for n in crossing},
+            values={n: _value_meta(traced, n, dtypes, tp) for n in crossing},
             loss_value=outputs[0] if io.index == k - 1 else None,
             scatter={n: tp for n in crossing if _scattered(traced, n, tp)},
+            sequence={n: d for n in crossing if (d := _layout(traced, n)[1]) is not None},
+            split=[n for n in crossing if _layout(traced, n)[0] == SPLIT],
         ))
     return stages
+
+
+def _layout(traced: TracedModel, name: str) -> tuple[str, int | None]:
+    """A value's layout over the tp ranks (measure/traced.py: whole and equal, this rank's positions
+    along a dimension, or a slice); whole without tp."""
+    return traced.graph.graph.get("tp_layouts", {}).get(name, (REPLICATED, None))
 
 
 def _scattered(traced: TracedModel, name: str, tp: int) -> bool:
     """Whether a boundary value crosses in 1/tp slices: every tp rank holds it whole and equal
     (`graph.tensor_parallel.replicated_values`), it is floating point (its gradient comes back the
     same way) and tp divides its elements."""
-    if tp == 1 or name not in traced.graph.graph.get("tp_replicated", ()):
+    if tp == 1 or _layout(traced, name)[0] != REPLICATED or "tp_layouts" not in traced.graph.graph:
         return False
     meta = next(n for n in traced.gm.graph.nodes if n.name == name).meta["tensor_meta"]
     return meta.dtype.is_floating_point and meta.shape.numel() % tp == 0

@@ -27,7 +27,8 @@ class StageModule(nn.Module):
     """A stage cut out of a traced model: forward(**named values) -> dict of named values."""
 
     def __init__(self, index: int, gm: torch.fx.GraphModule, aliases: dict[str, str],
-                 tensor_parallel: Rewritten | None = None, split_dims: dict[str, int] | None = None) -> None:
+                 tensor_parallel: Rewritten | None = None, split_dims: dict[str, int] | None = None,
+                 sequence_partial: list[str] | None = None) -> None:
         super().__init__()
         self.index = index
         self.gm = gm
@@ -36,6 +37,9 @@ class StageModule(nn.Module):
         self.tensor_parallel = tensor_parallel
         #: under tp > 1, the parameters this rank holds a slice of -> the dimension split
         self.split_dims = split_dims or {}
+        #: under sequence parallelism, the parameters (graph names) each tp rank computes a partial
+        #: gradient of, from its positions: summed over the tp ranks once per step
+        self.sequence_partial = sequence_partial or []
 
     def forward(self, **values: torch.Tensor) -> dict[str, torch.Tensor]:
         return self.gm(**values)
@@ -77,12 +81,14 @@ def build_stage_modules(
                 also=own.values(), load=spec.load, initial=initial, whole_init=spec.init_weights)
     for gm in own.values():
         _constants_to(gm, device)
-    rewrites, dims = {}, {}
+    rewrites, dims, partial = {}, {}, {}
     if tp is not None and plan.tp > 1:
-        own, rewrites, dims = local_stages(spec, plan, own, tp, device)
+        local = local_stages(spec, plan, own, tp, device)
+        own, rewrites, dims, partial = local.stages, local.rewrites, local.dims, local.partial
     for i, gm in own.items():
         recompute_modules(gm, plan.stages[i].recompute)
-    return {i: StageModule(i, gm, dict(split.param_aliases), rewrites.get(i), dims) for i, gm in own.items()}
+    return {i: StageModule(i, gm, dict(split.param_aliases), rewrites.get(i), dims, partial.get(i))
+            for i, gm in own.items()}
 
 
 def _constants_to(gm: torch.fx.GraphModule, device: torch.device) -> None:

@@ -45,7 +45,11 @@ from pipelaunch.pipeline.runtime.preempt import StopRequests, control_group
 from pipelaunch.pipeline.runtime.progress import Progress
 from pipelaunch.pipeline.runtime.sharding import ShardedStages, local, replica_mesh
 from pipelaunch.pipeline.runtime.stage import build_stage_modules
-from pipelaunch.pipeline.runtime.tensor_parallel import TensorParallel, vocab_parallel_loss
+from pipelaunch.pipeline.runtime.tensor_parallel import (
+    TensorParallel,
+    sum_partial_gradients,
+    vocab_parallel_loss,
+)
 from pipelaunch.pipeline.runtime.tracking import Tracker, make_tracker
 
 #: steps after warm-up whose events price the run's own per-stage costs (bounded: every rank sends
@@ -260,6 +264,8 @@ class RankTrainer:
         # a NaN or inf loss leaves the weights as they were, for the report to look at
         if self.training and bool(torch.isfinite(loss_sum)):
             self.shared.sum_across_stages()
+            if self.plan.sequence_parallel:
+                sum_partial_gradients(self.modules, self.tp)
             if self.data_parallel is not None:
                 allreduce_gradients(self.data_parallel.replicated, ctx.dp_group)
             for callback in self.callbacks:

@@ -18,10 +18,18 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import networkx as nx
+import torch
 
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.graph.sequence_parallel import (
+    REPLICATED,
+    SequenceRewrite,
+    sequence_parallel,
+    shape_only,
+)
 from pipelaunch.pipeline.graph.tensor_parallel import SHAPE_ONLY, Rewritten, Sharded, parallelize
 from pipelaunch.pipeline.graph.trace import TracedModel
 
@@ -39,21 +47,74 @@ def all_gather_s(nbytes: float, tp: int, latency_s: float, bandwidth: float) -> 
     return (tp - 1) * (latency_s + nbytes / tp / bandwidth)
 
 
-def profiled_twin(local: TracedModel, modules: Mapping[str, str], sharded: Mapping[str, Sharded]
-                  ) -> tuple[TracedModel, Rewritten]:
-    """What the profile runs for `local`: a copy of its graph rewritten with shape-only collectives,
-    annotating `local`'s own cost graph; and what the rewrite placed."""
+@dataclass(frozen=True)
+class SequenceSetup:
+    """What the sequence-parallel pass needs of a whole model: tp, the sequence length and the
+    model's meta arguments (one micro-batch's)."""
+
+    tp: int
+    seq_len: int
+    args: tuple[torch.Tensor, ...]
+
+
+def sequence_setup(enabled: bool, spec, micro_batch_size: int, tp: int) -> SequenceSetup | None:
+    """Under `sequence_parallel=true` and tp > 1, what the pass needs; refused, naming the key,
+    where the model's input has no sequence dimension tp divides."""
+    if not enabled or tp == 1:
+        return None
+    args = tuple(spec.meta_args(micro_batch_size))
+    first = args[0]
+    if first.dim() < 2 or first.shape[1] % tp:
+        raise ConfigError("sequence_parallel", f"sequence parallelism cuts dimension 1 of the model's input (the "
+                                               f"positions) over tp={tp} ranks, but model={spec.name}'s input has "
+                                               f"shape {list(first.shape)}; valid: a sequence length tp divides "
+                                               "(model.seq_len), or sequence_parallel=false")
+    return SequenceSetup(tp, int(first.shape[1]), args)
+
+
+def profiled_twin(local: TracedModel, modules: Mapping[str, str], sharded: Mapping[str, Sharded],
+                  sequence: SequenceSetup | None = None) -> tuple[TracedModel, Rewritten, SequenceRewrite | None]:
+    """What the profile runs for `local`: a copy of its graph rewritten with shape-only collectives
+    (under sequence parallelism their shape changes too: the local work at the local shapes),
+    annotating `local`'s own cost graph; and what the rewrites placed."""
     gm = copy.deepcopy(local.gm)
     done = parallelize(gm, sharded, modules, SHAPE_ONLY)
-    return replace(local, gm=gm), done
+    seq = None
+    if sequence is not None:
+        seq = sequence_parallel(gm, shape_only(sequence.tp), sequence.tp, sequence.seq_len, sharded,
+                                [(a, (REPLICATED, None)) for a in sequence.args], keep=lambda name: False)
+    return replace(local, gm=gm), done, seq
 
 
-def add_collectives(local: TracedModel, done: Rewritten, tp: int, link: tuple[float, float]) -> None:
-    """Each tp collective `done` placed, priced on `link` (latency, bandwidth) and added to its
-    node's times (when profiled) and to its list `tp_collectives` (kind, bytes)."""
+#: the sequence-parallel collectives' ring steps (each tp - 1 of 1/tp of the whole value's bytes),
+#: as (where, how many): forward, backward
+SEQUENCE_STEPS = {"scatter": (1, 1), "gather": (1, 1), "to_whole": (1, 0), "to_part": (0, 1), "partial": (0, 2)}
+
+
+def add_collectives(local: TracedModel, done: Rewritten, tp: int, link: tuple[float, float],
+                    seq: SequenceRewrite | None = None) -> None:
+    """Each tp collective `done` placed (and under sequence parallelism `seq`'s), priced on `link`
+    (latency, bandwidth) and added to its node's times (when profiled) and to its list
+    `tp_collectives` (kind, bytes)."""
     g = local.graph
     profiled = all("forward_s" in g.nodes[n] for n in g.nodes)
+    replaced = set(seq.replaced) if seq is not None else set()
+    for inserted, kind in (seq.inserted.items() if seq is not None else ()):
+        owner = _owner(g, seq.at[inserted], seq.at, done.at)
+        if owner is None:
+            continue
+        node = g.nodes[owner]
+        nbytes = float(seq.bytes.get(inserted, 0))
+        node.setdefault("tp_collectives", []).append((kind, nbytes))
+        forward, backward = SEQUENCE_STEPS[kind]
+        if profiled:
+            step = all_gather_s(nbytes, tp, *link)
+            node["forward_s"] += forward * step
+            for key in ("backward_s", "backward_input_s"):
+                node[key] += backward * step
     for inserted, kind in done.inserted.items():
+        if inserted in replaced:
+            continue
         owner = done.at[inserted]
         node = g.nodes[owner]
         nbytes = _input_bytes(g, owner) if kind == "copy" else node["output_bytes"]
@@ -72,6 +133,17 @@ def add_collectives(local: TracedModel, done: Rewritten, tp: int, link: tuple[fl
             node["forward_s"] += LOSS_ALL_REDUCES * all_reduce_s(per_position, tp, *link)
     g.graph["tp"] = tp
     g.graph["tp_link"] = tuple(link)  # what a stage boundary's all-gather is priced on (planner/build.py)
+
+
+def _owner(g: nx.DiGraph, name: str, *inserted_at: Mapping[str, str]) -> str | None:
+    """The traced node an inserted one's work belongs to (it may belong to another inserted one)."""
+    for _ in range(8):
+        if name in g:
+            return name
+        name = next((at[name] for at in inserted_at if name in at), None)
+        if name is None:
+            return None
+    return None
 
 
 def _input_bytes(g: nx.DiGraph, name: str) -> float:

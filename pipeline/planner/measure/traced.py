@@ -20,6 +20,7 @@ from pipelaunch.pipeline.compute.vocab_parallel import vocab_parallel_loss
 from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plugins import Plugin
+from pipelaunch.pipeline.graph.sequence_parallel import REPLICATED, SPLIT, SequenceRewrite
 from pipelaunch.pipeline.graph.tensor_parallel import (
     Rewritten,
     replicated_values,
@@ -34,7 +35,7 @@ from pipelaunch.pipeline.planner.measure.profile import (
     profile_graphs,
     profiled_nodes,
 )
-from pipelaunch.pipeline.planner.measure.tensor_parallel import add_collectives, profiled_twin
+from pipelaunch.pipeline.planner.measure.tensor_parallel import add_collectives, profiled_twin, sequence_setup
 from pipelaunch.pipeline.planner.predict.prediction import profiling_threads
 
 
@@ -63,6 +64,7 @@ class TracedModels:
         #: per (size, tp > 1): the model traced at one tp rank's shapes and what the rewrite placed
         self._local: dict[tuple[int, int], TracedModel] = {}
         self._rewrites: dict[tuple[int, int], Rewritten] = {}
+        self._sequence: dict[tuple[int, int], SequenceRewrite | None] = {}
         self._priced: set[tuple[int, int]] = set()
         #: the (size, tp) whose graphs carry their profile (or need none)
         self._profiled: set[tuple[int, int]] = set()
@@ -77,7 +79,7 @@ class TracedModels:
         key = (micro_batch_size, tp)
         local = self._local_trace(*key)
         if key not in self._priced:
-            add_collectives(local, self._rewrites[key], tp, self.tp_link)
+            add_collectives(local, self._rewrites[key], tp, self.tp_link, self._sequence[key])
             self._priced.add(key)
         return local
 
@@ -99,10 +101,17 @@ class TracedModels:
             local, sharded = trace_local(self.spec.build_meta(), lambda m: self.spec.trace(micro_batch_size, m),
                                          self.tp_modules, tp)
             self._local[key] = local
-            twin, self._rewrites[key] = profiled_twin(local, self.tp_modules, sharded)
-            # the values every tp rank holds whole and equal: sent 1/tp over a stage boundary
-            same = replicated_values(twin.gm, sharded)
-            local.graph.graph["tp_replicated"] = {n for n, v in same.items() if v}
+            setup = sequence_setup(self.cfg.sequence_parallel, self.spec, micro_batch_size, tp)
+            twin, self._rewrites[key], self._sequence[key] = profiled_twin(local, self.tp_modules, sharded, setup)
+            seq = self._sequence[key]
+            if seq is None:  # whole and equal on every tp rank (sent 1/tp over a boundary), or a slice
+                same = replicated_values(twin.gm, sharded)
+                layouts = {n: (REPLICATED if v else SPLIT, None) for n, v in same.items()}
+            else:  # whole, this rank's positions, or a slice
+                layouts = dict(seq.layouts)
+            # what a stage boundary at a node carries: a row-parallel projection's g (and its bias)
+            carried = {**self._rewrites[key].carried, **(seq.carried if seq is not None else {})}
+            local.graph.graph["tp_layouts"] = {n: layouts[_follow(carried, n)] for n in layouts}
         return self._local[key]
 
     def prepare(self, sizes: Iterable[int], tp: int | None = None) -> None:
@@ -136,6 +145,12 @@ class TracedModels:
                                        f"options: {type(err).__name__}: {err}") from err
 
 
+def _follow(carried: Mapping[str, str], name: str) -> str:
+    while name in carried:
+        name = carried[name]
+    return name
+
+
 def profile_traced(spec: ModelSpec, cfg: TrainConfig, traced: Sequence[TracedModel], micro_batch_sizes: Sequence[int],
                    device: torch.device, tp_modules: Mapping[str, str] | None = None, tp: int = 1) -> None:
     """Measure each of `traced` (one per micro-batch size) on one real micro-batch on `device`
@@ -162,7 +177,10 @@ def profile_traced(spec: ModelSpec, cfg: TrainConfig, traced: Sequence[TracedMod
         loss_fn = spec.loss_fn
         if tp_modules and tp > 1:
             key = {**key, "tp": tp, "tp_modules": dict(tp_modules)}
-            t, done = profiled_twin(t, tp_modules, sharded_params(t.gm, tp_modules))
+            if cfg.sequence_parallel:
+                key = {**key, "sequence_parallel": True}
+            setup = sequence_setup(cfg.sequence_parallel, spec, size, tp)
+            t, done, _ = profiled_twin(t, tp_modules, sharded_params(t.gm, tp_modules), setup)
             loss_fn = vocab_parallel_loss(0) if done.vocab_outputs else loss_fn
         jobs.append(ProfileJob(t, spec.model_args(x, y), key, None if spec.own_loss else (loss_fn, y)))
     with timed_as_ranks:
