@@ -3,6 +3,7 @@ interleaved rounds (each run profiles afresh: the machine's speed drifts over mi
 
     python bench/tensor_parallel.py                   # gpt_bench, 1F1B, 3 rounds of (tp=2, tp=1)
     python bench/tensor_parallel.py --rounds 2 --schedule zbv
+    python bench/tensor_parallel.py --sequence        # and tp=2 sequence_parallel=true in each round
 
 Per run: the planned step (`planned_step_time_s`: the simulated schedule on the profile, each
 node's cost scaled to a tp rank's share plus its all-reduces, ranks sharing the cores) against
@@ -29,19 +30,23 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--sequence", action="store_true", help="also tp=2 sequence_parallel=true in each round")
     parser.add_argument("extra", nargs="*", help="more overrides for every run")
     args = parser.parse_args()
-    rows: list[tuple[int, int, dict]] = []
+    rows: list[tuple[int, str, dict]] = []
+    layouts = {"2": ["tp=2"], "1": ["tp=1"]}
+    if args.sequence:
+        layouts = {"2 sp": ["tp=2", "sequence_parallel=true"], **layouts}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.rounds):
-            for tp in (2, 1):
-                out = Path(tmp) / f"r{k}tp{tp}"
-                rows.append((k, tp, run(args.schedule, 2, args.steps, out, [f"tp={tp}", *args.extra])))
+            for tp, overrides in layouts.items():
+                out = Path(tmp) / f"r{k}tp{tp.replace(' ', '')}"
+                rows.append((k, tp, run(args.schedule, 2, args.steps, out, [*overrides, *args.extra])))
                 print(f"  done round {k} tp={tp} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
     print("| round | tp | predicted step ms | measured ms | measured / predicted | predicted peak MiB per rank | "
           "tensors MiB (measured) | tensors / predicted less the reserve |\n|---|---|---|---|---|---|---|---|")
-    ratios: dict[int, list[float]] = {1: [], 2: []}
+    ratios: dict[str, list[float]] = {tp: [] for tp in layouts}
     for k, tp, r in rows:
         if "error" in r:
             print(f"| {k} | {tp} | failed: {r['error']} | | | | | |")

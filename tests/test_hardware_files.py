@@ -62,3 +62,37 @@ def test_the_command_writes_a_loadable_file(tmp_path):
     hw = OmegaConf.load(out)
     assert hw.name == "a100_80gb" and hw.calibration.device == "cpu"
     assert len(hw.calibration.gemm) == len(calibrate.GEMM_SIZES) + len(calibrate.MLP_SHAPES)
+
+
+def test_every_file_loads_as_a_record_and_names_its_source():
+    from pipelaunch.pipeline.core.hardware import known_hardware, load_hardware
+
+    for name in known_hardware():
+        hw = load_hardware(name)
+        assert hw.matmul_flops("bf16") < hw.peak_flops["bf16"] and hw.bytes_per_s() <= hw.memory_bandwidth
+        assert ("calibrated on" in hw.source) == (hw.calibrated is not None)
+    assert load_hardware("h200_calibrated").calibrated == "NVIDIA H200, 2026-11-28"
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    ({"efficiency": {"matmul": {"bf16": 1.5}}}, "efficiency.matmul.bf16"),
+    ({"memory_bandwidth": -1}, "memory_bandwidth"),
+    ({"inter_node": None}, "inter_node"),
+    ({"peak_flops": {}}, "peak_flops"),
+])
+def test_a_bad_hardware_file_is_refused_naming_the_key(change, words):
+    from pipelaunch.pipeline.core.errors import ConfigError
+    from pipelaunch.pipeline.core.hardware import hardware_from_dict
+
+    data = {**calibrate.load_base("a100_80gb", ""), **change}
+    with pytest.raises(ConfigError) as err:
+        hardware_from_dict(data, "mine")
+    assert err.value.key == "hardware" and words in str(err.value) and "conf/hardware/mine.yaml" in str(err.value)
+
+
+def test_an_unknown_hardware_name_lists_the_files():
+    from pipelaunch.pipeline.core.errors import ConfigError
+    from pipelaunch.pipeline.core.hardware import load_hardware
+
+    with pytest.raises(ConfigError, match="valid: a100_80gb, b200"):
+        load_hardware("tpu_v9")

@@ -56,32 +56,45 @@ def test_pipeline_and_tensor_parallel_train_like_one_process(tmp_path) -> None:
               # sends its slice of the MLP's hidden state to its counterpart
               ("gpt", ["pp=2", "tp=2", "model.granularity=op", "partitioner=manual",
                        "partitioner.split_points=[layer1_mlp_1]"]),
-              ("gpt", ["pp=2", "tp=2", "scheduler=dualpipev"]),  # its overlapped forward-backward pairs
-              ("gpt", ["pp=1", "dp=2", "tp=2", "zero=3", "reshard=run"])]  # slices gathered once a run
+              ("gpt", ["pp=2", "tp=2", "scheduler=dualpipev"])]  # its overlapped forward-backward pairs
     check_like_one_process(_cases(pairs), tmp_path, inexact=("llama", "qwen2"))
+
+
+SP = ["tp=2", "sequence_parallel=true"]
+#: sequence parallelism: every model family through its own plan, each schedule family, a cut
+#: inside a split region, tied embeddings and the replicas sharding the slices
+SEQUENCE_CASES = [("gpt", ["pp=2", *SP, "scheduler=1f1b"]), ("qwen2", ["pp=1", "dp=2", *SP, "zero=3"]),
+                  ("gpt tied", ["pp=2", *SP, "scheduler=zbv"]), ("llama", ["pp=2", *SP, "scheduler=interleaved_1f1b"]),
+                  ("module", ["pp=2", *SP]),
+                  ("gpt", ["pp=2", *SP, "model.granularity=op", "partitioner=manual",
+                           "partitioner.split_points=[layer1_mlp_1]"]),
+                  ("gpt", ["pp=2", "dp=2", *SP, "zero=1"]), ("gpt", ["pp=2", *SP, "remat=full"]),
+                  ("gpt", ["pp=1", "dp=2", "tp=2", "zero=3", "reshard=run"])]  # slices gathered once a run
 
 
 def test_sequence_parallel_trains_like_one_process(tmp_path) -> None:
-    """sequence_parallel=true (norms, residual adds and the boundaries on 1/tp of the positions):
-    every model family through its own plan, each schedule family, a cut inside a split region,
-    tied embeddings and the replicas sharding the slices, like one process."""
-    sp = ["tp=2", "sequence_parallel=true"]
-    pairs = [("gpt", ["pp=2", *sp, "scheduler=1f1b"]), ("gpt tied", ["pp=2", *sp, "scheduler=zbv"]),
-             ("llama", ["pp=2", *sp, "scheduler=interleaved_1f1b"]), ("qwen2", ["pp=1", "dp=2", *sp, "zero=3"]),
-             ("module", ["pp=2", *sp]),
-             ("gpt", ["pp=2", *sp, "model.granularity=op", "partitioner=manual",
-                      "partitioner.split_points=[layer1_mlp_1]"])]
-    check_like_one_process(_cases(pairs), tmp_path, inexact=("llama", "qwen2"))
+    """sequence_parallel=true (norms, residual adds and the boundaries on 1/tp of the positions) on
+    the GPT's pipeline and on Qwen2's GQA with the replicas sharding the slices, like one process
+    (the other families, schedules and a cut inside a split region: the slow test below)."""
+    check_like_one_process(_cases(SEQUENCE_CASES[:2]), tmp_path, inexact=("llama", "qwen2"))
+
+
+@pytest.mark.slow
+def test_sequence_parallel_trains_every_family_like_one_process(tmp_path) -> None:
+    """... and tp=2 with reshard=run (the slices gathered once per run of a stage's actions)."""
+    check_like_one_process(_cases(SEQUENCE_CASES[2:]), tmp_path, inexact=("llama", "qwen2"))
 
 
 def test_tensor_parallel_trains_under_bf16_like_one_process(tmp_path) -> None:
-    """precision=bf16 on zbv's split backward and with the replicas sharding the slices (zero=3):
+    """precision=bf16 on zbv's split backward (and under sequence parallelism) and with the replicas
+    sharding the slices (zero=3):
     losses within 1e-2 of one process's bf16, step 0's gradients and the final weights within
     3e-2, fp32 (the tolerance and the comparison of tests/test_zero_bf16.py)."""
     from tests.reference import reference_run
     from tests.test_zero_bf16 import _relative
 
-    cases = {"zbv": ["pp=2", "tp=2", "scheduler=zbv"], "zero=3": ["pp=1", "dp=2", "tp=2", "zero=3"]}
+    cases = {"zbv": ["pp=2", "tp=2", "scheduler=zbv"], "zero=3": ["pp=1", "dp=2", "tp=2", "zero=3"],
+             "sequence": ["pp=2", "tp=2", "sequence_parallel=true", "scheduler=zbv"]}
     cfgs = [compose_cfg([*FAST, *args, "precision=bf16", "steps=2"]) for args in cases.values()]
     for what, cfg, ranks in zip(cases, cfgs, run_jobs(cfgs, tmp_path / "logs"), strict=True):
         ref = reference_run(cfg)
@@ -228,6 +241,7 @@ def test_the_rewrite_places_one_f_per_shared_input(granularity: str) -> None:
       "transformer.h.*.attn.c_proj: rowwise}", "tp=2", *FAST[4:]], "tp", "cannot run with its planned modules"),
     ([*FAST, "tp=2", "model=mlp"], "model.tp_plan", "no tensor-parallel plan"),
     ([*FAST, "sequence_parallel=true"], "sequence_parallel", "tp=1 has none"),
+    ([*FAST, "tp=2", "+model.tp_plan={layer*.ln1: sequence}"], "model.tp_plan", "needs sequence_parallel=true"),
     ([*FAST, "tp=2", "sequence_parallel=true", "model.seq_len=9"], "sequence_parallel", "shape [4, 9]"),
     # a head count baked into a view keeps the local shapes consistent and narrows every head
     ([*FAST[4:], *MODULE, "+model.module.bake_heads=true", "tp=2"], "model.tp_plan", "bakes a count in"),

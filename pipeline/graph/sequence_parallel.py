@@ -26,7 +26,6 @@ gives the whole shape.
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -474,16 +473,4 @@ def sequence_parallel(gm: fx.GraphModule, make: SequenceCollectives, tp: int, se
     gradients are partial per tp rank."""
     out = SequenceRewrite()
     _Pass(gm, make, tp, seq_len, sharded, "", out).run(inputs, keep)
-    return out
-
-
-def whole_bytes(value_bytes: int, tp: int) -> int:
-    """A sequence value's bytes whole, from one rank's part."""
-    return value_bytes * tp
-
-
-def part_shape(shape: Sequence[int], dim: int, tp: int) -> list[int]:
-    """A value's shape on one tp rank when it is cut along `dim`."""
-    out = list(shape)
-    out[dim] = math.ceil(out[dim] / tp)
     return out

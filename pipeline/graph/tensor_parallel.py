@@ -37,8 +37,12 @@ from pipelaunch.pipeline.graph.trace import TracedModel, retarget
 
 #: colwise: a Linear's outputs split (its input gathered by `f` in the backward); rowwise: its
 #: inputs split (its output summed by `g`); vocab: an Embedding's rows or an LM head's outputs split
-#: by vocabulary (the loss computed on the shards); replicate: kept whole on every tp rank
-STYLES = ("colwise", "rowwise", "vocab", "replicate")
+#: by vocabulary (the loss computed on the shards); replicate: kept whole on every tp rank;
+#: sequence: kept whole, run on the tp rank's positions under sequence_parallel=true (which modules
+#: can is found by graph/sequence_parallel.py for every module; naming one documents the intent)
+STYLES = ("colwise", "rowwise", "vocab", "replicate", "sequence")
+#: styles that leave a module's parameters whole
+WHOLE = ("replicate", "sequence")
 LINEARS = {F.linear, torch._C._nn.linear, torch.ops.aten.linear.default}
 EMBEDDINGS = {F.embedding, torch.ops.aten.embedding.default}
 
@@ -64,7 +68,7 @@ def resolve(model: nn.Module, patterns: Mapping[str, str], key: str = "model.tp_
                                    "a pattern is a module's qualified name, `*` standing for one component")
         for name in matched:
             module = modules[name]
-            fits = (style == "replicate" or isinstance(module, nn.Linear)
+            fits = (style in WHOLE or isinstance(module, nn.Linear)
                     or (style == "vocab" and isinstance(module, nn.Embedding)))
             if not fits:
                 raise ConfigError(key, f"{pattern!r} names {name}, a {type(module).__name__}: colwise and rowwise shard "
@@ -85,7 +89,7 @@ def sharded_params(model: nn.Module, modules: Mapping[str, str]) -> dict[str, Sh
     """Every parameter name (tied aliases included) a plan splits -> how."""
     by_object: dict[int, Sharded] = {}
     for name, style in modules.items():
-        if style == "replicate":
+        if style in WHOLE:
             continue
         module = model.get_submodule(name)
         dims = {"weight": 1 if style == "rowwise" else 0}
@@ -205,7 +209,7 @@ class _Rewriter:
             full = self.prefix + node.target
             if full in self.modules and isinstance(module, (nn.Linear, nn.Embedding)):
                 self._lower(node, module)
-            elif any(m.startswith(full + ".") and s != "replicate" for m, s in self.modules.items()):
+            elif any(m.startswith(full + ".") and s not in WHOLE for m, s in self.modules.items()):
                 self._trace_inside(node, module, full)
 
     def _lower(self, node: fx.Node, module: nn.Module) -> None:

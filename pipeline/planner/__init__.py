@@ -130,10 +130,16 @@ def tensor_parallel_modules(tp: int, spec: ModelSpec, models: TracedModels) -> d
     if not spec.tp_plan:
         raise ConfigError("model.tp_plan", f"tp={tp} splits every stage over {tp} ranks, but model={spec.name} has no "
                                            "tensor-parallel plan; give one (model.tp_plan: {module pattern: colwise | "
-                                           "rowwise | vocab | replicate}, docs/tensor_parallel.md), or tp=1")
+                                           "rowwise | vocab | replicate | sequence}, docs/tensor_parallel.md), or tp=1")
     if models.model is None:
         models.model = spec.build_meta()
-    return resolve(models.model, spec.tp_plan)
+    resolved = resolve(models.model, spec.tp_plan)
+    named = [n for n, style in resolved.items() if style == "sequence"]
+    if named and not models.cfg.sequence_parallel:
+        raise ConfigError("model.tp_plan", f"the plan runs {', '.join(named[:3])} on each tp rank's positions "
+                                           "(sequence), which needs sequence_parallel=true; set it, or plan them "
+                                           "as replicate")
+    return resolved
 
 
 def needs_profiling(cfg: TrainConfig, plugins: Plugins, generator: ScheduleGenerator | None) -> bool:

@@ -31,6 +31,7 @@ from pipelaunch.pipeline.graph.sequence_parallel import (
 )
 from pipelaunch.pipeline.graph.tensor_parallel import Collectives, Rewritten, local_split, parallelize
 from pipelaunch.pipeline.planner.measure.tensor_parallel import sequence_setup
+from pipelaunch.pipeline.runtime.gloo_comm import InPlaceAllGather, InPlaceReduceScatter
 
 #: torch >= 2.12 names it all_gather_single (all_gather_into_tensor deprecated); older ones only the latter
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -59,8 +60,13 @@ class TensorParallel:
             self.log.append(what)
         moved = x.movedim(dim, 0).contiguous()
         whole = torch.empty((moved.shape[0] * self.size, *moved.shape[1:]), dtype=x.dtype, device=x.device)
-        _all_gather(whole, moved, group=self.group)
-        return whole.movedim(0, dim)
+        if x.device.type == "cpu":  # gloo's all-gather holds two output-sized temporaries (gloo_comm.py)
+            whole.chunk(self.size)[self.rank].copy_(moved)
+            InPlaceAllGather()(whole, moved, self.group)
+        else:
+            _all_gather(whole, moved, group=self.group)
+        # contiguous: a view would make each projection reading it save its own copy (q, k and v three)
+        return whole.movedim(0, dim).contiguous()
 
     def scatter_along(self, x: torch.Tensor, dim: int, what: str) -> torch.Tensor:
         """This rank's part along `dim` of the tp ranks' values summed (a reduce-scatter)."""
@@ -68,8 +74,13 @@ class TensorParallel:
             self.log.append(what)
         moved = x.movedim(dim, 0).contiguous()
         part = torch.empty((moved.shape[0] // self.size, *moved.shape[1:]), dtype=x.dtype, device=x.device)
-        _reduce_scatter(part, moved, group=self.group)
-        return part.movedim(0, dim)
+        if x.device.type == "cpu":  # gloo's reduce-scatter holds an input-sized copy (gloo_comm.py)
+            if moved.data_ptr() == x.data_ptr():
+                moved = moved.clone()  # summed in place: never the caller's tensor
+            InPlaceReduceScatter()(part, moved, self.group, dist.ReduceOp.SUM)
+        else:
+            _reduce_scatter(part, moved, group=self.group)
+        return part.movedim(0, dim).contiguous()
 
     def own_part(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         return x.chunk(self.size, dim)[self.rank].contiguous()

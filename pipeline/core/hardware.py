@@ -1,0 +1,131 @@
+"""Hardware facts as one typed record: what an analytic prediction knows about a device and its
+links, read from `conf/hardware/<name>.yaml` (datasheet values with their sources, or a file
+`python -m pipelaunch.pipeline.planner.measure.calibrate` wrote on the device itself).
+
+Why a record and not loose numbers: every prediction must say where its figures came from (a
+datasheet, a calibration on a date), and the same facts feed the roofline of each traced node,
+the links a collective crosses and the memory a device holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipelaunch.pipeline.core.errors import ConfigError
+
+#: where the hardware files live
+HARDWARE_DIR = Path(__file__).resolve().parents[2] / "conf" / "hardware"
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link class: bytes per second per device and direction, and the latency of one message."""
+
+    name: str
+    bandwidth: float
+    latency_s: float
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One device kind and the node it sits in."""
+
+    name: str
+    device_name: str
+    devices_per_node: int
+    memory_bytes: float
+    #: HBM bytes per second (the datasheet's)
+    memory_bandwidth: float
+    #: dense peak FLOP/s per dtype (bf16, fp16, tf32, fp32)
+    peak_flops: Mapping[str, float]
+    #: the fraction of the peak a large matmul reaches, per dtype
+    matmul_efficiency: Mapping[str, float]
+    #: the fraction of the bandwidth a memory-bound op reaches
+    memory_efficiency: float
+    #: the floor under any kernel (a launch)
+    launch_s: float
+    intra_node: Link
+    inter_node: Link
+    sources: Mapping[str, str] = field(default_factory=dict)
+    #: "<device>, <date>" when the efficiencies were measured on the device; None: datasheet only
+    calibrated: str | None = None
+
+    def matmul_flops(self, dtype: str) -> float:
+        """FLOP/s a large matmul in `dtype` reaches: the peak times its efficiency."""
+        if dtype not in self.peak_flops:
+            raise ConfigError("hardware", f"{self.name} lists no peak for {dtype}; its file gives "
+                                          f"{', '.join(self.peak_flops)}")
+        return self.peak_flops[dtype] * self.matmul_efficiency.get(dtype, 1.0)
+
+    def bytes_per_s(self) -> float:
+        """Bytes per second a memory-bound op moves."""
+        return self.memory_bandwidth * self.memory_efficiency
+
+    @property
+    def source(self) -> str:
+        """Where the figures come from, as a prediction names it."""
+        if self.calibrated:
+            return f"hardware={self.name}: datasheet peaks, efficiencies calibrated on {self.calibrated}"
+        return f"hardware={self.name}: datasheet values, efficiencies assumed (conf/hardware/{self.name}.yaml)"
+
+
+def _number(data: Mapping, key: str, name: str, low: float = 0.0) -> float:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= low:
+        raise ConfigError("hardware", f"conf/hardware/{name}.yaml: `{key}` is {value!r}; valid: a number > {low}")
+    return float(value)
+
+
+def _link(data: Mapping, key: str, name: str) -> Link:
+    link = data.get(key)
+    if not isinstance(link, Mapping):
+        raise ConfigError("hardware", f"conf/hardware/{name}.yaml: `{key}` is missing; valid: {{name, bandwidth "
+                                      "(bytes/s per device and direction), latency_s}")
+    return Link(str(link.get("name", key)), _number(link, "bandwidth", name), _number(link, "latency_s", name))
+
+
+def hardware_from_dict(data: Mapping, name: str) -> Hardware:
+    """The record from a hardware file's contents, each fact checked (a clear error naming the
+    file and key, never a wrong prediction)."""
+    peaks = data.get("peak_flops")
+    if not isinstance(peaks, Mapping) or not peaks:
+        raise ConfigError("hardware", f"conf/hardware/{name}.yaml: `peak_flops` is missing; valid: {{bf16: ..., "
+                                      "fp32: ...}} in FLOP/s")
+    efficiency = data.get("efficiency") or {}
+    matmul = efficiency.get("matmul") or {}
+    for dtype, value in matmul.items():
+        if not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise ConfigError("hardware", f"conf/hardware/{name}.yaml: efficiency.matmul.{dtype} is {value!r}; "
+                                          "valid: a fraction in (0, 1]")
+    memory = efficiency.get("memory", 1.0)
+    if not isinstance(memory, (int, float)) or not 0 < memory <= 1:
+        raise ConfigError("hardware", f"conf/hardware/{name}.yaml: efficiency.memory is {memory!r}; valid: a "
+                                      "fraction in (0, 1]")
+    calibration = data.get("calibration") or {}
+    calibrated = f"{calibration['device']}, {calibration['date']}" if calibration.get("date") else None
+    return Hardware(
+        name=str(data.get("name", name)), device_name=str(data.get("device_name", name)),
+        devices_per_node=int(_number(data, "devices_per_node", name)),
+        memory_bytes=_number(data, "memory_bytes", name), memory_bandwidth=_number(data, "memory_bandwidth", name),
+        peak_flops={str(k): _number(peaks, k, name) for k in peaks},
+        matmul_efficiency={str(k): float(v) for k, v in matmul.items()}, memory_efficiency=float(memory),
+        launch_s=float(efficiency.get("launch_s", 0.0)),
+        intra_node=_link(data, "intra_node", name), inter_node=_link(data, "inter_node", name),
+        sources={str(k): str(v) for k, v in (data.get("sources") or {}).items()}, calibrated=calibrated)
+
+
+def known_hardware() -> list[str]:
+    return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
+
+
+def load_hardware(name: str) -> Hardware:
+    """`conf/hardware/<name>.yaml` as a record; refused, naming the valid ones, when there is none."""
+    from omegaconf import OmegaConf
+
+    path = HARDWARE_DIR / f"{name}.yaml"
+    if not path.exists():
+        raise ConfigError("hardware", f"no hardware file {name!r} (conf/hardware/{name}.yaml); valid: "
+                                      f"{', '.join(known_hardware())}, or your own file there")
+    return hardware_from_dict(OmegaConf.to_container(OmegaConf.load(path), resolve=True), name)
