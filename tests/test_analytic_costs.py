@@ -44,3 +44,12 @@ def test_a_block_counts_torchs_flops_and_its_backward_is_priced_apart():
     mixed_f, mixed_b = forward_backward(block, (x,), HW, master_weights=True)
     casts = 6.0 * sum(p.numel() for p in block.parameters() if p.dim() > 1) / HW.bytes_per_s() + HW.launch_s
     assert mixed_f.seconds == pytest.approx(fwd.seconds + casts) and mixed_b.seconds == pytest.approx(bwd.seconds + casts)
+
+
+def test_the_command_prices_a_block_on_a_named_file(capsys):
+    from pipelaunch.pipeline.planner.measure.analytic import main
+
+    assert main(["--hardware", "a100_80gb", "--hidden", "512", "--heads", "8", "--seq", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "forward" in out and "backward" in out and "hardware=a100_80gb" in out
+    assert main(["--hardware", "tpu_v9"]) == 2

@@ -474,3 +474,28 @@ def sequence_parallel(gm: fx.GraphModule, make: SequenceCollectives, tp: int, se
     out = SequenceRewrite()
     _Pass(gm, make, tp, seq_len, sharded, "", out).run(inputs, keep)
     return out
+
+
+@dataclass(frozen=True)
+class SequenceSetup:
+    """What the sequence-parallel pass needs of a whole model: tp, the sequence length and the
+    model's meta arguments (one micro-batch's)."""
+
+    tp: int
+    seq_len: int
+    args: tuple[torch.Tensor, ...]
+
+
+def sequence_setup(enabled: bool, spec, micro_batch_size: int, tp: int) -> SequenceSetup | None:
+    """Under `sequence_parallel=true` and tp > 1, what the pass needs; refused, naming the key,
+    where the model's input has no sequence dimension tp divides."""
+    if not enabled or tp == 1:
+        return None
+    args = tuple(spec.meta_args(micro_batch_size))
+    first = args[0]
+    if first.dim() < 2 or first.shape[1] % tp:
+        raise ConfigError("sequence_parallel", f"sequence parallelism cuts dimension 1 of the model's input (the "
+                                               f"positions) over tp={tp} ranks, but model={spec.name}'s input has "
+                                               f"shape {list(first.shape)}; valid: a sequence length tp divides "
+                                               "(model.seq_len), or sequence_parallel=false")
+    return SequenceSetup(tp, int(first.shape[1]), args)

@@ -28,9 +28,9 @@ from pipelaunch.pipeline.graph.sequence_parallel import (
     SequenceCollectives,
     SequenceRewrite,
     sequence_parallel,
+    sequence_setup,
 )
 from pipelaunch.pipeline.graph.tensor_parallel import Collectives, Rewritten, local_split, parallelize
-from pipelaunch.pipeline.planner.measure.tensor_parallel import sequence_setup
 from pipelaunch.pipeline.runtime.gloo_comm import InPlaceAllGather, InPlaceReduceScatter
 
 #: torch >= 2.12 names it all_gather_single (all_gather_into_tensor deprecated); older ones only the latter

@@ -12,6 +12,10 @@ What it does not see: kernel fusion (a compiled or fused kernel moves fewer byte
 operators), attention kernels that never materialise the scores (on meta, attention runs the
 operators its CPU path decomposes into, which may read the scores' bytes), and overlap between
 kernels. bench/analytic_layer.py holds its predictions against one GPT block measured on an H200.
+
+    python -m pipelaunch.pipeline.planner.measure.analytic --hardware h100_sxm --hidden 8192 --heads 64 --batch 2
+
+prices one decoder block of the project's GPT (bf16, fp32 master weights) on a hardware file.
 """
 
 from __future__ import annotations
@@ -181,3 +185,39 @@ def forward_backward(module: torch.nn.Module, args: tuple[torch.Tensor, ...], hw
             total.seconds += seconds + hw.launch_s
             total.kernels += 1
     return fwd, bwd
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One GPT decoder block's forward and backward priced on a hardware file."""
+    import argparse
+    import sys
+
+    from pipelaunch.models.gpt import DecoderBlock
+    from pipelaunch.pipeline.core.errors import ConfigError
+    from pipelaunch.pipeline.core.hardware import load_hardware
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--hardware", default="h100_sxm", help="conf/hardware/<name>.yaml")
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=1, help="sequences per micro-batch")
+    parser.add_argument("--seq", type=int, default=2048)
+    args = parser.parse_args(argv)
+    try:
+        hw = load_hardware(args.hardware)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
+    with torch.device("meta"):
+        block = DecoderBlock(args.hidden, args.heads).to(torch.bfloat16)
+        x = torch.empty(args.batch, args.seq, args.hidden, dtype=torch.bfloat16)
+    fwd, bwd = forward_backward(block, (x,), hw, master_weights=True)
+    for what, total in (("forward", fwd), ("backward", bwd)):
+        print(f"{what:8s} {total.seconds * 1e3:8.2f} ms  {total.flops / 1e12:7.2f} TFLOP  "
+              f"{total.flops / total.seconds / 1e12:6.0f} TFLOP/s  {total.bytes / 1e9:6.2f} GB  {total.kernels} kernels")
+    print(hw.source)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

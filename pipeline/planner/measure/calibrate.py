@@ -250,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     result = calibrated(base, gemms, memory, launch_s, all_reduce, name)
     from omegaconf import OmegaConf
 
+    from pipelaunch.pipeline.core.hardware import hardware_from_dict
+
+    record = hardware_from_dict(result, Path(args.out).stem)  # the file written must load as a record
+
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(f"# calibrated on {name}, {result['calibration']['date']}\n" + OmegaConf.to_yaml(result))
     for row in gemms:
@@ -258,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mem  {row['op']:10s} {row['bytes_per_s'] / 1e9:8.1f} GB/s")
     print(f"launch {launch_s * 1e6:.2f} us; all-reduce: {all_reduce if isinstance(all_reduce, str) else len(all_reduce)}")
     print(f"efficiency: {result['efficiency']}  ({time.perf_counter() - t0:.1f} s)  -> {args.out}")
+    print(f"bf16 matmul {record.matmul_flops('bf16') / 1e12:.0f} TFLOP/s, memory-bound {record.bytes_per_s() / 1e9:.0f} "
+          f"GB/s: {record.source}")
     return 0
 
 

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import networkx as nx
-import torch
 
-from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.graph.sequence_parallel import (
     REPLICATED,
     SequenceRewrite,
+    SequenceSetup,
     sequence_parallel,
     shape_only,
 )
@@ -45,31 +44,6 @@ def all_reduce_s(nbytes: float, tp: int, latency_s: float, bandwidth: float) -> 
 def all_gather_s(nbytes: float, tp: int, latency_s: float, bandwidth: float) -> float:
     """A ring all-gather of `nbytes` in all over tp ranks: tp - 1 steps of 1/tp of the bytes."""
     return (tp - 1) * (latency_s + nbytes / tp / bandwidth)
-
-
-@dataclass(frozen=True)
-class SequenceSetup:
-    """What the sequence-parallel pass needs of a whole model: tp, the sequence length and the
-    model's meta arguments (one micro-batch's)."""
-
-    tp: int
-    seq_len: int
-    args: tuple[torch.Tensor, ...]
-
-
-def sequence_setup(enabled: bool, spec, micro_batch_size: int, tp: int) -> SequenceSetup | None:
-    """Under `sequence_parallel=true` and tp > 1, what the pass needs; refused, naming the key,
-    where the model's input has no sequence dimension tp divides."""
-    if not enabled or tp == 1:
-        return None
-    args = tuple(spec.meta_args(micro_batch_size))
-    first = args[0]
-    if first.dim() < 2 or first.shape[1] % tp:
-        raise ConfigError("sequence_parallel", f"sequence parallelism cuts dimension 1 of the model's input (the "
-                                               f"positions) over tp={tp} ranks, but model={spec.name}'s input has "
-                                               f"shape {list(first.shape)}; valid: a sequence length tp divides "
-                                               "(model.seq_len), or sequence_parallel=false")
-    return SequenceSetup(tp, int(first.shape[1]), args)
 
 
 def profiled_twin(local: TracedModel, modules: Mapping[str, str], sharded: Mapping[str, Sharded],

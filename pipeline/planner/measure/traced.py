@@ -20,7 +20,7 @@ from pipelaunch.pipeline.compute.vocab_parallel import vocab_parallel_loss
 from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plugins import Plugin
-from pipelaunch.pipeline.graph.sequence_parallel import REPLICATED, SPLIT, SequenceRewrite
+from pipelaunch.pipeline.graph.sequence_parallel import REPLICATED, SPLIT, SequenceRewrite, sequence_setup
 from pipelaunch.pipeline.graph.tensor_parallel import (
     Rewritten,
     replicated_values,
@@ -35,7 +35,7 @@ from pipelaunch.pipeline.planner.measure.profile import (
     profile_graphs,
     profiled_nodes,
 )
-from pipelaunch.pipeline.planner.measure.tensor_parallel import add_collectives, profiled_twin, sequence_setup
+from pipelaunch.pipeline.planner.measure.tensor_parallel import add_collectives, profiled_twin
 from pipelaunch.pipeline.planner.predict.prediction import profiling_threads
 
 
