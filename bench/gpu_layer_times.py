@@ -52,24 +52,8 @@ def time_block(hidden: int, heads: int, batch: int, seq: int, device: torch.devi
     backward_flops = counter.get_total_flops()
 
     def timed(fn) -> float:
-        times = []
-        for i in range(reps + 2):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                seconds = start.elapsed_time(end) / 1e3
-            else:
-                import time
-
-                t0 = time.perf_counter()
-                fn()
-                seconds = time.perf_counter() - t0
-            if i >= 2:
-                times.append(seconds)
-        return statistics.median(times)
+        times = [timed_once(fn, device) for _ in range(reps + 2)]
+        return statistics.median(times[2:])  # two warm-ups
 
     forward_s = timed(lambda: forward())
     outs = []
