@@ -207,6 +207,12 @@ SCENARIOS = [
     Scenario("tp-llama", "README.md", (train("python train.py model=hf_llama_tiny pp=2 tp=2 scheduler=zbv"),),
              slow=True, timeout=300),
     Scenario("tp-zero-3", "README.md", (train("python train.py pp=1 dp=2 tp=2 zero=3"),), slow=True, timeout=300),
+    # slow: tests/test_tensor_parallel.py trains it like one process and reads its collectives
+    Scenario("tp-sequence", "README.md", (train("python train.py pp=2 tp=2 sequence_parallel=true"),), slow=True,
+             timeout=300),
+    Scenario("analytic-block", "docs/planner.md", (
+        typed("python -m pipelaunch.pipeline.planner.measure.analytic --hardware h100_sxm --hidden 8192 --heads 64 "
+              "--batch 2"), typed("python bench/analytic_layer.py"))),
     # slow: tests/test_plan_devices.py compares tp 1, 2, 4 and 8 on eight devices by default
     Scenario("tp-plan-devices", "docs/tensor_parallel.md", (
         plan("python train.py plan=auto plan.devices=8 mode=plan model.heads=8 'plan.schedulers=[1f1b]' "
@@ -272,6 +278,10 @@ GPU = "needs CUDA GPUs; this machine has none (tests/test_gpu_launch.py checks t
 NETWORK = "installs packages from the network into the environment the tests run in"
 SUITE = "runs the test suite, or part of it, which includes this test"
 SKIPPED = {
+    "python -m pipelaunch.pipeline.planner.measure.calibrate --base auto --out $OUT/hardware_calibrated.yaml":
+        "needs a GPU (make gpu-check runs it there; tests/test_hardware_files.py runs the command on the CPU)",
+    "python -m pipelaunch.pipeline.planner.measure.calibrate --base auto --out f.yaml":
+        "needs a GPU (make gpu-check runs it there; tests/test_hardware_files.py runs the command on the CPU)",
     "make train": "rebuilds .venv from the network, then runs `python train.py` (run here: scenario quick-start)",
     "make test": "rebuilds .venv from the network, then runs the whole suite, this test included",
     'pip install "torch==2.13.0"': NETWORK,
