@@ -23,10 +23,12 @@ from pipelaunch.launcher.initial_weights import Initial
 from pipelaunch.launcher.joined import export_submitit_env, joined_rank_env
 from pipelaunch.launcher.preempt import forward_stop_signals, stopped_line
 from pipelaunch.launcher.validate import Prepared, group_options, on_cuda, prepare
+from pipelaunch.launcher.winner_command import winner_commands
 from pipelaunch.pipeline.compute.host_allocator import rank_environment
 from pipelaunch.pipeline.compute.memory import peak_memory_bytes
 from pipelaunch.pipeline.core.config import OBJECTIVE_DIRECTION, CheckSplit, TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError, RankFailed, RunStopped
+from pipelaunch.pipeline.core.hardware import configured_hardware
 from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.core.results import RankResult, TrainingHistory
 from pipelaunch.pipeline.report.artifacts import report_run
@@ -147,8 +149,14 @@ def print_search(cfg: TrainConfig, prepared: Prepared) -> None:
     the winner's settings, which the Plan holds (its meta.search says what was chosen)."""
     result = prepared.search
     what = "plan=auto" if cfg.plan.search else "scheduler=auto"
-    print(f"{what} planned and simulated {len(result.outcomes)} candidates in {result.seconds:.1f} s on this "
-          f"model's measured profile:\n{result.table()}\nwhy: {result.why()}", flush=True)
+    source = prepared.plan.meta.machine.cost_source or "hardware=local: measured on this machine"
+    print(f"{what} planned and simulated {len(result.outcomes)} candidates in {result.seconds:.1f} s, costs from "
+          f"{source}:\n{result.table()}\nwhy: {result.why()}", flush=True)
+    win = result.winner.candidate
+    if cfg.plan.search and win.pp is not None:  # plan.devices: the layout to type back
+        hw = configured_hardware(cfg.hardware)
+        lines = winner_commands(task_overrides(), win, cfg.plan.devices, hw)
+        print("run the winner:\n  " + "\n  ".join(lines), flush=True)
 
 
 def join(cfg: TrainConfig, run_dir: Path) -> dict:
@@ -216,6 +224,13 @@ def join(cfg: TrainConfig, run_dir: Path) -> dict:
     return metrics
 
 
+def task_overrides() -> list[str]:
+    """The command line's overrides (Hydra's), none outside a Hydra app."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
 def ranks_needed(cfg: TrainConfig) -> str:
     """Why the run needs `cfg.world_size` ranks, for the error when another number joined."""
     if cfg.plan.devices is not None:
@@ -232,6 +247,9 @@ def dry_run(prepared: Prepared, run_dir: Path) -> dict:
     print(stage_table(plan))
     print(f"\nschedule {plan.schedule.name} (compute actions per pipeline rank):\n{plan.schedule.grid()}\n")
     print(format_prediction(pred.result), flush=True)
+    source = plan.meta.machine.cost_source
+    if source:
+        print(f"costs from {source}", flush=True)
     # the compute, and the replicas' collectives on each rank's own dp lane (none without dp)
     draw_timeline(run_dir / "timeline.png", pred.timeline_events(),
                   title=f"simulated {plan.schedule.name} pp={plan.pp}")
@@ -241,7 +259,7 @@ def dry_run(prepared: Prepared, run_dir: Path) -> dict:
                "planned_step_time_s": pred.step_s,
                "planned_tokens_per_s": tokens_per_step / pred.step_s if pred.step_s > 0 else 0.0,
                "bubble_per_rank": pred.result.bubble, "peak_activation_bytes_per_rank": pred.result.peak_activation_bytes,
-               "device_memory": [d.to_dict() for d in pred.devices]}
+               "device_memory": [d.to_dict() for d in pred.devices], "cost_source": source}
     if plan.meta.search:
         summary["plan_search"] = asdict(plan.meta.search)
     (run_dir / "prediction.json").write_text(json.dumps(summary, indent=1))

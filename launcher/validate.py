@@ -23,6 +23,7 @@ from pipelaunch.models.module import LOSSES
 from pipelaunch.models.spec import ModelSpec, causal_lm_loss
 from pipelaunch.pipeline.core.config import Objective, TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.hardware import configured_hardware
 from pipelaunch.pipeline.core.plan import Plan, dtype_of
 from pipelaunch.pipeline.core.plugins import GroupOptions, Plugins
 from pipelaunch.pipeline.core.run_spec import RunSpec
@@ -102,6 +103,7 @@ def check_config(cfg: TrainConfig) -> None:
         raise ConfigError("device", "cuda was asked for but no CUDA device is available; use device=cpu or auto")
     check_gpus(cfg)
     check_memory(cfg)
+    check_hardware(cfg)
     check_training_keys(cfg)
     check_objective(cfg)
 
@@ -163,6 +165,23 @@ def check_memory(cfg: TrainConfig) -> None:
         raise ConfigError("memory.cap_bytes", f"must be a positive number of bytes or null, got {cap!r}")
     _number(cfg.memory.reserve_bytes, "memory.reserve_bytes", 0.0,
             what=" (bytes a rank holds beyond the model's tensors)")
+
+
+def check_hardware(cfg: TrainConfig) -> None:
+    """A hardware file must read (every figure a number, named by file and key); it prices GPUs,
+    so a run that trains here on the CPU is refused (it would report predictions for another
+    device); and a tensor-parallel group stays inside one of its nodes."""
+    hw = configured_hardware(cfg.hardware)
+    if hw is None:
+        return
+    if cfg.mode == "train" and not on_cuda(cfg):
+        raise ConfigError("hardware", f"hardware={hw.name} prices the plan for {hw.device_name} GPUs, but this run "
+                                      "trains here on the CPU; plan for them with mode=plan, train on the GPUs with "
+                                      "the same command there, or use hardware=local to plan for this machine")
+    if cfg.tp > hw.devices_per_node:
+        raise ConfigError("tp", f"tp={cfg.tp} spans more devices than a node of hardware={hw.name} has "
+                                f"({hw.devices_per_node}): a tensor-parallel group stays inside a node (it "
+                                f"communicates at every layer); use tp <= {hw.devices_per_node}")
 
 
 def check_objective(cfg: TrainConfig) -> None:

@@ -217,6 +217,12 @@ SCENARIOS = [
     Scenario("tp-plan-devices", "docs/tensor_parallel.md", (
         plan("python train.py plan=auto plan.devices=8 mode=plan model.heads=8 'plan.schedulers=[1f1b]' "
              "'plan.partitioners=[uniform]' 'plan.remat=[none]' 'plan.microbatches=[8]'"),), slow=True, timeout=300),
+    # slow: tests/test_hardware_plans.py plans a cluster on every hardware file by default
+    Scenario("cluster-plan", "README.md", (
+        plan("python train.py mode=plan plan=auto hardware=h100_sxm plan.devices=16 model.layers=24 model.dim=2048 "
+             "model.heads=16 model.vocab_size=51200 model.seq_len=2048 batch_size=64 precision=bf16 "
+             "'plan.schedulers=[1f1b,interleaved_1f1b]' 'plan.partitioners=[uniform]' 'plan.remat=[none]'"),),
+             slow=True, timeout=600),
     Scenario("scheduler-auto", "README.md", (train("python train.py scheduler=auto pp=2 microbatches=8"),),
              slow=True, timeout=300),
     Scenario("sweep-4-jobs", "README.md",

@@ -219,6 +219,9 @@ class TrainConfig:
     lr_scheduler: dict[str, Any] = MISSING
     logger: dict[str, Any] = MISSING
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    #: the device the planner prices (`hardware=<name>`, conf/hardware): `local` measures this
+    #: machine (the profile); a hardware file's figures price every layer and link analytically
+    hardware: dict[str, Any] = field(default_factory=lambda: {"name": "local"})
     plan: PlanConfig = field(default_factory=PlanConfig)
     #: pipeline-parallel degree: ranks per pipeline (not used under plan.devices: the search chooses it)
     pp: int = 2

@@ -48,6 +48,8 @@ class Hardware:
     launch_s: float
     intra_node: Link
     inter_node: Link
+    #: what a device holds beyond the model's tensors (CUDA context, NCCL buffers, allocator slack)
+    reserve_bytes: float = 0.0
     sources: Mapping[str, str] = field(default_factory=dict)
     #: "<device>, <date>" when the efficiencies were measured on the device; None: datasheet only
     calibrated: str | None = None
@@ -62,6 +64,16 @@ class Hardware:
     def bytes_per_s(self) -> float:
         """Bytes per second a memory-bound op moves."""
         return self.memory_bandwidth * self.memory_efficiency
+
+    def links(self, pp: int, dp: int, tp: int) -> tuple[Link, Link]:
+        """(pipeline link, data-parallel link) of a layout, its ranks numbered as the launcher
+        numbers them (`runtime/context.py`): tp fastest (inside a node), then pp, then dp. A
+        pipeline spans pp x tp consecutive devices: its hops stay on NVLink while that fits in a
+        node, else one crosses the network and paces the pipeline. A replica's ring strides over
+        pipelines: inside a node only when the whole job fits in one."""
+        pp_link = self.intra_node if pp * tp <= self.devices_per_node else self.inter_node
+        dp_link = self.intra_node if pp * tp * dp <= self.devices_per_node else self.inter_node
+        return pp_link, dp_link
 
     @property
     def source(self) -> str:
@@ -113,11 +125,26 @@ def hardware_from_dict(data: Mapping, name: str) -> Hardware:
         matmul_efficiency={str(k): float(v) for k, v in matmul.items()}, memory_efficiency=float(memory),
         launch_s=float(efficiency.get("launch_s", 0.0)),
         intra_node=_link(data, "intra_node", name), inter_node=_link(data, "inter_node", name),
+        reserve_bytes=_number(data, "reserve_bytes", name, low=-1.0) if "reserve_bytes" in data else 0.0,
         sources={str(k): str(v) for k, v in (data.get("sources") or {}).items()}, calibrated=calibrated)
 
 
+#: `hardware=local` (the default): no file of figures; this machine is measured (the profile)
+LOCAL = "local"
+
+
 def known_hardware() -> list[str]:
-    return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
+    """The hardware files with figures (every conf/hardware file but `local`)."""
+    return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml") if p.stem != LOCAL)
+
+
+def configured_hardware(config: Mapping) -> Hardware | None:
+    """The run's `hardware` group as a record, None for `hardware=local` (the planner measures
+    this machine instead)."""
+    name = str(config.get("name", LOCAL))
+    if name == LOCAL:
+        return None
+    return hardware_from_dict(config, name)
 
 
 def load_hardware(name: str) -> Hardware:

@@ -86,7 +86,7 @@ _ROW = "@@plan.json row "
 
 #: plan.json keeps the machine facts flat in `meta`, each group after the key it has always followed
 _MACHINE_AFTER = {"model_param_bytes": ("rank_slots", "optimizer_s_per_byte", "optimizer_temporaries"),
-                  "stage_largest_param_bytes": ("link_latency_s", "action_overhead_s")}
+                  "stage_largest_param_bytes": ("link_latency_s", "action_overhead_s", "cost_source", "dp_link")}
 
 
 @dataclass(frozen=True)

@@ -152,3 +152,9 @@ class MachineFacts:
     optimizer_temporaries: list[float] = field(default_factory=lambda: [0.0, 0.0])
     link_latency_s: float | None = None
     action_overhead_s: float = 0.0
+    #: where the costs come from: measured on this machine, or a hardware file's figures
+    #: (`Hardware.source`: datasheet, or calibrated on a date)
+    cost_source: str | None = None
+    #: (seconds per ring step, bytes per second) of the link the replicas' collectives cross, when
+    #: it is not the pipeline's (a hardware file: NVLink inside a node, the network across nodes)
+    dp_link: list[float] | None = None

@@ -19,6 +19,7 @@ from pipelaunch.models.spec import ModelSpec
 from pipelaunch.pipeline.compute.threads import available_cores, cpu_threads
 from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.hardware import Hardware, configured_hardware
 from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.core.plan_records import PlannedStep, SearchSummary
 from pipelaunch.pipeline.core.plugins import GroupOptions, Plugins
@@ -56,29 +57,59 @@ def make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Grou
     """The Plan of this run, from the plug-ins the launcher built (`plugins`) and, for a search,
     the group options it compares. Profiled (on `device`, or for a GPU run in the launcher a child
     on cuda:0 when `cuda`) whenever something reads costs; `profile=False` only validates that the
-    config can be planned (joined ranks before rank 0 plans for all)."""
+    config can be planned (joined ranks before rank 0 plans for all). With a hardware file
+    (`hardware=<name>`) every cost is priced on its figures instead, for its device and links."""
+    hw = configured_hardware(cfg.hardware)
+    if hw is None:
+        return _make_plan(cfg, spec, plugins, options, profile, device, cuda, None)
+    try:  # priced for that device: its memory is the budget, its links the links
+        return _make_plan(for_hardware(cfg, hw), spec, plugins, options, profile, device, True, hw)
+    except ConfigError as err:
+        if err.key not in ("memory.cap_bytes", "plan"):
+            raise
+        raise ConfigError(err.key, f"{str(err).split(': ', 1)[1]} (the cap is one {hw.device_name}'s memory, "
+                                   f"hardware={hw.name}: {hw.memory_bytes / 1e9:.0f} GB, of which "
+                                   f"{max(cfg.memory.reserve_bytes, hw.reserve_bytes) / 1e9:.1f} GB is set aside "
+                                   "for what a rank holds beyond the model)") from None
+
+
+def _make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: GroupOptions, profile: bool | None,
+               device: torch.device | None, cuda: bool, hw: Hardware | None) -> Planned:
     searching = cfg.plan.search or plugins.search_schedules
     generator = None if plugins.scheduler is None else build_generator(plugins.scheduler)
     if profile is None:
         profile = needs_profiling(cfg, plugins, generator)
-    models = TracedModels(spec, plugins.model, cfg, profile, cuda=cuda, device=device)
+    models = TracedModels(spec, plugins.model, cfg, profile, cuda=cuda, device=device, hardware=hw)
     # (under plan.devices the configured dp may not split the batch: a layout's candidates trace
     # their own micro-batch size, this one only gives the graph's shape)
     size = max(1, micro_batch_size(cfg, cfg.microbatches))
-    facts = _machine_facts(cfg, plugins, cuda, profile)
-    tps = tp_degrees(cfg, spec)
+    facts = _machine_facts(cfg, plugins, cuda, profile) if hw is None else hardware_facts(plugins, hw)
+    tps = tp_degrees(cfg, spec, hw)
     tp_modules = tensor_parallel_modules(max(tps), spec, models)
     models.tp_modules = tp_modules
-    models.tp_link = tp_link(cfg, cuda, profile, facts["link_latency_s"], max(tps))
-    link = (facts["link_latency_s"], cfg.link_bandwidth)
+    models.tp_link = tp_link(cfg, cuda, profile, facts["link_latency_s"], max(tps)) if hw is None else \
+        (hw.intra_node.latency_s, hw.intra_node.bandwidth)
+
+    def links(c: Candidate | None) -> tuple[tuple[float, float], tuple[float, float] | None]:
+        """The (latency, bandwidth) of the pipeline's link and, on a hardware file, the replicas'."""
+        if hw is None:
+            return (facts["link_latency_s"], cfg.link_bandwidth), None
+        pp, dp, tp = (cfg.pp, cfg.dp, cfg.tp) if c is None or c.pp is None else (c.pp, c.dp, c.tp or 1)
+        pp_link, dp_link = hw.links(pp, dp, tp)
+        return (pp_link.latency_s, pp_link.bandwidth), (dp_link.latency_s, dp_link.bandwidth)
+
+    def link(c: Candidate | None = None) -> tuple[float, float]:
+        return links(c)[0]
 
     def build(gen: ScheduleGenerator, traced: TracedModel, c: Candidate | None = None,
               whole: list[int] | None = None) -> Plan:
         tp = c.tp if c is not None and c.tp is not None else cfg.tp
         req = _request(cfg, spec, plugins, traced, c, facts, profile, cuda)
         slots = None if req.rank_slots is None else req.rank_slots / tp  # a simulated rank is tp processes
+        (latency, bandwidth), dp_link = links(c)
         req = replace(req, tp=tp, tp_modules=tp_modules if tp > 1 else {}, rank_slots=slots,
-                      sequence_parallel=cfg.sequence_parallel and tp > 1)
+                      sequence_parallel=cfg.sequence_parallel and tp > 1, link_latency_s=latency, bandwidth=bandwidth,
+                      dp_link=dp_link, cost_source=hw.source if hw is not None else _measured_source(cuda, profile))
         return build_plan(traced, gen, req if whole is None else replace(req, whole_stages=tuple(whole)))
 
     if searching and not profile:
@@ -86,26 +117,73 @@ def make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Grou
     if searching:
         cands, given = search_space(cfg, plugins, options, models.structure(size).graph, tps)
         result = search(cfg, models, build, cands, given, link)
+        if hw is not None:
+            result.per_device = _per_device(cfg, spec, models, hw)
         prediction = result.winner.prediction
         return Planned(_finished(prediction.plan, prediction, result), prediction, result, models.model)
     traced = models.get(size)
     plan = build(generator, traced)
     if not profile:
         return Planned(_finished(plan, None, None), model=models.model)
-    prediction = fit_budget(plan, predict(plan, *link), traced.graph, cfg.memory.cap_bytes, *link,
+    prediction = fit_budget(plan, predict(plan, *link()), traced.graph, cfg.memory.cap_bytes, *link(),
                             rebuild=lambda whole: build(generator, traced, whole=whole))
     return Planned(_finished(prediction.plan, prediction, None), prediction, model=models.model)
 
 
-#: the devices tensor parallelism may span by default: one node's (8 GPUs, NVLink); hardware files
-#: that say otherwise are the cluster planner's (conf/hardware)
+#: the devices tensor parallelism may span by default: one node's (8 GPUs, NVLink); a hardware
+#: file gives its own (`devices_per_node`)
 NODE_DEVICES = 8
 
 
-def tp_degrees(cfg: TrainConfig, spec: ModelSpec) -> list[int]:
+def for_hardware(cfg: TrainConfig, hw: Hardware) -> TrainConfig:
+    """The config as planned for `hw`: its memory is each device's budget (or the configured cap,
+    if lower) and what a device holds beyond the model (its `reserve_bytes`) is set aside."""
+    cap = hw.memory_bytes if cfg.memory.cap_bytes is None else min(cfg.memory.cap_bytes, hw.memory_bytes)
+    memory = replace(cfg.memory, cap_bytes=cap, reserve_bytes=max(cfg.memory.reserve_bytes, hw.reserve_bytes))
+    return replace(cfg, memory=memory)
+
+
+def hardware_facts(plugins: Plugins, hw: Hardware) -> dict:
+    """What the prediction reads of a device it cannot measure: its own GPU per rank, the
+    optimizer step as a memory-bound pass (each parameter byte read, its gradient read, each
+    state read and written, the parameter written: 3 + 2 x states bytes moved per byte), the
+    GPU's temporaries, the network's latency, no fixed cost per action beyond the kernels'
+    launches (priced per node)."""
+    states = plugins.optimizer.states_per_param
+    return {"rank_slots": None, "optimizer_s_per_byte": (3 + 2 * states) / hw.bytes_per_s(),
+            "optimizer_temporaries": optimizer_temporaries(plugins.optimizer, True),
+            "link_latency_s": hw.inter_node.latency_s, "action_overhead_s": 0.0}
+
+
+def _per_device(cfg: TrainConfig, spec: ModelSpec, models: TracedModels, hw: Hardware):
+    """An outcome's tokens per second per device and its model FLOPs utilisation: the model's
+    FLOPs per step (forward and backward as priced, recomputation not counted) over the step and
+    every device's peak, in the dtype the run computes in."""
+    dtype = "bf16" if str(cfg.precision) == "bf16" else "fp32"
+
+    def figures(o: Candidate | object) -> tuple[float, float]:
+        c, p = o.candidate, o.prediction
+        pp, dp, tp = (c.pp, c.dp, c.tp or 1) if c.pp is not None else (cfg.pp, cfg.dp, cfg.tp)
+        devices = pp * dp * tp
+        tokens = cfg.batch_size * spec.tokens_per_sample / p.step_s / devices
+        graph = models.get(micro_batch_size(cfg, c.microbatches, dp), tp).graph
+        flops = float(graph.graph.get("model_flops", 0.0)) * tp * c.microbatches * dp  # the whole job's
+        return tokens, flops / (p.step_s * devices * hw.peak_flops.get(dtype, hw.peak_flops["fp32"]))
+
+    return figures
+
+
+def _measured_source(cuda: bool, profile: bool) -> str | None:
+    if not profile:
+        return None
+    return "hardware=local: measured on this machine's GPU" if cuda else "hardware=local: measured on this machine's CPU"
+
+
+def tp_degrees(cfg: TrainConfig, spec: ModelSpec, hw: Hardware | None = None) -> list[int]:
     """The tensor-parallel degrees planned: the configured tp, or under `plan.devices` those of
-    `plan.tp` (null: every divisor of the devices up to NODE_DEVICES the model can be split over,
-    `ModelSpec.tp_refusal`)."""
+    `plan.tp` (null: every divisor of the devices up to a node's (`hw.devices_per_node`, else
+    NODE_DEVICES) the model can be split over, `ModelSpec.tp_refusal`)."""
+    node = NODE_DEVICES if hw is None else hw.devices_per_node
     devices = cfg.plan.devices
     if devices is None:
         return [cfg.tp]
@@ -118,8 +196,13 @@ def tp_degrees(cfg: TrainConfig, spec: ModelSpec) -> list[int]:
         refused = [f"{t}: {spec.tp_refusal(t)}" for t in wanted if spec.tp_refusal(t)]
         if refused:
             raise ConfigError("plan.tp", f"the model cannot be split as asked ({'; '.join(refused)})")
+        across = [t for t in wanted if t > node]
+        if across:
+            raise ConfigError("plan.tp", f"tp={across[0]} spans more devices than a node of {hw.name if hw else 'GPUs'} "
+                                         f"has ({node}): a tensor-parallel group stays inside a node (its collectives "
+                                         f"run at every layer); list degrees up to {node}")
         return sorted(set(wanted))
-    return [t for t in range(1, min(devices, NODE_DEVICES) + 1) if devices % t == 0 and spec.tp_refusal(t) is None]
+    return [t for t in range(1, min(devices, node) + 1) if devices % t == 0 and spec.tp_refusal(t) is None]
 
 
 def tensor_parallel_modules(tp: int, spec: ModelSpec, models: TracedModels) -> dict[str, str]:
@@ -229,7 +312,13 @@ def _autocast_dtypes(cfg: TrainConfig, spec: ModelSpec, traced: TracedModel, mbs
     dtype = PRECISIONS[str(cfg.precision)]
     if dtype is None:
         return None
-    return autocast_dtypes(traced, spec.meta_args(mbs), torch.device("cuda" if cuda else "cpu"), dtype)
+    # one per traced model (a size and tp degree): a search plans many candidates on each, and
+    # running the model on fake tensors took 60% of a cluster search's time
+    known = traced.graph.graph.setdefault("autocast_dtypes", {})
+    key = (cuda, str(dtype), mbs)
+    if key not in known:
+        known[key] = autocast_dtypes(traced, spec.meta_args(mbs), torch.device("cuda" if cuda else "cpu"), dtype)
+    return known[key]
 
 
 def _first_plannable(cfg: TrainConfig, plugins: Plugins, options: GroupOptions, models: TracedModels, build,

@@ -164,6 +164,10 @@ class PlanRequest:
     tp: int = 1
     tp_modules: Mapping[str, str] = field(default_factory=dict)
     sequence_parallel: bool = False
+    #: where the costs come from (MachineFacts.cost_source)
+    cost_source: str | None = None
+    #: the replicas' link (latency, bandwidth) when not the pipeline's (`Hardware.links`)
+    dp_link: tuple[float, float] | None = None
 
 
 def _value_meta(traced: TracedModel, name: str, dtypes: Mapping[str, torch.dtype] | None, tp: int = 1) -> list:
@@ -358,7 +362,8 @@ def _plan_meta(traced: TracedModel, split, part: Partition, stages: list[StagePl
             "stage_units": unit_costs(traced, split, bucket_bytes(req.bucket_bytes, req.zero)),
             "bucket_bytes": bucket_bytes(req.bucket_bytes, req.zero),
             "machine": MachineFacts(req.rank_slots, req.optimizer_s_per_byte, list(req.optimizer_temporaries),
-                                    req.link_latency_s, req.action_overhead_s),
+                                    req.link_latency_s, req.action_overhead_s, req.cost_source,
+                                    None if req.dp_link is None else list(req.dp_link)),
             "stage_largest_param_bytes": [max((float(p.numel() * p.element_size()) for p in gm.parameters()),
                                               default=0.0) for gm in split.stages],
             "stage_replicated_param_bytes": _replicated_bytes(traced, split),

@@ -108,12 +108,12 @@ class _FusedAttention(torch.autograd.Function):
     (the time), not the count."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, mode: _Priced):
+    def forward(ctx, q, k, v, causal: bool, mode: _Priced, mask_bytes: int = 0):
         ctx.save_for_backward(q, k, v)
-        ctx.causal = causal
+        ctx.causal, ctx.mask_bytes = causal, mask_bytes
         out = q.new_empty((*q.shape[:-1], v.shape[-1]))
         flops = 4.0 * q.shape[:-2].numel() * q.shape[-2] * k.shape[-2] * q.shape[-1]
-        mode.kernel(flops, _bytes((q, k, v, out)), out.dtype, 0.5 if causal else 1.0)
+        mode.kernel(flops, _bytes((q, k, v, out)) + mask_bytes, out.dtype, 0.5 if causal else 1.0)
         return out
 
     @staticmethod
@@ -121,8 +121,9 @@ class _FusedAttention(torch.autograd.Function):
         q, k, v = ctx.saved_tensors
         flops = 2.5 * 4.0 * q.shape[:-2].numel() * q.shape[-2] * k.shape[-2] * q.shape[-1]
         if _ACTIVE:  # the backward is priced by the pass running it, not the forward's
-            _ACTIVE[-1].kernel(flops, 2 * _bytes((q, k, v)) + 2 * _bytes(grad), grad.dtype, 0.5 if ctx.causal else 1.0)
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None, None
+            _ACTIVE[-1].kernel(flops, 2 * _bytes((q, k, v)) + 2 * _bytes(grad) + ctx.mask_bytes, grad.dtype,
+                               0.5 if ctx.causal else 1.0)
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None, None, None
 
 
 class _FuseAttention(TorchFunctionMode):
@@ -134,11 +135,18 @@ class _FuseAttention(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and kwargs.get("attn_mask") is None and len(args) == 3:
-            causal = bool(kwargs.get("is_causal", False))
+        if func in ATTENTION and 3 <= len(args) <= 4:
+            # an explicit mask (transformers' causal mask) runs the memory-efficient kernel: it
+            # reads the mask and does the whole square of work; is_causal skips half of it
+            mask = kwargs.get("attn_mask", args[3] if len(args) == 4 else None)
+            causal = bool(kwargs.get("is_causal", False)) and mask is None
             with torch._C.DisableTorchFunction():
-                return _FusedAttention.apply(*args, causal, self.mode)
+                return _FusedAttention.apply(*args[:3], causal, self.mode, _bytes(mask))
         return func(*args, **kwargs)
+
+
+#: scaled dot-product attention as a model calls it, or as an exported graph records it
+ATTENTION = (F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default)
 
 
 def price(run: Callable[[], object], hw: Hardware, matmul_dtype: str | None = None, tf32: bool = False,

@@ -19,7 +19,9 @@ from pipelaunch.pipeline.compute.threads import cpu_threads
 from pipelaunch.pipeline.compute.vocab_parallel import vocab_parallel_loss
 from pipelaunch.pipeline.core.config import TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.hardware import Hardware
 from pipelaunch.pipeline.core.plugins import Plugin
+from pipelaunch.pipeline.core.precision import PRECISIONS
 from pipelaunch.pipeline.graph.sequence_parallel import REPLICATED, SPLIT, SequenceRewrite, sequence_setup
 from pipelaunch.pipeline.graph.tensor_parallel import (
     Rewritten,
@@ -29,6 +31,8 @@ from pipelaunch.pipeline.graph.tensor_parallel import (
     trace_local,
 )
 from pipelaunch.pipeline.graph.trace import TracedModel
+from pipelaunch.pipeline.planner.measure.analytic_profile import price_graphs
+from pipelaunch.pipeline.planner.measure.host_memory import check_host_memory
 from pipelaunch.pipeline.planner.measure.profile import (
     ProfileJob,
     apply_profile,
@@ -51,9 +55,11 @@ class TracedModels:
     run)."""
 
     def __init__(self, spec: ModelSpec, model: Plugin, cfg: TrainConfig, profile: bool, cuda: bool = False,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, hardware: Hardware | None = None) -> None:
         #: `model` builds `spec` again in a child process (a GPU run's profile)
         self.spec, self.model_plugin, self.cfg, self.profile = spec, model, cfg, profile
+        #: a hardware file: the profile is priced on its figures, on meta, in this process
+        self.hardware = hardware
         #: where to profile: this process's device (None: a child process on cuda:0)
         self.device = device if device is not None else (None if cuda else torch.device("cpu"))
         self.model = None
@@ -123,13 +129,18 @@ class TracedModels:
         todo = {size: self.structure(size, tp) for size in dict.fromkeys(sizes) if (size, tp) not in self._profiled}
         modules = self.tp_modules if tp > 1 else {}
         if self.profile and todo:
-            if self.device is None:  # a GPU run planned in the launcher: a child per size
+            if self.hardware is not None:  # priced, not measured: nothing runs on a device
+                profile_traced(self.spec, self.cfg, list(todo.values()), list(todo), torch.device("meta"), modules,
+                               tp, hardware=self.hardware)
+            elif self.device is None:  # a GPU run planned in the launcher: a child per size
                 for size, t in todo.items():
                     nodes, cached = profile_in_child(self.cfg, self.model_plugin, size, torch.device("cuda", 0),
                                                      modules, tp)
                     apply_profile(t.graph, nodes)
                     t.graph.graph["profile_cached"] = cached
             else:
+                if self.device.type == "cpu":  # what it would hold, refused before it is allocated
+                    check_host_memory(list(todo.values()), list(todo))
                 profile_traced(self.spec, self.cfg, list(todo.values()), list(todo), self.device, modules, tp)
         self._profiled.update((size, tp) for size in todo)
 
@@ -152,17 +163,23 @@ def _follow(carried: Mapping[str, str], name: str) -> str:
 
 
 def profile_traced(spec: ModelSpec, cfg: TrainConfig, traced: Sequence[TracedModel], micro_batch_sizes: Sequence[int],
-                   device: torch.device, tp_modules: Mapping[str, str] | None = None, tp: int = 1) -> None:
+                   device: torch.device, tp_modules: Mapping[str, str] | None = None, tp: int = 1,
+                   hardware: Hardware | None = None) -> None:
     """Measure each of `traced` (one per micro-batch size) on one real micro-batch on `device`
     (cached on disk), in shared passes. A model that computes its own loss has it among its nodes
     (and the targets among its inputs): nothing to add. Under tp > 1 (`tp_modules`), `traced` are
     the model at one tp rank's shapes, run with shape-only collectives and, where the head's
-    logits are split, the vocabulary-parallel loss's local work (`measure/tensor_parallel.py`)."""
-    if device.type == "cuda":
+    logits are split, the vocabulary-parallel loss's local work (`measure/tensor_parallel.py`).
+    With `hardware`, priced on its figures instead (`analytic_profile.py`), in the dtype the run
+    computes in."""
+    if hardware is not None:
+        key: dict = {}
+        timed_as_ranks: contextlib.AbstractContextManager = contextlib.nullcontext()
+    elif device.type == "cuda":
         # what CPU profiles add to the key (threads, malloc) does not change a GPU's timings;
         # the GPU's name does (profile_key)
-        key: dict = {"model": cfg.model}
-        timed_as_ranks: contextlib.AbstractContextManager = contextlib.nullcontext()
+        key = {"model": cfg.model}
+        timed_as_ranks = contextlib.nullcontext()
     else:
         # Timed as the ranks will run: their thread count, and their malloc (with glibc's defaults an
         # 8 MiB logits buffer is mapped afresh on some repeats and not on others: the head measured
@@ -183,6 +200,9 @@ def profile_traced(spec: ModelSpec, cfg: TrainConfig, traced: Sequence[TracedMod
             t, done, _ = profiled_twin(t, tp_modules, sharded_params(t.gm, tp_modules), setup)
             loss_fn = vocab_parallel_loss(0) if done.vocab_outputs else loss_fn
         jobs.append(ProfileJob(t, spec.model_args(x, y), key, None if spec.own_loss else (loss_fn, y)))
+    if hardware is not None:
+        price_graphs(jobs, hardware, PRECISIONS[str(cfg.precision)])
+        return
     with timed_as_ranks:
         profile_graphs(jobs, device=device, seed=cfg.seed)
 

@@ -52,20 +52,24 @@ def contract_unsendable(graph: nx.DiGraph) -> Contraction | None:
         groups.union(n, *graph.successors(n))
     for members in split_leaves:
         groups.union(*members)
+    order = topo_order(graph)
+    pos = {n: i for i, n in enumerate(order)}
     changed = True
     while changed:  # convex closure: whatever lies between two members of a unit joins it
         changed = False
         for members in list(groups.to_sets()):
             if len(members) < 2:
                 continue
-            below = set().union(*(nx.descendants(graph, m) for m in members))
-            above = set().union(*(nx.ancestors(graph, m) for m in members))
+            first, last = min(pos[m] for m in members), max(pos[m] for m in members)
+            # only nodes ordered between the unit's first and last member can lie between two
+            # members: one walk each way from all of them, bounded by that span (a walk per member
+            # over the whole graph took a minute on an 80-layer model traced to its operators)
+            below = _reach(graph.successors, members, lambda n, last=last: pos[n] <= last)
+            above = _reach(graph.predecessors, members, lambda n, first=first: pos[n] >= first)
             between = (below & above) - members
             if between:
                 groups.union(next(iter(members)), *between)
                 changed = True
-    order = topo_order(graph)
-    pos = {n: i for i, n in enumerate(order)}
     units = sorted((sorted(ms, key=pos.__getitem__) for ms in groups.to_sets()), key=lambda ms: pos[ms[0]])
     unit_of = {m: ms[0] for ms in units for m in ms}
     q = nx.DiGraph(**graph.graph)
@@ -89,3 +93,16 @@ def contract_unsendable(graph: nx.DiGraph) -> Contraction | None:
         if unit_of[u] != unit_of[v]:
             q.add_edge(unit_of[u], unit_of[v], bytes=graph.edges[u, v].get("bytes", 0))
     return Contraction(q, {ms[0]: ms for ms in units})
+
+
+def _reach(step, sources: set[str], within) -> set[str]:
+    """The nodes reachable from `sources` by `step` (successors or predecessors) through nodes
+    `within` admits."""
+    seen: set[str] = set()
+    todo = list(sources)
+    while todo:
+        for nxt in step(todo.pop()):
+            if nxt not in seen and within(nxt):
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen

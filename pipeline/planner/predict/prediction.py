@@ -157,7 +157,8 @@ def data_parallel_collectives(plan: Plan, cost: CostModel, spans: list[list[tupl
     if plan.dp < 2 or not plan.schedule.training:
         return None
     spans = compute_spans(plan.schedule, cost) if spans is None else spans
-    links = Collectives(plan.dp, cost.latency_s, cost.bandwidth_bytes_per_s, plan.meta.dp_shard)
+    own = plan.meta.machine.dp_link  # a hardware file's: the replicas' own link class
+    links = Collectives(plan.dp, *(own if own else (cost.latency_s, cost.bandwidth_bytes_per_s)), plan.meta.dp_shard)
     sharded = Sharded(plan.meta.zero, plan_units(plan), plan.meta.reshard, plan_sharding(plan).compute_bytes)
     return data_parallel_step(plan.schedule, spans, sharded, _sharded_and_tied(plan)[1], links, flat=flat)
 

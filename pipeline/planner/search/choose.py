@@ -119,6 +119,8 @@ class SearchResult:
     #: about this much); among them the one cut into the fewest stages runs, then the lowest level,
     #: the fewest micro-batches, and the one holding the least on its fullest device
     tie: float = 0.0
+    #: on a hardware file: an outcome's (tokens per second per device, model FLOPs utilisation)
+    per_device: Callable[[Outcome], tuple[float, float]] | None = None
 
     @property
     def ranked(self) -> list[Outcome]:
@@ -186,15 +188,16 @@ class SearchResult:
         lines = [f"{'#':>3}  {'schedule':<{width}} {'partitioner':<11} {'mbs':>4} {'remat':<5} "
                  + (f"{'zero':>4} " if levels else "") + (f"{'pp':>3} {'dp':>3} " if layouts else "")
                  + (f"{'tp':>3} " if tps else "")
-                 + f"{'step ms':>9} {'bubble':>7}  peak MiB per device{cap}"]
+                 + f"{'step ms':>9} {'bubble':>7} " + (f"{'tok/s/dev':>9} {'MFU':>6} " if self.per_device else "")
+                 + f" peak MiB per device{cap}"]
         for i, o in enumerate(self.ranked[:top], 1):
             c, p = o.candidate, o.prediction
             mark = "  <- runs" if o is self.winner else ""
             lines.append(f"{i:>3}  {c.scheduler:<{width}} {c.partitioner:<11} {c.microbatches:>4} {c.remat:<5} "
                          + (f"{c.level:>4} " if levels else "") + (f"{c.pp:>3} {c.dp:>3} " if layouts else "")
                          + (f"{c.tp or 1:>3} " if tps else "")
-                         + f"{p.step_s * 1e3:>9.1f} {p.result.mean_bubble:>7.1%}  "
-                         f"{' / '.join(f'{d.total / MIB:.1f}' for d in p.devices)}{mark}")
+                         + f"{p.step_s * 1e3:>9.1f} {p.result.mean_bubble:>7.1%} " + self._figures(o)
+                         + f" {_devices(p.devices)}{mark}")
         hidden = len(self.ranked) - top
         if hidden > 0:
             lines.append(f"     ... and {hidden} slower candidates that fit")
@@ -207,6 +210,12 @@ class SearchResult:
             lines.append(f"could not be planned ({len(self.failed)}):")
             lines += [f"     {o.candidate.label}: {_first_sentence(o.error or '')}" for o in self.failed[:top]]
         return "\n".join(lines)
+
+    def _figures(self, o: Outcome) -> str:
+        if self.per_device is None:
+            return ""
+        tokens, mfu = self.per_device(o)
+        return f"{tokens:>9.0f} {mfu:>6.1%} "
 
     def why(self) -> str:
         """Why the winner won, in numbers: against the runner-up with another schedule, the
@@ -267,6 +276,13 @@ class SearchResult:
                 "over_budget": len(self.excluded), "failed": len(self.failed), "winner": self.winner.row(),
                 "why": self.why(), "top": [o.row() for o in self.ranked[:top]],
                 "excluded": [o.row() for o in self.excluded], "errors": [o.row() for o in self.failed]}
+
+
+def _devices(devices: Sequence[DeviceMemory]) -> str:
+    """Each device's peak in MiB; many devices: the fullest and how many there are."""
+    if len(devices) <= 8:
+        return " / ".join(f"{d.total / MIB:.1f}" for d in devices)
+    return f"max {max(d.total for d in devices) / MIB:.1f} over {len(devices)} ranks"
 
 
 def _faster(other_s: float, own_s: float) -> str:

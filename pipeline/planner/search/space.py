@@ -19,6 +19,7 @@ from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.core.plugins import GroupOptions, Plugin, Plugins
 from pipelaunch.pipeline.planner.fit.under_cap import fit_budget
 from pipelaunch.pipeline.planner.measure.traced import TracedModels, micro_batch_size
+from pipelaunch.pipeline.planner.partition.atomic import contract_unsendable
 from pipelaunch.pipeline.planner.predict.prediction import Prediction, predict
 from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
 from pipelaunch.pipeline.planner.search.choose import (
@@ -88,7 +89,8 @@ def _partitioners(names: list[str], options: GroupOptions, graph: nx.DiGraph) ->
         raise ConfigError("plan.partitioners", f"unknown partitioner option(s) {unknown}; valid: "
                                                f"{sorted(options.partitioner)}")
     chosen = {n: options.partitioner[n] for n in names}
-    if _is_chain(graph):
+    contraction = contract_unsendable(graph)  # what the partitioners cut: an export trace's layers as units
+    if _is_chain(graph if contraction is None else contraction.graph):
         fns = {p.fn for p in chosen.values()}
         chosen = {n: p for n, p in chosen.items() if p.attribute("same_split_on_a_chain", None) not in fns}
     return chosen
@@ -100,10 +102,11 @@ def _is_chain(graph: nx.DiGraph) -> bool:
 
 
 def search(cfg: TrainConfig, models: TracedModels, build: Callable[..., Plan], cands: list[Candidate],
-           given: Candidate | None, link: tuple[float, float]) -> SearchResult:
+           given: Candidate | None, link: Callable[[Candidate], tuple[float, float]]) -> SearchResult:
     """Plan, simulate and fit every candidate; `build(generator, traced, candidate)` makes its Plan
     (`build(generator, traced, candidate, whole)` with those stages recomputing whole, which
-    remat=auto's fit asks for); `link`: the (latency, bandwidth) the predictions price."""
+    remat=auto's fit asks for); `link(candidate)`: the pipeline link's (latency, bandwidth) the
+    predictions price for its layout."""
     cap = cfg.memory.cap_bytes
 
     generators: dict[str, ScheduleGenerator] = {}  # one frozen value per scheduler option (and variant)
@@ -114,7 +117,7 @@ def search(cfg: TrainConfig, models: TracedModels, build: Callable[..., Plan], c
         gen = generators[c.scheduler]
         traced = models.get(micro_batch_size(cfg, c.microbatches, c.dp), c.tp)
         plan = build(gen, traced, c)
-        return fit_budget(plan, predict(plan, *link), traced.graph, cap, *link,
+        return fit_budget(plan, predict(plan, *link(c)), traced.graph, cap, *link(c),
                           rebuild=lambda whole: build(gen, traced, c, whole))
 
     tie = cfg.plan.tie

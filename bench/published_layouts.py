@@ -1,0 +1,90 @@
+"""The GPT models of the Megatron-LM SC21 paper's Table 1, planned on `hardware=a100_80gb` with the
+paper's own layouts, against the throughput the paper published.
+
+    python bench/published_layouts.py               # every row (minutes: the largest are pp=64, 512 micro-batches)
+    python bench/published_layouts.py --rows 0 4    # some rows
+
+Each row (bench/data/sc21_table1.csv, from Narayanan et al. SC21, arXiv 2104.04473, and Megatron-LM's
+examples/academic_paper_scripts/sc21/run_table_1.sh) is planned as the paper ran it: its tp, pp and
+dp = GPUs / (tp x pp), its micro-batch and global batch, the interleaved schedule where it gives
+layers per virtual stage (1F1B otherwise), full activation recomputation, bf16 with fp32 master
+weights. The project's GPT stands in for Megatron's (pre-LayerNorm blocks, separate q/k/v
+projections, a 4x GELU MLP, learned positions). The planner prices every layer on the A100 file's
+figures (`pipeline/planner/measure/analytic_profile.py`) and simulates the step; the predicted
+TFLOP/s per GPU uses the paper's own count (its appendix: 96 B s l h^2 (1 + s/6h + V/16lh) per
+iteration, recomputation's extra forward included), so the two columns compare like for like.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TABLE = ROOT / "bench" / "data" / "sc21_table1.csv"
+
+
+def rows() -> list[dict]:
+    with TABLE.open() as f:
+        return list(csv.DictReader(line for line in f if not line.startswith("#")))
+
+
+def overrides(row: dict) -> list[str]:
+    """The paper's layout of one row as this launcher's command line."""
+    tp, pp, gpus = int(row["tp"]), int(row["pp"]), int(row["gpus"])
+    dp = gpus // (tp * pp)
+    micro, batch, layers = int(row["micro_batch"]), int(row["global_batch"]), int(row["layers"])
+    out = ["mode=plan", "hardware=a100_80gb", "model=gpt", f"model.layers={layers}", f"model.dim={row['hidden']}",
+           f"model.heads={row['heads']}", "model.vocab_size=51200", "model.seq_len=2048", f"batch_size={batch}",
+           f"microbatches={batch // (dp * micro)}", f"pp={pp}", f"dp={dp}", f"tp={tp}", "precision=bf16",
+           "remat=auto", "partitioner=uniform", "eval.every=0"]
+    virtual = row["layers_per_virtual_stage"]
+    if virtual:
+        out += ["scheduler=interleaved_1f1b", f"scheduler.stages_per_rank={layers // (pp * int(virtual))}"]
+    else:
+        out += ["scheduler=1f1b"]
+    return out
+
+
+def paper_flops(row: dict) -> float:
+    """FLOPs of one iteration as the paper counts them (recomputation's forward included)."""
+    b, s, v = int(row["global_batch"]), 2048, 51200
+    layers, h = int(row["layers"]), int(row["hidden"])
+    return 96.0 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipelaunch.launcher.overrides import compose_checked
+    from pipelaunch.launcher.validate import prepare
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="*", help="row indices (0-9); default all")
+    args = parser.parse_args(argv)
+    table = rows()
+    chosen = args.rows if args.rows else range(len(table))
+    print(f"{'params':>7} {'layout':>18} {'mbs':>4} {'m':>4} {'sched':>9} {'step s':>8} {'TFLOP/s/GPU':>11} "
+          f"{'paper':>6} {'ratio':>6} {'peak GB':>8} {'plan s':>7}")
+    for i in chosen:
+        row = table[i]
+        ov = overrides(row)
+        started = time.perf_counter()
+        prepared = prepare(compose_checked(ov))
+        seconds = time.perf_counter() - started
+        step = prepared.prediction.step_s
+        predicted = paper_flops(row) / step / int(row["gpus"]) / 1e12
+        paper = float(row["tflops_per_gpu"])
+        layout = f"tp{row['tp']} pp{row['pp']} dp{int(row['gpus']) // (int(row['tp']) * int(row['pp']))}"
+        sched = "inter" if row["layers_per_virtual_stage"] else "1f1b"
+        print(f"{row['params_b']:>6}B {layout:>18} {row['micro_batch']:>4} {prepared.plan.microbatches:>4} "
+              f"{sched:>9} {step:>8.2f} {predicted:>11.0f} {paper:>6.0f} {predicted / paper:>6.2f} "
+              f"{prepared.prediction.peak_bytes / 1e9:>8.1f} {seconds:>7.1f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
