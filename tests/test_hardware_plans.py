@@ -122,10 +122,15 @@ def test_a_profile_the_host_cannot_hold_is_refused_before_it_starts():
     embedding = 50000 * 512 * 4
     logits = 4 * 256 * 50000 * 4
     assert need == 3 * (embedding + 256 * 512 * 4) + 4 * logits and node == "embed"
+    weights = sum(p.numel() * 4 for p in spec.build_meta().parameters())
+    assert need > 2 * weights  # the largest layer with its batch decides here, not the model
     check_host_memory([traced], [4], available=2 * need)
     with pytest.raises(ConfigError, match="hardware=h100_sxm") as err:
         check_host_memory([traced], [4], available=need / 2)
     assert err.value.key == "hardware" and f"{need / 2**30:.1f} GiB" in str(err.value)
+    with pytest.raises(ConfigError, match="weights and their gradients alone") as err:
+        check_host_memory([traced], [4], available=weights)
+    assert f"{2 * weights / 2**30:.1f} GiB" in str(err.value)
 
 
 def test_the_winner_command_sets_what_the_search_chose_and_keeps_the_rest():

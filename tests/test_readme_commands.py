@@ -296,6 +296,9 @@ SKIPPED = {
     "pytest -q -n 2": SUITE,
     "pytest -m slow": SUITE,
     "pytest tests/test_config_fuzz.py -s": SUITE,
+    "python bench/published_layouts.py": "plans ten GPT clusters of 32 to 3072 A100s (about 2 minutes here); "
+                                         "bench/RESULTS.md records the table, tests/test_hardware_plans.py plans "
+                                         "clusters on every hardware file",
     "python bench/tensor_parallel.py": "six real training runs of gpt_bench, profiled afresh each (about 4 minutes), "
                                        "timed: run on an idle machine, bench/RESULTS.md records them",
     "python train.py $RUN pp=4 dp=2 scheduler=zbv partitioner=milp resume=ckpt/run1/step_0000400":

@@ -3,10 +3,12 @@
 Why: `hardware=local` measures each layer on real tensors here. The profiler holds one leaf at a
 time, but that leaf with its gradients and the micro-batch's activations can exceed the host's
 memory (a Llama-70B-sized config reached 23.6 GB and was killed by the kernel with no message).
-The estimate is read off the meta trace (no byte allocated): the largest node's parameters three
-times (the weights, their gradients, the initialiser's temporary) plus its output four times (the
-output, its gradient, what autograd saves, the input gradient), against the memory the kernel
-says is available.
+The estimates are read off the meta trace (no byte allocated), against the memory the kernel says
+is available: the model's weights and gradients (a model that cannot train here is not profiled
+here: profiling every layer of a 70B model on a CPU would take hours even where each fits), then
+the largest node's parameters three times (the weights, their gradients, the initialiser's
+temporary) plus its output four times (the output, its gradient, what autograd saves, the input
+gradient).
 """
 
 from __future__ import annotations
@@ -50,8 +52,16 @@ def check_host_memory(traced: list[TracedModel], sizes: list[int], available: fl
     """Refuse (ConfigError on `hardware`) when profiling any of `traced` (one per micro-batch size
     of `sizes`) would not fit in the host's available memory."""
     available = available_bytes() if available is None else available
-    if available is None:
+    if available is None or not traced:
         return
+    weights = float(sum(traced[0].graph.graph.get("param_sizes", {}).values()))
+    if 2 * weights > available:  # the ranks' weights and gradients alone: it cannot train here
+        raise ConfigError(
+            "hardware",
+            f"hardware=local plans a run on this machine, and this model's weights and their gradients alone take "
+            f"{2 * weights / GIB:.1f} GiB, more than the {available / GIB:.1f} GiB this machine has available; "
+            "plan it for the GPUs it will train on instead (hardware=h100_sxm, a100_80gb, h200, b200 or your own "
+            "conf/hardware file: priced on meta, nothing allocated)")
     for t, size in zip(traced, sizes, strict=True):
         need, node = profile_bytes(t)
         if need > available:
