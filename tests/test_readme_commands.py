@@ -223,6 +223,15 @@ SCENARIOS = [
              "model.heads=16 model.vocab_size=51200 model.seq_len=2048 batch_size=64 precision=bf16 "
              "'plan.schedulers=[1f1b,interleaved_1f1b]' 'plan.partitioners=[uniform]' 'plan.remat=[none]'"),),
              slow=True, timeout=600),
+    # slow: about 90 s (a transformers Llama traced to its operators); tests/test_hardware_plans.py prices
+    # models on every hardware file by default
+    Scenario("cluster-plan-70b", "README.md", (
+        plan("python train.py mode=plan model=hf +model.config.model_type=llama +model.config.hidden_size=8192 "
+             "+model.config.intermediate_size=28672 +model.config.num_hidden_layers=80 "
+             "+model.config.num_attention_heads=64 +model.config.num_key_value_heads=8 "
+             "+model.config.vocab_size=128256 +model.config.max_position_embeddings=4096 model.seq_len=4096 pp=8 "
+             "tp=8 microbatches=16 batch_size=16 hardware=h100_sxm precision=bf16 remat=full"),),
+             slow=True, timeout=600),
     Scenario("scheduler-auto", "README.md", (train("python train.py scheduler=auto pp=2 microbatches=8"),),
              slow=True, timeout=300),
     Scenario("sweep-4-jobs", "README.md",

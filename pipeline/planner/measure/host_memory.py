@@ -48,13 +48,15 @@ def profile_bytes(traced: TracedModel) -> tuple[float, str]:
     return need, params if nodes[params].get("param_bytes", 0) else output
 
 
-def check_host_memory(traced: list[TracedModel], sizes: list[int], available: float | None = None) -> None:
+def check_host_memory(traced: list[TracedModel], sizes: list[int], available: float | None = None,
+                      tp: int = 1) -> None:
     """Refuse (ConfigError on `hardware`) when profiling any of `traced` (one per micro-batch size
-    of `sizes`) would not fit in the host's available memory."""
+    of `sizes`; under `tp`, one tp rank's share of the model) would not fit in the host's available
+    memory."""
     available = available_bytes() if available is None else available
     if available is None or not traced:
         return
-    weights = float(sum(traced[0].graph.graph.get("param_sizes", {}).values()))
+    weights = tp * float(sum(traced[0].graph.graph.get("param_sizes", {}).values()))
     if 2 * weights > available:  # the ranks' weights and gradients alone: it cannot train here
         raise ConfigError(
             "hardware",

@@ -140,7 +140,7 @@ class TracedModels:
                     t.graph.graph["profile_cached"] = cached
             else:
                 if self.device.type == "cpu":  # what it would hold, refused before it is allocated
-                    check_host_memory(list(todo.values()), list(todo))
+                    check_host_memory(list(todo.values()), list(todo), tp=tp)
                 profile_traced(self.spec, self.cfg, list(todo.values()), list(todo), self.device, modules, tp)
         self._profiled.update((size, tp) for size in todo)
 
