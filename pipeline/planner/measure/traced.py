@@ -71,6 +71,7 @@ class TracedModels:
         self._local: dict[tuple[int, int], TracedModel] = {}
         self._rewrites: dict[tuple[int, int], Rewritten] = {}
         self._sequence: dict[tuple[int, int], SequenceRewrite | None] = {}
+        self._twins: dict[tuple[int, int], TracedModel] = {}
         self._priced: set[tuple[int, int]] = set()
         #: the (size, tp) whose graphs carry their profile (or need none)
         self._profiled: set[tuple[int, int]] = set()
@@ -109,6 +110,7 @@ class TracedModels:
             self._local[key] = local
             setup = sequence_setup(self.cfg.sequence_parallel, self.spec, micro_batch_size, tp)
             twin, self._rewrites[key], self._sequence[key] = profiled_twin(local, self.tp_modules, sharded, setup)
+            self._twins[key] = twin  # what the profile runs, built once (a 1T GPT's took 3.6 s)
             seq = self._sequence[key]
             if seq is None:  # whole and equal on every tp rank (sent 1/tp over a boundary), or a slice
                 same = replicated_values(twin.gm, sharded)
@@ -130,8 +132,9 @@ class TracedModels:
         modules = self.tp_modules if tp > 1 else {}
         if self.profile and todo:
             if self.hardware is not None:  # priced, not measured: nothing runs on a device
+                twins = [(self._twins[(size, tp)], self._rewrites[(size, tp)]) for size in todo] if tp > 1 else None
                 profile_traced(self.spec, self.cfg, list(todo.values()), list(todo), torch.device("meta"), modules,
-                               tp, hardware=self.hardware)
+                               tp, hardware=self.hardware, twins=twins)
             elif self.device is None:  # a GPU run planned in the launcher: a child per size
                 for size, t in todo.items():
                     nodes, cached = profile_in_child(self.cfg, self.model_plugin, size, torch.device("cuda", 0),
@@ -164,14 +167,15 @@ def _follow(carried: Mapping[str, str], name: str) -> str:
 
 def profile_traced(spec: ModelSpec, cfg: TrainConfig, traced: Sequence[TracedModel], micro_batch_sizes: Sequence[int],
                    device: torch.device, tp_modules: Mapping[str, str] | None = None, tp: int = 1,
-                   hardware: Hardware | None = None) -> None:
+                   hardware: Hardware | None = None,
+                   twins: Sequence[tuple[TracedModel, Rewritten]] | None = None) -> None:
     """Measure each of `traced` (one per micro-batch size) on one real micro-batch on `device`
     (cached on disk), in shared passes. A model that computes its own loss has it among its nodes
     (and the targets among its inputs): nothing to add. Under tp > 1 (`tp_modules`), `traced` are
     the model at one tp rank's shapes, run with shape-only collectives and, where the head's
     logits are split, the vocabulary-parallel loss's local work (`measure/tensor_parallel.py`).
     With `hardware`, priced on its figures instead (`analytic_profile.py`), in the dtype the run
-    computes in."""
+    computes in. `twins`: under tp, each size's twin and rewrite when already built."""
     if hardware is not None:
         key: dict = {}
         timed_as_ranks: contextlib.AbstractContextManager = contextlib.nullcontext()
@@ -189,15 +193,18 @@ def profile_traced(spec: ModelSpec, cfg: TrainConfig, traced: Sequence[TracedMod
         configure_host_allocator(key["host_allocator"])
         timed_as_ranks = profiling_threads(threads)
     jobs = []
-    for t, size in zip(traced, micro_batch_sizes, strict=True):
+    for i, (t, size) in enumerate(zip(traced, micro_batch_sizes, strict=True)):
         x, y = spec.example_batch(size, cfg.seed)
         loss_fn = spec.loss_fn
         if tp_modules and tp > 1:
             key = {**key, "tp": tp, "tp_modules": dict(tp_modules)}
             if cfg.sequence_parallel:
                 key = {**key, "sequence_parallel": True}
-            setup = sequence_setup(cfg.sequence_parallel, spec, size, tp)
-            t, done, _ = profiled_twin(t, tp_modules, sharded_params(t.gm, tp_modules), setup)
+            if twins is not None:
+                t, done = twins[i]
+            else:
+                setup = sequence_setup(cfg.sequence_parallel, spec, size, tp)
+                t, done, _ = profiled_twin(t, tp_modules, sharded_params(t.gm, tp_modules), setup)
             loss_fn = vocab_parallel_loss(0) if done.vocab_outputs else loss_fn
         jobs.append(ProfileJob(t, spec.model_args(x, y), key, None if spec.own_loss else (loss_fn, y)))
     if hardware is not None:
