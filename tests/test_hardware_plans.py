@@ -22,8 +22,8 @@ from tests.harness import compose_cfg
 
 SMALL = ["model.dim=256", "model.heads=8", "model.layers=4", "model.seq_len=128", "model.vocab_size=512",
          "batch_size=32", "precision=bf16"]
-#: a cluster of 8 devices in nodes of 4: tp stays inside one, pipelines and replicas cross them
-SEARCH = ["mode=plan", "plan=auto", "plan.devices=8", "hardware.devices_per_node=4", "plan.schedulers=[1f1b]",
+#: a cluster of 4 devices in nodes of 2: tp stays inside one, pipelines and replicas cross them
+SEARCH = ["mode=plan", "plan=auto", "plan.devices=4", "hardware.devices_per_node=2", "plan.schedulers=[1f1b]",
           "plan.partitioners=[uniform]", "plan.remat=[none]", "plan.microbatches=[4]"]
 
 
@@ -38,14 +38,14 @@ def test_every_hardware_file_plans_a_cluster_deterministically_within_its_memory
     overrides = [*SEARCH, *SMALL, f"hardware={name}"]
     cfg = compose_cfg(overrides)
     hw = configured_hardware(cfg.hardware)
-    assert hw.name == load_hardware(name).name and hw.devices_per_node == 4
+    assert hw.name == load_hardware(name).name and hw.devices_per_node == 2
     first = searched(name)
     if name == "a100_80gb":  # planned twice: the same predictions, the same winner
         again = prepare(compose_cfg(overrides))
         assert first.search.winner.candidate == again.search.winner.candidate
         assert [o.row() for o in first.search.ranked] == [o.row() for o in again.search.ranked]
     tps = {o.candidate.tp or 1 for o in first.search.outcomes}
-    assert tps == {1, 2, 4}  # every degree inside a node of 4, none across
+    assert tps == {1, 2}  # every degree inside a node of 2, none across (4 divides the devices)
     assert first.search.ranked and all(o.prediction.peak_bytes <= hw.memory_bytes for o in first.search.ranked)
     meta = first.plan.meta
     assert meta.device_type == "cuda" and meta.memory_cap == hw.memory_bytes
@@ -116,7 +116,7 @@ def test_tensor_parallelism_across_nodes_and_cpu_training_are_refused():
         prepare(compose_cfg(["mode=plan", "hardware=a100_80gb", "hardware.devices_per_node=4", "pp=1", "tp=8"]))
     assert err.value.key == "tp"
     with pytest.raises(ConfigError, match="stays inside a node") as err:
-        prepare(compose_cfg([*SEARCH, *SMALL, "hardware=a100_80gb", "plan.tp=[8]"]))
+        prepare(compose_cfg([*SEARCH, *SMALL, "hardware=a100_80gb", "plan.tp=[4]"]))
     assert err.value.key == "plan.tp"
     with pytest.raises(ConfigError, match="mode=plan") as err:
         prepare(compose_cfg(["hardware=h100_sxm", "device=cpu"]))
