@@ -11,6 +11,7 @@ nothing edits it once `make_plan` returns it.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -36,7 +37,7 @@ from pipelaunch.pipeline.planner.measure.overheads import cached_overheads
 from pipelaunch.pipeline.planner.measure.traced import TracedModels, micro_batch_size
 from pipelaunch.pipeline.planner.predict.prediction import Prediction, predict
 from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
-from pipelaunch.pipeline.planner.search.choose import Candidate, SearchResult
+from pipelaunch.pipeline.planner.search.choose import Candidate, Outcome, SearchResult
 from pipelaunch.pipeline.planner.search.space import build_generator, search, search_space
 
 
@@ -155,13 +156,14 @@ def hardware_facts(plugins: Plugins, hw: Hardware) -> dict:
             "link_latency_s": hw.inter_node.latency_s, "action_overhead_s": 0.0}
 
 
-def _per_device(cfg: TrainConfig, spec: ModelSpec, models: TracedModels, hw: Hardware):
+def _per_device(cfg: TrainConfig, spec: ModelSpec, models: TracedModels,
+                hw: Hardware) -> Callable[[Outcome], tuple[float, float]]:
     """An outcome's tokens per second per device and its model FLOPs utilisation: the model's
     FLOPs per step (forward and backward as priced, recomputation not counted) over the step and
     every device's peak, in the dtype the run computes in."""
     dtype = "bf16" if str(cfg.precision) == "bf16" else "fp32"
 
-    def figures(o: Candidate | object) -> tuple[float, float]:
+    def figures(o: Outcome) -> tuple[float, float]:
         c, p = o.candidate, o.prediction
         pp, dp, tp = (c.pp, c.dp, c.tp or 1) if c.pp is not None else (cfg.pp, cfg.dp, cfg.tp)
         devices = pp * dp * tp

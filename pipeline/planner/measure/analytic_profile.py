@@ -28,7 +28,7 @@ from torch import fx, nn
 from pipelaunch.pipeline.compute.backward import WeightGradStash, backward_input, backward_weight
 from pipelaunch.pipeline.core.hardware import Hardware
 from pipelaunch.pipeline.graph.trace import COMPUTE_OPS
-from pipelaunch.pipeline.planner.measure.analytic import Roofline, price
+from pipelaunch.pipeline.planner.measure.analytic import price
 from pipelaunch.pipeline.planner.measure.profile import (
     _LOSS,
     MIN_TIME_S,
@@ -36,18 +36,16 @@ from pipelaunch.pipeline.planner.measure.profile import (
     _fetch,
     _leafify,
     _Measuring,
+    _nbytes,
     _node_callable,
     _Op,
     _requiring_grad,
     _signature,
     _tensors,
+    stash_gradients,
 )
 
 META = torch.device("meta")
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _lowered(value: Any, dtype: torch.dtype | None) -> Any:
@@ -80,10 +78,9 @@ def _inputs(value: Any) -> Any:
 
 
 def _kept_bytes(stash: WeightGradStash) -> int:
-    """What a split backward keeps from I to W (the gradients where W restarts), each tensor once."""
-    held = [g for _, grads, _ in stash.restarts for g in grads] + [g for g in stash.root_grads if g is not None] \
-        + [g for _, g in stash.direct]
-    return sum({id(g): _nbytes(g) for g in held}.values())
+    """What a split backward keeps from I to W, each tensor once (by identity: meta tensors have no
+    addresses)."""
+    return sum({id(g): _nbytes(g) for g in stash_gradients(stash)}.values())
 
 
 def price_op(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict, params: Sequence[torch.Tensor],
@@ -110,18 +107,15 @@ def price_op(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict, params: 
     outs = _requiring_grad(held["out"])
     output_bytes = sum(_nbytes(t) for t in _tensors(held["out"]))
     result = {"activation_bytes": int(sum(saved.values())), "output_bytes": int(output_bytes), "stash_bytes": 0}
-    cast = Roofline()
-    if cast_weights:
-        count = sum(p.numel() for p in params if p.dim() > 1)
-        if count:
-            cast.seconds = 6.0 * count / hw.bytes_per_s() + hw.launch_s
-    times = {"forward_s": forward.seconds + cast.seconds, "backward_s": 0.0, "backward_input_s": 0.0,
+    count = sum(p.numel() for p in params if p.dim() > 1) if cast_weights else 0
+    cast_s = 6.0 * count / hw.bytes_per_s() + hw.launch_s if count else 0.0
+    times = {"forward_s": forward.seconds + cast_s, "backward_s": 0.0, "backward_input_s": 0.0,
              "backward_weight_s": 0.0}
     backward = None
     if outs and (op.grad_inputs or op.grad_params):
         grads = [torch.empty_like(t) for t in outs]
         backward = price(lambda: op.backward(outs, grads), hw, matmul_dtype)
-        times["backward_s"] = backward.seconds + cast.seconds
+        times["backward_s"] = backward.seconds + cast_s
         outs = _requiring_grad(op())  # a fresh graph for the split backward
         split = price(lambda: held.__setitem__("stash", backward_input(outs, grads, op.leaves, op.grad_params)[1]),
                       hw, matmul_dtype)
@@ -129,7 +123,7 @@ def price_op(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict, params: 
         result["stash_bytes"] = _kept_bytes(stash) if op.grad_params else 0
         weight = price(lambda: backward_weight(stash), hw, matmul_dtype)
         times["backward_input_s"] = split.seconds
-        times["backward_weight_s"] = weight.seconds + cast.seconds
+        times["backward_weight_s"] = weight.seconds + cast_s
     for t in op.grad_inputs + op.grad_params:
         t.grad = None
     times = {k: max(v, MIN_TIME_S) if v else 0.0 for k, v in times.items()}

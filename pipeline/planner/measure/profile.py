@@ -362,13 +362,17 @@ def _pool_copies(runs: Sequence[Mapping[str, dict[str, Any]]], signatures: Mappi
     return out
 
 
-def _stash_bytes(stash: WeightGradStash) -> int:
-    """Bytes the runtime's split backward keeps for W after an op's I: the gradients captured
-    where W restarts (compute/backward.py), e.g. a linear layer's output gradient. They sit beside
-    the saved activations from I to W, so zero-bubble schedules that defer W hold them too."""
-    held = [g for _, grads, _ in stash.restarts for g in grads] + [g for g in stash.root_grads if g is not None] \
+def stash_gradients(stash: WeightGradStash) -> list[torch.Tensor]:
+    """The gradients the runtime's split backward keeps for W after an op's I: those captured where
+    W restarts (compute/backward.py), e.g. a linear layer's output gradient. They sit beside the
+    saved activations from I to W, so zero-bubble schedules that defer W hold them too."""
+    return [g for _, grads, _ in stash.restarts for g in grads] + [g for g in stash.root_grads if g is not None] \
         + [g for _, g in stash.direct]
-    return sum({g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in held}.values())
+
+
+def _stash_bytes(stash: WeightGradStash) -> int:
+    """The bytes of `stash_gradients`, each storage once."""
+    return sum({g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in stash_gradients(stash)}.values())
 
 
 def _node_callable(gm: fx.GraphModule, node: fx.Node, module: nn.Module | None) -> tuple[Callable[..., Any], list[torch.Tensor]]:
