@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.graph.split import SplitModel, split_model
-from pipelaunch.pipeline.graph.trace import TracedModel, retarget
+from pipelaunch.pipeline.graph.trace import TracedModel, repeated_modules_once, retarget
 
 #: colwise: a Linear's outputs split (its input gathered by `f` in the backward); rowwise: its
 #: inputs split (its output summed by `g`); vocab: an Embedding's rows or an LM head's outputs split
@@ -411,8 +411,8 @@ class _ReshapeLog(TorchFunctionMode):
 
 def _reshapes(model: nn.Module, args: Sequence[torch.Tensor]) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
     log = _ReshapeLog(model)
-    try:
-        with log, torch.no_grad():
+    try:  # a block repeated alike is checked once (its copies reshape alike)
+        with repeated_modules_once(model), log, torch.no_grad():
             model(*args)
     finally:
         log.close()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import io
 import logging
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass, field
 from typing import Any
@@ -243,30 +243,85 @@ def _args_key(args: Any) -> tuple | None:
     return tuple(flat)
 
 
+class RepeatedOutputs:
+    """A module's output looked up, not recomputed, when a module configured alike already ran on
+    inputs laid out alike: for passes on meta or fake tensors that read only shapes and dtypes
+    (shape propagation, pricing, autocast's dtypes, the tp reshape check). A chain of 128 identical
+    decoder blocks then runs one of them: meta kernels are Python decompositions, milliseconds per
+    op, and a 1T GPT's block took 25 ms a pass. Outputs are fresh tensors of the recorded shapes,
+    strides and dtypes on the recorded device (fake ones under an active FakeTensorMode). Only
+    without autograd: a looked-up output has no history to differentiate."""
+
+    def __init__(self, shapes_only: bool = False) -> None:
+        #: `shapes_only`: outputs are read for their metadata alone, so autograd may be on (the
+        #: looked-up output keeps `requires_grad`, with no history)
+        self._seen: dict[tuple, Any] = {}
+        self.shapes_only = shapes_only
+
+    def call(self, module: nn.Module, fn: Callable[..., Any], args: Any, kwargs: Any, mkey: tuple | None = None) -> Any:
+        """`fn(*args, **kwargs)`, the forward of `module`, or the recorded output of its twin
+        (`mkey`: the module's `_module_key`, when known)."""
+        if torch.is_grad_enabled() and not self.shapes_only:
+            return fn(*args, **kwargs)
+        mkey, akey = mkey or _module_key(module), _args_key((args, kwargs))
+        if mkey is None or akey is None:
+            return fn(*args, **kwargs)
+        key = (mkey, akey)
+        if key not in self._seen:
+            out = fn(*args, **kwargs)
+            if not all(isinstance(v, (torch.Tensor, *_SIMPLE)) for v in torch.utils._pytree.tree_leaves(out)):
+                return out  # an output that is not plain tensors and values (a cache object): always run
+            self._seen[key] = out
+            return out
+        return torch.utils._pytree.tree_map(
+            lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device,
+                                          requires_grad=t.requires_grad) if isinstance(t, torch.Tensor) else t,
+            self._seen[key])
+
+
+@contextmanager
+def repeated_modules_once(model: nn.Module) -> Iterator[None]:
+    """Inside, an eager forward of `model` without autograd runs each repeated module (the
+    outermost modules configured alike, two or more of them) once per input layout
+    (`RepeatedOutputs`): for an eager pass that reads only shapes."""
+    keys = {name: _module_key(m) for name, m in model.named_modules() if name}
+    counts: dict[tuple, int] = {}
+    for key in keys.values():
+        if key is not None:
+            counts[key] = counts.get(key, 0) + 1
+    chosen = {name for name, key in keys.items() if key is not None and counts[key] > 1}
+    outermost = [n for n in chosen if not any(".".join(n.split(".")[:i]) in chosen for i in range(1, n.count(".") + 1))]
+    memo, patched = RepeatedOutputs(), []
+    for name in outermost:
+        module = model.get_submodule(name)
+        module.forward = _looked_up(memo, module, module.forward, keys[name])
+        patched.append(module)
+    try:
+        yield
+    finally:
+        for module in patched:
+            del module.forward
+
+
+def _looked_up(memo: RepeatedOutputs, module: nn.Module, forward: Callable[..., Any], key: tuple) -> Callable[..., Any]:
+    return lambda *args, **kwargs: memo.call(module, forward, args, kwargs, key)
+
+
 class RepeatAwareShapeProp(ShapeProp):
-    """ShapeProp that runs a leaf module once per distinct (module configuration, input shapes):
-    a chain of 128 identical decoder blocks is propagated through one of them and the output
-    metadata reused (meta-device kernels are Python decompositions, milliseconds per op, so a
-    128-layer model spent seconds here). Outputs are fresh meta tensors of the recorded shapes."""
+    """ShapeProp that runs a leaf module once per distinct (module configuration, input shapes)
+    (`RepeatedOutputs`; shape propagation runs without autograd)."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm)
-        self._seen: dict[tuple, Any] = {}
+        self._repeats = RepeatedOutputs(shapes_only=True)
 
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
         module = self.fetch_attr(target)
-        mkey, akey = _module_key(module), _args_key((args, kwargs))
-        if mkey is None or akey is None or not all(
-                t.device.type == "meta" for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                if isinstance(t, torch.Tensor)):
+        if not all(t.device.type == "meta" for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                   if isinstance(t, torch.Tensor)):
             return super().call_module(target, args, kwargs)
-        key = (mkey, akey)
-        if key not in self._seen:
-            self._seen[key] = super().call_module(target, args, kwargs)
-        return torch.utils._pytree.tree_map(
-            lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta",
-                                          requires_grad=t.requires_grad) if isinstance(t, torch.Tensor) else t,
-            self._seen[key])
+        return self._repeats.call(module, lambda *a, **k: super(RepeatAwareShapeProp, self).call_module(target, a, k),
+                                  args, kwargs)
 
 
 def _metadata(val: Any) -> Any:

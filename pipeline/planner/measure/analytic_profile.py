@@ -27,7 +27,7 @@ from torch import fx, nn
 
 from pipelaunch.pipeline.compute.backward import WeightGradStash, backward_input, backward_weight
 from pipelaunch.pipeline.core.hardware import Hardware
-from pipelaunch.pipeline.graph.trace import COMPUTE_OPS
+from pipelaunch.pipeline.graph.trace import COMPUTE_OPS, RepeatedOutputs
 from pipelaunch.pipeline.planner.measure.analytic import price
 from pipelaunch.pipeline.planner.measure.profile import (
     _LOSS,
@@ -141,6 +141,7 @@ class _AnalyticRunner(fx.Interpreter):
         self.results: dict[str, dict[str, Any]] = {}
         self.signatures: dict[str, str] = {}
         self._priced: dict[str, dict[str, Any]] = {}
+        self._repeats = RepeatedOutputs()  # a copy of a block passes its twin's output on
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op == "get_attr":
@@ -156,7 +157,7 @@ class _AnalyticRunner(fx.Interpreter):
             self._priced[sig] = self._price(n, module, args, kwargs)
         self.results[n.name] = copy.deepcopy(self._priced[sig])
         with torch.no_grad():
-            return fn(*args, **kwargs)
+            return fn(*args, **kwargs) if module is None else self._repeats.call(module, fn, args, kwargs)
 
     def _price(self, n: fx.Node, module: nn.Module | None, args: Any, kwargs: Any) -> dict[str, Any]:
         """The node priced in the dtype the run computes in (a copy of its module on meta)."""

@@ -33,7 +33,7 @@ from torch import fx, nn
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from pipelaunch.pipeline.graph.trace import TracedModel, retarget
+from pipelaunch.pipeline.graph.trace import RepeatedOutputs, TracedModel, retarget
 
 
 def _fake(t: torch.Tensor, mode: FakeTensorMode, device: torch.device) -> torch.Tensor:
@@ -45,6 +45,11 @@ class _DtypeRecorder(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm)
         self.dtypes: dict[str, torch.dtype] = {}
+        self._repeats = RepeatedOutputs()  # a copy of a block gives its twin's dtypes (runs under no_grad)
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        return self._repeats.call(self.fetch_attr(target), lambda *a, **k: super(_DtypeRecorder, self).call_module(
+            target, a, k), args, kwargs)
 
     def run_node(self, n: fx.Node) -> Any:
         out = super().run_node(n)
