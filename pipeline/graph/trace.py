@@ -211,7 +211,7 @@ _SIMPLE = (int, float, str, bool, type(None), torch.dtype, torch.device)
 _SKIP_ATTRS = {"training", "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"}
 
 
-def _module_key(module: nn.Module) -> tuple | None:
+def module_key(module: nn.Module) -> tuple | None:
     """What a module's output shapes can depend on besides its inputs: its class, every
     submodule's class and plain settings (stride, heads, eps...), every tensor's shape and dtype.
     None when a setting is not a plain value (then the module is run, not looked up)."""
@@ -220,6 +220,12 @@ def _module_key(module: nn.Module) -> tuple | None:
         settings = []
         for key, value in sorted(vars(sub).items()):
             if key in _SKIP_ATTRS or key.endswith("hooks") or key.startswith("_"):
+                continue
+            if key == "forward":  # a forward the tp rewrite replaced (`module.forward = graph.forward`): its code
+                code = getattr(getattr(value, "__self__", None), "code", None)
+                if not isinstance(code, str):
+                    return None
+                settings.append((key, code))
                 continue
             flat = value if isinstance(value, (tuple, list)) else (value,)
             if not all(isinstance(v, _SIMPLE) for v in flat):
@@ -260,10 +266,10 @@ class RepeatedOutputs:
 
     def call(self, module: nn.Module, fn: Callable[..., Any], args: Any, kwargs: Any, mkey: tuple | None = None) -> Any:
         """`fn(*args, **kwargs)`, the forward of `module`, or the recorded output of its twin
-        (`mkey`: the module's `_module_key`, when known)."""
+        (`mkey`: the module's `module_key`, when known)."""
         if torch.is_grad_enabled() and not self.shapes_only:
             return fn(*args, **kwargs)
-        mkey, akey = mkey or _module_key(module), _args_key((args, kwargs))
+        mkey, akey = mkey or module_key(module), _args_key((args, kwargs))
         if mkey is None or akey is None:
             return fn(*args, **kwargs)
         key = (mkey, akey)
@@ -284,7 +290,7 @@ def repeated_modules_once(model: nn.Module) -> Iterator[None]:
     """Inside, an eager forward of `model` without autograd runs each repeated module (the
     outermost modules configured alike, two or more of them) once per input layout
     (`RepeatedOutputs`): for an eager pass that reads only shapes."""
-    keys = {name: _module_key(m) for name, m in model.named_modules() if name}
+    keys = {name: module_key(m) for name, m in model.named_modules() if name}
     counts: dict[tuple, int] = {}
     for key in keys.values():
         if key is not None:
