@@ -48,11 +48,13 @@ def _cases(pairs: list[tuple[str, list[str]]]) -> list[tuple[str, object]]:
 def test_pipeline_and_tensor_parallel_train_like_one_process(tmp_path) -> None:
     """Every model and every layout of four ranks, each at least once (a Latin diagonal: the full
     product is the slow test below), and a stage boundary inside a split region, like one process;
-    each tp rank's posting order, and the replicas' and tp ranks' collectives, checked in order."""
-    names = list(MODELS)
-    pairs = [(names[i % len(names)], layout) for i, layout in enumerate(LAYOUTS)]
-    pairs += [("gpt tied", LAYOUTS[1]), ("llama", LAYOUTS[4]),  # the V holds both tied ends; GQA with zero=3
-              # a cut between a column-parallel projection and its row-parallel one: each tp rank
+    each tp rank's posting order, and the replicas' and tp ranks' collectives, checked in order.
+    The diagonal puts the tied GPT on the V (which holds both tied ends) and Qwen2 on zero=3 (GQA,
+    2 KV heads of 4, with the replicas sharding the slices)."""
+    names = ["gpt", "gpt tied", "llama", "module", "qwen2"]
+    assert sorted(names) == sorted(MODELS)
+    pairs = [(name, layout) for name, layout in zip(names, LAYOUTS, strict=True)]
+    pairs += [  # a cut between a column-parallel projection and its row-parallel one: each tp rank
               # sends its slice of the MLP's hidden state to its counterpart
               ("gpt", ["pp=2", "tp=2", "model.granularity=op", "partitioner=manual",
                        "partitioner.split_points=[layer1_mlp_1]"]),
