@@ -130,6 +130,8 @@ class SearchSummary:
     why: str = ""
     seconds: float = 0.0
     candidates: int = 0
+    #: candidates left unsimulated by their closed-form estimate (`plan.simulate`)
+    screened: int = 0
     fit: int = 0
     over_budget: int = 0
     failed: int = 0

@@ -38,6 +38,7 @@ from pipelaunch.pipeline.planner.measure.traced import TracedModels, micro_batch
 from pipelaunch.pipeline.planner.predict.prediction import Prediction, predict
 from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
 from pipelaunch.pipeline.planner.search.choose import Candidate, Outcome, SearchResult
+from pipelaunch.pipeline.planner.search.screen import ModelCosts, Screen
 from pipelaunch.pipeline.planner.search.space import build_generator, search, search_space
 
 
@@ -117,7 +118,13 @@ def _make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Gro
         return Planned(_first_plannable(cfg, plugins, options, models, build, models.get(size)), model=models.model)
     if searching:
         cands, given = search_space(cfg, plugins, options, models.structure(size).graph, tps)
-        result = search(cfg, models, build, cands, given, link)
+        screen = Screen(costs=lambda tp, mbs: ModelCosts.of(models.get(mbs, tp).graph, mbs),
+                        micro_batch_size=lambda c: micro_batch_size(cfg, c.microbatches, c.dp), links=links,
+                        optimizer_s_per_byte=facts["optimizer_s_per_byte"],
+                        optimizer_states=plugins.optimizer.states_per_param, configured_zero=cfg.zero,
+                        reserve_bytes=cfg.memory.reserve_bytes, cap=cfg.memory.cap_bytes,
+                        by_default=hw is not None, layout=(cfg.pp, cfg.dp, cfg.tp))
+        result = search(cfg, models, build, cands, given, link, screen)
         if hw is not None:
             result.per_device = _per_device(cfg, spec, models, hw)
         prediction = result.winner.prediction

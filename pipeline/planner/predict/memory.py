@@ -232,9 +232,12 @@ def over_budget(devices: Sequence[DeviceMemory], cap: float | None) -> list[Devi
 
 
 def budget_message(devices: Sequence[DeviceMemory], cap: float) -> str:
-    """`rank 1 needs 41.2 MiB (params ... MiB) over the 40.0 MiB cap`, for each device over it."""
-    return "; ".join(f"rank {d.rank} needs {d.total / MIB:.1f} MiB ({d.breakdown()}), over the "
-                     f"{cap / MIB:.1f} MiB cap by {(d.total - cap) / MIB:.1f} MiB" for d in devices)
+    """`rank 1 needs 41.2 MiB (params ... MiB) over the 40.0 MiB cap`, for each device over it (the
+    three fullest, and how many more, when more than four are)."""
+    shown = list(devices) if len(devices) <= 4 else sorted(devices, key=lambda d: -d.total)[:3]
+    text = "; ".join(f"rank {d.rank} needs {d.total / MIB:.1f} MiB ({d.breakdown()}), over the "
+                     f"{cap / MIB:.1f} MiB cap by {(d.total - cap) / MIB:.1f} MiB" for d in shown)
+    return text if len(shown) == len(devices) else f"{text}; and {len(devices) - len(shown)} more ranks over it"
 
 
 class BudgetExceeded(ConfigError):

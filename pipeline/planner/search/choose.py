@@ -121,6 +121,9 @@ class SearchResult:
     tie: float = 0.0
     #: on a hardware file: an outcome's (tokens per second per device, model FLOPs utilisation)
     per_device: Callable[[Outcome], tuple[float, float]] | None = None
+    #: candidates not simulated, with their closed-form estimates (search/screen.py): a search with
+    #: more candidates than `plan.simulate` plans only the most promising
+    screened: list = field(default_factory=list)
 
     @property
     def ranked(self) -> list[Outcome]:
@@ -209,7 +212,20 @@ class SearchResult:
         if self.failed:
             lines.append(f"could not be planned ({len(self.failed)}):")
             lines += [f"     {o.candidate.label}: {_first_sentence(o.error or '')}" for o in self.failed[:top]]
+        if self.screened:
+            lines.append(self._screened_line())
         return "\n".join(lines)
+
+    def _screened_line(self) -> str:
+        """How many candidates the closed-form estimate left unsimulated, and why."""
+        over = sum(1 for _, e in self.screened if e.error is None and not e.fits(self.cap))
+        failed = sum(1 for _, e in self.screened if e.error is not None)
+        slower = len(self.screened) - over - failed
+        best = min((e.step_s for _, e in self.screened if e.error is None and e.fits(self.cap)), default=None)
+        return (f"{len(self.outcomes)} of {len(self.outcomes) + len(self.screened)} candidates simulated; the rest by "
+                f"closed-form estimate: {slower} slower" + (f" (the fastest of them estimated at {best * 1e3:.1f} ms)"
+                                                               if best is not None else "")
+                + f", {over} over the device memory, {failed} that cannot run (plan.simulate sets how many run)")
 
     def _figures(self, o: Outcome) -> str:
         if self.per_device is None:
@@ -272,7 +288,8 @@ class SearchResult:
         return "; ".join(parts) + "."
 
     def to_dict(self, top: int = 20) -> dict:
-        return {"seconds": self.seconds, "candidates": len(self.outcomes), "fit": len(self.ranked),
+        return {"seconds": self.seconds, "candidates": len(self.outcomes), "screened": len(self.screened),
+                "fit": len(self.ranked),
                 "over_budget": len(self.excluded), "failed": len(self.failed), "winner": self.winner.row(),
                 "why": self.why(), "top": [o.row() for o in self.ranked[:top]],
                 "excluded": [o.row() for o in self.excluded], "errors": [o.row() for o in self.failed]}

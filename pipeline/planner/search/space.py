@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import networkx as nx
 
@@ -24,6 +25,7 @@ from pipelaunch.pipeline.planner.predict.prediction import Prediction, predict
 from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
 from pipelaunch.pipeline.planner.search.choose import (
     Candidate,
+    Outcome,
     SearchResult,
     candidates,
     remat_values,
@@ -32,6 +34,7 @@ from pipelaunch.pipeline.planner.search.choose import (
     scheduler_variants,
 )
 from pipelaunch.pipeline.planner.search.layouts import layouts
+from pipelaunch.pipeline.planner.search.screen import DEFAULT_SIMULATED, SIMULATE_ALL, TRIES, Screen, ranked
 
 
 def training_schedules(options: GroupOptions) -> dict[str, Plugin]:
@@ -102,19 +105,23 @@ def _is_chain(graph: nx.DiGraph) -> bool:
 
 
 def search(cfg: TrainConfig, models: TracedModels, build: Callable[..., Plan], cands: list[Candidate],
-           given: Candidate | None, link: Callable[[Candidate], tuple[float, float]]) -> SearchResult:
+           given: Candidate | None, link: Callable[[Candidate], tuple[float, float]],
+           screen: Screen | None = None) -> SearchResult:
     """Plan, simulate and fit every candidate; `build(generator, traced, candidate)` makes its Plan
     (`build(generator, traced, candidate, whole)` with those stages recomputing whole, which
     remat=auto's fit asks for); `link(candidate)`: the pipeline link's (latency, bandwidth) the
-    predictions price for its layout."""
+    predictions price for its layout. With a `screen` and more candidates than `plan.simulate`
+    allows, only the most promising by its closed-form estimates are planned (search/screen.py)."""
     cap = cfg.memory.cap_bytes
-
     generators: dict[str, ScheduleGenerator] = {}  # one frozen value per scheduler option (and variant)
 
-    def evaluate(c: Candidate) -> Prediction:
+    def generator(c: Candidate) -> ScheduleGenerator:
         if c.scheduler not in generators:
             generators[c.scheduler] = build_generator(c.scheduler_plugin)
-        gen = generators[c.scheduler]
+        return generators[c.scheduler]
+
+    def evaluate(c: Candidate) -> Prediction:
+        gen = generator(c)
         traced = models.get(micro_batch_size(cfg, c.microbatches, c.dp), c.tp)
         plan = build(gen, traced, c)
         return fit_budget(plan, predict(plan, *link(c)), traced.graph, cap, *link(c),
@@ -124,12 +131,48 @@ def search(cfg: TrainConfig, models: TracedModels, build: Callable[..., Plan], c
     if not 0.0 <= tie < 1.0:
         raise ConfigError("plan.tie", f"got {tie}; valid: a share of the fastest prediction in [0, 1), e.g. 0.03")
     started = time.perf_counter()
-    # every size the candidates run, measured in shared passes (the machine's drift between
-    # profiles taken one after another decided between micro-batch counts)
+    limit = cfg.plan.simulate
+    if limit is not None and (isinstance(limit, bool) or limit < 1):
+        raise ConfigError("plan.simulate", f"got {limit!r}; valid: a positive number of candidates, or null")
+    if screen is not None and (len(cands) > limit if limit is not None else
+                               screen.by_default and len(cands) > SIMULATE_ALL):
+        return _screened_search(cfg, models, cands, given, screen, generator, evaluate,
+                                DEFAULT_SIMULATED if limit is None else limit, started)
+    _prepare(cfg, models, cands)
+    return run_search(cands, evaluate, cap, given, tie, started=started)
+
+
+def _prepare(cfg: TrainConfig, models: TracedModels, cands: Sequence[Candidate]) -> None:
+    """Every size the candidates run, measured in shared passes (the machine's drift between
+    profiles taken one after another decided between micro-batch counts)."""
     for tp in sorted({c.tp for c in cands}, key=lambda t: t or 0):
         try:
             models.prepare((s for s in {micro_batch_size(cfg, c.microbatches, c.dp) for c in cands if c.tp == tp}
                             if s >= 1), tp)
         except ConfigError:
             pass  # a size (or tp) the model cannot be traced at fails its own candidates below
-    return run_search(cands, evaluate, cap, given, tie, started=started)
+
+
+def _screened_search(cfg: TrainConfig, models: TracedModels, cands: list[Candidate], given: Candidate | None,
+                     screen: Screen, generator: Callable[[Candidate], ScheduleGenerator],
+                     evaluate: Callable[[Candidate], Prediction], keep: int, started: float) -> SearchResult:
+    """Candidates planned in the order of their closed-form estimates (search/screen.py) until
+    `keep` of them fit the budget (at most TRIES x keep planned); the rest are reported with their
+    estimates, not planned."""
+    sizes: dict[int, tuple[int, int]] = {}
+    for c in cands:
+        tp, size = c.tp or cfg.tp, micro_batch_size(cfg, c.microbatches, c.dp)
+        if size >= 1:
+            lo, hi = sizes.get(tp, (size, size))
+            sizes[tp] = (min(lo, size), max(hi, size))
+    order, estimates = ranked(cands, replace(screen, generator=generator, reference=sizes), given)
+    outcomes: list[Outcome] = []
+    while order and sum(o.fits for o in outcomes) < keep and len(outcomes) < TRIES * keep:
+        wanted = min(keep - sum(o.fits for o in outcomes), TRIES * keep - len(outcomes))
+        batch, order = order[:wanted], order[wanted:]
+        _prepare(cfg, models, batch)
+        outcomes += run_search(batch, evaluate, cfg.memory.cap_bytes).outcomes
+    planned = {id(o.candidate) for o in outcomes}
+    result = SearchResult(outcomes, time.perf_counter() - started, cfg.memory.cap_bytes, given, cfg.plan.tie)
+    result.screened = [(c, e) for c, e in estimates if id(c) not in planned]
+    return result

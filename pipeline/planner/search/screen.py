@@ -1,0 +1,309 @@
+"""Closed-form estimates of every candidate of a large search, so that only the most promising
+are planned and simulated in full.
+
+Why: a search over `plan.devices=3072` holds thousands of candidates (layouts x schedules x
+micro-batch counts x remat), and planning one at a 1T model's size (pp=64, 512 micro-batches:
+100k actions to order, lower, check and simulate) takes seconds. Every candidate is instead
+estimated from a few numbers per (tp degree, micro-batch size) of the priced model (forward, input
+and weight gradient time per micro-batch, the bytes it saves: priced at the search's smallest and
+largest micro-batch of each tp degree, the sizes between on the line through them) and two per schedule (its bubble and
+the activations it holds, measured by running the schedule's own generator on a small pipeline):
+
+    step ~ (m + bubble(p)) x rank work per micro-batch + pipeline fill hops
+           + optimizer step + the replicas' gradient reduction not hidden under the last backward
+    peak ~ weights, gradients, optimizer state (sharded by zero) + held(p, m) x activations per
+           micro-batch of a rank + what the device sets aside
+
+`bubble(p)` and `held(p, m)` come from the generator's order at p0 = min(p, 4) ranks and m0 micro-
+batches in the same ratio to the ranks (m0 <= 4 p0), on a transformer's F:I:W (1:1:1): the idle slots of a
+rank scale with p - 1 (the fill and drain), the micro-batches in flight with p (or with m, when the
+schedule holds all of them, as GPipe does). A user's own schedule is estimated by the same
+measurement; nothing here knows a schedule by name.
+
+What it leaves out, and why that is safe: the split's imbalance beyond the largest unit, zero=3's
+gathers, kernel-level overlap. The estimate only orders candidates; the best `plan.simulate` are
+then planned and simulated as every candidate of a small search is, and only those predictions
+are ranked and reported. `bench/RESULTS.md` records how far the estimates are from the simulated
+steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import networkx as nx
+
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.ir import Kind
+from pipelaunch.pipeline.planner.placement import placement_for
+from pipelaunch.pipeline.planner.predict.simulate import CostModel, simulate
+from pipelaunch.pipeline.planner.schedules import build_schedule
+from pipelaunch.pipeline.planner.schedules.base import ScheduleCosts, ScheduleGenerator
+from pipelaunch.pipeline.planner.search.choose import Candidate
+
+#: the most ranks and micro-batches per rank a schedule's shape is measured at
+SMALL_PP, SMALL_RATIO = 4, 4
+#: a candidate whose estimated peak is this much over the cap is left out unsimulated (the
+#: estimate's own error: the fit may still find a split, or remat=auto a recomputation, under it)
+MEMORY_SLACK = 0.15
+#: a schedule's rules are checked at the candidate's own size up to this many forwards (a check
+#: may build the whole order: torch's does); past it, on the small pipeline the shape is
+#: measured on, and at full size when the candidate is planned
+CHECKED_ACTIONS = 256
+#: the candidates that must fit among those simulated when `plan.simulate` is null and the
+#: search holds more than SIMULATE_ALL of them; at most TRIES times as many are simulated
+DEFAULT_SIMULATED, SIMULATE_ALL, TRIES = 3, 64, 3
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """What one micro-batch of the whole model costs at one (tp degree, micro-batch size), summed
+    over the priced graph's nodes: seconds of forward, input-gradient, weight-gradient and fused
+    backward, bytes saved for the backward, parameter bytes (one tp rank's), the largest node's
+    parameters and compute, and the median bytes a node outputs (what a stage boundary carries)."""
+
+    size: int
+    forward: float
+    input_grad: float
+    weight_grad: float
+    backward: float
+    saved_bytes: float
+    param_bytes: float
+    largest_params: float
+    largest_work: float
+    boundary_bytes: float
+
+    @classmethod
+    def of(cls, graph: nx.DiGraph, size: int) -> ModelCosts:
+        nodes = [graph.nodes[n] for n in graph.nodes]
+
+        def total(key: str) -> float:
+            return float(sum(d.get(key, 0.0) or 0.0 for d in nodes))
+
+        outputs = sorted(float(d.get("output_bytes", 0) or 0) for d in nodes if d.get("output_bytes"))
+        return cls(size, total("forward_s"), total("backward_input_s"), total("backward_weight_s"), total("backward_s"),
+                   total("activation_bytes") + total("loss_activation_bytes"), total("param_bytes"),
+                   max((float(d.get("param_bytes", 0) or 0) for d in nodes), default=0.0),
+                   max((float(d.get("forward_s", 0) or 0) + float(d.get("backward_s", 0) or 0) for d in nodes),
+                       default=0.0),
+                   outputs[len(outputs) // 2] if outputs else 0.0)
+
+    def at(self, size: int, other: ModelCosts | None = None) -> ModelCosts:
+        """The model at another micro-batch size: along the line through this size's costs and
+        `other`'s (a kernel's time is affine in the samples: its FLOPs and activation bytes grow
+        with them, its weight reads and launch do not), or, without `other`, in proportion."""
+        if other is None or other.size == self.size:
+            k = size / self.size
+            return ModelCosts(size, self.forward * k, self.input_grad * k, self.weight_grad * k, self.backward * k,
+                              self.saved_bytes * k, self.param_bytes, self.largest_params, self.largest_work * k,
+                              self.boundary_bytes * k)
+        t = (size - self.size) / (other.size - self.size)
+
+        def line(a: float, b: float) -> float:
+            return max(0.0, a + (b - a) * t)
+
+        return ModelCosts(size, line(self.forward, other.forward), line(self.input_grad, other.input_grad),
+                          line(self.weight_grad, other.weight_grad), line(self.backward, other.backward),
+                          line(self.saved_bytes, other.saved_bytes), self.param_bytes, self.largest_params,
+                          line(self.largest_work, other.largest_work), line(self.boundary_bytes, other.boundary_bytes))
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A candidate's estimated step and fullest device, or why it cannot run (`error`)."""
+
+    step_s: float = math.inf
+    peak_bytes: float = 0.0
+    error: str | None = None
+
+    def fits(self, cap: float | None) -> bool:
+        return self.error is None and (cap is None or self.peak_bytes <= cap * (1 + MEMORY_SLACK))
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A schedule's order at a small scale: idle rank-micro-batch slots in its step (the bubble,
+    in units of one rank's work per micro-batch) and the most stage-micro-batches a rank holds."""
+
+    bubble: float
+    held: float
+    holds_all: bool
+
+
+@lru_cache(maxsize=4096)
+def schedule_shape(gen: ScheduleGenerator, pp: int, microbatches: int, remat: str,
+                   fiw: tuple[float, float, float]) -> Shape:
+    """The generator's own order at `pp` ranks and `microbatches`, on uniform stages whose F:I:W
+    (a whole stage's) is `fiw`, simulated without hops (ConfigError where its rules refuse it)."""
+    placement = placement_for(gen, pp)
+    n = len(placement)
+    f, i, w = (x * pp / n for x in fiw)
+    costs = ScheduleCosts.of([f] * n, [i] * n, [w] * n)
+    schedule = build_schedule(gen, placement, microbatches, "full" if remat == "full" else "none", costs=costs)
+    result = simulate(schedule, CostModel([f] * n, [i] * n, [w] * n), check=False, memory=False)
+    work = max(result.busy_s) / microbatches  # a rank's work per micro-batch (recomputation included)
+    held = _held(schedule.actions, pp / n)
+    return Shape(max(0.0, result.makespan_s / work - microbatches), held, held >= microbatches - 1e-9)
+
+
+def _held(programs, share: float) -> float:
+    """The most stage-micro-batches (a stage of v per rank counting 1/v) a rank holds, in program
+    order: from its forward until its last backward action (W, or a fused B)."""
+    peak = 0.0
+    for acts in programs:
+        held = 0.0
+        for a in acts:
+            if a.kind is Kind.F:
+                held += share
+                peak = max(peak, held)
+            elif a.kind in (Kind.B, Kind.W):
+                held -= share
+    return peak
+
+
+def scaled_shape(gen: ScheduleGenerator, pp: int, microbatches: int, remat: str,
+                 fiw: tuple[float, float, float]) -> Shape:
+    """`schedule_shape` at `pp` and `microbatches`, measured at p0 = min(pp, SMALL_PP) ranks and
+    micro-batches in the same ratio (at most SMALL_RATIO per rank) and scaled: the bubble with
+    p - 1, what a rank holds with p (or with m, for a schedule holding every micro-batch)."""
+    p0 = min(pp, SMALL_PP)
+    if microbatches % pp == 0:
+        m0 = p0 * min(microbatches // pp, SMALL_RATIO)
+    else:
+        m0 = max(1, min(round(microbatches * p0 / pp), SMALL_RATIO * p0))
+    small = schedule_shape(gen, p0, m0, remat, fiw)
+    if p0 == pp and m0 == microbatches:
+        return small
+    bubble = small.bubble * (pp - 1) / (p0 - 1) if p0 > 1 else 0.0
+    held = small.held * microbatches / m0 if small.holds_all else min(small.held * pp / p0, float(microbatches))
+    return Shape(bubble, held, small.holds_all)
+
+
+@dataclass
+class Screen:
+    """Estimates candidates of one search (`estimate`) from the model's costs at each tp degree,
+    priced once at one micro-batch size (`costs(tp)`: the traced graph of that tp, profiled), and
+    the machine facts the full prediction reads."""
+
+    #: the model's costs at (tp degree, micro-batch size): the traced graph of that tp, profiled
+    costs: Callable[[int, int], ModelCosts]
+    micro_batch_size: Callable[[Candidate], int]
+    links: Callable[[Candidate], tuple[tuple[float, float], tuple[float, float] | None]]
+    optimizer_s_per_byte: float
+    optimizer_states: int
+    configured_zero: int
+    reserve_bytes: float
+    #: a candidate's schedule generator (the search's own, built once per option)
+    generator: Callable[[Candidate], ScheduleGenerator] | None = None
+    #: each device's memory (None: no budget)
+    cap: float | None = None
+    #: whether a search screens without `plan.simulate` set (with a hardware file: a cluster's
+    #: space; on this machine every candidate is planned, as measured costs are cheap to plan)
+    by_default: bool = False
+    #: (pp, dp, tp) of a candidate that does not set its layout (the configured ones)
+    layout: tuple[int, int, int] = (1, 1, 1)
+    #: per tp degree, the micro-batch sizes its costs are priced at (the search's smallest and
+    #: largest; those between lie on the line through them)
+    reference: dict[int, tuple[int, int]] = field(default_factory=dict)
+    _priced: dict[tuple[int, int], ModelCosts] = field(default_factory=dict)
+
+    def _layout(self, c: Candidate) -> tuple[int, int, int]:
+        return (c.pp, c.dp, c.tp or 1) if c.pp is not None else self.layout
+
+    def model_costs(self, tp: int, size: int) -> ModelCosts:
+        """The model's costs at (tp, size), from those priced at the reference sizes of tp."""
+        lo, hi = self.reference.get(tp, (size, size))
+        for ref in (lo, hi):
+            if (tp, ref) not in self._priced:
+                self._priced[(tp, ref)] = self.costs(tp, ref)
+        return self._priced[(tp, lo)].at(size, self._priced[(tp, hi)])
+
+    def estimate(self, c: Candidate) -> Estimate:
+        pp, _, tp = self._layout(c)
+        try:
+            assert self.generator is not None, "the search sets the generators"
+            gen = self.generator(c)
+            placement = placement_for(gen, pp)
+            if len(placement) * c.microbatches <= CHECKED_ACTIONS:  # larger: checked when planned
+                gen.check(pp, c.microbatches, placement)
+            model = self.model_costs(tp, self.micro_batch_size(c))
+            backward = min(model.input_grad + model.weight_grad, model.backward) if gen.split_backward \
+                else model.backward
+            whole = model.forward + backward
+            if whole <= 0:
+                return Estimate(error="the profile prices nothing")
+            # the shape on a transformer's usual F:I:W (1:1:1; a fused B twice F): the bubble in
+            # units of a rank's work hardly moves with the ratio, and one measurement serves every
+            # tp degree and micro-batch size
+            fiw = (1.0, 1.0, 1.0) if gen.split_backward else (1.0, 2.0, 0.0)
+            remat = "full" if c.remat == "full" else "none"
+            shape = scaled_shape(gen, pp, c.microbatches, remat, fiw)
+        except ConfigError as err:
+            return Estimate(error=str(err).removeprefix("Invalid config "))
+        stages = len(placement)
+        step, peak = self._step(c, model, shape, remat, whole), self._peak(c, model, shape, remat, stages)
+        if c.remat == "auto" and self.cap is not None and peak > self.cap:  # recomputation where memory needs it
+            try:
+                full = scaled_shape(gen, pp, c.microbatches, "full", fiw)
+            except ConfigError as err:
+                return Estimate(error=str(err).removeprefix("Invalid config "))
+            # a split backward keeps a recomputed micro-batch's activations from its I until its W,
+            # which these schedules defer: its memory is estimated as without recomputation
+            kept = peak if gen.split_backward else self._peak(c, model, full, "full", stages)
+            return Estimate(self._step(c, model, full, "full", whole), kept)
+        if remat == "full" and gen.split_backward:
+            return Estimate(step, self._peak(c, model, shape, "none", stages))
+        return Estimate(step, peak)
+
+    def _step(self, c: Candidate, model: ModelCosts, shape: Shape, remat: str, whole: float) -> float:
+        pp, dp, _ = self._layout(c)
+        work = (whole + (model.forward if remat == "full" else 0.0)) / pp
+        work = max(work, model.largest_work)  # a stage holds at least its largest node
+        (latency, bandwidth), dp_link = self.links(c)
+        hops = 2 * (pp - 1) * (latency + model.boundary_bytes / bandwidth) if pp > 1 else 0.0
+        rank_params = model.param_bytes / pp
+        level = self.configured_zero if c.zero is None else c.zero
+        optimizer = self.optimizer_s_per_byte * rank_params / (dp if level >= 1 and dp > 1 else 1)
+        reduce = 0.0
+        if dp > 1:
+            lat, bw = dp_link if dp_link is not None else (latency, bandwidth)
+            ring = 2 * (dp - 1) / dp * rank_params / bw + 2 * (dp - 1) * lat
+            reduce = max(0.0, ring - (whole - model.forward) / pp)  # hidden under the last backward
+        return (c.microbatches + shape.bubble) * work + hops + optimizer + reduce
+
+    def _peak(self, c: Candidate, model: ModelCosts, shape: Shape, remat: str, stages: int) -> float:
+        pp, dp, _ = self._layout(c)
+        level = self.configured_zero if c.zero is None else c.zero
+        rank_params = model.param_bytes / pp + (model.largest_params if pp > 1 else 0.0)
+        shard = dp if dp > 1 else 1
+        weights = rank_params / (shard if level >= 3 else 1)
+        grads = rank_params / (shard if level >= 2 else 1)
+        states = self.optimizer_states * rank_params / (shard if level >= 1 else 1)
+        per_stage = model.saved_bytes / stages  # one stage's activations for one micro-batch
+        if remat == "full":  # stage inputs held, one stage's activations rebuilt at a time
+            held = shape.held * (stages / pp) * model.boundary_bytes + per_stage
+        else:
+            held = shape.held * (stages / pp) * per_stage
+        return weights + grads + states + held + self.reserve_bytes
+
+
+def ranked(cands: list[Candidate], screen: Screen, given: Candidate | None
+           ) -> tuple[list[Candidate], list[tuple[Candidate, Estimate]]]:
+    """The candidates estimated to fit, fastest estimate first (the configuration as given at the
+    front), and every candidate with its estimate. A remat=auto candidate whose estimate is its
+    remat=none twin's (nothing to recompute) is left out of the order: it would plan the same."""
+    estimates = [(c, screen.estimate(c)) for c in cands]
+    order = sorted((i for i, (_, e) in enumerate(estimates) if e.fits(screen.cap)),
+                   key=lambda i: (estimates[i][1].step_s, estimates[i][1].peak_bytes, i))
+    out: list[Candidate] = [given] if given is not None else []
+    seen: set[tuple] = set()
+    for i in order:
+        c, e = estimates[i]
+        twin = (c.scheduler, c.partitioner, c.microbatches, c.zero, c.reshard, c.pp, c.dp, c.tp, e.step_s, e.peak_bytes)
+        if twin not in seen and c is not given:
+            seen.add(twin)
+            out.append(c)
+    return out, estimates
