@@ -75,6 +75,8 @@ class ModelCosts:
     largest_params: float
     largest_work: float
     boundary_bytes: float
+    #: nodes of the traced graph: no split has more stages
+    nodes: int = 1
 
     @classmethod
     def of(cls, graph: nx.DiGraph, size: int) -> ModelCosts:
@@ -89,7 +91,7 @@ class ModelCosts:
                    max((float(d.get("param_bytes", 0) or 0) for d in nodes), default=0.0),
                    max((float(d.get("forward_s", 0) or 0) + float(d.get("backward_s", 0) or 0) for d in nodes),
                        default=0.0),
-                   outputs[len(outputs) // 2] if outputs else 0.0)
+                   outputs[len(outputs) // 2] if outputs else 0.0, graph.number_of_nodes())
 
     def at(self, size: int, other: ModelCosts | None = None) -> ModelCosts:
         """The model at another micro-batch size: along the line through this size's costs and
@@ -99,7 +101,7 @@ class ModelCosts:
             k = size / self.size
             return ModelCosts(size, self.forward * k, self.input_grad * k, self.weight_grad * k, self.backward * k,
                               self.saved_bytes * k, self.param_bytes, self.largest_params, self.largest_work * k,
-                              self.boundary_bytes * k)
+                              self.boundary_bytes * k, self.nodes)
         t = (size - self.size) / (other.size - self.size)
 
         def line(a: float, b: float) -> float:
@@ -108,7 +110,8 @@ class ModelCosts:
         return ModelCosts(size, line(self.forward, other.forward), line(self.input_grad, other.input_grad),
                           line(self.weight_grad, other.weight_grad), line(self.backward, other.backward),
                           line(self.saved_bytes, other.saved_bytes), self.param_bytes, self.largest_params,
-                          line(self.largest_work, other.largest_work), line(self.boundary_bytes, other.boundary_bytes))
+                          line(self.largest_work, other.largest_work), line(self.boundary_bytes, other.boundary_bytes),
+                          self.nodes)
 
 
 @dataclass(frozen=True)
@@ -230,6 +233,9 @@ class Screen:
             if len(placement) * c.microbatches <= CHECKED_ACTIONS:  # larger: checked when planned
                 gen.check(pp, c.microbatches, placement)
             model = self.model_costs(tp, self.micro_batch_size(c))
+            if len(placement) > model.nodes:
+                return Estimate(error=f"{len(placement)} pipeline stages need at least as many graph nodes, and the "
+                                      f"traced model has {model.nodes}")
             backward = min(model.input_grad + model.weight_grad, model.backward) if gen.split_backward \
                 else model.backward
             whole = model.forward + backward
