@@ -3,6 +3,7 @@ paper's own layouts, against the throughput the paper published.
 
     python bench/published_layouts.py               # every row (minutes: the largest are pp=64, 512 micro-batches)
     python bench/published_layouts.py --rows 0 4    # some rows
+    python bench/published_layouts.py --search --rows 4 9   # plan=auto's layout on the row's GPUs against the paper's
 
 Each row (bench/data/sc21_table1.csv, from Narayanan et al. SC21, arXiv 2104.04473, and Megatron-LM's
 examples/academic_paper_scripts/sc21/run_table_1.sh) is planned as the paper ran it: its tp, pp and
@@ -73,9 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, nargs="*", help="row indices (0-9); default all")
     parser.add_argument("--remat", choices=("full", "auto"), default="full",
                         help="full: as the paper (every forward recomputed); auto: only what 80 GB need")
+    parser.add_argument("--search", action="store_true",
+                        help="also let plan=auto choose the layout on the row's GPUs (plan.devices) and compare")
     args = parser.parse_args(argv)
     table = rows()
     chosen = args.rows if args.rows else range(len(table))
+    if args.search:
+        return searched(table, chosen, args.remat)
     print(f"{'params':>7} {'layout':>18} {'mbs':>4} {'m':>4} {'sched':>9} {'step s':>8} {'TFLOP/s/GPU':>11} "
           f"{'paper':>6} {'ratio':>6} {'peak GB':>8} {'plan s':>7}")
     for i in chosen:
@@ -92,6 +97,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['params_b']:>6}B {layout:>18} {row['micro_batch']:>4} {prepared.plan.microbatches:>4} "
               f"{sched:>9} {step:>8.2f} {predicted:>11.0f} {paper:>6.0f} {predicted / paper:>6.2f} "
               f"{prepared.prediction.peak_bytes / 1e9:>8.1f} {seconds:>7.1f}", flush=True)
+    return 0
+
+
+def searched(table: list[dict], chosen, remat: str) -> int:
+    """Each row planned twice on the same cost model: with the paper's layout, and with plan=auto
+    choosing tp, pp, dp, the schedule and the micro-batch count on the row's GPUs (the partition
+    uniform and the recomputation the same, so the two steps compare like for like)."""
+    from pipelaunch.launcher.overrides import compose_checked
+    from pipelaunch.launcher.validate import prepare
+
+    fixed_keys = ("microbatches=", "pp=", "dp=", "tp=", "scheduler=", "scheduler.", "partitioner=")
+    print(f"{'params':>7} {'paper layout':>26} {'step s':>8} {'planner layout':>44} {'step s':>8} "
+          f"{'ratio':>6} {'plan s':>7}")
+    for i in chosen:
+        row = table[i]
+        ov = overrides(row, remat)
+        paper = prepare(compose_checked(ov)).prediction.step_s
+        auto = [o for o in ov if not o.startswith(fixed_keys)] + [
+            "plan=auto", f"plan.devices={row['gpus']}", "plan.partitioners=[uniform]", f"plan.remat=[{remat}]"]
+        started = time.perf_counter()
+        found = prepare(compose_checked(auto))
+        seconds = time.perf_counter() - started
+        win = found.search.winner
+        c = win.candidate
+        dp = int(row["gpus"]) // (int(row["tp"]) * int(row["pp"]))
+        given = f"tp{row['tp']} pp{row['pp']} dp{dp} m{int(row['global_batch']) // (dp * int(row['micro_batch']))}"
+        chose = f"tp{c.tp or 1} pp{c.pp} dp{c.dp} m{c.microbatches} {c.scheduler}"
+        print(f"{row['params_b']:>6}B {given:>26} {paper:>8.2f} {chose:>44} {win.prediction.step_s:>8.2f} "
+              f"{win.prediction.step_s / paper:>6.2f} {seconds:>7.1f}", flush=True)
     return 0
 
 

@@ -60,13 +60,14 @@ from omegaconf import OmegaConf  # noqa: E402
 from pipelaunch.launcher.config import group_configs  # noqa: E402
 from pipelaunch.launcher.plugins import build_plugin, is_search  # noqa: E402
 from pipelaunch.pipeline.core.errors import ConfigError  # noqa: E402
-from pipelaunch.pipeline.core.ir import Kind, Schedule  # noqa: E402
+from pipelaunch.pipeline.core.ir import Schedule  # noqa: E402
 from pipelaunch.pipeline.planner.placement import placement_for  # noqa: E402
 from pipelaunch.pipeline.planner.predict.simulate import CostModel, simulate, validate  # noqa: E402
 from pipelaunch.pipeline.planner.schedules import build_schedule  # noqa: E402
 from pipelaunch.pipeline.planner.schedules.base import ScheduleCosts, ScheduleGenerator  # noqa: E402
 from pipelaunch.pipeline.planner.schedules.torch_orders import SHAPES, TorchSchedule  # noqa: E402
 from pipelaunch.pipeline.planner.search.choose import scheduler_variants  # noqa: E402
+from pipelaunch.pipeline.planner.search.screen import held_stage_microbatches  # noqa: E402
 
 RATIOS = {"1:1:1": (1.0, 1.0, 1.0), "1:1:0.5": (1.0, 1.0, 0.5), "1:1.2:0.7": (1.0, 1.2, 0.7)}
 LATENCIES = {"0": 0.0, "5%": 0.05, "10%": 0.10, "paper": math.nan}
@@ -161,28 +162,13 @@ def build(entry: Entry, case: Case, hop: float) -> Schedule | None:
     return schedule
 
 
-def peak_stage_microbatches(schedule: Schedule) -> float:
-    """The most stage-micro-batches of activations a rank holds, counted in program order."""
-    share = schedule.pp / schedule.num_stages
-    peak = 0.0
-    for acts in schedule.actions:
-        held = 0.0
-        for a in acts:
-            if a.kind is Kind.F:
-                held += share
-                peak = max(peak, held)
-            elif a.kind in (Kind.B, Kind.W):
-                held -= share
-    return peak
-
-
 def measure(entry: Entry, schedule: Schedule, case: Case, hop: float) -> Row:
     n = schedule.num_stages
     v = n / case.p
     f, i, w = (x / v for x in case.fiw)
     result = simulate(schedule, CostModel([f] * n, [i] * n, [w] * n, latency_s=hop), check=False)
     return Row(entry.label, entry.source, result.mean_bubble, max(result.internal_bubble),
-               peak_stage_microbatches(schedule), result.makespan_s)
+               held_stage_microbatches(schedule), result.makespan_s)
 
 
 def closed_forms(label: str, case: Case) -> tuple[float | None, float | None]:

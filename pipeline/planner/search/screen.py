@@ -37,7 +37,7 @@ from functools import lru_cache
 import networkx as nx
 
 from pipelaunch.pipeline.core.errors import ConfigError
-from pipelaunch.pipeline.core.ir import Kind
+from pipelaunch.pipeline.core.ir import Kind, Schedule
 from pipelaunch.pipeline.planner.placement import placement_for
 from pipelaunch.pipeline.planner.predict.simulate import CostModel, simulate
 from pipelaunch.pipeline.planner.schedules import build_schedule
@@ -148,15 +148,16 @@ def schedule_shape(gen: ScheduleGenerator, pp: int, microbatches: int, remat: st
     schedule = build_schedule(gen, placement, microbatches, "full" if remat == "full" else "none", costs=costs)
     result = simulate(schedule, CostModel([f] * n, [i] * n, [w] * n), check=False, memory=False)
     work = max(result.busy_s) / microbatches  # a rank's work per micro-batch (recomputation included)
-    held = _held(schedule.actions, pp / n)
+    held = held_stage_microbatches(schedule)
     return Shape(max(0.0, result.makespan_s / work - microbatches), held, held >= microbatches - 1e-9)
 
 
-def _held(programs, share: float) -> float:
+def held_stage_microbatches(schedule: Schedule) -> float:
     """The most stage-micro-batches (a stage of v per rank counting 1/v) a rank holds, in program
     order: from its forward until its last backward action (W, or a fused B)."""
+    share = schedule.pp / schedule.num_stages
     peak = 0.0
-    for acts in programs:
+    for acts in schedule.actions:
         held = 0.0
         for a in acts:
             if a.kind is Kind.F:
