@@ -63,13 +63,15 @@ def test_resume_is_bitwise_exact_with_adamw_cosine_clipping_and_bf16(tmp_path) -
 
 @pytest.mark.timeout(500)
 def test_a_checkpoint_resumes_under_another_layout(tmp_path) -> None:
-    """pp=2 1f1b uniform -> pp=4 dp=2 zbv milp with its states sharded (zero=3), and that -> pp=1
-    (nothing sharded): the losses of the uninterrupted pp=2 run (the checkpoint is keyed by
-    parameter name, not by rank, and DCP reads each rank's part of a sharded tensor)."""
+    """pp=2 1f1b uniform -> pp=2 dp=2 zbv milp with its states sharded (zero=3: four stages on the
+    V, each rank's first and last, instead of one stage per rank), and that -> pp=1 (nothing
+    sharded): the losses of the uninterrupted pp=2 run (the checkpoint is keyed by parameter name,
+    not by rank, and DCP reads each rank's part of a sharded tensor). Four ranks, not eight: a
+    resume at pp=4 is tests/test_tensor_parallel.py's (from pp=2 tp=2)."""
     base = [*RESUME, "checkpoint.every=3"]
     _run([*base, "pp=2", "steps=6", f"checkpoint.dir={tmp_path / 'pp2'}"], tmp_path / "pp2run")
     straight = metrics(tmp_path / "pp2run")["losses"]
-    _run([*base, "pp=4", "dp=2", "zero=3", "scheduler=zbv", "partitioner=milp", "steps=6", "checkpoint.every=2",
+    _run([*base, "pp=2", "dp=2", "zero=3", "scheduler=zbv", "partitioner=milp", "steps=6", "checkpoint.every=2",
           f"resume={tmp_path / 'pp2' / 'step_0000003'}", f"checkpoint.dir={tmp_path / 'pp4'}"], tmp_path / "pp4run")
     wide = metrics(tmp_path / "pp4run")
     assert wide["losses"][:3] == straight[:3] and wide["start_step"] == 3
