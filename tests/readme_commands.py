@@ -125,12 +125,17 @@ def prompt_commands(lines: list[str]) -> list[tuple[int, str, str]]:
     found = []
     for i, line in enumerate(lines):
         if line.startswith("$ "):
+            parts, j = [line[2:]], i
+            while parts[-1].rstrip().endswith("\\") and j + 1 < len(lines):  # continued as bash would
+                parts[-1] = parts[-1].rstrip()[:-1]
+                j += 1
+                parts.append(lines[j])
             out = []
-            for later in lines[i + 1:]:
+            for later in lines[j + 1:]:
                 if later.startswith("$ "):
                     break
                 out.append(later)
-            found.append((i, strip_comment(line[2:]), "\n".join(out).strip("\n")))
+            found.append((i, strip_comment("".join(parts)), "\n".join(out).strip("\n")))
     return found
 
 

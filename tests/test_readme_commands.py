@@ -308,6 +308,10 @@ SKIPPED = {
     "python bench/published_layouts.py": "plans ten GPT clusters of 32 to 3072 A100s (about 2 minutes here); "
                                          "bench/RESULTS.md records the table, tests/test_hardware_plans.py plans "
                                          "clusters on every hardware file",
+    "python train.py mode=plan plan=auto hardware=a100_80gb plan.devices=3072 model=gpt model.layers=128 "
+    "model.dim=25600 model.heads=160 model.vocab_size=51200 model.seq_len=2048 batch_size=3072":
+        "plans the 1T GPT on 3072 A100s (about 2 minutes here, bench/RESULTS.md records it); "
+        "tests/test_screen.py runs the same screened search on a small cluster",
     "python bench/tensor_parallel.py": "six real training runs of gpt_bench, profiled afresh each (about 4 minutes), "
                                        "timed: run on an idle machine, bench/RESULTS.md records them",
     "python train.py $RUN pp=4 dp=2 scheduler=zbv partitioner=milp resume=ckpt/run1/step_0000400":
