@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from pipelaunch.launcher.config import group_configs
@@ -291,11 +292,12 @@ def prepare(cfg: TrainConfig, profile: bool | None = None, device: torch.device 
     plugins = build_plugins(cfg)  # every callable imported now: a config error here, not in a rank
     spec = plugins.model.build()
     check_optimizer(cfg, plugins)
-    check_data(cfg, spec, plugins)
+    data = check_data(cfg, spec, plugins)
     check_tp_sizes(spec, cfg.tp)
     planned = make_plan(cfg, spec, plugins, options if options is not None else group_options(cfg),
                         profile=profile, device=device, cuda=on_cuda(cfg))
     check_output(cfg, spec, planned.plan)
+    check_scored_microbatches(cfg, spec, data, planned.plan)
     check_tensor_parallel(spec, planned.plan)
     run = run_spec(cfg, plugins, run_dir)
     resume_from = resume_checkpoint(cfg, planned.model, Path(run.checkpoint.root) if run.checkpoint.root else None)
@@ -304,10 +306,10 @@ def prepare(cfg: TrainConfig, profile: bool | None = None, device: torch.device 
     return Prepared(spec, planned.plan, run, planned.prediction, planned.search, resume_from, planned.model)
 
 
-def check_data(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins) -> None:
+def check_data(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins) -> object:
     """The data must give what the model takes, with ids it can embed; missing files, a wrong
     dtype or a short corpus are refused here, not in a rank. For `model=module` (its input set
-    by hand) each disagreement names the model key to set and its value."""
+    by hand) each disagreement names the model key to set and its value. Returns the data built."""
     data_vocab, model_vocab = cfg.data.get("vocab_size"), spec.meta.get("vocab_size")
     data_kind = cfg.data.get("kind", "tokens")
     model_kind = "tokens" if spec.takes_tokens else "images"
@@ -326,6 +328,52 @@ def check_data(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins) -> None:
     data = plugins.data.build()
     if model_vocab is not None and hasattr(data, "check_vocabulary"):
         data.check_vocabulary(model_vocab)  # ids the model cannot embed
+    if getattr(data, "masks_targets", False):
+        check_masked_loss(cfg, spec)
+    return data
+
+
+def check_masked_loss(cfg: TrainConfig, spec: ModelSpec) -> None:
+    """Data whose targets hold IGNORE_INDEX (data=chat: prompts, padding) needs a loss that is a
+    mean over the scored tokens, so the runtime can weigh each micro-batch by its scored tokens'
+    share of the global batch's: causal_lm, or transformers' own loss on the data's targets. A loss
+    whose count of scored items is unknown (a model's own loss elsewhere, a callable) is refused."""
+    if spec.masked_refusal is not None:
+        raise ConfigError("model.labels" if "model.labels" in spec.masked_refusal else "model.loss",
+                          spec.masked_refusal)
+    if spec.token_weighted:
+        return
+    what = ("the model computes its own loss, which cannot be told the global batch's scored tokens nor be known "
+            "to leave -100 targets out" if spec.own_loss else
+            "this loss is not known to be a mean over the targets that are not -100")
+    raise ConfigError("model.loss", f"data={cfg.data.get('_target_', '').rsplit('.', 1)[-1] or 'chat'} scores only "
+                                    f"the responses (targets -100 on prompts and padding), but {what}; set "
+                                    "model.loss=causal_lm (pipelaunch scores the logits, token-weighted over the "
+                                    "global batch)")
+
+
+def check_scored_microbatches(cfg: TrainConfig, spec: ModelSpec, data: object, plan: Plan) -> None:
+    """On data that ignores targets, every micro-batch of every step must score a token: a
+    transformers loss on none is 0/0 (NaN), and a micro-batch that trains nothing is a sign of
+    examples cut to nothing. Counted from the data's per-sample scores, without building batches."""
+    if not plan.schedule.training or not hasattr(data, "scored_per_sample"):
+        return
+    parts, per = plan.dp * plan.microbatches, cfg.batch_size // (plan.dp * plan.microbatches)
+    counts = np.asarray(data.scored_per_sample(0, cfg.steps * cfg.batch_size))
+    sums = counts.reshape(cfg.steps, parts, per).sum(axis=2)
+    empty = np.argwhere(sums == 0)
+    if not len(empty):
+        return
+    step, part = (int(v) for v in empty[0])
+    first = step * cfg.batch_size + part * per
+    fix = ("set data.truncate=false (examples are then refused rather than cut) or a longer model.seq_len"
+           if cfg.data.get("truncate") else "check data.response_key: the responses tokenize to nothing")
+    raise ConfigError("microbatches", f"micro-batch {part % plan.microbatches} of replica {part // plan.microbatches} "
+                                      f"at step {step} (samples {first}..{first + per - 1} of the run) holds no scored "
+                                      f"token ({len(empty)} such micro-batch(es) in {cfg.steps} steps): its examples' "
+                                      f"responses lie outside the window of model.seq_len + 1 tokens. Use fewer "
+                                      f"micro-batches (microbatches={plan.microbatches} now; each holds {per} "
+                                      f"example(s)) or a larger batch_size, or {fix}")
 
 
 def _check_token_windows(cfg: TrainConfig, spec: ModelSpec, adapter: bool) -> None:

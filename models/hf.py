@@ -8,7 +8,12 @@ modules, so a stage boundary falls between layers. Fresh weights are transformer
 by name (`launcher.initial_weights`), or for a model above `init.max_bytes` transformers'
 `_init_weights` seeded by name; with `model.path` they are read from the directory's safetensors
 files, each rank reading only its own stages' tensors (`load_by_name`). `model.loss=model` trains
-with transformers' own loss, `model(ids, labels=ids).loss`, computed on the last stage.
+with transformers' own loss, computed on the last stage: `model(ids, labels=ids).loss` (the
+default, `model.labels=inputs`), or with `model.labels=targets` on the data's own next-token
+targets, `model(ids, labels=t, shift_labels=t).loss`, so a fine-tuning mask (-100 on prompts and
+padding, data=chat) reaches it. Either is transformers' mean over the micro-batch's scored labels,
+which the runtime rescales by the micro-batch's share of the global batch's scored tokens
+(`ModelSpec.scored`): exact, so the update is one process's on the whole batch.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipelaunch.models.spec import ModelSpec, causal_lm_loss, model_loss
+from pipelaunch.models.spec import ModelSpec, causal_lm_loss, count_shifted, count_tokens, model_loss
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.graph.materialize import to_meta_parameters
 
@@ -41,6 +46,27 @@ class CausalLM(nn.Module):
         if self.own_loss:
             return self.model(ids, labels=ids, use_cache=False).loss
         return self.model(ids, use_cache=False).logits
+
+
+class CausalLMOnTargets(CausalLM):
+    """`model.loss=model model.labels=targets`: transformers' own loss on the data's next-token
+    targets, passed as `shift_labels` (already shifted; -100 unscored), so a prompt or padding
+    mask reaches the loss unchanged and the last position is scored too."""
+
+    def forward(self, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, labels=target, shift_labels=target, use_cache=False).loss
+
+
+def takes_loss_kwargs(model: nn.Module) -> bool:
+    """Whether the model's forward hands extra keywords to its loss (transformers' `**kwargs`
+    reaching `loss_function`, where `shift_labels` and `num_items_in_batch` are read)."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params) and hasattr(model, "loss_function")
 
 
 def transformers_init(root: nn.Module, module: nn.Module) -> None:
@@ -123,11 +149,12 @@ def default_tp_plan(model: nn.Module, own_loss: bool) -> dict[str, str]:
 
 def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, name: str | None = None,
        leaf_modules: list[str] | None = None, dropout: bool = False, vocab_size: int | None = None,
-       loss: str = "causal_lm", tp_plan: dict[str, str] | None = None) -> ModelSpec:
+       loss: str = "causal_lm", tp_plan: dict[str, str] | None = None, labels: str = "inputs") -> ModelSpec:
     """A transformers causal LM as a ModelSpec (see the module docstring). `dropout=False` sets the
     config's dropout probabilities to 0, so a pipeline and one process compute the same thing.
     `loss`: `causal_lm` (next-token cross-entropy on the logits, every position scored against the
-    data's targets) or `model` (transformers' own loss, `labels=` the input ids). `tp_plan`: how tp >
+    data's targets) or `model` (transformers' own loss; `labels`: `inputs`, the input ids shifted by
+    transformers, or `targets`, the data's targets as `shift_labels`, masks kept). `tp_plan`: how tp >
     1 splits it, patterns on the wrapped model's names (`model.model.layers.*.mlp.up_proj`); null:
     transformers' own (`tp_plan` below)."""
     from transformers import AutoModelForCausalLM
@@ -136,6 +163,11 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
         raise ConfigError("model.loss", f"got {loss!r}; valid: causal_lm (next-token cross-entropy on the logits), "
                                         "model (transformers' own loss, model(ids, labels=ids).loss)")
     own_loss = loss == "model"
+    if labels not in ("inputs", "targets"):
+        raise ConfigError("model.labels", f"got {labels!r}; valid: inputs (model(ids, labels=ids): transformers "
+                                          "shifts the ids itself), targets (the data's next-token targets as "
+                                          "shift_labels, -100 unscored: fine-tuning masks)")
+    on_targets = own_loss and labels == "targets"
 
     cfg = _config(dict(config) if config else None, path)
     as_given = copy.deepcopy(cfg)  # what an export writes back: dropout as the user's config has it
@@ -153,11 +185,17 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
     if isinstance(positions, int) and 0 < positions < seq_len:
         raise ConfigError("model.seq_len", f"{seq_len} exceeds the model's {positions} positions")
 
+    wrapper = CausalLMOnTargets if on_targets else CausalLM
+
     def build() -> nn.Module:
-        return CausalLM(constructed(lambda: AutoModelForCausalLM.from_config(cfg)), own_loss)
+        return wrapper(constructed(lambda: AutoModelForCausalLM.from_config(cfg)), own_loss)
 
     with torch.device("meta"):
         meta_model = constructed(lambda: AutoModelForCausalLM.from_config(cfg))
+    if on_targets and not takes_loss_kwargs(meta_model):
+        raise ConfigError("model.labels", f"{type(meta_model).__name__}.forward takes no keywords for its loss "
+                                          "(shift_labels), so its own loss cannot be given the data's targets; use "
+                                          "model.loss=causal_lm (pipelaunch scores the logits, token-weighted)")
     if leaf_modules is None:
         leaf_modules = [f"model.{n}" for n in decoder_layers(meta_model)]
     spec = ModelSpec(
@@ -174,6 +212,11 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
                              if isinstance(getattr(text, k, None), int)}},
         own_loss=own_loss,
         tp_plan=default_tp_plan(meta_model, own_loss) if tp_plan is None else dict(tp_plan),
+        data_args=("input", "target") if on_targets else ("input",),
+        scored=(count_tokens if on_targets else count_shifted) if own_loss else None,
+        masked_refusal=("model.labels=inputs gives transformers' loss the input ids, which carry no mask: it would "
+                        "score the prompt and the padding; set model.labels=targets (the data's targets, -100 "
+                        "unscored, as shift_labels)") if own_loss and not on_targets else None,
     )
     if path is not None:
         spec.load = SafetensorsDir(Path(path), prefix="model.", model=meta_model)

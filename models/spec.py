@@ -36,9 +36,12 @@ class ModelSpec:
     `build()` constructs the module; the planner calls it under `torch.device("meta")`, so it must
     not read weights from disk or move tensors to a device itself. `leaf_modules` names submodules
     kept whole (never cut inside); empty means every traced operator may end a stage.
-    `loss_fn(output, target)` returns the mean loss of one micro-batch (`model_loss` for a model
-    computing its own, `own_loss`: its output is the loss, from the targets `data_args` gives it
-    as an input). `init`, when given, is the
+    `loss_fn(output, target)` returns the mean loss of one micro-batch over its scored items
+    (`model_loss` for a model computing its own, `own_loss`: its output is the loss, from the
+    targets `data_args` gives it as an input); `scored(target)` counts those items (tokens whose
+    target is not IGNORE_INDEX for a token loss, else samples), so the runtime weighs each
+    micro-batch's mean by its share of the global batch's items (one loss for the global batch,
+    whatever the micro-batch count). `init`, when given, is the
     family's initialiser that `pipelaunch.pipeline.graph.materialize.init_by_name` runs after `reset_parameters`.
     """
 
@@ -69,6 +72,25 @@ class ModelSpec:
     #: component) -> colwise | rowwise | vocab | replicate (pipeline/graph/tensor_parallel.py);
     #: modules no pattern names are replicated
     tp_plan: dict[str, str] = field(default_factory=dict)
+    #: counts the items `loss_fn` averages over in a batch's targets (`count_tokens`,
+    #: `count_samples`, `count_shifted`); None: tokens for `causal_lm_loss`, else samples
+    scored: Callable[[torch.Tensor], int] | None = None
+    #: why the loss cannot be weighed exactly on targets holding IGNORE_INDEX (data=chat's prompt
+    #: and padding), naming what to change; None: it can (its mean is over the scored tokens)
+    masked_refusal: str | None = None
+
+    def count_scored(self, targets: torch.Tensor) -> int:
+        """The items the loss averages over in `targets` (a micro-batch's or the global batch's)."""
+        if self.scored is not None:
+            return self.scored(targets)
+        return count_tokens(targets) if self.loss_fn is causal_lm_loss else count_samples(targets)
+
+    @property
+    def token_weighted(self) -> bool:
+        """Whether the loss is a mean over scored tokens, the ignored (IGNORE_INDEX) ones left out."""
+        if self.scored is not None:
+            return self.scored is count_tokens
+        return self.loss_fn is causal_lm_loss
 
     def tp_refusal(self, tp: int) -> str | None:
         """Why tensor parallelism over `tp` ranks cannot split this model (no plan, or a size it
@@ -171,9 +193,31 @@ def require_positive_ints(**values: object) -> None:
             raise ConfigError(f"model.{key}", f"got {value!r}; valid: a positive integer")
 
 
+#: a target position no loss scores (a fine-tuning prompt, padding): torch's and transformers' own
+IGNORE_INDEX = -100
+
+
 def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over every position of the micro-batch."""
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    """Mean next-token cross-entropy over the micro-batch's scored positions (targets not
+    IGNORE_INDEX); the runtime weighs it by the micro-batch's share of the global batch's."""
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                       ignore_index=IGNORE_INDEX)
+
+
+def count_tokens(targets: torch.Tensor) -> int:
+    """Scored tokens: target positions that are not IGNORE_INDEX."""
+    return int((targets != IGNORE_INDEX).sum())
+
+
+def count_samples(targets: torch.Tensor) -> int:
+    """Samples: what a per-sample mean (mse, an image's class) averages over."""
+    return int(targets.shape[0])
+
+
+def count_shifted(targets: torch.Tensor) -> int:
+    """Positions a loss scores when it shifts the input ids itself (transformers' `labels=ids`):
+    every position but the last of each sample."""
+    return int(targets.shape[0]) * max(int(targets.shape[-1]) - 1, 0)
 
 
 def model_loss(loss: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:

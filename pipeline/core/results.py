@@ -77,6 +77,11 @@ class TrainingHistory:
     grad_norm: list[float | None] | None = None
     #: the signal the run stopped for before its last step (SIGTERM, SIGUSR1), checkpointed then
     stopped_by: str | None = None
+    #: on data that ignores targets (data=chat): scored tokens per second (the mean per step over
+    #: the median step time), apart from `tokens_per_s`'s input tokens
+    scored_tokens_per_s: float | None = None
+    #: on data that pads (data=chat): the share of the input tokens that are padding, over the run
+    padding_share: float | None = None
 
 
 @dataclass

@@ -4,9 +4,12 @@ Stages exchange *named values*: a stage reads some values (from the data, from e
 this rank, or received from other ranks) and produces values for later stages, which may be
 several stages further down (skip connections). Each stage's forward is its own autograd graph:
 every value it reads from another stage becomes a fresh leaf with requires_grad, so its backward
-yields exactly the gradients to hand back to the producers. The last stage divides the loss by
-(micro-batches x data-parallel replicas), so summing gradients over micro-batches and replicas
-gives the gradient of the global-batch mean loss, as single-process accumulation does.
+yields exactly the gradients to hand back to the producers. The last stage divides each
+micro-batch's mean loss by the global batch's scored items over the micro-batch's own (`divisors`:
+tokens whose target is not ignored, or samples), so each micro-batch contributes the sum of its
+items' losses over the global batch's count: summing over micro-batches and replicas gives the
+loss and gradient of one process on the whole batch, whatever the micro-batch count. With equal
+counts everywhere the divisor is micro-batches x replicas, as it always was.
 """
 
 from __future__ import annotations
@@ -160,18 +163,21 @@ class Executor:
 
     # ---- one step -------------------------------------------------------------------------
     def run_step(
-        self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None
+        self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None,
+        divisors: list[float] | None = None,
     ) -> tuple[torch.Tensor, list[dict], dict[int, torch.Tensor]]:
         """Run this rank's program once. Returns (sum of scaled micro-batch losses held by this
         rank, timing events, model outputs per micro-batch when not training). `inputs` and
         `targets`: this replica's micro-batches of the data, where a stage of this rank reads them
-        (a model input, or the targets a loss outside the model scores).
+        (a model input, or the targets a loss outside the model scores). `divisors`: per
+        micro-batch, the global batch's scored items over its own (`loss_scale` for each if None).
 
         Event times are `time.perf_counter()` values: CLOCK_MONOTONIC is shared by all processes
         of a machine, so ranks' events line up once the earliest start is subtracted. On a GPU
         they come from CUDA events, read once after the step: nothing in the step waits for the
         device."""
         self._inputs, self._targets = inputs, targets
+        self._divisors = divisors
         self._state: dict[tuple[int, int], MicroBatchState] = {}
         self._fwd_box: dict[tuple[int, int, str], torch.Tensor] = {}  # (consumer, mb, value)
         self._bwd_box: dict[tuple[int, int, str, int], torch.Tensor] = {}  # (producer, mb, value, consumer)
@@ -323,7 +329,8 @@ class Executor:
                 outs = _as_planned(outs, slot.values)
             loss = None
             if slot.loss_value is not None and self._targets is not None:
-                loss = self.loss_fn(outs[slot.loss_value], self._targets[mb]) / self.loss_scale
+                divisor = self._divisors[mb] if self._divisors is not None else self.loss_scale
+                loss = self.loss_fn(outs[slot.loss_value], self._targets[mb]) / divisor
         state.outputs, state.loss = outs, loss
         return loss
 

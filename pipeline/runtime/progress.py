@@ -63,7 +63,9 @@ class Progress:
             self.bar = tqdm(total=steps, initial=start, unit="step", file=self._file, ncols=_width(self._file),
                             desc="train")
 
-    def update(self, step: int, loss: float, seconds: float) -> None:
+    def update(self, step: int, loss: float, seconds: float, scored_tokens_per_s: float | None = None,
+               padding_share: float | None = None) -> None:
+        """One step's line; on fine-tuning data the scored tokens/s and the padding share too."""
         rate = self.tokens_per_step / seconds if seconds > 0 else float("inf")
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.4f}", **{f"{self.unit[:3]}_s": f"{rate:.0f}"}, refresh=False)
@@ -72,7 +74,10 @@ class Progress:
             done = step + 1
             eta = (time.perf_counter() - self.started) / (done - self.start) * (self.steps - done)
             line = (f"step {step:>4}/{self.steps} | loss {loss:.4f} | step time {seconds * 1e3:8.1f} ms | "
-                    f"{rate:10.0f} {self.unit}/s | eta {eta:6.1f} s")
+                    f"{rate:10.0f} {self.unit}/s | "
+                    + (f"{scored_tokens_per_s:10.0f} scored tokens/s | " if scored_tokens_per_s is not None else "")
+                    + (f"padding {padding_share:4.0%} | " if padding_share is not None else "")
+                    + f"eta {eta:6.1f} s")
             if self.bar is not None and sys.stdout.isatty():
                 self.bar.write(line, file=sys.stdout)  # above the bar, which is redrawn below it
             else:

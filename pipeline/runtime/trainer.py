@@ -136,6 +136,8 @@ class StepOutcome:
     outputs: dict
     lr: float | None = None  # the learning rate this step's update used
     grad_norm: float | None = None  # the global gradient norm before clipping (clip_grad_norm set)
+    scored: int | None = None  # the global batch's scored items (tokens not ignored, or samples)
+    padded: int | None = None  # the global batch's padding input positions (data that pads: data=chat)
 
 
 class RankTrainer:
@@ -199,23 +201,32 @@ class RankTrainer:
         self.needs_inputs = "input" in reads
         self.needs_targets = "target" in reads or any(s.is_last for s in self.slots.values())
         self._eval: Executor | None = None
+        #: the last batch drawn: its scored items (tokens not ignored, or samples; None: not drawn)
+        self.scored: int | None = None
         #: the largest `_tensor_bytes_held` at an optimizer step so far (RankFacts.state_bytes)
         self.state_bytes: int | None = None
         for m in self.modules:
             m.train(self.training)
 
     def _microbatches(self, draw: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
-                      index: int) -> tuple[list | None, list | None]:
+                      index: int) -> tuple[list | None, list | None, list[float] | None]:
         """This replica's micro-batches of batch `index` from `draw` (the data's `batch` or
         `val_batch`): inputs where a stage reads them (a first stage's rank), targets on a last
-        stage's rank and where a stage reads them as a model input; other stages never touch the data."""
+        stage's rank and where a stage reads them as a model input; other stages never touch the data.
+        And per micro-batch the divisor of its mean loss: the global batch's scored items over its
+        own, counted here on the CPU from the whole batch every rank draws alike (no collective,
+        known before the first backward); `self.scored` keeps the global count for the metrics."""
         if not (self.needs_inputs or self.needs_targets):
-            return None, None
+            self.scored = None
+            return None, None, None
         ctx, m = self.ctx, self.plan.microbatches
         inputs, targets = draw(index, self.run.batch_size)
+        self.scored = self.spec.count_scored(targets)
+        counts = [self.spec.count_scored(t) for t in targets.chunk(ctx.dp)[ctx.dp_rank].chunk(m)]
+        divisors = [self.scored / c if c else math.inf for c in counts]
         in_mbs = replica_microbatches(inputs, ctx.dp_rank, ctx.dp, m, ctx.device) if self.needs_inputs else None
         tgt_mbs = replica_microbatches(targets, ctx.dp_rank, ctx.dp, m, ctx.device) if self.needs_targets else None
-        return in_mbs, tgt_mbs
+        return in_mbs, tgt_mbs, divisors
 
     def evaluate(self, batches: int) -> float:
         """Mean loss over held-out global batches 0..batches-1 (the data's `val_batch`), forward
@@ -246,9 +257,11 @@ class RankTrainer:
     def step(self, step: int) -> StepOutcome:
         """One step on batch `step` of the data."""
         ctx = self.ctx
-        in_mbs, tgt_mbs = self._microbatches(self.data.batch, step)
+        in_mbs, tgt_mbs, divisors = self._microbatches(self.data.batch, step)
+        scored = self.scored
+        padded = self.data.padded_tokens(step, self.run.batch_size) if hasattr(self.data, "padded_tokens") else None
         start = time.perf_counter()
-        loss_sum, events, outputs = self.executor.run_step(in_mbs, tgt_mbs)
+        loss_sum, events, outputs = self.executor.run_step(in_mbs, tgt_mbs, divisors)
         if self.data_parallel is not None:  # every replica waits for what it started, whatever the loss
             self.data_parallel.finish()
             if self.data_parallel.issued is not None:  # one step's order is every step's: log the first
@@ -283,7 +296,8 @@ class RankTrainer:
                 self.lr_scheduler.step()
         if ctx.device.type == "cuda":  # the step is over: its time includes the device's work
             torch.cuda.current_stream(ctx.device).synchronize()
-        return StepOutcome(float(loss_sum), time.perf_counter() - start, schedule_s, events, outputs, lr, grad_norm)
+        return StepOutcome(float(loss_sum), time.perf_counter() - start, schedule_s, events, outputs, lr, grad_norm,
+                           scored, padded)
 
     def verify_p2p_order(self) -> None:
         """debug.record_p2p (collective): every pair of ranks posted complementary messages in the
@@ -332,6 +346,9 @@ class RunRecord:
     grad_norms: list[float | None] = field(default_factory=list)
     eval_losses: list[dict] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
+    #: per step: the global batch's scored items and padding positions (None: not counted)
+    scored: list[int | None] = field(default_factory=list)
+    padded: list[int | None] = field(default_factory=list)
     busy: list[float] = field(default_factory=list)
     schedule_times: list[float] = field(default_factory=list)
     last_events: list[dict] = field(default_factory=list)
@@ -357,6 +374,8 @@ class RunRecord:
         self.lrs.append(outcome.lr)
         self.grad_norms.append(outcome.grad_norm)
         self.step_times.append(outcome.elapsed_s)
+        self.scored.append(outcome.scored)
+        self.padded.append(outcome.padded)
         self.busy.append(sum(e["end_s"] - e["start_s"] for e in outcome.events))
         self.last_events = outcome.events
         if step >= self.start_step + warmup_steps:
@@ -418,10 +437,11 @@ def _train_steps(trainer: RankTrainer, record: RunRecord, tensors: TensorPeak, t
         if tracker is not None:
             values = {"loss": outcome.loss, "step_time_s": outcome.elapsed_s,
                       "tokens_per_s": tokens_per_step / outcome.elapsed_s}
+            values.update(_token_counts(trainer, outcome, tokens_per_step))
             values.update({k: v for k, v in (("lr", outcome.lr), ("grad_norm", outcome.grad_norm)) if v is not None})
             tracker.log_step(step, values)
         if progress is not None:
-            progress.update(step, outcome.loss, outcome.elapsed_s)
+            progress.update(step, outcome.loss, outcome.elapsed_s, **_token_counts(trainer, outcome, tokens_per_step))
         _maybe_evaluate(trainer, record, step, tracker)
         stopped = stops.agreed()
         stopping = stopped is not None and step + 1 < run.steps
@@ -432,6 +452,20 @@ def _train_steps(trainer: RankTrainer, record: RunRecord, tensors: TensorPeak, t
                 print(f"stopping after step {step + 1} of {run.steps} ({stopped.name})", flush=True)
             break
     return restarted
+
+
+def _token_counts(trainer: RankTrainer, outcome: StepOutcome, tokens_per_step: int) -> dict[str, float]:
+    """For a language model on data that ignores targets (fine-tuning: prompts, padding), what
+    tokens_per_s alone hides: the scored tokens per second apart from the input tokens', and the
+    share of the input that is padding; {} otherwise (every input token is scored)."""
+    if not trainer.spec.takes_tokens or not getattr(trainer.data, "masks_targets", False) or not outcome.elapsed_s:
+        return {}
+    out = {}
+    if outcome.scored is not None:
+        out["scored_tokens_per_s"] = outcome.scored / outcome.elapsed_s
+    if outcome.padded is not None:
+        out["padding_share"] = outcome.padded / tokens_per_step
+    return out
 
 
 def _memory_before_model(trainer: RankTrainer) -> float:
@@ -550,6 +584,13 @@ def _finish(trainer: RankTrainer, record: RunRecord, at_start: float, tokens_per
         step_times_s=record.step_times, tokens_per_s=tokens_per_step / median_step if median_step else 0.0,
         throughput_unit=trainer.spec.throughput_unit, ranks=[f for f, _, _ in gathered],
         grad_norm=record.grad_norms if trainer.clip is not None else None, stopped_by=record.stopped_by)
+    if getattr(trainer.data, "masks_targets", False) and trainer.spec.takes_tokens and median_step:
+        scored = [n for n in record.scored if n is not None]
+        padded = [n for n in record.padded if n is not None]
+        if scored:
+            result.history.scored_tokens_per_s = statistics.fmean(scored) / median_step
+        if padded:
+            result.history.padding_share = sum(padded) / (len(padded) * tokens_per_step)
     result.overhead_s = (_median_after_warmup(
         [t - s for t, s in zip(record.step_times, record.schedule_times, strict=True)], warm)
         if record.step_times else 0.0)
