@@ -8,7 +8,7 @@ import pytest
 
 from pipelaunch.launcher.validate import prepare
 from pipelaunch.pipeline.core.errors import ConfigError
-from pipelaunch.pipeline.planner.search.screen import scaled_shape, schedule_shape
+from pipelaunch.pipeline.planner.search.screen import Estimate, activation_scale, scaled_shape, schedule_shape
 from tests.harness import compose_cfg
 from tests.schedules import training_schedules
 
@@ -63,3 +63,27 @@ def test_a_screened_search_plans_a_few_and_finds_what_planning_every_candidate_f
 def test_plan_simulate_refuses_a_count_below_one():
     with pytest.raises(ConfigError, match="plan.simulate"):
         prepare(compose_cfg([*SEARCH, *SMALL, "plan.simulate=0"]))
+
+
+def test_the_estimates_learn_what_the_simulated_candidates_held():
+    """Activations the simulations found larger than estimated scale every estimate's activations
+    (the median ratio; never below 1), so candidates now over the memory are not planned next."""
+    fits = Estimate(1.0, 50.0, activation_bytes=20.0)  # 30 of weights and states + 20 of activations
+    simulated = [(Estimate(1.0, 40.0, activation_bytes=10.0), 60.0),  # held 30, estimated 10: x3
+                 (Estimate(1.0, 40.0, activation_bytes=10.0), 50.0),  # x2
+                 (Estimate(1.0, 40.0, activation_bytes=10.0), 35.0)]  # x0.5
+    scale = activation_scale(simulated)
+    assert scale == pytest.approx(2.0)
+    assert fits.fits(60.0) and not fits.fits(60.0, scale)  # 30 + 40 = 70 > 60 x 1.15
+    assert activation_scale([(Estimate(1.0, 40.0, activation_bytes=10.0), 30.0)]) == 1.0  # never loosened
+    assert activation_scale([]) == 1.0
+
+
+def test_a_partitioner_that_cannot_choose_recomputation_is_not_planned_under_a_budget():
+    """partitioner=milp cannot choose what remat=auto recomputes under a memory budget: the
+    screen's estimate says so instead of spending a planned candidate on learning it."""
+    result = prepare(compose_cfg([*SEARCH, *SMALL, "plan.simulate=2", "plan.partitioners=[milp,uniform]",
+                                  "plan.remat=[auto]", "plan.schedulers=[1f1b]"])).search
+    milp = [e for c, e in result.screened if c.partitioner == "milp"]
+    assert milp and all(e.error and "partitioner=milp" in e.error for e in milp)
+    assert all(o.candidate.partitioner == "uniform" for o in result.outcomes)

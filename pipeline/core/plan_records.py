@@ -132,6 +132,8 @@ class SearchSummary:
     candidates: int = 0
     #: candidates left unsimulated by their closed-form estimate (`plan.simulate`)
     screened: int = 0
+    #: what the simulated candidates' activations came to over their estimates' (search/screen.py)
+    activation_scale: float = 1.0
     fit: int = 0
     over_budget: int = 0
     failed: int = 0

@@ -35,6 +35,7 @@ from pipelaunch.pipeline.planner.measure.optimizer_costs import (
 )
 from pipelaunch.pipeline.planner.measure.overheads import cached_overheads
 from pipelaunch.pipeline.planner.measure.traced import TracedModels, micro_batch_size
+from pipelaunch.pipeline.planner.passes.p2p_check import check_plan
 from pipelaunch.pipeline.planner.predict.prediction import Prediction, predict
 from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
 from pipelaunch.pipeline.planner.search.choose import Candidate, Outcome, SearchResult
@@ -133,7 +134,7 @@ def _make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Gro
     plan = build(generator, traced)
     if not profile:
         return Planned(_finished(plan, None, None), model=models.model)
-    prediction = fit_budget(plan, predict(plan, *link()), traced.graph, cfg.memory.cap_bytes, *link(),
+    prediction = fit_budget(plan, predict(plan, *link(), collectives=False), traced.graph, cfg.memory.cap_bytes, *link(),
                             rebuild=lambda whole: build(generator, traced, whole=whole))
     return Planned(_finished(prediction.plan, prediction, None), prediction, model=models.model)
 
@@ -345,7 +346,10 @@ def _first_plannable(cfg: TrainConfig, plugins: Plugins, options: GroupOptions, 
 
 
 def _finished(plan: Plan, prediction: Prediction | None, result: SearchResult | None) -> Plan:
-    """The plan with what the planner predicted and what its search chose recorded in it."""
+    """The plan with what the planner predicted and what its search chose recorded in it, its
+    programs proven to keep NCCL's rules (a plan that breaks them never spawns; checked here, on
+    the one plan that leaves the planner, not on every candidate and refit a search builds)."""
+    check_plan(plan)
     found: dict = {}
     if prediction is not None:
         found["device_memory"] = list(prediction.devices)

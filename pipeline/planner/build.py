@@ -36,7 +36,7 @@ from pipelaunch.pipeline.planner.partition.common import assignment_from_order, 
 from pipelaunch.pipeline.planner.partition.rank_balance import rank_balanced_starts
 from pipelaunch.pipeline.planner.passes.data_parallel import place_data_parallel
 from pipelaunch.pipeline.planner.passes.lowering import lower
-from pipelaunch.pipeline.planner.passes.p2p_check import check_p2p, edge_messages
+from pipelaunch.pipeline.planner.passes.p2p_check import edge_messages
 from pipelaunch.pipeline.planner.passes.remat import per_module_suffices
 from pipelaunch.pipeline.planner.predict.costs import split_backward_cost, stage_held_bytes
 from pipelaunch.pipeline.planner.predict.memory import Sharding
@@ -215,10 +215,6 @@ def build_plan(traced: TracedModel, generator: ScheduleGenerator, req: PlanReque
     # micro-batches spends about 0.3 s lowering and checking it: not for a run that never evaluates)
     eval_schedule = lower(build_schedule(Inference(), placement, req.microbatches), messages) \
         if req.evaluates else None
-    # NCCL's rules, proven on the programs the ranks will run: a plan that breaks them never spawns
-    check_p2p(schedule, messages)
-    if eval_schedule is not None:
-        check_p2p(eval_schedule, messages)
     meta = _plan_meta(traced, split, part, stages, req, schedule)
     if held is not None:
         meta.update(_profiled_meta(traced, stages, forward, backward, split_costs, *held))

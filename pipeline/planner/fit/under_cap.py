@@ -38,7 +38,7 @@ from pipelaunch.pipeline.planner.passes.remat import (
     recompute_options,
 )
 from pipelaunch.pipeline.planner.predict.memory import MIB, BudgetExceeded, over_budget
-from pipelaunch.pipeline.planner.predict.prediction import Prediction, predict
+from pipelaunch.pipeline.planner.predict.prediction import Prediction, predict, with_collectives
 
 #: what helps besides recomputation
 OTHER_REMEDIES = ("pick a schedule that holds fewer micro-batches (1f1b rather than gpipe), use more stages or a "
@@ -57,32 +57,35 @@ def fit_budget(plan: Plan, prediction: Prediction, graph: nx.DiGraph, cap: float
     """The prediction of a plan within `cap` on every device (recomputing where remat=auto allows);
     raises BudgetExceeded naming each device over it, its breakdown and the excess (under
     remat=auto: the peaks of the floor, the least the plan can hold, and the smallest cap it meets).
-    `rebuild`: under remat=auto, how to build this plan again with other stages recomputing whole."""
+    `rebuild`: under remat=auto, how to build this plan again with other stages recomputing whole.
+    `prediction` leaves the replicas' collectives out (`predict(..., collectives=False)`): the fit
+    reads memory only, and prices them on the one prediction it returns or raises with."""
     over = over_budget(prediction.devices, cap)
     if not over:
-        return prediction
+        return with_collectives(prediction)
     assert cap is not None
     if plan.meta.remat != "auto":
-        raise BudgetExceeded(over, cap, sharding_hint(plan, cap, latency_s, bandwidth) + REMEDIES, prediction)
+        raise BudgetExceeded(over, cap, sharding_hint(plan, cap, latency_s, bandwidth) + REMEDIES,
+                             with_collectives(prediction))
     fitted, floor = _recompute_layers(plan, prediction, graph, cap, latency_s, bandwidth)
     if fitted is not None:
-        return fitted
+        return with_collectives(fitted)
     shown = (plan, floor)
     whole = sorted(plan.schedule.remat_stages())
     ranks = {d.rank for d in over_budget(floor.devices, cap)}
     more = sorted(set(whole) | {s.index for s in plan.stages if s.rank in ranks})
     alt = _rebuilt(rebuild, more) if more != whole else None
     if alt is not None:
-        alt_prediction = predict(alt, latency_s, bandwidth)
+        alt_prediction = predict(alt, latency_s, bandwidth, collectives=False)
         if not over_budget(alt_prediction.devices, cap):
-            return alt_prediction
+            return with_collectives(alt_prediction)
         fitted, alt_floor = _recompute_layers(alt, alt_prediction, graph, cap, latency_s, bandwidth)
         if fitted is not None:
-            return fitted
+            return with_collectives(fitted)
         if alt_floor.peak_bytes < floor.peak_bytes:
             shown = (alt, alt_floor)
     why = _floor_message(*shown, graph) + AUTO_REMEDIES
-    raise BudgetExceeded(over_budget(shown[1].devices, cap), cap, why, shown[1])
+    raise BudgetExceeded(over_budget(shown[1].devices, cap), cap, why, with_collectives(shown[1]))
 
 
 def sharding_hint(plan: Plan, cap: float, latency_s: float, bandwidth: float) -> str:
@@ -97,7 +100,7 @@ def sharding_hint(plan: Plan, cap: float, latency_s: float, bandwidth: float) ->
     tried = []
     for zero, reshard in options:
         other = replace(plan, meta=replace(meta, zero=zero, reshard=reshard))
-        peak = predict(other, latency_s, bandwidth).peak_bytes
+        peak = predict(other, latency_s, bandwidth, collectives=False).peak_bytes
         name = f"zero={zero}" + (" reshard=use" if (meta.zero, meta.reshard) == (3, "run") and zero == 3 else "")
         if peak <= cap:
             return f"{name} would hold {peak / MIB:.1f} MiB on its fullest device, within the cap. "
@@ -132,7 +135,7 @@ def _recompute_layers(plan: Plan, prediction: Prediction, graph: nx.DiGraph, cap
             chosen = choose_recompute(options, held, rank_of, excess, plan.microbatches)
         except RecomputeInfeasible:
             break
-        attempt = predict(_apply(plan, graph, options, chosen, plain_act), latency_s, bandwidth)
+        attempt = predict(_apply(plan, graph, options, chosen, plain_act), latency_s, bandwidth, collectives=False)
         still = over_budget(attempt.devices, cap)
         if not still:
             return attempt, attempt
@@ -155,11 +158,11 @@ def _floor(plan: Plan, graph: nx.DiGraph, options: list[RecomputeOption], held: 
     for rank in sorted(set(rank_of.values())):
         for o in least_recompute([o for o in options if rank_of[o.stage] == rank], held):
             chosen.setdefault(o.stage, []).append(o.node)
-    floor = predict(_apply(plan, graph, options, chosen, plain_act), latency_s, bandwidth)
+    floor = predict(_apply(plan, graph, options, chosen, plain_act), latency_s, bandwidth, collectives=False)
     worse = {d.rank for d, p in zip(floor.devices, plain.devices, strict=True) if d.total > p.total}
     if worse:
         chosen = {s: nodes for s, nodes in chosen.items() if rank_of[s] not in worse}
-        floor = predict(_apply(plan, graph, options, chosen, plain_act), latency_s, bandwidth)
+        floor = predict(_apply(plan, graph, options, chosen, plain_act), latency_s, bandwidth, collectives=False)
     return floor
 
 

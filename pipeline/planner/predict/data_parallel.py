@@ -142,6 +142,7 @@ class _RankPlay:
         self.last_completes = {acts[pos].stage: pos for pos in completes}
         self.gathered: set[tuple[int, str]] = set()  # reshard=run: (stage, unit) gathered in this run
         self.prefetch_at: dict[int, float] = {}  # stage -> when its UNSHARD asked for its next action's first unit
+        self.parts: dict[tuple, tuple[list[UnitCost], list[float]]] = {}  # (stage, kind): its units, their shares
 
     def queue(self, ready: float, seconds: float, action: Action, unit: str) -> float:
         """A collective of `seconds` issued at `ready`: it runs once the channel is free; returns its end."""
@@ -189,13 +190,20 @@ class _RankPlay:
     def _compute(self, pos: int, a: Action, start: float, end: float) -> float:
         """One compute action from `start` to `end` (shifted): its units' gathers and reductions; returns its end."""
         sharded, zero = self.sharded, self.sharded.zero
-        units = [u for u in sharded.units[a.stage] if u.name != "root"]
-        if a.kind in _BACKWARD_ORDER:
-            units = units[::-1]
-        shares = _shares(units, a.kind)
-        bounds = [start]
+        due = pos in self.completes and (zero >= 2 or self.last_completes.get(a.stage) == pos)
+        if zero != 3 and not due:  # nothing of the replicas' starts inside this action
+            return end
+        if (a.stage, a.kind) not in self.parts:
+            units = [u for u in sharded.units[a.stage] if u.name != "root"]
+            if a.kind in _BACKWARD_ORDER:
+                units = units[::-1]
+            self.parts[(a.stage, a.kind)] = (units, _shares(units, a.kind))
+        units, shares = self.parts[(a.stage, a.kind)]
+        bounds = [start]  # where each unit's part of the action starts, and (last) where it ends
         for share in shares:
             bounds.append(bounds[-1] + share * (end - start))
+        if not shares:  # a stage of root parameters alone: the action still spans its time
+            bounds.append(end)
         if zero == 3:
             asked = self.prefetch_at.pop(a.stage, start)
             root = [u for u in sharded.units[a.stage] if u.name == "root"]
@@ -210,12 +218,10 @@ class _RankPlay:
                 if late > 0:  # the compute waits for it: this part and everything after shift
                     self.shift += late
                     bounds = [b + late if j >= k else b for j, b in enumerate(bounds)]
-        end = bounds[-1]
-        due = pos in self.completes and (zero >= 2 or self.last_completes.get(a.stage) == pos)
         if due:
             for k, u in enumerate(units):
                 self._reduce(a, u, self.last + self.shift if self.flat else bounds[k + 1])
-        return end
+        return bounds[-1]
 
 
 def _shares(units: Sequence[UnitCost], kind: Kind) -> list[float]:

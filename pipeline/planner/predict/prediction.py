@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -90,9 +90,11 @@ def profiling_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def predict(plan: Plan, latency_s: float, bandwidth: float) -> Prediction:
+def predict(plan: Plan, latency_s: float, bandwidth: float, collectives: bool = True) -> Prediction:
     """Simulate a profiled plan's schedule on its per-stage costs, and price each device's memory
-    at the simulated peak (the planner records the winner's in `plan.meta.device_memory`)."""
+    at the simulated peak (the planner records the winner's in `plan.meta.device_memory`).
+    Without `collectives` the replicas' collectives are left out (`with_collectives` adds them):
+    for the memory fit's trials, whose peaks do not depend on them."""
     cost = cost_model_from_plan(plan, latency_s, bandwidth)
     result = simulate(plan.schedule, cost)
     machine = plan.meta.machine
@@ -113,12 +115,18 @@ def predict(plan: Plan, latency_s: float, bandwidth: float) -> Prediction:
     optimizer = [(s / degree + t) * per_byte for s, t in zip(rank_param_bytes(sharded, plan.schedule.placement),
                                                               rank_param_bytes(tied, plan.schedule.placement),
                                                               strict=True)]
-    collectives = data_parallel_collectives(plan, cost, result.compute_spans)
-    return Prediction(plan, cost, result, devices, schedule_s, optimizer,
-                      data_parallel_seconds(plan, cost, result.makespan_s, spans=result.compute_spans,
-                                            step=collectives),
-                      collectives.events if collectives is not None else [],
-                      collectives.spans if collectives is not None else [])
+    prediction = Prediction(plan, cost, result, devices, schedule_s, optimizer)
+    return with_collectives(prediction) if collectives else prediction
+
+
+def with_collectives(prediction: Prediction) -> Prediction:
+    """The prediction with the replicas' collectives priced on its simulated compute."""
+    plan, cost, result = prediction.plan, prediction.cost, prediction.result
+    step = data_parallel_collectives(plan, cost, result.compute_spans)
+    return replace(prediction, data_parallel_s=data_parallel_seconds(plan, cost, result.makespan_s,
+                                                                     spans=result.compute_spans, step=step),
+                   collective_events=step.events if step is not None else [],
+                   collective_spans=step.spans if step is not None else [])
 
 
 def plan_sharding(plan: Plan) -> Sharding:

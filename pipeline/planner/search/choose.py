@@ -124,6 +124,9 @@ class SearchResult:
     #: candidates not simulated, with their closed-form estimates (search/screen.py): a search with
     #: more candidates than `plan.simulate` plans only the most promising
     screened: list = field(default_factory=list)
+    #: what the simulated candidates' activations came to over their estimates' (>= 1): the
+    #: estimates left out as over the memory are judged with it
+    activation_scale: float = 1.0
 
     @property
     def ranked(self) -> list[Outcome]:
@@ -218,14 +221,17 @@ class SearchResult:
 
     def _screened_line(self) -> str:
         """How many candidates the closed-form estimate left unsimulated, and why."""
-        over = sum(1 for _, e in self.screened if e.error is None and not e.fits(self.cap))
+        scale = self.activation_scale
+        over = sum(1 for _, e in self.screened if e.error is None and not e.fits(self.cap, scale))
         failed = sum(1 for _, e in self.screened if e.error is not None)
         slower = len(self.screened) - over - failed
-        best = min((e.step_s for _, e in self.screened if e.error is None and e.fits(self.cap)), default=None)
+        best = min((e.step_s for _, e in self.screened if e.error is None and e.fits(self.cap, scale)), default=None)
+        scaled = f", activations x{scale:.2f} as the simulated ones held" if scale > 1.0 else ""
         return (f"{len(self.outcomes)} of {len(self.outcomes) + len(self.screened)} candidates simulated; the rest by "
                 f"closed-form estimate: {slower} slower" + (f" (the fastest of them estimated at {best * 1e3:.1f} ms)"
                                                                if best is not None else "")
-                + f", {over} over the device memory, {failed} that cannot run (plan.simulate sets how many run)")
+                + f", {over} over the device memory{scaled}, {failed} that cannot run (plan.simulate sets how many "
+                  "run)")
 
     def _figures(self, o: Outcome) -> str:
         if self.per_device is None:
@@ -289,6 +295,7 @@ class SearchResult:
 
     def to_dict(self, top: int = 20) -> dict:
         return {"seconds": self.seconds, "candidates": len(self.outcomes), "screened": len(self.screened),
+                "activation_scale": self.activation_scale,
                 "fit": len(self.ranked),
                 "over_budget": len(self.excluded), "failed": len(self.failed), "winner": self.winner.row(),
                 "why": self.why(), "top": [o.row() for o in self.ranked[:top]],

@@ -121,9 +121,14 @@ class Estimate:
     step_s: float = math.inf
     peak_bytes: float = 0.0
     error: str | None = None
+    #: of the peak, the activations the fullest device holds (the least certain part)
+    activation_bytes: float = 0.0
 
-    def fits(self, cap: float | None) -> bool:
-        return self.error is None and (cap is None or self.peak_bytes <= cap * (1 + MEMORY_SLACK))
+    def fits(self, cap: float | None, activation_scale: float = 1.0) -> bool:
+        """Within the cap (and the estimate's slack), its activations scaled by `activation_scale`
+        (what the simulated candidates held over what their estimates said)."""
+        peak = self.peak_bytes + (activation_scale - 1.0) * self.activation_bytes
+        return self.error is None and (cap is None or peak <= cap * (1 + MEMORY_SLACK))
 
 
 @dataclass(frozen=True)
@@ -227,6 +232,9 @@ class Screen:
 
     def estimate(self, c: Candidate) -> Estimate:
         pp, _, tp = self._layout(c)
+        if c.remat == "auto" and self.cap is not None and not c.partitioner_plugin.attribute("chooses_remat", True):
+            return Estimate(error=f"remat=auto under a memory budget needs a partitioner that chooses the stages to "
+                                  f"recompute while cutting; partitioner={c.partitioner} does not")
         try:
             assert self.generator is not None, "the search sets the generators"
             gen = self.generator(c)
@@ -251,7 +259,7 @@ class Screen:
         except ConfigError as err:
             return Estimate(error=str(err).removeprefix("Invalid config "))
         stages = len(placement)
-        step, peak = self._step(c, model, shape, remat, whole), self._peak(c, model, shape, remat, stages)
+        step, (peak, held) = self._step(c, model, shape, remat, whole), self._peak(c, model, shape, remat, stages)
         if c.remat == "auto" and self.cap is not None and peak > self.cap:  # recomputation where memory needs it
             try:
                 full = scaled_shape(gen, pp, c.microbatches, "full", fiw)
@@ -259,11 +267,12 @@ class Screen:
                 return Estimate(error=str(err).removeprefix("Invalid config "))
             # a split backward keeps a recomputed micro-batch's activations from its I until its W,
             # which these schedules defer: its memory is estimated as without recomputation
-            kept = peak if gen.split_backward else self._peak(c, model, full, "full", stages)
-            return Estimate(self._step(c, model, full, "full", whole), kept)
+            kept, kept_held = (peak, held) if gen.split_backward else self._peak(c, model, full, "full", stages)
+            return Estimate(self._step(c, model, full, "full", whole), kept, activation_bytes=kept_held)
         if remat == "full" and gen.split_backward:
-            return Estimate(step, self._peak(c, model, shape, "none", stages))
-        return Estimate(step, peak)
+            kept, kept_held = self._peak(c, model, shape, "none", stages)
+            return Estimate(step, kept, activation_bytes=kept_held)
+        return Estimate(step, peak, activation_bytes=held)
 
     def _step(self, c: Candidate, model: ModelCosts, shape: Shape, remat: str, whole: float) -> float:
         pp, dp, _ = self._layout(c)
@@ -281,7 +290,8 @@ class Screen:
             reduce = max(0.0, ring - (whole - model.forward) / pp)  # hidden under the last backward
         return (c.microbatches + shape.bubble) * work + hops + optimizer + reduce
 
-    def _peak(self, c: Candidate, model: ModelCosts, shape: Shape, remat: str, stages: int) -> float:
+    def _peak(self, c: Candidate, model: ModelCosts, shape: Shape, remat: str, stages: int) -> tuple[float, float]:
+        """(the fullest device's bytes, of which activations)"""
         pp, dp, _ = self._layout(c)
         level = self.configured_zero if c.zero is None else c.zero
         rank_params = model.param_bytes / pp + (model.largest_params if pp > 1 else 0.0)
@@ -294,7 +304,17 @@ class Screen:
             held = shape.held * (stages / pp) * model.boundary_bytes + per_stage
         else:
             held = shape.held * (stages / pp) * per_stage
-        return weights + grads + states + held + self.reserve_bytes
+        return weights + grads + states + held + self.reserve_bytes, held
+
+
+def activation_scale(simulated: list[tuple[Estimate, float]]) -> float:
+    """What the simulated candidates' activations came to over their estimates', from (estimate,
+    simulated peak) pairs: the median ratio, never below 1. The estimate counts a graph node's saved
+    bytes; an op-level graph (a transformers model traced to aten ops) saves more in the places a
+    simulation sees, and every candidate of one model is off by about the same factor."""
+    ratios = sorted((peak - (e.peak_bytes - e.activation_bytes)) / e.activation_bytes
+                    for e, peak in simulated if e.error is None and e.activation_bytes > 0)
+    return max(1.0, ratios[len(ratios) // 2]) if ratios else 1.0
 
 
 def ranked(cands: list[Candidate], screen: Screen, given: Candidate | None

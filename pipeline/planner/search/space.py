@@ -34,7 +34,14 @@ from pipelaunch.pipeline.planner.search.choose import (
     scheduler_variants,
 )
 from pipelaunch.pipeline.planner.search.layouts import layouts
-from pipelaunch.pipeline.planner.search.screen import DEFAULT_SIMULATED, SIMULATE_ALL, TRIES, Screen, ranked
+from pipelaunch.pipeline.planner.search.screen import (
+    DEFAULT_SIMULATED,
+    SIMULATE_ALL,
+    TRIES,
+    Screen,
+    activation_scale,
+    ranked,
+)
 
 
 def training_schedules(options: GroupOptions) -> dict[str, Plugin]:
@@ -124,7 +131,7 @@ def search(cfg: TrainConfig, models: TracedModels, build: Callable[..., Plan], c
         gen = generator(c)
         traced = models.get(micro_batch_size(cfg, c.microbatches, c.dp), c.tp)
         plan = build(gen, traced, c)
-        return fit_budget(plan, predict(plan, *link(c)), traced.graph, cap, *link(c),
+        return fit_budget(plan, predict(plan, *link(c), collectives=False), traced.graph, cap, *link(c),
                           rebuild=lambda whole: build(gen, traced, c, whole))
 
     tie = cfg.plan.tie
@@ -166,13 +173,21 @@ def _screened_search(cfg: TrainConfig, models: TracedModels, cands: list[Candida
             lo, hi = sizes.get(tp, (size, size))
             sizes[tp] = (min(lo, size), max(hi, size))
     order, estimates = ranked(cands, replace(screen, generator=generator, reference=sizes), given)
+    estimate_of = {id(c): e for c, e in estimates}
     outcomes: list[Outcome] = []
+    scale = 1.0
     while order and sum(o.fits for o in outcomes) < keep and len(outcomes) < TRIES * keep:
         wanted = min(keep - sum(o.fits for o in outcomes), TRIES * keep - len(outcomes))
         batch, order = order[:wanted], order[wanted:]
         _prepare(cfg, models, batch)
         outcomes += run_search(batch, evaluate, cfg.memory.cap_bytes).outcomes
+        # the estimates corrected by what the simulations held: those now over the memory are left
+        scale = activation_scale([(estimate_of[id(o.candidate)], o.prediction.peak_bytes) for o in outcomes
+                                  if o.prediction is not None and id(o.candidate) in estimate_of])
+        order = [c for c in order
+                 if id(c) not in estimate_of or estimate_of[id(c)].fits(cfg.memory.cap_bytes, scale)]
     planned = {id(o.candidate) for o in outcomes}
     result = SearchResult(outcomes, time.perf_counter() - started, cfg.memory.cap_bytes, given, cfg.plan.tie)
     result.screened = [(c, e) for c, e in estimates if id(c) not in planned]
+    result.activation_scale = scale
     return result
