@@ -15,6 +15,7 @@ exists); recomputing stages (remat) hold full activations for fewer of them and 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 import networkx as nx
 
@@ -35,13 +36,31 @@ def partition_request(
     Without a budget the counts only break ties between equally fast splits, so they are taken on
     the generator's first candidate order instead of the best of them (at pp=64 with 256
     micro-batches, V-Min's candidates took 1.4 s)."""
-    placement = list(placement)
+    counts = _in_flight if _hashable(generator) else _in_flight.__wrapped__
     # without a cap the counts only break ties between splits: the first candidate order will do
-    plain = build_schedule(generator, placement, microbatches, first_order=cap is None).peak_in_flight()
+    plain = list(counts(generator, tuple(placement), microbatches, "none", cap is None))
     if not generator.training or remat == "none" or (remat == "auto" and cap is None):
         return PartitionRequest(bandwidth, plain, cap)
-    recomputed = build_schedule(generator, placement, microbatches, "full").peak_in_flight()
+    recomputed = list(counts(generator, tuple(placement), microbatches, "full", False))
     return PartitionRequest(bandwidth, plain, cap, recomputed, remat_all=remat == "full")
+
+
+def _hashable(value: object) -> bool:
+    """A frozen generator (the project's are) can key a cache; a user's mutable one is rebuilt each time."""
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+@lru_cache(maxsize=256)
+def _in_flight(generator: ScheduleGenerator, placement: tuple[int, ...], microbatches: int, remat: str,
+               first_order: bool) -> tuple[int, ...]:
+    """The unit-cost order's in-flight counts, once per schedule shape (remat=auto's fit builds a
+    candidate again with other stages recomputing whole: the same counts)."""
+    return tuple(build_schedule(generator, list(placement), microbatches, remat,
+                                first_order=first_order).peak_in_flight())
 
 
 def device_view(graph: nx.DiGraph, param_factor: float, shared_factor: float | None = None) -> nx.DiGraph:
