@@ -359,21 +359,27 @@ def check_scored_microbatches(cfg: TrainConfig, spec: ModelSpec, data: object, p
     if not plan.schedule.training or not hasattr(data, "scored_per_sample"):
         return
     parts, per = plan.dp * plan.microbatches, cfg.batch_size // (plan.dp * plan.microbatches)
-    counts = np.asarray(data.scored_per_sample(0, cfg.steps * cfg.batch_size))
-    sums = counts.reshape(cfg.steps, parts, per).sum(axis=2)
-    empty = np.argwhere(sums == 0)
+    chunk = max(1, (1 << 22) // cfg.batch_size)  # steps counted at once: a few million samples
+    empty = np.zeros((0, 2), dtype=np.int64)
+    for start in range(0, cfg.steps, chunk):
+        steps = min(chunk, cfg.steps - start)
+        counts = np.asarray(data.scored_per_sample(start * cfg.batch_size, steps * cfg.batch_size))
+        empty = np.argwhere(counts.reshape(steps, parts, per).sum(axis=2) == 0)
+        if len(empty):
+            empty[:, 0] += start
+            break
     if not len(empty):
         return
     step, part = (int(v) for v in empty[0])
     first = step * cfg.batch_size + part * per
-    fix = ("set data.truncate=false (examples are then refused rather than cut) or a longer model.seq_len"
-           if cfg.data.get("truncate") else "check data.response_key: the responses tokenize to nothing")
+    why, fix = (("its examples' responses were cut away (data.truncate=true: prompts as long as the window)",
+                 "a longer model.seq_len") if cfg.data.get("truncate") else
+                ("its examples' responses are empty", "check data.response_key and data.add_eos"))
     raise ConfigError("microbatches", f"micro-batch {part % plan.microbatches} of replica {part // plan.microbatches} "
                                       f"at step {step} (samples {first}..{first + per - 1} of the run) holds no scored "
-                                      f"token ({len(empty)} such micro-batch(es) in {cfg.steps} steps): its examples' "
-                                      f"responses lie outside the window of model.seq_len + 1 tokens. Use fewer "
-                                      f"micro-batches (microbatches={plan.microbatches} now; each holds {per} "
-                                      f"example(s)) or a larger batch_size, or {fix}")
+                                      f"token, every target -100: {why}. Use fewer micro-batches (microbatches="
+                                      f"{plan.microbatches} now, {per} example(s) each) or a larger batch_size, or "
+                                      f"{fix}")
 
 
 def _check_token_windows(cfg: TrainConfig, spec: ModelSpec, adapter: bool) -> None:

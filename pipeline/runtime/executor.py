@@ -331,6 +331,8 @@ class Executor:
             if slot.loss_value is not None and self._targets is not None:
                 divisor = self._divisors[mb] if self._divisors is not None else self.loss_scale
                 loss = self.loss_fn(outs[slot.loss_value], self._targets[mb]) / divisor
+                if divisor == math.inf and not self.training:  # a held-out micro-batch scoring nothing: 0/0
+                    loss = loss.nan_to_num(0.0) * 0.0  # (training refuses it before spawn; a NaN is reported)
         state.outputs, state.loss = outs, loss
         return loss
 
