@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from pipelaunch.pipeline.core import IGNORE_INDEX
 from pipelaunch.pipeline.core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -191,10 +192,6 @@ def require_positive_ints(**values: object) -> None:
     for key, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"model.{key}", f"got {value!r}; valid: a positive integer")
-
-
-#: a target position no loss scores (a fine-tuning prompt, padding): torch's and transformers' own
-IGNORE_INDEX = -100
 
 
 def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

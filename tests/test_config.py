@@ -25,6 +25,19 @@ def _documents() -> list[str]:
     return [f"data.files=[{write_docs(TOKENS.parent / 'docs.jsonl')}]", f"data.tokenizer={TOKENS.parent / 'tok'}",
             f"data.cache_dir={TOKENS.parent / 'cache'}", "model.vocab_size=320"]
 
+def _examples() -> list[str]:
+    """data=chat needs a tokenizer directory and a jsonl of prompt/response pairs (short enough
+    for FAST's window of 8)."""
+    import json
+
+    from tests.corpora import make_tokenizer
+
+    make_tokenizer(TOKENS.parent / "tok")
+    path = TOKENS.parent / "chat.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "the fox", "response": "dog" * (i % 2 + 1)}) + "\n" for i in range(8)))
+    return [f"data.files=[{path}]", f"data.tokenizer={TOKENS.parent / 'tok'}", "model.vocab_size=320"]
+
+
 NEEDS = {
     ("partitioner", "manual"): ["partitioner.split_points=[layer3]"],
     ("placement", "explicit"): ["scheduler=gpipe", "placement.ranks=[0,1,1,0]"],
@@ -37,6 +50,7 @@ NEEDS = {
     ("data", "text"): ["model.vocab_size=256"],
     ("data", "tokens"): [f"data.path={TOKENS}"],
     ("data", "hf"): _documents,
+    ("data", "chat"): _examples,
     ("model", "hf"): ["+model.config.model_type=gpt2", "+model.config.n_layer=4", "+model.config.n_embd=32",
                       "+model.config.n_head=4", "+model.config.vocab_size=64", "model.seq_len=8"],
     ("model", "module"): ["model.module._target_=tests.ecosystem_models.token_mlp", "model.input.shape=[8]",

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from pipelaunch.models.spec import IGNORE_INDEX
+from pipelaunch.pipeline.core import IGNORE_INDEX
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.data.hf import _epoch_order, load_tokenizer
 
