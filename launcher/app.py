@@ -105,7 +105,9 @@ def report(rank0: RankResult, plan: Plan, cfg: TrainConfig, run_dir: Path) -> di
         print(device_memory_table(plan, history.ranks), flush=True)
     print(
         f"done: median step {history.step_time_s * 1e3:.1f} ms, {history.tokens_per_s:.0f} {history.throughput_unit}/s, "
-        f"final loss {history.losses[-1]:.4f}; metrics in {run_dir / 'metrics.json'}",
+        + (f"{history.scored_tokens_per_s:.0f} scored tokens/s, " if history.scored_tokens_per_s is not None else "")
+        + (f"padding {history.padding_share:.0%}, " if history.padding_share is not None else "")
+        + f"final loss {history.losses[-1]:.4f}; metrics in {run_dir / 'metrics.json'}",
         flush=True,
     )
     say_if_stopped(history, cfg.steps)
