@@ -131,6 +131,19 @@ SCENARIOS = [
               ".save_pretrained('llama_dir')\"", produces="llama_dir/config.json"),
         train("python train.py model=hf model.path=llama_dir model.vocab_size=256 model.seq_len=128 pp=2"),
     ), slow=True, timeout=300),
+    # fine-tuning on prompt/response pairs (slow: tests/test_fine_tuning.py trains both kinds like one
+    # process at 1, 4 and 8 micro-batches and dp 1 and 2)
+    Scenario("fine-tuning", "README.md", (
+        typed("python -c \"from pathlib import Path; from tests.corpora import make_tokenizer; "
+              "make_tokenizer(Path('chat_tok'))\"", produces="chat_tok/tokenizer.json"),
+        typed("python -c \"import json; open('chat.jsonl', 'w').writelines(json.dumps({'prompt': f'Q{i}: what "
+              "does the fox do?', 'response': ' jumps' * (1 + i % 12)}) + '\\n' for i in range(64))\"",
+              produces="chat.jsonl"),
+        train("python train.py model=gpt model.vocab_size=320 model.seq_len=48 data=chat 'data.files=[chat.jsonl]' "
+              "data.tokenizer=chat_tok pp=2 microbatches=8"),
+        train("python train.py model=hf_llama_tiny model.config.vocab_size=320 model.seq_len=48 model.loss=model "
+              "model.labels=targets data=chat 'data.files=[chat.jsonl]' data.tokenizer=chat_tok pp=2 dp=2"),
+    ), slow=True, timeout=300),
     # a model computing its own loss (nanoGPT's stand-in, transformers'); the last-position refusal
     Scenario("own-loss", "README.md", (
         train("python train.py model=module model.module._target_=tests.zoo.nanogpt model.seq_len=16 "
