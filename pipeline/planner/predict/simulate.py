@@ -545,29 +545,37 @@ def _in_flight(schedule: Schedule, cost: CostModel, raw_events: list[tuple[int, 
     held = {Kind.RECV_F: in_b, Kind.RECV_B: out_b, Kind.SEND_F: out_b, Kind.SEND_B: in_b}
     transfer = {kind: [cost.transfer_s(b) for b in held[kind]] for kind in (Kind.SEND_F, Kind.SEND_B)}
     for rank, acts in enumerate(schedule.actions):
-        reader = {(COMPLETES[a.kind], a.stage, a.mb): i
-                  for i, a in enumerate(a for a in acts if a.kind in COMPLETES)}
-        mem, started, ended = mem_events[rank], starts[rank], ends[rank]
+        started, ended = starts[rank], ends[rank]
+        # receives are posted after the rest: at one instant the events of one order share a sign,
+        # so the peak does not depend on their order
+        post = mem_events[rank].append
+        reader: dict[tuple[Step, int, int], int] = {}  # (what a compute action completes) -> its index
+        receives = []  # (posted at, bytes, what reads it): matched to their reader once every one is known
         done = 0  # compute actions before the current position
         for a in acts:
             kind = a.kind
-            if kind in COMPLETES:
+            completes = COMPLETES.get(kind)
+            if completes is not None:
+                reader[(completes, a.stage, a.mb)] = done  # the last one, where a key repeats
                 done += 1
                 continue
-            if kind not in held:  # a data-parallel collective: priced by predict/data_parallel.py
+            per_stage = held.get(kind)
+            if per_stage is None:  # a data-parallel collective: priced by predict/data_parallel.py
                 continue
-            nbytes = held[kind][a.stage]
+            nbytes = per_stage[a.stage]
             if not nbytes:
                 continue
             made_end = ended[done - 1] if done else 0.0
             if kind in READS:
-                read = reader.get((READS[kind], a.stage, a.mb))
-                if read is not None:
-                    mem.append((made_end, _ALLOC, nbytes, 0))
-                    mem.append((started[read], _FREE, -nbytes, 0))
+                receives.append((made_end, nbytes, (READS[kind], a.stage, a.mb)))
             else:
-                mem.append((made_end, _ALLOC, nbytes, 0))
-                mem.append((made_end + transfer[kind][a.stage], _FREE, -nbytes, 0))
+                post((made_end, _ALLOC, nbytes, 0))
+                post((made_end + transfer[kind][a.stage], _FREE, -nbytes, 0))
+        for made_end, nbytes, key in receives:
+            read = reader.get(key)
+            if read is not None:
+                post((made_end, _ALLOC, nbytes, 0))
+                post((started[read], _FREE, -nbytes, 0))
 
 
 def _lower_bound(schedule: Schedule, cost: CostModel, busy: list[float]) -> float:
