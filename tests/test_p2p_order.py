@@ -75,7 +75,7 @@ def test_every_schedule_lowers_to_a_program_nccl_runs(pp: int) -> None:
 ])
 def test_plans_the_launcher_builds_pass_the_check(overrides: list[str]) -> None:
     plan = prepare(compose_cfg(["microbatches=4", *overrides])).plan
-    check_plan(plan)  # build_plan ran it already; again here on the plan as the ranks receive it
+    check_plan(plan)  # make_plan ran it already; again here on the plan as the ranks receive it
     assert any(a.peer is not None for acts in plan.schedule.actions for a in acts)
 
 
