@@ -235,10 +235,12 @@ def test_in_flight_counts_without_a_budget_take_the_first_candidate_order(monkey
     """The split's in-flight counts only break ties without a budget, so V-Min's unit-cost search
     stops at its first feasible candidate there; under a cap every candidate is still tried, and
     afterwards the generator searches as before."""
+    from pipelaunch.pipeline.planner.fit import budget
     from pipelaunch.pipeline.planner.fit.budget import partition_request
     from pipelaunch.pipeline.planner.schedules import base, build_schedule
     from pipelaunch.pipeline.planner.schedules.v_memory import VMin
 
+    budget._in_flight.cache_clear()  # the counts of a schedule shape are kept: count the orders built afresh
     fills: list[int] = []
     real_fill = base.Candidate.fill
     monkeypatch.setattr(base.Candidate, "fill", lambda self, *a, **k: fills.append(1) or real_fill(self, *a, **k))
@@ -259,11 +261,13 @@ def test_the_first_finished_order_is_not_simulated_when_only_its_shape_is_needed
     """ZBV's first candidate is the paper's finished order: the split's in-flight counts without a
     budget take it without playing it on the costs (a simulation of 98k actions at pp=64); the
     search that chooses the order that runs still plays every candidate."""
+    from pipelaunch.pipeline.planner.fit import budget
     from pipelaunch.pipeline.planner.fit.budget import partition_request
     from pipelaunch.pipeline.planner.placement import v_shape
     from pipelaunch.pipeline.planner.schedules import base, build_schedule
     from pipelaunch.pipeline.planner.schedules.zbv import ZBV
 
+    budget._in_flight.cache_clear()  # the order is built here, not taken from an earlier test's counts
     played: list[int] = []
     real = base.simulate_programs
     monkeypatch.setattr(base, "simulate_programs", lambda *a, **k: played.append(1) or real(*a, **k))
