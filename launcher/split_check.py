@@ -86,12 +86,12 @@ def check_split(cfg: TrainConfig, spec: ModelSpec, plan: Plan, model: nn.Module 
     reason = skip_reason(cfg, model)
     if reason is not None:
         return f"check_split: skipped: {reason}"
-    x, y = build_plugin("data", cfg.data).build().batch(0, plan.micro_batch_size)
+    batch = build_plugin("data", cfg.data).build().batch(0, plan.micro_batch_size)
     threads = torch.get_num_threads()
     # a rank's share of the cores: on a tiny model more threads only wait for each other
     torch.set_num_threads(cpu_threads(cfg.threads, cfg.world_size))
     try:
-        outcome = compare(spec, plan, (x, y), cfg.seed, initial_weights=getattr(initial, "path", None),
+        outcome = compare(spec, plan, batch, cfg.seed, initial_weights=getattr(initial, "path", None),
                           reference=getattr(initial, "model", None))
     except ReferenceFailed as err:
         raise ConfigError("check_split", f"{err}, so the stages the ranks would build cannot be checked against it "

@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 from pipelaunch.models.spec import ModelSpec
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.data.packing import Batch, split_batch
 from pipelaunch.pipeline.graph.buffers import constructor_seed
 from pipelaunch.pipeline.graph.initial_weights import InitialWeights
 from pipelaunch.pipeline.graph.materialize import lookup
@@ -125,15 +126,15 @@ def tolerance_for(model: nn.Module) -> float:
     return max(TOLERANCE, 8 * eps)
 
 
-def _forward_backward(run, spec: ModelSpec, batch: tuple[torch.Tensor, torch.Tensor],
+def _forward_backward(run, spec: ModelSpec, batch: Batch,
                       seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Output leaves and loss of one forward (under `seed`: dropout draws alike) and its backward;
     the model is given what the data gives it (`spec.model_args`: the targets too, for a model
-    computing its own loss)."""
-    x, y = batch
+    computing its own loss; packed documents' position ids)."""
+    x, y, fields = split_batch(batch)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        out = run(*spec.model_args(x, y))
+        out = run(*spec.model_args(x, y, fields))
         loss = spec.loss_fn(out, y)
     loss.backward()
     leaves = [t.detach() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -150,7 +151,7 @@ def _line(err: BaseException) -> str:
 
 
 def _run_reference(spec: ModelSpec, params: dict[str, list[torch.Tensor]], buffers: dict[str, torch.Tensor],
-                   batch: tuple[torch.Tensor, torch.Tensor], seed: int,
+                   batch: Batch, seed: int,
                    reference: nn.Module | None = None) -> tuple[nn.Module, dict, list, torch.Tensor]:
     """The unsplit module (`reference`: the one the ranks' initial weights were written from, else
     built here and given the stages' initial tensors), its buffers before the step, its output and
@@ -179,7 +180,7 @@ def _gradients(params: dict[str, list[torch.Tensor]], reference: nn.Module) -> t
     return grads, ref_grads
 
 
-def compare(spec: ModelSpec, plan: Plan, batch: tuple[torch.Tensor, torch.Tensor], seed: int, traced=None,
+def compare(spec: ModelSpec, plan: Plan, batch: Batch, seed: int, traced=None,
             initial_weights: Path | None = None, reference: nn.Module | None = None) -> Outcome:
     """The check itself (see the module docstring), on one micro-batch `batch`. With
     `initial_weights` (the file the ranks read) the stages read it and `reference` is the module it

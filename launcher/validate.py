@@ -328,9 +328,43 @@ def check_data(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins) -> object:
     data = plugins.data.build()
     if model_vocab is not None and hasattr(data, "check_vocabulary"):
         data.check_vocabulary(model_vocab)  # ids the model cannot embed
+    check_data_fields(cfg, spec, tuple(getattr(data, "fields", ())))
     if getattr(data, "masks_targets", False):
         check_masked_loss(cfg, spec)
     return data
+
+
+def check_data_fields(cfg: TrainConfig, spec: ModelSpec, fields: tuple[str, ...]) -> None:
+    """The extra per-token fields the data gives (packed documents' position ids) and those the
+    model takes must agree: packing for a model that cannot take the position ids (its documents
+    would attend to each other) is refused, naming the key, as is an attention implementation of
+    transformers that ignores them on this device. Tensor parallelism is not checked on packed
+    documents yet: refused."""
+    taken = tuple(a for a in spec.data_args if a not in ("input", "target"))
+    if fields and not taken:
+        raise ConfigError("data.packing", f"packs documents, but model={spec.name} takes no position ids or document "
+                                          "mask (its documents would attend to each other); use data.packing=none, "
+                                          "or a model that takes them: model=gpt, model=hf, or model=module with "
+                                          "model.position_ids_arg naming its forward's argument")
+    missing = [f for f in taken if f not in fields]
+    if missing:
+        raise ConfigError("data.packing", f"model={spec.name} takes {', '.join(missing)} (packed documents), but the "
+                                          f"data gives none; set data.packing=documents (data=tokens or data=hf)")
+    if not fields:
+        return
+    if cfg.tp > 1:
+        raise ConfigError("tp", f"tp={cfg.tp} on packed documents (data.packing=documents) is not supported yet; "
+                                "use tp=1, or data.packing=none")
+    impl = spec.meta.get("attn_implementation")
+    if impl is not None:
+        from pipelaunch.models.hf import PACKED_ATTENTION
+
+        device = "cuda" if on_cuda(cfg) else "cpu"
+        if device not in PACKED_ATTENTION.get(impl, ()):
+            valid = ", ".join(k for k, devices in PACKED_ATTENTION.items() if device in devices)
+            raise ConfigError("model.config.attn_implementation",
+                              f"{impl} does not keep packed documents apart from position ids alone on {device} "
+                              f"(transformers' packed path); valid here: {valid}")
 
 
 def check_masked_loss(cfg: TrainConfig, spec: ModelSpec) -> None:

@@ -1,4 +1,10 @@
-"""A small GPT-style decoder: embeddings, pre-LayerNorm causal blocks, final norm and LM head."""
+"""A small GPT-style decoder: embeddings, pre-LayerNorm causal blocks, final norm and LM head.
+
+With packed documents (`data.packing=documents`) the model takes the data's position ids as a
+second input: each block's attention is confined to the position's own document (a document
+starts wherever the position ids do not go up by one) and the positional embedding reads them, so
+each document is computed as the unpacked model computes it alone. Without them the model, its
+forward and its parameter names are what they always were."""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from torch import nn
 
 from pipelaunch.models.spec import ModelSpec, causal_lm_loss, require_positive_ints
 from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.data.packing import POSITION_IDS, segments
 
 #: where a planner may cut the model: between blocks, also between a block's attention and MLP
 #: halves, or between any two traced operators
@@ -31,9 +38,38 @@ class Embedding(nn.Module):
         self.tokens = nn.Embedding(vocab_size, dim)
         self.positions = nn.Embedding(seq_len, dim)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(tokens.shape[1], device=tokens.device)
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1], device=tokens.device) if position_ids is None else position_ids
         return self.tokens(tokens) + self.positions(pos)
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor,
+                       dropout_p: float) -> torch.Tensor:
+    """Causal attention within each document of a packed sample ([b, heads, t, head_dim]; the
+    documents where `position_ids` [b, t] restart). On CUDA, FlexAttention with a document
+    BlockMask: no t x t mask is materialised and blocks outside the documents are skipped
+    (dropout refused there: flex_attention has none). Elsewhere (the CPU), a boolean [b, 1, t, t]
+    mask through scaled_dot_product_attention, which is exact and cheap at CPU sizes. torch.fx
+    keeps this function whole (`fx.wrap`): the device branch is decided when it runs."""
+    docs = segments(position_ids)
+    if q.is_cuda:
+        if dropout_p:
+            raise ValueError("attention dropout on packed documents is not supported on CUDA (flex_attention)")
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        def mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 - flex_attention's signature
+            return (q_idx >= kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
+
+        t = q.shape[-2]
+        block_mask = create_block_mask(mask_mod, q.shape[0], None, t, t, device=q.device)
+        return flex_attention(q, k, v, block_mask=block_mask)
+    t = q.shape[-2]
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    mask = (docs.unsqueeze(-1) == docs.unsqueeze(-2)) & causal
+    return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), dropout_p=dropout_p)
+
+
+torch.fx.wrap("document_attention")
 
 
 class CausalSelfAttention(nn.Module):
@@ -52,12 +88,14 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.dropout = dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = (f(x).view(b, t, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
-        y = nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        dropout = self.dropout if self.training else 0.0
+        if position_ids is None:
+            y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        else:  # packed documents: each attends within its own
+            y = document_attention(q, k, v, position_ids, dropout)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -71,8 +109,8 @@ class DecoderBlock(nn.Module):
         self.ln2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + (self.attn(self.ln1(x)) if position_ids is None else self.attn(self.ln1(x), position_ids))
         return x + self.mlp(self.ln2(x))
 
 
@@ -100,6 +138,7 @@ def gpt(
     tie_embeddings: bool = False,
     granularity: str = "block",
     tp_plan: dict[str, str] | None = None,
+    data_packing: str | None = None,
 ) -> ModelSpec:
     """Blocks, in order: `embed`, `layer0` .. `layer{layers-1}`, `head` (the leaf modules).
 
@@ -113,7 +152,8 @@ def gpt(
     modules, so a cut may fall between any two operators (inside the MLP, where the crossing
     tensor is 4x larger, too). Same weights, same arithmetic as `granularity="block"`.
 
-    `tp_plan`: how tp > 1 splits it (null: `TP_PLAN`, Megatron's split)."""
+    `tp_plan`: how tp > 1 splits it (null: `TP_PLAN`, Megatron's split). `data_packing`: the data's
+    packing (`documents`: the model takes the data's position ids too, see the module docstring)."""
     require_positive_ints(vocab_size=vocab_size, dim=dim, layers=layers, heads=heads, seq_len=seq_len,
                           mlp_ratio=mlp_ratio)
     if dim % heads:
@@ -128,9 +168,11 @@ def gpt(
     blocks = [("embed", partial(Embedding, vocab_size, dim, seq_len))]
     blocks += [(f"layer{i}", partial(DecoderBlock, dim, heads, mlp_ratio, dropout)) for i in range(layers)]
     blocks.append(("head", partial(LMHead, dim, vocab_size)))
+    packed = (data_packing or "none") == "documents"
+    model_class = (PackedTiedGPT if tie_embeddings else PackedGPT) if packed else (TiedGPT if tie_embeddings else None)
     return ModelSpec(
         name=name,
-        build=partial(_tied_model if tie_embeddings else sequential, blocks),
+        build=partial(_built, model_class, blocks),
         loss_fn=causal_lm_loss,
         input_shape=(seq_len,),
         input_dtype=torch.long,
@@ -140,6 +182,7 @@ def gpt(
         meta={"vocab_size": vocab_size, "seq_len": seq_len, "dim": dim,
               "tp_divides": {"model.heads": heads, "model.vocab_size": vocab_size}},
         tp_plan=dict(TP_PLAN if tp_plan is None else tp_plan),
+        data_args=("input", POSITION_IDS) if packed else ("input",),
     )
 
 
@@ -162,12 +205,35 @@ class TiedGPT(nn.Sequential):
         self.head.proj.weight = self.embed.tokens.weight
 
 
+class PackedGPT(nn.Sequential):
+    """The blocks in order, each given the packed documents' position ids beside its input (the
+    embedding's positions, the attention's document mask); the same modules, so the same
+    parameter names, as the unpacked model's."""
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        x = self.embed(tokens, position_ids)
+        for name, block in self.named_children():
+            if name.startswith("layer"):
+                x = block(x, position_ids)
+        return self.head(x)
+
+
+class PackedTiedGPT(TiedGPT):
+    """PackedGPT with the head tied to the token embedding."""
+
+    forward = PackedGPT.forward
+
+
 def sequential(blocks) -> nn.Module:
     """A chain of named blocks: the model whose leaf modules are its blocks."""
     return nn.Sequential(OrderedDict((n, f()) for n, f in blocks))
 
 
-def _tied_model(blocks) -> nn.Module:
-    model = TiedGPT(OrderedDict((n, f()) for n, f in blocks))
-    model.tie()
+def _built(model_class: type[nn.Sequential] | None, blocks) -> nn.Module:
+    """The blocks in `model_class` (None: a plain nn.Sequential), tied if it ties."""
+    if model_class is None:
+        return sequential(blocks)
+    model = model_class(OrderedDict((n, f()) for n, f in blocks))
+    if isinstance(model, TiedGPT):
+        model.tie()
     return model

@@ -14,6 +14,13 @@ targets, `model(ids, labels=t, shift_labels=t).loss`, so a fine-tuning mask (-10
 padding, data=chat) reaches it. Either is transformers' mean over the micro-batch's scored labels,
 which the runtime rescales by the micro-batch's share of the global batch's scored tokens
 (`ModelSpec.scored`): exact, so the update is one process's on the whole batch.
+
+Packed documents (`data.packing=documents`): the model is also given the data's per-token
+`position_ids`, restarting at each document, and no attention mask: transformers' own packed path
+(`masking_utils.find_packed_sequence_indices`) confines each token's attention to its document
+in the sdpa, eager and flex_attention implementations (any device), and flash_attention_2/3 read
+them as variable-length sequences (CUDA only); the rotary positions restart with them.
+`PACKED_ATTENTION` lists them; another implementation is refused before any rank starts.
 """
 
 from __future__ import annotations
@@ -55,6 +62,34 @@ class CausalLMOnTargets(CausalLM):
 
     def forward(self, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.model(ids, labels=target, shift_labels=target, use_cache=False).loss
+
+
+class PackedCausalLM(CausalLM):
+    """CausalLM on packed documents: the data's position ids to transformers' packed path."""
+
+    def forward(self, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if self.own_loss:
+            return self.model(ids, labels=ids, position_ids=position_ids, use_cache=False).loss
+        return self.model(ids, position_ids=position_ids, use_cache=False).logits
+
+
+class PackedCausalLMOnTargets(CausalLM):
+    """CausalLMOnTargets on packed documents: the position ids too (the targets mask document ends)."""
+
+    def forward(self, ids: torch.Tensor, target: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.model(ids, labels=target, shift_labels=target, position_ids=position_ids, use_cache=False).loss
+
+
+#: attention implementation -> the devices on which it keeps packed documents apart given position
+#: ids alone (transformers 5.x: masking_utils builds a packed-sequence mask for sdpa, eager and
+#: flex_attention; flash attention turns the position ids into cu_seqlens, on CUDA)
+PACKED_ATTENTION = {"sdpa": ("cpu", "cuda"), "eager": ("cpu", "cuda"), "flex_attention": ("cpu", "cuda"),
+                    "flash_attention_2": ("cuda",), "flash_attention_3": ("cuda",)}
+
+
+def attention_implementation(config: Any) -> str:
+    """The attention implementation a config asks for (transformers' default: sdpa)."""
+    return str(getattr(config, "_attn_implementation", None) or "sdpa")
 
 
 def takes_loss_kwargs(model: nn.Module) -> bool:
@@ -149,14 +184,16 @@ def default_tp_plan(model: nn.Module, own_loss: bool) -> dict[str, str]:
 
 def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, name: str | None = None,
        leaf_modules: list[str] | None = None, dropout: bool = False, vocab_size: int | None = None,
-       loss: str = "causal_lm", tp_plan: dict[str, str] | None = None, labels: str = "inputs") -> ModelSpec:
+       loss: str = "causal_lm", tp_plan: dict[str, str] | None = None, labels: str = "inputs",
+       data_packing: str | None = None) -> ModelSpec:
     """A transformers causal LM as a ModelSpec (see the module docstring). `dropout=False` sets the
     config's dropout probabilities to 0, so a pipeline and one process compute the same thing.
     `loss`: `causal_lm` (next-token cross-entropy on the logits, every position scored against the
     data's targets) or `model` (transformers' own loss; `labels`: `inputs`, the input ids shifted by
     transformers, or `targets`, the data's targets as `shift_labels`, masks kept). `tp_plan`: how tp >
     1 splits it, patterns on the wrapped model's names (`model.model.layers.*.mlp.up_proj`); null:
-    transformers' own (`tp_plan` below)."""
+    transformers' own (`tp_plan` below). `data_packing=documents`: the data's position ids go to the
+    model too (the module docstring)."""
     from transformers import AutoModelForCausalLM
 
     if loss not in ("causal_lm", "model"):
@@ -185,7 +222,11 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
     if isinstance(positions, int) and 0 < positions < seq_len:
         raise ConfigError("model.seq_len", f"{seq_len} exceeds the model's {positions} positions")
 
-    wrapper = CausalLMOnTargets if on_targets else CausalLM
+    packed = (data_packing or "none") == "documents"
+    if packed:
+        wrapper = PackedCausalLMOnTargets if on_targets else PackedCausalLM
+    else:
+        wrapper = CausalLMOnTargets if on_targets else CausalLM
 
     def build() -> nn.Module:
         return wrapper(constructed(lambda: AutoModelForCausalLM.from_config(cfg)), own_loss)
@@ -207,12 +248,13 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
         leaf_modules=leaf_modules,
         init=transformers_init,
         meta={"vocab_size": text.vocab_size, "seq_len": seq_len, "hf_model_type": cfg.model_type,
+              "attn_implementation": attention_implementation(cfg),
               "tp_divides": {f"model.config.{k}": getattr(text, k) for k in
                              ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
                              if isinstance(getattr(text, k, None), int)}},
         own_loss=own_loss,
         tp_plan=default_tp_plan(meta_model, own_loss) if tp_plan is None else dict(tp_plan),
-        data_args=("input", "target") if on_targets else ("input",),
+        data_args=(("input", "target") if on_targets else ("input",)) + (("position_ids",) if packed else ()),
         scored=(count_tokens if on_targets else count_shifted) if own_loss else None,
         masked_refusal=("model.labels=inputs gives transformers' loss the input ids, which carry no mask: it would "
                         "score the prompt and the padding; set model.labels=targets (the data's targets, -100 "

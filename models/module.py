@@ -24,6 +24,12 @@ data's targets (`labels=targets`, the next token at each position: nanoGPT) or t
 themselves (`labels=inputs`: transformers shifts them inside its loss), and `output` picks the
 loss from what it returns (null: its `loss` field, or a tuple's last element). The data's targets
 are then a second input of the traced graph, read by whichever stage computes the loss.
+
+Packed documents (`data.packing=documents`): the model is given the data's per-token position ids
+(restarting at each document) by keyword, `position_ids_arg` (null: `position_ids`, if its
+forward takes it); they are one more input of the traced graph, read by every stage that needs
+them. What the model makes of them (positions, a document mask) is its own: a forward that
+cannot take them is refused before any rank starts.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from torch import nn
 
 from pipelaunch.models.spec import ModelSpec, causal_lm_loss, model_loss
 from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.data.packing import POSITION_IDS
 from pipelaunch.pipeline.graph.buffers import ConstructorBuffers
 
 LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
@@ -58,11 +65,13 @@ class Adapted(nn.Module):
     the batch on each call."""
 
     def __init__(self, inner: nn.Module, output: str | int | None, extra_inputs: Sequence[Any],
-                 targets_arg: str | None = None) -> None:
+                 targets_arg: str | None = None, positions_arg: str | None = None) -> None:
         super().__init__()
         self.inner, self.output = inner, output
         #: the keyword the model's own loss takes its targets by (`model.loss=model`), else None
         self.targets_arg = targets_arg
+        #: the keyword packed documents' position ids go to (`model.position_ids_arg`), else None
+        self.positions_arg = positions_arg
         self.extra_inputs: tuple[Any, ...] = tuple(extra_inputs)
         for i, item in enumerate(self.extra_inputs):
             if isinstance(item, Mapping):
@@ -97,6 +106,50 @@ class ShiftsInputs(Adapted):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return pick(self.inner(x, *self.extras(x), **{self.targets_arg: x}), self.output, True)
+
+
+class PackedAdapted(Adapted):
+    """Adapted, on packed documents: the data's position ids by keyword (`positions_arg`)."""
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return pick(self.inner(x, *self.extras(x), **{self.positions_arg: position_ids}), self.output, False)
+
+
+class PackedTakesTargets(Adapted):
+    """TakesTargets, on packed documents: the position ids by keyword too."""
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        kwargs = {self.targets_arg: target, self.positions_arg: position_ids}
+        return pick(self.inner(x, *self.extras(x), **kwargs), self.output, True)
+
+
+class PackedShiftsInputs(Adapted):
+    """ShiftsInputs, on packed documents. Its labels are the inputs, with no document-end mask: the
+    launcher refuses it on packed data (`check_masked_loss`), as on data=chat."""
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        kwargs = {self.targets_arg: x, self.positions_arg: position_ids}
+        return pick(self.inner(x, *self.extras(x), **kwargs), self.output, True)
+
+
+def _positions_arg(inner: nn.Module, positions_arg: str | None) -> str:
+    """The forward's keyword packed documents' position ids go to (`model.position_ids_arg`; null:
+    `position_ids`), or a ConfigError naming the key when the forward cannot take it."""
+    import inspect
+
+    try:
+        params = inspect.signature(inner.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    name = positions_arg or "position_ids"
+    if name in params or (positions_arg is not None and takes_any):
+        return name
+    raise ConfigError("model.position_ids_arg", f"data.packing=documents gives the model per-document position ids "
+                                                f"by keyword, but {type(inner).__name__}.forward({', '.join(params)}) "
+                                                f"takes no {name!r}: set model.position_ids_arg=<the argument taking "
+                                                "them> (the model must keep each document's attention to itself), "
+                                                "or data.packing=none")
 
 
 def _describe(out: Any) -> str:
@@ -310,6 +363,8 @@ def module(
     targets_arg: str | None = None,
     labels: str | None = None,
     tp_plan: Mapping[str, str] | None = None,
+    position_ids_arg: str | None = None,
+    data_packing: str | None = None,
 ) -> ModelSpec:
     """A ModelSpec around `module()`, the factory the launcher built with its arguments bound (see
     the module docstring). `input`/`target`:
@@ -319,7 +374,8 @@ def module(
     positions; cross_entropy: one label). `loss=model`: the model computes its own loss, its
     targets passed as `targets_arg` (`labels`: the data's `targets` or the `inputs`), `output`
     picking the loss. `data_kind`: the data's kind (`tokens`, `images`). `tp_plan`: how tp > 1
-    splits it, {its module-name pattern (`*` one component): colwise | rowwise | vocab | replicate}."""
+    splits it, {its module-name pattern (`*` one component): colwise | rowwise | vocab | replicate}.
+    `data_packing=documents`: the data's position ids go to the forward's `position_ids_arg`."""
     module, input, target, loss, extra_inputs = (
         OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
         for v in (module, input, target, loss, extra_inputs))
@@ -351,10 +407,16 @@ def module(
             wrapper, data_args = (TakesTargets, ("input", "target")) if labels == "targets" else (ShiftsInputs, ("input",))
         else:
             targets_arg = None
-        probe = wrapper(inner, output, extra_inputs, targets_arg)
+        positions_arg = None
+        if (data_packing or "none") == "documents":
+            positions_arg = _positions_arg(inner, position_ids_arg)
+            wrapper = {Adapted: PackedAdapted, TakesTargets: PackedTakesTargets,
+                       ShiftsInputs: PackedShiftsInputs}[wrapper]
+            data_args = (*data_args, POSITION_IDS)
+        probe = wrapper(inner, output, extra_inputs, targets_arg, positions_arg)
 
     def build() -> nn.Module:
-        return wrapper(make(), output, extra_inputs, targets_arg)
+        return wrapper(make(), output, extra_inputs, targets_arg, positions_arg)
 
     family, whole = initialisers(probe.inner)
     meta: dict = {}

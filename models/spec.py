@@ -19,6 +19,7 @@ from torch import nn
 
 from pipelaunch.pipeline.core import IGNORE_INDEX
 from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.data.packing import POSITION_IDS
 
 if TYPE_CHECKING:
     from pipelaunch.pipeline.graph.trace import TracedModel
@@ -65,7 +66,8 @@ class ModelSpec:
     #: into a directory; None: one `model.safetensors` under those names (`pipelaunch.launcher.export`)
     save: Callable[[dict[str, torch.Tensor], Path], None] | None = None
     #: what the data gives each positional input of the (traced) model, in order: `input` (the
-    #: batch's inputs) or `target` (its targets: a model that computes its own loss reads them)
+    #: batch's inputs), `target` (its targets: a model that computes its own loss reads them) or an
+    #: extra per-token field of the batch (`position_ids`: packed documents, data/packing.py)
     data_args: tuple[str, ...] = ("input",)
     #: the model's output is its own loss (`model.loss=model`); `loss_fn` is then `model_loss`
     own_loss: bool = False
@@ -168,9 +170,25 @@ class ModelSpec:
         """One micro-batch of input on the meta device, for tracing and shape propagation."""
         return torch.empty((batch, *self.input_shape), dtype=self.input_dtype, device="meta")
 
-    def model_args(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The model's positional arguments for one (inputs, targets) batch (`data_args`)."""
-        return tuple(inputs if what == "input" else targets for what in self.data_args)
+    def model_args(self, inputs: torch.Tensor, targets: torch.Tensor,
+                   fields: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+        """The model's positional arguments for one (inputs, targets, extra fields) batch
+        (`data_args`). A field the batch lacks (an example batch: profiling, shapes) is made up:
+        position ids of two documents per sample, so a document mask has something to confine."""
+        fields = fields or {}
+
+        def given(what: str) -> torch.Tensor:
+            if what == "input":
+                return inputs
+            if what == "target":
+                return targets
+            if what in fields:
+                return fields[what]
+            if what == POSITION_IDS:
+                return example_position_ids(inputs)
+            raise KeyError(f"the data gives no {what!r} (a model input of {self.name})")
+
+        return tuple(given(what) for what in self.data_args)
 
     def meta_args(self, batch: int) -> tuple[torch.Tensor, ...]:
         """`model_args` of one micro-batch on the meta device, for tracing and shape propagation."""
@@ -184,6 +202,15 @@ class ModelSpec:
 
         model = self.build_meta() if model is None else model
         return trace_model(model, self.meta_args(micro_batch_size), self.leaf_modules, name=self.name)
+
+
+def example_position_ids(inputs: torch.Tensor) -> torch.Tensor:
+    """Position ids of packed samples shaped as `inputs` [batch, seq]: two documents per sample
+    (positions restarting halfway), on `inputs`' device (meta while tracing)."""
+    t = inputs.shape[-1]
+    pos = torch.arange(t, device=inputs.device)
+    pos = pos - (pos >= t // 2).long() * (t // 2) if t > 1 else pos
+    return pos.expand(*inputs.shape[:-1], t)
 
 
 def require_positive_ints(**values: object) -> None:

@@ -213,7 +213,8 @@ class Plan:
         return self.pp * self.dp * self.tp
 
     def data_of(self, value: str) -> str:
-        """What the data gives the model input `value`: `input` or `target`."""
+        """What the data gives the model input `value`: `input`, `target` or an extra per-token
+        field of the batch (`position_ids`: packed documents)."""
         return self.model_inputs.get(value, "input")
 
     def stages_of(self, pp_rank: int) -> list[StagePlan]:

@@ -9,6 +9,10 @@ once per epoch, and any (pp, dp) or a resumed run reads the same global batch at
 Tokenization is cached by `datasets` (keyed by the files and the tokenizer), so the ranks reuse
 what the launcher tokenized while validating; for corpora too large to tokenize per run,
 `python -m pipelaunch.pipeline.data.prepare` writes the `data=tokens` format once.
+
+`data.packing=documents` packs the documents of each window: positions and attention per document
+(`pipelaunch.pipeline.data.packing`), the documents split at the id each ends with (`data.eod_id`,
+null: the tokenizer's end-of-sequence).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import numpy as np
 import torch
 
 from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.data.packing import FIELDS, Batch, check_packing, pack_rows
 from pipelaunch.pipeline.graph.init import name_seed
 
 #: file suffix -> the `datasets` builder that reads it
@@ -91,10 +96,12 @@ def load_documents(files: list[str], fmt: str | None, text_key: str, cache_dir: 
     return dataset
 
 
-def tokenize(dataset: Any, tokenizer: Any, text_key: str, num_proc: int | None = None) -> Any:
-    """Each document's token ids followed by end-of-sequence (when the tokenizer has one), as a
-    dataset with one column `input_ids`. `datasets` caches the result by fingerprint."""
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+def tokenize(dataset: Any, tokenizer: Any, text_key: str, num_proc: int | None = None,
+             eod_id: int | None = None) -> Any:
+    """Each document's token ids followed by end-of-sequence (`eod_id`, else the tokenizer's when it
+    has one), as a dataset with one column `input_ids`. `datasets` caches the result by fingerprint."""
+    end = eod_id if eod_id is not None else tokenizer.eos_token_id
+    eos = [end] if end is not None else []
 
     def encode(batch: dict[str, list]) -> dict[str, list]:
         return {"input_ids": [ids + eos for ids in tokenizer(batch[text_key])["input_ids"]]}
@@ -131,16 +138,24 @@ class HFDocuments:
     num_proc: int | None = None
     seed: int = 0
     kind: str = "tokens"
+    #: `none`, or `documents`: windows packed from the documents (data/packing.py)
+    packing: str = "none"
+    #: the id ending each document (null: the tokenizer's end-of-sequence)
+    eod_id: int | None = None
     _tok: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._tok = load_tokenizer(self.tokenizer)
+        eod = self.eod_id if self.eod_id is not None else self._tok.eos_token_id
+        self.packed = check_packing(self.packing, eod, len(self._tok))
+        self._eod = eod if self.packed else None
         self._train = self._pack(self.files, "data.files")
         self._val = self._pack(self.val_files, "data.val_files") if self.val_files else None
 
     def _pack(self, files: list[str], key: str) -> np.ndarray:
         docs = load_documents(files, self.format, self.text_key, self.cache_dir, key)
-        ids = [chunk for _, chunk in token_batches(tokenize(docs, self._tok, self.text_key, self.num_proc))]
+        ids = [chunk for _, chunk in token_batches(tokenize(docs, self._tok, self.text_key, self.num_proc,
+                                                                   self._eod))]
         flat = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
         window = self.seq_len + 1
         if len(flat) < window:
@@ -160,12 +175,25 @@ class HFDocuments:
         picks = [_epoch_order(self.seed, salt, i // n, n)[i % n] for i in range(first, first + count)]
         return torch.from_numpy(windows[picks].astype(np.int64))
 
-    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self._rows(self._train, step * batch_size, batch_size, "hf")
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The per-token fields a batch gives beside inputs and targets (packing: position ids)."""
+        return FIELDS if self.packed else ()
+
+    @property
+    def masks_targets(self) -> bool:
+        """Packed targets hold IGNORE_INDEX (at document ends): the loss must weigh scored tokens."""
+        return self.packed
+
+    def _batch(self, rows: torch.Tensor) -> Batch:
+        if self.packed:
+            return pack_rows(rows.numpy(), self._eod)
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
-    def val_batch(self, index: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int, batch_size: int) -> Batch:
+        return self._batch(self._rows(self._train, step * batch_size, batch_size, "hf"))
+
+    def val_batch(self, index: int, batch_size: int) -> Batch:
         """Held-out batch `index` (from val_files, or the training windows when there are none)."""
         windows = self._val if self._val is not None else self._train
-        rows = self._rows(windows, index * batch_size, batch_size, "val")
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        return self._batch(self._rows(windows, index * batch_size, batch_size, "val"))

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.data.packing import FIELDS, Batch, check_packing, pack_rows
 from pipelaunch.pipeline.graph.init import name_seed
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -46,8 +47,12 @@ class TokenFile:
     val_path: str | None = None
     seed: int = 0
     kind: str = "tokens"
+    #: `none`, or `documents`: windows packed from the documents `eod_id` ends (data/packing.py)
+    packing: str = "none"
+    eod_id: int | None = None
 
     def __post_init__(self) -> None:
+        self.packed = check_packing(self.packing, self.eod_id)
         if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) or self.seq_len < 1:
             raise ConfigError("model.seq_len", f"got {self.seq_len!r}: data=tokens cuts windows of model.seq_len ids; "
                                                "set model.seq_len=<tokens per sample>, e.g. model.seq_len=64")
@@ -76,11 +81,25 @@ class TokenFile:
         rows = np.stack([np.asarray(tokens[s:s + self.seq_len + 1], dtype=np.int64) for s in starts])
         return torch.from_numpy(rows)
 
-    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self._windows(self._train, step * batch_size, batch_size, "tokens")
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The per-token fields a batch gives beside inputs and targets (packing: position ids)."""
+        return FIELDS if self.packed else ()
+
+    @property
+    def masks_targets(self) -> bool:
+        """Packed targets hold IGNORE_INDEX (at document ends): the loss must weigh scored tokens."""
+        return self.packed
+
+    def _batch(self, rows: torch.Tensor) -> Batch:
+        if self.packed:
+            return pack_rows(rows.numpy(), self.eod_id)
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
-    def val_batch(self, index: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int, batch_size: int) -> Batch:
+        return self._batch(self._windows(self._train, step * batch_size, batch_size, "tokens"))
+
+    def val_batch(self, index: int, batch_size: int) -> Batch:
         """Held-out batch `index` (from val_path, or the training file when there is none)."""
-        rows = self._windows(self._val if self._val is not None else self._train, index * batch_size, batch_size, "val")
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        tokens = self._val if self._val is not None else self._train
+        return self._batch(self._windows(tokens, index * batch_size, batch_size, "val"))

@@ -127,7 +127,8 @@ class Executor:
         tp: TensorParallel | None = None,
     ) -> None:
         self.actions = schedule.actions[pp_rank]
-        # model input -> what the data gives it: `input`, or `target` (a model taking its targets)
+        # model input -> what the data gives it: `input`, `target` (a model taking its targets) or
+        # an extra per-token field of the batch (`position_ids`: packed documents)
         self.model_inputs = dict(model_inputs or {})
         self.training = schedule.training
         self.m = schedule.num_microbatches
@@ -164,19 +165,22 @@ class Executor:
     # ---- one step -------------------------------------------------------------------------
     def run_step(
         self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None,
-        divisors: list[float] | None = None,
+        divisors: list[float] | None = None, fields: Mapping[str, list[torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, list[dict], dict[int, torch.Tensor]]:
         """Run this rank's program once. Returns (sum of scaled micro-batch losses held by this
         rank, timing events, model outputs per micro-batch when not training). `inputs` and
         `targets`: this replica's micro-batches of the data, where a stage of this rank reads them
         (a model input, or the targets a loss outside the model scores). `divisors`: per
         micro-batch, the global batch's scored items over its own (`loss_scale` for each if None).
+        `fields`: this replica's micro-batches of the batch's extra per-token fields (packed
+        documents' `position_ids`), where a stage reads them as a model input.
 
         Event times are `time.perf_counter()` values: CLOCK_MONOTONIC is shared by all processes
         of a machine, so ranks' events line up once the earliest start is subtracted. On a GPU
         they come from CUDA events, read once after the step: nothing in the step waits for the
         device."""
         self._inputs, self._targets = inputs, targets
+        self._fields = dict(fields or {})
         self._divisors = divisors
         self._state: dict[tuple[int, int], MicroBatchState] = {}
         self._fwd_box: dict[tuple[int, int, str], torch.Tensor] = {}  # (consumer, mb, value)
@@ -310,10 +314,10 @@ class Executor:
     def _gather_inputs(self, slot: StageSlot, mb: int) -> dict[str, torch.Tensor]:
         kw = {}
         for name, prod in slot.inputs.items():
-            if prod is None:  # a model input: the data's inputs, or its targets
+            if prod is None:  # a model input: the data's inputs, its targets or an extra field
                 what = self.model_inputs.get(name, "input")
-                data = self._targets if what == "target" else self._inputs
-                assert data is not None, f"stage {slot.index} reads the model's {what}s"
+                data = {"input": self._inputs, "target": self._targets}.get(what, self._fields.get(what))
+                assert data is not None, f"stage {slot.index} reads the data's {what}"
                 kw[name] = data[mb]
                 continue
             x = self._fwd_box.pop((slot.index, mb, name))

@@ -25,6 +25,7 @@ from pipelaunch.pipeline.core.plan import Plan, dtype_of
 from pipelaunch.pipeline.core.precision import PRECISIONS
 from pipelaunch.pipeline.core.results import RankFacts, RankResult, TrainingHistory
 from pipelaunch.pipeline.core.run_spec import RunSpec
+from pipelaunch.pipeline.data.packing import Batch, split_batch
 from pipelaunch.pipeline.graph.init import name_seed
 from pipelaunch.pipeline.graph.initial_weights import InitialWeights
 from pipelaunch.pipeline.runtime import checkpoint
@@ -200,6 +201,8 @@ class RankTrainer:
         reads = {plan.data_of(n) for s in self.slots.values() for n, p in s.inputs.items() if p is None}
         self.needs_inputs = "input" in reads
         self.needs_targets = "target" in reads or any(s.is_last for s in self.slots.values())
+        #: the batch's extra per-token fields a stage of this rank reads (packed documents' position ids)
+        self.needs_fields = sorted(reads - {"input", "target"})
         self._eval: Executor | None = None
         #: the last batch drawn: its scored items (tokens not ignored, or samples; None: not drawn)
         self.scored: int | None = None
@@ -208,25 +211,27 @@ class RankTrainer:
         for m in self.modules:
             m.train(self.training)
 
-    def _microbatches(self, draw: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
-                      index: int) -> tuple[list | None, list | None, list[float] | None]:
+    def _microbatches(self, draw: Callable[[int, int], Batch],
+                      index: int) -> tuple[list | None, list | None, list[float] | None, dict[str, list]]:
         """This replica's micro-batches of batch `index` from `draw` (the data's `batch` or
         `val_batch`): inputs where a stage reads them (a first stage's rank), targets on a last
         stage's rank and where a stage reads them as a model input; other stages never touch the data.
         And per micro-batch the divisor of its mean loss: the global batch's scored items over its
         own, counted here on the CPU from the whole batch every rank draws alike (no collective,
-        known before the first backward); `self.scored` keeps the global count for the metrics."""
-        if not (self.needs_inputs or self.needs_targets):
+        known before the first backward); `self.scored` keeps the global count for the metrics.
+        Last, the micro-batches of the extra fields (packed position ids) this rank's stages read."""
+        if not (self.needs_inputs or self.needs_targets or self.needs_fields):
             self.scored = None
-            return None, None, None
+            return None, None, None, {}
         ctx, m = self.ctx, self.plan.microbatches
-        inputs, targets = draw(index, self.run.batch_size)
+        inputs, targets, fields = split_batch(draw(index, self.run.batch_size))
         self.scored = self.spec.count_scored(targets)
         counts = [self.spec.count_scored(t) for t in targets.chunk(ctx.dp)[ctx.dp_rank].chunk(m)]
         divisors = [self.scored / c if c else math.inf for c in counts]
         in_mbs = replica_microbatches(inputs, ctx.dp_rank, ctx.dp, m, ctx.device) if self.needs_inputs else None
         tgt_mbs = replica_microbatches(targets, ctx.dp_rank, ctx.dp, m, ctx.device) if self.needs_targets else None
-        return in_mbs, tgt_mbs, divisors
+        field_mbs = {f: replica_microbatches(fields[f], ctx.dp_rank, ctx.dp, m, ctx.device) for f in self.needs_fields}
+        return in_mbs, tgt_mbs, divisors, field_mbs
 
     def evaluate(self, batches: int) -> float:
         """Mean loss over held-out global batches 0..batches-1 (the data's `val_batch`), forward
@@ -257,11 +262,11 @@ class RankTrainer:
     def step(self, step: int) -> StepOutcome:
         """One step on batch `step` of the data."""
         ctx = self.ctx
-        in_mbs, tgt_mbs, divisors = self._microbatches(self.data.batch, step)
+        in_mbs, tgt_mbs, divisors, field_mbs = self._microbatches(self.data.batch, step)
         scored = self.scored
         padded = self.data.padded_tokens(step, self.run.batch_size) if hasattr(self.data, "padded_tokens") else None
         start = time.perf_counter()
-        loss_sum, events, outputs = self.executor.run_step(in_mbs, tgt_mbs, divisors)
+        loss_sum, events, outputs = self.executor.run_step(in_mbs, tgt_mbs, divisors, field_mbs)
         if self.data_parallel is not None:  # every replica waits for what it started, whatever the loss
             self.data_parallel.finish()
             if self.data_parallel.issued is not None:  # one step's order is every step's: log the first

@@ -1,0 +1,208 @@
+"""Documents as users have them (#46), second part: packed documents (`data.packing=documents`).
+
+A window of the token stream holds several documents; each is trained on as if alone: its own
+positions from 0, attention within it, and no target across a document boundary. The yardstick is
+independent of the packing code: the plain, unpacked model (`torch.manual_seed(seed); model =
+factory()`) run on each document segment of each window on its own (the window split by hand at
+the end-of-document ids, positions from 0), the loss token-weighted over the global batch, the
+run's optimizer. Pipelines of every schedule family (1f1b, zbv, interleaved_1f1b, a V schedule),
+pp=2 and pp=4, dp=2 zero=1, must give its losses, step-0 gradients and final weights within 1e-5.
+The unmasked loss (whole windows through the plain model) differs: the mask matters.
+
+And bad input, refused before any rank starts, naming the config key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra.utils import instantiate
+from torch import nn
+
+from pipelaunch.launcher.plugins import build_plugins
+from pipelaunch.launcher.validate import prepare
+from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.runtime.optim import build_optimizer
+from tests.harness import compose_cfg, merge_state, run_jobs
+
+EOD = 0
+VOCAB = 64
+RUN = ["model.seq_len=16", f"model.vocab_size={VOCAB}", "batch_size=16", "steps=3", "warmup_steps=0", "optimizer=sgd",
+       "optimizer.lr=0.5", "timeout_s=120", "threads=1", "microbatches=4"]
+COMMON = ["model.dim=32", "model.layers=6", *RUN]
+#: (what, overrides): the default suite runs the first two, -m slow every one
+LAYOUTS = [
+    ("pp=2 1f1b", ["pp=2", "scheduler=1f1b"]),
+    ("pp=4 dp=2 zero=1 zbv", ["pp=4", "dp=2", "zero=1", "scheduler=zbv"]),
+]
+MORE_LAYOUTS = [
+    ("pp=4 1f1b", ["pp=4", "scheduler=1f1b"]),
+    ("pp=2 zbv", ["pp=2", "scheduler=zbv"]),
+    ("pp=2 interleaved_1f1b", ["pp=2", "scheduler=interleaved_1f1b"]),
+    ("pp=4 interleaved_1f1b", ["pp=4", "scheduler=interleaved_1f1b"]),
+    ("pp=2 v_half", ["pp=2", "scheduler=v_half"]),
+    ("pp=2 dp=2 zero=1 1f1b", ["pp=2", "dp=2", "zero=1", "scheduler=1f1b"]),
+    ("pp=4 dp=2 zero=1 interleaved_1f1b", ["pp=4", "dp=2", "zero=1", "scheduler=interleaved_1f1b"]),
+]
+
+
+def write_documents(path: Path, count: int = 400, seed: int = 0) -> Path:
+    """Documents of 1 to 30 ids (1..63), each ended by EOD: a 16-token window holds one to many."""
+    rng = np.random.default_rng(seed)
+    ids: list[int] = []
+    for _ in range(count):
+        ids += [*rng.integers(1, VOCAB, int(rng.choice([1, 2, 4, 7, 12, 30]))).tolist(), EOD]
+    np.array(ids, dtype=np.uint16).tofile(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory) -> list[str]:
+    path = write_documents(tmp_path_factory.mktemp("packing") / "docs.bin")
+    return ["data=tokens", f"data.path={path}", "data.packing=documents", f"data.eod_id={EOD}"]
+
+
+def per_document(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(sum of the scored tokens' cross-entropies, their count) of windows x, y [n, t], each
+    document segment run through the plain model on its own: a segment ends after each EOD (whose
+    target, the next document's first id, is not scored) or at the window's end."""
+    total, count = torch.zeros(()), 0
+    for row_x, row_y in zip(x.tolist(), y.tolist(), strict=True):
+        start = 0
+        for end in range(len(row_x)):
+            if row_x[end] != EOD and end != len(row_x) - 1:
+                continue
+            seg_x, seg_y = row_x[start:end + 1], list(row_y[start:end + 1])
+            if row_x[end] == EOD:
+                seg_y[-1] = -100
+            logits = model(torch.tensor([seg_x]))[0]
+            total = total + nn.functional.cross_entropy(logits, torch.tensor(seg_y), ignore_index=-100,
+                                                        reduction="sum")
+            count += sum(t != -100 for t in seg_y)
+            start = end + 1
+    return total, count
+
+
+def unpacked_windows(cfg, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The run's windows of `step`, drawn as data=tokens draws them, not packed."""
+    from pipelaunch.pipeline.data.tokens import TokenFile
+
+    data = TokenFile(path=cfg.data["path"], seq_len=cfg.data["seq_len"], seed=cfg.seed)
+    return data.batch(step, cfg.batch_size)
+
+
+def reference(cfg) -> dict:
+    """The plain GPT (no packing) trained per document on the global batch, the run's optimizer;
+    and step 0's loss on whole windows, unmasked."""
+    plain = compose_cfg([*COMMON, "data=tokens", f"data.path={cfg.data['path']}"])
+    torch.manual_seed(cfg.seed)
+    model = instantiate(plain.model).build()
+    plugins = build_plugins(cfg)
+    optimizer, lr_scheduler = build_optimizer(plugins.optimizer, plugins.lr_scheduler, list(model.parameters()))
+    losses, grads, unmasked = [], {}, None
+    for step in range(cfg.steps):
+        x, y = unpacked_windows(cfg, step)
+        total, count = per_document(model, x, y)
+        loss = total / count
+        if step == 0:  # whole windows, document ends' targets left out too: only the mask differs
+            y_masked = y.masked_fill(x == EOD, -100)
+            whole = nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y_masked.reshape(-1), ignore_index=-100)
+            whole.backward()
+            unmasked = (float(whole.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()})
+            optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        lr_scheduler.step()
+    return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "unmasked": unmasked}
+
+
+def assert_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], what: str, rel: float = 1e-5) -> None:
+    """Each tensor within `rel` of the reference relative to its norm, or to 1e-3 of the largest
+    norm for one that is zero in exact arithmetic (a key bias under softmax: rounding noise)."""
+    assert set(got) == set(ref), f"{what}: names differ: {sorted(set(got) ^ set(ref))}"
+    floor = 1e-3 * max(float(r.norm()) for r in ref.values())
+    for name, r in ref.items():
+        err = float((got[name] - r).norm()) / max(float(r.norm()), floor)
+        assert err <= rel, f"{what}: {name} differs from the per-document reference by {err:.2e} (relative)"
+
+
+def check_layouts(documents: list[str], layouts: list[tuple[str, list[str]]], tmp_path: Path) -> None:
+    cfgs = {what: compose_cfg([*COMMON, *documents, *over]) for what, over in layouts}
+    runs = {}
+    for world in sorted({c.world_size for c in cfgs.values()}):
+        keys = [k for k, c in cfgs.items() if c.world_size == world]
+        runs.update(zip(keys, run_jobs([cfgs[k] for k in keys], tmp_path / f"w{world}"), strict=True))
+    expected = reference(next(iter(cfgs.values())))
+    # the mask matters: whole windows through the plain model score otherwise, 100x the tolerance
+    # in the loss (at step 0 the model guesses near uniformly) and far more in the gradients
+    unmasked_loss, unmasked_grads = expected["unmasked"]
+    assert abs(unmasked_loss - expected["losses"][0]) > 1e-3 * expected["losses"][0], unmasked_loss
+    with pytest.raises(AssertionError, match="differs"):
+        assert_close(unmasked_grads, expected["grads"], "unmasked", rel=1e-2)
+    for what, ranks in runs.items():
+        assert ranks[0].losses == pytest.approx(expected["losses"], rel=1e-5), what
+        for d in range(cfgs[what].dp):
+            assert_close(merge_state(ranks, "grads_step0", d), expected["grads"], f"{what} replica {d} step-0 grads")
+            assert_close(merge_state(ranks, "params_final", d), expected["params"], f"{what} replica {d} weights")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[w for w, _ in LAYOUTS])
+def test_packed_gpt_trains_as_each_document_alone(documents, tmp_path, layout) -> None:
+    """The project's GPT on packed documents (the default suite's two layouts)."""
+    check_layouts(documents, [layout], tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_packed_gpt_on_every_schedule_family(documents, tmp_path) -> None:
+    """The same on the rest of the matrix: pp=2 and 4, 1f1b, zbv, interleaved_1f1b, v_half, dp=2 zero=1."""
+    check_layouts(documents, MORE_LAYOUTS, tmp_path)
+
+
+# ---- what the data gives -------------------------------------------------------------------------
+def test_packed_windows_restart_positions_and_mask_document_ends(documents) -> None:
+    """Each window's position ids restart after every EOD, and the EOD's target is not scored;
+    every other target is the window's next id."""
+    cfg = compose_cfg([*COMMON, *documents])
+    x, y, fields = instantiate(cfg.data).batch(1, 16)
+    raw_x, raw_y = unpacked_windows(cfg, 1)
+    assert torch.equal(x, raw_x)
+    assert torch.equal(y, raw_y.masked_fill(raw_x == EOD, -100))
+    for row, pos in zip(x.tolist(), fields["position_ids"].tolist(), strict=True):
+        expected, p = [], 0
+        for token in row:
+            expected.append(p)
+            p = 0 if token == EOD else p + 1
+        assert pos == expected
+
+
+# ---- bad input, before any rank -----------------------------------------------------------------
+def _refusal(overrides: list[str]) -> ConfigError:
+    with pytest.raises(ConfigError) as err:
+        prepare(compose_cfg(overrides))
+    return err.value
+
+
+def test_packing_without_an_end_of_document_id_is_refused(documents) -> None:
+    err = _refusal([*COMMON, *[o for o in documents if not o.startswith("data.eod_id")], "pp=2"])
+    assert err.key == "data.eod_id" and "data.eod_id=" in str(err), err
+
+
+def test_an_unknown_packing_is_refused(documents) -> None:
+    err = _refusal([*COMMON, *documents, "data.packing=greedy", "pp=2"])
+    assert err.key == "data.packing" and "documents" in str(err), err
+
+
+def test_a_module_whose_forward_takes_no_position_ids_is_refused(documents) -> None:
+    err = _refusal(["model=module", "model.module._target_=tests.test_fine_tuning.tiny_lm", *RUN, *documents,
+                    "pp=2"])
+    assert err.key == "model.position_ids_arg" and "position_ids" in str(err), err
