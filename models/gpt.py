@@ -47,26 +47,41 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
                        dropout_p: float) -> torch.Tensor:
     """Causal attention within each document of a packed sample ([b, heads, t, head_dim]; the
     documents where `position_ids` [b, t] restart). On CUDA, FlexAttention with a document
-    BlockMask: no t x t mask is materialised and blocks outside the documents are skipped
-    (dropout refused there: flex_attention has none). Elsewhere (the CPU), a boolean [b, 1, t, t]
-    mask through scaled_dot_product_attention, which is exact and cheap at CPU sizes. torch.fx
-    keeps this function whole (`fx.wrap`): the device branch is decided when it runs."""
+    BlockMask (`flex_document_attention`); elsewhere (the CPU), a boolean [b, 1, t, t] mask
+    through scaled_dot_product_attention, exact and cheap at CPU sizes. torch.fx keeps this
+    function whole (`fx.wrap`): the device branch is decided when it runs."""
     docs = segments(position_ids)
     if q.is_cuda:
         if dropout_p:
-            raise ValueError("attention dropout on packed documents is not supported on CUDA (flex_attention)")
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-        def mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 - flex_attention's signature
-            return (q_idx >= kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
-
-        t = q.shape[-2]
-        block_mask = create_block_mask(mask_mod, q.shape[0], None, t, t, device=q.device)
-        return flex_attention(q, k, v, block_mask=block_mask)
+            raise ValueError("attention dropout on packed documents is not supported on CUDA (flex_attention has "
+                             "none); set model.dropout=0")
+        return flex_document_attention(q, k, v, docs, compiled=True)
     t = q.shape[-2]
     causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
     mask = (docs.unsqueeze(-1) == docs.unsqueeze(-2)) & causal
     return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), dropout_p=dropout_p)
+
+
+_compiled_flex = None
+
+
+def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor,
+                            compiled: bool = False) -> torch.Tensor:
+    """FlexAttention's document mask (causal, and the same document `docs` [b, t]): the BlockMask
+    holds which blocks to compute, so no t x t mask or score matrix is materialised and blocks
+    between documents are skipped. `compiled`: through torch.compile, as flex_attention is meant
+    to run on a GPU (its eager form materialises the scores)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 - flex_attention's signature
+        return (q_idx >= kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
+
+    t = q.shape[-2]
+    block_mask = create_block_mask(mask_mod, q.shape[0], None, t, t, device=q.device)
+    if compiled and _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return (_compiled_flex if compiled else flex_attention)(q, k, v, block_mask=block_mask)
 
 
 torch.fx.wrap("document_attention")

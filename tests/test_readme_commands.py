@@ -144,6 +144,16 @@ SCENARIOS = [
         train("python train.py model=hf_llama_tiny model.config.vocab_size=320 model.seq_len=48 model.loss=model "
               "model.labels=targets data=chat 'data.files=[chat.jsonl]' data.tokenizer=chat_tok pp=2 dp=2"),
     ), slow=True, timeout=300),
+    # packed documents (slow: tests/test_packing.py checks the property by default)
+    Scenario("packing", "README.md", (
+        typed("python -c \"import numpy as np; rng = np.random.default_rng(0); np.concatenate([np.append("
+              "rng.integers(1, 256, n), 0) for n in rng.integers(1, 40, 2000)]).astype(np.uint16).tofile('docs.bin')\"",
+              produces="docs.bin"),
+        train("python train.py data=tokens data.path=docs.bin data.packing=documents data.eod_id=0 model.seq_len=64 "
+              "pp=4 dp=2 zero=1 scheduler=zbv"),
+        train("python train.py model=hf_llama_tiny model.seq_len=64 data=tokens data.path=docs.bin "
+              "data.packing=documents data.eod_id=0 pp=2"),
+    ), slow=True, timeout=300),
     # a model computing its own loss (nanoGPT's stand-in, transformers'); the last-position refusal
     Scenario("own-loss", "README.md", (
         train("python train.py model=module model.module._target_=tests.zoo.nanogpt model.seq_len=16 "
