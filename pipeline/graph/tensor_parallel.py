@@ -21,6 +21,7 @@ runtime's real ones or the launcher's shape-only stand-ins.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import operator
 import re
@@ -177,16 +178,30 @@ class Rewritten:
 _TRACED: dict[tuple, fx.Graph] = {}
 
 
-def _symbolic_trace(module: nn.Module) -> fx.GraphModule:
-    """`fx.symbolic_trace(module)`, from a copy of the graph a module configured alike gave."""
-    key = module_key(module)
-    if key is None:
-        return fx.symbolic_trace(module)
+def _symbolic_trace(module: nn.Module, passed: int = 1, named: frozenset[str] = frozenset()) -> fx.GraphModule:
+    """`fx.symbolic_trace(module)` as it is called: with `passed` positional arguments and the
+    keywords `named`, every other parameter of its forward at its default (a proxy would take an
+    `if x is None:` branch for a call that never passes x); from a copy of the graph a module
+    configured alike, called alike, gave."""
+    concrete = _defaults_not_passed(module, passed, named)
+    mk = module_key(module)
+    if mk is None:
+        return fx.symbolic_trace(module, concrete_args=concrete or None)
+    key = (mk, tuple(sorted(concrete)))
     if key not in _TRACED:
         if len(_TRACED) > 256:
             _TRACED.clear()
-        _TRACED[key] = fx.symbolic_trace(module).graph
+        _TRACED[key] = fx.symbolic_trace(module, concrete_args=concrete or None).graph
     return fx.GraphModule(module, copy.deepcopy(_TRACED[key]), class_name=type(module).__name__)
+
+
+def _defaults_not_passed(module: nn.Module, passed: int, named: frozenset[str]) -> dict[str, object]:
+    """The forward's parameters a call with `passed` positional arguments and keywords `named`
+    leaves at their defaults, with those defaults."""
+    params = list(inspect.signature(module.forward).parameters.values())
+    return {p.name: p.default for i, p in enumerate(params)
+            if i >= passed and p.name not in named and p.default is not inspect.Parameter.empty
+            and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
 
 
 def _param_target(node: fx.Node) -> str | None:
@@ -247,7 +262,7 @@ class _Rewriter:
 
     def _trace_inside(self, node: fx.Node, module: nn.Module, full: str) -> None:
         try:
-            inner = _symbolic_trace(module)
+            inner = _symbolic_trace(module, len(node.args), frozenset(node.kwargs))
         except Exception as err:  # noqa: BLE001 - any tracing failure is the same refusal
             raise ConfigError("model.tp_plan", f"{full} holds modules the plan splits, and torch.fx cannot trace "
                                                f"it to place the collectives: {type(err).__name__}: {err}") from err
