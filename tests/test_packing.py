@@ -246,6 +246,49 @@ def test_packed_windows_restart_positions_and_mask_document_ends(documents) -> N
         assert pos == expected
 
 
+def test_hf_documents_pack_at_the_tokenizers_end_of_sequence(tmp_path) -> None:
+    """data=hf: each document is followed by the tokenizer's end-of-sequence (data.eod_id null), the
+    windows' position ids restart after it and its target is not scored."""
+    import json
+
+    from pipelaunch.pipeline.data.hf import HFDocuments
+    from tests.corpora import make_tokenizer
+
+    make_tokenizer(tmp_path / "tok")
+    words = "the quick brown fox jumps over the lazy dog".split()
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": " ".join(words[: 1 + i % 9])}) + "\n" for i in range(60)))
+    data = HFDocuments(files=[str(path)], tokenizer=str(tmp_path / "tok"), seq_len=16, packing="documents")
+    eos = data._tok.eos_token_id
+    x, y, fields = data.batch(0, 8)
+    assert (x == eos).any()
+    assert torch.equal(y == -100, x == eos)
+    for row, pos in zip(x.tolist(), fields["position_ids"].tolist(), strict=True):
+        assert all(p == (0 if i == 0 or row[i - 1] == eos else pos[i - 1] + 1) for i, p in enumerate(pos))
+
+
+class PositionsLM(nn.Module):
+    """A user's module taking packed position ids under its own name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.pos = nn.Embedding(16, 16)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids) + self.pos(pos))
+
+
+def test_a_module_gets_the_position_ids_by_its_own_keyword(documents) -> None:
+    """model.position_ids_arg names the forward's argument; the plan feeds it the data's field."""
+    cfg = compose_cfg(["model=module", "model.module._target_=tests.test_packing.PositionsLM",
+                       "model.position_ids_arg=pos", *RUN, *documents, "pp=2"])
+    prepared = prepare(cfg)
+    assert prepared.spec.data_args == ("input", "position_ids")
+    assert sorted(prepared.plan.model_inputs.values()) == ["input", "position_ids"]
+
+
 # ---- bad input, before any rank -----------------------------------------------------------------
 def _refusal(overrides: list[str]) -> ConfigError:
     with pytest.raises(ConfigError) as err:
