@@ -120,6 +120,7 @@ def _make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Gro
     if searching:
         cands, given = search_space(cfg, plugins, options, models.structure(size).graph, tps)
         screen = Screen(costs=lambda tp, mbs: ModelCosts.of(models.get(mbs, tp).graph, mbs),
+                        graph=lambda tp, mbs: models.get(mbs, tp).graph,
                         micro_batch_size=lambda c: micro_batch_size(cfg, c.microbatches, c.dp), links=links,
                         optimizer_s_per_byte=facts["optimizer_s_per_byte"],
                         optimizer_states=plugins.optimizer.states_per_param, configured_zero=cfg.zero,

@@ -11,7 +11,8 @@ costs sets `needs_profile = False`, so the launcher need not profile the model f
 split on a chain of blocks is another's sets `same_split_on_a_chain` to that one, so a search
 comparing both leaves it out there; one that cannot choose what remat=auto recomputes under a
 memory budget sets `chooses_remat = False`, so a screened search (search/screen.py) does not plan
-those candidates to learn it. The planner prices whatever a partitioner returns once more with
+those candidates to learn it; one whose split takes seconds names a quicker one the screen's
+estimates cut by instead (`estimated_as`). The planner prices whatever a partitioner returns once more with
 the one judge, `evaluate`, so partitioners only have to choose the assignment.
 
 A user's partitioner is one such function in their own package plus one YAML file in their own
@@ -106,3 +107,5 @@ def milp_split(
 # on a chain of blocks the contiguous optimum is balanced's: the same split, found slower
 milp_split.same_split_on_a_chain = balanced_split  # type: ignore[attr-defined]
 milp_split.chooses_remat = False  # type: ignore[attr-defined]
+# a screened search estimates its split by balanced's (its own search takes up to its time limit)
+milp_split.estimated_as = balanced_split  # type: ignore[attr-defined]

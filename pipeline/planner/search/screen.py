@@ -18,10 +18,13 @@ the activations it holds, measured by running the schedule's own generator on a 
 batches in the same ratio to the ranks (m0 <= 4 p0), on a transformer's F:I:W (1:1:1): the idle slots of a
 rank scale with p - 1 (the fill and drain), the micro-batches in flight with p (or with m, when the
 schedule holds all of them, as GPipe does). A user's own schedule is estimated by the same
-measurement; nothing here knows a schedule by name.
+measurement; nothing here knows a schedule by name. A rank's work, parameters and activations are
+the fullest rank's shares under the candidate's own split: its partitioner run once per placement
+on the priced graph (an even split missed how uniform's leaves a large head on the last stage,
+and how 128 layers on 96 stages leave some ranks three).
 
-What it leaves out, and why that is safe: the split's imbalance beyond the largest unit, zero=3's
-gathers, kernel-level overlap. The estimate only orders candidates; the best `plan.simulate` are
+What it leaves out, and why that is safe: zero=3's gathers, kernel-level overlap, how the split
+moves with the micro-batch size. The estimate only orders candidates; the best `plan.simulate` are
 then planned and simulated as every candidate of a small search is, and only those predictions
 are ranked and reported. `bench/RESULTS.md` records how far the estimates are from the simulated
 steps.
@@ -31,13 +34,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import networkx as nx
 
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.ir import Kind, Schedule
+from pipelaunch.pipeline.planner.build import partition_graph
+from pipelaunch.pipeline.planner.partition import Partition, PartitionRequest
 from pipelaunch.pipeline.planner.placement import placement_for
 from pipelaunch.pipeline.planner.predict.simulate import CostModel, simulate
 from pipelaunch.pipeline.planner.schedules import build_schedule
@@ -132,6 +137,29 @@ class Estimate:
 
 
 @dataclass(frozen=True)
+class Split:
+    """The fullest rank's shares of the model under one split (each the largest over the ranks):
+    of its compute, its parameters and its activations."""
+
+    work: float
+    params: float
+    activations: float
+
+    @classmethod
+    def of(cls, part: Partition, placement: tuple[int, ...]) -> Split | None:
+        def share(per_stage: list) -> float:
+            ranks: dict[int, float] = {}
+            for s, value in enumerate(per_stage):
+                ranks[placement[s]] = ranks.get(placement[s], 0.0) + float(value)
+            total = sum(ranks.values())
+            return max(ranks.values()) / total if total > 0 else 1.0 / len(ranks)
+
+        if not part.stage_compute_s or sum(part.stage_compute_s) <= 0:
+            return None
+        return cls(share(part.stage_compute_s), share(part.stage_param_bytes), share(part.stage_activation_bytes))
+
+
+@dataclass(frozen=True)
 class Shape:
     """A schedule's order at a small scale: idle rank-micro-batch slots in its step (the bubble,
     in units of one rank's work per micro-batch) and the most stage-micro-batches a rank holds."""
@@ -217,7 +245,11 @@ class Screen:
     #: per tp degree, the micro-batch sizes its costs are priced at (the search's smallest and
     #: largest; those between lie on the line through them)
     reference: dict[int, tuple[int, int]] = field(default_factory=dict)
+    #: the priced graph at (tp degree, micro-batch size), on which each candidate's split is run
+    #: (None: every split taken as even)
+    graph: Callable[[int, int], nx.DiGraph] | None = None
     _priced: dict[tuple[int, int], ModelCosts] = field(default_factory=dict)
+    _splits: dict[tuple, Split | None] = field(default_factory=dict)
 
     def _layout(self, c: Candidate) -> tuple[int, int, int]:
         return (c.pp, c.dp, c.tp or 1) if c.pp is not None else self.layout
@@ -229,6 +261,28 @@ class Screen:
             if (tp, ref) not in self._priced:
                 self._priced[(tp, ref)] = self.costs(tp, ref)
         return self._priced[(tp, lo)].at(size, self._priced[(tp, hi)])
+
+    def split(self, c: Candidate, tp: int, placement: tuple[int, ...]) -> Split | None:
+        """The fullest rank's shares under the candidate's own split of the priced graph (one per
+        partitioner option and placement: the shares hardly move with tp or the micro-batch size);
+        a partitioner declaring `estimated_as` (milp: its search takes seconds) by that one's.
+        None where it cannot cut this placement (the plan says why) or without a graph."""
+        if self.graph is None:
+            return None
+        key = (c.partitioner, placement)
+        if key not in self._splits:
+            plugin = c.partitioner_plugin
+            stand_in = plugin.attribute("estimated_as", None)
+            if stand_in is not None:
+                plugin = replace(plugin, fn=stand_in, kwargs={}, args=())
+            try:
+                part = partition_graph(plugin, self.graph(tp, self.reference.get(tp, (1, 1))[0]), placement,
+                                       PartitionRequest(1.0, [1] * len(placement)))
+            except ConfigError:
+                self._splits[key] = None
+            else:
+                self._splits[key] = Split.of(part, placement)
+        return self._splits[key]
 
     def estimate(self, c: Candidate) -> Estimate:
         pp, _, tp = self._layout(c)
@@ -259,7 +313,9 @@ class Screen:
         except ConfigError as err:
             return Estimate(error=str(err).removeprefix("Invalid config "))
         stages = len(placement)
-        step, (peak, held) = self._step(c, model, shape, remat, whole), self._peak(c, model, shape, remat, stages)
+        split = self.split(c, tp, tuple(placement)) if pp > 1 else None
+        step = self._step(c, model, shape, remat, whole, split)
+        peak, held = self._peak(c, model, shape, remat, stages, split)
         if c.remat == "auto" and self.cap is not None and peak > self.cap:  # recomputation where memory needs it
             try:
                 full = scaled_shape(gen, pp, c.microbatches, "full", fiw)
@@ -267,17 +323,21 @@ class Screen:
                 return Estimate(error=str(err).removeprefix("Invalid config "))
             # a split backward keeps a recomputed micro-batch's activations from its I until its W,
             # which these schedules defer: its memory is estimated as without recomputation
-            kept, kept_held = (peak, held) if gen.split_backward else self._peak(c, model, full, "full", stages)
-            return Estimate(self._step(c, model, full, "full", whole), kept, activation_bytes=kept_held)
+            kept, kept_held = (peak, held) if gen.split_backward else self._peak(c, model, full, "full", stages, split)
+            return Estimate(self._step(c, model, full, "full", whole, split), kept, activation_bytes=kept_held)
         if remat == "full" and gen.split_backward:
-            kept, kept_held = self._peak(c, model, shape, "none", stages)
+            kept, kept_held = self._peak(c, model, shape, "none", stages, split)
             return Estimate(step, kept, activation_bytes=kept_held)
         return Estimate(step, peak, activation_bytes=held)
 
-    def _step(self, c: Candidate, model: ModelCosts, shape: Shape, remat: str, whole: float) -> float:
+    def _step(self, c: Candidate, model: ModelCosts, shape: Shape, remat: str, whole: float,
+              split: Split | None = None) -> float:
         pp, dp, _ = self._layout(c)
-        work = (whole + (model.forward if remat == "full" else 0.0)) / pp
-        work = max(work, model.largest_work)  # a stage holds at least its largest node
+        work = whole + (model.forward if remat == "full" else 0.0)
+        if split is not None:  # the fullest rank of the candidate's own split
+            work *= split.work
+        else:  # an even split, a stage holding at least its largest node
+            work = max(work / pp, model.largest_work)
         (latency, bandwidth), dp_link = self.links(c)
         hops = 2 * (pp - 1) * (latency + model.boundary_bytes / bandwidth) if pp > 1 else 0.0
         rank_params = model.param_bytes / pp
@@ -290,11 +350,13 @@ class Screen:
             reduce = max(0.0, ring - (whole - model.forward) / pp)  # hidden under the last backward
         return (c.microbatches + shape.bubble) * work + hops + optimizer + reduce
 
-    def _peak(self, c: Candidate, model: ModelCosts, shape: Shape, remat: str, stages: int) -> tuple[float, float]:
+    def _peak(self, c: Candidate, model: ModelCosts, shape: Shape, remat: str, stages: int,
+              split: Split | None = None) -> tuple[float, float]:
         """(the fullest device's bytes, of which activations)"""
         pp, dp, _ = self._layout(c)
         level = self.configured_zero if c.zero is None else c.zero
-        rank_params = model.param_bytes / pp + (model.largest_params if pp > 1 else 0.0)
+        rank_params = model.param_bytes * split.params if split is not None else \
+            model.param_bytes / pp + (model.largest_params if pp > 1 else 0.0)
         shard = dp if dp > 1 else 1
         weights = rank_params / (shard if level >= 3 else 1)
         grads = rank_params / (shard if level >= 2 else 1)
@@ -302,6 +364,8 @@ class Screen:
         per_stage = model.saved_bytes / stages  # one stage's activations for one micro-batch
         if remat == "full":  # stage inputs held, one stage's activations rebuilt at a time
             held = shape.held * (stages / pp) * model.boundary_bytes + per_stage
+        elif split is not None:  # the micro-batches a rank holds, of its own stages' activations
+            held = shape.held * model.saved_bytes * split.activations
         else:
             held = shape.held * (stages / pp) * per_stage
         return weights + grads + states + held + self.reserve_bytes, held
