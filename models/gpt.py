@@ -14,9 +14,9 @@ from functools import partial
 import torch
 from torch import nn
 
-from pipelaunch.models.spec import ModelSpec, causal_lm_loss, require_positive_ints
+from pipelaunch.models.spec import ModelSpec, causal_lm_loss, require_positive_ints, segments
+from pipelaunch.pipeline.core import POSITION_IDS
 from pipelaunch.pipeline.core.errors import ConfigError
-from pipelaunch.pipeline.data.packing import POSITION_IDS, segments
 
 #: where a planner may cut the model: between blocks, also between a block's attention and MLP
 #: halves, or between any two traced operators

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from pipelaunch.models.spec import ModelSpec, causal_lm_loss, count_shifted, count_tokens, model_loss
+from pipelaunch.pipeline.core import POSITION_IDS
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.graph.materialize import to_meta_parameters
 
@@ -79,6 +80,10 @@ class PackedCausalLMOnTargets(CausalLM):
     def forward(self, ids: torch.Tensor, target: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return self.model(ids, labels=target, shift_labels=target, position_ids=position_ids, use_cache=False).loss
 
+
+#: (packed documents, transformers' loss on the data's targets) -> how the pipeline calls the model
+WRAPPERS = {(False, False): CausalLM, (False, True): CausalLMOnTargets, (True, False): PackedCausalLM,
+            (True, True): PackedCausalLMOnTargets}
 
 #: attention implementation -> the devices on which it keeps packed documents apart given position
 #: ids alone (transformers 5.x: masking_utils builds a packed-sequence mask for sdpa, eager and
@@ -192,8 +197,7 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
     data's targets) or `model` (transformers' own loss; `labels`: `inputs`, the input ids shifted by
     transformers, or `targets`, the data's targets as `shift_labels`, masks kept). `tp_plan`: how tp >
     1 splits it, patterns on the wrapped model's names (`model.model.layers.*.mlp.up_proj`); null:
-    transformers' own (`tp_plan` below). `data_packing=documents`: the data's position ids go to the
-    model too (the module docstring)."""
+    transformers' own (`tp_plan` below). `data_packing=documents`: position ids too (module docstring)."""
     from transformers import AutoModelForCausalLM
 
     if loss not in ("causal_lm", "model"):
@@ -223,13 +227,9 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
         raise ConfigError("model.seq_len", f"{seq_len} exceeds the model's {positions} positions")
 
     packed = (data_packing or "none") == "documents"
-    if packed:
-        wrapper = PackedCausalLMOnTargets if on_targets else PackedCausalLM
-    else:
-        wrapper = CausalLMOnTargets if on_targets else CausalLM
 
     def build() -> nn.Module:
-        return wrapper(constructed(lambda: AutoModelForCausalLM.from_config(cfg)), own_loss)
+        return WRAPPERS[packed, on_targets](constructed(lambda: AutoModelForCausalLM.from_config(cfg)), own_loss)
 
     with torch.device("meta"):
         meta_model = constructed(lambda: AutoModelForCausalLM.from_config(cfg))
@@ -254,7 +254,7 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
                              if isinstance(getattr(text, k, None), int)}},
         own_loss=own_loss,
         tp_plan=default_tp_plan(meta_model, own_loss) if tp_plan is None else dict(tp_plan),
-        data_args=(("input", "target") if on_targets else ("input",)) + (("position_ids",) if packed else ()),
+        data_args=(("input", "target") if on_targets else ("input",)) + ((POSITION_IDS,) if packed else ()),
         scored=(count_tokens if on_targets else count_shifted) if own_loss else None,
         masked_refusal=("model.labels=inputs gives transformers' loss the input ids, which carry no mask: it would "
                         "score the prompt and the padding; set model.labels=targets (the data's targets, -100 "

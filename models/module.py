@@ -42,8 +42,8 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from pipelaunch.models.spec import ModelSpec, causal_lm_loss, model_loss
+from pipelaunch.pipeline.core import POSITION_IDS
 from pipelaunch.pipeline.core.errors import ConfigError
-from pipelaunch.pipeline.data.packing import POSITION_IDS
 from pipelaunch.pipeline.graph.buffers import ConstructorBuffers
 
 LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
@@ -150,6 +150,16 @@ def _positions_arg(inner: nn.Module, positions_arg: str | None) -> str:
                                                 f"takes no {name!r}: set model.position_ids_arg=<the argument taking "
                                                 "them> (the model must keep each document's attention to itself), "
                                                 "or data.packing=none")
+
+
+def _packed(wrapper: type[Adapted], data_args: tuple[str, ...], inner: nn.Module, position_ids_arg: str | None,
+            data_packing: str | None) -> tuple[type[Adapted], tuple[str, ...], str | None]:
+    """(wrapper, data_args, the position ids' keyword) on packed documents: the wrapper passing
+    them too, the data's `position_ids` one more input; unchanged (keyword None) otherwise."""
+    if (data_packing or "none") != "documents":
+        return wrapper, data_args, None
+    packed = {Adapted: PackedAdapted, TakesTargets: PackedTakesTargets, ShiftsInputs: PackedShiftsInputs}[wrapper]
+    return packed, (*data_args, POSITION_IDS), _positions_arg(inner, position_ids_arg)
 
 
 def _describe(out: Any) -> str:
@@ -407,25 +417,15 @@ def module(
             wrapper, data_args = (TakesTargets, ("input", "target")) if labels == "targets" else (ShiftsInputs, ("input",))
         else:
             targets_arg = None
-        positions_arg = None
-        if (data_packing or "none") == "documents":
-            positions_arg = _positions_arg(inner, position_ids_arg)
-            wrapper = {Adapted: PackedAdapted, TakesTargets: PackedTakesTargets,
-                       ShiftsInputs: PackedShiftsInputs}[wrapper]
-            data_args = (*data_args, POSITION_IDS)
+        wrapper, data_args, positions_arg = _packed(wrapper, data_args, inner, position_ids_arg, data_packing)
         probe = wrapper(inner, output, extra_inputs, targets_arg, positions_arg)
 
     def build() -> nn.Module:
         return wrapper(make(), output, extra_inputs, targets_arg, positions_arg)
 
     family, whole = initialisers(probe.inner)
-    meta: dict = {}
-    if vocab_size is not None:
-        meta["vocab_size"] = int(vocab_size)
-    if num_classes is not None:
-        meta["num_classes"] = int(num_classes)
-    if seq_len is not None:
-        meta["seq_len"] = int(seq_len)
+    meta: dict = {k: int(v) for k, v in (("vocab_size", vocab_size), ("num_classes", num_classes),
+                                          ("seq_len", seq_len)) if v is not None}
     return ModelSpec(
         name=name, build=build, loss_fn=model_loss if loss == OWN_LOSS else _loss(loss), input_shape=in_shape,
         input_dtype=in_dtype, target_shape=tuple(int(d) for d in target.get("shape") or ()),

@@ -17,9 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from pipelaunch.pipeline.core import IGNORE_INDEX
+from pipelaunch.pipeline.core import IGNORE_INDEX, POSITION_IDS
 from pipelaunch.pipeline.core.errors import ConfigError
-from pipelaunch.pipeline.data.packing import POSITION_IDS
 
 if TYPE_CHECKING:
     from pipelaunch.pipeline.graph.trace import TracedModel
@@ -202,6 +201,13 @@ class ModelSpec:
 
         model = self.build_meta() if model is None else model
         return trace_model(model, self.meta_args(micro_batch_size), self.leaf_modules, name=self.name)
+
+
+def segments(position_ids: torch.Tensor) -> torch.Tensor:
+    """Per position, the index of its document in its row: a new one wherever the position ids
+    do not go up by one (transformers' `find_packed_sequence_indices` rule)."""
+    first = position_ids[..., :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
 
 
 def example_position_ids(inputs: torch.Tensor) -> torch.Tensor:

@@ -208,7 +208,7 @@ def test_flex_document_mask_equals_the_boolean_mask() -> None:
     import warnings
 
     from pipelaunch.models.gpt import document_attention, flex_document_attention
-    from pipelaunch.pipeline.data.packing import segments
+    from pipelaunch.models.spec import segments
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 2, 16, 8, generator=gen) for _ in range(3))

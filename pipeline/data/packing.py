@@ -21,13 +21,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipelaunch.pipeline.core import IGNORE_INDEX
+from pipelaunch.pipeline.core import IGNORE_INDEX, POSITION_IDS
 from pipelaunch.pipeline.core.errors import ConfigError
 
 #: `data.packing`: none (windows attend across documents, as before), documents (see above)
 PACKINGS = ("none", "documents")
-#: the extra per-token data field packing gives the model (ModelSpec.data_args names it)
-POSITION_IDS = "position_ids"
+#: the extra per-token data fields packing gives the model (ModelSpec.data_args names them)
 FIELDS = (POSITION_IDS,)
 
 #: a batch as a data source returns it: (inputs, targets), or with packing (inputs, targets, fields)
@@ -71,13 +70,6 @@ def positions(ends: np.ndarray) -> np.ndarray:
     starts[:, 0] = True
     starts[:, 1:] = ends[:, :-1]
     return index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
-
-
-def segments(position_ids: torch.Tensor) -> torch.Tensor:
-    """Per position, the index of its document in its row: a new one wherever the position ids
-    do not go up by one (transformers' `find_packed_sequence_indices` rule)."""
-    first = position_ids[..., :1] - 1
-    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
 
 
 def split_batch(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
