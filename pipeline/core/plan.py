@@ -197,7 +197,8 @@ class Plan:
     #: the forward-only program for the same stages and placement (evaluation: `eval.every`)
     eval_schedule: Schedule | None = None
     #: the traced model's inputs (the placeholders a stage reads with producer None) -> what the
-    #: data gives each: `input`, or `target` (a model computing its own loss); empty: all `input`
+    #: data gives each: `input`, `target` (a model computing its own loss) or an extra field of the
+    #: batch (`position_ids`: packed documents); empty: all `input`
     model_inputs: dict[str, str] = field(default_factory=dict)
     #: tensor-parallel degree: the ranks each pipeline rank's stages are split over
     tp: int = 1

@@ -227,7 +227,8 @@ def build_plan(traced: TracedModel, generator: ScheduleGenerator, req: PlanReque
 
 def model_inputs(names: Sequence[str], data_args: Sequence[str]) -> dict[str, str]:
     """The traced model's inputs (placeholder names, in call order) -> what the data gives each:
-    `input`, or `target` for a model that computes its own loss from them."""
+    `input`, `target` for a model that computes its own loss from them, or an extra per-token
+    field of the batch (`position_ids` on packed documents), handed to every stage reading it."""
     if len(names) != len(data_args):
         given = " and ".join(f"its {a}s" for a in data_args)
         raise ConfigError("model", f"the traced model takes {len(names)} input(s) {list(names)}, but the data gives it "
