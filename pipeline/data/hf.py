@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from pipelaunch.pipeline.core.errors import ConfigError
-from pipelaunch.pipeline.data.packing import FIELDS, Batch, check_packing, pack_rows
+from pipelaunch.pipeline.data.packing import Batch, Windows, check_packing
 from pipelaunch.pipeline.graph.init import name_seed
 
 #: file suffix -> the `datasets` builder that reads it
@@ -125,7 +125,7 @@ def _epoch_order(seed: int, salt: str, epoch: int, windows: int) -> np.ndarray:
 
 
 @dataclass
-class HFDocuments:
+class HFDocuments(Windows):
     """Packed windows of tokenized documents (see the module docstring)."""
 
     files: list[str]
@@ -148,14 +148,14 @@ class HFDocuments:
         self._tok = load_tokenizer(self.tokenizer)
         eod = self.eod_id if self.eod_id is not None else self._tok.eos_token_id
         self.packed = check_packing(self.packing, eod, len(self._tok))
-        self._eod = eod if self.packed else None
+        self.document_end = eod if self.packed else None
         self._train = self._pack(self.files, "data.files")
         self._val = self._pack(self.val_files, "data.val_files") if self.val_files else None
 
     def _pack(self, files: list[str], key: str) -> np.ndarray:
         docs = load_documents(files, self.format, self.text_key, self.cache_dir, key)
         ids = [chunk for _, chunk in token_batches(tokenize(docs, self._tok, self.text_key, self.num_proc,
-                                                                   self._eod))]
+                                                                   self.document_end))]
         flat = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
         window = self.seq_len + 1
         if len(flat) < window:
@@ -174,21 +174,6 @@ class HFDocuments:
         n = len(windows)
         picks = [_epoch_order(self.seed, salt, i // n, n)[i % n] for i in range(first, first + count)]
         return torch.from_numpy(windows[picks].astype(np.int64))
-
-    @property
-    def fields(self) -> tuple[str, ...]:
-        """The per-token fields a batch gives beside inputs and targets (packing: position ids)."""
-        return FIELDS if self.packed else ()
-
-    @property
-    def masks_targets(self) -> bool:
-        """Packed targets hold IGNORE_INDEX (at document ends): the loss must weigh scored tokens."""
-        return self.packed
-
-    def _batch(self, rows: torch.Tensor) -> Batch:
-        if self.packed:
-            return pack_rows(rows.numpy(), self._eod)
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
     def batch(self, step: int, batch_size: int) -> Batch:
         return self._batch(self._rows(self._train, step * batch_size, batch_size, "hf"))

@@ -77,3 +77,27 @@ def split_batch(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, tor
     if len(batch) == 3:
         return batch[0], batch[1], dict(batch[2])
     return batch[0], batch[1], {}
+
+
+class Windows:
+    """What a source of windows of seq_len + 1 token ids gives per batch, packed or not: a source
+    sets `packed` and `document_end` (the id ending each document) when it is built."""
+
+    packed: bool = False
+    document_end: int | None = None
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The per-token fields a batch gives beside inputs and targets (packing: position ids)."""
+        return FIELDS if self.packed else ()
+
+    @property
+    def masks_targets(self) -> bool:
+        """Packed targets hold IGNORE_INDEX (at document ends): the loss must weigh scored tokens."""
+        return self.packed
+
+    def _batch(self, rows: torch.Tensor) -> Batch:
+        if self.packed:
+            assert self.document_end is not None
+            return pack_rows(rows.numpy(), self.document_end)
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pipelaunch.pipeline.core.errors import ConfigError
-from pipelaunch.pipeline.data.packing import FIELDS, Batch, check_packing, pack_rows
+from pipelaunch.pipeline.data.packing import Batch, Windows, check_packing
 from pipelaunch.pipeline.graph.init import name_seed
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -38,7 +38,7 @@ def open_tokens(path: str | Path, dtype: str, key: str) -> np.memmap:
 
 
 @dataclass
-class TokenFile:
+class TokenFile(Windows):
     """Random windows of a token file (see the module docstring); `val_path` for eval batches."""
 
     path: str
@@ -53,6 +53,7 @@ class TokenFile:
 
     def __post_init__(self) -> None:
         self.packed = check_packing(self.packing, self.eod_id)
+        self.document_end = self.eod_id
         if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) or self.seq_len < 1:
             raise ConfigError("model.seq_len", f"got {self.seq_len!r}: data=tokens cuts windows of model.seq_len ids; "
                                                "set model.seq_len=<tokens per sample>, e.g. model.seq_len=64")
@@ -80,21 +81,6 @@ class TokenFile:
         starts = [name_seed(self.seed, f"{salt}:{i}") % (span + 1) for i in range(first, first + count)]
         rows = np.stack([np.asarray(tokens[s:s + self.seq_len + 1], dtype=np.int64) for s in starts])
         return torch.from_numpy(rows)
-
-    @property
-    def fields(self) -> tuple[str, ...]:
-        """The per-token fields a batch gives beside inputs and targets (packing: position ids)."""
-        return FIELDS if self.packed else ()
-
-    @property
-    def masks_targets(self) -> bool:
-        """Packed targets hold IGNORE_INDEX (at document ends): the loss must weigh scored tokens."""
-        return self.packed
-
-    def _batch(self, rows: torch.Tensor) -> Batch:
-        if self.packed:
-            return pack_rows(rows.numpy(), self.eod_id)
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
     def batch(self, step: int, batch_size: int) -> Batch:
         return self._batch(self._windows(self._train, step * batch_size, batch_size, "tokens"))
