@@ -184,7 +184,8 @@ def test_plan_auto_under_a_budget_lists_each_excluded_candidate_with_its_device_
         else:  # no split of it fits: the partitioner's smallest cap says by how much
             assert "the smallest cap that fits is" in o.split_over
     assert not any("memory.cap_bytes" in (o.error or "") for o in result.failed)
-    assert result.winner.prediction.step_s >= free.winner.prediction.step_s
+    # no budget makes a step faster than the fastest without one (the winners may differ within plan.tie)
+    assert result.winner.prediction.step_s >= min(o.prediction.step_s for o in free.ranked)
     table = result.table(top=len(result.outcomes))
     assert f"over the budget ({len(result.excluded)})" in table and "needs" in table and "over the" in table
 
