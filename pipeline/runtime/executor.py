@@ -180,7 +180,8 @@ class Executor:
         they come from CUDA events, read once after the step: nothing in the step waits for the
         device."""
         self._inputs, self._targets = inputs, targets
-        self._fields = dict(fields or {})
+        # what a stage's model inputs read from the data, by name: built once a step, read per action
+        self._data = {**(fields or {}), "input": inputs, "target": targets}
         self._divisors = divisors
         self._state: dict[tuple[int, int], MicroBatchState] = {}
         self._fwd_box: dict[tuple[int, int, str], torch.Tensor] = {}  # (consumer, mb, value)
@@ -316,7 +317,7 @@ class Executor:
         for name, prod in slot.inputs.items():
             if prod is None:  # a model input: the data's inputs, its targets or an extra field
                 what = self.model_inputs.get(name, "input")
-                data = {"input": self._inputs, "target": self._targets}.get(what, self._fields.get(what))
+                data = self._data.get(what)
                 assert data is not None, f"stage {slot.index} reads the data's {what}"
                 kw[name] = data[mb]
                 continue
