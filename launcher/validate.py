@@ -329,6 +329,9 @@ def check_data(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins) -> object:
     if model_vocab is not None and hasattr(data, "check_vocabulary"):
         data.check_vocabulary(model_vocab)  # ids the model cannot embed
     check_data_fields(cfg, spec, tuple(getattr(data, "fields", ())))
+    if getattr(data, "length_buckets", None) is not None and cfg.tp > 1:
+        raise ConfigError("tp", f"tp={cfg.tp} with micro-batches of their own lengths (data.buckets) is not supported "
+                                "yet; use tp=1, or data.buckets=null")
     if getattr(data, "masks_targets", False):
         check_masked_loss(cfg, spec)
     return data

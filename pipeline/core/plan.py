@@ -58,6 +58,9 @@ class StagePlan:
     #: holds its own slice of (a cut inside a split region)
     sequence: dict[str, int] = field(default_factory=dict)
     split: list[str] = field(default_factory=list)
+    #: data.buckets: per length a micro-batch may run at, the shape of each of `values` at it
+    #: (pipeline/planner/lengths.py); {}: every micro-batch at model.seq_len
+    lengths: dict[int, dict[str, list[int]]] = field(default_factory=dict)
 
     def value_bytes(self, name: str) -> int:
         shape, dtype = self.values[name]
@@ -263,7 +266,8 @@ class Plan:
     def from_dict(cls, data: dict) -> Plan:
         """The inverse of `to_dict` (JSON turns int keys into strings; stage inputs keep theirs)."""
         fields = dict(data)
-        fields["stages"] = [StagePlan(**s) for s in data["stages"]]
+        fields["stages"] = [StagePlan(**{**s, "lengths": {int(k): v for k, v in s.get("lengths", {}).items()}})
+                            for s in data["stages"]]
         fields["meta"] = PlanMeta.from_json(data.get("meta") or {})
         fields["schedule"] = Schedule.from_dict(data["schedule"])
         if data.get("eval_schedule"):

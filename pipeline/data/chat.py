@@ -29,6 +29,7 @@ import torch
 from pipelaunch.pipeline.core import IGNORE_INDEX
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.data.hf import _epoch_order, load_tokenizer
+from pipelaunch.pipeline.data.lengths import check_buckets
 
 
 @dataclass
@@ -88,6 +89,8 @@ class ChatExamples:
     truncate: bool = False
     add_eos: bool = True
     val_files: list[str] | None = None
+    #: the lengths a micro-batch may run at (pipeline/data/lengths.py); None: model.seq_len only
+    buckets: list[int] | None = None
     seed: int = 0
     kind: str = "tokens"
     #: the targets hold IGNORE_INDEX (prompts, padding): the launcher checks the loss can weigh them
@@ -98,6 +101,7 @@ class ChatExamples:
         if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) or self.seq_len < 1:
             raise ConfigError("model.seq_len", f"got {self.seq_len!r}: data=chat pads each example to model.seq_len "
                                                "tokens; set model.seq_len=<the longest example's tokens>")
+        self.length_buckets = check_buckets(None if self.buckets is None else list(self.buckets), self.seq_len)
         self._tok = load_tokenizer(self.tokenizer)
         self.pad_id = next(i for i in (self._tok.pad_token_id, self._tok.eos_token_id, 0) if i is not None)
         self._train = self._load(self.files, "data.files")
@@ -208,6 +212,13 @@ class ChatExamples:
         """The scored targets of training samples first..first+count-1, without building them (the
         launcher's check that no micro-batch of the run is without one)."""
         return self._train.scored[self._picks(self._train, first, count, "chat")]
+
+    def sample_lengths(self, step: int, batch_size: int, held_out: bool = False) -> np.ndarray:
+        """The input positions each sample of batch `step` uses (its tokens but the last), without
+        building the batch: what sets each micro-batch's length under data.buckets."""
+        examples = self._val if held_out and self._val is not None else self._train
+        picks = self._picks(examples, step * batch_size, batch_size, "val" if held_out else "chat")
+        return np.maximum(examples.lengths[picks] - 1, 1)
 
     def padded_tokens(self, step: int, batch_size: int) -> int:
         """Input positions of batch `step` that are padding (an example's input is its tokens but

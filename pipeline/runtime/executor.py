@@ -48,6 +48,8 @@ class StageSlot:
     #: values crossing to or from another rank in 1/tp parts, all-gathered by the receiving tp
     #: ranks (Megatron's scatter-gather; StagePlan.scatter), their gradients the same way back
     scatter: frozenset[str] = frozenset()
+    #: data.buckets: per micro-batch length, the shape of each of `values` at it (StagePlan.lengths)
+    shapes_at: dict[int, dict[str, tuple[int, ...]]] = field(default_factory=dict)
 
     @property
     def is_last(self) -> bool:
@@ -166,6 +168,7 @@ class Executor:
     def run_step(
         self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None,
         divisors: list[float] | None = None, fields: Mapping[str, list[torch.Tensor]] | None = None,
+        lengths: list[int] | None = None,
     ) -> tuple[torch.Tensor, list[dict], dict[int, torch.Tensor]]:
         """Run this rank's program once. Returns (sum of scaled micro-batch losses held by this
         rank, timing events, model outputs per micro-batch when not training). `inputs` and
@@ -173,7 +176,9 @@ class Executor:
         (a model input, or the targets a loss outside the model scores). `divisors`: per
         micro-batch, the global batch's scored items over its own (`loss_scale` for each if None).
         `fields`: this replica's micro-batches of the batch's extra per-token fields (packed
-        documents' `position_ids`), where a stage reads them as a model input.
+        documents' `position_ids`), where a stage reads them as a model input. `lengths`: under
+        data.buckets, each micro-batch's length, which sets the shape of every message it sends and
+        receives (every rank computed the same from the data: no shape travels).
 
         Event times are `time.perf_counter()` values: CLOCK_MONOTONIC is shared by all processes
         of a machine, so ranks' events line up once the earliest start is subtracted. On a GPU
@@ -183,6 +188,7 @@ class Executor:
         # what a stage's model inputs read from the data, by name: built once a step, read per action
         self._data = {**(fields or {}), "input": inputs, "target": targets}
         self._divisors = divisors
+        self._lengths = lengths
         self._state: dict[tuple[int, int], MicroBatchState] = {}
         self._fwd_box: dict[tuple[int, int, str], torch.Tensor] = {}  # (consumer, mb, value)
         self._bwd_box: dict[tuple[int, int, str, int], torch.Tensor] = {}  # (producer, mb, value, consumer)
@@ -234,11 +240,11 @@ class Executor:
         if kind is Kind.RECV_F:
             names = self._reads[(s, other)]
             self.p2p.post_recv((Kind.F, s, mb, other), message_label("F", other, s, mb), slot.peer_of[other],
-                               [self._wire(slot, n) for n in names], pos)
+                               [self._wire(slot, n, mb) for n in names], pos)
         elif kind is Kind.RECV_B:
             names = self._grads_back[(s, other)]
             self.p2p.post_recv((Kind.B, s, mb, other), message_label("B", s, other, mb), slot.peer_of[other],
-                               [self._wire(slot, n) for n in names], pos)
+                               [self._wire(slot, n, mb) for n in names], pos)
         elif kind is Kind.SEND_F:
             self.p2p.send(message_label("F", s, other, mb), slot.peer_of[other],
                           self._outbox.pop((Kind.F, s, mb, other)))
@@ -248,9 +254,12 @@ class Executor:
         else:
             raise ValueError(f"{action} is not a communication action")
 
-    def _wire(self, slot: StageSlot, name: str) -> tuple[tuple[int, ...], torch.dtype]:
-        """The shape and dtype a message carries of `name`: a scattered value's 1/tp, flat."""
+    def _wire(self, slot: StageSlot, name: str, mb: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """The shape and dtype a message of micro-batch `mb` carries of `name`: a scattered value's
+        1/tp, flat; its shape at the micro-batch's length under data.buckets."""
         shape, dtype = slot.values[name]
+        if self._lengths is not None:
+            shape = slot.shapes_at[self._lengths[mb]][name]
         if name not in slot.scatter:
             return shape, dtype
         return (math.prod(shape) // self.tp.size,), dtype

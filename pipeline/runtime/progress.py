@@ -64,9 +64,10 @@ class Progress:
                             desc="train")
 
     def update(self, step: int, loss: float, seconds: float, scored_tokens_per_s: float | None = None,
-               padding_share: float | None = None) -> None:
-        """One step's line; on fine-tuning data the scored tokens/s and the padding share too."""
-        rate = self.tokens_per_step / seconds if seconds > 0 else float("inf")
+               padding_share: float | None = None, tokens: int | None = None) -> None:
+        """One step's line; on fine-tuning data the scored tokens/s and the padding share too.
+        `tokens`: the input tokens the step ran, when not `tokens_per_step` (data.buckets)."""
+        rate = (tokens or self.tokens_per_step) / seconds if seconds > 0 else float("inf")
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.4f}", **{f"{self.unit[:3]}_s": f"{rate:.0f}"}, refresh=False)
             self.bar.update(1)

@@ -25,6 +25,7 @@ from pipelaunch.pipeline.core.plan import Plan, dtype_of
 from pipelaunch.pipeline.core.precision import PRECISIONS
 from pipelaunch.pipeline.core.results import RankFacts, RankResult, TrainingHistory
 from pipelaunch.pipeline.core.run_spec import RunSpec
+from pipelaunch.pipeline.data.lengths import microbatch_lengths
 from pipelaunch.pipeline.data.packing import Batch, split_batch
 from pipelaunch.pipeline.graph.init import name_seed
 from pipelaunch.pipeline.graph.initial_weights import InitialWeights
@@ -79,6 +80,8 @@ def build_slots(spec: ModelSpec, plan: Plan, ctx: RankContext, seed: int,
             loss_value=sp.loss_value,
             peer_of=peer_of,
             scatter=frozenset(sp.scatter),
+            shapes_at={length: {k: tuple(shape) for k, shape in shapes.items()}
+                       for length, shapes in sp.lengths.items()},
         )
     return slots
 
@@ -104,11 +107,15 @@ def _loss_fn(spec: ModelSpec, slots: dict[int, StageSlot], tp: TensorParallel | 
 
 
 def replica_microbatches(
-    tensor: torch.Tensor, dp_rank: int, dp: int, microbatches: int, device: torch.device
+    tensor: torch.Tensor, dp_rank: int, dp: int, microbatches: int, device: torch.device,
+    lengths: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
-    """This replica's contiguous share of the global batch, cut into equal micro-batches."""
-    share = tensor.chunk(dp)[dp_rank]
-    return [mb.to(device, non_blocking=True) for mb in share.chunk(microbatches)]
+    """This replica's contiguous share of the global batch, cut into equal micro-batches; under
+    data.buckets each cut to its length (`lengths`: its positions past that are padding)."""
+    share = tensor.chunk(dp)[dp_rank].chunk(microbatches)
+    if lengths is not None:
+        share = [mb[:, :length].contiguous() for mb, length in zip(share, lengths, strict=True)]
+    return [mb.to(device, non_blocking=True) for mb in share]
 
 
 class Callback:
@@ -139,6 +146,9 @@ class StepOutcome:
     grad_norm: float | None = None  # the global gradient norm before clipping (clip_grad_norm set)
     scored: int | None = None  # the global batch's scored items (tokens not ignored, or samples)
     padded: int | None = None  # the global batch's padding input positions (data that pads: data=chat)
+    #: the input positions the global batch ran (data.buckets: its micro-batches' lengths; None:
+    #: batch_size x model.seq_len)
+    positions: int | None = None
 
 
 class RankTrainer:
@@ -206,32 +216,52 @@ class RankTrainer:
         self._eval: Executor | None = None
         #: the last batch drawn: its scored items (tokens not ignored, or samples; None: not drawn)
         self.scored: int | None = None
+        #: data.buckets: the lengths a micro-batch may run at (pipeline/data/lengths.py); None: one
+        self.buckets: tuple[int, ...] | None = getattr(self.data, "length_buckets", None)
+        #: the last batch's micro-batch lengths, every replica's in order (None: model.seq_len)
+        self.lengths: list[int] | None = None
         #: the largest `_tensor_bytes_held` at an optimizer step so far (RankFacts.state_bytes)
         self.state_bytes: int | None = None
         for m in self.modules:
             m.train(self.training)
 
-    def _microbatches(self, draw: Callable[[int, int], Batch],
-                      index: int) -> tuple[list | None, list | None, list[float] | None, dict[str, list]]:
+    def _microbatch_lengths(self, index: int, held_out: bool) -> list[int] | None:
+        """Under data.buckets, every replica's micro-batch lengths of batch `index`, the same on
+        every rank (a function of the step's samples): known before the step's first message."""
+        if self.buckets is None:
+            return None
+        lengths = self.data.sample_lengths(index, self.run.batch_size, held_out=held_out)
+        return microbatch_lengths(lengths, self.buckets, self.ctx.dp * self.plan.microbatches)
+
+    def _microbatches(self, draw: Callable[[int, int], Batch], index: int, held_out: bool = False
+                      ) -> tuple[list | None, list | None, list[float] | None, dict[str, list], list[int] | None]:
         """This replica's micro-batches of batch `index` from `draw` (the data's `batch` or
         `val_batch`): inputs where a stage reads them (a first stage's rank), targets on a last
         stage's rank and where a stage reads them as a model input; other stages never touch the data.
         And per micro-batch the divisor of its mean loss: the global batch's scored items over its
         own, counted here on the CPU from the whole batch every rank draws alike (no collective,
         known before the first backward); `self.scored` keeps the global count for the metrics.
-        Last, the micro-batches of the extra fields (packed position ids) this rank's stages read."""
+        Then the micro-batches of the extra fields (packed position ids) this rank's stages read.
+        Last, under data.buckets, this replica's micro-batch lengths, which every rank needs (what
+        each message holds) and computes alike, whether its stages read the data or not."""
+        ctx, m = self.ctx, self.plan.microbatches
+        self.lengths = self._microbatch_lengths(index, held_out)
+        lengths = None if self.lengths is None else self.lengths[ctx.dp_rank * m:(ctx.dp_rank + 1) * m]
         if not (self.needs_inputs or self.needs_targets or self.needs_fields):
             self.scored = None
-            return None, None, None, {}
-        ctx, m = self.ctx, self.plan.microbatches
+            return None, None, None, {}, lengths
         inputs, targets, fields = split_batch(draw(index, self.run.batch_size))
         self.scored = self.spec.count_scored(targets)
         counts = [self.spec.count_scored(t) for t in targets.chunk(ctx.dp)[ctx.dp_rank].chunk(m)]
         divisors = [self.scored / c if c else math.inf for c in counts]
-        in_mbs = replica_microbatches(inputs, ctx.dp_rank, ctx.dp, m, ctx.device) if self.needs_inputs else None
-        tgt_mbs = replica_microbatches(targets, ctx.dp_rank, ctx.dp, m, ctx.device) if self.needs_targets else None
-        field_mbs = {f: replica_microbatches(fields[f], ctx.dp_rank, ctx.dp, m, ctx.device) for f in self.needs_fields}
-        return in_mbs, tgt_mbs, divisors, field_mbs
+
+        def cut(tensor: torch.Tensor) -> list[torch.Tensor]:
+            return replica_microbatches(tensor, ctx.dp_rank, ctx.dp, m, ctx.device, lengths)
+
+        in_mbs = cut(inputs) if self.needs_inputs else None
+        tgt_mbs = cut(targets) if self.needs_targets else None
+        field_mbs = {f: cut(fields[f]) for f in self.needs_fields}
+        return in_mbs, tgt_mbs, divisors, field_mbs, lengths
 
     def evaluate(self, batches: int) -> float:
         """Mean loss over held-out global batches 0..batches-1 (the data's `val_batch`), forward
@@ -249,7 +279,7 @@ class RankTrainer:
         total = torch.zeros((), device=self.ctx.device)
         with torch.no_grad():
             for index in range(batches):
-                total += self._eval.run_step(*self._microbatches(self.data.val_batch, index))[0]
+                total += self._eval.run_step(*self._microbatches(self.data.val_batch, index, held_out=True))[0]
         if self.ctx.tp_rank:
             total.zero_()
         dist.all_reduce(total)
@@ -262,11 +292,13 @@ class RankTrainer:
     def step(self, step: int) -> StepOutcome:
         """One step on batch `step` of the data."""
         ctx = self.ctx
-        in_mbs, tgt_mbs, divisors, field_mbs = self._microbatches(self.data.batch, step)
-        scored = self.scored
+        in_mbs, tgt_mbs, divisors, field_mbs, lengths = self._microbatches(self.data.batch, step)
+        scored, positions = self.scored, self._positions_run()
         padded = self.data.padded_tokens(step, self.run.batch_size) if hasattr(self.data, "padded_tokens") else None
+        if padded is not None and positions is not None:  # the padding the buckets did not cut away
+            padded -= self.run.batch_size * self.spec.tokens_per_sample - positions
         start = time.perf_counter()
-        loss_sum, events, outputs = self.executor.run_step(in_mbs, tgt_mbs, divisors, field_mbs)
+        loss_sum, events, outputs = self.executor.run_step(in_mbs, tgt_mbs, divisors, field_mbs, lengths)
         if self.data_parallel is not None:  # every replica waits for what it started, whatever the loss
             self.data_parallel.finish()
             if self.data_parallel.issued is not None:  # one step's order is every step's: log the first
@@ -302,7 +334,14 @@ class RankTrainer:
         if ctx.device.type == "cuda":  # the step is over: its time includes the device's work
             torch.cuda.current_stream(ctx.device).synchronize()
         return StepOutcome(float(loss_sum), time.perf_counter() - start, schedule_s, events, outputs, lr, grad_norm,
-                           scored, padded)
+                           scored, padded, positions)
+
+    def _positions_run(self) -> int | None:
+        """The input positions the last batch drawn ran at its micro-batches' lengths (None: one length)."""
+        if self.lengths is None:
+            return None
+        per = self.run.batch_size // len(self.lengths)
+        return per * sum(self.lengths)
 
     def verify_p2p_order(self) -> None:
         """debug.record_p2p (collective): every pair of ranks posted complementary messages in the
@@ -354,6 +393,7 @@ class RunRecord:
     #: per step: the global batch's scored items and padding positions (None: not counted)
     scored: list[int | None] = field(default_factory=list)
     padded: list[int | None] = field(default_factory=list)
+    positions: list[int | None] = field(default_factory=list)
     busy: list[float] = field(default_factory=list)
     schedule_times: list[float] = field(default_factory=list)
     last_events: list[dict] = field(default_factory=list)
@@ -381,6 +421,7 @@ class RunRecord:
         self.step_times.append(outcome.elapsed_s)
         self.scored.append(outcome.scored)
         self.padded.append(outcome.padded)
+        self.positions.append(outcome.positions)
         self.busy.append(sum(e["end_s"] - e["start_s"] for e in outcome.events))
         self.last_events = outcome.events
         if step >= self.start_step + warmup_steps:
@@ -441,12 +482,13 @@ def _train_steps(trainer: RankTrainer, record: RunRecord, tensors: TensorPeak, t
         record.add(step, outcome, run.warmup_steps)
         if tracker is not None:
             values = {"loss": outcome.loss, "step_time_s": outcome.elapsed_s,
-                      "tokens_per_s": tokens_per_step / outcome.elapsed_s}
+                      "tokens_per_s": (outcome.positions or tokens_per_step) / outcome.elapsed_s}
             values.update(_token_counts(trainer, outcome, tokens_per_step))
             values.update({k: v for k, v in (("lr", outcome.lr), ("grad_norm", outcome.grad_norm)) if v is not None})
             tracker.log_step(step, values)
         if progress is not None:
-            progress.update(step, outcome.loss, outcome.elapsed_s, **_token_counts(trainer, outcome, tokens_per_step))
+            progress.update(step, outcome.loss, outcome.elapsed_s, **_token_counts(trainer, outcome, tokens_per_step),
+                            tokens=outcome.positions)
         _maybe_evaluate(trainer, record, step, tracker)
         stopped = stops.agreed()
         stopping = stopped is not None and step + 1 < run.steps
@@ -469,7 +511,7 @@ def _token_counts(trainer: RankTrainer, outcome: StepOutcome, tokens_per_step: i
     if outcome.scored is not None:
         out["scored_tokens_per_s"] = outcome.scored / outcome.elapsed_s
     if outcome.padded is not None:
-        out["padding_share"] = outcome.padded / tokens_per_step
+        out["padding_share"] = outcome.padded / (outcome.positions or tokens_per_step)
     return out
 
 
@@ -586,7 +628,8 @@ def _finish(trainer: RankTrainer, record: RunRecord, at_start: float, tokens_per
     result.history = TrainingHistory(
         losses=record.losses, lr=record.lrs, eval_loss=record.eval_losses, start_step=record.start_step,
         resumed_from=record.resumed_from, checkpoints=record.checkpoints, step_time_s=median_step,
-        step_times_s=record.step_times, tokens_per_s=tokens_per_step / median_step if median_step else 0.0,
+        step_times_s=record.step_times, tokens_per_s=_input_tokens(record, tokens_per_step) / median_step
+        if median_step else 0.0,
         throughput_unit=trainer.spec.throughput_unit, ranks=[f for f, _, _ in gathered],
         grad_norm=record.grad_norms if trainer.clip is not None else None, stopped_by=record.stopped_by)
     if getattr(trainer.data, "masks_targets", False) and trainer.spec.takes_tokens and median_step:
@@ -595,7 +638,9 @@ def _finish(trainer: RankTrainer, record: RunRecord, at_start: float, tokens_per
         if scored:
             result.history.scored_tokens_per_s = statistics.fmean(scored) / median_step
         if padded:
-            result.history.padding_share = sum(padded) / (len(padded) * tokens_per_step)
+            run_positions = [n or tokens_per_step for n, p in zip(record.positions, record.padded, strict=True)
+                             if p is not None]
+            result.history.padding_share = sum(padded) / sum(run_positions)
     result.overhead_s = (_median_after_warmup(
         [t - s for t, s in zip(record.step_times, record.schedule_times, strict=True)], warm)
         if record.step_times else 0.0)
@@ -603,6 +648,13 @@ def _finish(trainer: RankTrainer, record: RunRecord, at_start: float, tokens_per
     result.cost_events = [e for _, _, rank_costs in gathered for e in rank_costs]
     tracker.finish({"step_time_s": median_step, "tokens_per_s": result.history.tokens_per_s})
     return result
+
+
+def _input_tokens(record: RunRecord, tokens_per_step: int) -> float:
+    """The input tokens of a step: batch x model.seq_len, or under data.buckets the mean of what
+    the steps ran at their micro-batches' lengths."""
+    run = [n for n in record.positions if n is not None]
+    return statistics.fmean(run) if run else tokens_per_step
 
 
 def _median_after_warmup(values: list[float], warmup: int) -> float:
