@@ -249,6 +249,11 @@ def dry_run(prepared: Prepared, run_dir: Path) -> dict:
     print(stage_table(plan))
     print(f"\nschedule {plan.schedule.name} (compute actions per pipeline rank):\n{plan.schedule.grid()}\n")
     print(format_prediction(pred.result), flush=True)
+    lengths = plan.meta.prediction.variable_lengths if plan.meta.prediction is not None else None
+    if lengths:
+        print(f"micro-batches at their own lengths (data.buckets, mean {lengths['mean_length']:.1f} tokens over the "
+              f"first {lengths['steps_priced']} steps): predicted step {lengths['step_time_s'] * 1e3:.1f} ms, "
+              f"{lengths['longest_step_time_s'] * 1e3:.1f} ms with every micro-batch at model.seq_len", flush=True)
     source = plan.meta.machine.cost_source
     if source:
         print(f"costs from {source}", flush=True)
@@ -262,6 +267,8 @@ def dry_run(prepared: Prepared, run_dir: Path) -> dict:
                "planned_tokens_per_s": tokens_per_step / pred.step_s if pred.step_s > 0 else 0.0,
                "bubble_per_rank": pred.result.bubble, "peak_activation_bytes_per_rank": pred.result.peak_activation_bytes,
                "device_memory": [d.to_dict() for d in pred.devices], "cost_source": source}
+    if lengths:
+        summary["variable_lengths"] = lengths
     if plan.meta.search:
         summary["plan_search"] = asdict(plan.meta.search)
     (run_dir / "prediction.json").write_text(json.dumps(summary, indent=1))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -28,8 +28,10 @@ from pipelaunch.pipeline.core.hardware import configured_hardware
 from pipelaunch.pipeline.core.plan import Plan, dtype_of
 from pipelaunch.pipeline.core.plugins import GroupOptions, Plugins
 from pipelaunch.pipeline.core.run_spec import RunSpec
+from pipelaunch.pipeline.data.lengths import step_lengths
 from pipelaunch.pipeline.graph.init import uncovered_tensors
 from pipelaunch.pipeline.planner import Planned, make_plan
+from pipelaunch.pipeline.planner.predict.lengths import price_lengths
 from pipelaunch.pipeline.planner.predict.prediction import Prediction
 from pipelaunch.pipeline.planner.search.choose import SearchResult
 from pipelaunch.pipeline.runtime.context import bound_to_one_gpu
@@ -298,12 +300,32 @@ def prepare(cfg: TrainConfig, profile: bool | None = None, device: torch.device 
                         profile=profile, device=device, cuda=on_cuda(cfg))
     check_output(cfg, spec, planned.plan)
     check_scored_microbatches(cfg, spec, data, planned.plan)
+    planned = _priced_lengths(cfg, spec, data, planned)
     check_tensor_parallel(spec, planned.plan)
     run = run_spec(cfg, plugins, run_dir)
     resume_from = resume_checkpoint(cfg, planned.model, Path(run.checkpoint.root) if run.checkpoint.root else None)
     if choose(cfg, spec, planned.model)[0] != "constructor":  # the constructor's own values need no initialiser
         _warn_uncovered(spec, planned)
     return Prepared(spec, planned.plan, run, planned.prediction, planned.search, resume_from, planned.model)
+
+
+#: the first steps a data.buckets run's prediction is simulated on, each on its own lengths
+PRICED_STEPS = 16
+
+
+def _priced_lengths(cfg: TrainConfig, spec: ModelSpec, data: object, planned: Planned) -> Planned:
+    """Under data.buckets, the plan's predicted step on the run's first steps' own micro-batch
+    lengths (planner/predict/lengths.py), recorded beside the step at model.seq_len."""
+    buckets = getattr(data, "length_buckets", None)
+    plan = planned.plan
+    if buckets is None or planned.prediction is None or plan.meta.prediction is None or not plan.schedule.training:
+        return planned
+    grouped = bool(getattr(data, "group_by_length", False))
+    lengths = [step_lengths(data.sample_lengths(step, cfg.batch_size), buckets, plan.dp, plan.microbatches, grouped)[1]
+               for step in range(min(cfg.steps, PRICED_STEPS))]
+    priced = price_lengths(planned.prediction, lengths, int(spec.input_shape[0]))
+    step = replace(plan.meta.prediction, variable_lengths=priced)
+    return replace(planned, plan=replace(plan, meta=replace(plan.meta, prediction=step)))
 
 
 def check_data(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins) -> object:
@@ -401,6 +423,11 @@ def check_scored_microbatches(cfg: TrainConfig, spec: ModelSpec, data: object, p
     for start in range(0, cfg.steps, chunk):
         steps = min(chunk, cfg.steps - start)
         counts = np.asarray(data.scored_per_sample(start * cfg.batch_size, steps * cfg.batch_size))
+        if getattr(data, "group_by_length", False):  # each step's samples in the order its micro-batches take
+            counts = np.concatenate([
+                counts.reshape(steps, -1)[i][step_lengths(data.sample_lengths(start + i, cfg.batch_size),
+                                                          data.length_buckets, plan.dp, plan.microbatches, True)[0]]
+                for i in range(steps)])
         empty = np.argwhere(counts.reshape(steps, parts, per).sum(axis=2) == 0)
         if len(empty):
             empty[:, 0] += start

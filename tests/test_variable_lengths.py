@@ -18,7 +18,7 @@ from hydra.utils import instantiate
 
 from pipelaunch.launcher.validate import prepare
 from pipelaunch.pipeline.core.errors import ConfigError
-from pipelaunch.pipeline.data.lengths import check_buckets, microbatch_lengths
+from pipelaunch.pipeline.data.lengths import check_buckets, grouped_order, microbatch_lengths, step_lengths
 from tests.harness import compose_cfg, merge_state, run_jobs
 from tests.test_fine_tuning import MODULE, SEQ, assert_close, module_reference
 
@@ -31,6 +31,7 @@ LAYOUTS = [
     ("zbv m=8", ["pp=2", "scheduler=zbv", "microbatches=8"]),
     ("interleaved_1f1b m=8", ["pp=2", "scheduler=interleaved_1f1b", "microbatches=8"]),
     ("1f1b dp=2 m=4", ["pp=2", "dp=2", "scheduler=1f1b", "microbatches=4"]),
+    ("zbv dp=2 m=4 grouped", ["pp=2", "dp=2", "scheduler=zbv", "microbatches=4", "data.group_by_length=true"]),
 ]
 
 
@@ -76,7 +77,8 @@ def test_variable_length_microbatches_train_like_one_process_on_three_schedules(
         # the first step's micro-batches ran at lengths of their own, and every forward message
         # had the length of its micro-batch's bucket (the order check compared both ends' shapes)
         m = cfg.microbatches
-        lengths = microbatch_lengths(data.sample_lengths(0, cfg.batch_size), (*BUCKETS, SEQ), cfg.dp * m)
+        grouped = cfg.data["group_by_length"]
+        lengths = step_lengths(data.sample_lengths(0, cfg.batch_size), (*BUCKETS, SEQ), cfg.dp, m, grouped)[1]
         assert len(set(lengths)) >= 2 and min(lengths) < SEQ, (label, lengths)
         sent = _forward_shapes(ranks)
         assert sent, f"{label}: no forward message recorded"
@@ -91,6 +93,12 @@ def test_each_microbatch_runs_at_the_shortest_bucket_holding_its_longest_example
     lengths = np.array([3, 12, 13, 5, 40, 2, 1, 24])
     assert microbatch_lengths(lengths, (12, 24, 48), 4) == [12, 24, 48, 24]
     assert microbatch_lengths(lengths, (12, 24, 48), 8) == [12, 12, 24, 12, 48, 12, 12, 24]
+    # grouped by length: the same samples, each micro-batch similar lengths, micro-batch j of
+    # each of 2 replicas the next similar ones
+    order = grouped_order(lengths, 2, 2)
+    assert sorted(order) == list(range(8))
+    assert lengths[order].tolist() == [1, 2, 12, 13, 3, 5, 24, 40]
+    assert step_lengths(lengths, (12, 24, 48), 2, 2, True)[1] == [12, 24, 12, 48]
 
 
 def test_bad_buckets_are_refused_before_spawn_naming_the_key(corpus) -> None:
@@ -119,3 +127,29 @@ def test_the_plan_holds_every_boundary_value_at_every_bucket(corpus) -> None:
             for length, shapes in stage.lengths.items():
                 assert shapes[name] == [shape[0], length, *shape[2:]], (stage.index, name, length)
     assert Plan.from_dict(plan.to_dict()).stages == plan.stages
+
+
+def test_the_simulator_prices_each_microbatch_at_its_length(corpus) -> None:
+    """A micro-batch's compute scales with its length: all at half length, a 1F1B step is half as
+    long; one long micro-batch among short ones costs more than all short, less than all long. The
+    dry run's prediction of a data.buckets run is that of its own first steps' lengths."""
+    from dataclasses import replace
+
+    from pipelaunch.pipeline.planner.placement import linear
+    from pipelaunch.pipeline.planner.predict.simulate import CostModel, simulate
+    from pipelaunch.pipeline.planner.schedules import build_schedule
+    from pipelaunch.pipeline.planner.schedules.one_f_one_b import OneFOneB
+
+    schedule = build_schedule(OneFOneB(), linear(2), 4)
+    cost = CostModel.uniform(2, f=1.0, i=1.0, w=1.0)
+    full = simulate(schedule, cost).makespan_s
+    assert simulate(schedule, replace(cost, microbatch_scale=[0.5] * 4)).makespan_s == pytest.approx(full / 2)
+    mixed = simulate(schedule, replace(cost, microbatch_scale=[0.5, 0.5, 1.0, 0.5])).makespan_s
+    assert full / 2 < mixed < full
+
+    prepared = prepare(compose_cfg([*COMMON, *MODULE, *corpus, "pp=2", "microbatches=8", "steps=4"]), profile=True)
+    priced = prepared.plan.meta.prediction.variable_lengths
+    assert priced["steps_priced"] == 4 and len(priced["step_times_s"]) == 4
+    assert priced["longest_step_time_s"] == pytest.approx(prepared.prediction.step_s)
+    assert priced["step_time_s"] < priced["longest_step_time_s"]
+    assert priced["mean_length"] < SEQ

@@ -117,6 +117,10 @@ class PlannedStep:
     makespan_s: float
     bubble_per_rank: list[float] = field(default_factory=list)
     peak_activation_bytes_per_rank: list[float] = field(default_factory=list)
+    #: data.buckets: the step on the run's first steps' own micro-batch lengths
+    #: (planner/predict/lengths.py: steps_priced, step_time_s, step_times_s, longest_step_time_s,
+    #: mean_length); None: every micro-batch at model.seq_len
+    variable_lengths: dict | None = None
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,8 @@ class ChatExamples:
     val_files: list[str] | None = None
     #: the lengths a micro-batch may run at (pipeline/data/lengths.py); None: model.seq_len only
     buckets: list[int] | None = None
+    #: order each global batch's samples by length before cutting it (pipeline/data/lengths.py)
+    group_by_length: bool = False
     seed: int = 0
     kind: str = "tokens"
     #: the targets hold IGNORE_INDEX (prompts, padding): the launcher checks the loss can weigh them
@@ -102,6 +104,11 @@ class ChatExamples:
             raise ConfigError("model.seq_len", f"got {self.seq_len!r}: data=chat pads each example to model.seq_len "
                                                "tokens; set model.seq_len=<the longest example's tokens>")
         self.length_buckets = check_buckets(None if self.buckets is None else list(self.buckets), self.seq_len)
+        if self.group_by_length and self.length_buckets is None:
+            raise ConfigError("data.group_by_length", "orders each global batch's samples so that each micro-batch "
+                                                      "runs at a length of its own; set data.buckets too (e.g. "
+                                                      f"data.buckets=[{max(1, self.seq_len // 4)},"
+                                                      f"{max(1, self.seq_len // 2)}]), or data.group_by_length=false")
         self._tok = load_tokenizer(self.tokenizer)
         self.pad_id = next(i for i in (self._tok.pad_token_id, self._tok.eos_token_id, 0) if i is not None)
         self._train = self._load(self.files, "data.files")

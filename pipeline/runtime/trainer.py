@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -25,7 +26,7 @@ from pipelaunch.pipeline.core.plan import Plan, dtype_of
 from pipelaunch.pipeline.core.precision import PRECISIONS
 from pipelaunch.pipeline.core.results import RankFacts, RankResult, TrainingHistory
 from pipelaunch.pipeline.core.run_spec import RunSpec
-from pipelaunch.pipeline.data.lengths import microbatch_lengths
+from pipelaunch.pipeline.data.lengths import step_lengths
 from pipelaunch.pipeline.data.packing import Batch, split_batch
 from pipelaunch.pipeline.graph.init import name_seed
 from pipelaunch.pipeline.graph.initial_weights import InitialWeights
@@ -225,13 +226,15 @@ class RankTrainer:
         for m in self.modules:
             m.train(self.training)
 
-    def _microbatch_lengths(self, index: int, held_out: bool) -> list[int] | None:
-        """Under data.buckets, every replica's micro-batch lengths of batch `index`, the same on
-        every rank (a function of the step's samples): known before the step's first message."""
+    def _microbatch_lengths(self, index: int, held_out: bool) -> tuple[np.ndarray | None, list[int] | None]:
+        """Under data.buckets, the order of batch `index`'s samples (data.group_by_length) and every
+        replica's micro-batch lengths, the same on every rank (a function of the step's samples):
+        known before the step's first message."""
         if self.buckets is None:
-            return None
+            return None, None
         lengths = self.data.sample_lengths(index, self.run.batch_size, held_out=held_out)
-        return microbatch_lengths(lengths, self.buckets, self.ctx.dp * self.plan.microbatches)
+        return step_lengths(lengths, self.buckets, self.ctx.dp, self.plan.microbatches,
+                            bool(getattr(self.data, "group_by_length", False)))
 
     def _microbatches(self, draw: Callable[[int, int], Batch], index: int, held_out: bool = False
                       ) -> tuple[list | None, list | None, list[float] | None, dict[str, list], list[int] | None]:
@@ -245,12 +248,15 @@ class RankTrainer:
         Last, under data.buckets, this replica's micro-batch lengths, which every rank needs (what
         each message holds) and computes alike, whether its stages read the data or not."""
         ctx, m = self.ctx, self.plan.microbatches
-        self.lengths = self._microbatch_lengths(index, held_out)
+        order, self.lengths = self._microbatch_lengths(index, held_out)
         lengths = None if self.lengths is None else self.lengths[ctx.dp_rank * m:(ctx.dp_rank + 1) * m]
         if not (self.needs_inputs or self.needs_targets or self.needs_fields):
             self.scored = None
             return None, None, None, {}, lengths
         inputs, targets, fields = split_batch(draw(index, self.run.batch_size))
+        if order is not None:  # data.group_by_length: the same samples, similar lengths together
+            rows = torch.from_numpy(order)
+            inputs, targets, fields = inputs[rows], targets[rows], {f: t[rows] for f, t in fields.items()}
         self.scored = self.spec.count_scored(targets)
         counts = [self.spec.count_scored(t) for t in targets.chunk(ctx.dp)[ctx.dp_rank].chunk(m)]
         divisors = [self.scored / c if c else math.inf for c in counts]

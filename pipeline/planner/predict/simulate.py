@@ -79,6 +79,9 @@ class CostModel:
     #: bytes of its activations a stage's I frees per micro-batch (default: all but
     #: `held_after_input_grad` of them)
     input_grad_freed_bytes: list[float] | None = None
+    #: per micro-batch, the factor on every compute action's time (data.buckets: its length over
+    #: model.seq_len); None: every micro-batch alike. Memory stays priced at the full length.
+    microbatch_scale: list[float] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.forward_s)
@@ -429,11 +432,14 @@ class _Play:
         effects = self.effects
         # `Progress.earliest_start` and `finish` inlined (this loop runs once per action of every play)
         ended, waiting, m = self.progress.end, self.progress.waiting, self.progress.m
+        scale = self.cost.microbatch_scale
         start0, free_at, busy = pos, self.free_at[rank], self.busy[rank]
         woken: list[int] = []
         while pos < len(prog):
             s, mb, e = prog[pos]
             waits, step, duration, memory = effects[e]
+            if scale is not None:
+                duration *= scale[mb]
             start = free_at
             for w_step, w_stage, delay in waits:
                 t = ended[w_step][w_stage * m + mb]
