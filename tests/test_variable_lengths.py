@@ -108,6 +108,12 @@ def test_bad_buckets_are_refused_before_spawn_naming_the_key(corpus) -> None:
         with pytest.raises(ConfigError, match="data.buckets") as err:
             prepare(cfg)
         assert says in str(err.value)
+    # transformers' graphs are traced by torch.export, every shape fixed at model.seq_len
+    cfg = compose_cfg([*COMMON, "model=hf_llama_tiny", "model.config.vocab_size=320", "model.loss=model",
+                       "model.labels=targets", *corpus, "pp=2"])
+    with pytest.raises(ConfigError, match="data.buckets") as err:
+        prepare(cfg)
+    assert "torch.export" in str(err.value)
     cfg = compose_cfg([*COMMON, "model=gpt", "model.vocab_size=320", "model.layers=2", "model.dim=32",
                        "model.heads=2", *corpus, "pp=2", "tp=2"])
     with pytest.raises(ConfigError, match="tp"):

@@ -1,14 +1,15 @@
 """The shapes of a plan's boundary values at each length a micro-batch may run at (`data.buckets`,
-pipeline/data/lengths.py), traced before any rank starts.
+pipeline/data/lengths.py), found before any rank starts.
 
 The plan is cut and priced at model.seq_len, the longest length: its memory budget holds for every
-micro-batch. For each shorter length the model is traced again on the meta device at that length
-(the model built once, as at model.seq_len: only its inputs are shorter), and every value crossing
-a stage boundary is looked up by name in that trace: `StagePlan.lengths[length][name]` is its
-shape there. A rank then allocates each receive from the micro-batch's length alone, which it
-computes from the data as every other rank does, so no shape travels and nothing in a step waits
-for the host. A model whose graph differs between lengths (a boundary value that no longer
-exists, or changes dtype) is refused, naming data.buckets.
+micro-batch. For each shorter length, the very graph the ranks cut into stages (traced at
+model.seq_len) has its shapes propagated on the meta device from inputs of that length, and every
+value crossing a stage boundary is read by name: `StagePlan.lengths[length][name]` is its shape
+there. A rank then allocates each receive from the micro-batch's length alone, which it computes
+from the data as every other rank does, so no shape travels and nothing in a step waits for the
+host. Only a torch.fx graph, whose shapes follow its inputs', takes other lengths: one traced by
+torch.export has every shape fixed (its views name model.seq_len) and is refused, as is a graph
+that does not run at a length or whose boundary value changes dtype there, naming data.buckets.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+import torch
+
 from pipelaunch.models.spec import ModelSpec
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan import Plan, dtype_name
-from pipelaunch.pipeline.graph.trace import TracedModel
+from pipelaunch.pipeline.graph.trace import RepeatAwareShapeProp, TracedModel
 
 
 def at_length(spec: ModelSpec, length: int) -> ModelSpec:
@@ -36,19 +39,26 @@ def with_length_shapes(plan: Plan, spec: ModelSpec, buckets: Sequence[int], micr
     """`plan` with each stage's `lengths`: per bucket, the shape of every boundary value at it."""
     longest = int(spec.input_shape[0])
     names = {n for s in plan.stages for n in s.values}
+    traced = spec.trace(micro_batch_size)
+    if traced.method != "fx":
+        raise ConfigError("data.buckets", f"model={spec.name} is traced by torch.{traced.method}, which fixes every "
+                                          f"shape of its graph at model.seq_len={longest}: its stages cannot run "
+                                          "micro-batches of other lengths; set data.buckets=null (model=gpt and "
+                                          "model=module traced by torch.fx take them)")
     shapes: dict[int, dict[str, list[int]]] = {}
-    model = spec.build_meta()
     for length in buckets:
         if length == longest:
             shapes[length] = {n: list(shape) for s in plan.stages for n, (shape, _) in s.values.items()}
             continue
         try:
-            traced = at_length(spec, length).trace(micro_batch_size, model)
-        except ConfigError as err:
-            if err.key == "data.buckets":
-                raise
-            raise ConfigError("data.buckets", f"model={spec.name} cannot be traced at a length of {length} tokens "
-                                              f"({err}); list only lengths it takes, or set data.buckets=null") from None
+            with torch.no_grad():
+                RepeatAwareShapeProp(traced.gm).propagate(*at_length(spec, length).meta_args(micro_batch_size))
+        except ConfigError:
+            raise
+        except Exception as err:  # noqa: BLE001 - any failure: the graph does not run at this length
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConfigError("data.buckets", f"model={spec.name}'s graph does not run at {length} tokens ({first}); "
+                                              "list only lengths it takes, or set data.buckets=null") from None
         shapes[length] = _boundary_shapes(traced, plan, names, length, spec.name)
     stages = [replace(s, lengths={length: {n: shapes[length][n] for n in s.values} for length in shapes})
               for s in plan.stages]
