@@ -159,3 +159,15 @@ def test_the_simulator_prices_each_microbatch_at_its_length(corpus) -> None:
     assert priced["longest_step_time_s"] == pytest.approx(prepared.prediction.step_s)
     assert priced["step_time_s"] < priced["longest_step_time_s"]
     assert priced["mean_length"] < SEQ
+
+
+@pytest.mark.timeout(300)
+def test_the_projects_gpt_trains_at_bucket_lengths_as_at_full_length(corpus, tmp_path) -> None:
+    """model=gpt (causal attention: a position never reads the padding after it): the same losses
+    and weights whether each micro-batch runs at its bucket's length or at model.seq_len."""
+    gpt = ["model=gpt", "model.vocab_size=320", "model.layers=2", "model.dim=32", "model.heads=2",
+           "model.dropout=0.0", "pp=2", "scheduler=zbv", "microbatches=8"]
+    cfgs = [compose_cfg([*COMMON, *gpt, *corpus, *extra]) for extra in ([], ["data.buckets=null"])]
+    bucketed, full = run_jobs(cfgs, tmp_path)
+    assert bucketed[0].losses == pytest.approx(full[0].losses, rel=1e-6)
+    assert_close(merge_state(bucketed, "params_final"), merge_state(full, "params_final"), "gpt weights", rel=1e-5)
