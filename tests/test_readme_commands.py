@@ -143,7 +143,14 @@ SCENARIOS = [
               "data.tokenizer=chat_tok pp=2 microbatches=8"),
         train("python train.py model=hf_llama_tiny model.config.vocab_size=320 model.seq_len=48 model.loss=model "
               "model.labels=targets data=chat 'data.files=[chat.jsonl]' data.tokenizer=chat_tok pp=2 dp=2"),
-    ), slow=True, timeout=300),
+        # micro-batches of their own lengths (tests/test_variable_lengths.py checks the property by default)
+        train("python train.py model=gpt model.vocab_size=320 model.seq_len=48 data=chat 'data.files=[chat.jsonl]' "
+              "data.tokenizer=chat_tok 'data.buckets=[16,32]' data.group_by_length=true pp=2 microbatches=8 "
+              "scheduler=zbv"),
+        plan("python train.py mode=plan model=gpt model.vocab_size=320 model.seq_len=48 data=chat "
+             "'data.files=[chat.jsonl]' data.tokenizer=chat_tok 'data.buckets=[16,32]' data.group_by_length=true "
+             "pp=2 microbatches=8 scheduler=zbv"),
+    ), slow=True, timeout=400),
     # packed documents (slow: tests/test_packing.py checks the property by default)
     Scenario("packing", "README.md", (
         typed("python -c \"import numpy as np; rng = np.random.default_rng(0); np.concatenate([np.append("
