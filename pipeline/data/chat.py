@@ -6,10 +6,13 @@ put through the tokenizer's own chat template. The example's tokens are the prom
 response's (then end-of-sequence, `data.add_eos`); the target at each position is the next token
 where that token belongs to the response, else IGNORE_INDEX (-100), as transformers' fine-tuning
 labels are. Each example is one sample, padded to the window of model.seq_len + 1 tokens (padding
-is never scored); examples are not packed or split: one longer than the window is refused before
-any rank starts, unless `data.truncate=true` cuts it to the window.
+is never scored); or with `data.packing=documents` whole examples are packed into each window in
+file order (the next window started when the next example would not fit), each with its position
+ids from 0 (its own attention, as packed documents: data/packing.py) and its first token never a
+target (the token before it is another example's). Examples are never split: one longer than the
+window is refused before any rank starts, unless `data.truncate=true` cuts it to the window.
 
-Sample i of the run (the global sample index) is example `perm_e[i mod n]`, e = i div n the epoch
+Sample i of the run (the global sample index) is example (or packed window) `perm_e[i mod n]`, e = i div n the epoch
 and perm_e a permutation drawn from (seed, e), as data=hf draws its windows: every example is seen
 once per epoch, and any (pp, dp) or a resumed run reads the same global batch at a given step.
 The runtime weighs the loss by scored tokens over the whole global batch (`ModelSpec.scored`), so
@@ -26,10 +29,11 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from pipelaunch.pipeline.core import IGNORE_INDEX
+from pipelaunch.pipeline.core import IGNORE_INDEX, POSITION_IDS
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.data.hf import _epoch_order, load_tokenizer
 from pipelaunch.pipeline.data.lengths import check_buckets
+from pipelaunch.pipeline.data.packing import FIELDS, Batch, check_packing
 
 
 @dataclass
@@ -40,6 +44,9 @@ class Examples:
     tokens: np.ndarray
     labels: np.ndarray
     lengths: np.ndarray
+    #: data.packing=documents: per window, each position's offset in its example (0 at each
+    #: example's first token; the padding after the last one a segment of its own); None: unpacked
+    positions: np.ndarray | None = None
 
     @property
     def scored(self) -> np.ndarray:
@@ -93,6 +100,9 @@ class ChatExamples:
     buckets: list[int] | None = None
     #: order each global batch's samples by length before cutting it (pipeline/data/lengths.py)
     group_by_length: bool = False
+    #: none: one example per sample, padded; documents: whole examples packed into each window,
+    #: each with its own positions and attention (`_pack`)
+    packing: str = "none"
     seed: int = 0
     kind: str = "tokens"
     #: the targets hold IGNORE_INDEX (prompts, padding): the launcher checks the loss can weigh them
@@ -104,6 +114,10 @@ class ChatExamples:
             raise ConfigError("model.seq_len", f"got {self.seq_len!r}: data=chat pads each example to model.seq_len "
                                                "tokens; set model.seq_len=<the longest example's tokens>")
         self.length_buckets = check_buckets(None if self.buckets is None else list(self.buckets), self.seq_len)
+        self.packed = self.packing != "none" and check_packing(self.packing, 0)
+        if self.packed and self.length_buckets is not None:
+            raise ConfigError("data.buckets", "packed windows (data.packing=documents) are full: each runs at "
+                                              "model.seq_len; set data.buckets=null, or data.packing=none")
         if self.group_by_length and self.length_buckets is None:
             raise ConfigError("data.group_by_length", "orders each global batch's samples so that each micro-batch "
                                                       "runs at a length of its own; set data.buckets too (e.g. "
@@ -175,15 +189,23 @@ class ChatExamples:
                                                f"({longest[0]} line {longest[1]}); examples are not split: set "
                                                f"model.seq_len={len(longest[2]) - 1} (or more), or data.truncate=true "
                                                "to cut each example to the window (what is cut is not trained on)")
-        tokens = np.full((len(encoded), window), self.pad_id, dtype=np.int64)
-        labels = np.full((len(encoded), window), IGNORE_INDEX, dtype=np.int64)
-        lengths = np.zeros(len(encoded), dtype=np.int64)
-        for row, (_, _, ids, prompt) in enumerate(encoded):
-            ids = ids[:window]
-            tokens[row, :len(ids)] = ids
-            labels[row, prompt:len(ids)] = ids[prompt:]
-            lengths[row] = len(ids)
-        return Examples(tokens, labels, lengths)
+        rows = _pack([(ids[:window], prompt) for _, _, ids, prompt in encoded], window) if self.packed else \
+            [[(ids[:window], prompt)] for _, _, ids, prompt in encoded]
+        tokens = np.full((len(rows), window), self.pad_id, dtype=np.int64)
+        labels = np.full((len(rows), window), IGNORE_INDEX, dtype=np.int64)
+        positions = np.zeros((len(rows), window), dtype=np.int64)
+        lengths = np.zeros(len(rows), dtype=np.int64)
+        for row, examples in enumerate(rows):
+            at = 0
+            for ids, prompt in examples:
+                tokens[row, at:at + len(ids)] = ids
+                # scored: the response's tokens; never an example's first (the one before is another's)
+                labels[row, at + max(prompt, 1):at + len(ids)] = ids[max(prompt, 1):]
+                positions[row, at:at + len(ids)] = np.arange(len(ids))
+                at += len(ids)
+            positions[row, at:] = np.arange(window - at)  # the padding: a segment of its own
+            lengths[row] = at
+        return Examples(tokens, labels, lengths, positions if self.packed else None)
 
     def check_vocabulary(self, model_vocab: int) -> None:
         """Refuse a tokenizer that can produce ids the model cannot embed."""
@@ -202,15 +224,23 @@ class ChatExamples:
             picks[at] = _epoch_order(self.seed, salt, int(epoch), n)[index[at] % n]
         return picks
 
-    def _rows(self, examples: Examples, first: int, count: int, salt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rows(self, examples: Examples, first: int, count: int, salt: str) -> Batch:
         picks = self._picks(examples, first, count, salt)
         tokens, labels = examples.tokens[picks], examples.labels[picks]
-        return torch.from_numpy(tokens[:, :-1].copy()), torch.from_numpy(labels[:, 1:].copy())
+        inputs, targets = torch.from_numpy(tokens[:, :-1].copy()), torch.from_numpy(labels[:, 1:].copy())
+        if examples.positions is None:
+            return inputs, targets
+        return inputs, targets, {POSITION_IDS: torch.from_numpy(examples.positions[picks, :-1].copy())}
 
-    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The per-token fields a batch gives beside inputs and targets (packing: position ids)."""
+        return FIELDS if self.packed else ()
+
+    def batch(self, step: int, batch_size: int) -> Batch:
         return self._rows(self._train, step * batch_size, batch_size, "chat")
 
-    def val_batch(self, index: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def val_batch(self, index: int, batch_size: int) -> Batch:
         """Held-out batch `index` (from val_files, or the training examples when there are none)."""
         examples = self._val if self._val is not None else self._train
         return self._rows(examples, index * batch_size, batch_size, "val")
@@ -232,3 +262,17 @@ class ChatExamples:
         the last, padded to model.seq_len)."""
         lengths = self._train.lengths[self._picks(self._train, step * batch_size, batch_size, "chat")]
         return int((self.seq_len - (lengths - 1)).sum())
+
+
+def _pack(examples: list[tuple[list[int], int]], window: int) -> list[list[tuple[list[int], int]]]:
+    """data.packing=documents: whole examples (ids, prompt length) in file order, each window
+    filled until the next would not fit, then the next window (examples are never split)."""
+    rows: list[list[tuple[list[int], int]]] = [[]]
+    used = 0
+    for ids, prompt in examples:
+        if used + len(ids) > window and rows[-1]:
+            rows.append([])
+            used = 0
+        rows[-1].append((ids, prompt))
+        used += len(ids)
+    return rows
