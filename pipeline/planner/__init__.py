@@ -11,7 +11,7 @@ nothing edits it once `make_plan` returns it.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 import torch
@@ -55,6 +55,9 @@ class Planned:
     search: SearchResult | None = None
     #: the model as the launcher built it on the meta device (checks against a checkpoint read it)
     model: torch.nn.Module | None = None
+    #: the traces planning made, by (micro-batch size, tp, the modules tp splits): the model at
+    #: those shapes (one tp rank's under tp > 1), or None where none was made (`TracedModels.made`)
+    traces: Callable[[int, int, Mapping[str, str]], TracedModel | None] | None = None
 
 
 def make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: GroupOptions, *,
@@ -130,7 +133,8 @@ def _make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Gro
         return build_plan(traced, gen, req if whole is None else replace(req, whole_stages=tuple(whole)))
 
     if searching and not profile:
-        return Planned(_first_plannable(cfg, plugins, options, models, build, models.get(size)), model=models.model)
+        return Planned(_first_plannable(cfg, plugins, options, models, build, models.get(size)), model=models.model,
+                       traces=models.made)
     if searching:
         cands, given = search_space(cfg, plugins, options, models.structure(size).graph, tps)
         screen = Screen(costs=lambda tp, mbs: ModelCosts.of(models.get(mbs, tp).graph, mbs),
@@ -144,14 +148,14 @@ def _make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Gro
         if hw is not None:
             result.per_device = _per_device(cfg, spec, models, hw)
         prediction = result.winner.prediction
-        return Planned(_finished(prediction.plan, prediction, result), prediction, result, models.model)
+        return Planned(_finished(prediction.plan, prediction, result), prediction, result, models.model, models.made)
     traced = models.get(size)
     plan = build(generator, traced)
     if not profile:
-        return Planned(_finished(plan, None, None), model=models.model)
+        return Planned(_finished(plan, None, None), model=models.model, traces=models.made)
     prediction = fit_budget(plan, predict(plan, *link(), collectives=False), traced.graph, cfg.memory.cap_bytes, *link(),
                             rebuild=lambda whole: build(generator, traced, whole=whole))
-    return Planned(_finished(prediction.plan, prediction, None), prediction, model=models.model)
+    return Planned(_finished(prediction.plan, prediction, None), prediction, model=models.model, traces=models.made)
 
 
 #: the devices tensor parallelism may span by default: one node's (8 GPUs, NVLink); a hardware

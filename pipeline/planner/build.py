@@ -190,7 +190,7 @@ def build_plan(traced: TracedModel, generator: ScheduleGenerator, req: PlanReque
     placement = resolve_placement(req.placement, generator, req.pp)
     generator.check(req.pp, req.microbatches, list(placement))  # schedule rules first: clearer than a split error
     part = _partition(traced, generator, placement, req)
-    split = split_model(traced, part.assignment, len(placement))
+    split = split_model(traced, part.assignment, len(placement), lazy=True)  # its stages never run here
     inputs = model_inputs(split.input_names, req.data_args)
     stages = _stage_plans(traced, split, part, placement, req.value_dtypes, req.tp)
     forward, backward, split_costs = _stage_costs(traced, part, len(placement), req.profiled)

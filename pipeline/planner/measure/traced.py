@@ -90,6 +90,16 @@ class TracedModels:
             self._priced.add(key)
         return local
 
+    def made(self, micro_batch_size: int, tp: int, tp_modules: Mapping[str, str] | None = None) -> TracedModel | None:
+        """The trace already made at this size and tp (under tp > 1 with `tp_modules` split, the
+        ones this plans), or None: never traces. For a later check of the plan that would trace
+        the very same model again (the launcher's tp check: an 80-layer export is ~10 s)."""
+        if tp == 1:
+            return self._traced.get(micro_batch_size)
+        if tp_modules is not None and dict(tp_modules) != dict(self.tp_modules):
+            return None
+        return self._local.get((micro_batch_size, tp))
+
     def structure(self, micro_batch_size: int, tp: int | None = None) -> TracedModel:
         """The model traced at this size, profiled or not yet: for what reads only the graph's shape."""
         tp = tp or self.tp
