@@ -189,6 +189,14 @@ def test_packed_gpt_on_every_schedule_family(documents, tmp_path) -> None:
     check_layouts(documents, MORE_LAYOUTS, tmp_path)
 
 
+@pytest.mark.timeout(600)
+def test_packed_gpt_under_tensor_parallelism_trains_as_each_document_alone(documents, tmp_path) -> None:
+    """pp=2 tp=2 with sequence parallelism: every tp rank reads the same position ids, its heads'
+    attention confined to each document, the sequence-parallel regions cut along the positions."""
+    check_layouts(documents, [("pp=2 tp=2 sequence_parallel 1f1b",
+                               ["pp=2", "tp=2", "sequence_parallel=true", "scheduler=1f1b"])], tmp_path)
+
+
 LLAMA = ("model=hf_llama_tiny", f"model.config.vocab_size={VOCAB}", *RUN)
 
 
@@ -199,6 +207,14 @@ def test_packed_llama_trains_as_each_document_alone(documents, tmp_path, attenti
     path confines attention and restarts the rotary positions per document, in sdpa and eager."""
     check_layouts(documents, [LAYOUTS[0]], tmp_path, (*LLAMA, f"+model.config.attn_implementation={attention}"),
                   plain_llama, lambda m, ids: m(ids).logits, "model.")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_packed_llama_under_tensor_parallelism_trains_as_each_document_alone(documents, tmp_path) -> None:
+    """transformers' Llama at pp=2 tp=2 on packed documents, its tp plan's slices given the ids."""
+    check_layouts(documents, [("pp=2 tp=2 1f1b", ["pp=2", "tp=2", "scheduler=1f1b"])], tmp_path, LLAMA, plain_llama,
+                  lambda m, ids: m(ids).logits, "model.")
 
 
 # ---- the GPT's document mask ----------------------------------------------------------------------
