@@ -363,8 +363,7 @@ def check_data_fields(cfg: TrainConfig, spec: ModelSpec, fields: tuple[str, ...]
     """The extra per-token fields the data gives (packed documents' position ids) and those the
     model takes must agree: packing for a model that cannot take the position ids (its documents
     would attend to each other) is refused, naming the key, as is an attention implementation of
-    transformers that ignores them on this device. Tensor parallelism is not checked on packed
-    documents yet: refused."""
+    transformers that ignores them on this device."""
     taken = tuple(a for a in spec.data_args if a not in ("input", "target"))
     if fields and not taken:
         raise ConfigError("data.packing", f"packs documents, but model={spec.name} takes no position ids or document "
@@ -377,9 +376,6 @@ def check_data_fields(cfg: TrainConfig, spec: ModelSpec, fields: tuple[str, ...]
                                           f"data gives none; set data.packing=documents (data=tokens or data=hf)")
     if not fields:
         return
-    if cfg.tp > 1:
-        raise ConfigError("tp", f"tp={cfg.tp} on packed documents (data.packing=documents) is not supported yet; "
-                                "use tp=1, or data.packing=none")
     impl = spec.meta.get("attn_implementation")
     if impl is not None:
         from pipelaunch.models.hf import PACKED_ATTENTION
