@@ -10,7 +10,9 @@ examples/academic_paper_scripts/sc21/run_table_1.sh) is planned as the paper ran
 dp = GPUs / (tp x pp), its micro-batch and global batch, the interleaved schedule where it gives
 layers per virtual stage (1F1B otherwise), full activation recomputation, bf16 with fp32 master
 weights. The project's GPT stands in for Megatron's (pre-LayerNorm blocks, separate q/k/v
-projections, a 4x GELU MLP, learned positions). The planner prices every layer on the A100 file's
+projections, a 4x GELU MLP, learned positions), its attention computed as the paper's Megatron-LM
+computed it, before fused (flash) attention: the scores materialised (`model.attention=math`), each
+of a layer's b x heads x s x s scores written and read by every step. The planner prices every layer on the A100 file's
 figures (`pipeline/planner/measure/analytic_profile.py`) and simulates the step; the predicted
 TFLOP/s per GPU uses the paper's own count (its appendix: 96 B s l h^2 (1 + s/6h + V/16lh) per
 iteration, recomputation's extra forward included), so the two columns compare like for like
@@ -48,7 +50,7 @@ def overrides(row: dict, remat: str = "full") -> list[str]:
     out = ["mode=plan", "hardware=a100_80gb", "model=gpt", f"model.layers={layers}", f"model.dim={row['hidden']}",
            f"model.heads={row['heads']}", "model.vocab_size=51200", "model.seq_len=2048", f"batch_size={batch}",
            f"microbatches={batch // (dp * micro)}", f"pp={pp}", f"dp={dp}", f"tp={tp}", "precision=bf16",
-           f"remat={remat}", "partitioner=uniform", "eval.every=0"]
+           f"remat={remat}", "partitioner=uniform", "eval.every=0", "model.attention=math"]
     if remat == "full":
         out.append("hardware.memory_bytes=1e13")
     virtual = row["layers_per_virtual_stage"]

@@ -28,6 +28,12 @@ TP_PLAN = {"embed.tokens": "vocab", "layer*.attn.q": "colwise", "layer*.attn.k":
            "layer*.mlp.2": "rowwise", "head.proj": "vocab"}
 #: a decoder block's leaf modules at `granularity="sublayer"`
 SUBLAYER_PARTS = ("ln1", "attn", "ln2", "mlp")
+#: how attention is computed: `sdpa`, torch's fused scaled_dot_product_attention (flash or
+#: memory-efficient kernels where the device has them), or `math`, the scores materialised and
+#: masked, softmaxed, dropped out and applied by separate operators, as Megatron-LM computed them
+#: before fused attention (its SC21 runs) and nanoGPT does without flash: same result, more memory
+#: traffic (each of the b x heads x t x t scores written and read by every step)
+ATTENTIONS = ("sdpa", "math")
 
 
 class Embedding(nn.Module):
@@ -62,6 +68,20 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
     return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), dropout_p=dropout_p)
 
 
+def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                   position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """`model.attention=math`: causal attention (within each document when `position_ids` are
+    given) with the scores materialised: (q / sqrt(d)) k^T, masked, softmax, dropout, times v."""
+    t = q.shape[-2]
+    hidden = q.new_ones((t, t), dtype=torch.bool).triu(1)  # made from q: a fake q (pricing) makes a fake mask
+    if position_ids is not None:
+        docs = segments(position_ids)
+        hidden = ((docs.unsqueeze(-1) != docs.unsqueeze(-2)) | hidden).unsqueeze(1)
+    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+    probs = nn.functional.dropout(scores.masked_fill(hidden, float("-inf")).softmax(dim=-1), dropout_p)
+    return probs @ v
+
+
 _compiled_flex = None
 
 
@@ -92,7 +112,7 @@ class CausalSelfAttention(nn.Module):
     the forward reads the head count from their outputs (`-1`), so a tensor-parallel rank holding
     `heads / tp` heads runs the same code on its shards (docs/tensor_parallel.md)."""
 
-    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+    def __init__(self, dim: int, heads: int, dropout: float, attention: str = "sdpa") -> None:
         super().__init__()
         if dim % heads:
             raise ValueError(f"model.dim={dim} must be divisible by model.heads={heads}")
@@ -102,12 +122,15 @@ class CausalSelfAttention(nn.Module):
         self.v = nn.Linear(dim, dim)
         self.proj = nn.Linear(dim, dim)
         self.dropout = dropout
+        self.math = attention == "math"
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = (f(x).view(b, t, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
         dropout = self.dropout if self.training else 0.0
-        if position_ids is None:
+        if self.math:
+            y = math_attention(q, k, v, dropout, position_ids)
+        elif position_ids is None:
             y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         else:  # packed documents: each attends within its own
             y = document_attention(q, k, v, position_ids, dropout)
@@ -117,10 +140,10 @@ class CausalSelfAttention(nn.Module):
 class DecoderBlock(nn.Module):
     """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, dim: int, heads: int, mlp_ratio: int = 4, dropout: float = 0.0) -> None:
+    def __init__(self, dim: int, heads: int, mlp_ratio: int = 4, dropout: float = 0.0, attention: str = "sdpa") -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(dim)
-        self.attn = CausalSelfAttention(dim, heads, dropout)
+        self.attn = CausalSelfAttention(dim, heads, dropout, attention)
         self.ln2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim))
 
@@ -154,6 +177,7 @@ def gpt(
     granularity: str = "block",
     tp_plan: dict[str, str] | None = None,
     data_packing: str | None = None,
+    attention: str = "sdpa",
 ) -> ModelSpec:
     """Blocks, in order: `embed`, `layer0` .. `layer{layers-1}`, `head` (the leaf modules).
 
@@ -168,7 +192,8 @@ def gpt(
     tensor is 4x larger, too). Same weights, same arithmetic as `granularity="block"`.
 
     `tp_plan`: how tp > 1 splits it (null: `TP_PLAN`, Megatron's split). `data_packing`: the data's
-    packing (`documents`: the model takes the data's position ids too, see the module docstring)."""
+    packing (`documents`: the model takes the data's position ids too, see the module docstring).
+    `attention`: `ATTENTIONS` (the same arithmetic either way)."""
     require_positive_ints(vocab_size=vocab_size, dim=dim, layers=layers, heads=heads, seq_len=seq_len,
                           mlp_ratio=mlp_ratio)
     if dim % heads:
@@ -180,8 +205,11 @@ def gpt(
         raise ConfigError("model.granularity", f"must be one of {', '.join(GRANULARITIES)}, got {granularity!r} "
                                                "(block: cut between decoder blocks; sublayer: also between a block's "
                                                "attention and MLP; op: cut between any operators)")
+    if attention not in ATTENTIONS:
+        raise ConfigError("model.attention", f"got {attention!r}; valid: sdpa (torch's fused attention), math (the "
+                                             "scores materialised, as Megatron-LM before fused attention)")
     blocks = [("embed", partial(Embedding, vocab_size, dim, seq_len))]
-    blocks += [(f"layer{i}", partial(DecoderBlock, dim, heads, mlp_ratio, dropout)) for i in range(layers)]
+    blocks += [(f"layer{i}", partial(DecoderBlock, dim, heads, mlp_ratio, dropout, attention)) for i in range(layers)]
     blocks.append(("head", partial(LMHead, dim, vocab_size)))
     packed = (data_packing or "none") == "documents"
     model_class = (PackedTiedGPT if tie_embeddings else PackedGPT) if packed else (TiedGPT if tie_embeddings else None)

@@ -341,3 +341,27 @@ def test_a_module_whose_forward_takes_no_position_ids_is_refused(documents) -> N
     err = _refusal(["model=module", "model.module._target_=tests.test_fine_tuning.tiny_lm", *RUN, *documents,
                     "pp=2"])
     assert err.key == "model.position_ids_arg" and "position_ids" in str(err), err
+
+
+def test_math_attention_computes_what_fused_attention_does(documents) -> None:
+    """model.attention=math (the scores materialised, as Megatron-LM before fused attention)
+    gives the fused path's outputs, causal and within packed documents; the whole GPT too."""
+    from pipelaunch.models.gpt import document_attention, math_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 16, 8, generator=gen) for _ in range(3))
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1], [*range(8), *range(7), 0]])
+    causal = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(math_attention(q, k, v, 0.0), causal, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(math_attention(q, k, v, 0.0, pos), document_attention(q, k, v, pos, 0.0),
+                               rtol=1e-5, atol=1e-6)
+    models = []
+    for attention in ("sdpa", "math"):
+        torch.manual_seed(0)
+        models.append(instantiate(compose_cfg([*COMMON, f"model.attention={attention}"]).model).build())
+    x = torch.randint(1, VOCAB, (3, 16))
+    torch.testing.assert_close(models[1](x), models[0](x), rtol=1e-5, atol=1e-5)
+    from pipelaunch.models.gpt import gpt
+
+    with pytest.raises(ConfigError, match="model.attention"):
+        gpt(attention="flash")
