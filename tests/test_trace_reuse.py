@@ -99,6 +99,27 @@ def _contracted(graph: nx.DiGraph) -> tuple[dict, dict, list]:
     return c.members, dict(c.graph.nodes(data=True)), sorted(c.graph.edges(data=True))
 
 
+def test_a_unit_carries_its_members_costs_and_what_leaves_it() -> None:
+    """Each unit's costs are its members' (summed in program order), its output the bytes of the
+    members another unit reads, and an edge between units carries the last such edge's bytes."""
+    _, traced = _op_gpt()
+    g = traced.graph
+    for i, n in enumerate(topo_order(g)):  # costs of their own on every node
+        g.nodes[n].update(forward_s=0.1 + i / 7, backward_s=0.3 + i / 11, activation_bytes=i)
+    c = contract_unsendable(g)
+    unit_of = {m: u for u, ms in c.members.items() for m in ms}
+    for u, ms in c.members.items():
+        assert c.graph.nodes[u]["forward_s"] == sum(float(g.nodes[m]["forward_s"]) for m in ms)
+        assert c.graph.nodes[u]["activation_bytes"] == sum(g.nodes[m]["activation_bytes"] for m in ms)
+        out = [m for m in ms if any(unit_of[s] != u for s in g.successors(m))]
+        assert c.graph.nodes[u]["output_bytes"] == sum(int(g.nodes[m].get("output_bytes", 0)) for m in out)
+    carried = {}
+    for a, b in g.edges:
+        if unit_of[a] != unit_of[b]:
+            carried[(unit_of[a], unit_of[b])] = g.edges[a, b].get("bytes", 0)
+    assert {(a, b): d["bytes"] for a, b, d in c.graph.edges(data=True)} == carried
+
+
 def test_the_units_of_a_graph_are_found_again_when_the_graph_changes() -> None:
     """A graph cut again gives the contraction a fresh copy of it gives, unchanged, after its costs
     change, after a node becomes unsendable and after an edge is added."""

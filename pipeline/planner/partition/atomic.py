@@ -50,11 +50,17 @@ def contract_unsendable(graph: nx.DiGraph) -> Contraction | None:
         return None
     units, pos = _units(graph, unsendable, split_leaves)
     unit_of = {m: ms[0] for ms in units for m in ms}
+    data_of = dict(graph.nodes(data=True))
+    leaving: set[str] = set()  # nodes with a consumer in another unit
+    between: list[tuple[str, str, int]] = []
+    for u, v, d in graph.edges(data=True):
+        if unit_of[u] != unit_of[v]:
+            leaving.add(u)
+            between.append((unit_of[u], unit_of[v], d.get("bytes", 0)))
     q = nx.DiGraph(**graph.graph)
     for ms in units:
-        data = [graph.nodes[m] for m in ms]
+        data = [data_of[m] for m in ms]
         params = sorted({p for d in data for p in d.get("params") or []})
-        leaving = [m for m in ms if any(unit_of[s] != ms[0] for s in graph.successors(m))]
         q.add_node(
             ms[0],
             forward_s=sum(float(d.get("forward_s", 0.0)) for d in data),
@@ -62,14 +68,13 @@ def contract_unsendable(graph: nx.DiGraph) -> Contraction | None:
             activation_bytes=sum(int(d.get("activation_bytes", 0)) for d in data),
             stash_bytes=sum(int(d.get("stash_bytes", 0)) for d in data),
             loss_activation_bytes=sum(int(d.get("loss_activation_bytes", 0)) for d in data),
-            output_bytes=sum(int(graph.nodes[m].get("output_bytes", 0)) for m in leaving),
+            output_bytes=sum(int(data_of[m].get("output_bytes", 0)) for m in ms if m in leaving),
             params=params,
             param_bytes=sum(int(d.get("param_bytes", 0)) for d in data),
             order=pos[ms[0]],
         )
-    for u, v in graph.edges:
-        if unit_of[u] != unit_of[v]:
-            q.add_edge(unit_of[u], unit_of[v], bytes=graph.edges[u, v].get("bytes", 0))
+    for u, v, nbytes in between:
+        q.add_edge(u, v, bytes=nbytes)
     return Contraction(q, {ms[0]: ms for ms in units})
 
 
