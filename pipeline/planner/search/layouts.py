@@ -63,7 +63,8 @@ def _layout(cfg: TrainConfig, pp: int, dp: int) -> Layout:
     zeros = _levels(cfg, dp)
     if cfg.dp_shard is not None and dp % cfg.dp_shard:
         raise ConfigError("dp_shard", f"dp_shard={cfg.dp_shard} does not divide dp={dp}")
-    return Layout(pp, dp, microbatch_counts(pp, dp, cfg.batch_size, cfg.microbatches, cfg.plan.microbatches), zeros)
+    return Layout(pp, dp, microbatch_counts(pp, dp, cfg.batch_size, cfg.microbatches, cfg.plan.microbatches,
+                                            smallest=True), zeros)
 
 
 def _levels(cfg: TrainConfig, dp: int) -> list[int | None]:

@@ -249,18 +249,23 @@ class Screen:
     #: (None: every split taken as even)
     graph: Callable[[int, int], nx.DiGraph] | None = None
     _priced: dict[tuple[int, int], ModelCosts] = field(default_factory=dict)
+    _at: dict[tuple[int, int, int, int], ModelCosts] = field(default_factory=dict)
     _splits: dict[tuple, Split | None] = field(default_factory=dict)
 
     def _layout(self, c: Candidate) -> tuple[int, int, int]:
         return (c.pp, c.dp, c.tp or 1) if c.pp is not None else self.layout
 
     def model_costs(self, tp: int, size: int) -> ModelCosts:
-        """The model's costs at (tp, size), from those priced at the reference sizes of tp."""
+        """The model's costs at (tp, size), from those priced at the reference sizes of tp (once
+        per (tp, size): thousands of candidates share a few)."""
         lo, hi = self.reference.get(tp, (size, size))
+        if (tp, size, lo, hi) in self._at:
+            return self._at[(tp, size, lo, hi)]
         for ref in (lo, hi):
             if (tp, ref) not in self._priced:
                 self._priced[(tp, ref)] = self.costs(tp, ref)
-        return self._priced[(tp, lo)].at(size, self._priced[(tp, hi)])
+        self._at[(tp, size, lo, hi)] = costs = self._priced[(tp, lo)].at(size, self._priced[(tp, hi)])
+        return costs
 
     def split(self, c: Candidate, tp: int, placement: tuple[int, ...]) -> Split | None:
         """The fullest rank's shares under the candidate's own split of the priced graph (one per
