@@ -30,8 +30,8 @@ def test_microbatch_counts_are_multiples_of_pp_that_split_the_replica_batch() ->
     assert microbatch_counts(4, 2, 32, 4, None) == [4, 8, 16]  # 16 sequences per replica
     assert microbatch_counts(2, 1, 12, 3, None) == [2, 3, 4]  # 8 and 16 do not divide 12
     assert microbatch_counts(2, 1, 16, 4, [3, 8]) == [8]
-    # a cluster's layouts (plan.devices): micro-batches of one and two sequences too
-    assert microbatch_counts(4, 32, 1792, 4, None, smallest=True) == [4, 8, 28, 56]
+    # a cluster's layouts (plan.devices): micro-batches of one sequence too
+    assert microbatch_counts(4, 32, 1792, 4, None, smallest=True) == [4, 8, 56]
     assert microbatch_counts(4, 32, 1792, 4, [8], smallest=True) == [8]
     with pytest.raises(ConfigError, match="plan.microbatches"):
         microbatch_counts(2, 1, 16, 4, [3, 5])

@@ -377,12 +377,12 @@ def microbatch_counts(pp: int, dp: int, batch_size: int, given: int, wanted: Seq
                       smallest: bool = False) -> list[int]:
     """The micro-batch counts to try: `wanted`, or pp, 2pp, 4pp and 8pp (and the count given)
     among those that split each replica's batch evenly; with `smallest` (a cluster's layouts,
-    plan.devices) also micro-batches of one and two sequences, the fewest bubbles, as Megatron's
-    users run large models."""
+    plan.devices) also micro-batches of one sequence, the smallest bubble, as large models are
+    run (a size the screen prices anyway: its smallest)."""
     per_replica = batch_size // dp
     pool = list(wanted) if wanted else [pp, 2 * pp, 4 * pp, 8 * pp, given]
     if smallest and not wanted:
-        pool += [per_replica, per_replica // 2]
+        pool.append(per_replica)
     if not all(isinstance(m, int) and not isinstance(m, bool) for m in pool):
         raise ConfigError("plan.microbatches", f"got {wanted!r}; valid: a list of positive integers, or null")
     counts = sorted({m for m in pool if m >= 1 and per_replica % m == 0})
