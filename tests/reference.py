@@ -75,3 +75,26 @@ def reference_eval(cfg: dict, spec: ModelSpec, model: torch.nn.Module, data, aut
 def reference_forward(cfg: dict, inputs: torch.Tensor) -> torch.Tensor:
     spec: ModelSpec = instantiate(cfg.model)
     return spec.build_full(cfg.seed)(inputs)
+
+
+def train_by_hand(cfg, model: torch.nn.Module, step_loss, probe=None) -> dict:
+    """A user's own loop: `step_loss(model, step)` (the loss of batch `step`, written by the test)
+    backward, the run's optimizer and schedule; losses, step 0's gradients and the final weights.
+    `probe(model)`, before step 0, may read what it wants (its gradients are then cleared)."""
+    plugins = build_plugins(cfg)
+    optimizer, lr_scheduler = build_optimizer(plugins.optimizer, plugins.lr_scheduler, list(model.parameters()))
+    probed = probe(model) if probe is not None else None
+    optimizer.zero_grad(set_to_none=True)
+    losses, grads = [], {}
+    for step in range(cfg.steps):
+        loss = step_loss(model, step)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        lr_scheduler.step()
+    return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "probed": probed}
+

@@ -30,11 +30,10 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 
-from pipelaunch.launcher.plugins import build_plugins
 from pipelaunch.launcher.validate import prepare
 from pipelaunch.pipeline.core.errors import ConfigError
-from pipelaunch.pipeline.runtime.optim import build_optimizer
 from tests.harness import compose_cfg, merge_state, run_jobs
+from tests.reference import train_by_hand
 
 VOCAB = 320  # the test tokenizer's 300 ids, rounded up
 SEQ = 48  # the longest example is 45 tokens
@@ -97,20 +96,12 @@ def token_weighted(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def user_script(cfg, model: nn.Module, logits_of) -> dict:
     """One process on the whole global batch: the token-weighted loss, the run's optimizer."""
     data = instantiate(cfg.data)
-    plugins = build_plugins(cfg)
-    optimizer, lr_scheduler = build_optimizer(plugins.optimizer, plugins.lr_scheduler, list(model.parameters()))
-    losses, grads = [], {}
-    for step in range(cfg.steps):
+
+    def step_loss(m: nn.Module, step: int) -> torch.Tensor:
         x, y = data.batch(step, cfg.batch_size)
-        loss = token_weighted(logits_of(model, x), y)
-        loss.backward()
-        losses.append(float(loss.detach()))
-        if step == 0:
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        lr_scheduler.step()
-    return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+        return token_weighted(logits_of(m, x), y)
+
+    return train_by_hand(cfg, model, step_loss)
 
 
 def module_reference(cfg) -> dict:
@@ -204,26 +195,19 @@ def packed_reference(cfg) -> dict:
     torch.manual_seed(cfg.seed)
     model = instantiate(plain.model).build()
     data = instantiate(cfg.data)
-    plugins = build_plugins(cfg)
-    optimizer, lr_scheduler = build_optimizer(plugins.optimizer, plugins.lr_scheduler, list(model.parameters()))
-    losses, grads, whole = [], {}, None
-    for step in range(cfg.steps):
+
+    def step_loss(m: nn.Module, step: int) -> torch.Tensor:
         x, y, fields = data.batch(step, cfg.batch_size)
-        if step == 0:  # whole windows, the examples attending to each other: other gradients
-            token_weighted(model(x), y).backward()
-            whole = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-            optimizer.zero_grad(set_to_none=True)
-        total, count = per_example(model, x, y, fields["position_ids"])
-        loss = total / count
-        loss.backward()
-        losses.append(float(loss.detach()))
-        if step == 0:
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        lr_scheduler.step()
-    return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "whole": whole}
+        total, count = per_example(m, x, y, fields["position_ids"])
+        return total / count
+
+    def whole_windows(m: nn.Module) -> dict:  # the examples attending to each other: other gradients
+        x, y, _ = data.batch(0, cfg.batch_size)
+        token_weighted(m(x), y).backward()
+        return {n: p.grad.detach().clone() for n, p in m.named_parameters()}
+
+    out = train_by_hand(cfg, model, step_loss, whole_windows)
+    return {**out, "whole": out["probed"]}
 
 
 @pytest.mark.timeout(600)

@@ -22,11 +22,10 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 
-from pipelaunch.launcher.plugins import build_plugins
 from pipelaunch.launcher.validate import prepare
 from pipelaunch.pipeline.core.errors import ConfigError
-from pipelaunch.pipeline.runtime.optim import build_optimizer
 from tests.harness import compose_cfg, merge_state, run_jobs
+from tests.reference import train_by_hand
 
 EOD = 0
 VOCAB = 64
@@ -114,30 +113,21 @@ def plain_llama(cfg) -> nn.Module:
 def reference(cfg, build=plain_gpt, logits_of=None) -> dict:
     """The plain model (no packing) trained per document on the global batch, the run's optimizer;
     and step 0's loss and gradients on whole windows, unmasked."""
-    model = build(cfg)
     logits = logits_of or (lambda m, ids: m(ids))
-    plugins = build_plugins(cfg)
-    optimizer, lr_scheduler = build_optimizer(plugins.optimizer, plugins.lr_scheduler, list(model.parameters()))
-    losses, grads, unmasked = [], {}, None
-    for step in range(cfg.steps):
-        x, y = unpacked_windows(cfg, step)
-        total, count = per_document(model, x, y, logits)
-        loss = total / count
-        if step == 0:  # whole windows, document ends' targets left out too: only the mask differs
-            y_masked = y.masked_fill(x == EOD, -100)
-            whole = nn.functional.cross_entropy(logits(model, x).reshape(-1, VOCAB), y_masked.reshape(-1), ignore_index=-100)
-            whole.backward()
-            unmasked = (float(whole.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()})
-            optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        losses.append(float(loss.detach()))
-        if step == 0:
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        lr_scheduler.step()
-    return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "unmasked": unmasked}
+
+    def step_loss(model: nn.Module, step: int) -> torch.Tensor:
+        total, count = per_document(model, *unpacked_windows(cfg, step), logits)
+        return total / count
+
+    def unmasked(model: nn.Module) -> tuple[float, dict]:  # whole windows, document ends' targets left
+        x, y = unpacked_windows(cfg, 0)                     # out too: only the mask differs
+        y_masked = y.masked_fill(x == EOD, -100)
+        whole = nn.functional.cross_entropy(logits(model, x).reshape(-1, VOCAB), y_masked.reshape(-1), ignore_index=-100)
+        whole.backward()
+        return float(whole.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+    out = train_by_hand(cfg, build(cfg), step_loss, unmasked)
+    return {**out, "unmasked": out["probed"]}
 
 
 def assert_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], what: str, rel: float = 1e-5) -> None:
