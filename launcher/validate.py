@@ -31,6 +31,7 @@ from pipelaunch.pipeline.core.run_spec import RunSpec
 from pipelaunch.pipeline.data.lengths import step_lengths
 from pipelaunch.pipeline.graph.init import uncovered_tensors
 from pipelaunch.pipeline.planner import Planned, make_plan
+from pipelaunch.pipeline.planner.lengths import with_length_shapes
 from pipelaunch.pipeline.planner.predict.lengths import price_lengths
 from pipelaunch.pipeline.planner.predict.prediction import Prediction
 from pipelaunch.pipeline.planner.search.choose import SearchResult
@@ -300,7 +301,7 @@ def prepare(cfg: TrainConfig, profile: bool | None = None, device: torch.device 
                         profile=profile, device=device, cuda=on_cuda(cfg))
     check_output(cfg, spec, planned.plan)
     check_scored_microbatches(cfg, spec, data, planned.plan)
-    planned = _priced_lengths(cfg, spec, data, planned)
+    planned = _variable_lengths(cfg, spec, data, planned)
     check_tensor_parallel(spec, planned.plan, planned.traces)
     run = run_spec(cfg, plugins, run_dir)
     resume_from = resume_checkpoint(cfg, planned.model, Path(run.checkpoint.root) if run.checkpoint.root else None)
@@ -313,12 +314,17 @@ def prepare(cfg: TrainConfig, profile: bool | None = None, device: torch.device 
 PRICED_STEPS = 16
 
 
-def _priced_lengths(cfg: TrainConfig, spec: ModelSpec, data: object, planned: Planned) -> Planned:
-    """Under data.buckets, the plan's predicted step on the run's first steps' own micro-batch
-    lengths (planner/predict/lengths.py), recorded beside the step at model.seq_len."""
+def _variable_lengths(cfg: TrainConfig, spec: ModelSpec, data: object, planned: Planned) -> Planned:
+    """Under data.buckets, the plan with its boundary values' shapes at every bucket
+    (planner/lengths.py) and its predicted step on the run's first steps' own micro-batch lengths
+    (planner/predict/lengths.py), recorded beside the step at model.seq_len."""
     buckets = getattr(data, "length_buckets", None)
+    if buckets is None or not spec.takes_tokens:
+        return planned
     plan = planned.plan
-    if buckets is None or planned.prediction is None or plan.meta.prediction is None or not plan.schedule.training:
+    plan = with_length_shapes(plan, spec, buckets, cfg.batch_size // (plan.dp * plan.microbatches))
+    planned = replace(planned, plan=plan)
+    if planned.prediction is None or plan.meta.prediction is None or not plan.schedule.training:
         return planned
     grouped = bool(getattr(data, "group_by_length", False))
     lengths = [step_lengths(data.sample_lengths(step, cfg.batch_size), buckets, plan.dp, plan.microbatches, grouped)[1]

@@ -167,21 +167,25 @@ def split_model(
         names = [name for name, _ in stage.named_parameters(remove_duplicate=False)]
         ios.append(StageIO(s, inputs[s], outputs[s], names))
 
-    holders: dict[str, set[int]] = {}
-    for s, io in enumerate(ios):
-        for name in io.params:
-            holders.setdefault(traced.param_aliases.get(name, name), set()).add(s)
-    shared = {p: sorted(st) for p, st in holders.items() if len(st) > 1}
     return SplitModel(
         stages=stages,
         io=ios,
         input_names=[n.name for n in nodes if n.op == "placeholder"],
         model_outputs=model_outputs,
         output_structure=_structure(out_node.args[0]),
-        shared_params=shared,
+        shared_params=_shared_params(traced, ios),
         param_aliases=dict(traced.param_aliases),
         out_spec=traced.out_spec,
     )
+
+
+def _shared_params(traced: TracedModel, ios: Sequence[StageIO]) -> dict[str, list[int]]:
+    """Each parameter (by its canonical name) that more than one stage holds -> those stages."""
+    holders: dict[str, set[int]] = {}
+    for s, io in enumerate(ios):
+        for name in io.params:
+            holders.setdefault(traced.param_aliases.get(name, name), set()).add(s)
+    return {p: sorted(st) for p, st in holders.items() if len(st) > 1}
 
 
 def run_in_order(split: SplitModel, *args: Any, stages: Sequence[nn.Module] | None = None) -> Any:

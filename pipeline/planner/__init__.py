@@ -25,12 +25,10 @@ from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.core.plan_records import PlannedStep, SearchSummary
 from pipelaunch.pipeline.core.plugins import GroupOptions, Plugins
 from pipelaunch.pipeline.core.precision import PRECISIONS
-from pipelaunch.pipeline.data.lengths import check_buckets
 from pipelaunch.pipeline.graph.tensor_parallel import resolve
 from pipelaunch.pipeline.graph.trace import TracedModel
 from pipelaunch.pipeline.planner.build import PlanRequest, build_plan, needs_profile
 from pipelaunch.pipeline.planner.fit.under_cap import fit_budget
-from pipelaunch.pipeline.planner.lengths import with_length_shapes
 from pipelaunch.pipeline.planner.measure.optimizer_costs import (
     optimizer_seconds_per_byte,
     optimizer_temporaries,
@@ -69,10 +67,9 @@ def make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Grou
     (`hardware=<name>`) every cost is priced on its figures instead, for its device and links."""
     hw = configured_hardware(cfg.hardware)
     if hw is None:
-        return _with_lengths(cfg, spec, _make_plan(cfg, spec, plugins, options, profile, device, cuda, None))
+        return _make_plan(cfg, spec, plugins, options, profile, device, cuda, None)
     try:  # priced for that device: its memory is the budget, its links the links
-        return _with_lengths(cfg, spec, _make_plan(for_hardware(cfg, hw), spec, plugins, options, profile, device,
-                                                   True, hw))
+        return _make_plan(for_hardware(cfg, hw), spec, plugins, options, profile, device, True, hw)
     except ConfigError as err:
         if err.key not in ("memory.cap_bytes", "plan"):
             raise
@@ -80,17 +77,6 @@ def make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Grou
                                    f"hardware={hw.name}: {hw.memory_bytes / 1e9:.0f} GB, of which "
                                    f"{max(cfg.memory.reserve_bytes, hw.reserve_bytes) / 1e9:.1f} GB is set aside "
                                    "for what a rank holds beyond the model)") from None
-
-
-def _with_lengths(cfg: TrainConfig, spec: ModelSpec, planned: Planned) -> Planned:
-    """Under data.buckets, the plan with its boundary values' shapes at every length (planner/lengths.py)."""
-    buckets = cfg.data.get("buckets")
-    if buckets is None or not spec.takes_tokens:
-        return planned
-    buckets = check_buckets(list(buckets), int(spec.input_shape[0]))
-    plan = planned.plan
-    plan = with_length_shapes(plan, spec, buckets, cfg.batch_size // (plan.dp * plan.microbatches))
-    return replace(planned, plan=plan)
 
 
 def _make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: GroupOptions, profile: bool | None,
