@@ -319,7 +319,7 @@ def _variable_lengths(cfg: TrainConfig, spec: ModelSpec, data: object, planned: 
     (planner/lengths.py) and its predicted step on the run's first steps' own micro-batch lengths
     (planner/predict/lengths.py), recorded beside the step at model.seq_len."""
     buckets = getattr(data, "length_buckets", None)
-    if buckets is None or not spec.takes_tokens:
+    if buckets is None:  # (a model not reading tokens is refused by planner/lengths.at_length, naming data.buckets)
         return planned
     plan = planned.plan
     plan = with_length_shapes(plan, spec, buckets, cfg.batch_size // (plan.dp * plan.microbatches))
