@@ -163,9 +163,10 @@ def assert_no_process_left(before: set[int], grace_s: float = 10.0) -> None:
 
 
 def use_stored_profile(mp, cache: Path, profile_file: Path, temporaries_file: Path) -> None:
-    """Plan on stored measurements: $PIPELAUNCH_CACHE at `cache`, where the model's profile and the
-    optimizer's temporaries are copied under whatever key the planner asks for (the keys hold the
-    torch version). A test whose assertion hangs on a timing-driven choice (a balanced split, a
+    """Plan on stored measurements: $PIPELAUNCH_CACHE at `cache`, where the model's profile, the
+    optimizer's temporaries and its step time (`sgd-step-time.json` beside the temporaries: SGD at
+    one thread, measured on the development machine) are copied under whatever key the planner asks
+    for (the keys hold the torch version). A test whose assertion hangs on a timing-driven choice (a balanced split, a
     recomputation) then plans the same way on every machine; measuring instead fails the test."""
     from pipelaunch.pipeline.planner.measure import optimizer_costs, profile
 
@@ -176,7 +177,9 @@ def use_stored_profile(mp, cache: Path, profile_file: Path, temporaries_file: Pa
         path = cache / f"{key}.json"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(temporaries_file if key.startswith("optimizer/") else profile_file, path)
+            stored = (temporaries_file.with_name("sgd-step-time.json") if key.startswith("optimizer/time-")
+                      else temporaries_file if key.startswith("optimizer/") else profile_file)
+            shutil.copy(stored, path)
         return load(key)
 
     def no_save(key: str, data) -> None:

@@ -3,16 +3,16 @@ temporaries its step holds (memory the update phase needs after the backward).
 
 Both are measured on this machine with the optimizer as configured, so that any `torch.optim`
 class (or a user's) is priced without a table. The time is a few steps over one tensor at the
-ranks' thread count. The temporaries come from torch's profiler (`TensorPeak`), whose first use
-in a process costs about a second, so they are cached per optimizer config, device kind and torch
-version beside the profiles (`$PIPELAUNCH_CACHE/optimizer/`).
+ranks' thread count, cached per thread count like the profiles, so that every plan of a job
+prices the update alike. The temporaries come from torch's profiler (`TensorPeak`), whose first
+use in a process costs about a second, so they are cached per optimizer config, device kind and
+torch version beside the profiles (`$PIPELAUNCH_CACHE/optimizer/`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import statistics
 import time
 
 import torch
@@ -26,27 +26,44 @@ from pipelaunch.pipeline.planner.predict.prediction import profiling_threads
 MEASURE_VERSION = "2-and-4-tensors-v2"
 
 
-def optimizer_seconds_per_byte(optimizer: OptimizerSpec, threads: int, numel: int = 1 << 20) -> float:
-    """Time one step of the configured optimizer over a parameter of `numel` floats, per byte of
-    parameter (median of a few steps, at the ranks' thread count): its cost grows with the bytes
-    it updates, and a stage's parameter bytes are known before any rank exists."""
+def optimizer_seconds_per_byte(optimizer: OptimizerSpec, threads: int) -> float:
+    """One step of the configured optimizer per byte of parameter, at the ranks' thread count;
+    cached per optimizer config, thread count and torch version, so that two plans of one job
+    price the update alike (a fresh timing varied up to 2.7x between two calls in one process)."""
+    digest = hashlib.sha256("|".join([_config(optimizer), str(threads), torch.__version__, "step-time-v1"]).encode())
+    key = f"optimizer/time-{digest.hexdigest()[:16]}"
+    cached = load_cached(key)
+    if cached is not None:
+        return float(cached["seconds_per_byte"])
+    per_byte = measure_seconds_per_byte(optimizer, threads)
+    save_cached(key, {"seconds_per_byte": per_byte})
+    return per_byte
+
+
+def measure_seconds_per_byte(optimizer: OptimizerSpec, threads: int, numel: int = 1 << 20) -> float:
+    """Time one step over a parameter of `numel` floats, per byte: its cost grows with the bytes
+    it updates, and a stage's parameter bytes are known before any rank exists. The fastest of a
+    few steps after the first, since other work on a shared machine only ever adds time."""
     param = torch.nn.Parameter(torch.zeros(numel))
     param.grad = torch.full_like(param, 1e-3)
     with profiling_threads(threads):
         opt = optimizer([param])
         times = []
-        for _ in range(5):
+        for _ in range(6):
             start = time.perf_counter()
             opt.step()
             times.append(time.perf_counter() - start)
-    return statistics.median(times[1:]) / (numel * param.element_size())
+    return min(times[1:]) / (numel * param.element_size())
+
+
+def _config(optimizer: OptimizerSpec) -> str:
+    return json.dumps([optimizer.factory.path, dict(optimizer.factory.kwargs)], sort_keys=True, default=str)
 
 
 def optimizer_temporaries(optimizer: OptimizerSpec, cuda: bool) -> tuple[float, float]:
     """What the optimizer's step allocates beyond its state, per parameter byte: (of a rank's largest
     parameter tensor, of all its parameters); cached (module docstring)."""
-    config = json.dumps([optimizer.factory.path, dict(optimizer.factory.kwargs)], sort_keys=True, default=str)
-    digest = hashlib.sha256("|".join([config, str(cuda), torch.__version__, MEASURE_VERSION]).encode())
+    digest = hashlib.sha256("|".join([_config(optimizer), str(cuda), torch.__version__, MEASURE_VERSION]).encode())
     key = f"optimizer/{digest.hexdigest()[:16]}"
     cached = load_cached(key)
     if cached is not None:
