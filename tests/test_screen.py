@@ -79,6 +79,24 @@ def test_the_estimates_learn_what_the_simulated_candidates_held():
     assert activation_scale([]) == 1.0
 
 
+def test_the_estimate_holds_the_updates_temporaries_where_they_exceed_the_activations():
+    """After the backward a device holds the update's temporaries in place of the activations (a
+    foreach AdamW: a copy of every parameter it steps), so a deep pipeline with few activations per
+    device peaks in the update. The screen's peak is the larger phase, as the prediction's is, and
+    the activations learnt from the simulations scale only the activations."""
+    update = Estimate(1.0, 100.0, activation_bytes=10.0, update_bytes=40.0)  # 60 + max(10, 40)
+    # 60 + max(30, 40) = 100 (adding the scaled activations to the peak said 120, over 115); 60 + 80 > 115
+    assert update.fits(100.0, 3.0) and not update.fits(100.0, 8.0)
+    assert activation_scale([(update, 130.0)]) == 1.0  # an update-bound peak says nothing of activations
+    cfg = compose_cfg([*SEARCH, *SMALL, "plan.simulate=2", "optimizer=adamw", "plan.schedulers=[1f1b]"])
+    result = prepare(cfg).search
+    assert result.outcomes and all(o.estimate is not None for o in result.outcomes)
+    for o in result.outcomes:  # the simulated ones: the screen's update is the prediction's
+        fullest = max(o.prediction.devices, key=lambda d: d.update)
+        assert o.estimate.update_bytes == pytest.approx(fullest.update, rel=0.05), o.candidate.label
+        assert o.row()["estimated_peak_bytes"] == o.estimate.peak_bytes
+
+
 def test_a_partitioner_that_cannot_choose_recomputation_is_not_planned_under_a_budget():
     """partitioner=milp cannot choose what remat=auto recomputes under a memory budget: the
     screen's estimate says so instead of spending a planned candidate on learning it."""

@@ -123,13 +123,14 @@ def _make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Gro
                        traces=models.made)
     if searching:
         cands, given = search_space(cfg, plugins, options, models.structure(size).graph, tps)
-        screen = Screen(costs=lambda tp, mbs: ModelCosts.of(models.get(mbs, tp).graph, mbs),
+        screen = Screen(costs=lambda tp, mbs: _model_costs(models.get(mbs, tp), mbs),
                         graph=lambda tp, mbs: models.get(mbs, tp).graph,
                         micro_batch_size=lambda c: micro_batch_size(cfg, c.microbatches, c.dp), links=links,
                         optimizer_s_per_byte=facts["optimizer_s_per_byte"],
                         optimizer_states=plugins.optimizer.states_per_param, configured_zero=cfg.zero,
                         reserve_bytes=cfg.memory.reserve_bytes, cap=cfg.memory.cap_bytes,
-                        by_default=hw is not None, layout=(cfg.pp, cfg.dp, cfg.tp))
+                        by_default=hw is not None, layout=(cfg.pp, cfg.dp, cfg.tp),
+                        optimizer_temporaries=tuple(facts["optimizer_temporaries"]))
         result = search(cfg, models, build, cands, given, link, screen)
         if hw is not None:
             result.per_device = _per_device(cfg, spec, models, hw)
@@ -155,6 +156,13 @@ def for_hardware(cfg: TrainConfig, hw: Hardware) -> TrainConfig:
     cap = hw.memory_bytes if cfg.memory.cap_bytes is None else min(cfg.memory.cap_bytes, hw.memory_bytes)
     memory = replace(cfg.memory, cap_bytes=cap, reserve_bytes=max(cfg.memory.reserve_bytes, hw.reserve_bytes))
     return replace(cfg, memory=memory)
+
+
+def _model_costs(traced: TracedModel, size: int) -> ModelCosts:
+    """The screen's sums over one priced graph, with the largest parameter tensor the update's
+    temporaries scale with."""
+    largest = max((float(p.numel() * p.element_size()) for p in traced.gm.parameters()), default=0.0)
+    return ModelCosts.of(traced.graph, size, largest)
 
 
 def hardware_facts(plugins: Plugins, hw: Hardware) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -51,7 +52,12 @@ def rank_main(job: RankJob) -> RankResult:
     plan = job.plan
     rank, device = join_process_group(job.run.process, plan.world_size, job.run_dir,
                                       f"pp x dp x tp = {plan.pp} x {plan.dp} x {plan.tp}")
-    result = run_job(job, rank, device)
+    try:
+        result = run_job(job, rank, device)
+    except Exception as err:
+        if peer_gone(err):  # let the rank that failed first be the one the launcher sees fail
+            time.sleep(PEER_GONE_GRACE_S)
+        raise
     leave_process_group()
     if result.stopped_by == "SIGTERM":
         # torch elastic is tearing the job down (it passed the launcher's SIGTERM on): it collects
@@ -60,6 +66,19 @@ def rank_main(job: RankJob) -> RankResult:
         sys.stderr.flush()
         os._exit(0)
     return result
+
+
+#: how long a rank whose peer's connection broke waits before it raises. torch elastic reports the
+#: first rank it sees exit with an error and ends the others, so without the wait a peer's "connection
+#: reset" could be reported in place of the rank that raised or was killed (the cause)
+PEER_GONE_GRACE_S = 2.0
+#: what gloo's errors say when the rank at the other end of a connection has exited
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def peer_gone(err: BaseException) -> bool:
+    """Whether `err` is a communication failure because a peer process has gone."""
+    return any(text in str(err) for text in PEER_GONE)
 
 
 def set_up_rank_process(host_allocator: str, cpu_affinity: str, local_rank: int, local_world: int,

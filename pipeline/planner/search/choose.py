@@ -15,6 +15,7 @@ import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plugins import Plugin
@@ -82,6 +83,9 @@ class Outcome:
     error: str | None = None
     #: no split of it fits the budget (a stage alone is over the cap, before any schedule is simulated)
     split_over: str | None = None
+    #: the screen's closed-form estimate that put it among those planned, if any (a `screen.Estimate`:
+    #: search/screen.py builds on this module)
+    estimate: Any = None
 
     @property
     def fits(self) -> bool:
@@ -99,6 +103,8 @@ class Outcome:
             res = self.prediction.result
             row.update(step_s=res.makespan_s, bubble=res.mean_bubble,
                        device_peak_bytes=[d.total for d in self.prediction.devices])
+        if self.estimate is not None and self.estimate.error is None:  # how far the screen was off
+            row.update(estimated_step_s=self.estimate.step_s, estimated_peak_bytes=self.estimate.peak_bytes)
         if self.over:
             row["over_budget"] = [d.to_dict() for d in self.over]
         if self.split_over:

@@ -54,6 +54,10 @@ SMALL_PP, SMALL_RATIO = 4, 4
 #: a candidate whose estimated peak is this much over the cap is left out unsimulated (the
 #: estimate's own error: the fit may still find a split, or remat=auto a recomputation, under it)
 MEMORY_SLACK = 0.15
+#: ... and whose parameters, gradients, optimizer state and update alone are this much over it:
+#: they are counted from the parameter bytes of the candidate's own split, as the prediction
+#: counts them, so only a block the fit moves can change them
+STATE_SLACK = 0.05
 #: a schedule's rules are checked at the candidate's own size up to this many forwards (a check
 #: may build the whole order: torch's does); past it, on the small pipeline the shape is
 #: measured on, and at full size when the candidate is planned
@@ -82,9 +86,11 @@ class ModelCosts:
     boundary_bytes: float
     #: nodes of the traced graph: no split has more stages
     nodes: int = 1
+    #: the largest parameter tensor's bytes (the optimizer step's temporaries scale with it)
+    largest_tensor: float = 0.0
 
     @classmethod
-    def of(cls, graph: nx.DiGraph, size: int) -> ModelCosts:
+    def of(cls, graph: nx.DiGraph, size: int, largest_tensor: float = 0.0) -> ModelCosts:
         nodes = [graph.nodes[n] for n in graph.nodes]
 
         def total(key: str) -> float:
@@ -96,7 +102,7 @@ class ModelCosts:
                    max((float(d.get("param_bytes", 0) or 0) for d in nodes), default=0.0),
                    max((float(d.get("forward_s", 0) or 0) + float(d.get("backward_s", 0) or 0) for d in nodes),
                        default=0.0),
-                   outputs[len(outputs) // 2] if outputs else 0.0, graph.number_of_nodes())
+                   outputs[len(outputs) // 2] if outputs else 0.0, graph.number_of_nodes(), largest_tensor)
 
     def at(self, size: int, other: ModelCosts | None = None) -> ModelCosts:
         """The model at another micro-batch size: along the line through this size's costs and
@@ -106,7 +112,7 @@ class ModelCosts:
             k = size / self.size
             return ModelCosts(size, self.forward * k, self.input_grad * k, self.weight_grad * k, self.backward * k,
                               self.saved_bytes * k, self.param_bytes, self.largest_params, self.largest_work * k,
-                              self.boundary_bytes * k, self.nodes)
+                              self.boundary_bytes * k, self.nodes, self.largest_tensor)
         t = (size - self.size) / (other.size - self.size)
 
         def line(a: float, b: float) -> float:
@@ -116,7 +122,7 @@ class ModelCosts:
                           line(self.weight_grad, other.weight_grad), line(self.backward, other.backward),
                           line(self.saved_bytes, other.saved_bytes), self.param_bytes, self.largest_params,
                           line(self.largest_work, other.largest_work), line(self.boundary_bytes, other.boundary_bytes),
-                          self.nodes)
+                          self.nodes, self.largest_tensor)
 
 
 @dataclass(frozen=True)
@@ -128,12 +134,18 @@ class Estimate:
     error: str | None = None
     #: of the peak, the activations the fullest device holds (the least certain part)
     activation_bytes: float = 0.0
+    #: the update's temporaries on that device, held in place of the activations after the backward
+    update_bytes: float = 0.0
+    #: of the peak, the parameters, gradients, optimizer state and reserve (neither phase)
+    state_bytes: float = 0.0
 
     def fits(self, cap: float | None, activation_scale: float = 1.0) -> bool:
         """Within the cap (and the estimate's slack), its activations scaled by `activation_scale`
         (what the simulated candidates held over what their estimates said)."""
-        peak = self.peak_bytes + (activation_scale - 1.0) * self.activation_bytes
-        return self.error is None and (cap is None or peak <= cap * (1 + MEMORY_SLACK))
+        phase = max(self.activation_bytes, self.update_bytes)
+        peak = self.peak_bytes - phase + max(self.activation_bytes * activation_scale, self.update_bytes)
+        return self.error is None and (cap is None or (peak <= cap * (1 + MEMORY_SLACK) and
+                                                       self.state_bytes + self.update_bytes <= cap * (1 + STATE_SLACK)))
 
 
 @dataclass(frozen=True)
@@ -242,6 +254,9 @@ class Screen:
     by_default: bool = False
     #: (pp, dp, tp) of a candidate that does not set its layout (the configured ones)
     layout: tuple[int, int, int] = (1, 1, 1)
+    #: the optimizer step's temporaries per byte (of the largest tensor, of all the rank's
+    #: parameters: `optimizer_costs.optimizer_temporaries`)
+    optimizer_temporaries: tuple[float, float] = (0.0, 0.0)
     #: per tp degree, the micro-batch sizes its costs are priced at (the search's smallest and
     #: largest; those between lie on the line through them)
     reference: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -320,20 +335,19 @@ class Screen:
         stages = len(placement)
         split = self.split(c, tp, tuple(placement)) if pp > 1 else None
         step = self._step(c, model, shape, remat, whole, split)
-        peak, held = self._peak(c, model, shape, remat, stages, split)
-        if c.remat == "auto" and self.cap is not None and peak > self.cap:  # recomputation where memory needs it
+        memory = self._peak(c, model, shape, remat, stages, split)
+        if c.remat == "auto" and self.cap is not None and memory.peak_bytes > self.cap:  # recompute where needed
             try:
                 full = scaled_shape(gen, pp, c.microbatches, "full", fiw)
             except ConfigError as err:
                 return Estimate(error=str(err).removeprefix("Invalid config "))
             # a split backward keeps a recomputed micro-batch's activations from its I until its W,
             # which these schedules defer: its memory is estimated as without recomputation
-            kept, kept_held = (peak, held) if gen.split_backward else self._peak(c, model, full, "full", stages, split)
-            return Estimate(self._step(c, model, full, "full", whole, split), kept, activation_bytes=kept_held)
+            kept = memory if gen.split_backward else self._peak(c, model, full, "full", stages, split)
+            return replace(kept, step_s=self._step(c, model, full, "full", whole, split))
         if remat == "full" and gen.split_backward:
-            kept, kept_held = self._peak(c, model, shape, "none", stages, split)
-            return Estimate(step, kept, activation_bytes=kept_held)
-        return Estimate(step, peak, activation_bytes=held)
+            return replace(self._peak(c, model, shape, "none", stages, split), step_s=step)
+        return replace(memory, step_s=step)
 
     def _step(self, c: Candidate, model: ModelCosts, shape: Shape, remat: str, whole: float,
               split: Split | None = None) -> float:
@@ -356,8 +370,10 @@ class Screen:
         return (c.microbatches + shape.bubble) * work + hops + optimizer + reduce
 
     def _peak(self, c: Candidate, model: ModelCosts, shape: Shape, remat: str, stages: int,
-              split: Split | None = None) -> tuple[float, float]:
-        """(the fullest device's bytes, of which activations)"""
+              split: Split | None = None) -> Estimate:
+        """The fullest device's bytes (no step yet): its parameters, gradients and optimizer
+        state, then the larger of the activations it holds in the step and the update's
+        temporaries after it (`predict/memory.py`'s UpdateMemory)."""
         pp, dp, _ = self._layout(c)
         level = self.configured_zero if c.zero is None else c.zero
         rank_params = model.param_bytes * split.params if split is not None else \
@@ -373,7 +389,14 @@ class Screen:
             held = shape.held * model.saved_bytes * split.activations
         else:
             held = shape.held * (stages / pp) * per_stage
-        return weights + grads + states + held + self.reserve_bytes, held
+        stepped = shard if level >= 1 else 1  # the optimizer steps a shard of the parameters
+        per_largest, per_all = self.optimizer_temporaries
+        flat = rank_params if dp > 1 and stepped == 1 else 0.0  # the all-reduce's flat copy of the gradients
+        update = max(per_largest * min(model.largest_tensor, rank_params) / stepped + per_all * rank_params / stepped,
+                     flat)
+        state = weights + grads + states + self.reserve_bytes
+        return Estimate(peak_bytes=state + max(held, update), activation_bytes=held, update_bytes=update,
+                        state_bytes=state)
 
 
 def activation_scale(simulated: list[tuple[Estimate, float]]) -> float:
@@ -382,7 +405,7 @@ def activation_scale(simulated: list[tuple[Estimate, float]]) -> float:
     bytes; an op-level graph (a transformers model traced to aten ops) saves more in the places a
     simulation sees, and every candidate of one model is off by about the same factor."""
     ratios = sorted((peak - (e.peak_bytes - e.activation_bytes)) / e.activation_bytes
-                    for e, peak in simulated if e.error is None and e.activation_bytes > 0)
+                    for e, peak in simulated if e.error is None and e.activation_bytes > max(e.update_bytes, 0.0))
     return max(1.0, ratios[len(ratios) // 2]) if ratios else 1.0
 
 

@@ -180,7 +180,9 @@ def _screened_search(cfg: TrainConfig, models: TracedModels, cands: list[Candida
         wanted = min(keep - sum(o.fits for o in outcomes), TRIES * keep - len(outcomes))
         batch, order = order[:wanted], order[wanted:]
         _prepare(cfg, models, batch)
-        outcomes += run_search(batch, evaluate, cfg.memory.cap_bytes).outcomes
+        for o in run_search(batch, evaluate, cfg.memory.cap_bytes).outcomes:
+            o.estimate = estimate_of.get(id(o.candidate))
+            outcomes.append(o)
         # the estimates corrected by what the simulations held: those now over the memory are left
         scale = activation_scale([(estimate_of[id(o.candidate)], o.prediction.peak_bytes) for o in outcomes
                                   if o.prediction is not None and id(o.candidate) in estimate_of])
