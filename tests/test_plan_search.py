@@ -33,6 +33,8 @@ def test_microbatch_counts_are_multiples_of_pp_that_split_the_replica_batch() ->
     # a cluster's layouts (plan.devices): micro-batches of one sequence too
     assert microbatch_counts(4, 32, 1792, 4, None, smallest=True) == [4, 8, 56]
     assert microbatch_counts(4, 32, 1792, 4, [8], smallest=True) == [8]
+    # ... and 3pp and 6pp, as Megatron's batch over micro-batch gives (SC21's 146B: pp=8, m=48)
+    assert microbatch_counts(8, 24, 2304, 8, None, smallest=True) == [8, 16, 24, 32, 48, 96]
     with pytest.raises(ConfigError, match="plan.microbatches"):
         microbatch_counts(2, 1, 16, 4, [3, 5])
 
