@@ -390,9 +390,7 @@ def microbatch_counts(pp: int, dp: int, batch_size: int, given: int, wanted: Seq
     per_replica = batch_size // dp
     pool = list(wanted) if wanted else [pp, 2 * pp, 4 * pp, 8 * pp, given]
     if smallest and not wanted:  # Megatron's counts are the batch over its micro-batch, not a power of two
-        pool += [3 * pp, 6 * pp]
-    if smallest and not wanted:
-        pool.append(per_replica)
+        pool += [3 * pp, 6 * pp, per_replica]
     if not all(isinstance(m, int) and not isinstance(m, bool) for m in pool):
         raise ConfigError("plan.microbatches", f"got {wanted!r}; valid: a list of positive integers, or null")
     counts = sorted({m for m in pool if m >= 1 and per_replica % m == 0})

@@ -44,6 +44,7 @@ from pipelaunch.pipeline.core.ir import Kind, Schedule
 from pipelaunch.pipeline.planner.build import partition_graph
 from pipelaunch.pipeline.planner.partition import Partition, PartitionRequest
 from pipelaunch.pipeline.planner.placement import placement_for
+from pipelaunch.pipeline.planner.predict.memory import UpdateMemory
 from pipelaunch.pipeline.planner.predict.simulate import CostModel, simulate
 from pipelaunch.pipeline.planner.schedules import build_schedule
 from pipelaunch.pipeline.planner.schedules.base import ScheduleCosts, ScheduleGenerator
@@ -373,7 +374,7 @@ class Screen:
               split: Split | None = None) -> Estimate:
         """The fullest device's bytes (no step yet): its parameters, gradients and optimizer
         state, then the larger of the activations it holds in the step and the update's
-        temporaries after it (`predict/memory.py`'s UpdateMemory)."""
+        temporaries after it, priced as the prediction prices them (UpdateMemory)."""
         pp, dp, _ = self._layout(c)
         level = self.configured_zero if c.zero is None else c.zero
         rank_params = model.param_bytes * split.params if split is not None else \
@@ -390,10 +391,8 @@ class Screen:
         else:
             held = shape.held * (stages / pp) * per_stage
         stepped = shard if level >= 1 else 1  # the optimizer steps a shard of the parameters
-        per_largest, per_all = self.optimizer_temporaries
-        flat = rank_params if dp > 1 and stepped == 1 else 0.0  # the all-reduce's flat copy of the gradients
-        update = max(per_largest * min(model.largest_tensor, rank_params) / stepped + per_all * rank_params / stepped,
-                     flat)
+        update = UpdateMemory(temporaries=self.optimizer_temporaries, dp=dp).bytes(
+            rank_params / stepped, min(model.largest_tensor, rank_params), stepped)
         state = weights + grads + states + self.reserve_bytes
         return Estimate(peak_bytes=state + max(held, update), activation_bytes=held, update_bytes=update,
                         state_bytes=state)
@@ -405,7 +404,7 @@ def activation_scale(simulated: list[tuple[Estimate, float]]) -> float:
     bytes; an op-level graph (a transformers model traced to aten ops) saves more in the places a
     simulation sees, and every candidate of one model is off by about the same factor."""
     ratios = sorted((peak - (e.peak_bytes - e.activation_bytes)) / e.activation_bytes
-                    for e, peak in simulated if e.error is None and e.activation_bytes > max(e.update_bytes, 0.0))
+                    for e, peak in simulated if e.error is None and e.activation_bytes > e.update_bytes)
     return max(1.0, ratios[len(ratios) // 2]) if ratios else 1.0
 
 

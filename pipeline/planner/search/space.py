@@ -184,8 +184,8 @@ def _screened_search(cfg: TrainConfig, models: TracedModels, cands: list[Candida
             o.estimate = estimate_of.get(id(o.candidate))
             outcomes.append(o)
         # the estimates corrected by what the simulations held: those now over the memory are left
-        scale = activation_scale([(estimate_of[id(o.candidate)], o.prediction.peak_bytes) for o in outcomes
-                                  if o.prediction is not None and id(o.candidate) in estimate_of])
+        scale = activation_scale([(o.estimate, o.prediction.peak_bytes) for o in outcomes
+                                  if o.prediction is not None and o.estimate is not None])
         order = [c for c in order
                  if id(c) not in estimate_of or estimate_of[id(c)].fits(cfg.memory.cap_bytes, scale)]
     planned = {id(o.candidate) for o in outcomes}
