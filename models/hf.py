@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from pipelaunch.models.spec import ModelSpec, causal_lm_loss, count_shifted, cou
 from pipelaunch.pipeline.core import POSITION_IDS
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.graph.materialize import to_meta_parameters
+from pipelaunch.pipeline.graph.stamp import Repeated
 
 
 class CausalLM(nn.Module):
@@ -168,6 +170,41 @@ def decoder_layers(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if type(m).__name__ in classes]
 
 
+def repeated_layers(model: nn.Module, text: Any) -> Repeated | None:
+    """Where the decoder layers are, for an export at full depth made from one at depths 2 and 3
+    (`pipeline/graph/stamp.py`: an 80-layer export ~8 s, this ~1 s): the one ModuleList of
+    `num_hidden_layers` modules, cut by shortening it and the config's count together. None where
+    the config sets layers apart (a `layer_types` list of more than one kind: sliding and full
+    attention) or no such list is found; the stamp itself checks the rest."""
+    layers = getattr(text, "num_hidden_layers", None)
+    per_layer = [v for v in vars(text).values() if isinstance(v, list) and len(v) == layers]
+    if not isinstance(layers, int) or any(len({repr(x) for x in v}) > 1 for v in per_layer):
+        return None
+    found = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == layers]
+    return Repeated(f"model.{found[0]}", partial(cut_layers, f"model.{found[0]}")) if len(found) == 1 else None
+
+
+@contextmanager
+def cut_layers(path: str, model: nn.Module, depth: int) -> Iterator[None]:
+    """Inside, `model` (the wrapped transformers model) runs its first `depth` layers only: the
+    ModuleList at `path` shortened (the same layer objects) and every config counting its layers
+    told so (transformers' forward slices the layers by `config.num_hidden_layers`)."""
+    owner, attr = path.rsplit(".", 1)
+    parent = model.get_submodule(owner)
+    layers = getattr(parent, attr)
+    configs = {id(c): c for m in model.modules()
+               if getattr(c := getattr(m, "config", None), "num_hidden_layers", None) == len(layers)}
+    setattr(parent, attr, nn.ModuleList(list(layers)[:depth]))
+    for config in configs.values():
+        config.num_hidden_layers = depth
+    try:
+        yield
+    finally:
+        setattr(parent, attr, layers)
+        for config in configs.values():
+            config.num_hidden_layers = len(layers)
+
+
 def default_tp_plan(model: nn.Module, own_loss: bool) -> dict[str, str]:
     """transformers' own tensor-parallel plan of the architecture (`base_model_tp_plan`: attention
     by heads, key/value heads included, the MLP by its width), the token embedding split by
@@ -252,7 +289,7 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
               "tp_divides": {f"model.config.{k}": getattr(text, k) for k in
                              ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
                              if isinstance(getattr(text, k, None), int)}},
-        own_loss=own_loss,
+        own_loss=own_loss, repeated=repeated_layers(meta_model, text),
         tp_plan=default_tp_plan(meta_model, own_loss) if tp_plan is None else dict(tp_plan),
         data_args=(("input", "target") if on_targets else ("input",)) + ((POSITION_IDS,) if packed else ()),
         scored=(count_tokens if on_targets else count_shifted) if own_loss else None,
@@ -270,7 +307,7 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
 
 
 def checked_trace(spec: ModelSpec, uncomputed: set[str], deterministic: bool, micro_batch_size: int,
-                  model: nn.Module | None = None):
+                  model: nn.Module | None = None, repeat: bool = False):
     """`ModelSpec.trace`, refusing what no rank could reproduce, before any rank starts: unless
     dropout was asked for, a training forward that draws random numbers (ranks draw from other
     generator states than one process, so no pipeline could train it exactly as transformers
@@ -279,7 +316,7 @@ def checked_trace(spec: ModelSpec, uncomputed: set[str], deterministic: bool, mi
     which the launcher refuses (`launcher.initial_weights.choose`); the constructor's weights hold them."""
     from pipelaunch.pipeline.graph.trace import random_ops
 
-    traced = ModelSpec.trace(spec, micro_batch_size, model)
+    traced = ModelSpec.trace(spec, micro_batch_size, model, repeat)
     read = sorted(uncomputed & {n for n, _ in traced.gm.named_buffers(remove_duplicate=False)})
     spec.meta["uncomputed_buffers_read"] = [n.removeprefix("model.") for n in read]
     found = random_ops(traced.gm) if deterministic else []

@@ -21,6 +21,7 @@ from pipelaunch.pipeline.core import IGNORE_INDEX, POSITION_IDS
 from pipelaunch.pipeline.core.errors import ConfigError
 
 if TYPE_CHECKING:
+    from pipelaunch.pipeline.graph.stamp import Repeated
     from pipelaunch.pipeline.graph.trace import TracedModel
 
 #: a model family's own per-module initialiser, e.g. transformers' `PreTrainedModel._init_weights`:
@@ -80,6 +81,9 @@ class ModelSpec:
     #: why the loss cannot be weighed exactly on targets holding IGNORE_INDEX (data=chat's prompt
     #: and padding), naming what to change; None: it can (its mean is over the scored tokens)
     masked_refusal: str | None = None
+    #: where the model's alike blocks are, so an export at full depth is made from one of a few
+    #: blocks (`pipeline/graph/stamp.py`); None: exported whole
+    repeated: Repeated | None = None
 
     def count_scored(self, targets: torch.Tensor) -> int:
         """The items the loss averages over in `targets` (a micro-batch's or the global batch's)."""
@@ -194,13 +198,16 @@ class ModelSpec:
         target = torch.empty((batch, *self.target_shape), dtype=self.target_dtype, device="meta")
         return self.model_args(self.meta_input(batch), target)
 
-    def trace(self, micro_batch_size: int, model: nn.Module | None = None) -> TracedModel:
+    def trace(self, micro_batch_size: int, model: nn.Module | None = None, repeat: bool = False) -> TracedModel:
         """The model (`model`, or a fresh one) traced on the meta device at one micro-batch's shapes,
-        leaf modules kept whole: the graph the planner cuts and every rank cuts again."""
+        leaf modules kept whole: the graph the planner cuts and every rank cuts again. `repeat`: an
+        export made from a cut of the model to a few of its alike blocks (`repeated`), the same
+        graph where the stamp's own check holds; the planner asks for it, ranks export whole."""
         from pipelaunch.pipeline.graph.trace import trace_model
 
         model = self.build_meta() if model is None else model
-        return trace_model(model, self.meta_args(micro_batch_size), self.leaf_modules, name=self.name)
+        return trace_model(model, self.meta_args(micro_batch_size), self.leaf_modules, name=self.name,
+                           repeated=self.repeated if repeat else None)
 
 
 def segments(position_ids: torch.Tensor) -> torch.Tensor:

@@ -269,10 +269,10 @@ def traced_once():
 
     original, cache = ModelSpec.trace, {}
 
-    def trace(self, micro_batch_size, model=None):
-        key = (self.name, repr(self.load.directory if self.load is not None else None), micro_batch_size)
-        if key not in cache:
-            cache[key] = original(self, micro_batch_size)
+    def trace(self, micro_batch_size, model=None, repeat=False):
+        key = (self.name, repr(self.load.directory if self.load is not None else None), micro_batch_size, repeat)
+        if key not in cache:  # the planner's export made from a cut model's (repeat), the ranks' whole
+            cache[key] = original(self, micro_batch_size, repeat=repeat)
         return copy.deepcopy(cache[key])
 
     ModelSpec.trace = trace

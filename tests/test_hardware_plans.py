@@ -152,3 +152,25 @@ def test_the_winner_command_sets_what_the_search_chose_and_keeps_the_rest():
     assert "scheduler=1f1b" in here and f"microbatches={win.microbatches}" in here
     assert slurm.startswith("python train.py -m hydra/launcher=submitit_slurm hydra.launcher.nodes=2 "
                             "hydra.launcher.tasks_per_node=8 hydra.launcher.gpus_per_node=8 device=cuda ")
+
+
+def test_an_op_level_graph_prices_the_same_when_copies_reuse_their_twins_outputs(monkeypatch):
+    """An exported transformers model (aten operators, its layers' copies alike) is priced with
+    each repeated operator handed its twin's output instead of running its meta kernel: every
+    node's priced fields are those of the pass that runs every operator."""
+    import pipelaunch.pipeline.planner.measure.analytic_profile as analytic_profile
+    from pipelaunch.launcher.plugins import build_plugins
+
+    hw = load_hardware("h100_sxm")
+    spec = build_plugins(compose_cfg(["model=hf_llama_tiny", "model.seq_len=32"])).model.build()
+    x, y = spec.example_batch(2, 0)
+
+    def priced():
+        traced = spec.trace(2, spec.build_meta())
+        price_graphs([ProfileJob(traced, spec.model_args(x, y), None, (spec.loss_fn, y))], hw, torch.bfloat16)
+        return {n: {k: v for k, v in d.items() if k != "samples"} for n, d in traced.graph.nodes(data=True)}
+
+    reused = priced()
+    monkeypatch.setattr(analytic_profile, "_owned", lambda value: False)  # every operator run
+    assert reused == priced()
+    assert len(reused) > 100

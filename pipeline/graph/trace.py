@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata, _extract_tensor_metadata
 
 from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.graph.stamp import Repeated, stamped_export
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
 
@@ -555,11 +556,13 @@ def trace_model(
     example_inputs: Any,
     leaf_modules: Iterable[str] = (),
     name: str | None = None,
+    repeated: Repeated | None = None,
 ) -> TracedModel:
     """Trace with torch.fx (user leaves kept whole), fall back to torch.export, then propagate shapes.
 
     `example_inputs` is one tensor or a tuple of positional inputs; small real tensors are enough
-    (shape propagation runs the model once on them).
+    (shape propagation runs the model once on them). `repeated`: where the model's alike blocks
+    are, so that its export is made from one at a depth of two and three (`stamp.py`).
     """
     leaves = _check_leaf_names(module, leaf_modules)
     args = _as_tuple(example_inputs)
@@ -572,7 +575,8 @@ def trace_model(
     except Exception as fx_error:  # noqa: BLE001 - any tracing failure means "try the next tracer"
         try:
             with _quiet_export():
-                gm, out_spec = _export_trace(module, args)
+                made = None if repeated is None else stamped_export(module, lambda m: _export_trace(m, args), repeated)
+                gm, out_spec = made or _export_trace(module, args)
             method = "export"
         except ConfigError:
             raise

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 import networkx as nx
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 from pipelaunch.pipeline.graph.sequence_parallel import (
     REPLICATED,
@@ -51,7 +52,8 @@ def profiled_twin(local: TracedModel, modules: Mapping[str, str], sharded: Mappi
     """What the profile runs for `local`: a copy of its graph rewritten with shape-only collectives
     (under sequence parallelism their shape changes too: the local work at the local shapes),
     annotating `local`'s own cost graph; and what the rewrites placed."""
-    gm = copy.deepcopy(local.gm)
+    with _use_lazy_graph_module(True):  # its code made if it ever runs (an 80-layer copy: 0.7 s -> 0.35 s)
+        gm = copy.deepcopy(local.gm)
     done = parallelize(gm, sharded, modules, SHAPE_ONLY)
     seq = None
     if sequence is not None:

@@ -115,8 +115,8 @@ class TracedModels:
         """The model traced with its split parameters at one tp rank's shapes (the ranks' own trace)."""
         key = (micro_batch_size, tp)
         if key not in self._local:
-            local, sharded = trace_local(self.spec.build_meta(), lambda m: self.spec.trace(micro_batch_size, m),
-                                         self.tp_modules, tp)
+            local, sharded = trace_local(self.spec.build_meta(),
+                                         lambda m: self.spec.trace(micro_batch_size, m, repeat=True), self.tp_modules, tp)
             self._local[key] = local
             setup = sequence_setup(self.cfg.sequence_parallel, self.spec, micro_batch_size, tp)
             twin, self._rewrites[key], self._sequence[key] = profiled_twin(local, self.tp_modules, sharded, setup)
@@ -161,7 +161,7 @@ class TracedModels:
         try:
             if self.model is None:
                 self.model = self.spec.build_meta()
-            return self.spec.trace(micro_batch_size, self.model)
+            return self.spec.trace(micro_batch_size, self.model, repeat=True)
         except ConfigError:
             raise
         except Exception as err:  # noqa: BLE001 - a model that cannot be built from these values
@@ -243,7 +243,7 @@ def _profile_child(cfg: TrainConfig, model: Plugin, micro_batch_size: int, devic
     meta = spec.build_meta()
     if tp_modules and tp > 1:
         shard_meta(meta, tp_modules, tp)
-    traced = spec.trace(micro_batch_size, meta)
+    traced = spec.trace(micro_batch_size, meta, repeat=True)
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(torch.device(device))
     profile_traced(spec, cfg, [traced], [micro_batch_size], torch.device(device), tp_modules, tp)
