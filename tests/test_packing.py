@@ -86,11 +86,12 @@ def per_document(model: nn.Module, x: torch.Tensor, y: torch.Tensor, logits_of=N
 
 
 def unpacked_windows(cfg, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The run's windows of `step`, drawn as data=tokens draws them, not packed."""
-    from pipelaunch.pipeline.data.tokens import TokenFile
-
-    data = TokenFile(path=cfg.data["path"], seq_len=cfg.data["seq_len"], seed=cfg.seed)
-    return data.batch(step, cfg.batch_size)
+    """The run's windows of `step`: their ids as the data draws them (whole documents, padding after)
+    and their next-token targets, checked here to be the next ids but after an EOD; the reference
+    segments and masks them itself."""
+    x, y, _ = instantiate(cfg.data).batch(step, cfg.batch_size)
+    assert torch.equal(y[:, :-1], x[:, 1:].masked_fill(x[:, :-1] == EOD, -100))
+    return x, y
 
 
 def plain_gpt(cfg) -> nn.Module:
@@ -236,20 +237,39 @@ def test_one_document_per_window_is_the_plain_model(documents) -> None:
 
 
 # ---- what the data gives -------------------------------------------------------------------------
-def test_packed_windows_restart_positions_and_mask_document_ends(documents) -> None:
-    """Each window's position ids restart after every EOD, and the EOD's target is not scored;
-    every other target is the window's next id."""
+def test_packed_windows_hold_whole_documents_restart_positions_and_mask_document_ends(documents) -> None:
+    """Each window starts where a document starts (or a longer-than-a-window document's piece) and
+    holds the file's ids up to the last document end that fits, then padding (EOD, never scored);
+    its position ids restart after every EOD, whose target is not scored."""
     cfg = compose_cfg([*COMMON, *documents])
-    x, y, fields = instantiate(cfg.data).batch(1, 16)
-    raw_x, raw_y = unpacked_windows(cfg, 1)
-    assert torch.equal(x, raw_x)
-    assert torch.equal(y, raw_y.masked_fill(raw_x == EOD, -100))
-    for row, pos in zip(x.tolist(), fields["position_ids"].tolist(), strict=True):
+    data = instantiate(cfg.data)
+    stream = np.fromfile(cfg.data["path"], dtype=np.uint16).tolist()
+    seq_len = cfg.data["seq_len"]
+    window, starts, doc = seq_len + 1, set(), 0
+    for i, token in enumerate(stream):  # where a window may start, found by hand
+        if i == doc or (i - doc) % window == 0:
+            starts.add(i)
+        if token == EOD:
+            doc = i + 1
+    x, y, fields = data.batch(1, 16)
+    padded = 0
+    for row, target, pos in zip(x.tolist(), y.tolist(), fields["position_ids"].tolist(), strict=True):
+        full = row + ([target[-1]] if target[-1] != -100 else [])
+        kept = len(full)
+        while kept and full[kept - 1] == EOD:  # the trailing EODs: the last document's end, then padding
+            kept -= 1
+        used = min(kept + 1, len(full))
+        content = full[:used]
+        assert any(stream[s:s + used] == content for s in starts if stream[s] == content[0]), content
+        assert all(t == EOD for t in full[used:]), full  # padding after the last whole document
+        padded += seq_len - min(used, seq_len)
         expected, p = [], 0
         for token in row:
             expected.append(p)
             p = 0 if token == EOD else p + 1
         assert pos == expected
+    assert torch.equal(y == -100, x == EOD)
+    assert data.padded_tokens(1, 16) == padded > 0
 
 
 def test_hf_documents_pack_at_the_tokenizers_end_of_sequence(tmp_path) -> None:

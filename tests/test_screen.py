@@ -48,7 +48,8 @@ def test_a_screened_search_plans_a_few_and_finds_what_planning_every_candidate_f
     total = len(every.outcomes)
     assert not every.screened and total > 8
     assert len(screened.outcomes) + len(screened.screened) == total
-    assert len(screened.outcomes) <= 6 and sum(o.fits for o in screened.outcomes) == 2
+    # until 2 fit and no candidate left is estimated faster than the fastest simulated: at most 3 x 2
+    assert len(screened.outcomes) <= 6 and sum(o.fits for o in screened.outcomes) >= 2
     best = every.ranked[0].prediction.step_s
     assert screened.ranked[0].prediction.step_s <= best * 1.2, (screened.ranked[0].candidate.label,
                                                                every.ranked[0].candidate.label)
@@ -130,3 +131,51 @@ def test_the_estimate_cuts_each_candidate_as_its_partitioner_does():
     found = prepare(compose_checked(auto)).search
     assert found.screened  # a screened search
     assert found.winner.prediction.step_s <= prepare(compose_checked(paper)).prediction.step_s * 1.001
+
+
+def test_v_half_off_a_power_of_two_holds_more_bubble_than_its_small_order_scaled():
+    """Why the next candidates are estimated on their own order before they are planned: V-Half's
+    order at 12 and 24 ranks idles 2.7-4x what its 4-rank order scaled says (at 16 the scaling
+    holds, as the test above checks)."""
+    gen = training_schedules()["v_half"]
+    for pp in (12, 24):
+        exact, scaled = schedule_shape(gen, pp, 9 * pp, "none", (1.0, 1.0, 1.0)), \
+            scaled_shape(gen, pp, 9 * pp, "none", (1.0, 1.0, 1.0))
+        assert exact.bubble > 2 * scaled.bubble, (pp, exact, scaled)
+
+
+def test_the_next_candidates_are_reestimated_on_their_own_order_until_the_first_ones_all_are():
+    """`refined`: the first `top` candidates' estimates redone exactly; one that falls back makes
+    room for the next, which is redone too; the given configuration stays first; one now over the
+    memory drops out."""
+    from types import SimpleNamespace
+
+    from pipelaunch.pipeline.planner.search.screen import refined
+
+    cands = [SimpleNamespace(name=n, exact=e, peak=p) for n, e, p in
+             [("given", 9.0, 1.0), ("a", 5.0, 1.0), ("b", 1.5, 1.0), ("c", 3.0, 1.0), ("d", 3.5, 100.0), ("e", 4.0, 1.0)]]
+    estimate_of = {id(c): Estimate(float(i), 1.0) for i, c in enumerate(cands)}  # scaled: in list order
+    asked = []
+
+    class Exact:
+        def estimate(self, c, exact=False):
+            assert exact
+            asked.append(c.name)
+            return Estimate(c.exact, c.peak)
+
+    order = refined(list(cands), estimate_of, Exact(), 4, cap=10.0, given=cands[0])  # a batch of 4
+    # a, b, c redone: b and c first, d next (redone: now over the memory, out), then a; e not redone
+    assert [c.name for c in order] == ["given", "b", "c", "a", "e"]
+    assert sorted(asked) == ["a", "b", "c", "d"]  # the given configuration never; each once
+
+
+def test_a_search_goes_on_while_a_candidate_left_is_estimated_faster_than_the_fastest_simulated():
+    from types import SimpleNamespace
+
+    from pipelaunch.pipeline.planner.search.space import _may_win
+
+    planned = [SimpleNamespace(fits=True, prediction=SimpleNamespace(step_s=24.0)),
+               SimpleNamespace(fits=False, prediction=SimpleNamespace(step_s=10.0))]  # over the memory: no bound
+    assert _may_win(planned, Estimate(17.6, 1.0))
+    assert not _may_win(planned, Estimate(25.0, 1.0))
+    assert not _may_win(planned[1:], Estimate(17.6, 1.0)) and not _may_win(planned, None)

@@ -10,9 +10,10 @@ Tokenization is cached by `datasets` (keyed by the files and the tokenizer), so 
 what the launcher tokenized while validating; for corpora too large to tokenize per run,
 `python -m pipelaunch.pipeline.data.prepare` writes the `data=tokens` format once.
 
-`data.packing=documents` packs the documents of each window: positions and attention per document
-(`pipelaunch.pipeline.data.packing`), the documents split at the id each ends with (`data.eod_id`,
-null: the tokenizer's end-of-sequence).
+`data.packing=documents` cuts the documents in order into windows of whole documents, padded after
+the last that fits (a longer one split): positions and attention per document
+(`pipelaunch.pipeline.data.packing`), the documents ending with `data.eod_id` (null: the
+tokenizer's end-of-sequence, appended to each).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 
 from pipelaunch.pipeline.core.errors import ConfigError
-from pipelaunch.pipeline.data.packing import Batch, Windows, check_packing
+from pipelaunch.pipeline.data.packing import Batch, Windows, check_packing, greedy_windows
 from pipelaunch.pipeline.graph.init import name_seed
 
 #: file suffix -> the `datasets` builder that reads it
@@ -143,6 +144,8 @@ class HFDocuments(Windows):
     #: the id ending each document (null: the tokenizer's end-of-sequence)
     eod_id: int | None = None
     _tok: Any = field(default=None, init=False, repr=False)
+    #: packed: per windows array (by id), the stream's ids in each window
+    _used: dict[int, np.ndarray] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._tok = load_tokenizer(self.tokenizer)
@@ -161,7 +164,19 @@ class HFDocuments(Windows):
         if len(flat) < window:
             raise ConfigError(key, f"{', '.join(map(str, files))} tokenize to {len(flat)} tokens, fewer than one "
                                    f"window of seq_len + 1 = {window}")
+        if self.packed:  # whole documents in each window, padded (data/packing.py)
+            rows, used = greedy_windows(flat, self.document_end, window)
+            self._used[id(rows)] = used
+            return rows
         return flat[: len(flat) // window * window].reshape(-1, window)
+
+    def padded_tokens(self, step: int, batch_size: int) -> int | None:
+        """Input positions of batch `step` that are padding (packed windows end with it); None
+        unpacked (the windows are the documents' ids throughout)."""
+        if not self.packed:
+            return None
+        picks = self._picks(len(self._train), step * batch_size, batch_size, "hf")
+        return self._padding(self._used[id(self._train)][picks], self.seq_len)
 
     def check_vocabulary(self, model_vocab: int) -> None:
         """Refuse a tokenizer that can produce ids the model cannot embed."""
@@ -170,10 +185,11 @@ class HFDocuments(Windows):
                                                 f"vocabulary of {model_vocab} (model.vocab_size); use the tokenizer "
                                                 "the model was trained with, or a model with a larger vocabulary")
 
+    def _picks(self, n: int, first: int, count: int, salt: str) -> list[int]:
+        return [_epoch_order(self.seed, salt, i // n, n)[i % n] for i in range(first, first + count)]
+
     def _rows(self, windows: np.ndarray, first: int, count: int, salt: str) -> torch.Tensor:
-        n = len(windows)
-        picks = [_epoch_order(self.seed, salt, i // n, n)[i % n] for i in range(first, first + count)]
-        return torch.from_numpy(windows[picks].astype(np.int64))
+        return torch.from_numpy(windows[self._picks(len(windows), first, count, salt)].astype(np.int64))
 
     def batch(self, step: int, batch_size: int) -> Batch:
         return self._batch(self._rows(self._train, step * batch_size, batch_size, "hf"))

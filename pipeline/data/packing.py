@@ -1,15 +1,16 @@
-"""Document packing (`data.packing=documents`): windows of a token stream holding several documents,
-each document attended to and positioned on its own.
+"""Document packing (`data.packing=documents`): windows of a token stream holding whole documents,
+each attended to and positioned on its own.
 
-A window of seq_len + 1 ids is cut from the stream of documents, each ending with the
-end-of-document id (`data.eod_id`), as the data cuts windows without packing; a document may start
-or end outside the window (a long one is split over several windows), and what the window holds of
-it is trained on as a document of its own. Per window, a segment starts at the window's first
+The documents are the stream's runs ending with the end-of-document id (`data.eod_id`). A window
+of seq_len + 1 ids starts where a document starts and holds whole documents while they fit; the
+rest of it is padding (end-of-document ids, never scored). A document longer than a window is
+split: it starts a window at its start and at every seq_len + 1 ids after (`document_chunks`), and
+its last piece is packed like a document. Per window, a segment starts at the window's first
 position and after each end-of-document id; each input position gets its position id within its
 segment (0 at each segment's first token), and the target of a segment's last position (an
-end-of-document id, whose next token starts another document) is IGNORE_INDEX: no document
-predicts another. So every sample is a function of its window alone, the window of (seed, global
-sample index) as before: any (pp, dp), or a resumed run, packs the same global batch.
+end-of-document id, whose next token starts another document, or padding) is IGNORE_INDEX: no
+document predicts another. A sample is a function of (seed, global sample index) and the data
+alone, as without packing: any (pp, dp), or a resumed run, packs the same global batch.
 
 The position ids are the extra per-token field the model takes (`FIELDS`): the segments are where
 they restart (transformers' packed-sequence rule, `masking_utils.find_packed_sequence_indices`),
@@ -29,6 +30,8 @@ PACKINGS = ("none", "documents")
 #: the extra per-token data fields packing gives the model (ModelSpec.data_args names them)
 FIELDS = (POSITION_IDS,)
 
+#: ids scanned for document ends at a time (a token file is read block by block, never held whole)
+SCAN = 1 << 26
 #: a batch as a data source returns it: (inputs, targets), or with packing (inputs, targets, fields)
 Batch = tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 
@@ -60,6 +63,44 @@ def pack_rows(rows: np.ndarray, eod_id: int) -> tuple[torch.Tensor, torch.Tensor
     targets[ends] = IGNORE_INDEX  # a document's last token does not predict the next document
     return (torch.from_numpy(np.ascontiguousarray(inputs)), torch.from_numpy(targets),
             {POSITION_IDS: torch.from_numpy(positions(ends))})
+
+
+def document_chunks(tokens: np.ndarray, eod_id: int, window: int) -> np.ndarray:
+    """Where a packed window may start: every document's first id, and inside a document longer
+    than `window` ids every `window`-th id after it (its pieces), in stream order."""
+    ends = np.concatenate([np.flatnonzero(np.asarray(tokens[i:i + SCAN]) == eod_id) + i
+                           for i in range(0, len(tokens), SCAN)])  # a memmap read a block at a time
+    starts = np.concatenate([[0], ends + 1])
+    starts = starts[starts < len(tokens)]
+    lengths = np.append(starts[1:], len(tokens)) - starts
+    pieces = 1 + (lengths - 1) // window
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+    return np.repeat(starts, pieces) + (np.arange(int(pieces.sum())) - first) * window
+
+
+def whole_documents(tokens: np.ndarray, start: int, window: int, eod_id: int) -> tuple[np.ndarray, int]:
+    """The window of `window` ids from `start` (a `document_chunks` entry) holding whole documents
+    only: cut after the last end-of-document id in it and padded with `eod_id`; a piece of a long
+    document with no end in it is kept whole. Returns (the ids, how many are the stream's)."""
+    row = np.full(window, eod_id, dtype=np.int64)
+    taken = np.asarray(tokens[start:start + window], dtype=np.int64)
+    ends = np.flatnonzero(taken == eod_id)
+    used = len(taken) if len(ends) == 0 or len(taken) < window and ends[-1] == len(taken) - 1 else int(ends[-1]) + 1
+    row[:used] = taken[:used]
+    return row, used
+
+
+def greedy_windows(tokens: np.ndarray, eod_id: int, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """The stream cut in order into windows of whole documents (`whole_documents`), each starting
+    where the last one's ids ended: (windows [n, window], the stream's ids in each)."""
+    chunks = document_chunks(tokens, eod_id, window)
+    rows, used, i = [], [], 0
+    while i < len(chunks):
+        row, n = whole_documents(tokens, int(chunks[i]), window, eod_id)
+        rows.append(row)
+        used.append(n)
+        i = int(np.searchsorted(chunks, chunks[i] + n))
+    return np.stack(rows), np.asarray(used, dtype=np.int64)
 
 
 def positions(ends: np.ndarray) -> np.ndarray:
@@ -95,6 +136,10 @@ class Windows:
     def masks_targets(self) -> bool:
         """Packed targets hold IGNORE_INDEX (at document ends): the loss must weigh scored tokens."""
         return self.packed
+
+    def _padding(self, used: np.ndarray, seq_len: int) -> int:
+        """Input positions of windows holding `used` stream ids each that are padding."""
+        return int((seq_len - np.minimum(used, seq_len)).sum())
 
     def _batch(self, rows: torch.Tensor) -> Batch:
         if self.packed:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pipelaunch.pipeline.core.errors import ConfigError
-from pipelaunch.pipeline.data.packing import Batch, Windows, check_packing
+from pipelaunch.pipeline.data.packing import Batch, Windows, check_packing, document_chunks, whole_documents
 from pipelaunch.pipeline.graph.init import name_seed
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -59,6 +59,9 @@ class TokenFile(Windows):
                                                "set model.seq_len=<tokens per sample>, e.g. model.seq_len=64")
         self._train = self._open(self.path, "data.path")
         self._val = self._open(self.val_path, "data.val_path") if self.val_path else None
+        #: packed: where a window may start in each file (documents' starts, long ones' pieces)
+        self._chunks = {id(t): document_chunks(t, self.eod_id, self.seq_len + 1)
+                        for t in (self._train, self._val) if t is not None and self.packed}
 
     def _open(self, path: str, key: str) -> np.memmap:
         tokens = open_tokens(path, self.dtype, key)
@@ -76,16 +79,31 @@ class TokenFile(Windows):
                 raise ConfigError(key, f"{path} holds token id {top}, outside the model's vocabulary of {model_vocab} "
                                        "(model.vocab_size); was it tokenized for another model?")
 
-    def _windows(self, tokens: np.memmap, first: int, count: int, salt: str) -> torch.Tensor:
-        span = len(tokens) - self.seq_len - 1
+    def _windows(self, tokens: np.memmap, first: int, count: int, salt: str) -> tuple[torch.Tensor, np.ndarray]:
+        """Windows `first`.. of `tokens` and how many of each one's ids are the file's (packed:
+        a document's start drawn, whole documents, padding after; else a drawn offset, all)."""
+        window = self.seq_len + 1
+        if self.packed:
+            chunks = self._chunks[id(tokens)]
+            made = [whole_documents(tokens, int(chunks[name_seed(self.seed, f"{salt}:{i}") % len(chunks)]), window,
+                                    self.document_end) for i in range(first, first + count)]
+            return torch.from_numpy(np.stack([r for r, _ in made])), np.array([n for _, n in made])
+        span = len(tokens) - window
         starts = [name_seed(self.seed, f"{salt}:{i}") % (span + 1) for i in range(first, first + count)]
-        rows = np.stack([np.asarray(tokens[s:s + self.seq_len + 1], dtype=np.int64) for s in starts])
-        return torch.from_numpy(rows)
+        rows = np.stack([np.asarray(tokens[s:s + window], dtype=np.int64) for s in starts])
+        return torch.from_numpy(rows), np.full(count, window)
+
+    def padded_tokens(self, step: int, batch_size: int) -> int | None:
+        """Input positions of batch `step` that are padding (packed windows end with it); None
+        unpacked (a window is the file's ids throughout)."""
+        if not self.packed:
+            return None
+        return self._padding(self._windows(self._train, step * batch_size, batch_size, "tokens")[1], self.seq_len)
 
     def batch(self, step: int, batch_size: int) -> Batch:
-        return self._batch(self._windows(self._train, step * batch_size, batch_size, "tokens"))
+        return self._batch(self._windows(self._train, step * batch_size, batch_size, "tokens")[0])
 
     def val_batch(self, index: int, batch_size: int) -> Batch:
         """Held-out batch `index` (from val_path, or the training file when there is none)."""
         tokens = self._val if self._val is not None else self._train
-        return self._batch(self._windows(tokens, index * batch_size, batch_size, "val"))
+        return self._batch(self._windows(tokens, index * batch_size, batch_size, "val")[0])

@@ -66,6 +66,10 @@ CHECKED_ACTIONS = 256
 #: the candidates that must fit among those simulated when `plan.simulate` is null and the
 #: search holds more than SIMULATE_ALL of them; at most TRIES times as many are simulated
 DEFAULT_SIMULATED, SIMULATE_ALL, TRIES = 3, 64, 3
+#: a candidate about to be planned has its schedule's shape simulated at its own size (not scaled
+#: from a small one) up to this many stage-micro-batches: a 1T GPT's interleaved order at pp=64
+#: and 512 micro-batches (65,536) takes 0.5 s; V-Half's bubble at pp=24 is 4x its scaled one
+EXACT_STAGE_MICROBATCHES = 70_000
 
 
 @dataclass(frozen=True)
@@ -305,7 +309,9 @@ class Screen:
                 self._splits[key] = Split.of(part, placement)
         return self._splits[key]
 
-    def estimate(self, c: Candidate) -> Estimate:
+    def estimate(self, c: Candidate, exact: bool = False) -> Estimate:
+        """`c`'s estimate; `exact`: its schedule's shape simulated at its own size where that is
+        within EXACT_STAGE_MICROBATCHES (else scaled from a small pipeline, as for every other)."""
         pp, _, tp = self._layout(c)
         if c.remat == "auto" and self.cap is not None and not c.partitioner_plugin.attribute("chooses_remat", True):
             return Estimate(error=f"remat=auto under a memory budget needs a partitioner that chooses the stages to "
@@ -330,7 +336,9 @@ class Screen:
             # tp degree and micro-batch size
             fiw = (1.0, 1.0, 1.0) if gen.split_backward else (1.0, 2.0, 0.0)
             remat = "full" if c.remat == "full" else "none"
-            shape = scaled_shape(gen, pp, c.microbatches, remat, fiw)
+            exact = exact and len(placement) * c.microbatches <= EXACT_STAGE_MICROBATCHES
+            shaped = schedule_shape if exact else scaled_shape
+            shape = shaped(gen, pp, c.microbatches, remat, fiw)
         except ConfigError as err:
             return Estimate(error=str(err).removeprefix("Invalid config "))
         stages = len(placement)
@@ -339,7 +347,7 @@ class Screen:
         memory = self._peak(c, model, shape, remat, stages, split)
         if c.remat == "auto" and self.cap is not None and memory.peak_bytes > self.cap:  # recompute where needed
             try:
-                full = scaled_shape(gen, pp, c.microbatches, "full", fiw)
+                full = shaped(gen, pp, c.microbatches, "full", fiw)
             except ConfigError as err:
                 return Estimate(error=str(err).removeprefix("Invalid config "))
             # a split backward keeps a recomputed micro-batch's activations from its I until its W,
@@ -406,6 +414,24 @@ def activation_scale(simulated: list[tuple[Estimate, float]]) -> float:
     ratios = sorted((peak - (e.peak_bytes - e.activation_bytes)) / e.activation_bytes
                     for e, peak in simulated if e.error is None and e.activation_bytes > e.update_bytes)
     return max(1.0, ratios[len(ratios) // 2]) if ratios else 1.0
+
+
+def refined(order: list[Candidate], estimate_of: dict[int, Estimate], screen: Screen, top: int,
+            cap: float | None, scale: float = 1.0, given: Candidate | None = None) -> list[Candidate]:
+    """`order` (fastest estimate first, `given` at the front) with its first `top` candidates
+    estimated on their exact schedule shapes (`Screen.estimate(exact=True)`), again until the
+    first `top` all are: a schedule whose bubble grows faster than its small pipeline's scaled
+    (V-Half and V-Min at pp=24: 4x) falls back among the others, and one now over the memory drops
+    out. `estimate_of` (by id) is updated."""
+    exact: set[int] = set()
+    while todo := [c for c in order[:top] if id(c) not in exact and c is not given]:
+        for c in todo:
+            estimate_of[id(c)] = screen.estimate(c, exact=True)
+            exact.add(id(c))
+        rest = sorted((c for c in order if c is not given and estimate_of[id(c)].fits(cap, scale)),
+                      key=lambda c: (estimate_of[id(c)].step_s, estimate_of[id(c)].peak_bytes))
+        order = [given, *rest] if given is not None and given in order else rest
+    return order
 
 
 def ranked(cands: list[Candidate], screen: Screen, given: Candidate | None

@@ -38,9 +38,11 @@ from pipelaunch.pipeline.planner.search.screen import (
     DEFAULT_SIMULATED,
     SIMULATE_ALL,
     TRIES,
+    Estimate,
     Screen,
     activation_scale,
     ranked,
+    refined,
 )
 
 
@@ -160,6 +162,14 @@ def _prepare(cfg: TrainConfig, models: TracedModels, cands: Sequence[Candidate])
             pass  # a size (or tp) the model cannot be traced at fails its own candidates below
 
 
+def _may_win(outcomes: list[Outcome], estimate: Estimate | None) -> bool:
+    """Whether the next candidate, estimated at `estimate`, may still beat the fastest planned one
+    that fits: its estimate is under that one's simulated step (an estimate that missed a
+    recomputation the simulation had to add is undercut by the next best estimates)."""
+    steps = [o.prediction.step_s for o in outcomes if o.fits]
+    return estimate is not None and bool(steps) and estimate.step_s < min(steps)
+
+
 def _screened_search(cfg: TrainConfig, models: TracedModels, cands: list[Candidate], given: Candidate | None,
                      screen: Screen, generator: Callable[[Candidate], ScheduleGenerator],
                      evaluate: Callable[[Candidate], Prediction], keep: int, started: float) -> SearchResult:
@@ -172,12 +182,15 @@ def _screened_search(cfg: TrainConfig, models: TracedModels, cands: list[Candida
         if size >= 1:
             lo, hi = sizes.get(tp, (size, size))
             sizes[tp] = (min(lo, size), max(hi, size))
-    order, estimates = ranked(cands, replace(screen, generator=generator, reference=sizes), given)
+    screen = replace(screen, generator=generator, reference=sizes)
+    order, estimates = ranked(cands, screen, given)
     estimate_of = {id(c): e for c, e in estimates}
     outcomes: list[Outcome] = []
     scale = 1.0
-    while order and sum(o.fits for o in outcomes) < keep and len(outcomes) < TRIES * keep:
-        wanted = min(keep - sum(o.fits for o in outcomes), TRIES * keep - len(outcomes))
+    while order and len(outcomes) < TRIES * keep and (sum(o.fits for o in outcomes) < keep or
+                                                     _may_win(outcomes, estimate_of.get(id(order[0])))):
+        wanted = max(1, min(keep - sum(o.fits for o in outcomes), TRIES * keep - len(outcomes)))
+        order = refined(order, estimate_of, screen, wanted, cfg.memory.cap_bytes, scale, given)
         batch, order = order[:wanted], order[wanted:]
         _prepare(cfg, models, batch)
         for o in run_search(batch, evaluate, cfg.memory.cap_bytes).outcomes:
