@@ -211,7 +211,7 @@ def gpt(
     blocks = [("embed", partial(Embedding, vocab_size, dim, seq_len))]
     blocks += [(f"layer{i}", partial(DecoderBlock, dim, heads, mlp_ratio, dropout, attention)) for i in range(layers)]
     blocks.append(("head", partial(LMHead, dim, vocab_size)))
-    packed = (data_packing or "none") == "documents"
+    packed = (data_packing or "none") != "none"  # documents or stream: the data's position ids
     model_class = (PackedTiedGPT if tie_embeddings else PackedGPT) if packed else (TiedGPT if tie_embeddings else None)
     return ModelSpec(
         name=name,

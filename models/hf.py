@@ -263,7 +263,7 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
     if isinstance(positions, int) and 0 < positions < seq_len:
         raise ConfigError("model.seq_len", f"{seq_len} exceeds the model's {positions} positions")
 
-    packed = (data_packing or "none") == "documents"
+    packed = (data_packing or "none") != "none"  # documents or stream: the data's position ids
 
     def build() -> nn.Module:
         return WRAPPERS[packed, on_targets](constructed(lambda: AutoModelForCausalLM.from_config(cfg)), own_loss)

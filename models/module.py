@@ -145,7 +145,7 @@ def _positions_arg(inner: nn.Module, positions_arg: str | None) -> str:
     name = positions_arg or "position_ids"
     if name in params or (positions_arg is not None and takes_any):
         return name
-    raise ConfigError("model.position_ids_arg", f"data.packing=documents gives the model per-document position ids "
+    raise ConfigError("model.position_ids_arg", f"data.packing gives the model per-document position ids "
                                                 f"by keyword, but {type(inner).__name__}.forward({', '.join(params)}) "
                                                 f"takes no {name!r}: set model.position_ids_arg=<the argument taking "
                                                 "them> (the model must keep each document's attention to itself), "
@@ -156,7 +156,7 @@ def _packed(wrapper: type[Adapted], data_args: tuple[str, ...], inner: nn.Module
             data_packing: str | None) -> tuple[type[Adapted], tuple[str, ...], str | None]:
     """(wrapper, data_args, the position ids' keyword) on packed documents: the wrapper passing
     them too, the data's `position_ids` one more input; unchanged (keyword None) otherwise."""
-    if (data_packing or "none") != "documents":
+    if (data_packing or "none") == "none":
         return wrapper, data_args, None
     packed = {Adapted: PackedAdapted, TakesTargets: PackedTakesTargets, ShiftsInputs: PackedShiftsInputs}[wrapper]
     return packed, (*data_args, POSITION_IDS), _positions_arg(inner, position_ids_arg)

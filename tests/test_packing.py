@@ -180,6 +180,13 @@ def test_packed_gpt_on_every_schedule_family(documents, tmp_path) -> None:
     check_layouts(documents, MORE_LAYOUTS, tmp_path)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_stream_packed_gpt_trains_as_each_piece_alone(documents, tmp_path) -> None:
+    """data.packing=stream: the windows cut from the stream, each document piece trained alone."""
+    check_layouts([*documents, "data.packing=stream"], [LAYOUTS[0]], tmp_path)
+
+
 @pytest.mark.timeout(600)
 def test_packed_gpt_under_tensor_parallelism_trains_as_each_document_alone(documents, tmp_path) -> None:
     """pp=2 tp=2 with sequence parallelism: every tp rank reads the same position ids, its heads'
@@ -270,6 +277,30 @@ def test_packed_windows_hold_whole_documents_restart_positions_and_mask_document
         assert pos == expected
     assert torch.equal(y == -100, x == EOD)
     assert data.padded_tokens(1, 16) == padded > 0
+
+
+def test_stream_packing_cuts_the_unpacked_windows_and_splits_documents_at_their_edges(documents) -> None:
+    """data.packing=stream (Megatron-LM's reset_attention_mask): the very windows data=tokens cuts
+    unpacked, nothing padded, each position's id counting from its segment's start (the window's
+    first position, or after an EOD), the EOD's target not scored."""
+    from pipelaunch.pipeline.data.tokens import TokenFile
+
+    cfg = compose_cfg([*COMMON, *documents, "data.packing=stream"])
+    data = instantiate(cfg.data)
+    x, y, fields = data.batch(1, 16)
+    raw_x, raw_y = TokenFile(path=cfg.data["path"], seq_len=cfg.data["seq_len"], seed=cfg.seed).batch(1, 16)
+    assert torch.equal(x, raw_x) and torch.equal(y, raw_y.masked_fill(raw_x == EOD, -100))
+    starts_mid_document = 0
+    for row, pos in zip(x.tolist(), fields["position_ids"].tolist(), strict=True):
+        expected, p = [], 0
+        for token in row:
+            expected.append(p)
+            p = 0 if token == EOD else p + 1
+        assert pos == expected
+        starts_mid_document += row[0] != EOD  # most windows start inside a document: split at the edge
+    assert data.padded_tokens(1, 16) is None and starts_mid_document > 8
+    err = _refusal([*COMMON, "data=chat", "data.files=[x.jsonl]", "data.tokenizer=t", "data.packing=stream"])
+    assert err.key == "data.packing" and "whole examples" in str(err), err  # data=chat: never split
 
 
 def test_hf_documents_pack_at_the_tokenizers_end_of_sequence(tmp_path) -> None:

@@ -276,3 +276,16 @@ def test_the_first_finished_order_is_not_simulated_when_only_its_shape_is_needed
     assert not played
     build_schedule(generator, v_shape(4), 16)
     assert played
+
+
+def test_milp_keeps_the_models_output_in_the_last_stage():
+    """A node the output does not read (an op-level graph's dead-end: here an expensive `side`) may
+    go after the output in a topological order; the fastest split then puts the output first
+    (bottleneck 10 against 11). The loss is computed on the last stage: milp keeps the output there."""
+    g = nx.DiGraph()
+    for name, cost in [("x1", 1.0), ("x2", 1.0), ("side", 10.0), ("out", 1.0)]:
+        g.add_node(name, forward_s=cost, backward_s=0.0, activation_bytes=0, output_bytes=0, param_bytes=0)
+    g.add_edges_from([("x1", "x2"), ("x2", "out"), ("x1", "side")])
+    g.graph["outputs"] = ["out"]
+    p = milp_partition(g, 2, bandwidth=float("inf"), order=["x1", "x2", "side", "out"])
+    assert p.assignment["out"] == 1

@@ -115,6 +115,9 @@ class ChatExamples:
                                                "tokens; set model.seq_len=<the longest example's tokens>")
         self.length_buckets = check_buckets(None if self.buckets is None else list(self.buckets), self.seq_len)
         self.packed = self.packing != "none" and check_packing(self.packing, 0)
+        if self.packing == "stream":
+            raise ConfigError("data.packing", "data=chat packs whole examples (documents) or one per sample (none); "
+                                              "stream would split an example's prompt from its response")
         if self.packed and self.length_buckets is not None:
             raise ConfigError("data.buckets", "packed windows (data.packing=documents) are full: each runs at "
                                               "model.seq_len; set data.buckets=null, or data.packing=none")

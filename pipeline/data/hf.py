@@ -11,7 +11,8 @@ what the launcher tokenized while validating; for corpora too large to tokenize 
 `python -m pipelaunch.pipeline.data.prepare` writes the `data=tokens` format once.
 
 `data.packing=documents` cuts the documents in order into windows of whole documents, padded after
-the last that fits (a longer one split): positions and attention per document
+the last that fits (a longer one split; `stream`: consecutive windows of the stream, documents
+split at their edges, nothing padded): positions and attention per document
 (`pipelaunch.pipeline.data.packing`), the documents ending with `data.eod_id` (null: the
 tokenizer's end-of-sequence, appended to each).
 """
@@ -152,6 +153,7 @@ class HFDocuments(Windows):
         eod = self.eod_id if self.eod_id is not None else self._tok.eos_token_id
         self.packed = check_packing(self.packing, eod, len(self._tok))
         self.document_end = eod if self.packed else None
+        self.whole = self.packing == "documents"
         self._train = self._pack(self.files, "data.files")
         self._val = self._pack(self.val_files, "data.val_files") if self.val_files else None
 
@@ -164,16 +166,16 @@ class HFDocuments(Windows):
         if len(flat) < window:
             raise ConfigError(key, f"{', '.join(map(str, files))} tokenize to {len(flat)} tokens, fewer than one "
                                    f"window of seq_len + 1 = {window}")
-        if self.packed:  # whole documents in each window, padded (data/packing.py)
+        if self.whole:  # whole documents in each window, padded (data/packing.py)
             rows, used = greedy_windows(flat, self.document_end, window)
             self._used[id(rows)] = used
             return rows
         return flat[: len(flat) // window * window].reshape(-1, window)
 
     def padded_tokens(self, step: int, batch_size: int) -> int | None:
-        """Input positions of batch `step` that are padding (packed windows end with it); None
-        unpacked (the windows are the documents' ids throughout)."""
-        if not self.packed:
+        """Input positions of batch `step` that are padding (windows of whole documents end with it);
+        None otherwise (the windows are the documents' ids throughout)."""
+        if not self.whole:
             return None
         picks = self._picks(len(self._train), step * batch_size, batch_size, "hf")
         return self._padding(self._used[id(self._train)][picks], self.seq_len)

@@ -15,6 +15,10 @@ alone, as without packing: any (pp, dp), or a resumed run, packs the same global
 The position ids are the extra per-token field the model takes (`FIELDS`): the segments are where
 they restart (transformers' packed-sequence rule, `masking_utils.find_packed_sequence_indices`),
 so one tensor gives a model both its positions and its document mask.
+
+`data.packing=stream` packs as Megatron-LM's `reset_position_ids`/`reset_attention_mask` do: a
+window is cut from the stream wherever the unpacked one is (a drawn offset), so documents are split
+at its edges and nothing is padded; within it, the same segments, positions and masked ends.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ import torch
 from pipelaunch.pipeline.core import IGNORE_INDEX, POSITION_IDS
 from pipelaunch.pipeline.core.errors import ConfigError
 
-#: `data.packing`: none (windows attend across documents, as before), documents (see above)
-PACKINGS = ("none", "documents")
+#: `data.packing`: none (windows attend across documents), documents (windows of whole documents,
+#: padded), stream (windows cut from the stream, documents split at their edges; see above)
+PACKINGS = ("none", "documents", "stream")
 #: the extra per-token data fields packing gives the model (ModelSpec.data_args names them)
 FIELDS = (POSITION_IDS,)
 
@@ -42,12 +47,13 @@ def check_packing(packing: str | None, eod_id: int | None, vocab: int | None = N
     packing without an end-of-document id (the documents could not be told apart)."""
     packing = packing or "none"
     if packing not in PACKINGS:
-        raise ConfigError("data.packing", f"got {packing!r}; valid: {', '.join(PACKINGS)} (documents: windows packed "
-                                          "from whole documents, positions and attention per document)")
+        raise ConfigError("data.packing", f"got {packing!r}; valid: {', '.join(PACKINGS)} (documents: windows of whole "
+                                          "documents, padded; stream: windows cut from the stream, documents split "
+                                          "at their edges; both: positions and attention per document)")
     if packing == "none":
         return False
     if eod_id is None or isinstance(eod_id, bool) or not isinstance(eod_id, int) or eod_id < 0:
-        raise ConfigError(eod_key, f"got {eod_id!r}: data.packing=documents splits the token stream into documents "
+        raise ConfigError(eod_key, f"got {eod_id!r}: data.packing={packing} splits the token stream into documents "
                                    "at the end-of-document id; set data.eod_id=<the id ending each document> (the "
                                    "tokenizer's end-of-sequence id, e.g. 50256 for GPT-2's)")
     if vocab is not None and eod_id >= vocab:
@@ -126,6 +132,8 @@ class Windows:
 
     packed: bool = False
     document_end: int | None = None
+    #: packed into windows of whole documents (`data.packing=documents`), not cut from the stream
+    whole: bool = False
 
     @property
     def fields(self) -> tuple[str, ...]:

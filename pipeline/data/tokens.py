@@ -47,13 +47,14 @@ class TokenFile(Windows):
     val_path: str | None = None
     seed: int = 0
     kind: str = "tokens"
-    #: `none`, or `documents`: windows packed from the documents `eod_id` ends (data/packing.py)
+    #: `none`; `documents`: windows of the whole documents `eod_id` ends, padded; `stream`: windows
+    #: cut from the stream, documents split at their edges (data/packing.py)
     packing: str = "none"
     eod_id: int | None = None
 
     def __post_init__(self) -> None:
         self.packed = check_packing(self.packing, self.eod_id)
-        self.document_end = self.eod_id
+        self.document_end, self.whole = self.eod_id, self.packing == "documents"
         if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) or self.seq_len < 1:
             raise ConfigError("model.seq_len", f"got {self.seq_len!r}: data=tokens cuts windows of model.seq_len ids; "
                                                "set model.seq_len=<tokens per sample>, e.g. model.seq_len=64")
@@ -61,7 +62,7 @@ class TokenFile(Windows):
         self._val = self._open(self.val_path, "data.val_path") if self.val_path else None
         #: packed: where a window may start in each file (documents' starts, long ones' pieces)
         self._chunks = {id(t): document_chunks(t, self.eod_id, self.seq_len + 1)
-                        for t in (self._train, self._val) if t is not None and self.packed}
+                        for t in (self._train, self._val) if t is not None and self.whole}
 
     def _open(self, path: str, key: str) -> np.memmap:
         tokens = open_tokens(path, self.dtype, key)
@@ -83,7 +84,7 @@ class TokenFile(Windows):
         """Windows `first`.. of `tokens` and how many of each one's ids are the file's (packed:
         a document's start drawn, whole documents, padding after; else a drawn offset, all)."""
         window = self.seq_len + 1
-        if self.packed:
+        if self.whole:
             chunks = self._chunks[id(tokens)]
             made = [whole_documents(tokens, int(chunks[name_seed(self.seed, f"{salt}:{i}") % len(chunks)]), window,
                                     self.document_end) for i in range(first, first + count)]
@@ -94,9 +95,9 @@ class TokenFile(Windows):
         return torch.from_numpy(rows), np.full(count, window)
 
     def padded_tokens(self, step: int, batch_size: int) -> int | None:
-        """Input positions of batch `step` that are padding (packed windows end with it); None
-        unpacked (a window is the file's ids throughout)."""
-        if not self.packed:
+        """Input positions of batch `step` that are padding (windows of whole documents end with it);
+        None otherwise (a window is the file's ids throughout)."""
+        if not self.whole:
             return None
         return self._padding(self._windows(self._train, step * batch_size, batch_size, "tokens")[1], self.seq_len)
 

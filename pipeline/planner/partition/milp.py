@@ -193,6 +193,18 @@ def _add_order_rows(prog: _Program, coarse: Coarse) -> None:
         rows.add(row, 1.0 - const, np.inf)
 
 
+def _add_output_rows(prog: _Program, graph: nx.DiGraph, coarse: Coarse) -> None:
+    """The model's outputs in the last stage (the loss is computed there): a node no other reads
+    could otherwise sit in an earlier stage, before nodes it does not feed."""
+    for name in graph.graph.get("outputs", ()):
+        if name in coarse.group_of:
+            prog.rows.add({prog.z(coarse.group_of[name], prog.k - 1): 1.0}, 1.0, np.inf)
+
+
+def _outputs_last(part: Partition, graph: nx.DiGraph) -> bool:
+    return all(part.assignment.get(n, part.num_stages - 1) == part.num_stages - 1 for n in graph.graph.get("outputs", ()))
+
+
 def _add_time_rows(prog: _Program, graph: nx.DiGraph, coarse: Coarse, cost: list[float], bandwidth: float) -> None:
     """Each stage's compute plus the sends it starts stays under T; a send g[u, s, t] (one per value
     crossing groups and s < t) is forced to 1 when u's group is in s and a consumer's group in t."""
@@ -306,6 +318,7 @@ def _solve(
     cost = [sum(node_cost(graph, v) for v in g) for g in coarse.groups]
     prog = _Program(len(coarse.groups), k)
     _add_order_rows(prog, coarse)
+    _add_output_rows(prog, graph, coarse)
     _add_time_rows(prog, graph, coarse, cost, bandwidth)
     if memory_cap is not None:
         _add_memory_rows(prog, graph, coarse, flights, memory_cap)
@@ -371,14 +384,14 @@ def milp_partition(
     try:
         polished = balanced(graph, k, bandwidth, memory_cap, flights, reordered)
         facts["polished_bottleneck_s"] = polished.bottleneck_s
-        if polished.bottleneck_s < part.bottleneck_s:
+        if polished.bottleneck_s < part.bottleneck_s and _outputs_last(polished, graph):
             part = polished
             part.method = "milp"
     except ConfigError:
         pass
     if bal is not None:
         facts["balanced_bottleneck_s"] = bal.bottleneck_s
-        if bal.bottleneck_s < part.bottleneck_s:
+        if bal.bottleneck_s < part.bottleneck_s and _outputs_last(bal, graph):
             bal.method = "milp"
             bal.info.update(facts, chosen="balanced")
             return bal
