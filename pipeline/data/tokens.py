@@ -63,6 +63,8 @@ class TokenFile(Windows):
         #: packed: where a window may start in each file (documents' starts, long ones' pieces)
         self._chunks = {id(t): document_chunks(t, self.eod_id, self.seq_len + 1)
                         for t in (self._train, self._val) if t is not None and self.whole}
+        #: the last training batch drawn, (step, batch size), and its windows' counts of the file's ids
+        self._drawn: tuple[tuple[int, int] | None, np.ndarray | None] = (None, None)
 
     def _open(self, path: str, key: str) -> np.memmap:
         tokens = open_tokens(path, self.dtype, key)
@@ -96,13 +98,19 @@ class TokenFile(Windows):
 
     def padded_tokens(self, step: int, batch_size: int) -> int | None:
         """Input positions of batch `step` that are padding (windows of whole documents end with it);
-        None otherwise (a window is the file's ids throughout)."""
+        None otherwise (a window is the file's ids throughout). The trainer asks right after drawing
+        the batch: its windows' counts are kept, not drawn again."""
         if not self.whole:
             return None
-        return self._padding(self._windows(self._train, step * batch_size, batch_size, "tokens")[1], self.seq_len)
+        drawn, used = self._drawn
+        if drawn != (step, batch_size):
+            used = self._windows(self._train, step * batch_size, batch_size, "tokens")[1]
+        return self._padding(used, self.seq_len)
 
     def batch(self, step: int, batch_size: int) -> Batch:
-        return self._batch(self._windows(self._train, step * batch_size, batch_size, "tokens")[0])
+        rows, used = self._windows(self._train, step * batch_size, batch_size, "tokens")
+        self._drawn = ((step, batch_size), used)
+        return self._batch(rows)
 
     def val_batch(self, index: int, batch_size: int) -> Batch:
         """Held-out batch `index` (from val_path, or the training file when there is none)."""

@@ -139,6 +139,8 @@ def stamp(gm: fx.GraphModule, path: str, depth: int, model: nn.Module) -> fx.Gra
     _, before = _runs(nodes, path, last - 1)
     if [(n.op, n.target) for n in before] != [(n.op, n.target) for n in calls]:
         raise _Unstampable("the last two blocks differ")
+    if nodes.index(attrs[-1]) > nodes.index(calls[0]):
+        raise _Unstampable("the last block's tensors are read before all of them are fetched")
     graph = fx.Graph()
     graph._codegen = gm.graph._codegen  # the inputs and outputs are the cut model's
     env: dict[fx.Node, fx.Node] = {}

@@ -294,10 +294,16 @@ class RepeatedOutputs:
                 return out  # an output that is not plain tensors and values (a cache object): always run
             self._seen[key] = out
             return out
-        return torch.utils._pytree.tree_map(
-            lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device,
-                                          requires_grad=t.requires_grad) if isinstance(t, torch.Tensor) else t,
-            self._seen[key])
+        return torch.utils._pytree.tree_map(fresh_like, self._seen[key])
+
+
+def fresh_like(value: Any) -> Any:
+    """A new tensor of `value`'s shape, strides, dtype and device (and whether it needs a
+    gradient), uninitialised; anything else as it is: a recorded output handed to a node's twin."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device,
+                                   requires_grad=value.requires_grad)
+    return value
 
 
 @contextmanager

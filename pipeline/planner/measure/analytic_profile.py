@@ -27,7 +27,7 @@ from torch import fx, nn
 
 from pipelaunch.pipeline.compute.backward import WeightGradStash, backward_input, backward_weight
 from pipelaunch.pipeline.core.hardware import Hardware
-from pipelaunch.pipeline.graph.trace import COMPUTE_OPS, RepeatedOutputs
+from pipelaunch.pipeline.graph.trace import COMPUTE_OPS, RepeatedOutputs, fresh_like
 from pipelaunch.pipeline.planner.measure.analytic import price
 from pipelaunch.pipeline.planner.measure.profile import (
     _LOSS,
@@ -160,7 +160,7 @@ class _AnalyticRunner(fx.Interpreter):
             self._priced[sig] = self._price(n, module, args, kwargs)
         self.results[n.name] = copy.deepcopy(self._priced[sig])
         if module is None and sig in self._outputs:  # an operator's copy: its twin's output, fresh
-            return torch.utils._pytree.tree_map(_fresh, self._outputs[sig])
+            return torch.utils._pytree.tree_map(fresh_like, self._outputs[sig])
         with torch.no_grad():
             out = fn(*args, **kwargs) if module is None else self._repeats.call(module, fn, args, kwargs)
         if module is None and all(_owned(v) for v in torch.utils._pytree.tree_leaves(out)):
@@ -183,12 +183,6 @@ def _owned(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         return not value._is_view() and value.storage_offset() == 0
     return value is None or isinstance(value, (int, float, bool, torch.dtype, torch.device))
-
-
-def _fresh(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
-    return value
 
 
 class _Pricing(_Measuring):
