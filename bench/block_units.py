@@ -84,7 +84,7 @@ def main() -> None:
     placement = placement_for(gen, args.pp)
     n = len(placement)
     units = stage_units(n, args.flops)
-    schedule = build_schedule(gen, placement, args.microbatches, remat="full")
+    schedule = build_schedule(gen, placement, args.microbatches, remat="stage")
     act = 34.0 * TOKENS * HIDDEN * (LAYERS // n)
     cost = CostModel([sum(u.forward_s for u in us) for us in units],
                      [sum(u.backward_input_s for u in us) for us in units],

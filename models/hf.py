@@ -43,6 +43,35 @@ from pipelaunch.pipeline.graph.materialize import to_meta_parameters
 from pipelaunch.pipeline.graph.stamp import Repeated
 
 
+@contextmanager
+def causal_without_mask(packed: bool) -> Iterator[None]:
+    """Inside, transformers builds no causal mask for sdpa under torch.export where it builds none
+    eagerly: no padding, as many queries as keys, no sliding window (`masking_utils.
+    _ignore_causal_mask_sdpa`), and, unless the data packs documents, one sequence per row (eagerly
+    `find_packed_sequence_indices` reads the position ids and finds none; on export's fake tensors
+    it cannot read them and assumes packing). The exported graph then calls sdpa with
+    `is_causal=True`, as the eager model does. transformers refuses the skip while exporting because
+    an exported graph may run at other query lengths; a pipeline's graph runs at the one shape it
+    was traced at (every micro-batch at model.seq_len: transformers models refuse data.buckets).
+    Without the mask, sdpa takes its fused causal kernel, and no [b, 1, t, t] tensor is built, held
+    or sent. On packed documents the document mask is kept, built from the position ids by every
+    stage that reads it (graph/derived.py)."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # transformers before 4.53 builds its masks elsewhere: left as it is
+        yield
+        return
+    saved = {name: getattr(masking_utils, name) for name in ("is_torchdynamo_exporting", "find_packed_sequence_indices")}
+    masking_utils.is_torchdynamo_exporting = lambda: False
+    if not packed:
+        masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(masking_utils, name, value)
+
+
 class CausalLM(nn.Module):
     """Token ids in, logits out: how the pipeline calls a transformers causal LM. With `own_loss`
     (`model.loss=model`), its own loss out: `model(ids, labels=ids).loss`, as transformers trains
@@ -53,9 +82,10 @@ class CausalLM(nn.Module):
         self.model, self.own_loss = model, own_loss
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.own_loss:
-            return self.model(ids, labels=ids, use_cache=False).loss
-        return self.model(ids, use_cache=False).logits
+        with causal_without_mask(packed=False):
+            if self.own_loss:
+                return self.model(ids, labels=ids, use_cache=False).loss
+            return self.model(ids, use_cache=False).logits
 
 
 class CausalLMOnTargets(CausalLM):
@@ -64,23 +94,26 @@ class CausalLMOnTargets(CausalLM):
     mask reaches the loss unchanged and the last position is scored too."""
 
     def forward(self, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.model(ids, labels=target, shift_labels=target, use_cache=False).loss
+        with causal_without_mask(packed=False):
+            return self.model(ids, labels=target, shift_labels=target, use_cache=False).loss
 
 
 class PackedCausalLM(CausalLM):
     """CausalLM on packed documents: the data's position ids to transformers' packed path."""
 
     def forward(self, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if self.own_loss:
-            return self.model(ids, labels=ids, position_ids=position_ids, use_cache=False).loss
-        return self.model(ids, position_ids=position_ids, use_cache=False).logits
+        with causal_without_mask(packed=True):
+            if self.own_loss:
+                return self.model(ids, labels=ids, position_ids=position_ids, use_cache=False).loss
+            return self.model(ids, position_ids=position_ids, use_cache=False).logits
 
 
 class PackedCausalLMOnTargets(CausalLM):
     """CausalLMOnTargets on packed documents: the position ids too (the targets mask document ends)."""
 
     def forward(self, ids: torch.Tensor, target: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return self.model(ids, labels=target, shift_labels=target, position_ids=position_ids, use_cache=False).loss
+        with causal_without_mask(packed=True):
+            return self.model(ids, labels=target, shift_labels=target, position_ids=position_ids, use_cache=False).loss
 
 
 #: (packed documents, transformers' loss on the data's targets) -> how the pipeline calls the model

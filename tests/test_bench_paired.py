@@ -41,7 +41,7 @@ def test_perfect_step_is_the_schedule_on_measured_costs_plus_time_outside_it() -
     """1f1b, p=2, m=4, F=1 and B=2 on both stages: (m + p - 1)(F + B) = 15, plus the median of
     the critical rank's time outside the schedule."""
     plan = SimpleNamespace(schedule=build_schedule(OneFOneB(), linear(2), 4),
-                           stages=[SimpleNamespace(recv_bytes=0, send_bytes=0)] * 2)
+                           stages=[SimpleNamespace(recv_bytes=0, send_bytes=0, inputs={}, index=s) for s in range(2)])
     events = [{"stage": s, "kind": k, "mb": mb, "start_s": 10.0, "end_s": 10.0 + d}
               for s in (0, 1) for mb in range(4) for k, d in (("F", 1.0), ("B", 2.0))]
     assert perfect_step_s(plan, events, [0.5, 0.3, 0.4]) == pytest.approx(15.4)

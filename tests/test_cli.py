@@ -99,7 +99,9 @@ def test_multirun_gives_each_job_its_own_port_and_results(tmp_path) -> None:
 @pytest.mark.timeout(300)
 def test_sweep_with_a_failing_job_still_ends_with_a_report(tmp_path) -> None:
     sweep = tmp_path / "sweep"
-    proc = train(["-m", "pp=2,4", "microbatches=2", "batch_size=8", *FAST[:4], "steps=2", f"hydra.sweep.dir={sweep}"], None)
+    # dualpipev needs 2 pp micro-batches: 6 are enough at pp=2, not at pp=4
+    proc = train(["-m", "pp=2,4", "scheduler=dualpipev", "microbatches=6", "batch_size=12", *FAST[:4], "steps=2",
+                  f"hydra.sweep.dir={sweep}"], None)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((sweep / "summary.json").read_text())
     assert [r["status"] for r in rows] == ["ok", "failed"]
@@ -107,7 +109,7 @@ def test_sweep_with_a_failing_job_still_ends_with_a_report(tmp_path) -> None:
     # named and tabulated by what varies (pp); what every job shares is said once
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0_pp=2", "1_pp=4"]
     table = (sweep / "summary.md").read_text()
-    assert table.startswith("common to every job: microbatches=2, batch_size=8")
+    assert table.startswith("common to every job: scheduler=dualpipev, microbatches=6, batch_size=12")
     assert "| job | pp | tokens/s | step ms | predicted ms | predicted / measured |" in table
     assert "| 0 **best** | 2 |" in table and "| 1 | 4 | failed:" in table
 

@@ -29,7 +29,7 @@ VALUES: dict[str, list[str]] = {
     "warmup_steps": ["0", "1", *BAD_NUMBERS],
     "seed": ["0", "7", "abc"],
     "device": ["auto", "cpu", "cuda", "tpu", "3"],
-    "remat": ["none", "full", "auto", "some"],
+    "remat": ["none", "selective", "full", "stage", "auto", "some"],
     "plan": ["manual", "auto", "best"],
     "plan.microbatches": ["[2,4]", "[3]", "abc", "[x]"],
     "predict": ["true", "false", "maybe"],

@@ -29,7 +29,7 @@ TRAINING = list(training_schedules())
 FIRST_HALF = {(4, 1, "none")}
 
 
-def _cases(world: int, remats: tuple[str, ...] = ("none", "full"), half: str = "all") -> list[tuple[dict, str]]:
+def _cases(world: int, remats: tuple[str, ...] = ("none", "stage"), half: str = "all") -> list[tuple[dict, str]]:
     out = []
     for sched in TRAINING:
         for pp in (1, 2, 4):
@@ -51,15 +51,15 @@ def _cases(world: int, remats: tuple[str, ...] = ("none", "full"), half: str = "
 
 #: the default suite's worlds: every schedule without recomputation at pp=2 (world 2) and pp=4
 #: (world 4); the rest of the matrix is `-m slow`
-DEFAULT_WORLDS = [(1, ("none", "full"), "all"), (2, ("none",), "all"), (4, ("none", "full"), "first")]
+DEFAULT_WORLDS = [(1, ("none", "stage"), "all"), (2, ("none",), "all"), (4, ("none", "stage"), "first")]
 WORLDS = [
     *(pytest.param(*w, id=f"world{w[0]}") for w in DEFAULT_WORLDS),
-    pytest.param(2, ("full",), "all", id="world2-remat", marks=pytest.mark.slow),
-    pytest.param(4, ("none", "full"), "second", id="world4-rest", marks=pytest.mark.slow),
+    pytest.param(2, ("stage",), "all", id="world2-remat", marks=pytest.mark.slow),
+    pytest.param(4, ("none", "stage"), "second", id="world4-rest", marks=pytest.mark.slow),
     # every schedule at dp=2 runs in world4 (pp=2 dp=2) and at pp=4 in world4 too; both together
     # (pp=4 dp=2: tests/test_cli.py runs README's zbv command so) are for `-m slow`
     pytest.param(8, ("none",), "all", id="world8", marks=pytest.mark.slow),
-    pytest.param(8, ("full",), "all", id="world8-remat", marks=pytest.mark.slow),
+    pytest.param(8, ("stage",), "all", id="world8-remat", marks=pytest.mark.slow),
 ]
 
 
@@ -109,17 +109,17 @@ def _remat_auto_cfg(overrides: list[str]) -> tuple[dict, list[int]]:
 
 
 @pytest.mark.timeout(300)
-def test_remat_auto_recomputes_modules_only_on_the_devices_over_budget_and_matches_single_process(tmp_path) -> None:
+def test_remat_auto_recomputes_blocks_only_on_the_devices_over_budget_and_matches_single_process(tmp_path) -> None:
     cases = [_remat_auto_cfg(["scheduler=1f1b", "pp=4"]), _remat_auto_cfg(["scheduler=gpipe", "pp=2", "dp=2"])]
     cfgs = [cfg for cfg, _ in cases]
     for cfg, fullest in cases:
         prepared = prepare(cfg)
         plan = prepared.plan
-        recomputing = sorted({s.rank for s in plan.stages if s.recompute})
+        recomputing = sorted({s.rank for s in plan.stages if s.recompute or s.selective})
         assert recomputing == fullest and len(fullest) < plan.pp  # some devices recompute, not all
-        assert plan.schedule.remat_stages() == []  # chosen modules, not whole stages
-        for s in plan.stages:  # not every module of the stage: only what closes the gap
-            assert len(s.recompute) < len(s.blocks), (s.index, s.recompute)
+        assert plan.schedule.remat_stages() == []  # chosen blocks, not whole stages
+        for s in plan.stages:  # not every block of the stage (full or selective): only what closes the gap
+            assert len(s.recompute) + len(s.selective) < len(s.blocks), (s.index, s.recompute, s.selective)
         assert prepared.prediction.peak_bytes <= cfg.memory.cap_bytes
         assert plan.meta.stage_recompute_s[plan.stages[0].index] >= 0
     results = run_jobs(cfgs, tmp_path / "logs")
@@ -138,7 +138,7 @@ def test_every_training_schedule_is_covered() -> None:
 
     default = [what for world, remats, half in DEFAULT_WORLDS for _, what in _cases(world, remats, half)]
     assert {what.split()[0] for what in default if what.endswith("remat=none")} == set(TRAINING)
-    assert {what.split()[0] for _, what in pp2_dp2_cases() if what.endswith("remat=full")} == set(TRAINING)
+    assert {what.split()[0] for _, what in pp2_dp2_cases() if "remat=" in what} == set(TRAINING)
 
 
 @pytest.mark.timeout(300)
@@ -159,15 +159,15 @@ def test_inference_outputs_equal_single_process_forward(tmp_path) -> None:
 
 @pytest.mark.timeout(300)
 def test_recompute_replays_the_forward_s_dropout(tmp_path) -> None:
-    """With dropout, a stage that recomputes its forward (remat=full: an R action) draws the same
+    """With dropout, a stage that recomputes its forward (remat=stage: an R action) draws the same
     masks as its first forward did, so its gradients are those of keeping the activations."""
-    cases = [(sched, remat) for sched in ("1f1b", "zbv") for remat in ("none", "full")]
+    cases = [(sched, remat) for sched in ("1f1b", "zbv") for remat in ("none", "stage")]
     cfgs = [compose_cfg([*FAST, f"scheduler={sched}", "pp=2", "microbatches=4", f"remat={remat}",
                          "model.dropout=0.2", "partitioner=uniform"]) for sched, remat in cases]
     results = run_jobs(cfgs, tmp_path / "logs")
     by_case = dict(zip(cases, results, strict=True))
     for sched in ("1f1b", "zbv"):
-        kept, recomputed = by_case[(sched, "none")], by_case[(sched, "full")]
+        kept, recomputed = by_case[(sched, "none")], by_case[(sched, "stage")]
         assert recomputed[0].losses == pytest.approx(kept[0].losses, rel=1e-6), sched
         grads_kept, grads_recomputed = merge_state(kept, "grads_step0"), merge_state(recomputed, "grads_step0")
         for name, g in grads_kept.items():

@@ -1,4 +1,4 @@
-"""Per-layer recomputation: the plan field, the runtime rewrite and the ILP that chooses the modules.
+"""Per-block recomputation: the plan field, the runtime rewrite and the ILP that chooses the blocks.
 
 The runtime is judged like every schedule: real gloo ranks against single-process training. The
 ILP is judged against brute force over every subset on small instances.
@@ -24,7 +24,7 @@ from pipelaunch.launcher.validate import prepare
 from pipelaunch.pipeline.compute.backward import backward_input, backward_weight
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan import Plan
-from pipelaunch.pipeline.graph.recompute import recompute_modules
+from pipelaunch.pipeline.graph.recompute import recompute_blocks
 from pipelaunch.pipeline.planner.passes.remat import (
     RecomputeInfeasible,
     RecomputeOption,
@@ -104,13 +104,13 @@ def test_a_recomputed_module_reruns_its_forward_in_the_backward_and_gradients_ar
     cfg, plan = _plan(["scheduler=1f1b", "pp=2"])
     assert plan.stages[1].blocks == ["layer3", "layer4", "layer5", "head"]
     plain = _stage(cfg, plan, 1, [])
-    ckpt = _stage(cfg, plan, 1, ["layer3", "head"])
+    ckpt = _stage(cfg, plan, 1, ["layer3", "layer5"])
     assert [n for n, _ in ckpt.gm.named_parameters()] == [n for n, _ in plain.gm.named_parameters()]
-    calls = _count_forwards(ckpt, ["layer3", "layer4", "head"])
+    calls = _count_forwards(ckpt, ["layer3", "layer4", "layer5"])
     inputs = _stage_input(plan, 1)
     expected = _grads(plain, inputs, split)
     got = _grads(ckpt, inputs, split)
-    assert calls == {"layer3": 3 if split else 2, "layer4": 1, "head": 3 if split else 2}
+    assert calls == {"layer3": 3 if split else 2, "layer4": 1, "layer5": 3 if split else 2}
     assert set(got) == set(expected)
     for name, g in expected.items():
         torch.testing.assert_close(got[name], g, rtol=0, atol=0, msg=name)
@@ -144,29 +144,52 @@ def test_stage_remat_and_layer_recompute_together() -> None:
         torch.testing.assert_close(got[name], g, rtol=0, atol=0, msg=name)
 
 
-def test_recompute_names_must_be_leaf_module_nodes_of_the_stage() -> None:
+def test_recompute_names_must_be_blocks_of_the_stage() -> None:
+    """A block is the outermost numbered module (`layer3`); the head, or another stage's layer, is none."""
     cfg, plan = _plan(["scheduler=1f1b", "pp=2"])
     with pytest.raises(ValueError, match="layer0"):
         _stage(cfg, plan, 1, ["layer3", "layer0"])
+    with pytest.raises(ValueError, match="'head'"):
+        _stage(cfg, plan, 1, ["head"])
     cfg, plan = _plan(["scheduler=1f1b", "pp=2", "model.granularity=op"])
     spec = instantiate(cfg.model)
     gm = spec.trace(plan.micro_batch_size).gm
-    not_a_module = next(n.name for n in gm.graph.nodes if n.op == "call_function")
-    with pytest.raises(ValueError, match=not_a_module):
-        recompute_modules(gm, [not_a_module])
+    not_a_block = next(n.name for n in gm.graph.nodes if n.op == "call_function")
+    with pytest.raises(ValueError, match=not_a_block):
+        recompute_blocks(gm, [not_a_block])
+
+
+def test_an_operator_level_block_runs_as_one_checkpointed_region() -> None:
+    """At operator granularity a layer is dozens of nodes: they become one checkpointed call, the
+    parameter names unchanged, the gradients those of the plain stage, fused and split."""
+    cfg, plan = _plan(["scheduler=1f1b", "pp=2", "model.granularity=op"])
+    blocks = sorted({b for n in plan.stages[1].blocks if (b := _block(cfg, plan, n))})
+    assert blocks and all(b.startswith("layer") for b in blocks)
+    plain, ckpt = _stage(cfg, plan, 1, []), _stage(cfg, plan, 1, blocks[:2])
+    assert [n for n, _ in ckpt.gm.named_parameters()] == [n for n, _ in plain.gm.named_parameters()]
+    assert sum(1 for n in ckpt.gm.graph.nodes if n.op != "get_attr") < sum(1 for n in plain.gm.graph.nodes)
+    inputs = _stage_input(plan, 1)
+    for split in (False, True):
+        expected, got = _grads(plain, inputs, split), _grads(ckpt, inputs, split)
+        for name, g in expected.items():
+            torch.testing.assert_close(got[name], g, rtol=0, atol=0, msg=name)
+
+
+def _block(cfg: dict, plan: Plan, node: str) -> str | None:
+    return instantiate(cfg.model).trace(plan.micro_batch_size).graph.nodes[node]["block"]
 
 
 # ------------------------------------------------------------------------------ real ranks, reference
 
 
 def _mixed(cfg: dict, plan: Plan, stages: list[int], offset: int) -> dict[int, list[str]]:
-    """Every other leaf-module node (from `offset`) of the given stages: some modules, not all."""
+    """Every other block (from `offset`) of the given stages: some blocks, or a one-block stage's one."""
     graph = instantiate(cfg.model).trace(plan.micro_batch_size).graph
     out = {}
     for s in stages:
-        leaves = [n for n in plan.stages[s].blocks if graph.nodes[n]["op"] == "call_module"]
-        out[s] = leaves[offset::2]
-        assert 0 < len(out[s]) < len(leaves)
+        blocks = list(dict.fromkeys(b for n in plan.stages[s].blocks if (b := graph.nodes[n]["block"])))
+        out[s] = blocks[offset::2]
+        assert out[s], (s, blocks)
     return out
 
 
@@ -185,7 +208,7 @@ def _case(overrides: list[str], stages: list[int], offset: int) -> tuple[dict, P
 WORLDS = {
     2: [(["scheduler=1f1b", "pp=2"], [1], 0),
         (["scheduler=zbv", "pp=2"], [1, 3], 0),  # I/W split, 4 stages, V placement
-        (["scheduler=1f1b", "pp=2", "remat=full"], [1], 1),  # with the stage-level R actions
+        (["scheduler=1f1b", "pp=2", "remat=stage"], [1], 1),  # with the stage-level R actions
         (["scheduler=zb_h1", "pp=2", "model.granularity=op"], [0, 1], 1)],  # operator-level leaves
     4: [(["scheduler=gpipe", "pp=2", "dp=2"], [0, 1], 1)],
 }
@@ -207,9 +230,8 @@ def test_layer_recompute_matches_single_process(world: int, tmp_path: Path) -> N
 # ----------------------------------------------------------------------------------------------- ILP
 
 
-def _cost(options: list[RecomputeOption], chosen: dict[int, list[str]]) -> float:
-    picked = {(s, n) for s, nodes in chosen.items() for n in nodes}
-    return sum(o.cost_s for o in options if (o.stage, o.node) in picked)
+def _cost(options: list[RecomputeOption], chosen: dict[int, list[RecomputeOption]]) -> float:
+    return sum(o.cost_s for picked in chosen.values() for o in picked)
 
 
 @st.composite
@@ -257,14 +279,13 @@ def test_choice_is_feasible_and_as_cheap_as_brute_force(instance, microbatches: 
         assert info.value.max_saves_bytes == pytest.approx(most[rank])
         return
     chosen = choose_recompute(options, held, rank_of_stage, excess, microbatches)
-    by_key = {(o.stage, o.node): o for o in options}
-    assert all(nodes == sorted(nodes) and nodes for nodes in chosen.values())
+    assert all(picked and all(o.stage == s for o in picked) for s, picked in chosen.items())
     for rank, need in excess.items():
-        mine = {s: nodes for s, nodes in chosen.items() if rank_of_stage[s] == rank}
+        mine = {s: picked for s, picked in chosen.items() if rank_of_stage[s] == rank}
         if need <= 0:
             assert not mine
             continue
-        assert _net([by_key[s, n] for s, nodes in mine.items() for n in nodes], held) >= need
+        assert _net([o for picked in mine.values() for o in picked], held) >= need
         top = max((o.cost_s for o in options if rank_of_stage[o.stage] == rank), default=0.0)
         assert _cost(options, mine) <= best[rank] + 1e-5 * top + 1e-12
 
@@ -273,7 +294,7 @@ def test_no_excess_chooses_nothing_and_infeasible_names_the_numbers() -> None:
     options = [RecomputeOption("layer1", 0, 100.0, 1.0), RecomputeOption("layer2", 1, 50.0, 1.0)]
     rank_of_stage, held = {0: 0, 1: 1}, {0: 2, 1: 1}
     assert choose_recompute(options, held, rank_of_stage, {0: 0.0, 1: -5.0}, 4) == {}
-    assert choose_recompute(options, held, rank_of_stage, {0: 150.0}, 4) == {0: ["layer1"]}
+    assert choose_recompute(options, held, rank_of_stage, {0: 150.0}, 4) == {0: [options[0]]}
     with pytest.raises(RecomputeInfeasible, match="rank 1") as info:
         choose_recompute(options, held, rank_of_stage, {0: 150.0, 1: 51.0}, 4)
     assert (info.value.rank, info.value.excess_bytes, info.value.max_saves_bytes) == (1, 51.0, 50.0)
@@ -281,24 +302,47 @@ def test_no_excess_chooses_nothing_and_infeasible_names_the_numbers() -> None:
 
 
 def test_options_from_a_cost_graph() -> None:
-    """Saves = activations minus the inputs checkpoint keeps; only leaf modules that free memory;
-    the forward charged twice where the backward is split into I and W; the rerun holds the
-    module's activations again."""
+    """Per block: full saves its activations minus the inputs checkpoint keeps and costs its
+    forward; selective also keeps what the policy keeps and costs its share of the forward; the
+    rerun charged twice where the backward is split into I and W (but on the first stage, whose
+    whole backward is W); the rerun holds again what it rebuilds. Unnumbered nodes are no block,
+    nor is the block making the output."""
     g = nx.DiGraph(outputs=["head"])
-    g.add_node("embed", op="call_module", reads_inputs=["tokens"], activation_bytes=80, output_bytes=100, forward_s=1.0)
-    g.add_node("block0", op="call_module", reads_inputs=[], activation_bytes=900, output_bytes=100, forward_s=2.0)
-    g.add_node("add", op="call_function", reads_inputs=[], activation_bytes=0, output_bytes=100, forward_s=0.1)
-    g.add_node("block1", op="call_module", reads_inputs=[], activation_bytes=700, output_bytes=100, forward_s=3.0)
-    g.add_node("linear", op="call_module", reads_inputs=[], activation_bytes=100, output_bytes=100, forward_s=0.5)
-    g.add_node("head", op="call_module", reads_inputs=[], activation_bytes=5000, output_bytes=100, forward_s=4.0)
+    g.add_node("embed", block=None, activation_bytes=80, output_bytes=100, forward_s=1.0)
+    g.add_node("block0", block="layer0", activation_bytes=900, output_bytes=100, forward_s=2.0,
+               selective_kept_bytes=300, selective_share=0.25)
+    g.add_node("add", block="layer1", activation_bytes=0, output_bytes=100, forward_s=0.1)
+    g.add_node("block1", block="layer1", activation_bytes=700, output_bytes=100, forward_s=2.9)
+    g.add_node("linear", block=None, activation_bytes=100, output_bytes=100, forward_s=0.5)
+    g.add_node("head", block="layer9", activation_bytes=5000, output_bytes=100, forward_s=4.0)
     g.add_edges_from([("embed", "block0"), ("block0", "add"), ("embed", "add"), ("add", "block1"),
                       ("block0", "block1"), ("block1", "linear"), ("linear", "head")])
     assignment = {"embed": 0, "block0": 0, "add": 1, "block1": 1, "linear": 1, "head": 1}
-    assert recompute_options(g, assignment, False) == [RecomputeOption("block0", 0, 800.0, 2.0, 900.0),
-                                                       RecomputeOption("block1", 1, 500.0, 3.0, 700.0)]
-    assert recompute_options(g, assignment, {1}) == [RecomputeOption("block0", 0, 800.0, 2.0, 900.0),
-                                                     RecomputeOption("block1", 1, 500.0, 6.0, 700.0)]
-    assert [o.cost_s for o in recompute_options(g, assignment, True)] == [4.0, 6.0]
+    full0, sel0 = RecomputeOption("layer0", 0, 800.0, 2.0, 900.0, rerun_s=2.0), \
+        RecomputeOption("layer0", 0, 500.0, 0.5, 600.0, selective=True, rerun_s=0.5)
+    # layer1's backward runs after linear's and head's: their 5100 bytes are freed when it reruns
+    full1 = RecomputeOption("layer1", 1, 500.0, pytest.approx(3.0), 700.0, rerun_s=pytest.approx(3.0), later_bytes=5100.0)
+    sel1 = RecomputeOption("layer1", 1, 500.0, pytest.approx(3.0), 700.0, selective=True, rerun_s=pytest.approx(3.0),
+                           later_bytes=5100.0)
+    assert recompute_options(g, assignment, False) == [full0, sel0, full1, sel1]
+    twice = recompute_options(g, assignment, {1})
+    assert [o.cost_s for o in twice] == [2.0, 0.5, pytest.approx(6.0), pytest.approx(6.0)]
+    assert [o.cost_s for o in recompute_options(g, assignment, True)] == [2.0, 0.5, pytest.approx(6.0),
+                                                                          pytest.approx(6.0)]
+
+
+def test_one_option_a_block() -> None:
+    """A block's full and selective options exclude each other: the cheapest cover takes one."""
+    options = [RecomputeOption("layer0", 0, 100.0, 1.0, 0.0), RecomputeOption("layer0", 0, 60.0, 0.2, 0.0,
+                                                                              selective=True),
+               RecomputeOption("layer1", 0, 100.0, 1.0, 0.0), RecomputeOption("layer1", 0, 60.0, 0.2, 0.0,
+                                                                              selective=True)]
+    chosen = choose_recompute(options, {0: 1}, {0: 0}, {0: 120.0}, 4)[0]
+    assert len({o.node for o in chosen}) == len(chosen)
+    assert sorted((o.node, o.selective) for o in chosen) == [("layer0", True), ("layer1", True)]
+    chosen = choose_recompute(options, {0: 1}, {0: 0}, {0: 150.0}, 4)[0]
+    assert sorted((o.node, o.selective) for o in chosen) == [("layer0", False), ("layer1", True)] or \
+        sorted((o.node, o.selective) for o in chosen) == [("layer0", True), ("layer1", False)]
 
 
 def test_options_of_a_traced_gpt_are_its_blocks() -> None:
@@ -306,7 +350,7 @@ def test_options_of_a_traced_gpt_are_its_blocks() -> None:
     graph = instantiate(cfg.model).trace(plan.micro_batch_size).graph
     for n in graph.nodes:
         graph.nodes[n].update(activation_bytes=10 * graph.nodes[n]["output_bytes"], forward_s=1.0)
-    options = recompute_options(graph, plan.assignment, False)
+    options = [o for o in recompute_options(graph, plan.assignment, False) if not o.selective]
     assert [o.node for o in options] == ["layer0", "layer1", "layer2", "layer3", "layer4", "layer5"]
     assert all(o.saves_bytes == 9 * graph.nodes[o.node]["output_bytes"] for o in options)
 
@@ -335,7 +379,7 @@ def test_a_cap_below_what_recomputing_everything_leaves_names_the_smallest_cap_t
     with pytest.raises(ConfigError) as info:
         prepare(compose_cfg([*README_BUDGET, "memory.cap_bytes=90e6", "remat=auto"]))
     message = str(info.value)
-    assert "those are the peaks with every candidate module recomputed" in message and "(remat=auto)" not in message
+    assert "those are the peaks with every candidate block recomputed" in message and "(remat=auto)" not in message
     smallest = re.search(r"smallest cap this split and schedule meet is [\d.]+ MiB \(memory.cap_bytes=(\d+e6)\)",
                          message)
     assert smallest, message

@@ -182,11 +182,11 @@ NEW = ("dualpipev", "interleaved_zb", "v_half", "v_min", "looped_bfs")
 def test_new_schedules_train_like_one_process_with_skips_remat_and_dp(tmp_path) -> None:
     """DualPipeV at pp=4 (m = 2p: tests/test_equivalence.py's m = 4 is too few there) with and
     without recomputation; and at pp=2, every new schedule on unet's long skip connections. (The
-    others at pp=4, and all of them with dp=2 and remat=full, run in tests/test_equivalence.py.)"""
+    others at pp=4, and all of them with dp=2 and remat=stage, run in tests/test_equivalence.py.)"""
     four = [
         ("dualpipev pp=4", compose_cfg([*FAST, "scheduler=dualpipev", "pp=4", "microbatches=8", "batch_size=32"])),
-        ("dualpipev pp=4 remat=full", compose_cfg([*FAST, "scheduler=dualpipev", "pp=4", "microbatches=8",
-                                                   "batch_size=32", "remat=full"])),
+        ("dualpipev pp=4 remat=stage", compose_cfg([*FAST, "scheduler=dualpipev", "pp=4", "microbatches=8",
+                                                    "batch_size=32", "remat=stage"])),
     ]
     _assert_all_match_single_process(four, run_jobs([cfg for _, cfg in four], tmp_path / "logs4"))
     skips = [(f"unet {s}", compose_cfg([*MODELS["unet"], f"scheduler={s}", "pp=2"])) for s in NEW]

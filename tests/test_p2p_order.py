@@ -39,7 +39,7 @@ def _every_schedule(pp: int):
     for name, gen in schedules().items():
         for kind in [None, *sorted(gen.supported_placements)]:
             for m in sorted({pp, 2 * pp, 3 * pp + 1}):
-                for remat in ("none", "full") if gen.training else ("none",):
+                for remat in ("none", "stage") if gen.training else ("none",):
                     try:
                         placement = placement_for(gen, pp, kind)
                         schedule = build_schedule(gen, placement, m, remat)
@@ -68,8 +68,8 @@ def test_every_schedule_lowers_to_a_program_nccl_runs(pp: int) -> None:
 
 @pytest.mark.parametrize("overrides", [
     [*FAST, "scheduler=zbv", "pp=2", "dp=2"],
-    [*FAST, "scheduler=hanayo", "pp=2", "dp=2", "remat=full"],
-    [*FAST, "scheduler=interleaved_1f1b", "pp=4", "remat=full"],
+    [*FAST, "scheduler=hanayo", "pp=2", "dp=2", "remat=stage"],
+    [*FAST, "scheduler=interleaved_1f1b", "pp=4", "remat=stage"],
     [*MODELS["unet"], "partitioner=milp", "scheduler=zbv", "pp=2"],
     [*MODELS["gpt_tied"], "scheduler=zbv", "pp=2"],
 ])

@@ -22,7 +22,7 @@ META_KEYS = [
     "optimizer_temporaries", "stage_largest_param_bytes", "link_latency_s", "action_overhead_s", "cost_source", "dp_link",
     "stage_replicated_param_bytes", "stage_forward_s",
     "stage_backward_s", "stage_backward_input_s", "stage_backward_weight_s", "stage_workspace_bytes",
-    "stage_weight_stash_bytes", "stage_loss_activation_bytes", "recompute", "stage_recompute_s",
+    "stage_weight_stash_bytes", "stage_loss_activation_bytes", "recompute", "selective", "stage_recompute_s",
     "stage_recompute_region_bytes", "device_memory", "prediction", "search",
 ]
 

@@ -231,7 +231,7 @@ def test_remat_full_simulates_with_less_memory() -> None:
     cost = CostModel.uniform(4, activation_bytes=10.0, input_bytes=1.0)
     for gen in (OneFOneB(), ZBH1(), GPipe()):
         plain = simulate(build_schedule(gen, linear(4), 8), cost)
-        remat = simulate(build_schedule(gen, linear(4), 8, remat="full"), cost)
+        remat = simulate(build_schedule(gen, linear(4), 8, remat="stage"), cost)
         assert max(remat.peak_activation_bytes) < max(plain.peak_activation_bytes)
         assert remat.makespan_s > plain.makespan_s  # recomputation costs time
         assert any(e["kind"] == "R" for e in remat.events)
@@ -311,4 +311,4 @@ def test_in_flight_counts_per_stage_agree_with_the_simulated_memory(name: str) -
 
 
 def test_in_flight_with_full_remat_is_one_recomputed_microbatch() -> None:
-    assert build_schedule(OneFOneB(), linear(4), 8, "full").peak_in_flight() == [1, 1, 1, 1]
+    assert build_schedule(OneFOneB(), linear(4), 8, "stage").peak_in_flight() == [1, 1, 1, 1]

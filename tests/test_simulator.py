@@ -90,7 +90,7 @@ def test_split_backward_memory_half_freed_by_i() -> None:
 def test_remat_memory_accounting() -> None:
     cost = CostModel.uniform(2, activation_bytes=10.0, input_bytes=1.0)
     gp = simulate(build_schedule(GPipe(), linear(2), 4), cost)
-    rm = simulate(build_schedule(GPipe(), linear(2), 4, remat="full"), cost)
+    rm = simulate(build_schedule(GPipe(), linear(2), 4, remat="stage"), cost)
     assert gp.peak_activation_bytes[0] == pytest.approx(40.0)
     # 4 kept inputs, plus one rematerialised micro-batch at a time.
     assert rm.peak_activation_bytes[0] == pytest.approx(4 * 1.0 + 10.0)
@@ -131,7 +131,7 @@ def test_costs_from_events_keep_fused_and_split_backwards_apart() -> None:
 
     from pipelaunch.pipeline.planner.predict.costs import cost_model_from_events
 
-    plan = SimpleNamespace(stages=[SimpleNamespace(recv_bytes=0, send_bytes=0)] * 2)
+    plan = SimpleNamespace(stages=[SimpleNamespace(recv_bytes=0, send_bytes=0, inputs={}, index=s) for s in range(2)])
     events = [{"stage": s, "kind": k, "start_s": 0.0, "end_s": d}
               for s, k, d in [(0, "F", 1.0), (0, "I", 0.6), (0, "W", 0.7), (0, "B", 1.1),
                               (1, "F", 2.0), (1, "B", 3.0)]]

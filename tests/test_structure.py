@@ -47,7 +47,7 @@ def test_the_library_never_imports_the_launcher() -> None:
 #: runtime never reads the planner)
 LAYERS = {
     "pipelaunch.pipeline.core": set(),
-    "pipelaunch.pipeline.graph": {"pipelaunch.pipeline.core"},
+    "pipelaunch.pipeline.graph": {"pipelaunch.pipeline.core", "pipelaunch.pipeline.compute"},
     "pipelaunch.pipeline.compute": {"pipelaunch.pipeline.core"},
     "pipelaunch.models": {"pipelaunch.pipeline.core", "pipelaunch.pipeline.graph"},
     "pipelaunch.pipeline.data": {"pipelaunch.pipeline.core", "pipelaunch.pipeline.graph"},

@@ -38,12 +38,12 @@ def _error(overrides: list[str]) -> ConfigError:
         (["dp=0"], "dp", ">= 1"),
         (["batch_size=10", "dp=2", "microbatches=4"], "batch_size", "not divisible by dp x microbatches"),
         (["pp=16", "scheduler=gpipe"], "pp", "need at least 16 graph nodes"),
-        (["scheduler=1f1b", "pp=4", "microbatches=2"], "microbatches", "microbatches >= 4"),
+        (["scheduler=dualpipev", "pp=2", "microbatches=2"], "microbatches", "microbatches >= 4"),
         (["placement=explicit", "placement.ranks=[0,1,1]", "pp=2", "scheduler=1f1b"], "placement", "cannot run"),
         (["placement=explicit", "placement.ranks=[0,2,1,0]", "pp=2", "scheduler=gpipe"], "placement.ranks", "outside 0..1"),
         (["placement=explicit", "placement.ranks=[0,0]", "pp=2", "scheduler=gpipe"], "placement.ranks", "without a stage"),
         (["device=tpu"], "device", "auto, cpu, cuda"),
-        (["remat=some"], "remat", "none, full"),
+        (["remat=some"], "remat", "none, selective, full, stage, auto"),
         (["partitioner=manual", "partitioner.split_points=[nope]", "pp=2"], "partitioner.split_points", "valid names"),
         (["partitioner=manual", "partitioner.split_points=[layer2,layer4]", "pp=2"], "partitioner.split_points",
          "need 1 split points"),
@@ -62,7 +62,7 @@ def test_placement_list_of_wrong_length_names_both() -> None:
 
 def test_cli_reports_config_error_without_spawning(tmp_path) -> None:
     proc = subprocess.run(
-        [sys.executable, "train.py", "pp=4", "microbatches=2", f"hydra.run.dir={tmp_path}"],
+        [sys.executable, "train.py", "scheduler=dualpipev", "pp=2", "microbatches=2", f"hydra.run.dir={tmp_path}"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2
@@ -171,7 +171,7 @@ def test_remat_full_budget_prices_the_inputs_kept_for_recomputation() -> None:
 
     graph = chain([1.0] * 4, output_bytes=10, activation_bytes=100)
     part = evaluate(graph, assignment_from_order(list(graph.nodes), [0, 1, 2, 3]), 4, in_flight=[1, 1, 1, 1])
-    reprice_for_schedule(part, build_schedule(OneFOneB(), linear(4), 4, "full"))
+    reprice_for_schedule(part, build_schedule(OneFOneB(), linear(4), 4, "stage"))
     assert part.remat_stages == [0, 1, 2, 3] and part.stage_full_in_flight == [1, 1, 1, 1]
     assert part.stage_memory_bytes == [100, 100 + 10 * 3, 100 + 10 * 2, 100 + 10 * 1]
 
@@ -185,11 +185,11 @@ def test_remat_auto_without_a_budget_recomputes_nothing_and_milp_is_named() -> N
 
 
 def test_remat_full_split_is_priced_with_its_recomputation_by_every_partitioner() -> None:
-    """balanced and milp plans under remat=full report stage times with the forward paid twice."""
+    """balanced and milp plans under remat=stage report stage times with the forward paid twice."""
     for part in ("balanced", "milp"):
         base = [*FAST, "pp=2", "memory=budget", "memory.cap_bytes=1e12", f"partitioner={part}"]
         plain = prepare(compose_cfg([*base, "remat=none"])).plan.meta
-        full = prepare(compose_cfg([*base, "remat=full"])).plan.meta
+        full = prepare(compose_cfg([*base, "remat=stage"])).plan.meta
         assert full.partition.remat_stages == [0, 1]
         # whatever the split, the stages together compute everything once plus every forward again
         assert sum(full.partition.stage_compute_s) == pytest.approx(

@@ -31,11 +31,16 @@ def _check(cases: list[tuple[list[str], str]], log_dir) -> None:
 
 
 def pp2_dp2_cases() -> list[tuple[list[str], str]]:
-    """Every training schedule at pp=2 dp=2 recomputing (remat=full), each at one level, the levels
-    0-3 in turn (each on three or more schedules; zero=0 is the replicated data parallel); without
+    """Every training schedule at pp=2 dp=2 recomputing, each at one level, the levels 0-3 in turn
+    (each on three or more schedules; zero=0 is the replicated data parallel), whole stages
+    (remat=stage, R actions) and every block (remat=full) in turn, each level meeting both; without
     recomputation every schedule runs at pp=2 and pp=4 in tests/test_equivalence.py."""
-    return [([*TIED, f"scheduler={sched}", "pp=2", "dp=2", f"zero={i % 4}", "remat=full"],
-             f"{sched} zero={i % 4} remat=full") for i, sched in enumerate(TRAINING)]
+    return [([*TIED, f"scheduler={sched}", "pp=2", "dp=2", f"zero={i % 4}", f"remat={_remat(i)}"],
+             f"{sched} zero={i % 4} remat={_remat(i)}") for i, sched in enumerate(TRAINING)]
+
+
+def _remat(i: int) -> str:
+    return ("stage", "full")[(i // 4) % 2]
 
 
 @pytest.mark.timeout(600)

@@ -10,7 +10,7 @@ import torch
 from torch import fx, nn
 
 from pipelaunch.launcher.validate import prepare
-from pipelaunch.pipeline.graph.recompute import recompute_modules
+from pipelaunch.pipeline.graph.recompute import recompute_blocks
 from pipelaunch.pipeline.graph.trace import _export_trace, retarget
 from pipelaunch.pipeline.planner.fit.budget import stage_param_factors
 from pipelaunch.pipeline.planner.predict.memory import Sharding
@@ -89,11 +89,11 @@ class _Front(nn.Module):
 class _TiedLM(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.front, self.head = _Front(), nn.Linear(8, 16, bias=False)
-        self.head.weight = self.front.embed.weight
+        self.block0, self.head = _Front(), nn.Linear(8, 16, bias=False)  # block0: a block, numbered
+        self.head.weight = self.block0.embed.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.front(x))
+        return self.head(self.block0(x))
 
 
 class _FrontIsLeaf(fx.Tracer):
@@ -106,9 +106,9 @@ def _tied_stage(recompute: bool) -> fx.GraphModule:
     torch.manual_seed(0)
     root = _TiedLM()
     gm = fx.GraphModule(root, _FrontIsLeaf().trace(root))
-    gm.front.ln.to(torch.bfloat16)
+    gm.block0.ln.to(torch.bfloat16)
     if recompute:
-        recompute_modules(gm, ["front"])
+        recompute_blocks(gm, ["block0"])
     return gm
 
 
@@ -127,7 +127,7 @@ def test_a_tied_parameter_is_read_in_the_compute_dtype_also_when_recomputed() ->
         CastOnUse(gm, [tied], torch.bfloat16)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = gm(x)
-        assert out.dtype == torch.bfloat16 and gm.front.embed.weight is tied and gm.head.weight is tied
+        assert out.dtype == torch.bfloat16 and gm.block0.embed.weight is tied and gm.head.weight is tied
         out.float().sum().backward()
         assert tied.grad is not None and tied.grad.dtype == torch.float32
         grads.append(tied.grad)

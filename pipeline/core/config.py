@@ -46,9 +46,13 @@ class Device(Choice):
 
 
 class Remat(Choice):
+    """Activation recomputation (pipeline/planner/passes/remat.py, docs/planner.md "Recomputation")."""
+
     none = "none"
-    full = "full"  # keep only stage inputs in the forward, recompute in the backward
-    auto = "auto"  # under a memory cap: recompute only what would not fit otherwise
+    selective = "selective"  # every block keeps its matmuls' outputs, reruns the attention core and elementwise work
+    full = "full"  # every block keeps only its inputs and reruns its forward inside its backward
+    stage = "stage"  # every stage keeps only its inputs and reruns whole before its backward (R actions)
+    auto = "auto"  # under a memory cap: each block none, selective or full, the cheapest that fits
 
 
 class Reshard(Choice):

@@ -49,6 +49,9 @@ class StagePlan:
     values: dict[str, list]
     loss_value: str | None = None
     recompute: list[str] = field(default_factory=list)
+    #: blocks recomputed under the selective policy (the matmuls' outputs kept, the rest rerun:
+    #: pipeline/compute/selective.py); `recompute` names those recomputed whole
+    selective: list[str] = field(default_factory=list)
     #: under tp > 1, the boundary values every tp rank holds whole and equal -> tp: each rank sends
     #: 1/tp of it to its counterpart and the receiving tp ranks all-gather it (Megatron's
     #: scatter-gather, SC21 section 4.1), its gradient the same way back
@@ -61,6 +64,9 @@ class StagePlan:
     #: data.buckets: per length a micro-batch may run at, the shape of each of `values` at it
     #: (pipeline/planner/lengths.py); {}: every micro-batch at model.seq_len
     lengths: dict[int, dict[str, list[int]]] = field(default_factory=dict)
+    #: nodes of other stages this stage computes again from the model inputs rather than receive:
+    #: values derived from the inputs alone (masks, rotary tables, position ids; graph/derived.py)
+    rebuilt: list[str] = field(default_factory=list)
 
     def value_bytes(self, name: str) -> int:
         shape, dtype = self.values[name]
@@ -144,8 +150,9 @@ class PlanMeta:
     stage_workspace_bytes: list[float] | None = None
     stage_weight_stash_bytes: list[float] | None = None
     stage_loss_activation_bytes: list[float] | None = None
-    #: remat=auto under a budget: modules recomputed per stage, their added time, their buffer
+    #: blocks recomputed per stage (whole, and under the selective policy), their added time, their buffer
     recompute: dict[str, list[str]] = field(default_factory=dict)
+    selective: dict[str, list[str]] = field(default_factory=dict)
     stage_recompute_s: list[float] | None = None
     stage_recompute_region_bytes: list[float] | None = None
     #: the prediction of the plan as run: each pipeline rank's memory, and the step
@@ -233,9 +240,12 @@ class Plan:
                 out[name] = ranks
         return out
 
-    def with_recompute(self, chosen: dict[int, list[str]]) -> Plan:
-        """This plan with `chosen[stage]` recomputed inside each stage's backward (no others)."""
-        return replace(self, stages=[replace(s, recompute=sorted(chosen.get(s.index, []))) for s in self.stages])
+    def with_recompute(self, full: dict[int, list[str]], selective: dict[int, list[str]] | None = None) -> Plan:
+        """This plan with the blocks `full[stage]` recomputed whole inside each stage's backward and
+        `selective[stage]` under the selective policy (no others)."""
+        selective = selective or {}
+        return replace(self, stages=[replace(s, recompute=sorted(full.get(s.index, [])),
+                                             selective=sorted(selective.get(s.index, []))) for s in self.stages])
 
     def to_dict(self) -> dict:
         # not asdict(self): it would deep-copy every Action of both schedules only to drop them

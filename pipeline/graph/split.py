@@ -23,6 +23,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils import _pytree as pytree
 
 from pipelaunch.pipeline.graph.assignment import validate_assignment
+from pipelaunch.pipeline.graph.derived import rebuilt_nodes
 from pipelaunch.pipeline.graph.trace import COMPUTE_OPS, TracedModel
 
 
@@ -38,6 +39,8 @@ class StageIO:
     inputs: dict[str, int | None]
     outputs: dict[str, list[int]]
     params: list[str]  # qualified names inside this stage's module (aliases of tied params included)
+    #: nodes of other stages this one computes again from the model inputs (graph/derived.py)
+    rebuilt: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -102,44 +105,27 @@ def split_model(
     traced: TracedModel, assignment: Mapping[str, int], num_stages: int | None = None, *, lazy: bool = False
 ) -> SplitModel:
     """Build the stage GraphModules for a node -> stage assignment over `traced.graph`'s nodes.
-    `lazy`: each stage's Python code is generated when first run or read, not now (the planner
-    reads only the stages' graphs and parameters: an 80-layer op-level graph's code took ~0.5 s
-    to generate and compile, for every candidate built)."""
+    A value computed from the inputs alone (`graph.derived`: masks, rotary tables, position ids)
+    is rebuilt by each stage reading it, from the model inputs, instead of crossing a boundary
+    (`StageIO.rebuilt`). `lazy`: each stage's Python code is generated when first run or read, not
+    now (the planner reads only the stages' graphs and parameters: an 80-layer op-level graph's
+    code took ~0.5 s to generate and compile, for every candidate built)."""
     make = _LazyGraphModule if lazy else fx.GraphModule
     k = num_stages if num_stages is not None else max(assignment.values()) + 1
     validate_assignment(traced.graph, assignment, k)
     gm = traced.gm
     nodes = list(gm.graph.nodes)
     out_node = next(n for n in nodes if n.op == "output")
-    stage_of: dict[str, int | None] = {}
-    for n in nodes:
-        if n.op in COMPUTE_OPS:
-            stage_of[n.name] = assignment[n.name]
-        elif n.op == "placeholder":
-            stage_of[n.name] = None
-
-    inputs: list[dict[str, int | None]] = [{} for _ in range(k)]
-    outputs: list[dict[str, list[int]]] = [{} for _ in range(k)]
-    for n in nodes:
-        if n.op not in COMPUTE_OPS:
-            continue
-        s = assignment[n.name]
-        for i in n.all_input_nodes:
-            if i.op == "get_attr":
-                continue
-            src = stage_of[i.name]
-            if src is None:
-                inputs[s][i.name] = None
-            elif src != s:
-                inputs[s][i.name] = src
-                consumers = outputs[src].setdefault(i.name, [])
-                if s not in consumers:
-                    consumers.append(s)
+    rebuilt = rebuilt_nodes(gm, assignment, k)
+    runs: list[set[str]] = [set(names) for names in rebuilt]  # the nodes each stage computes
+    for name, s in assignment.items():
+        runs[s].add(name)
+    inputs, outputs = _dataflow(nodes, assignment, rebuilt, runs)
     model_outputs: dict[str, int | None] = {}
     for i in out_node.all_input_nodes:
         if i.op == "get_attr":
             raise NotImplementedError(f"model returns attribute {i.target!r} directly; wrap it in an op")
-        src = stage_of[i.name]
+        src = None if i.op == "placeholder" else assignment[i.name]
         model_outputs[i.name] = src
         if src is not None:
             outputs[src].setdefault(i.name, [])
@@ -153,7 +139,7 @@ def split_model(
         for name in sorted(inputs[s], key=position.__getitem__):
             env[name] = g.placeholder(name)
         for n in nodes:
-            if n.op not in COMPUTE_OPS or assignment[n.name] != s:
+            if n.op not in COMPUTE_OPS or n.name not in runs[s]:
                 continue
             for i in n.all_input_nodes:
                 if i.op == "get_attr" and i.name not in env:
@@ -165,7 +151,7 @@ def split_model(
         inputs[s] = {name: inputs[s][name] for name in sorted(inputs[s], key=position.__getitem__)}
         outputs[s] = {name: sorted(outputs[s][name]) for name in sorted(outputs[s], key=position.__getitem__)}
         names = [name for name, _ in stage.named_parameters(remove_duplicate=False)]
-        ios.append(StageIO(s, inputs[s], outputs[s], names))
+        ios.append(StageIO(s, inputs[s], outputs[s], names, rebuilt[s]))
 
     return SplitModel(
         stages=stages,
@@ -177,6 +163,36 @@ def split_model(
         param_aliases=dict(traced.param_aliases),
         out_spec=traced.out_spec,
     )
+
+
+def _dataflow(nodes: Sequence[fx.Node], assignment: Mapping[str, int], rebuilt: Sequence[Sequence[str]],
+              runs: Sequence[set[str]]) -> tuple[list[dict[str, int | None]], list[dict[str, list[int]]]]:
+    """Per stage, the values it reads (producing stage, None for a model input) and those it
+    makes for later stages (their consumers): every node a stage runs, its own and those it
+    rebuilds, reads what it does not compute from the data or from the stage assigned it."""
+    k = len(runs)
+    stages_running: dict[str, list[int]] = {}
+    for t, names in enumerate(rebuilt):
+        for name in names:
+            stages_running.setdefault(name, []).append(t)
+    inputs: list[dict[str, int | None]] = [{} for _ in range(k)]
+    outputs: list[dict[str, list[int]]] = [{} for _ in range(k)]
+    for n in nodes:
+        if n.op not in COMPUTE_OPS:
+            continue
+        for s in [assignment[n.name], *stages_running.get(n.name, ())]:
+            for i in n.all_input_nodes:
+                if i.op == "get_attr" or i.name in runs[s]:
+                    continue
+                if i.op == "placeholder":
+                    inputs[s][i.name] = None
+                    continue
+                src = assignment[i.name]
+                inputs[s][i.name] = src
+                consumers = outputs[src].setdefault(i.name, [])
+                if s not in consumers:
+                    consumers.append(s)
+    return inputs, outputs
 
 
 def _shared_params(traced: TracedModel, ios: Sequence[StageIO]) -> dict[str, list[int]]:

@@ -27,6 +27,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata, _extract_tensor_metadata
 
 from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.graph.derived import derived_nodes, sent_bytes
+from pipelaunch.pipeline.graph.recompute import block_of
 from pipelaunch.pipeline.graph.stamp import Repeated, stamped_export
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
@@ -519,6 +521,7 @@ def build_cost_graph(gm: fx.GraphModule, leaves: Iterable[str] = ()) -> nx.DiGra
     leaves = set(leaves)
     by_id, _ = canonical_param_names(gm)
     g = nx.DiGraph()
+    derived = derived_nodes(gm)
     param_sizes: dict[str, int] = {}
     for p_name, p in gm.named_parameters():
         param_sizes[by_id.get(id(p), p_name)] = p.numel() * p.element_size()
@@ -543,13 +546,17 @@ def build_cost_graph(gm: fx.GraphModule, leaves: Iterable[str] = ()) -> nx.DiGra
             reads_inputs=[i.name for i in node.all_input_nodes if i.op == "placeholder"],
             order=order,
             leaf=_leaf_of(node, leaves),
+            # computed from the inputs alone: every stage reading it rebuilds it (graph/derived.py)
+            derived=node.name in derived,
+            # the block it computes in, the unit recomputation reruns (graph/recompute.py)
+            block=block_of(node),
         )
         order += 1
         for inp in node.all_input_nodes:
             if inp.op in COMPUTE_OPS:
                 g.add_edge(inp.name, node.name)
     for u, v in g.edges:
-        g.edges[u, v]["bytes"] = g.nodes[u]["output_bytes"]
+        g.edges[u, v]["bytes"] = sent_bytes(g.nodes[u])
     out = next(n for n in gm.graph.nodes if n.op == "output")
     g.graph["param_sizes"] = param_sizes
     g.graph["outputs"] = [n.name for n in out.all_input_nodes if n.op in COMPUTE_OPS]

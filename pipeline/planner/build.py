@@ -18,6 +18,7 @@ from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan import Plan, PlanMeta, StagePlan, dtype_name
 from pipelaunch.pipeline.core.plan_records import MachineFacts, PartitionSummary, UnitCost
 from pipelaunch.pipeline.core.plugins import Plugin
+from pipelaunch.pipeline.graph.derived import rebuilt_forward_s
 from pipelaunch.pipeline.graph.sequence_parallel import REPLICATED, SEQUENCE, SPLIT
 from pipelaunch.pipeline.graph.split import split_model
 from pipelaunch.pipeline.graph.trace import TracedModel
@@ -37,7 +38,14 @@ from pipelaunch.pipeline.planner.partition.rank_balance import rank_balanced_sta
 from pipelaunch.pipeline.planner.passes.data_parallel import place_data_parallel
 from pipelaunch.pipeline.planner.passes.lowering import lower
 from pipelaunch.pipeline.planner.passes.p2p_check import edge_messages
-from pipelaunch.pipeline.planner.passes.remat import per_module_suffices
+from pipelaunch.pipeline.planner.passes.remat import (
+    apply_recompute,
+    every_block,
+    per_block_suffices,
+    recompute_effect,
+    recompute_options,
+    recomputed_view,
+)
 from pipelaunch.pipeline.planner.predict.costs import split_backward_cost, stage_held_bytes
 from pipelaunch.pipeline.planner.predict.memory import Sharding
 from pipelaunch.pipeline.planner.schedules import build_schedule
@@ -62,7 +70,7 @@ def needs_profile(partitioner: Plugin) -> bool:
 
 def partition_graph(
     partitioner: Plugin, graph: nx.DiGraph, placement: Sequence[int], request: PartitionRequest,
-    param_factor: float = 1.0, shared_factor: float | None = None,
+    param_factor: float = 1.0, shared_factor: float | None = None, cut_view: nx.DiGraph | None = None,
 ) -> Partition:
     """Cut the traced graph into stages with the partitioner plug-in, then price the split with the
     one judge (`evaluate`), recomputing stages picked, on the real graph. Values that are not one
@@ -70,7 +78,9 @@ def partition_graph(
     stages, a profiled split is re-balanced so that the busiest rank, not only the slowest stage,
     is as light as it can be. Under a memory cap the partitioner sees every parameter byte
     `param_factor` times (gradient and optimizer state too), a parameter several nodes read
-    `shared_factor` times (`budget.device_view`, `budget.stage_param_factors`)."""
+    `shared_factor` times (`budget.device_view`, `budget.stage_param_factors`). `cut_view`: the
+    graph the partitioner cuts in its place (every block recomputed: `remat.recomputed_view`);
+    the split is priced on `graph` either way."""
     num_stages = len(placement)
     if num_stages > graph.number_of_nodes():
         raise ConfigError(
@@ -79,8 +89,8 @@ def partition_graph(
             f"has {graph.number_of_nodes()} ({', '.join(list(graph.nodes)[:12])}); lower pp, use a schedule "
             f"with fewer stages per rank, or a model with more layers (e.g. model.layers), or model.granularity=op",
         )
-    contraction = contract_unsendable(graph)  # cut only where single tensors cross
-    cut_graph = graph if contraction is None else contraction.graph
+    contraction = contract_unsendable(cut_view if cut_view is not None else graph)  # cut where single tensors cross
+    cut_graph = (cut_view if cut_view is not None else graph) if contraction is None else contraction.graph
     if request.memory_cap is not None:
         cut_graph = device_view(cut_graph, param_factor, shared_factor)
     part = partitioner(cut_graph, num_stages, request)
@@ -194,15 +204,25 @@ def build_plan(traced: TracedModel, generator: ScheduleGenerator, req: PlanReque
     inputs = model_inputs(split.input_names, req.data_args)
     stages = _stage_plans(traced, split, part, placement, req.value_dtypes, req.tp)
     forward, backward, split_costs = _stage_costs(traced, part, len(placement), req.profiled)
+    forward = [f + r for f, r in zip(forward, rebuilt_forward_s(traced.graph, [s.rebuilt for s in stages]),
+                                     strict=True)]
     if req.profiled and req.tp > 1:
         _price_gathers(stages, placement, forward, backward, split_costs[0], req.tp, traced.graph.graph["tp_link"])
+    blocks = _every_block(traced, part, req, generator)
+    plain_act = list(part.stage_activation_bytes)
+    rerun = [0.0] * len(placement)
+    if blocks is not None:  # remat=full / selective: every block reruns inside the stage's backward
+        part.stage_activation_bytes, rerun, _ = recompute_effect(blocks, plain_act, len(placement))
     held = _held_beyond_activations(traced, stages) if req.profiled else None
     costs = None
     if held is not None:  # as the prediction prices them: the runtime's fixed cost on every action
         fixed = req.action_overhead_s
-        costs = ScheduleCosts.of(*([x + fixed for x in xs] for xs in (forward, *split_costs)),
-                                 backward=[b + fixed for b in backward], hop=_hops(part, placement, req, stages),
-                                 memory=_stage_memory(stages, part, *held))
+        # a recomputed block reruns in a fused backward once, in each half of a split one (but stage 0's I)
+        halves = [[x + fixed + (r if s > 0 or half else 0.0) for s, (x, r) in enumerate(zip(xs, rerun, strict=True))]
+                  for half, xs in enumerate(split_costs)]
+        costs = ScheduleCosts.of([f + fixed for f in forward], *halves,
+                                 backward=[b + r + fixed for b, r in zip(backward, rerun, strict=True)],
+                                 hop=_hops(part, placement, req, stages), memory=_stage_memory(stages, part, *held))
     schedule = build_schedule(generator, placement, req.microbatches, req.remat, _whole_stages(traced, part, req),
                               costs)
     reprice_for_schedule(part, schedule)
@@ -215,14 +235,26 @@ def build_plan(traced: TracedModel, generator: ScheduleGenerator, req: PlanReque
     # micro-batches spends about 0.3 s lowering and checking it: not for a run that never evaluates)
     eval_schedule = lower(build_schedule(Inference(), placement, req.microbatches), messages) \
         if req.evaluates else None
+    if blocks is not None:
+        part.stage_activation_bytes = plain_act  # the plan records the plain ones, less the choice below
     meta = _plan_meta(traced, split, part, stages, req, schedule)
     if held is not None:
         meta.update(_profiled_meta(traced, stages, forward, backward, split_costs, *held))
-    return Plan(req.pp, req.dp, req.microbatches, req.batch_size // (req.dp * req.microbatches), req.model_name,
+    plan = Plan(req.pp, req.dp, req.microbatches, req.batch_size // (req.dp * req.microbatches), req.model_name,
                 stages, schedule, assignment=dict(part.assignment),
                 shared_params={n: list(v) for n, v in split.shared_params.items()}, meta=PlanMeta(**meta),
                 eval_schedule=eval_schedule, model_inputs=inputs, tp=req.tp, tp_modules=dict(req.tp_modules),
                 sequence_parallel=req.sequence_parallel)
+    return plan if blocks is None else apply_recompute(plan, traced.graph, blocks, plain_act)
+
+
+def _every_block(traced: TracedModel, part: Partition, req: PlanRequest, generator: ScheduleGenerator):
+    """remat=full / selective: every block of every stage, recomputed the one way (None otherwise)."""
+    if req.remat not in ("full", "selective") or not generator.training:
+        return None
+    split = set(range(1, part.num_stages)) if generator.split_backward else set()
+    options = recompute_options(traced.graph, part.assignment, split, keep_all=True)
+    return every_block(options, selective=req.remat == "selective")
 
 
 def model_inputs(names: Sequence[str], data_args: Sequence[str]) -> dict[str, str]:
@@ -248,7 +280,9 @@ def _partition(traced: TracedModel, generator: ScheduleGenerator, placement: lis
     try:
         factors = stage_param_factors(req.optimizer_states, Sharding(req.zero, req.dp_shard or req.dp, req.precision,
                                                                      req.reshard))
-        return partition_graph(req.partitioner, traced.graph, placement, request, *factors)
+        cut_view = recomputed_view(traced.graph, req.remat == "selective") \
+            if req.remat in ("full", "selective") and generator.training else None
+        return partition_graph(req.partitioner, traced.graph, placement, request, *factors, cut_view=cut_view)
     except ConfigError as err:
         if err.key != "memory.cap_bytes" or not req.reserve_bytes:
             raise
@@ -282,13 +316,13 @@ def _hops(part: Partition, placement: list[int], req: PlanRequest, stages: list[
 
 def _whole_stages(traced: TracedModel, part: Partition, req: PlanRequest) -> list[int]:
     """The stages that recompute whole (R actions): under remat=auto, only those over the cap that
-    recomputing chosen modules would not bring under it (`remat.per_module_suffices`), or those
+    recomputing chosen blocks would not bring under it (`remat.per_block_suffices`), or those
     the request names."""
     if req.remat == "auto" and req.whole_stages is not None:
         return sorted(req.whole_stages)
     if req.remat != "auto" or not part.remat_stages or req.memory_cap is None:
         return list(part.remat_stages)
-    modules = per_module_suffices(traced.graph, part, req.memory_cap - req.reserve_bytes)
+    modules = per_block_suffices(traced.graph, part, req.memory_cap - req.reserve_bytes)
     return [s for s in part.remat_stages if s not in modules]
 
 
@@ -328,6 +362,7 @@ def _stage_plans(traced: TracedModel, split, part: Partition, placement: list[in
             scatter={n: tp for n in crossing if _scattered(traced, n, tp)},
             sequence={n: d for n in crossing if (d := _layout(traced, n)[1]) is not None},
             split=[n for n in crossing if _layout(traced, n)[0] == SPLIT],
+            rebuilt=list(io.rebuilt),
         ))
     return stages
 

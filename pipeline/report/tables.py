@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from pipelaunch.pipeline.core.plan import Plan
@@ -66,6 +67,19 @@ def layer_summaries(plan: Plan, keep: int = 8) -> list[str] | None:
     return out
 
 
+def _block_ranges(blocks: list[str]) -> str:
+    """Block names with their numbers as ranges: `model.model.layers.0-3, 5`, `layer0-7`."""
+    by_stem: dict[str, list[int]] = {}
+    other = []
+    for b in blocks:
+        found = re.fullmatch(r"(.*?)(\d+)", b)
+        if found:
+            by_stem.setdefault(found.group(1), []).append(int(found.group(2)))
+        else:
+            other.append(b)
+    return ", ".join([f"{stem}{_ranges(nums)}" for stem, nums in by_stem.items()] + other)
+
+
 def stage_rows(plan: Plan) -> list[dict]:
     """One dict per stage for metrics.json: placement, blocks and, with a profile, its costs."""
     part = plan.meta.partition
@@ -113,10 +127,13 @@ def stage_table(plan: Plan) -> str:
         lines.append("* recomputes its forward in the backward (remat): full activations for "
                      + ", ".join(f"{part.stage_full_in_flight[i]} on stage {i}" for i in sorted(remat))
                      + ", the inputs of the rest")
-    layers = [s for s in plan.stages if s.recompute]
+    layers = [s for s in plan.stages if s.recompute or s.selective]
     if layers:
-        lines.append("recomputed in the backward (remat=auto, chosen modules): "
-                     + "; ".join(f"stage {s.index}: {block_summary(s.recompute)}" for s in layers))
+        lines.append(f"blocks recomputed in the backward (remat={plan.meta.remat}; full: inputs kept, selective: "
+                     "the matmuls' outputs kept too): "
+                     + "; ".join(f"stage {s.index}: " + ", ".join(
+                         ([f"full {_block_ranges(s.recompute)}"] if s.recompute else [])
+                         + ([f"selective {_block_ranges(s.selective)}"] if s.selective else [])) for s in layers))
     if plan.meta.device_memory:
         lines.append(device_memory_table(plan))
     lines.append(

@@ -15,7 +15,7 @@ from torch import nn
 from pipelaunch.models.spec import ModelSpec
 from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.graph.materialize import materialize
-from pipelaunch.pipeline.graph.recompute import recompute_modules
+from pipelaunch.pipeline.graph.recompute import recompute_blocks
 from pipelaunch.pipeline.graph.split import split_model
 from pipelaunch.pipeline.graph.tensor_parallel import Rewritten
 from pipelaunch.pipeline.graph.trace import TracedModel, retarget
@@ -86,7 +86,7 @@ def build_stage_modules(
         local = local_stages(spec, plan, own, tp, device)
         own, rewrites, dims, partial = local.stages, local.rewrites, local.dims, local.partial
     for i, gm in own.items():
-        recompute_modules(gm, plan.stages[i].recompute)
+        recompute_blocks(gm, plan.stages[i].recompute, plan.stages[i].selective)
     return {i: StageModule(i, gm, dict(split.param_aliases), rewrites.get(i), dims, partial.get(i))
             for i, gm in own.items()}
 

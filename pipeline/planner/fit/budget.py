@@ -32,7 +32,8 @@ def partition_request(
 ) -> PartitionRequest:
     """What a split is priced by for this schedule and `remat`: the in-flight counts of the schedule's
     unit-cost order (the split is cut before measured stage costs can reorder it), and under
-    recomputation (remat=full, or remat=auto with a budget) the counts of the recomputing order.
+    whole-stage recomputation (remat=stage, or remat=auto with a budget) the counts of the
+    recomputing order.
     Without a budget the counts only break ties between equally fast splits, so they are taken on
     the generator's first candidate order instead of the best of them (at pp=64 with 256
     micro-batches, V-Min's candidates took 1.4 s)."""
@@ -41,8 +42,10 @@ def partition_request(
     plain = list(counts(generator, tuple(placement), microbatches, "none", cap is None))
     if not generator.training or remat == "none" or (remat == "auto" and cap is None):
         return PartitionRequest(bandwidth, plain, cap)
-    recomputed = list(counts(generator, tuple(placement), microbatches, "full", False))
-    return PartitionRequest(bandwidth, plain, cap, recomputed, remat_all=remat == "full")
+    if remat in ("full", "selective"):  # per block, inside the backward: the plain order's counts
+        return PartitionRequest(bandwidth, plain, cap)
+    recomputed = list(counts(generator, tuple(placement), microbatches, "stage", False))
+    return PartitionRequest(bandwidth, plain, cap, recomputed, remat_all=remat == "stage")
 
 
 def _hashable(value: object) -> bool:

@@ -1,11 +1,11 @@
 """Make a plan fit `memory.cap_bytes` on every device, or say which device does not and by how much.
 
-Under `remat=auto` the devices over the cap recompute chosen leaf modules in the backward
-(`pipelaunch.pipeline.planner.passes.remat`: an ILP that frees the bytes, net of the rerun buffer, for the
-least recompute time); the plan records them per stage (`StagePlan.recompute`), their saved bytes
-leave the stage's activations, their forward time joins its backward (twice on a split I/W
-backward), the largest recomputed module's activations are priced as a buffer, and the schedule
-is simulated again. Since a stage's micro-batches need not all be held at the device's busiest
+Under `remat=auto` the devices over the cap recompute chosen blocks in the backward, each full or
+selectively (`pipelaunch.pipeline.planner.passes.remat`: an ILP that frees the bytes, net of the
+rerun buffer, for the least recompute time); the plan records them per stage
+(`StagePlan.recompute`, `StagePlan.selective`), their saved bytes leave the stage's activations,
+their rerun time joins its backward (twice on a split I/W backward), the largest recomputed
+block's rerun is priced as a buffer, and the schedule is simulated again. Since a stage's micro-batches need not all be held at the device's busiest
 moment, the result is checked on the new simulation and the ILP asked again for more than its
 last choice freed on paper, so that every round tries another choice.
 
@@ -32,6 +32,7 @@ from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.planner.passes.remat import (
     RecomputeInfeasible,
     RecomputeOption,
+    apply_recompute,
     choose_recompute,
     least_recompute,
     net_frees,
@@ -43,7 +44,8 @@ from pipelaunch.pipeline.planner.predict.prediction import Prediction, predict, 
 #: what helps besides recomputation
 OTHER_REMEDIES = ("pick a schedule that holds fewer micro-batches (1f1b rather than gpipe), use more stages or a "
                   "memory-aware split (partitioner=balanced), or let plan=auto search for a configuration that fits.")
-REMEDIES = "Recompute chosen modules (remat=auto), " + OTHER_REMEDIES
+REMEDIES = ("Recompute every block (remat=full, or remat=selective: the attention core and elementwise work only) or "
+            "chosen blocks (remat=auto), " + OTHER_REMEDIES)
 AUTO_REMEDIES = "Otherwise: " + OTHER_REMEDIES
 #: rounds of (choose, simulate) before falling back to the floor's choice
 ROUNDS = 6
@@ -135,13 +137,12 @@ def _recompute_layers(plan: Plan, prediction: Prediction, graph: nx.DiGraph, cap
             chosen = choose_recompute(options, held, rank_of, excess, plan.microbatches)
         except RecomputeInfeasible:
             break
-        attempt = predict(_apply(plan, graph, options, chosen, plain_act), latency_s, bandwidth, collectives=False)
+        attempt = predict(apply_recompute(plan, graph, chosen, plain_act), latency_s, bandwidth, collectives=False)
         still = over_budget(attempt.devices, cap)
         if not still:
             return attempt, attempt
-        picked = {(s, n) for s, nodes in chosen.items() for n in nodes}
         for d in still:  # more than the last choice freed on paper, by what is still missing
-            mine = [o for o in options if rank_of[o.stage] == d.rank and (o.stage, o.node) in picked]
+            mine = [o for s, picked in chosen.items() if rank_of[s] == d.rank for o in picked]
             excess[d.rank] = max(excess.get(d.rank, 0.0), net_frees(mine, held)) + d.total - cap
     floor = _floor(plan, graph, options, held, rank_of, plain_act, prediction, latency_s, bandwidth)
     return (None if over_budget(floor.devices, cap) else floor), floor
@@ -154,15 +155,15 @@ def _floor(plan: Plan, graph: nx.DiGraph, options: list[RecomputeOption], held: 
     whose simulated peak that raises (its rerun buffer outweighs what it frees where its peak
     falls) recomputes nothing, and the rest are simulated again. Depends on the plan alone, not
     on the cap: every cap at or above its largest peak is met by this choice."""
-    chosen: dict[int, list[str]] = {}
+    chosen: dict[int, list[RecomputeOption]] = {}
     for rank in sorted(set(rank_of.values())):
         for o in least_recompute([o for o in options if rank_of[o.stage] == rank], held):
-            chosen.setdefault(o.stage, []).append(o.node)
-    floor = predict(_apply(plan, graph, options, chosen, plain_act), latency_s, bandwidth, collectives=False)
+            chosen.setdefault(o.stage, []).append(o)
+    floor = predict(apply_recompute(plan, graph, chosen, plain_act), latency_s, bandwidth, collectives=False)
     worse = {d.rank for d, p in zip(floor.devices, plain.devices, strict=True) if d.total > p.total}
     if worse:
-        chosen = {s: nodes for s, nodes in chosen.items() if rank_of[s] not in worse}
-        floor = predict(_apply(plan, graph, options, chosen, plain_act), latency_s, bandwidth, collectives=False)
+        chosen = {s: picked for s, picked in chosen.items() if rank_of[s] not in worse}
+        floor = predict(apply_recompute(plan, graph, chosen, plain_act), latency_s, bandwidth, collectives=False)
     return floor
 
 
@@ -175,31 +176,11 @@ def _floor_message(plan: Plan, floor: Prediction, graph: nx.DiGraph) -> str:
     held = dict(enumerate(plan.meta.partition.stage_in_flight))
     candidates = {(o.stage, o.node) for o in recompute_options(graph, plan.assignment, False)
                   if o.stage not in whole and held.get(o.stage, 0) * o.saves_bytes > 0}
-    recomputed = {(s.index, n) for s in floor.plan.stages for n in s.recompute}
-    modules = "every other candidate module recomputed" if whole else "every candidate module recomputed"
+    recomputed = {(s.index, n) for s in floor.plan.stages for n in [*s.recompute, *s.selective]}
+    modules = "every other candidate block recomputed" if whole else "every candidate block recomputed"
     if not candidates <= recomputed:
         modules += " but those whose rerun holds more than they free"
     what = f"stages {', '.join(map(str, whole))} recomputed whole and {modules}" if whole else modules
     least = floor.peak_bytes
     return (f"remat=auto cannot close it: those are the peaks with {what}, so the smallest cap this split and "
             f"schedule meet is {least / MIB:.1f} MiB (memory.cap_bytes={math.ceil(least / 1e6)}e6). ")
-
-
-def _apply(plan: Plan, graph: nx.DiGraph, options: list[RecomputeOption], chosen: dict[int, list[str]],
-           plain_act: list[float]) -> Plan:
-    """The plan with the choice recorded: per stage the recomputed nodes, the activations they no
-    longer hold, the forward time they add to the backward and the largest one's buffer."""
-    saves = {(o.stage, o.node): o.saves_bytes for o in options}
-    rerun = {(o.stage, o.node): o.rerun_bytes for o in options}
-    plan = plan.with_recompute(chosen)
-    k = len(plan.stages)
-    activation, recompute_s, region = list(plain_act), [0.0] * k, [0.0] * k
-    for stage in plan.stages:
-        s, nodes = stage.index, stage.recompute
-        activation[s] = plain_act[s] - sum(saves[(s, n)] for n in nodes)
-        recompute_s[s] = sum(float(graph.nodes[n].get("forward_s", 0.0)) for n in nodes)
-        region[s] = max((rerun[(s, n)] for n in nodes), default=0.0)
-    return replace(plan, meta=replace(
-        plan.meta, partition=replace(plan.meta.partition, stage_activation_bytes=activation),
-        stage_recompute_s=recompute_s, stage_recompute_region_bytes=region,
-        recompute={str(s.index): s.recompute for s in plan.stages if s.recompute}))

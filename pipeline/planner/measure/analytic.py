@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from pipelaunch.pipeline.compute.selective import kept
 from pipelaunch.pipeline.core.hardware import Hardware
 
 aten = torch.ops.aten
@@ -58,6 +59,10 @@ class Roofline:
     bytes: float = 0.0
     seconds: float = 0.0
     kernels: int = 0
+    #: what the selective recomputation policy keeps (its kept operators' outputs) and the seconds
+    #: of the operators it would rerun (pipeline/compute/selective.py)
+    kept_bytes: float = 0.0
+    rerun_seconds: float = 0.0
 
 
 class _Priced(TorchDispatchMode):
@@ -73,12 +78,16 @@ class _Priced(TorchDispatchMode):
         if packet in VIEWS:
             return out
         flops = float(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0.0
-        self.kernel(flops, _bytes(args) + _bytes(kwargs) + _bytes(out), self._dtype(out))
+        seconds = self.kernel(flops, _bytes(args) + _bytes(kwargs) + _bytes(out), self._dtype(out))
+        if kept(packet):
+            self.total.kept_bytes += _bytes(out)
+        else:
+            self.total.rerun_seconds += seconds
         return out
 
-    def kernel(self, flops: float, nbytes: float, dtype: str | torch.dtype, work: float = 1.0) -> None:
+    def kernel(self, flops: float, nbytes: float, dtype: str | torch.dtype, work: float = 1.0) -> float:
         """One kernel: the longer of its FLOPs (`work` of them done) at the matmul rate and its bytes
-        at the memory rate, plus a launch."""
+        at the memory rate, plus a launch (its seconds, returned)."""
         if isinstance(dtype, torch.dtype):
             dtype = self.matmul_dtype or DTYPES.get(dtype, "fp32")
         seconds = nbytes / self.hw.bytes_per_s()
@@ -88,6 +97,7 @@ class _Priced(TorchDispatchMode):
         self.total.bytes += nbytes
         self.total.seconds += seconds + self.hw.launch_s
         self.total.kernels += 1
+        return seconds + self.hw.launch_s
 
     def _dtype(self, out) -> str:
         tensor = out if isinstance(out, torch.Tensor) else next((t for t in out if isinstance(t, torch.Tensor)), None)
@@ -114,6 +124,8 @@ class _FusedAttention(torch.autograd.Function):
         out = q.new_empty((*q.shape[:-1], v.shape[-1]))
         flops = 4.0 * q.shape[:-2].numel() * q.shape[-2] * k.shape[-2] * q.shape[-1]
         mode.kernel(flops, _bytes((q, k, v, out)) + mask_bytes, out.dtype, 0.5 if causal else 1.0)
+        # the selective policy keeps a fused kernel's output and its log-sum-exp (fp32, per query)
+        mode.total.kept_bytes += _bytes(out) + 4 * q.shape[:-1].numel()
         return out
 
     @staticmethod

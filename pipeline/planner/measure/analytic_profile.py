@@ -106,7 +106,9 @@ def price_op(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict, params: 
         forward = price(lambda: held.__setitem__("out", op()), hw, matmul_dtype)
     outs = _requiring_grad(held["out"])
     output_bytes = sum(_nbytes(t) for t in _tensors(held["out"]))
-    result = {"activation_bytes": int(sum(saved.values())), "output_bytes": int(output_bytes), "stash_bytes": 0}
+    result = {"activation_bytes": int(sum(saved.values())), "output_bytes": int(output_bytes), "stash_bytes": 0,
+              "selective_kept_bytes": int(forward.kept_bytes),
+              "selective_share": forward.rerun_seconds / forward.seconds if forward.seconds > 0 else 1.0}
     count = sum(p.numel() for p in params if p.dim() > 1) if cast_weights else 0
     cast_s = 6.0 * count / hw.bytes_per_s() + hw.launch_s if count else 0.0
     times = {"forward_s": forward.seconds + cast_s, "backward_s": 0.0, "backward_input_s": 0.0,

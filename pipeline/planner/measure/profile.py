@@ -43,11 +43,16 @@ import torch
 from torch import fx, nn
 
 from pipelaunch.pipeline.compute.backward import WeightGradStash, backward_input, backward_weight
+from pipelaunch.pipeline.compute.selective import recompute_share
+from pipelaunch.pipeline.graph.derived import sent_bytes
 from pipelaunch.pipeline.graph.trace import COMPUTE_OPS, TracedModel, retarget
 
 #: what is timed per node: forward, fused backward, and the runtime's split backward (I, then W)
 TIMES = ("forward_s", "backward_s", "backward_input_s", "backward_weight_s")
-PROFILE_FIELDS = (*TIMES, "activation_bytes", "output_bytes", "stash_bytes", "loss_activation_bytes", "param_bytes")
+#: beside the times and bytes, what the selective policy keeps of a node's outputs and the share of
+#: its forward it reruns (`pipeline/compute/selective.py`; the planner's remat=selective)
+PROFILE_FIELDS = (*TIMES, "activation_bytes", "output_bytes", "stash_bytes", "loss_activation_bytes", "param_bytes",
+                  "selective_kept_bytes", "selective_share")
 MIN_TIME_S = 1e-7  # a measured op never reports zero: it at least paid the Python call
 PASSES = 3  # passes over the graph that share a node's timed repeats
 _LOSS = "\0loss"  # the loss's own entry while passes are pooled (no graph node has this name)
@@ -80,6 +85,7 @@ def profile_key(model_config: Mapping[str, Any], inputs: Sequence[Any], device: 
         "passes": PASSES,
         "cache": "evicted",
         "copies": "pooled",
+        "fields": "selective",
         "model": model_config,
         "inputs": _layout(list(inputs)),
         "device": device_label(device),
@@ -325,6 +331,7 @@ def _measure(
     if differentiable:
         op.backward(outs, grads)  # the warm-up backward
     del out, outs
+    policy_kept, share = recompute_share(op)
     samples, kept = _timed_repeats(op, grads if differentiable else None, repeats)
     for t in op.grad_inputs + op.grad_params:
         t.grad = None
@@ -333,6 +340,8 @@ def _measure(
         "activation_bytes": activation_bytes,
         "output_bytes": int(output_bytes),
         "stash_bytes": int(kept),
+        "selective_kept_bytes": int(policy_kept),
+        "selective_share": float(share),
         "samples": samples,
     }
 
@@ -513,7 +522,7 @@ def _apply(graph: nx.DiGraph, nodes: Mapping[str, Mapping[str, Any]]) -> None:
         if name in graph:
             graph.nodes[name].update({k: values[k] for k in PROFILE_FIELDS if k in values})
     for u, v in graph.edges:
-        graph.edges[u, v]["bytes"] = graph.nodes[u]["output_bytes"]
+        graph.edges[u, v]["bytes"] = sent_bytes(graph.nodes[u])
 
 
 @dataclass

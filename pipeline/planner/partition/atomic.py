@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import networkx as nx
 from networkx.utils import UnionFind
 
+from pipelaunch.pipeline.graph.derived import sent_bytes
 from pipelaunch.pipeline.planner.partition.common import topo_order
 
 
@@ -68,7 +69,7 @@ def contract_unsendable(graph: nx.DiGraph) -> Contraction | None:
             activation_bytes=sum(int(d.get("activation_bytes", 0)) for d in data),
             stash_bytes=sum(int(d.get("stash_bytes", 0)) for d in data),
             loss_activation_bytes=sum(int(d.get("loss_activation_bytes", 0)) for d in data),
-            output_bytes=sum(int(data_of[m].get("output_bytes", 0)) for m in ms if m in leaving),
+            output_bytes=sum(sent_bytes(data_of[m]) for m in ms if m in leaving),
             params=params,
             param_bytes=sum(int(d.get("param_bytes", 0)) for d in data),
             order=pos[ms[0]],

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import networkx as nx
 import numpy as np
 
+from pipelaunch.pipeline.graph.derived import sent_bytes
 from pipelaunch.pipeline.planner.partition.common import (
     DEFAULT_BANDWIDTH,
     Partition,
@@ -41,7 +42,7 @@ class _Segments:
         cost = np.array([node_cost(graph, v) for v in order])
         fwd = np.array([float(graph.nodes[v].get("forward_s", 0.0)) for v in order])
         act = np.array([float(graph.nodes[v].get("activation_bytes", 0)) for v in order])
-        out = np.array([float(graph.nodes[v].get("output_bytes", 0)) for v in order])
+        out = np.array([float(sent_bytes(graph.nodes[v])) for v in order])
         self.maxpos = np.array([max((pos[w] for w in graph.successors(v)), default=-1) for v in order])
         # bytes entering a stage that starts at i: values made before i and read at i or later
         delta = np.zeros(n + 1)

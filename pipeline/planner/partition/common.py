@@ -3,7 +3,8 @@
 Why one `evaluate`: uniform, balanced, MILP and manual splits are only comparable if the same function
 prices them. A stage's time is the forward + backward time of its nodes plus the time to send every
 value it produces to each later stage that reads it (a skip from stage 0 to stage 3 is one direct
-send, counted once per distinct consumer stage). A stage's memory is its parameters (a tied parameter
+send, counted once per distinct consumer stage; a value computed from the inputs alone is rebuilt by
+its readers, not sent: `graph.derived.sent_bytes`). A stage's memory is its parameters (a tied parameter
 counted once per stage that holds it) plus its activations times the micro-batches it keeps in flight.
 
 Cost-graph contract (what `pipelaunch.pipeline.graph` produces): a networkx DiGraph whose nodes carry
@@ -22,6 +23,7 @@ import networkx as nx
 
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.graph.assignment import validate_assignment
+from pipelaunch.pipeline.graph.derived import sent_bytes
 
 DEFAULT_BANDWIDTH = 10e9  # bytes/s; a placeholder until the launcher passes a measured link speed
 MEMORY_KEY = "memory.cap_bytes"
@@ -194,9 +196,9 @@ def evaluate(
         act[s] += int(d.get("activation_bytes", 0))
         params[s].update(_node_params(graph, n))
         later = {assignment[v] for v in graph.successors(n) if assignment[v] > s}
-        comm[s] += int(d.get("output_bytes", 0)) * len(later)
+        comm[s] += sent_bytes(d) * len(later)
         for t in later:
-            inputs[t] += int(d.get("output_bytes", 0))
+            inputs[t] += sent_bytes(d)
     flights = in_flight_list(in_flight, k)
     pbytes = [sum(p.values()) for p in params]
     plain = stage_memory(pbytes, act, inputs, flights, flights)

@@ -28,6 +28,7 @@ import networkx as nx
 import numpy as np
 
 from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.graph.derived import sent_bytes
 from pipelaunch.pipeline.planner.partition.balanced import balanced, min_memory_cap
 from pipelaunch.pipeline.planner.partition.common import (
     DEFAULT_BANDWIDTH,
@@ -219,7 +220,7 @@ def _add_time_rows(prog: _Program, graph: nx.DiGraph, coarse: Coarse, cost: list
         for u in graph.nodes:
             gu = coarse.group_of[u]
             consumers = sorted({coarse.group_of[w] for w in graph.successors(u)} - {gu})
-            nbytes = float(graph.nodes[u].get("output_bytes", 0))
+            nbytes = float(sent_bytes(graph.nodes[u]))
             if not consumers or nbytes <= 0:
                 continue
             for s in range(k - 1):

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 
 import networkx as nx
 
+from pipelaunch.pipeline.graph.derived import sent_bytes
 from pipelaunch.pipeline.planner.partition.common import (
     DEFAULT_BANDWIDTH,
     Partition,
@@ -102,7 +103,7 @@ def layer_starts(graph: nx.DiGraph, order: Sequence[str], num_stages: int) -> li
 
     def crossing(at: int) -> int:
         """Bytes sent when a stage begins at position `at` (each value once)."""
-        return sum(int(graph.nodes[u].get("output_bytes", 0)) for u in order[:at]
+        return sum(sent_bytes(graph.nodes[u]) for u in order[:at]
                    if any(pos[v] >= at for v in graph.successors(u)))
 
     base, extra = divmod(num_layers, num_stages)

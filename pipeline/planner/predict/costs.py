@@ -10,7 +10,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 
-from pipelaunch.pipeline.core.plan import Plan, StagePlan
+from pipelaunch.pipeline.core.plan import Plan, StagePlan, dtype_of
 from pipelaunch.pipeline.planner.predict.simulate import CostModel
 
 #: share of a measured backward that is weight-gradient work when only B was timed.
@@ -62,7 +62,8 @@ def cost_model_from_events(
     memory = {} if fallback is None else {"held_after_input_grad": fallback.held_after_input_grad,
                                           "weight_stash_bytes": fallback.weight_stash_bytes,
                                           "input_grad_freed_bytes": fallback.input_grad_freed_bytes}
-    return CostModel(fwd, bwd_i, bwd_w, rec, act, inp, out, latency_s, bandwidth, backward_s=bwd, **memory)
+    return CostModel(fwd, bwd_i, bwd_w, rec, act, inp, out, latency_s, bandwidth, backward_s=bwd,
+                     edge_bytes=edge_bytes(plan.stages), **memory)
 
 
 def held_output_bytes(stage: StagePlan) -> float:
@@ -100,8 +101,24 @@ def cost_model_from_plan(plan: Plan, latency_s: float, bandwidth: float) -> Cost
         fwd, bwd_i, bwd_w, None, act,
         [float(s.recv_bytes) for s in plan.stages], [float(s.send_bytes) for s in plan.stages], latency_s, bandwidth,
         backward_s=bwd, weight_stash_bytes=[float(b) for b in stash] if stash is not None else None,
-        input_grad_freed_bytes=freed,
+        input_grad_freed_bytes=freed, edge_bytes=edge_bytes(plan.stages),
     )
+
+
+def edge_bytes(stages: Sequence[StagePlan]) -> dict[tuple[int, int], tuple[float, float]]:
+    """Per edge (producer, consumer) between stages, the bytes one rank sends forward and the
+    gradients it gets back (floating-point values only), as the lowering's messages carry them."""
+    out: dict[tuple[int, int], list[float]] = {}
+    for stage in stages:
+        for name, producer in stage.inputs.items():
+            if producer is None:
+                continue
+            nbytes = float(stage.wire_bytes(name))
+            sums = out.setdefault((producer, stage.index), [0.0, 0.0])
+            sums[0] += nbytes
+            if dtype_of(stage.values[name][1]).is_floating_point:
+                sums[1] += nbytes
+    return {edge: (f, g) for edge, (f, g) in out.items()}
 
 
 def stage_held_bytes(stages: Sequence[StagePlan], activation_bytes: Sequence[float],

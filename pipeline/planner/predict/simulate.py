@@ -82,6 +82,10 @@ class CostModel:
     #: per micro-batch, the factor on every compute action's time (data.buckets: its length over
     #: model.seq_len); None: every micro-batch alike. Memory stays priced at the full length.
     microbatch_scale: list[float] | None = None
+    #: per cross-rank edge (producer stage, consumer stage): the bytes of its forward message and of
+    #: the gradient message back (only floating-point values carry one); None: each message of a
+    #: stage priced at its stage's whole `output_bytes` / `input_bytes`
+    edge_bytes: dict[tuple[int, int], tuple[float, float]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.forward_s)
@@ -546,10 +550,7 @@ def _in_flight(schedule: Schedule, cost: CostModel, raw_events: list[tuple[int, 
     for rank, i, start, end in raw_events:
         starts[rank][i] = start
         ends[rank][i] = end
-    in_b, out_b = cost.input_bytes or [0.0] * schedule.num_stages, cost.output_bytes or [0.0] * schedule.num_stages
-    # per kind of message: the bytes it holds by stage, and for a send how long its transfer takes
-    held = {Kind.RECV_F: in_b, Kind.RECV_B: out_b, Kind.SEND_F: out_b, Kind.SEND_B: in_b}
-    transfer = {kind: [cost.transfer_s(b) for b in held[kind]] for kind in (Kind.SEND_F, Kind.SEND_B)}
+    message_bytes = _message_bytes(schedule, cost)
     for rank, acts in enumerate(schedule.actions):
         started, ended = starts[rank], ends[rank]
         # receives are posted after the rest: at one instant the events of one order share a sign,
@@ -565,10 +566,9 @@ def _in_flight(schedule: Schedule, cost: CostModel, raw_events: list[tuple[int, 
                 reader[(completes, a.stage, a.mb)] = done  # the last one, where a key repeats
                 done += 1
                 continue
-            per_stage = held.get(kind)
-            if per_stage is None:  # a data-parallel collective: priced by predict/data_parallel.py
+            if kind not in _MESSAGES:  # a data-parallel collective: priced by predict/data_parallel.py
                 continue
-            nbytes = per_stage[a.stage]
+            nbytes = message_bytes(kind, a.stage, a.peer)
             if not nbytes:
                 continue
             made_end = ended[done - 1] if done else 0.0
@@ -576,12 +576,37 @@ def _in_flight(schedule: Schedule, cost: CostModel, raw_events: list[tuple[int, 
                 receives.append((made_end, nbytes, (READS[kind], a.stage, a.mb)))
             else:
                 post((made_end, _ALLOC, nbytes, 0))
-                post((made_end + transfer[kind][a.stage], _FREE, -nbytes, 0))
+                post((made_end + cost.transfer_s(nbytes), _FREE, -nbytes, 0))
         for made_end, nbytes, key in receives:
             read = reader.get(key)
             if read is not None:
                 post((made_end, _ALLOC, nbytes, 0))
                 post((started[read], _FREE, -nbytes, 0))
+
+
+_MESSAGES = (Kind.RECV_F, Kind.RECV_B, Kind.SEND_F, Kind.SEND_B)
+
+
+def _message_bytes(schedule: Schedule, cost: CostModel) -> Callable[[Kind, int, int | None], float]:
+    """The bytes one P2P action holds: its own edge's message where the cost model has them per
+    edge (a stage sending to three later stages holds three messages of their own sizes, not
+    three of its whole output), else its stage's whole input or output."""
+    n = schedule.num_stages
+    in_b, out_b = cost.input_bytes or [0.0] * n, cost.output_bytes or [0.0] * n
+    edges = cost.edge_bytes
+    if edges is None:
+        held = {Kind.RECV_F: in_b, Kind.RECV_B: out_b, Kind.SEND_F: out_b, Kind.SEND_B: in_b}
+        return lambda kind, stage, peer: held[kind][stage]
+
+    def per_edge(kind: Kind, stage: int, peer: int | None) -> float:
+        if peer is None:
+            return 0.0
+        forward = kind in (Kind.SEND_F, Kind.RECV_F)
+        edge = (stage, peer) if kind in (Kind.SEND_F, Kind.RECV_B) else (peer, stage)
+        fwd, grad = edges.get(edge, (0.0, 0.0))
+        return fwd if forward else grad
+
+    return per_edge
 
 
 def _lower_bound(schedule: Schedule, cost: CostModel, busy: list[float]) -> float:

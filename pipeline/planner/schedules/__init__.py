@@ -8,7 +8,7 @@ from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.ir import Action, Kind, R, Schedule
 from pipelaunch.pipeline.planner.schedules.base import ScheduleCosts, ScheduleGenerator
 
-REMAT_CHOICES = ("none", "full", "auto")
+REMAT_CHOICES = ("none", "selective", "full", "stage", "auto")
 
 
 def insert_recompute(actions: list[list[Action]], stages: Collection[int] | None = None) -> list[list[Action]]:
@@ -41,7 +41,7 @@ def build_schedule(
     pp = max(placement) + 1
     generator.check(pp, microbatches, list(placement))
     actions = generator.compute_actions(list(placement), microbatches, costs, first_order=first_order)
-    if remat == "full":
+    if remat == "stage":
         if not generator.training:
             raise ConfigError("remat", f"scheduler {generator.name!r} runs no backward; use remat=none")
         actions = insert_recompute(actions)

@@ -5,8 +5,12 @@ about (p-1)/(v*m + p-1), at the price of v times more point-to-point messages.
 
 Order on rank r: forwards go in groups of p micro-batches per chunk (chunk 0 for micro-batches
 0..p-1, chunk 1 for the same, ..., then the next p micro-batches), backwards the same with the
-chunks reversed. A warm-up of 2(p-1-r) + (v-1)p forwards precedes strict F/B alternation.
-Requirement: microbatches is a multiple of pp (the grouping needs whole groups of p).
+chunks reversed. A warm-up of 2(p-1-r) + (v-1)g forwards precedes strict F/B alternation, g the
+first group's size. A count of micro-batches that is no multiple of p is cut into m // p groups as
+equal as can be (each of p or more: torch's flexible interleaved 1F1B makes them equal, Megatron-
+Core's `microbatch_group_size_per_vp_stage` sets their size), and fewer than p make one group of
+all of them: every count from 1 runs, with the bubble of a pipeline that never fills. (Groups of p
+with a smaller one last deadlock: its chunks switch before a micro-batch has crossed the ranks.)
 """
 
 from __future__ import annotations
@@ -44,12 +48,9 @@ class Interleaved1F1B(ScheduleGenerator):
 
     def check(self, pp: int, microbatches: int, placement: list[int]) -> None:
         self.check_placement(pp, placement)
-        if microbatches < 1 or microbatches % pp:
-            raise ConfigError(
-                "microbatches",
-                f"scheduler {self.name!r} needs microbatches to be a positive multiple of pp={pp} "
-                f"(e.g. {pp}, {2 * pp}, {3 * pp}); got {microbatches}",
-            )
+        if microbatches < 1:
+            raise ConfigError("microbatches", f"scheduler {self.name!r} needs at least one micro-batch; got "
+                                              f"{microbatches}")
 
     def check_placement(self, pp: int, placement: list[int]) -> None:
         """The round-robin placement of `stages_per_rank` stages per rank, or a ConfigError naming it."""
@@ -75,21 +76,27 @@ def interleaved_order(pp: int, v: int, microbatches: int, hop_warmup: int = 2) -
     m = microbatches
     total = m * v
 
-    def slot(k: int, backward: bool) -> tuple[int, int]:
-        group, within = divmod(k, pp * v)
-        chunk = within // pp
-        if backward:
-            chunk = v - 1 - chunk
-        return chunk, group * pp + within % pp
+    rounds = max(1, m // pp)
+    sizes = [m // rounds + (1 if g < m % rounds else 0) for g in range(rounds)]  # equal but for one each
+
+    def slots(backward: bool) -> list[tuple[int, int]]:
+        """(chunk, micro-batch) in the order every rank runs them: the groups in turn, each through
+        its chunks (reversed for the backward)."""
+        out, start = [], 0
+        for size in sizes:
+            for chunk in (range(v - 1, -1, -1) if backward else range(v)):
+                out += [(chunk, mb) for mb in range(start, start + size)]
+            start += size
+        return out
 
     # every rank runs its chunks in the same (chunk, micro-batch) sequence
-    forward_slots = [slot(k, False) for k in range(total)]
-    backward_slots = [slot(k, True) for k in range(total)]
+    forward_slots, backward_slots = slots(False), slots(True)
     f_table, b_table = action_table(Kind.F, pp * v, m), action_table(Kind.B, pp * v, m)
     programs: list[list[Action]] = []
+    group = sizes[0]
     for r in range(pp):
         all_first = m == pp and v > 1 and hop_warmup == 2
-        warmup = total if all_first else min(total, hop_warmup * (pp - 1 - r) + (v - 1) * pp)
+        warmup = total if all_first else min(total, hop_warmup * (pp - 1 - r) + (v - 1) * group)
         acts: list[Action] = []
         forwards = [f_table[(chunk * pp + r) * m + mb] for chunk, mb in forward_slots]
         backwards = [b_table[(chunk * pp + r) * m + mb] for chunk, mb in backward_slots]

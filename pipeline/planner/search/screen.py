@@ -41,8 +41,10 @@ import networkx as nx
 
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.ir import Kind, Schedule
+from pipelaunch.pipeline.graph.derived import sent_bytes
 from pipelaunch.pipeline.planner.build import partition_graph
 from pipelaunch.pipeline.planner.partition import Partition, PartitionRequest
+from pipelaunch.pipeline.planner.passes.remat import recompute_options
 from pipelaunch.pipeline.planner.placement import placement_for
 from pipelaunch.pipeline.planner.predict.memory import UpdateMemory
 from pipelaunch.pipeline.planner.predict.simulate import CostModel, simulate
@@ -93,6 +95,9 @@ class ModelCosts:
     nodes: int = 1
     #: the largest parameter tensor's bytes (the optimizer step's temporaries scale with it)
     largest_tensor: float = 0.0
+    #: per remat mode recomputing every block ("full", "selective"): what a micro-batch then holds,
+    #: the seconds one rerun of every block takes, the largest block's rerun buffer
+    recomputed: tuple[tuple[str, float, float, float], ...] = ()
 
     @classmethod
     def of(cls, graph: nx.DiGraph, size: int, largest_tensor: float = 0.0) -> ModelCosts:
@@ -101,13 +106,23 @@ class ModelCosts:
         def total(key: str) -> float:
             return float(sum(d.get(key, 0.0) or 0.0 for d in nodes))
 
-        outputs = sorted(float(d.get("output_bytes", 0) or 0) for d in nodes if d.get("output_bytes"))
+        outputs = sorted(float(sent_bytes(d)) for d in nodes if sent_bytes(d))
+        saved = total("activation_bytes") + total("loss_activation_bytes")
         return cls(size, total("forward_s"), total("backward_input_s"), total("backward_weight_s"), total("backward_s"),
-                   total("activation_bytes") + total("loss_activation_bytes"), total("param_bytes"),
+                   saved, total("param_bytes"),
                    max((float(d.get("param_bytes", 0) or 0) for d in nodes), default=0.0),
                    max((float(d.get("forward_s", 0) or 0) + float(d.get("backward_s", 0) or 0) for d in nodes),
                        default=0.0),
-                   outputs[len(outputs) // 2] if outputs else 0.0, graph.number_of_nodes(), largest_tensor)
+                   outputs[len(outputs) // 2] if outputs else 0.0, graph.number_of_nodes(), largest_tensor,
+                   _recomputed(graph, saved))
+
+    def recompute(self, remat: str) -> tuple[float, float, float]:
+        """(bytes a micro-batch holds, seconds of one rerun, rerun buffer) with every block
+        recomputed `remat`; (saved bytes, 0, 0) for a mode recomputing no block."""
+        for mode, held, rerun, buffer in self.recomputed:
+            if mode == remat:
+                return held, rerun, buffer
+        return self.saved_bytes, 0.0, 0.0
 
     def at(self, size: int, other: ModelCosts | None = None) -> ModelCosts:
         """The model at another micro-batch size: along the line through this size's costs and
@@ -117,17 +132,21 @@ class ModelCosts:
             k = size / self.size
             return ModelCosts(size, self.forward * k, self.input_grad * k, self.weight_grad * k, self.backward * k,
                               self.saved_bytes * k, self.param_bytes, self.largest_params, self.largest_work * k,
-                              self.boundary_bytes * k, self.nodes, self.largest_tensor)
+                              self.boundary_bytes * k, self.nodes, self.largest_tensor,
+                              tuple((mode, *(x * k for x in rest)) for mode, *rest in self.recomputed))
         t = (size - self.size) / (other.size - self.size)
 
         def line(a: float, b: float) -> float:
             return max(0.0, a + (b - a) * t)
 
+        others = {mode: rest for mode, *rest in other.recomputed}
+        recomputed = tuple((mode, *(line(a, b) for a, b in zip(rest, others.get(mode, rest), strict=True)))
+                           for mode, *rest in self.recomputed)
         return ModelCosts(size, line(self.forward, other.forward), line(self.input_grad, other.input_grad),
                           line(self.weight_grad, other.weight_grad), line(self.backward, other.backward),
                           line(self.saved_bytes, other.saved_bytes), self.param_bytes, self.largest_params,
                           line(self.largest_work, other.largest_work), line(self.boundary_bytes, other.boundary_bytes),
-                          self.nodes, self.largest_tensor)
+                          self.nodes, self.largest_tensor, recomputed)
 
 
 @dataclass(frozen=True)
@@ -176,6 +195,19 @@ class Split:
         return cls(share(part.stage_compute_s), share(part.stage_param_bytes), share(part.stage_activation_bytes))
 
 
+def _recomputed(graph: nx.DiGraph, saved: float) -> tuple[tuple[str, float, float, float], ...]:
+    """`ModelCosts.recomputed` from the priced graph's blocks (remat.py's options, the model taken
+    as one stage)."""
+    options = recompute_options(graph, dict.fromkeys(graph.nodes, 0), False, keep_all=True)
+    out = []
+    for selective in (False, True):
+        mine = [o for o in options if o.selective == selective]
+        if mine:
+            out.append(("selective" if selective else "full", saved - sum(max(0.0, o.saves_bytes) for o in mine),
+                        sum(o.rerun_s or 0.0 for o in mine), max(o.rerun_bytes for o in mine)))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class Shape:
     """A schedule's order at a small scale: idle rank-micro-batch slots in its step (the bubble,
@@ -195,7 +227,7 @@ def schedule_shape(gen: ScheduleGenerator, pp: int, microbatches: int, remat: st
     n = len(placement)
     f, i, w = (x * pp / n for x in fiw)
     costs = ScheduleCosts.of([f] * n, [i] * n, [w] * n)
-    schedule = build_schedule(gen, placement, microbatches, "full" if remat == "full" else "none", costs=costs)
+    schedule = build_schedule(gen, placement, microbatches, "stage" if remat == "stage" else "none", costs=costs)
     result = simulate(schedule, CostModel([f] * n, [i] * n, [w] * n), check=False, memory=False)
     work = max(result.busy_s) / microbatches  # a rank's work per micro-batch (recomputation included)
     held = held_stage_microbatches(schedule)
@@ -335,33 +367,34 @@ class Screen:
             # units of a rank's work hardly moves with the ratio, and one measurement serves every
             # tp degree and micro-batch size
             fiw = (1.0, 1.0, 1.0) if gen.split_backward else (1.0, 2.0, 0.0)
-            remat = "full" if c.remat == "full" else "none"
+            remat = c.remat if c.remat in ("stage", "full", "selective") else "none"
             exact = exact and len(placement) * c.microbatches <= EXACT_STAGE_MICROBATCHES
             shaped = schedule_shape if exact else scaled_shape
-            shape = shaped(gen, pp, c.microbatches, remat, fiw)
+            shape = shaped(gen, pp, c.microbatches, "stage" if remat == "stage" else "none", fiw)
         except ConfigError as err:
             return Estimate(error=str(err).removeprefix("Invalid config "))
         stages = len(placement)
         split = self.split(c, tp, tuple(placement)) if pp > 1 else None
-        step = self._step(c, model, shape, remat, whole, split)
+        step = self._step(c, model, shape, remat, whole, split, gen.split_backward)
         memory = self._peak(c, model, shape, remat, stages, split)
-        if c.remat == "auto" and self.cap is not None and memory.peak_bytes > self.cap:  # recompute where needed
-            try:
-                full = shaped(gen, pp, c.microbatches, "full", fiw)
-            except ConfigError as err:
-                return Estimate(error=str(err).removeprefix("Invalid config "))
+        if c.remat == "auto" and self.cap is not None and memory.peak_bytes > self.cap:
+            # recompute where needed: every block selectively, or whole, as the blocks' choice would at most
+            for mode in ("selective", "full"):
+                kept = self._peak(c, model, shape, mode, stages, split)
+                if kept.peak_bytes <= self.cap or mode == "full":
+                    return replace(kept, step_s=self._step(c, model, shape, mode, whole, split, gen.split_backward))
+        if remat == "stage" and gen.split_backward:
             # a split backward keeps a recomputed micro-batch's activations from its I until its W,
             # which these schedules defer: its memory is estimated as without recomputation
-            kept = memory if gen.split_backward else self._peak(c, model, full, "full", stages, split)
-            return replace(kept, step_s=self._step(c, model, full, "full", whole, split))
-        if remat == "full" and gen.split_backward:
             return replace(self._peak(c, model, shape, "none", stages, split), step_s=step)
         return replace(memory, step_s=step)
 
     def _step(self, c: Candidate, model: ModelCosts, shape: Shape, remat: str, whole: float,
-              split: Split | None = None) -> float:
+              split: Split | None = None, split_backward: bool = False) -> float:
         pp, dp, _ = self._layout(c)
-        work = whole + (model.forward if remat == "full" else 0.0)
+        # a whole stage reruns once (R); a recomputed block once in a fused backward, in each half of a split one
+        rerun = model.forward if remat == "stage" else model.recompute(remat)[1] * (2 if split_backward else 1)
+        work = whole + rerun
         if split is not None:  # the fullest rank of the candidate's own split
             work *= split.work
         else:  # an even split, a stage holding at least its largest node
@@ -392,12 +425,13 @@ class Screen:
         grads = rank_params / (shard if level >= 2 else 1)
         states = self.optimizer_states * rank_params / (shard if level >= 1 else 1)
         per_stage = model.saved_bytes / stages  # one stage's activations for one micro-batch
-        if remat == "full":  # stage inputs held, one stage's activations rebuilt at a time
+        kept, _, buffer = model.recompute(remat)  # recomputed blocks: what a micro-batch keeps, one rerun's
+        if remat == "stage":  # stage inputs held, one stage's activations rebuilt at a time
             held = shape.held * (stages / pp) * model.boundary_bytes + per_stage
         elif split is not None:  # the micro-batches a rank holds, of its own stages' activations
-            held = shape.held * model.saved_bytes * split.activations
+            held = shape.held * kept * split.activations + buffer
         else:
-            held = shape.held * (stages / pp) * per_stage
+            held = shape.held * (stages / pp) * kept / stages + buffer
         stepped = shard if level >= 1 else 1  # the optimizer steps a shard of the parameters
         update = UpdateMemory(temporaries=self.optimizer_temporaries, dp=dp).bytes(
             rank_params / stepped, min(model.largest_tensor, rank_params), stepped)
