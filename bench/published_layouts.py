@@ -4,6 +4,7 @@ paper's own layouts, against the throughput the paper published.
     python bench/published_layouts.py               # every row (minutes: the largest are pp=64, 512 micro-batches)
     python bench/published_layouts.py --rows 0 4    # some rows
     python bench/published_layouts.py --search --rows 4 9   # plan=auto's layout on the row's GPUs against the paper's
+    python bench/published_layouts.py --nemo        # NVIDIA NeMo 24.12's rows (without context parallelism)
 
 Each row (bench/data/sc21_table1.csv, from Narayanan et al. SC21, arXiv 2104.04473, and Megatron-LM's
 examples/academic_paper_scripts/sc21/run_table_1.sh) is planned as the paper ran it: its tp, pp and
@@ -31,6 +32,26 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 TABLE = ROOT / "bench" / "data" / "sc21_table1.csv"
+NEMO = ROOT / "bench" / "data" / "nemo_24_12.csv"
+
+#: NeMo's models as this launcher builds them, from their published configs: Llama 2's
+#: config.json (meta-llama/Llama-2-13b-hf, -70b-hf: hidden, MLP width, layers, heads, key/value
+#: heads, vocabulary, positions), GPT-3 175B from Brown et al. 2020 (Table 2.1: 96 layers, d 12288,
+#: 96 heads, 2048 positions) with Megatron's padded GPT-2 vocabulary (51200)
+NEMO_MODELS = {
+    "LLAMA2-70B": ["model=hf", "+model.config.model_type=llama", "+model.config.hidden_size=8192",
+                   "+model.config.intermediate_size=28672", "+model.config.num_hidden_layers=80",
+                   "+model.config.num_attention_heads=64", "+model.config.num_key_value_heads=8",
+                   "+model.config.vocab_size=32000", "+model.config.max_position_embeddings=4096"],
+    "LLAMA2-13B": ["model=hf", "+model.config.model_type=llama", "+model.config.hidden_size=5120",
+                   "+model.config.intermediate_size=13824", "+model.config.num_hidden_layers=40",
+                   "+model.config.num_attention_heads=40", "+model.config.num_key_value_heads=40",
+                   "+model.config.vocab_size=32000", "+model.config.max_position_embeddings=4096"],
+    "GPT3-175B": ["model=gpt", "model.layers=96", "model.dim=12288", "model.heads=96", "model.vocab_size=51200"],
+}
+#: the global batch of a row that gives none (NeMo's Llama 2 13B recipe is not on that page):
+#: 128 sequences, the Llama 2 70B row's
+NEMO_DEFAULT_BATCH = 128
 
 
 def rows() -> list[dict]:
@@ -40,10 +61,9 @@ def rows() -> list[dict]:
 
 def overrides(row: dict, remat: str = "full") -> list[str]:
     """The paper's layout of one row as this launcher's command line. remat=full recomputes every
-    stage's forward, as the paper does (its count includes it); this runtime recomputes a stage
-    whole where Megatron checkpoints each layer, so its peak can pass 80 GB where Megatron's does
-    not: the device's memory is lifted (the peak column says what it would need). remat=auto
-    recomputes only what the 80 GB need."""
+    layer's forward inside its backward, keeping only the layer's input, as the paper's Megatron
+    does (its count includes it), on the A100's own 80 GB. remat=auto recomputes, layer by layer,
+    only what the 80 GB need."""
     tp, pp, gpus = int(row["tp"]), int(row["pp"]), int(row["gpus"])
     dp = gpus // (tp * pp)
     micro, batch, layers = int(row["micro_batch"]), int(row["global_batch"]), int(row["layers"])
@@ -51,14 +71,68 @@ def overrides(row: dict, remat: str = "full") -> list[str]:
            f"model.heads={row['heads']}", "model.vocab_size=51200", "model.seq_len=2048", f"batch_size={batch}",
            f"microbatches={batch // (dp * micro)}", f"pp={pp}", f"dp={dp}", f"tp={tp}", "precision=bf16",
            f"remat={remat}", "partitioner=uniform", "eval.every=0", "model.attention=math"]
-    if remat == "full":
-        out.append("hardware.memory_bytes=1e13")
     virtual = row["layers_per_virtual_stage"]
     if virtual:
         out += ["scheduler=interleaved_1f1b", f"scheduler.stages_per_rank={layers // (pp * int(virtual))}"]
     else:
         out += ["scheduler=1f1b"]
     return out
+
+
+def nemo_rows() -> list[dict]:
+    """The NeMo 24.12 rows without context parallelism (cp=1), whose model is one of NEMO_MODELS."""
+    with NEMO.open() as f:
+        found = list(csv.DictReader(line for line in f if not line.startswith("#")))
+    return [r for r in found if r["cp"] == "1" and r["model"] in NEMO_MODELS]
+
+
+def nemo_overrides(row: dict) -> list[str]:
+    """A NeMo row's published layout as this launcher's command line: its tp, pp and virtual
+    stages (interleaved 1F1B), dp = GPUs / (tp x pp), micro- and global batch, sequence length;
+    what NeMo runs besides: sequence parallelism with tp, the distributed optimizer (zero=1), and
+    bf16 (the FP8 figures cannot be priced here). NeMo's recipes recompute nothing; this runtime
+    holds more per device (fp32 parameters and a residual stream under autocast), so remat=auto
+    recomputes, block by block, what 80 GB need."""
+    tp, pp, gpus, vp = int(row["tp"]), int(row["pp"]), int(row["gpus"]), int(row["vp"] or 1)
+    dp = gpus // (tp * pp)
+    micro, batch = int(row["micro_batch"]), int(row["global_batch"] or NEMO_DEFAULT_BATCH)
+    out = ["mode=plan", "hardware=h100_sxm", *NEMO_MODELS[row["model"]], f"model.seq_len={row['seq_len']}",
+           f"batch_size={batch}", f"microbatches={batch // (dp * micro)}", f"pp={pp}", f"dp={dp}", f"tp={tp}",
+           "zero=1", "precision=bf16", "remat=auto", "partitioner=uniform", "eval.every=0"]
+    if tp > 1:
+        out.append("sequence_parallel=true")
+    out += ["scheduler=interleaved_1f1b", f"scheduler.stages_per_rank={vp}"] if vp > 1 else ["scheduler=1f1b"]
+    return out
+
+
+def nemo(rows_: list[dict]) -> int:
+    """Each NeMo row planned with its published layout on hardware=h100_sxm: the predicted
+    tokens/s per GPU beside the published one (FP8), and both as ratios to the first row."""
+    from pipelaunch.launcher.overrides import compose_checked
+    from pipelaunch.launcher.validate import prepare
+
+    print(f"{'model':>11} {'gpus':>5} {'layout':>22} {'m':>4} {'step s':>7} {'tok/s/GPU':>9} {'NeMo fp8':>8} "
+          f"{'pred/pub':>8} {'ratio':>6} {'NeMo':>6} {'off':>6} {'peak GB':>7} {'recomputed':>16} {'plan s':>6}")
+    first = None
+    for row in rows_:
+        ov = nemo_overrides(row)
+        started = time.perf_counter()
+        prepared = prepare(compose_checked(ov))
+        seconds = time.perf_counter() - started
+        plan, step = prepared.plan, prepared.prediction.step_s
+        tokens = plan.micro_batch_size * plan.microbatches * plan.dp * int(row["seq_len"])
+        per_gpu = tokens / step / int(row["gpus"])
+        published = float(row["tokens_per_s_per_gpu"])
+        first = first or (per_gpu, published)
+        ratio, nemo_ratio = per_gpu / first[0], published / first[1]
+        full = sum(len(s.recompute) for s in plan.stages)
+        selective = sum(len(s.selective) for s in plan.stages)
+        layout = f"tp{row['tp']} pp{row['pp']} dp{plan.dp} vp{row['vp'] or 1}"
+        print(f"{row['model']:>11} {row['gpus']:>5} {layout:>22} {plan.microbatches:>4} {step:>7.2f} {per_gpu:>9.0f} "
+              f"{published:>8.0f} {per_gpu / published:>8.3f} {ratio:>6.3f} {nemo_ratio:>6.3f} "
+              f"{ratio / nemo_ratio - 1:>+6.1%} {prepared.prediction.peak_bytes / 1e9:>7.1f} "
+              f"{f'{full} full {selective} sel':>16} {seconds:>6.1f}", flush=True)
+    return 0
 
 
 def paper_flops(row: dict) -> float:
@@ -78,7 +152,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="full: as the paper (every forward recomputed); auto: only what 80 GB need")
     parser.add_argument("--search", action="store_true",
                         help="also let plan=auto choose the layout on the row's GPUs (plan.devices) and compare")
+    parser.add_argument("--nemo", action="store_true", help="NeMo 24.12's published layouts instead of SC21's")
     args = parser.parse_args(argv)
+    if args.nemo:
+        found = nemo_rows()
+        return nemo([found[i] for i in args.rows] if args.rows else found)
     table = rows()
     chosen = args.rows if args.rows else range(len(table))
     if args.search:

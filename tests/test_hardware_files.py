@@ -96,3 +96,16 @@ def test_an_unknown_hardware_name_lists_the_files():
 
     with pytest.raises(ConfigError, match="valid: a100_80gb, b200"):
         load_hardware("tpu_v9")
+
+
+def test_a_figure_set_on_the_command_line_shows_in_the_cost_source():
+    """`hardware.memory_bytes=1e13` plans on a device of 10 TB: the prediction says so, in the
+    stage table's `costs from` line and in plan.json's `cost_source`; the file's own figures say nothing."""
+    from pipelaunch.launcher.validate import prepare
+    from tests.harness import compose_cfg
+
+    base = ["mode=plan", "model.layers=4", "hardware=h100_sxm", "pp=2"]
+    lifted = prepare(compose_cfg([*base, "hardware.memory_bytes=1e13", "hardware.intra_node.bandwidth=1e11"]))
+    assert lifted.plan.meta.machine.cost_source.endswith(
+        "set on the command line: intra_node.bandwidth=100000000000.0, memory_bytes=10000000000000.0")
+    assert "command line" not in prepare(compose_cfg(base)).plan.meta.machine.cost_source

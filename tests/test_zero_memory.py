@@ -32,7 +32,7 @@ def _devices(zero: int, placement=(0, 0, 1), replicated=None, update=None, resha
 
 
 @pytest.mark.parametrize(("zero", "held", "cpu", "gpu"), [
-    (0, (12, 12, 24), 0, 0), (1, (12, 12, 12), 4, 4 + 4 + 2), (2, (12, 6, 12), 4 + 4, 4 + 4 + 4 + 2),
+    (0, (12, 12, 24), 0, 0), (1, (12, 12, 12), 4, 4 + 4), (2, (12, 6, 12), 4 + 4, 4 + 4 + 4 + 2),
     (3, (6, 6, 12), (4 + 3) + 4, (4 + 3) + 4 + 4 + 2)])
 def test_each_level_holds_what_the_table_says(zero: int, held: tuple, cpu: float, gpu: float) -> None:
     """Rank 0 holds 12 MiB of parameters in two stages, the larger cut into blocks of 4, 3 and 1
@@ -40,7 +40,8 @@ def test_each_level_holds_what_the_table_says(zero: int, held: tuple, cpu: float
     memory returned meanwhile) and reduce-scatters one block at a time (its 4 MiB input); zero=2 the gradients too (a block's
     gradients and their reduce-scatter input); zero=3 the parameters too (the block computing, the
     next one prefetched, a block's gradients). On a GPU each reduce-scatter's input stays until the
-    next (4 MiB), and the other stage keeps its last (2 MiB)."""
+    next (4 MiB), and at zero >= 2, which reduces every micro-batch, the other stage keeps its last
+    (2 MiB); at zero=1 a stage's one reduction ends its last backward, which drops the input."""
     rank0 = _devices(zero)[0]
     assert (rank0.params, rank0.grads, rank0.optimizer) == tuple(h * MIB for h in held)
     assert rank0.gathered == cpu * MIB and _devices(zero, gpu=True)[0].gathered == gpu * MIB

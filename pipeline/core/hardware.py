@@ -10,7 +10,7 @@ the links a collective crosses and the memory a device holds.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pipelaunch.pipeline.core.errors import ConfigError
@@ -53,6 +53,9 @@ class Hardware:
     sources: Mapping[str, str] = field(default_factory=dict)
     #: "<device>, <date>" when the efficiencies were measured on the device; None: datasheet only
     calibrated: str | None = None
+    #: the figures the run set apart from its file (`hardware.memory_bytes=1e13` on the command
+    #: line), as `key=value`: a prediction says it was made on them
+    overrides: tuple[str, ...] = ()
 
     def matmul_flops(self, dtype: str) -> float:
         """FLOP/s a large matmul in `dtype` reaches: the peak times its efficiency."""
@@ -79,8 +82,12 @@ class Hardware:
     def source(self) -> str:
         """Where the figures come from, as a prediction names it."""
         if self.calibrated:
-            return f"hardware={self.name}: datasheet peaks, efficiencies calibrated on {self.calibrated}"
-        return f"hardware={self.name}: datasheet values, efficiencies assumed (conf/hardware/{self.name}.yaml)"
+            text = f"hardware={self.name}: datasheet peaks, efficiencies calibrated on {self.calibrated}"
+        else:
+            text = f"hardware={self.name}: datasheet values, efficiencies assumed (conf/hardware/{self.name}.yaml)"
+        if self.overrides:
+            text += f"; set on the command line: {', '.join(self.overrides)}"
+        return text
 
 
 def _number(data: Mapping, key: str, name: str, low: float = 0.0) -> float:
@@ -144,7 +151,34 @@ def configured_hardware(config: Mapping) -> Hardware | None:
     name = str(config.get("name", LOCAL))
     if name == LOCAL:
         return None
-    return hardware_from_dict(config, name)
+    hw = hardware_from_dict(config, name)
+    return replace(hw, overrides=tuple(_changed(config, name)))
+
+
+def _changed(config: Mapping, name: str) -> list[str]:
+    """The figures of `config` that differ from conf/hardware/<name>.yaml's, as `key=value`
+    (nested keys dotted); none where the file is not ours (a user's own hardware file)."""
+    from omegaconf import OmegaConf
+
+    path = HARDWARE_DIR / f"{name}.yaml"
+    if not path.exists():
+        return []
+    base = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+
+    def leaves(data: Mapping, prefix: str = "") -> dict[str, object]:
+        out: dict[str, object] = {}
+        for key, value in data.items():
+            if key == "sources":
+                continue
+            if isinstance(value, Mapping):
+                out.update(leaves(value, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = value
+        return out
+
+    given, filed = leaves(config), leaves(base)
+    return [f"{key}={given[key]}" for key in sorted(given) if key in filed and given[key] != filed[key]] + \
+        [f"{key}={given[key]}" for key in sorted(given) if key not in filed]
 
 
 def load_hardware(name: str) -> Hardware:

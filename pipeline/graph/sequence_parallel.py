@@ -96,6 +96,26 @@ class WholeShape(nn.Module):
         return torch.Size(shape) if not index else shape[index[0]]
 
 
+def _traced_source(node: fx.Node) -> fx.Node:
+    """The traced node whose output `node` carries: itself, or for a collective a rewrite put in
+    (`_tp_*`, `_sp_*` modules) the node it reads."""
+    while node.op == "call_module" and str(node.target).startswith(("_tp_", "_sp_")) and node.args \
+            and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+_MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+            torch.ops.aten.matmul.default, nn.functional.linear, torch.matmul}
+
+
+def _is_matmul(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether `node` is a projection (an nn.Linear call, or a linear or matrix product)."""
+    if node.op == "call_module":
+        return isinstance(gm.get_submodule(str(node.target)), nn.Linear)
+    return node.op == "call_function" and node.target in _MATMULS
+
+
 @dataclass
 class SequenceRewrite:
     """What the pass did to one graph: every node's layout, the inserted modules (name -> kind) and
@@ -106,8 +126,13 @@ class SequenceRewrite:
     inserted: dict[str, str] = field(default_factory=dict)
     at: dict[str, str] = field(default_factory=dict)
     partial: set[str] = field(default_factory=set)
-    #: inserted module -> the bytes of the whole value it moves (what the planner prices)
+    #: inserted module -> the bytes of the whole value it moves (what the planner prices), and the
+    #: traced node whose output that value is (its dtype under autocast prices it under bf16)
     bytes: dict[str, int] = field(default_factory=dict)
+    moves: dict[str, str] = field(default_factory=dict)
+    #: the inserted modules whose value is a projection's output (autocast's compute dtype, where
+    #: the moved value lies inside a leaf block, whose inner dtypes the planner does not trace)
+    matmul: set[str] = field(default_factory=set)
     #: the tp rewrite's `f`/`g` replaced by their sequence-parallel forms (old name -> new)
     replaced: dict[str, str] = field(default_factory=dict)
     #: a node whose readers now read another (a lookup's: its reduce-scatter) -> that node
@@ -171,6 +196,10 @@ class _Pass:
         self.out.at[self.prefix + name] = self.top or owner.name
         if isinstance(value, torch.Tensor):
             self.out.bytes[self.prefix + name] = value.numel() * value.element_size()
+            source = _traced_source(owner)
+            self.out.moves[self.prefix + name] = self.top or source.name
+            if _is_matmul(self.gm, source):
+                self.out.matmul.add(self.prefix + name)
         return name
 
     def _whole(self, node: fx.Node) -> fx.Node:

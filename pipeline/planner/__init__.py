@@ -330,18 +330,9 @@ def _autocast_dtypes(cfg: TrainConfig, spec: ModelSpec, traced: TracedModel, mbs
                      cuda: bool) -> dict[str, torch.dtype] | None:
     """Under precision=bf16, the dtype autocast gives every value on the run's device type (what
     a sender produces, so what its receiver allocates); found on fake tensors, no GPU touched."""
-    from pipelaunch.pipeline.planner.measure.autocast import autocast_dtypes
+    from pipelaunch.pipeline.planner.measure.autocast import cached_autocast_dtypes
 
-    dtype = PRECISIONS[str(cfg.precision)]
-    if dtype is None:
-        return None
-    # one per traced model (a size and tp degree): a search plans many candidates on each, and
-    # running the model on fake tensors took 60% of a cluster search's time
-    known = traced.graph.graph.setdefault("autocast_dtypes", {})
-    key = (cuda, str(dtype), mbs)
-    if key not in known:
-        known[key] = autocast_dtypes(traced, spec.meta_args(mbs), torch.device("cuda" if cuda else "cpu"), dtype)
-    return known[key]
+    return cached_autocast_dtypes(traced, spec.meta_args(mbs), cuda, PRECISIONS[str(cfg.precision)], mbs)
 
 
 def _first_plannable(cfg: TrainConfig, plugins: Plugins, options: GroupOptions, models: TracedModels, build,

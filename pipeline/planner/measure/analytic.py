@@ -147,11 +147,14 @@ class _FuseAttention(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in ATTENTION and 3 <= len(args) <= 4:
-            # an explicit mask (transformers' causal mask) runs the memory-efficient kernel: it
-            # reads the mask and does the whole square of work; is_causal skips half of it
-            mask = kwargs.get("attn_mask", args[3] if len(args) == 4 else None)
-            causal = bool(kwargs.get("is_causal", False)) and mask is None
+        if func in ATTENTION and 3 <= len(args) <= 6:
+            # (q, k, v, attn_mask, dropout_p, is_causal), positional or by name (an exported
+            # graph passes them positionally). An explicit mask (a packed-document mask) runs the
+            # memory-efficient kernel: it reads the mask and does the whole square of work;
+            # is_causal skips half of it
+            named = dict(zip(("attn_mask", "dropout_p", "is_causal"), args[3:], strict=False)) | kwargs
+            mask = named.get("attn_mask")
+            causal = bool(named.get("is_causal", False)) and mask is None
             with torch._C.DisableTorchFunction():
                 return _FusedAttention.apply(*args[:3], causal, self.mode, _bytes(mask))
         return func(*args, **kwargs)

@@ -17,11 +17,13 @@ time rather than overlap it.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import networkx as nx
+import torch
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
+from torch.fx.passes.shape_prop import TensorMetadata
 
 from pipelaunch.pipeline.graph.sequence_parallel import (
     REPLICATED,
@@ -68,11 +70,15 @@ SEQUENCE_STEPS = {"scatter": (1, 1), "gather": (1, 1), "to_whole": (1, 0), "to_p
 
 
 def add_collectives(local: TracedModel, done: Rewritten, tp: int, link: tuple[float, float],
-                    seq: SequenceRewrite | None = None) -> None:
+                    seq: SequenceRewrite | None = None, dtypes: Mapping[str, torch.dtype] | None = None) -> None:
     """Each tp collective `done` placed (and under sequence parallelism `seq`'s), priced on `link`
     (latency, bandwidth) and added to its node's times (when profiled) and to its list
-    `tp_collectives` (kind, bytes)."""
+    `tp_collectives` (kind, bytes). `dtypes`: under bf16, each traced value's dtype as autocast
+    gives it (`measure.autocast`): a collective moves a value in that dtype (a matmul's bf16
+    output reduced, a norm's fp32 output gathered), not in the fp32 it was traced in."""
     g = local.graph
+    scale = _dtype_scale(local, dtypes)
+    compute = min((d.itemsize for d in (dtypes or {}).values() if d.is_floating_point), default=4) / 4
     profiled = all("forward_s" in g.nodes[n] for n in g.nodes)
     replaced = set(seq.replaced) if seq is not None else set()
     for inserted, kind in (seq.inserted.items() if seq is not None else ()):
@@ -80,7 +86,9 @@ def add_collectives(local: TracedModel, done: Rewritten, tp: int, link: tuple[fl
         if owner is None:
             continue
         node = g.nodes[owner]
-        nbytes = float(seq.bytes.get(inserted, 0))
+        moved = seq.moves.get(inserted, owner)
+        nbytes = float(seq.bytes.get(inserted, 0)) * (compute if inserted in seq.matmul and scale(moved) == 1.0
+                                                      else scale(moved))
         node.setdefault("tp_collectives", []).append((kind, nbytes))
         forward, backward = SEQUENCE_STEPS[kind]
         if profiled:
@@ -93,7 +101,8 @@ def add_collectives(local: TracedModel, done: Rewritten, tp: int, link: tuple[fl
             continue
         owner = done.at[inserted]
         node = g.nodes[owner]
-        nbytes = _input_bytes(g, owner) if kind == "copy" else node["output_bytes"]
+        nbytes = _input_bytes(g, owner) * scale(_largest_input(g, owner)) if kind == "copy" \
+            else node["output_bytes"] * scale(owner)
         node.setdefault("tp_collectives", []).append((kind, float(nbytes)))
         if profiled:
             seconds = all_reduce_s(nbytes, tp, *link)
@@ -120,6 +129,25 @@ def _owner(g: nx.DiGraph, name: str, *inserted_at: Mapping[str, str]) -> str | N
         if name is None:
             return None
     return None
+
+
+def _dtype_scale(local: TracedModel, dtypes: Mapping[str, torch.dtype] | None) -> Callable[[str | None], float]:
+    """Per traced node, its value's bytes under autocast over its bytes as traced (1 without)."""
+    if not dtypes:
+        return lambda name: 1.0
+    traced = {n.name: n.meta["tensor_meta"].dtype for n in local.gm.graph.nodes
+              if isinstance(n.meta.get("tensor_meta"), TensorMetadata)}
+
+    def scale(name: str | None) -> float:
+        if name not in dtypes or name not in traced:
+            return 1.0
+        return dtypes[name].itemsize / traced[name].itemsize
+
+    return scale
+
+
+def _largest_input(g: nx.DiGraph, name: str) -> str | None:
+    return max(g.predecessors(name), key=lambda u: g.edges[u, name]["bytes"], default=None)
 
 
 def _input_bytes(g: nx.DiGraph, name: str) -> float:

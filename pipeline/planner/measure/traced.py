@@ -32,6 +32,7 @@ from pipelaunch.pipeline.graph.tensor_parallel import (
 )
 from pipelaunch.pipeline.graph.trace import TracedModel
 from pipelaunch.pipeline.planner.measure.analytic_profile import price_graphs
+from pipelaunch.pipeline.planner.measure.autocast import cached_autocast_dtypes
 from pipelaunch.pipeline.planner.measure.host_memory import check_host_memory
 from pipelaunch.pipeline.planner.measure.profile import (
     ProfileJob,
@@ -57,7 +58,7 @@ class TracedModels:
     def __init__(self, spec: ModelSpec, model: Plugin, cfg: TrainConfig, profile: bool, cuda: bool = False,
                  device: torch.device | None = None, hardware: Hardware | None = None) -> None:
         #: `model` builds `spec` again in a child process (a GPU run's profile)
-        self.spec, self.model_plugin, self.cfg, self.profile = spec, model, cfg, profile
+        self.spec, self.model_plugin, self.cfg, self.profile, self.cuda = spec, model, cfg, profile, cuda
         #: a hardware file: the profile is priced on its figures, on meta, in this process
         self.hardware = hardware
         #: where to profile: this process's device (None: a child process on cuda:0)
@@ -86,7 +87,9 @@ class TracedModels:
         key = (micro_batch_size, tp)
         local = self._local_trace(*key)
         if key not in self._priced:
-            add_collectives(local, self._rewrites[key], tp, self.tp_link, self._sequence[key])
+            dtypes = cached_autocast_dtypes(local, self.spec.meta_args(micro_batch_size), self.cuda,
+                                            PRECISIONS[str(self.cfg.precision)], micro_batch_size)
+            add_collectives(local, self._rewrites[key], tp, self.tp_link, self._sequence[key], dtypes)
             self._priced.add(key)
         return local
 

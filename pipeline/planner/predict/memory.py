@@ -31,14 +31,16 @@ d = dp at zero >= 1 (1 at zero=0), own = S/d + R::
 
 The gathered column is a stage's units (pipeline/graph/units.py: a block each), not the stage:
 `Sharding.window` spells it out per level and `reshard`, for the stage whose window is largest,
-beside the last reduce-scatter input each other stage of the rank keeps on a GPU (FSDP2's
-`reduce_scatter_states`; on a CPU gloo has finished with it and the runtime drops it). At zero=1
+beside the last reduce-scatter input each other stage of the rank keeps on a GPU at zero >= 2 (FSDP2's
+`reduce_scatter_states`, until the stage's next reduction; at zero=1 a stage reduces once, at its
+last backward, and the runtime drops the input there; on a CPU gloo has finished with it and the
+runtime drops it at once). At zero=1
 and 2 the parameters are gathered whole for the step; in fp32 the runtime returns the shards'
 memory meanwhile (FSDP2 keeps a shard beside its gathered parameter: S/d more) and refills them from
 the whole ones at the release. Under precision=bf16 the gathered parameters and the gradients
 autograd computes are bf16 copies (half the bytes: `Sharding.compute_bytes`) and the reduce-scatter
-input fp32; the params column counts P: the fp32 shards plus the bf16 gathered copies are at most
-that from dp=2.
+input fp32; the params column then counts the fp32 shards beside the bf16 whole, S/d + c S + R (P at
+dp=2, less from there: 2.25 bytes a parameter at dp=16).
 
 At zero >= 1 the update holds no flat all-reduce copy and the optimizer's temporaries scale with
 the shard (of the largest tensor, largest/d; of all, own). The step's collectives are priced by
@@ -91,11 +93,13 @@ class Sharding:
         """(params, grads, optimizer) bytes a device holds through the step for `sharded` parameter
         bytes it shares with the other replicas and `replicated` ones it keeps whole (tied). At
         zero=1 and 2 the parameters are gathered whole for the step: in fp32 the shards' memory is
-        returned meanwhile (runtime/sharding.py), under bf16 the bf16 whole and the fp32 shards
-        together are at most the fp32 whole from dp=2."""
+        returned meanwhile (runtime/sharding.py); under bf16 the fp32 shards stay beside the bf16
+        whole, S/d + c S (the fp32 whole at dp=2, 2.25 bytes a parameter at dp=16)."""
         whole = sharded + replicated
         own = sharded / self.degree + replicated
-        return (own if self.zero >= 3 else whole, own if self.zero >= 2 else whole,
+        c = self.compute_bytes
+        gathered = sharded / self.degree + c * sharded + replicated if c < 1 and self.degree > 1 else whole
+        return (own if self.zero >= 3 else gathered if self.zero >= 1 else whole, own if self.zero >= 2 else whole,
                 states * (own if self.zero >= 1 else whole))
 
     def window(self, units: Sequence[float], root: float = 0.0) -> float:
@@ -127,9 +131,12 @@ class Sharding:
         return c * (u1 + u2 + root) + c * (u1 + root) + max(kept, u1 - c * u1)
 
     def kept(self, units: Sequence[float]) -> float:
-        """What a stage keeps between its reductions: its last reduce-scatter input (one unit's, on
-        a device that keeps it; zero >= 1)."""
-        if self.degree <= 1 or self.zero == 0 or not self.keeps_reduce_input:
+        """What a stage keeps between its reductions while the rank's other stages compute: its
+        last reduce-scatter input (one unit's, on a device that keeps it) at zero >= 2, which
+        reduces after every micro-batch. At zero=1 nothing: its one reduction of the step ends its
+        last backward, where the runtime waits for it and drops the input (runtime/sharding.py
+        `finish_backward`)."""
+        if self.degree <= 1 or self.zero < 2 or not self.keeps_reduce_input:
             return 0.0
         return max((float(u) for u in units), default=0.0)
 

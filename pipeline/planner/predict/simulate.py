@@ -201,6 +201,9 @@ class SimResult:
     lower_bound_s: float
     peak_activation_bytes: list[float]
     peak_activation_microbatches: list[int]
+    #: per rank, when its activation bytes first reach their peak (the events of that instant up to
+    #: the one that reaches it: frees before allocations)
+    peak_time_s: list[float] = field(default_factory=list)
     #: builds `events` the first time they are read: generators comparing candidates never read
     #: them (200k dicts at pp=64), a dry run draws them
     event_source: Callable[[], list[dict]] | None = field(default=None, repr=False, compare=False)
@@ -490,8 +493,9 @@ class _Play:
             bubble=bubble,
             internal_bubble=internal,
             lower_bound_s=_lower_bound(self.schedule, self.cost, busy),
-            peak_activation_bytes=[b for b, _ in peaks],
-            peak_activation_microbatches=[n for _, n in peaks],
+            peak_activation_bytes=[b for b, _, _ in peaks],
+            peak_activation_microbatches=[n for _, n, _ in peaks],
+            peak_time_s=[t for _, _, t in peaks],
             event_source=partial(_event_dicts, self.raw_events, self.programs),
             ends_source=partial(_compute_spans, self.raw_events, self.programs),
         )
@@ -525,18 +529,19 @@ def _event_dicts(raw_events: list[tuple[int, int, float, float]], programs: list
     return events
 
 
-def _peak(events: list[tuple[float, int, float, int]]) -> tuple[float, int]:
-    """The most bytes and activation-holding micro-batches a rank's memory events reach at once."""
+def _peak(events: list[tuple[float, int, float, int]]) -> tuple[float, int, float]:
+    """The most bytes and activation-holding micro-batches a rank's memory events reach at once,
+    and when the bytes first reach theirs."""
     cur_b = cur_n = 0.0
-    best_b = best_n = 0.0
-    for _t, _order, db, dn in sorted(events, key=itemgetter(0, 1)):  # stable: ties keep their order
+    best_b = best_n = best_t = 0.0
+    for t, _order, db, dn in sorted(events, key=itemgetter(0, 1)):  # stable: ties keep their order
         cur_b += db
         cur_n += dn
         if cur_b > best_b:
-            best_b = cur_b
+            best_b, best_t = cur_b, t
         if cur_n > best_n:
             best_n = cur_n
-    return best_b, int(best_n)
+    return best_b, int(best_n), best_t
 
 
 def _in_flight(schedule: Schedule, cost: CostModel, raw_events: list[tuple[int, int, float, float]],
@@ -551,6 +556,7 @@ def _in_flight(schedule: Schedule, cost: CostModel, raw_events: list[tuple[int, 
         starts[rank][i] = start
         ends[rank][i] = end
     message_bytes = _message_bytes(schedule, cost)
+    sizes: dict[tuple[Kind, int, int | None], tuple[float, float]] = {}  # per (kind, stage, peer): bytes, transfer
     for rank, acts in enumerate(schedule.actions):
         started, ended = starts[rank], ends[rank]
         # receives are posted after the rest: at one instant the events of one order share a sign,
@@ -568,7 +574,12 @@ def _in_flight(schedule: Schedule, cost: CostModel, raw_events: list[tuple[int, 
                 continue
             if kind not in _MESSAGES:  # a data-parallel collective: priced by predict/data_parallel.py
                 continue
-            nbytes = message_bytes(kind, a.stage, a.peer)
+            key = (kind, a.stage, a.peer)
+            entry = sizes.get(key)
+            if entry is None:
+                nbytes = message_bytes(*key)
+                entry = sizes[key] = (nbytes, cost.transfer_s(nbytes))
+            nbytes, transfer = entry
             if not nbytes:
                 continue
             made_end = ended[done - 1] if done else 0.0
@@ -576,7 +587,7 @@ def _in_flight(schedule: Schedule, cost: CostModel, raw_events: list[tuple[int, 
                 receives.append((made_end, nbytes, (READS[kind], a.stage, a.mb)))
             else:
                 post((made_end, _ALLOC, nbytes, 0))
-                post((made_end + cost.transfer_s(nbytes), _FREE, -nbytes, 0))
+                post((made_end + transfer, _FREE, -nbytes, 0))
         for made_end, nbytes, key in receives:
             read = reader.get(key)
             if read is not None:
