@@ -290,7 +290,7 @@ SCENARIOS = [
     Scenario("help-and-config", "docs/config.md",
              (typed("python train.py --cfg job"), typed("python train.py --help"))),
     Scenario("refusals", "docs/config.md", (
-        refused("python train.py pp=4 microbatches=2"),
+        refused("python train.py scheduler=dualpipev pp=2 microbatches=2"),
         refused("python train.py batch_size=10"),
         refused("python train.py device=tpu"),
         refused("python train.py clip_grad_norm=0"),
@@ -310,6 +310,9 @@ SCENARIOS = [
              files=("myplugins/__init__.py", "myconf/scheduler/lifo.yaml", "myconf/partitioner/head_first.yaml")),
     # docs/planner.md
     Scenario("plan-unet", "docs/planner.md", (plan("python train.py mode=plan model=unet data=images pp=2"),)),
+    Scenario("plan-llama-boundaries", "docs/planner.md", (
+        plan("python train.py mode=plan model=hf_llama_tiny model.seq_len=1024 "
+             "model.config.max_position_embeddings=1024 pp=4 microbatches=4 batch_size=4"),)),
     Scenario("plan-auto-dry-run", "docs/planner.md",
              (plan("python train.py plan=auto mode=plan model=gpt_bench pp=2"),), slow=True, timeout=300),
     Scenario("plan-auto-lists", "docs/planner.md", (
@@ -342,6 +345,9 @@ SKIPPED = {
     "model.dim=25600 model.heads=160 model.vocab_size=51200 model.seq_len=2048 batch_size=3072":
         "plans the 1T GPT on 3072 A100s (about 2 minutes here, bench/RESULTS.md records it); "
         "tests/test_screen.py runs the same screened search on a small cluster",
+    "python bench/remat_modes.py": "twelve real training runs of gpt_bench (about 4 minutes), timed: run on an "
+                                   "idle machine, bench/RESULTS.md records them; tests/test_remat_modes.py measures "
+                                   "each mode's memory",
     "python bench/tensor_parallel.py": "six real training runs of gpt_bench, profiled afresh each (about 4 minutes), "
                                        "timed: run on an idle machine, bench/RESULTS.md records them",
     "python train.py $RUN pp=4 dp=2 scheduler=zbv partitioner=milp resume=ckpt/run1/step_0000400":
