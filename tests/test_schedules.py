@@ -200,16 +200,16 @@ def test_hanayo_beats_1f1b_and_supports_waves() -> None:
 
 
 def test_check_errors_name_the_key() -> None:
-    with pytest.raises(ConfigError, match="microbatches.*multiple of pp=4"):
-        Interleaved1F1B().check(4, 6, interleaved(4, 2))
+    with pytest.raises(ConfigError, match="microbatches.*at least one micro-batch"):
+        Interleaved1F1B().check(4, 0, interleaved(4, 2))
     with pytest.raises(ConfigError, match="placement"):
         Interleaved1F1B(stages_per_rank=3).check(4, 8, interleaved(4, 2))
     with pytest.raises(ConfigError, match="scheduler.stages_per_rank"):
         Interleaved1F1B(stages_per_rank=0)
     with pytest.raises(ConfigError, match="scheduler.waves"):
         Hanayo(waves=0)
-    with pytest.raises(ConfigError, match="microbatches >= 4"):
-        OneFOneB().check(4, 3, linear(4))
+    with pytest.raises(ConfigError, match="microbatches >= 1"):
+        OneFOneB().check(4, 0, linear(4))
     with pytest.raises(ConfigError, match="placement"):
         ZBV().check(4, 8, linear(4))
     with pytest.raises(ConfigError, match="placement"):
