@@ -92,7 +92,7 @@ def _paired_rank(rank: int, job: PairedJob, port: int, out: mp.SimpleQueue) -> N
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     try:
-        ctx = RankContext(rank, world, rank, world, job.plan.pp, job.plan.dp, torch.device("cpu"))
+        ctx = RankContext(rank, world, rank, world, job.plan.layout, torch.device("cpu"))
         ctx.mesh = make_mesh(ctx)
         ours = RankTrainer(run_spec(job.cfg, build_plugins(job.cfg), None), job.plan, ctx,
                            initial_weights=job.initial_weights)

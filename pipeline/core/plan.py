@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from pipelaunch.pipeline.core.ir import Schedule
+from pipelaunch.pipeline.core.layout import Layout
 from pipelaunch.pipeline.core.plan_records import (
     DeviceMemory,
     MachineFacts,
@@ -217,11 +218,18 @@ class Plan:
     tp_modules: dict[str, str] = field(default_factory=dict)
     #: Megatron's sequence parallelism between the split regions (TrainConfig.sequence_parallel)
     sequence_parallel: bool = False
+    #: expert-parallel degree: the replicas a layer's routed experts are split over
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
         """The ranks the plan runs on: pp x dp x tp."""
         return self.pp * self.dp * self.tp
+
+    @property
+    def layout(self) -> Layout:
+        """The parallel layout as one record (`pipeline/core/layout.py`)."""
+        return Layout(pp=self.pp, dp=self.dp, tp=self.tp, ep=self.ep, dp_shard=self.meta.dp_shard)
 
     def data_of(self, value: str) -> str:
         """What the data gives the model input `value`: `input`, `target` or an extra per-token

@@ -1,8 +1,10 @@
-"""Where this rank sits: its global rank, its (dp, pp, tp) coordinates, device and process groups.
+"""Where this rank sits: its global rank, its coordinates on every axis of the layout, its device
+and its process groups.
 
-The layout: global rank = (dp_rank * pp + pp_rank) * tp + tp_rank. The tp ranks of a pipeline
-rank are consecutive (one node's GPUs, where tensor parallelism's per-layer collectives belong),
-then the pipeline ranks of a replica, then the replicas."""
+The layout is one record (`pipeline/core/layout.py`): global rank = ((dp_rank * pp + pp_rank) * cp
++ cp_rank) * tp + tp_rank. The tp ranks of a pipeline rank are consecutive (one node's GPUs, where
+tensor parallelism's per-layer collectives belong), then the pipeline ranks of a replica, then the
+replicas; experts fold over the replicas. Every group comes from the one mesh (`runtime/mesh.py`)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
+
+from pipelaunch.pipeline.core.layout import Coordinates, Layout
+from pipelaunch.pipeline.runtime.mesh import RankMesh
 
 
 @dataclass
@@ -20,53 +25,87 @@ class RankContext:
     world_size: int
     local_rank: int
     local_world_size: int
-    pp: int
-    dp: int
+    layout: Layout
     device: torch.device
-    mesh: DeviceMesh | None = None
-    tp: int = 1
-    _tp_dp: DeviceMesh | None = field(default=None, repr=False)
+    mesh: RankMesh | None = None
+    _at: Coordinates | None = field(default=None, repr=False)
+
+    @property
+    def at(self) -> Coordinates:
+        if self._at is None:
+            self._at = self.layout.coordinates(self.rank)
+        return self._at
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def ep(self) -> int:
+        return self.layout.ep
 
     @property
     def tp_rank(self) -> int:
-        return self.rank % self.tp
+        return self.at.tp
 
     @property
     def pp_rank(self) -> int:
-        return (self.rank // self.tp) % self.pp
+        return self.at.pp
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // (self.tp * self.pp)
+        return self.at.dp
+
+    @property
+    def ep_rank(self) -> int:
+        return self.at.ep
 
     def global_rank(self, pp_rank: int, dp_rank: int | None = None, tp_rank: int | None = None) -> int:
         """Global rank of a pipeline rank in this (or another) replica, at this (or another) tp
         rank: a stage's counterpart in a neighbouring stage is the one at the same tp rank."""
-        dp_rank = self.dp_rank if dp_rank is None else dp_rank
-        return (dp_rank * self.pp + pp_rank) * self.tp + (self.tp_rank if tp_rank is None else tp_rank)
+        return self.layout.rank(self.dp_rank if dp_rank is None else dp_rank, pp_rank, self.at.cp,
+                                self.tp_rank if tp_rank is None else tp_rank)
 
     def tp_dp_mesh(self) -> DeviceMesh:
         """This pipeline rank's tp ranks x replicas, tp first (a checkpoint's view of a parameter
-        split by tp, then sharded over the replicas: Shard(d) over tp, then Shard(0) over dp).
-        Collective the first time: every rank builds the world's (pp, tp, dp) mesh."""
-        if self._tp_dp is None:
-            ranks = torch.arange(self.world_size).view(self.dp, self.pp, self.tp).permute(1, 2, 0)
-            self._tp_dp = DeviceMesh(self.device.type, ranks, mesh_dim_names=("pp", "tp", "dp"))["tp", "dp"]
-        return self._tp_dp
+        split by tp, then sharded over the replicas: Shard(d) over tp, then Shard(0) over dp)."""
+        assert self.mesh is not None
+        return self.mesh.tp_dp
+
+    def _group(self, axis: str) -> dist.ProcessGroup | None:
+        return self.mesh.group(axis) if self.mesh is not None else None
 
     @property
     def tp_group(self) -> dist.ProcessGroup | None:
         """The tp ranks of this pipeline rank (None when there is one)."""
-        return self.mesh["tp"].get_group() if self.mesh is not None and self.tp > 1 else None
+        return self._group("tp")
 
     @property
     def pp_group(self) -> dist.ProcessGroup | None:
         """The pipeline ranks of this replica (None when there is one)."""
-        return self.mesh["pp"].get_group() if self.mesh is not None and self.pp > 1 else None
+        return self._group("pp")
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
-        return self.mesh["dp"].get_group() if self.mesh is not None and self.dp > 1 else None
+        return self._group("dp")
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup | None:
+        """The replicas holding this rank's layers' other experts: the all-to-all group (ep > 1)."""
+        return self._group("ep") if self.ep > 1 else None
+
+    @property
+    def expert_dp_group(self) -> dist.ProcessGroup | None:
+        """The replicas holding the same experts as this rank: its experts' gradients reduce here."""
+        return self._group("expert_dp") if self.ep > 1 else self.dp_group
 
 
 def select_device(requested: str, local_rank: int) -> torch.device:
@@ -111,5 +150,6 @@ def env_int(name: str, default: int) -> int:
     return int(value) if value not in (None, "") else default
 
 
-def make_mesh(ctx: RankContext) -> DeviceMesh:
-    return init_device_mesh(ctx.device.type, (ctx.dp, ctx.pp, ctx.tp), mesh_dim_names=("dp", "pp", "tp"))
+def make_mesh(ctx: RankContext) -> RankMesh:
+    """The run's one mesh (collective)."""
+    return RankMesh(ctx.layout, ctx.device)

@@ -131,7 +131,7 @@ def run_job(job: RankJob, rank: int, device: torch.device) -> RankResult:
     """Train one job in the process group this rank has joined."""
     world = dist.get_world_size()
     local_rank, local_world = env_int("LOCAL_RANK", 0), env_int("LOCAL_WORLD_SIZE", world)
-    ctx = RankContext(rank, world, local_rank, local_world, job.plan.pp, job.plan.dp, device, tp=job.plan.tp)
+    ctx = RankContext(rank, world, local_rank, local_world, job.plan.layout, device)
     ctx.mesh = make_mesh(ctx)
     run_dir = Path(job.run_dir) if job.run_dir else None
     return train_rank(job.run, job.plan, ctx, run_dir, job.callbacks, job.resume_from, job.initial_weights)

@@ -30,9 +30,8 @@ from collections.abc import Iterator
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
@@ -61,19 +60,6 @@ def mixed_precision(precision: str) -> MixedPrecisionPolicy:
     if compute is None:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
-
-
-def replica_mesh(dp_group: dist.ProcessGroup, device: torch.device, dp: int, pp: int,
-                 dp_shard: int | None) -> DeviceMesh:
-    """The mesh FSDP2 shards this rank's stages over: its replicas (1-D), or under hybrid sharding
-    (`dp_shard` < dp) replicas x shards (2-D: FSDP2 reduce-scatters within a group of `dp_shard`
-    and all-reduces the shards across the groups). Ranks are laid out dp-major (RankContext), so a
-    group of consecutive replicas is a node's when pp x dp_shard ranks fill a node. Collective: every
-    rank calls it."""
-    if dp_shard is None or dp_shard == dp:
-        return DeviceMesh.from_group(dp_group, device.type)
-    world = init_device_mesh(device.type, (dp // dp_shard, dp_shard, pp), mesh_dim_names=("replicate", "shard", "pp"))
-    return world["replicate", "shard"]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -328,7 +314,7 @@ class ShardedStages(RankStages):
 
     def __init__(self, plan: Plan, modules: dict[int, nn.Module], actions: list[Action], mesh: DeviceMesh) -> None:
         #: the replicas a shard spans: a clipping norm sums the shards' squares over them
-        self.shard_group = (mesh if mesh.ndim == 1 else mesh["shard"]).get_group()
+        self.shard_group = (mesh if mesh.ndim == 1 else mesh["dp_shard"]).get_group()
         #: tied parameters, which FSDP2 leaves alone (runtime/dp.py all-reduces them after the step)
         self.replicated = tied_params(plan, modules)
         # per UNSHARD at zero=3: the kind of its stage's next compute action (which block to prefetch)

@@ -46,7 +46,7 @@ from pipelaunch.pipeline.runtime.heartbeat import Heartbeat
 from pipelaunch.pipeline.runtime.optim import build_optimizer, clip_gradients
 from pipelaunch.pipeline.runtime.preempt import StopRequests, control_group
 from pipelaunch.pipeline.runtime.progress import Progress
-from pipelaunch.pipeline.runtime.sharding import ShardedStages, local, replica_mesh
+from pipelaunch.pipeline.runtime.sharding import ShardedStages, local
 from pipelaunch.pipeline.runtime.stage import build_stage_modules
 from pipelaunch.pipeline.runtime.tensor_parallel import (
     TensorParallel,
@@ -94,8 +94,8 @@ def _data_parallel(plan: Plan, ctx: RankContext, slots: dict[int, StageSlot]) ->
     modules = {s: slot.module for s, slot in slots.items()}
     actions = plan.schedule.actions[ctx.pp_rank]
     if plan.meta.zero:
-        mesh = replica_mesh(ctx.dp_group, ctx.device, ctx.dp, ctx.pp, plan.meta.dp_shard)
-        return ShardedStages(plan, modules, actions, mesh)
+        assert ctx.mesh is not None
+        return ShardedStages(plan, modules, actions, ctx.mesh.shard_mesh)
     return ReplicatedGrads(plan, modules, actions, ctx.dp_group)
 
 
