@@ -76,10 +76,43 @@ def _number(value, key: str, low: float, high: float | None = None, strict: bool
     return float(value)
 
 
+def check_experts(cfg: TrainConfig) -> None:
+    """What expert parallelism needs of the layout (the model's experts are checked with the model:
+    `check_expert_model`): ep folds over the replicas, and what this runtime shards beside it."""
+    ep = cfg.ep
+    if ep == 1:
+        return
+    if cfg.dp % ep:
+        fits = [e for e in range(1, cfg.dp + 1) if cfg.dp % e == 0]
+        raise ConfigError("ep", f"ep={ep} splits each layer's experts over {ep} replicas, and dp={cfg.dp} does not "
+                                f"divide into groups of {ep}; valid: a divisor of dp ({', '.join(map(str, fits))})")
+    if cfg.tp > 1:
+        raise ConfigError("ep", f"ep={ep} with tp={cfg.tp} is not supported yet; set tp=1 (or ep=1)")
+    if cfg.zero and ep != cfg.dp:
+        raise ConfigError("ep", f"ep={ep} with zero={cfg.zero} over dp={cfg.dp}: sharding the experts over their "
+                                f"{cfg.dp // ep} expert replicas is not supported yet; set ep=dp ({cfg.dp}: each rank "
+                                "holds its own experts whole), or zero=0")
+
+
+def check_expert_model(spec, ep: int) -> None:
+    """ep > 1 on a model with experts that ep divides (`ModelSpec.meta["experts"]`)."""
+    if ep == 1:
+        return
+    experts = spec.meta.get("experts")
+    if not experts:
+        raise ConfigError("ep", f"ep={ep} splits a mixture of experts' routed experts, and model={spec.name} has none "
+                                "(model=gpt: model.experts=8); set ep=1")
+    if experts % ep:
+        fits = [e for e in range(1, experts + 1) if experts % e == 0]
+        raise ConfigError("ep", f"ep={ep} does not divide the model's {experts} routed experts (each rank holds "
+                                f"experts / ep of every layer); valid: {', '.join(map(str, fits))}")
+
+
 def check_config(cfg: TrainConfig) -> None:
     """What the schema's types cannot say: ranges, and rules between keys. Types and enum values
     (`device`, `remat`, `mode`, `precision`, ...) Hydra checked at composition."""
     for key, low in (("threads", 0), ("timeout_s", 1), ("log_every", 1), ("seed", 0), ("pp", 1), ("dp", 1), ("tp", 1),
+                     ("ep", 1),
                      ("microbatches", 1), ("batch_size", 1), ("steps", 1), ("warmup_steps", 0)):
         _integer(getattr(cfg, key), key, low)
     _number(cfg.link_bandwidth, "link_bandwidth", 0.0, strict=True, what=" (the simulator's link model)")
@@ -96,6 +129,7 @@ def check_config(cfg: TrainConfig) -> None:
                                                "sequence_parallel=false")
     check_devices(cfg)
     check_zero(cfg)
+    check_experts(cfg)
     batch, dp, m = cfg.batch_size, cfg.dp, cfg.microbatches
     if cfg.plan.devices is None and batch % (dp * m):  # plan.devices: each layout's own (search/layouts.py)
         raise ConfigError(
@@ -297,6 +331,7 @@ def prepare(cfg: TrainConfig, profile: bool | None = None, device: torch.device 
     check_optimizer(cfg, plugins)
     data = check_data(cfg, spec, plugins)
     check_tp_sizes(spec, cfg.tp)
+    check_expert_model(spec, cfg.ep)
     planned = make_plan(cfg, spec, plugins, options if options is not None else group_options(cfg),
                         profile=profile, device=device, cuda=on_cuda(cfg))
     check_output(cfg, spec, planned.plan)

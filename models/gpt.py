@@ -14,6 +14,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from pipelaunch.models.moe import ROUTERS, MoE
 from pipelaunch.models.spec import ModelSpec, causal_lm_loss, require_positive_ints, segments
 from pipelaunch.pipeline.core import POSITION_IDS
 from pipelaunch.pipeline.core.errors import ConfigError
@@ -138,14 +139,17 @@ class CausalSelfAttention(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x)); the MLP a mixture of
+    experts where `moe` gives its settings (models/moe.py)."""
 
-    def __init__(self, dim: int, heads: int, mlp_ratio: int = 4, dropout: float = 0.0, attention: str = "sdpa") -> None:
+    def __init__(self, dim: int, heads: int, mlp_ratio: int = 4, dropout: float = 0.0, attention: str = "sdpa",
+                 moe: dict | None = None) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(dim)
         self.attn = CausalSelfAttention(dim, heads, dropout, attention)
         self.ln2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim))
+        self.mlp = MoE(dim, **moe) if moe else nn.Sequential(nn.Linear(dim, mlp_ratio * dim), nn.GELU(),
+                                                             nn.Linear(mlp_ratio * dim, dim))
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = x + (self.attn(self.ln1(x)) if position_ids is None else self.attn(self.ln1(x), position_ids))
@@ -178,6 +182,16 @@ def gpt(
     tp_plan: dict[str, str] | None = None,
     data_packing: str | None = None,
     attention: str = "sdpa",
+    experts: int = 0,
+    top_k: int = 2,
+    expert_dim: int | None = None,
+    shared_experts: int = 0,
+    dense_layers: int = 0,
+    router: str = "softmax",
+    expert_groups: int = 1,
+    topk_groups: int = 1,
+    route_scale: float = 1.0,
+    aux_loss_coef: float = 0.01,
 ) -> ModelSpec:
     """Blocks, in order: `embed`, `layer0` .. `layer{layers-1}`, `head` (the leaf modules).
 
@@ -193,7 +207,13 @@ def gpt(
 
     `tp_plan`: how tp > 1 splits it (null: `TP_PLAN`, Megatron's split). `data_packing`: the data's
     packing (`documents`: the model takes the data's position ids too, see the module docstring).
-    `attention`: `ATTENTIONS` (the same arithmetic either way)."""
+    `attention`: `ATTENTIONS` (the same arithmetic either way).
+
+    `experts` > 0: the blocks after the first `dense_layers` have a mixture-of-experts MLP
+    (models/moe.py): `experts` routed SwiGLU experts of width `expert_dim` (default mlp_ratio x dim),
+    each token to `top_k` of them by a `router` (softmax, or DeepSeek-V3's sigmoid with
+    `expert_groups` / `topk_groups` and `route_scale`), `shared_experts` more every token passes
+    through, and the auxiliary load-balancing loss at `aux_loss_coef`."""
     require_positive_ints(vocab_size=vocab_size, dim=dim, layers=layers, heads=heads, seq_len=seq_len,
                           mlp_ratio=mlp_ratio)
     if dim % heads:
@@ -208,8 +228,11 @@ def gpt(
     if attention not in ATTENTIONS:
         raise ConfigError("model.attention", f"got {attention!r}; valid: sdpa (torch's fused attention), math (the "
                                              "scores materialised, as Megatron-LM before fused attention)")
+    moe = _moe_settings(dim, mlp_ratio, layers, experts, top_k, expert_dim, shared_experts, dense_layers, router,
+                        expert_groups, topk_groups, route_scale, aux_loss_coef)
     blocks = [("embed", partial(Embedding, vocab_size, dim, seq_len))]
-    blocks += [(f"layer{i}", partial(DecoderBlock, dim, heads, mlp_ratio, dropout, attention)) for i in range(layers)]
+    blocks += [(f"layer{i}", partial(DecoderBlock, dim, heads, mlp_ratio, dropout, attention,
+                                     moe if experts and i >= dense_layers else None)) for i in range(layers)]
     blocks.append(("head", partial(LMHead, dim, vocab_size)))
     packed = (data_packing or "none") != "none"  # documents or stream: the data's position ids
     model_class = (PackedTiedGPT if tie_embeddings else PackedGPT) if packed else (TiedGPT if tie_embeddings else None)
@@ -221,22 +244,47 @@ def gpt(
         input_dtype=torch.long,
         target_shape=(seq_len,),
         target_dtype=torch.long,
-        leaf_modules=_leaf_modules([n for n, _ in blocks], granularity),
+        leaf_modules=_leaf_modules([n for n, _ in blocks], granularity,
+                                   [f"layer{i}.mlp" for i in range(dense_layers, layers)] if experts else []),
         meta={"vocab_size": vocab_size, "seq_len": seq_len, "dim": dim,
-              "tp_divides": {"model.heads": heads, "model.vocab_size": vocab_size}},
+              "tp_divides": {"model.heads": heads, "model.vocab_size": vocab_size},
+              **({"experts": experts, "top_k": top_k, "moe_layers": layers - dense_layers} if experts else {})},
         tp_plan=dict(TP_PLAN if tp_plan is None else tp_plan),
         data_args=("input", POSITION_IDS) if packed else ("input",),
     )
 
 
-def _leaf_modules(blocks: list[str], granularity: str) -> list[str]:
-    """The modules tracing keeps whole (a cut never falls inside one) at this granularity."""
+def _leaf_modules(blocks: list[str], granularity: str, moe: list[str] = ()) -> list[str]:
+    """The modules tracing keeps whole (a cut never falls inside one) at this granularity; a
+    mixture of experts (`moe`) always: its routing reads values (which expert a token picks)."""
     if granularity == "block":
         return blocks
     if granularity == "sublayer":
         return [leaf for b in blocks
                 for leaf in ([f"{b}.{part}" for part in SUBLAYER_PARTS] if b.startswith("layer") else [b])]
-    return []
+    return list(moe)
+
+
+def _moe_settings(dim: int, mlp_ratio: int, layers: int, experts: int, top_k: int, expert_dim: int | None,
+                  shared: int, dense_layers: int, router: str, groups: int, topk_groups: int, route_scale: float,
+                  aux_loss_coef: float) -> dict:
+    """The MoE layers' settings (models/moe.py `MoE`), each checked, naming its `model.` key."""
+    if not experts:
+        return {}
+    require_positive_ints(experts=experts, top_k=top_k, expert_groups=groups, topk_groups=topk_groups)
+    if top_k > experts:
+        raise ConfigError("model.top_k", f"{top_k} is more than the model's {experts} experts (model.experts)")
+    if router not in ROUTERS:
+        raise ConfigError("model.router", f"got {router!r}; valid: {', '.join(ROUTERS)}")
+    if experts % groups or topk_groups > groups or (groups > 1 and experts // groups < 2):
+        raise ConfigError("model.expert_groups", f"{groups} groups of the {experts} experts (model.topk_groups="
+                                                 f"{topk_groups}): the groups must divide the experts, hold 2 or "
+                                                 "more each, and be at least topk_groups")
+    if not 0 <= dense_layers < layers:
+        raise ConfigError("model.dense_layers", f"{dense_layers}; valid: 0 to model.layers - 1 = {layers - 1}")
+    return {"hidden": expert_dim or mlp_ratio * dim, "experts": experts, "top_k": top_k, "shared": shared,
+            "router": router, "groups": groups, "topk_groups": topk_groups, "route_scale": route_scale,
+            "aux_loss_coef": aux_loss_coef}
 
 
 class TiedGPT(nn.Sequential):

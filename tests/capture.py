@@ -15,10 +15,11 @@ from pipelaunch.pipeline.runtime.rank import RankJob, join_process_group, leave_
 from pipelaunch.pipeline.runtime.trainer import Callback, StepOutcome
 
 
-def stage_state(slots: dict[int, StageSlot], what: str, tp=None) -> dict[str, torch.Tensor]:
+def stage_state(slots: dict[int, StageSlot], what: str, tp=None, ep_group=None) -> dict[str, torch.Tensor]:
     """Parameters or gradients of this rank's stages, keyed by their name in the full model (a
     sharded one gathered whole: collective over the replicas, every one calls it in one order; a
-    tensor-parallel slice gathered over the tp ranks, likewise)."""
+    tensor-parallel slice gathered over the tp ranks, likewise; a share of the experts over the
+    ep group)."""
     out = {}
     for slot in slots.values():
         dims = slot.module.split_dims
@@ -30,6 +31,11 @@ def stage_state(slots: dict[int, StageSlot], what: str, tp=None) -> dict[str, to
                 parts = [torch.empty_like(t) for _ in range(tp.size)]
                 dist.all_gather(parts, t.detach().contiguous(), group=tp.group)
                 t = torch.cat(parts, dim=dims[name])
+            if name in slot.module.expert_params and ep_group is not None:
+                t = t if t is not None else torch.zeros_like(p)
+                parts = [torch.empty_like(t) for _ in range(dist.get_world_size(ep_group))]
+                dist.all_gather(parts, t.detach().contiguous(), group=ep_group)
+                t = torch.cat(parts)
             if t is not None:
                 out[name] = t.detach().cpu().clone()
     return out
@@ -45,19 +51,21 @@ class CaptureState(Callback):
 
     def before_optimizer_step(self, trainer, step: int) -> None:
         if step == 0:
-            self.state["grads_step0"] = stage_state(trainer.slots, "grad", trainer.tp)
+            self.state["grads_step0"] = stage_state(trainer.slots, "grad", trainer.tp, trainer.ctx.ep_group)
 
     def after_step(self, trainer, step: int, outcome: StepOutcome) -> None:
         if step == 0 and outcome.outputs:
             self.state["outputs"] = torch.cat([outcome.outputs[mb].cpu() for mb in sorted(outcome.outputs)])
 
     def result(self, trainer) -> dict:
-        self.state["params_final"] = stage_state(trainer.slots, "param", trainer.tp)
+        self.state["params_final"] = stage_state(trainer.slots, "param", trainer.tp, trainer.ctx.ep_group)
         out = {"state": self.state, "unneeded_imports": [m for m in UNNEEDED if m in sys.modules],
                # the data-parallel collectives the rank issued in its first step (debug.record_p2p)
                "collective_log": list(trainer.collective_log or []),
                # the tensor-parallel collectives it issued in its first step (debug.record_p2p)
                "tp_log": list(trainer.tp_log or []),
+               # the ep group's exchanges it made in its first step (debug.record_p2p, ep > 1)
+               "expert_log": list(trainer.expert_log or []),
                # what it posted to each peer in its first step: (op, label, shape, dtype) (debug.record_p2p)
                "posting_log": dict(getattr(trainer.executor, "posting_log", None) or {}),
                "program": [str(a) for a in trainer.executor.actions]}

@@ -12,6 +12,7 @@ import torch
 from hydra.utils import instantiate
 
 from pipelaunch.launcher.plugins import build_plugins
+from pipelaunch.models.moe import set_aux_loss_scale
 from pipelaunch.models.spec import ModelSpec
 from pipelaunch.pipeline.core.precision import PRECISIONS
 from pipelaunch.pipeline.runtime.optim import build_optimizer
@@ -26,6 +27,7 @@ def reference_run(cfg: dict, capture_state: bool = True) -> dict:
     autocast = PRECISIONS[str(cfg.precision)]
     clip = cfg.clip_grad_norm
     dp, m, batch = cfg.dp, cfg.microbatches, cfg.batch_size
+    set_aux_loss_scale(1.0 / (dp * m))  # a mixture of experts' auxiliary loss: each micro-batch's share
     losses: list[float] = []
     out: dict = {}
     for step in range(cfg.steps):

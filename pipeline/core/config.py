@@ -254,6 +254,9 @@ class TrainConfig:
     #: tensor-parallel degree: each pipeline rank's stages split over this many ranks (consecutive
     #: ranks: one node's GPUs), Megatron-style (the model's own plan: `model.tp_plan`)
     tp: int = 1
+    #: expert-parallel degree: each mixture-of-experts layer's routed experts split over this many
+    #: replicas (ep divides dp; the ranks holding the same experts reduce their gradients together)
+    ep: int = 1
     #: under tp > 1, Megatron's sequence parallelism: between the split regions (norms, dropout,
     #: residual adds, stage boundaries) each tp rank keeps 1/tp of the positions; all-gathers and
     #: reduce-scatters take the place of the all-reduces (pipeline/graph/sequence_parallel.py)

@@ -321,7 +321,7 @@ def _request(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, traced: Traced
         zero=cfg.zero if c is None or c.zero is None else c.zero, dp_shard=cfg.dp_shard,
         reshard=str(cfg.reshard if c is None or c.reshard is None else c.reshard), device_type="cuda" if cuda else "cpu",
         bucket_bytes=cfg.dp_bucket_bytes,
-        evaluates=cfg.eval.every > 0, data_args=tuple(spec.data_args),
+        evaluates=cfg.eval.every > 0, data_args=tuple(spec.data_args), ep=cfg.ep,
         value_dtypes=_autocast_dtypes(cfg, spec, traced, micro_batch_size(cfg, microbatches, dp), cuda),
         **facts)
 

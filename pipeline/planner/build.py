@@ -174,6 +174,8 @@ class PlanRequest:
     tp: int = 1
     tp_modules: Mapping[str, str] = field(default_factory=dict)
     sequence_parallel: bool = False
+    #: expert-parallel degree (TrainConfig.ep)
+    ep: int = 1
     #: where the costs come from (MachineFacts.cost_source)
     cost_source: str | None = None
     #: the replicas' link (latency, bandwidth) when not the pipeline's (`Hardware.links`)
@@ -244,7 +246,7 @@ def build_plan(traced: TracedModel, generator: ScheduleGenerator, req: PlanReque
                 stages, schedule, assignment=dict(part.assignment),
                 shared_params={n: list(v) for n, v in split.shared_params.items()}, meta=PlanMeta(**meta),
                 eval_schedule=eval_schedule, model_inputs=inputs, tp=req.tp, tp_modules=dict(req.tp_modules),
-                sequence_parallel=req.sequence_parallel)
+                sequence_parallel=req.sequence_parallel, ep=req.ep)
     return plan if blocks is None else apply_recompute(plan, traced.graph, blocks, plain_act)
 
 

@@ -109,6 +109,22 @@ def split_dims(modules: list[nn.Module]) -> dict[str, int]:
     return {n: d for m in modules for n, d in getattr(m, "split_dims", {}).items()}
 
 
+def expert_params(modules: list[nn.Module]) -> set[str]:
+    """Under ep > 1, the parameters this rank holds its experts' share of (runtime/experts.py)."""
+    return {n for m in modules for n in getattr(m, "expert_params", ())}
+
+
+def expert_view(tensor: torch.Tensor, ctx) -> torch.Tensor:
+    """This rank's experts of a parameter (or its optimizer state) as a DTensor over the ep group,
+    Shard(0) along the expert dimension: the checkpoint holds every expert, keyed by the
+    parameter's name, whatever ep wrote it."""
+    if tensor.dim() == 0:
+        return tensor
+    shape = [tensor.shape[0] * ctx.ep, *tensor.shape[1:]]
+    return DTensor.from_local(tensor, ctx.mesh["ep"], [Shard(0)], run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
+
+
 def global_view(tensor: torch.Tensor, dim: int | None, ctx) -> torch.Tensor:
     """What DCP writes and reads for this rank's `tensor` of a parameter (or its optimizer state):
     the tensor itself, or, split by tensor parallelism along `dim`, a DTensor over the tp ranks
@@ -131,13 +147,17 @@ def global_view(tensor: torch.Tensor, dim: int | None, ctx) -> torch.Tensor:
 def rank_state(modules: list[nn.Module], optimizer: torch.optim.Optimizer | None, ctx) -> dict[str, torch.Tensor]:
     """What this rank writes: its stages' tensors, their optimizer state, its RNG states."""
     state: dict[str, torch.Tensor] = {}
-    dims = split_dims(modules)
+    dims, experts = split_dims(modules), expert_params(modules)
+
+    def view(name: str, t: torch.Tensor) -> torch.Tensor:
+        return expert_view(t, ctx) if name in experts else global_view(t, dims.get(name), ctx)
+
     for name, tensor, is_param in named_tensors(modules):
-        state[f"model/{name}"] = global_view(tensor.detach(), dims.get(name), ctx)
+        state[f"model/{name}"] = view(name, tensor.detach())
         if is_param and optimizer is not None:
             for key, value in optimizer.state.get(tensor, {}).items():
                 if isinstance(value, torch.Tensor):
-                    state[f"optim/{name}/{key}"] = global_view(value.detach(), dims.get(name), ctx)
+                    state[f"optim/{name}/{key}"] = view(name, value.detach())
     state[f"{_rng_key(ctx)}/cpu"] = torch.get_rng_state()
     if ctx.device.type == "cuda":
         state[f"{_rng_key(ctx)}/cuda"] = torch.cuda.get_rng_state(ctx.device)
@@ -197,14 +217,18 @@ def load(path: Path, modules: list[nn.Module], optimizer, lr_scheduler, ctx) -> 
     dest: dict[str, torch.Tensor] = {}
     optim_state: dict[str, dict[str, torch.Tensor]] = {}
     params: dict[str, torch.Tensor] = {}
-    dims = split_dims(modules)
+    dims, experts = split_dims(modules), expert_params(modules)
+
+    def view(name: str, t: torch.Tensor) -> torch.Tensor:
+        return expert_view(t, ctx) if name in experts else global_view(t, dims.get(name), ctx)
+
     for name, tensor, is_param in named_tensors(modules):
         key = f"model/{name}"
         if key not in stored:
             if is_param:
                 raise RuntimeError(f"checkpoint {path} has no parameter {name!r}: it was written for another model")
             continue  # a buffer the model recomputes (not in the checkpoint): keep the initialised one
-        dest[key] = global_view(tensor.detach(), dims.get(name), ctx)
+        dest[key] = view(name, tensor.detach())
         if not is_param or optimizer is None:
             continue
         params[name] = tensor
@@ -212,11 +236,11 @@ def load(path: Path, modules: list[nn.Module], optimizer, lr_scheduler, ctx) -> 
             shape, dtype = stored[skey]
             # a sharded parameter's state is sharded as it is (zero >= 1): DCP reads this rank's part
             # whatever layout wrote it
-            like = (name in dims and len(shape) > 0) or (isinstance(tensor, DTensor)
-                                                         and tuple(shape) == tuple(tensor.shape))
+            like = ((name in dims or name in experts) and len(shape) > 0) or (
+                isinstance(tensor, DTensor) and tuple(shape) == tuple(tensor.shape))
             value = torch.empty_like(tensor.detach(), dtype=dtype) if like else torch.empty(shape, dtype=dtype)
             optim_state.setdefault(name, {})[state_key] = value
-            dest[skey] = global_view(value, dims.get(name), ctx) if like else value
+            dest[skey] = view(name, value) if like else value
     rng = _rng_key(ctx)
     same_layout = f"{rng}/cpu" in stored
     if same_layout:  # dropout continues exactly only on the layout that wrote it

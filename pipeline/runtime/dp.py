@@ -39,7 +39,7 @@ class BucketStage(StageDriver):
     """One stage at zero=0: its units are buckets, all-reduced as their gradients are final."""
 
     def __init__(self, plan, stage: int, module: nn.Module, actions: list[Action], group: dist.ProcessGroup,
-                 in_flight: list) -> None:
+                 in_flight: list, expert_group: dist.ProcessGroup | None = None) -> None:
         units = module_units(module, plan)
         super().__init__(stage, units, actions, 0, "use")
         named = dict(module.gm.named_parameters(remove_duplicate=False))
@@ -49,6 +49,10 @@ class BucketStage(StageDriver):
         self._index = {id(p): u for u, ps in enumerate(self.buckets[:-1]) for p in ps}
         self.group = group
         self.in_flight = in_flight
+        #: under ep > 1: this rank's share of the experts, whose gradients sum over the expert
+        #: replicas (`expert_group`; None: ep == dp, no other rank holds them)
+        self.experts = {id(p) for n, p in module.named_model_parameters() if n in module.expert_params}
+        self.expert_group = expert_group
         unit_hooks.install(module.gm, units, self)
 
     def units_of(self, params: list[nn.Parameter]) -> list[int]:
@@ -61,24 +65,31 @@ class BucketStage(StageDriver):
         for p in params:  # unused on this replica's data (an MoE expert): the replicas still agree on sizes
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
-        flat = _flatten_dense_tensors(grads)
-        if self.issued is not None:
-            self.issued.append(f"{self.stage}:{self.names[unit]} all_reduce {flat.numel()}")
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        self.in_flight.append((work, flat, grads))
+        shared = [p for p in params if id(p) not in self.experts]
+        experts = [p for p in params if id(p) in self.experts]
+        for part, group, what in ((shared, self.group, "all_reduce"), (experts, self.expert_group, "experts")):
+            if not part or (part is experts and group is None):
+                continue
+            grads = [p.grad for p in part]
+            flat = _flatten_dense_tensors(grads)
+            if self.issued is not None:
+                self.issued.append(f"{self.stage}:{self.names[unit]} {what} {flat.numel()}")
+            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            self.in_flight.append((work, flat, grads))
 
 
 class ReplicatedGrads(RankStages):
     """zero=0: per stage a `BucketStage`, whose buckets the backward's hooks and the program's
     REDUCE_GRAD actions all-reduce asynchronously; `finish` waits for them and writes the sums back."""
 
-    def __init__(self, plan, modules: dict[int, nn.Module], actions: list, group: dist.ProcessGroup) -> None:
+    def __init__(self, plan, modules: dict[int, nn.Module], actions: list, group: dist.ProcessGroup,
+                 expert_group: dist.ProcessGroup | None = None) -> None:
         tied = set(plan.shared_params)
         #: the tied parameters, all-reduced after the step (each once)
         self.replicated = tied_params(plan, modules)
         self.in_flight: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor]]] = []
-        super().__init__({s: BucketStage(plan, s, m, actions, group, self.in_flight) for s, m in modules.items()
+        super().__init__({s: BucketStage(plan, s, m, actions, group, self.in_flight, expert_group)
+                          for s, m in modules.items()
                           if any(n not in tied for n, _ in m.named_model_parameters())})
         require_reductions(actions, list(self.stages))
         self.shard_group = None  # nothing is sharded

@@ -74,13 +74,15 @@ def square_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
 
 def clip_gradients(params: list[torch.nn.Parameter], counted: list[torch.nn.Parameter], max_norm: float,
                    group: dist.ProcessGroup | None, device: torch.device,
-                   shard_group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None) -> float:
+                   shard_group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None,
+                   experts: tuple[list[torch.nn.Parameter], dist.ProcessGroup | None] | None = None) -> float:
     """Scale every gradient of `params` so that the global norm is at most `max_norm`, as one
     process's `torch.nn.utils.clip_grad_norm_` would. `counted` are the parameters this rank adds to
     the norm (a tied parameter held by several ranks counts on one of them only); the squares are
     summed over `group` (the pipeline ranks of one replica: the replicas' gradients are equal
     after the data-parallel all-reduce). Sharded gradients (DTensors, zero >= 1) add their shards'
-    squares over `shard_group` first. Returns the norm before clipping."""
+    squares over `shard_group` first; `experts`, this rank's share of the experts (ep > 1) and its ep
+    group, whose ranks hold the others: their squares sum over it. Returns the norm before clipping."""
     grads = [p.grad for p in counted if p.grad is not None]
     total = square_norm(g for g in grads if not isinstance(g, DTensor)).to(device)
     sharded = [g for g in grads if isinstance(g, DTensor)]
@@ -90,6 +92,10 @@ def clip_gradients(params: list[torch.nn.Parameter], counted: list[torch.nn.Para
         total = total + shards
     if tp_group is not None:  # `counted` holds this tp rank's slices and, on tp rank 0, the whole ones
         dist.all_reduce(total, group=tp_group)
+    if experts is not None:
+        mine = square_norm(p.grad for p in experts[0] if p.grad is not None).to(device)
+        dist.all_reduce(mine, group=experts[1])
+        total = total + mine
     if group is not None:
         dist.all_reduce(total, group=group)
     norm = total.sqrt()

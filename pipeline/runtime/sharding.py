@@ -137,7 +137,10 @@ class ShardedStage(StageDriver):
     """One stage under FSDP2, one parameter group per unit (and the root's), driven explicitly."""
 
     def __init__(self, plan: Plan, stage: int, module: nn.Module, actions: list[Action], mesh: DeviceMesh) -> None:
-        kept_params = [p for n, p in module.named_model_parameters() if n in plan.shared_params]
+        # tied parameters, and under ep == dp this rank's experts (no other replica holds them),
+        # stay out of FSDP2: whole, reduced elsewhere or not at all
+        kept_params = [p for n, p in module.named_model_parameters()
+                       if n in plan.shared_params or n in getattr(module, "expert_params", ())]
         kept = {id(p) for p in kept_params}
         units = module_units(module, plan)
         covered = [(u, unit_modules(module.gm, u, kept)) for u in units.units]

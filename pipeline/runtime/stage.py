@@ -40,6 +40,8 @@ class StageModule(nn.Module):
         #: under sequence parallelism, the parameters (graph names) each tp rank computes a partial
         #: gradient of, from its positions: summed over the tp ranks once per step
         self.sequence_partial = sequence_partial or []
+        #: under ep > 1, the parameters (full-model names) this rank holds its share of the experts of
+        self.expert_params: set[str] = set()
 
     def forward(self, **values: torch.Tensor) -> dict[str, torch.Tensor]:
         return self.gm(**values)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipelaunch.models.moe import set_aux_loss_scale
 from pipelaunch.models.spec import ModelSpec
 from pipelaunch.pipeline.compute.host_allocator import huge_pages_active, release_free_memory
 from pipelaunch.pipeline.compute.memory import TensorPeak, current_memory_bytes, peak_memory_bytes, reset_peak
@@ -41,6 +42,7 @@ from pipelaunch.pipeline.runtime.dp import (
     verify_collective_order,
 )
 from pipelaunch.pipeline.runtime.executor import Executor, StageSlot
+from pipelaunch.pipeline.runtime.experts import split_experts
 from pipelaunch.pipeline.runtime.faults import fault_injection
 from pipelaunch.pipeline.runtime.heartbeat import Heartbeat
 from pipelaunch.pipeline.runtime.optim import build_optimizer, clip_gradients
@@ -96,7 +98,7 @@ def _data_parallel(plan: Plan, ctx: RankContext, slots: dict[int, StageSlot]) ->
     if plan.meta.zero:
         assert ctx.mesh is not None
         return ShardedStages(plan, modules, actions, ctx.mesh.shard_mesh)
-    return ReplicatedGrads(plan, modules, actions, ctx.dp_group)
+    return ReplicatedGrads(plan, modules, actions, ctx.dp_group, ctx.expert_dp_group if ctx.ep > 1 else None)
 
 
 def _loss_fn(spec: ModelSpec, slots: dict[int, StageSlot], tp: TensorParallel | None) -> Callable:
@@ -167,8 +169,16 @@ class RankTrainer:
         #: this rank's tp group (plan.tp > 1): its stages are its slices of the planned modules
         self.tp = TensorParallel(ctx.tp_group, ctx.tp, ctx.tp_rank) if plan.tp > 1 else None
         self.slots = build_slots(self.spec, plan, ctx, run.seed, initial_weights, self.tp)
+        #: under ep > 1 (debug.record_p2p), the ep group's exchanges this rank made in its first step
+        self.expert_log: list[str] | None = [] if run.debug.record_p2p and plan.ep > 1 else None
+        if plan.ep > 1:  # each MoE layer keeps this rank's experts and exchanges the tokens
+            for slot in self.slots.values():
+                slot.module.expert_params = split_experts([slot.module], ctx.ep_group, ctx.ep, ctx.ep_rank,
+                                                          self.expert_log)
         self.loss_fn = _loss_fn(self.spec, self.slots, self.tp)
         self.training = plan.schedule.training
+        # a mixture of experts' auxiliary loss weighs in each micro-batch as the step's mean does
+        set_aux_loss_scale(1.0 / (plan.dp * plan.microbatches))
         self.data_parallel = _data_parallel(plan, ctx, self.slots) if self.training and ctx.dp > 1 else None
         self.initial_weights = "constructor" if initial_weights is not None else "by_name"
         # the stream dropout draws from: set by (seed, rank), so a run repeats itself and DP
@@ -186,6 +196,10 @@ class RankTrainer:
         self.norm_params = [p for n, p in named.items() if (n not in tied or tied[n][0] == ctx.pp_rank)
                             and (n in split or ctx.tp_rank == 0)]
         self.shared = SharedGrads(plan, ctx, self.slots)
+        # under ep > 1 the ranks of an ep group hold different experts: their squares sum over it
+        experts = [named[n] for n in sorted({n for m in self.modules for n in m.expert_params})]
+        self.expert_norm = (experts, ctx.ep_group) if experts else None
+        self.norm_params = [p for p in self.norm_params if not any(p is e for e in experts)]
         # a stage of parameter-free ops (masks, position ids of an op-level trace) has nothing to update
         self.optimizer, self.lr_scheduler = (
             build_optimizer(plugins.optimizer, plugins.lr_scheduler, self.params) if self.training and self.params
@@ -329,7 +343,7 @@ class RankTrainer:
             if self.clip is not None:
                 grad_norm = clip_gradients(self.params, self.norm_params, float(self.clip), ctx.pp_group, ctx.device,
                                            self.data_parallel.shard_group if self.data_parallel else None,
-                                           ctx.tp_group)
+                                           ctx.tp_group, self.expert_norm)
             if self.optimizer is not None:
                 lr = self.optimizer.param_groups[0]["lr"]
                 self.optimizer.step()

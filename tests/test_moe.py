@@ -1,0 +1,158 @@
+"""Mixtures of experts (#56): the project's GPT with MoE blocks (models/moe.py), its routers and
+auxiliary loss, trains like one process running the same micro-batches under the pipeline's
+schedules and the replicas' sharding; expert parallelism (ep) splits each layer's experts over
+the replicas and trains the same."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from pipelaunch.launcher.validate import prepare
+from pipelaunch.models.moe import MoE, Router, set_aux_loss_scale
+from tests.harness import FAST, check_like_one_process, compose_cfg, run_jobs
+
+#: 4 routed experts of width 64, top-2, a shared expert, the first block dense, the aux loss on
+MOE = [*FAST, "model.experts=4", "model.top_k=2", "model.expert_dim=64", "model.shared_experts=1",
+       "model.dense_layers=1", "model.aux_loss_coef=0.05", "microbatches=4"]
+#: DeepSeek-V3's router: sigmoid scores, 2 groups of the 4 experts, the best group kept, scaled
+SIGMOID = ["model.router=sigmoid", "model.expert_groups=2", "model.topk_groups=1", "model.route_scale=2.5"]
+
+
+def test_the_routers_pick_as_their_models_do() -> None:
+    """softmax: the top-k of the softmax, renormalised; sigmoid: the top-k of the scores plus the
+    correction bias within the best group, the scores renormalised and scaled; the aux loss
+    reaches the router's gradient and leaves the output as it is."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 8)
+    router = Router(8, 4, 2)
+    weights, index, probs = router(x)
+    top = (x @ router.weight.T).softmax(-1).topk(2, dim=-1)
+    torch.testing.assert_close(index, top.indices)
+    torch.testing.assert_close(weights, top.values / top.values.sum(-1, keepdim=True))
+    sig = Router(8, 4, 2, "sigmoid", groups=2, topk_groups=1, route_scale=2.5)
+    sig.weight.data = router.weight.data.clone()
+    sig.expert_bias += torch.tensor([0.0, 0.0, 5.0, 0.0])  # expert 2 wins its group on the biased score
+    weights, index, _ = sig(x)
+    scores = (x @ sig.weight.T).sigmoid()
+    assert (index == 2).any(dim=-1).all() and (index >= 2).all()  # the best group is experts 2-3
+    torch.testing.assert_close(weights, scores.gather(1, index) / scores.gather(1, index).sum(-1, keepdim=True) * 2.5)
+    moe = MoE(8, 16, 4, 2, aux_loss_coef=1.0)
+    out = moe(x.view(2, 3, 8))
+    plain = MoE(8, 16, 4, 2, aux_loss_coef=0.0)
+    plain.load_state_dict(moe.state_dict())
+    torch.testing.assert_close(out, plain(x.view(2, 3, 8)))
+    set_aux_loss_scale(1.0)
+    out.sum().backward()
+    with_aux = moe.router.weight.grad.clone()
+    plain(x.view(2, 3, 8)).sum().backward()
+    assert not torch.allclose(with_aux, plain.router.weight.grad)
+    assert int(moe.counts.sum()) == 6 * 2
+
+
+def test_shape_only_passes_route_evenly() -> None:
+    """On meta tensors (planning), which expert a token picks is unknown: every expert computes an
+    even share, the output of the input's shape."""
+    with torch.device("meta"):
+        moe = MoE(8, 16, 4, 2, shared=1, aux_loss_coef=0.01)
+        out = moe(torch.randn(2, 5, 8))
+    assert out.shape == (2, 5, 8) and out.is_meta
+
+
+@pytest.mark.timeout(900)
+def test_moe_blocks_train_as_one_process(tmp_path) -> None:
+    """1f1b and zbv (the split backward through the routed experts and the aux loss) at pp=2, the
+    sigmoid router, and two replicas sharding the optimizer state."""
+    cases = [("moe 1f1b pp=2", compose_cfg([*MOE, "pp=2", "scheduler=1f1b"])),
+             ("moe zbv pp=2", compose_cfg([*MOE, "pp=2", "scheduler=zbv"])),
+             ("moe sigmoid 1f1b pp=2", compose_cfg([*MOE, *SIGMOID, "pp=2", "scheduler=1f1b"])),
+             ("moe 1f1b pp=2 dp=2 zero=1", compose_cfg([*MOE, "pp=2", "dp=2", "zero=1", "scheduler=1f1b"]))]
+    check_like_one_process(cases, tmp_path)
+
+
+@pytest.mark.timeout(900)
+def test_expert_parallel_trains_as_one_process(tmp_path) -> None:
+    """ep splits each layer's experts over the replicas, carrying tokens by all-to-all: the same
+    loss, gradients and updated weights as one process, under 1f1b, zbv (the split backward
+    through the exchanges), DualPipeV, ep below dp (two copies of each expert share), and ep == dp
+    with the other parameters' optimizer state sharded."""
+    cases = [("ep=2 1f1b pp=2 dp=2", compose_cfg([*MOE, "pp=2", "dp=2", "ep=2", "scheduler=1f1b"])),
+             ("ep=2 zbv pp=2 dp=2", compose_cfg([*MOE, "pp=2", "dp=2", "ep=2", "scheduler=zbv"])),
+             ("ep=2 dualpipev pp=2 dp=2", compose_cfg([*MOE, *SIGMOID, "pp=2", "dp=2", "ep=2", "scheduler=dualpipev"])),
+             ("ep=2 pp=1 dp=4", compose_cfg([*MOE, "pp=1", "dp=4", "ep=2", "scheduler=gpipe", "microbatches=2"])),
+             ("ep=4 pp=1 dp=4 zero=1", compose_cfg([*MOE, "pp=1", "dp=4", "ep=4", "zero=1", "scheduler=gpipe", "microbatches=2"]))]
+    check_like_one_process(cases, tmp_path)
+
+
+def test_each_moe_layer_exchanges_once_per_micro_batch_each_way(tmp_path) -> None:
+    """The ep group's log of the first step: per MoE layer and micro-batch one dispatch and one
+    combine (their backward rides in the autograd of the same exchanges), the same sequence on both
+    ranks of an ep group (NCCL matches collectives by order), and every row a rank sends, the
+    other ranks receive."""
+    m = 4
+    cfg = compose_cfg([*MOE, "pp=2", "dp=2", "ep=2", "scheduler=1f1b", f"microbatches={m}", "steps=1",
+                       "debug.record_p2p=true"])
+    ranks = run_jobs([cfg], tmp_path / "logs")[0]
+    plan = prepare(cfg).plan
+    by_stage: dict[int, list[list[str]]] = {}
+    for rank in ranks:
+        by_stage.setdefault(rank.rank_info.pp_rank, []).append(rank.extras["expert_log"])
+    moe_layers = [i for i in range(cfg.model["layers"]) if i >= cfg.model["dense_layers"]]
+    names = set()
+    for logs in by_stage.values():
+        a, b = ([e.rsplit(" ", 1)[0] for e in log] for log in logs)
+        assert a == b  # one order of exchanges on both ranks of the ep group
+        names |= {e.split()[0] for e in a}
+        counts = Counter(a)
+        assert set(counts.values()) == {m}  # each layer: one dispatch and one combine per micro-batch
+        sent = [sum(int(e.rsplit(" ", 1)[1].split(">")[0]) for e in log if " dispatch " in e) for log in logs]
+        got = [sum(int(e.rsplit(" ", 1)[1].split(">")[1]) for e in log if " dispatch " in e) for log in logs]
+        assert sum(sent) == sum(got)
+    assert len(names) == len(moe_layers) and len(plan.stages) == 2
+
+
+@pytest.mark.timeout(600)
+def test_an_expert_parallel_checkpoint_resumes_under_other_layouts(tmp_path) -> None:
+    """pp=2 dp=2 ep=2 (AdamW, cosine, clipping that bites) checkpointed at step 3 holds every
+    expert whole: it resumes at pp=1 dp=4 ep=4 and at pp=4 without ep on the uninterrupted run's
+    losses, and their final weights match its own. The aux loss is a product of means over a
+    micro-batch's tokens (as Megatron and transformers compute it), so each layout draws the same
+    eight micro-batches (dp x microbatches = 8) to train the same objective."""
+    from tests.test_cli import metrics
+    from tests.test_long_runs import RESUME, _run, _weights
+
+    moe = [o for o in MOE[len(FAST):] if o.startswith("model.")]
+    base = [*RESUME, *moe, "checkpoint.every=3", "steps=6"]
+    _run([*base, "pp=2", "dp=2", "ep=2", "microbatches=4", f"checkpoint.dir={tmp_path / 'ep'}"], tmp_path / "eprun")
+    straight = metrics(tmp_path / "eprun")["losses"]
+    ref = _weights(tmp_path / "ep")
+    assert ref["layer1.mlp.experts.gate_up_proj"].shape[0] == 4  # every expert, whole
+    for name, layout in (("ep4", ["pp=1", "dp=4", "ep=4", "microbatches=2"]), ("pp4", ["pp=4", "microbatches=8"])):
+        _run([*base, *layout, f"resume={tmp_path / 'ep' / 'step_0000003'}", f"checkpoint.dir={tmp_path / name}"],
+             tmp_path / f"{name}run")
+        resumed = metrics(tmp_path / f"{name}run")
+        assert resumed["start_step"] == 3 and resumed["losses"][3:] == pytest.approx(straight[3:], rel=1e-5), name
+        got = _weights(tmp_path / name)
+        assert set(ref) == set(got)
+        for key, r in ref.items():
+            assert float((got[key] - r).norm()) <= 1e-5 * float(r.norm()) + 1e-7, (name, key)
+
+
+@pytest.mark.parametrize(("overrides", "key", "words"), [
+    ([*MOE, "dp=2", "ep=4"], "ep", "a divisor of dp"),
+    ([*MOE, "dp=2", "ep=2", "tp=2"], "ep", "set tp=1"),
+    ([*MOE, "dp=4", "ep=2", "zero=1"], "ep", "set ep=dp"),
+    ([*FAST, "dp=2", "ep=2"], "ep", "has none"),
+    ([*MOE, "model.experts=6", "model.top_k=2", "dp=4", "ep=4", "batch_size=16", "microbatches=1"], "ep", "valid: 1, 2, 3, 6"),
+    ([*MOE, "model.top_k=5"], "model.top_k", "more than the model's 4 experts"),
+    ([*MOE, *SIGMOID, "model.expert_groups=3"], "model.expert_groups", "must divide the experts"),
+])
+def test_refused_before_spawn(overrides: list[str], key: str, words: str) -> None:
+    """Each layout or model ep cannot run is refused by prepare, naming the option and what fits."""
+    from pipelaunch.pipeline.core.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        prepare(compose_cfg(overrides))
+    assert err.value.key == key and words in str(err.value), str(err.value)
