@@ -184,7 +184,8 @@ class MoE(nn.Module):
         else:
             with torch.no_grad():
                 counts = torch.bincount(index.reshape(-1), minlength=self.router.experts)
-                self.counts = counts if self.counts is None else self.counts + counts
+                if torch._C._current_graph_task_id() == -1:  # not a rerun inside the backward (remat)
+                    self.counts = counts if self.counts is None else self.counts + counts
         out = self.experts(tokens, index, weights)
         if self.shared is not None:
             out = out + self.shared(tokens)

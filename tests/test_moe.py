@@ -156,3 +156,27 @@ def test_refused_before_spawn(overrides: list[str], key: str, words: str) -> Non
     with pytest.raises(ConfigError) as err:
         prepare(compose_cfg(overrides))
     assert err.value.key == key and words in str(err.value), str(err.value)
+
+
+@pytest.mark.timeout(300)
+def test_router_statistics_count_every_token_once(tmp_path) -> None:
+    """metrics.json's expert_load: per step and MoE layer, the min / mean / max tokens per expert
+    over the global batch (every replica's tokens, each counted once: top_k picks per token even
+    under remat=full, whose rerun inside the backward is not counted); the progress line shows the
+    worst busiest-over-mean ratio."""
+    from tests.test_cli import metrics, train
+
+    args = [*MOE, "pp=2", "dp=2", "ep=2", "scheduler=1f1b", "remat=full", "steps=2", "log_every=1"]
+    proc = train(args, tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = metrics(tmp_path / "run")
+    cfg = compose_cfg(args)
+    picks = cfg.batch_size * cfg.model["seq_len"] * cfg.model["top_k"]
+    layers = [f"layer{i}.mlp" for i in range(cfg.model["dense_layers"], cfg.model["layers"])]
+    assert len(data["expert_load"]) == 2
+    for step in data["expert_load"]:
+        assert list(step) == layers
+        for s in step.values():
+            assert s["mean"] == picks / cfg.model["experts"] and s["min"] <= s["mean"] <= s["max"] <= picks
+    worst = max(s["max"] / s["mean"] for s in data["expert_load"][-1].values())
+    assert f"experts max/mean {worst:4.2f}" in proc.stdout

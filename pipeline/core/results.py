@@ -82,6 +82,9 @@ class TrainingHistory:
     scored_tokens_per_s: float | None = None
     #: on data that pads (data=chat): the share of the input tokens that are padding, over the run
     padding_share: float | None = None
+    #: a mixture of experts' router statistics: per step, {layer: {"min", "mean", "max"} tokens
+    #: per expert over the global batch} (runtime/router_stats.py); None without MoE layers
+    expert_load: list[dict] | None = None
 
 
 @dataclass

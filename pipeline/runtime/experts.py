@@ -102,3 +102,10 @@ def split_experts(modules: list[nn.Module], group: dist.ProcessGroup, ep: int, e
         experts.first, experts.local = first, local
         experts.dispatch = Dispatch(group, ep, local, name, log)
     return cut
+
+
+def stop_expert_log(modules: list[nn.Module]) -> None:
+    """The first step's exchanges are every step's: stop recording them (debug.record_p2p)."""
+    for _, experts in expert_modules(modules):
+        if experts.dispatch is not None:
+            experts.dispatch.log = None

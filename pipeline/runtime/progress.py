@@ -64,9 +64,11 @@ class Progress:
                             desc="train")
 
     def update(self, step: int, loss: float, seconds: float, scored_tokens_per_s: float | None = None,
-               padding_share: float | None = None, tokens: int | None = None) -> None:
+               padding_share: float | None = None, tokens: int | None = None,
+               expert_load: float | None = None) -> None:
         """One step's line; on fine-tuning data the scored tokens/s and the padding share too.
-        `tokens`: the input tokens the step ran, when not `tokens_per_step` (data.buckets)."""
+        `tokens`: the input tokens the step ran, when not `tokens_per_step` (data.buckets).
+        `expert_load`: with MoE layers, the busiest expert's tokens over the mean, worst layer."""
         rate = (tokens or self.tokens_per_step) / seconds if seconds > 0 else float("inf")
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.4f}", **{f"{self.unit[:3]}_s": f"{rate:.0f}"}, refresh=False)
@@ -78,6 +80,7 @@ class Progress:
                     f"{rate:10.0f} {self.unit}/s | "
                     + (f"{scored_tokens_per_s:10.0f} scored tokens/s | " if scored_tokens_per_s is not None else "")
                     + (f"padding {padding_share:4.0%} | " if padding_share is not None else "")
+                    + (f"experts max/mean {expert_load:4.2f} | " if expert_load is not None else "")
                     + f"eta {eta:6.1f} s")
             if self.bar is not None and sys.stdout.isatty():
                 self.bar.write(line, file=sys.stdout)  # above the bar, which is redrawn below it

@@ -42,12 +42,13 @@ from pipelaunch.pipeline.runtime.dp import (
     verify_collective_order,
 )
 from pipelaunch.pipeline.runtime.executor import Executor, StageSlot
-from pipelaunch.pipeline.runtime.experts import split_experts
+from pipelaunch.pipeline.runtime.experts import split_experts, stop_expert_log
 from pipelaunch.pipeline.runtime.faults import fault_injection
 from pipelaunch.pipeline.runtime.heartbeat import Heartbeat
 from pipelaunch.pipeline.runtime.optim import build_optimizer, clip_gradients
 from pipelaunch.pipeline.runtime.preempt import StopRequests, control_group
 from pipelaunch.pipeline.runtime.progress import Progress
+from pipelaunch.pipeline.runtime.router_stats import expert_load, moe_layers, reset_counts, worst_ratio
 from pipelaunch.pipeline.runtime.sharding import ShardedStages, local
 from pipelaunch.pipeline.runtime.stage import build_stage_modules
 from pipelaunch.pipeline.runtime.tensor_parallel import (
@@ -152,6 +153,8 @@ class StepOutcome:
     #: the input positions the global batch ran (data.buckets: its micro-batches' lengths; None:
     #: batch_size x model.seq_len)
     positions: int | None = None
+    #: rank 0, a model with experts: tokens per expert per layer over the step (router_stats.py)
+    expert_load: dict | None = None
 
 
 class RankTrainer:
@@ -187,6 +190,8 @@ class RankTrainer:
         # the split regions keeps their values equal, as f, g and the boundaries' scatter assume
         torch.manual_seed(name_seed(run.seed, f"train:rank{ctx.rank // ctx.tp}"))
         self.modules: list[nn.Module] = [s.module for s in self.slots.values()]
+        #: the MoE layers of this rank's stages, when the model has experts (router statistics)
+        self.moe = moe_layers(self.modules) if self.spec.meta.get("experts") else None
         named = {n: p for m in self.modules for n, p in m.named_model_parameters()}  # stages may share one
         self.params = list({id(p): p for p in named.values()}.values())
         tied = plan.shared_param_ranks()
@@ -317,6 +322,8 @@ class RankTrainer:
         padded = self.data.padded_tokens(step, self.run.batch_size) if hasattr(self.data, "padded_tokens") else None
         if padded is not None and positions is not None:  # the padding the buckets did not cut away
             padded -= self.run.batch_size * self.spec.tokens_per_sample - positions
+        if self.moe is not None:
+            reset_counts(self.moe)
         start = time.perf_counter()
         loss_sum, events, outputs = self.executor.run_step(in_mbs, tgt_mbs, divisors, field_mbs, lengths)
         if self.data_parallel is not None:  # every replica waits for what it started, whatever the loss
@@ -325,6 +332,8 @@ class RankTrainer:
                 self.collective_log, self.data_parallel.issued = self.data_parallel.issued, None
         if self.tp is not None and self.tp.log is not None:
             self.tp_log, self.tp.log = self.tp.log, None
+        if self.expert_log is not None:  # likewise the ep group's exchanges
+            stop_expert_log(self.modules)
         schedule_s = time.perf_counter() - start
         self.heartbeat.phase(hb.UPDATE)
         if ctx.tp_rank:  # the tp ranks of the last stage hold the same loss: counted once
@@ -351,10 +360,12 @@ class RankTrainer:
                 self.state_bytes = max(self.state_bytes or 0, _tensor_bytes_held(self))
                 self.optimizer.zero_grad(set_to_none=True)
                 self.lr_scheduler.step()
+        load = expert_load(self.moe, ctx.dp_group if ctx.dp > 1 else None, ctx.tp_rank == 0, ctx.device) \
+            if self.moe is not None else None
         if ctx.device.type == "cuda":  # the step is over: its time includes the device's work
             torch.cuda.current_stream(ctx.device).synchronize()
         return StepOutcome(float(loss_sum), time.perf_counter() - start, schedule_s, events, outputs, lr, grad_norm,
-                           scored, padded, positions)
+                           scored, padded, positions, load)
 
     def _positions_run(self) -> int | None:
         """The input positions the last batch drawn ran at its micro-batches' lengths (None: one length)."""
@@ -366,18 +377,23 @@ class RankTrainer:
     def verify_p2p_order(self) -> None:
         """debug.record_p2p (collective): every pair of ranks posted complementary messages in the
         same order, in the training and the evaluation program, and the replicas of each pipeline
-        rank issued the same data-parallel collectives in the same order; rank 0 raises if not."""
+        rank issued the same data-parallel collectives in the same order (the tp ranks theirs, an
+        ep group its all-to-alls); rank 0 raises if not."""
         logs = [getattr(e, "posting_log", None) for e in (self.executor, self._eval)]
         everyone: list = [None] * self.ctx.world_size
         ctx = self.ctx
+        ep_group = tuple(dist.get_process_group_ranks(ctx.ep_group)) if ctx.ep > 1 else None
         dist.all_gather_object(everyone, (logs, ctx.pp_rank, self.collective_log, (ctx.dp_rank, ctx.pp_rank),
-                                          self.tp_log))
+                                          self.tp_log, ep_group, self.expert_log))
         if ctx.rank == 0:
             for which in range(2):
                 verify_posting_order([part[0][which] for part in everyone])
-            verify_collective_order([(pp_rank, log) for _, pp_rank, log, _, _ in everyone])
-            verify_collective_order([(group, log) for *_, group, log in everyone], "tensor-parallel",
+            verify_collective_order([(pp_rank, log) for _, pp_rank, log, *_ in everyone])
+            verify_collective_order([(group, log) for *_, group, log, _, _ in everyone], "tensor-parallel",
                                     "the tp ranks of (replica, pipeline rank)")
+            # what each exchange carries differs by rank (the rows routed): its order may not
+            verify_collective_order([(group, [e.rsplit(" ", 1)[0] for e in log]) for *_, group, log in everyone
+                                     if group is not None], "expert", "the ep group")
 
     def nonfinite_report(self, step: int, loss: float) -> str:
         """Where a NaN or inf first showed (collective): the first stage, in pipeline order, whose
@@ -414,6 +430,8 @@ class RunRecord:
     scored: list[int | None] = field(default_factory=list)
     padded: list[int | None] = field(default_factory=list)
     positions: list[int | None] = field(default_factory=list)
+    #: rank 0, a model with experts: each step's router statistics
+    expert_load: list[dict] = field(default_factory=list)
     busy: list[float] = field(default_factory=list)
     schedule_times: list[float] = field(default_factory=list)
     last_events: list[dict] = field(default_factory=list)
@@ -431,7 +449,8 @@ class RunRecord:
         meta = checkpoint.load(Path(resume_from), trainer.modules, trainer.optimizer, trainer.lr_scheduler,
                                trainer.ctx)
         return cls(meta["step"], resume_from, list(meta.get("losses", [])), list(meta.get("lrs", [])),
-                   list(meta.get("grad_norms", [])), list(meta.get("eval_losses", [])))
+                   list(meta.get("grad_norms", [])), list(meta.get("eval_losses", [])),
+                   expert_load=list(meta.get("expert_load", [])))
 
     def add(self, step: int, outcome: StepOutcome, warmup_steps: int) -> None:
         self.schedule_times.append(outcome.schedule_s)
@@ -442,6 +461,8 @@ class RunRecord:
         self.scored.append(outcome.scored)
         self.padded.append(outcome.padded)
         self.positions.append(outcome.positions)
+        if outcome.expert_load is not None:
+            self.expert_load.append(outcome.expert_load)
         self.busy.append(sum(e["end_s"] - e["start_s"] for e in outcome.events))
         self.last_events = outcome.events
         if step >= self.start_step + warmup_steps:
@@ -505,10 +526,12 @@ def _train_steps(trainer: RankTrainer, record: RunRecord, tensors: TensorPeak, t
                       "tokens_per_s": (outcome.positions or tokens_per_step) / outcome.elapsed_s}
             values.update(_token_counts(trainer, outcome, tokens_per_step))
             values.update({k: v for k, v in (("lr", outcome.lr), ("grad_norm", outcome.grad_norm)) if v is not None})
+            values.update(_expert_values(outcome.expert_load))
             tracker.log_step(step, values)
         if progress is not None:
             progress.update(step, outcome.loss, outcome.elapsed_s, **_token_counts(trainer, outcome, tokens_per_step),
-                            tokens=outcome.positions)
+                            tokens=outcome.positions,
+                            expert_load=worst_ratio(outcome.expert_load) if outcome.expert_load else None)
         _maybe_evaluate(trainer, record, step, tracker)
         stopped = stops.agreed()
         stopping = stopped is not None and step + 1 < run.steps
@@ -589,7 +612,7 @@ def _maybe_checkpoint(trainer: RankTrainer, record: RunRecord, step: int, now: b
     root = Path(root)
     meta = {"samples_seen": (step + 1) * run.batch_size, "batch_size": run.batch_size,
             "losses": record.losses, "lrs": record.lrs, "grad_norms": record.grad_norms,
-            "eval_losses": record.eval_losses, "model": plan.model, "model_config": run.model_config,
+            "eval_losses": record.eval_losses, "expert_load": record.expert_load, "model": plan.model, "model_config": run.model_config,
             "layout": {"pp": plan.pp, "dp": plan.dp, "schedule": plan.schedule.name,
                        "partition": plan.meta.partitioner}}
     trainer.heartbeat.phase(hb.CHECKPOINT)
@@ -651,7 +674,8 @@ def _finish(trainer: RankTrainer, record: RunRecord, at_start: float, tokens_per
         step_times_s=record.step_times, tokens_per_s=_input_tokens(record, tokens_per_step) / median_step
         if median_step else 0.0,
         throughput_unit=trainer.spec.throughput_unit, ranks=[f for f, _, _ in gathered],
-        grad_norm=record.grad_norms if trainer.clip is not None else None, stopped_by=record.stopped_by)
+        grad_norm=record.grad_norms if trainer.clip is not None else None, stopped_by=record.stopped_by,
+        expert_load=record.expert_load or None)
     if getattr(trainer.data, "masks_targets", False) and trainer.spec.takes_tokens and median_step:
         scored = [n for n in record.scored if n is not None]
         padded = [n for n in record.padded if n is not None]
@@ -668,6 +692,15 @@ def _finish(trainer: RankTrainer, record: RunRecord, at_start: float, tokens_per
     result.cost_events = [e for _, _, rank_costs in gathered for e in rank_costs]
     tracker.finish({"step_time_s": median_step, "tokens_per_s": result.history.tokens_per_s})
     return result
+
+
+def _expert_values(load: dict | None) -> dict[str, float]:
+    """The tracker's router statistics: each layer's min / mean / max tokens per expert, and the
+    worst busiest-over-mean ratio."""
+    if not load:
+        return {}
+    values = {f"experts/{layer}/{k}": v for layer, s in load.items() for k, v in s.items()}
+    return values | {"experts/max_over_mean": worst_ratio(load)}
 
 
 def _input_tokens(record: RunRecord, tokens_per_step: int) -> float:

@@ -1,0 +1,71 @@
+"""Router statistics: how many tokens each expert of every mixture-of-experts layer got in a
+step, over the whole global batch, as MoE users watch for a collapsing router (one expert taking
+every token, others starving).
+
+Each rank's `MoE` layers count the expert picks of their own forwards (`MoE.counts`; a rerun
+inside the backward, recomputation's, is not counted). At the step's end the counts are summed
+over the replicas of each pipeline rank (its dp group: every token of the batch passes each layer
+on one of them), and rank 0 gathers every layer's min / mean / max tokens per expert: one
+all-reduce on the dp group and one gather per step, after the optimizer step's own collectives,
+in the same order on every rank.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipelaunch.models.moe import MoE
+
+
+def moe_layers(modules: list[nn.Module]) -> list[tuple[str, MoE]]:
+    """This rank's MoE layers by their name in the full model, in one order on every replica."""
+    found: dict[str, MoE] = {}
+    for module in modules:
+        aliases = getattr(module, "aliases", {})
+        for name, sub in module.named_modules():
+            if isinstance(sub, MoE):
+                found.setdefault(aliases.get(name, name).removeprefix("gm."), sub)
+    return sorted(found.items())
+
+
+def reset_counts(layers: list[tuple[str, MoE]]) -> None:
+    """Start a step's count (evaluation's forwards in between are not the step's)."""
+    for _, layer in layers:
+        layer.counts = None
+
+
+def expert_load(layers: list[tuple[str, MoE]], dp_group: dist.ProcessGroup | None, counted_here: bool,
+                device: torch.device) -> dict[str, dict[str, float]] | None:
+    """Collective over every rank: {layer: {"min", "mean", "max"} tokens per expert} over the
+    step's global batch on rank 0, None elsewhere. `counted_here`: this rank's layers are the
+    ones reported (tp rank 0: the tp ranks of a layer route the same tokens)."""
+    stats: dict[str, dict[str, float]] = {}
+    if layers:
+        counts = torch.stack([layer.counts if layer.counts is not None
+                              else torch.zeros(layer.router.experts, dtype=torch.long, device=device)
+                              for _, layer in layers]).to(torch.float64)
+        if dp_group is not None:
+            dist.all_reduce(counts, group=dp_group)
+        if counted_here:
+            for (name, _), row in zip(layers, counts.cpu().tolist(), strict=True):
+                stats[name] = {"min": min(row), "mean": sum(row) / len(row), "max": max(row)}
+    gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(stats, gathered, dst=0)
+    if gathered is None:
+        return None
+    merged = {name: s for part in gathered for name, s in part.items()}
+    return dict(sorted(merged.items(), key=lambda kv: _layer_order(kv[0])))
+
+
+def _layer_order(name: str) -> tuple:
+    """Names in model order (layer10 after layer9)."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
+def worst_ratio(load: dict[str, dict[str, float]]) -> float:
+    """The busiest expert's tokens over the mean, worst over the layers (1.0: perfectly balanced)."""
+    return max((s["max"] / s["mean"] for s in load.values() if s["mean"] > 0), default=1.0)
