@@ -587,6 +587,7 @@ def check_optimizer(cfg: TrainConfig, plugins: Plugins) -> None:
 def resume_checkpoint(cfg: TrainConfig, model: torch.nn.Module | None, root: Path | None) -> str | None:
     """The checkpoint to resume from, checked against this (meta-device) model, every parameter
     by name and shape, and this run (batch size, steps left), before any rank exists."""
+    from pipelaunch.pipeline.planner.measure.experts import whole_shapes
     from pipelaunch.pipeline.runtime import checkpoint
 
     if cfg.resume == "auto" and root is None:
@@ -597,10 +598,10 @@ def resume_checkpoint(cfg: TrainConfig, model: torch.nn.Module | None, root: Pat
     meta = checkpoint.read_meta(path)
     stored = checkpoint.stored_tensors(path)
     mismatched = []
-    for name, p in model.named_parameters():
+    for name, shape in whole_shapes(model).items():  # the planner's model may hold one ep rank's experts
         got = stored.get(f"model/{name}")
-        if got is None or got[0] != tuple(p.shape):
-            mismatched.append(f"{name} {tuple(p.shape)} (checkpoint: {got[0] if got else 'missing'})")
+        if got is None or got[0] != shape:
+            mismatched.append(f"{name} {shape} (checkpoint: {got[0] if got else 'missing'})")
     if mismatched:
         raise ConfigError("resume", f"{path} was written for another model: {', '.join(mismatched[:4])}"
                                     f"{' ...' if len(mismatched) > 4 else ''}; resume with the model that wrote it")

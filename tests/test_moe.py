@@ -10,8 +10,10 @@ from collections import Counter
 import pytest
 import torch
 
+from pipelaunch.launcher.plugins import build_plugins
 from pipelaunch.launcher.validate import prepare
-from pipelaunch.models.moe import MoE, Router, set_aux_loss_scale
+from pipelaunch.models.moe import Experts, MoE, Router, set_aux_loss_scale
+from pipelaunch.pipeline.planner.measure.experts import add_all_to_alls, ep_local, moe_nodes
 from tests.harness import FAST, check_like_one_process, compose_cfg, run_jobs
 
 #: 4 routed experts of width 64, top-2, a shared expert, the first block dense, the aux loss on
@@ -180,3 +182,39 @@ def test_router_statistics_count_every_token_once(tmp_path) -> None:
             assert s["mean"] == picks / cfg.model["experts"] and s["min"] <= s["mean"] <= s["max"] <= picks
     worst = max(s["max"] / s["mean"] for s in data["expert_load"][-1].values())
     assert f"experts max/mean {worst:4.2f}" in proc.stdout
+
+
+def test_the_planner_prices_one_ep_ranks_experts_and_its_exchanges() -> None:
+    """Under ep each device holds 1/ep of every layer's routed experts (the rest of its stage
+    whole), and each MoE layer's node adds its two exchanges each way, priced on the ep link."""
+    plans = {ep: prepare(compose_cfg([*MOE, "pp=2", "dp=2", f"ep={ep}", "scheduler=1f1b", "mode=plan"])).prediction
+             for ep in (1, 2)}
+    cfg = compose_cfg([*MOE, "pp=2", "dp=2", "ep=2", "scheduler=1f1b"])
+    spec = build_plugins(cfg).model.build()
+    whole = spec.build_meta()
+    expert_bytes = sum(p.numel() * p.element_size() for m in whole.modules() if isinstance(m, Experts)
+                       for p in m.parameters())
+    held = plans[2].plan.meta.stage_expert_param_bytes
+    assert plans[1].plan.meta.stage_expert_param_bytes is None
+    assert sum(held) == pytest.approx(expert_bytes / 2) and all(b > 0 for b in held)
+    for rank in range(2):  # one stage a rank: the device holds the other half of its experts fewer
+        assert plans[1].devices[rank].params - plans[2].devices[rank].params == pytest.approx(held[rank])
+
+    traced = spec.trace(2, ep_local(spec.build_meta(), 2), repeat=True)
+    g = traced.graph
+    for n in g.nodes:
+        g.nodes[n].update(forward_s=1.0, backward_s=1.0, backward_input_s=0.5)
+    add_all_to_alls(traced, 2, (1e-5, 1e9))
+    moe = moe_nodes(traced)
+    assert len(moe) == 6 - 1  # every block but the dense first
+    for name, layers in moe.items():
+        node = g.nodes[name]
+        assert len(layers) == 1
+        rows = node["output_bytes"] * layers[0].router.top_k
+        assert node["ep_collectives"] == [("dispatch", rows), ("combine", rows)]
+        exchange = 2 * (1e-5 + rows / 2 / 1e9)  # dispatch + combine, each one send of half the rows
+        assert node["forward_s"] == pytest.approx(1.0 + exchange)
+        assert node["backward_s"] == pytest.approx(1.0 + exchange)
+        assert node["backward_input_s"] == pytest.approx(0.5 + exchange)
+    assert all(g.nodes[n]["forward_s"] == 1.0 for n in g.nodes if n not in moe)
+    assert g.graph["ep"] == 2 and all(".experts." in p or "experts" in p for p in g.graph["expert_params"])

@@ -78,6 +78,11 @@ class Hardware:
         dp_link = self.intra_node if pp * tp * dp <= self.devices_per_node else self.inter_node
         return pp_link, dp_link
 
+    def ep_link(self, pp: int, tp: int, ep: int) -> Link:
+        """The link an ep group's all-to-alls cross: its ranks are replicas of one pipeline rank,
+        pp x tp devices apart (pipeline/core/layout.py), inside a node while pp x tp x ep fit."""
+        return self.intra_node if pp * tp * ep <= self.devices_per_node else self.inter_node
+
     @property
     def source(self) -> str:
         """Where the figures come from, as a prediction names it."""

@@ -142,6 +142,9 @@ class PlanMeta:
     #: per stage, the bytes of its parameters other stages hold too (tied weights), which every
     #: sharding level keeps whole (`predict.memory.Sharding`); None in a plan.json before it
     stage_replicated_param_bytes: list[float] | None = None
+    #: under ep > 1, per stage its share of the routed experts' parameter bytes: whole at every
+    #: sharding level, reduced over the dp / ep replicas holding the same experts
+    stage_expert_param_bytes: list[float] | None = None
     #: profiled per-stage costs: forward, backward, its input and weight halves; a backward's
     #: transient gradients; what a split backward keeps from I to W; the loss's saved tensors
     stage_forward_s: list[float] = field(default_factory=list)

@@ -95,6 +95,9 @@ def _make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Gro
     models.tp_modules = tp_modules
     models.tp_link = tp_link(cfg, cuda, profile, facts["link_latency_s"], max(tps)) if hw is None else \
         (hw.intra_node.latency_s, hw.intra_node.bandwidth)
+    ep_link = None if hw is None else hw.ep_link(cfg.pp, cfg.tp, cfg.ep)
+    models.ep_link = (facts["link_latency_s"], cfg.link_bandwidth) if ep_link is None else \
+        (ep_link.latency_s, ep_link.bandwidth)
 
     def links(c: Candidate | None) -> tuple[tuple[float, float], tuple[float, float] | None]:
         """The (latency, bandwidth) of the pipeline's link and, on a hardware file, the replicas'."""

@@ -401,6 +401,7 @@ def _plan_meta(traced: TracedModel, split, part: Partition, stages: list[StagePl
             "stage_largest_param_bytes": [max((float(p.numel() * p.element_size()) for p in gm.parameters()),
                                               default=0.0) for gm in split.stages],
             "stage_replicated_param_bytes": _replicated_bytes(traced, split),
+            "stage_expert_param_bytes": _expert_bytes(traced, split),
             "model_param_bytes": sum(traced.graph.graph.get("param_sizes", {}).values()),
             "stage_tensors": [sorted({traced.param_aliases.get(n, n) for n, _ in [
                 *gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]})
@@ -430,7 +431,9 @@ def unit_costs(traced: TracedModel, split, bucket_bytes: float | None = None) ->
     out = []
     for gm in split.stages:
         sizes = {n: float(p.numel() * p.element_size()) for n, p in gm.named_parameters(remove_duplicate=False)}
-        units = stage_units(node_param_uses(gm), sizes, excluded=split.shared_params, canonical=split.param_aliases,
+        # tied parameters are reduced apart, and an ep rank's experts too (their own replicas)
+        excluded = set(split.shared_params) | set(traced.graph.graph.get("expert_params", ()))
+        units = stage_units(node_param_uses(gm), sizes, excluded=excluded, canonical=split.param_aliases,
                             bucket_bytes=bucket_bytes)
         names = [n.name for n in gm.graph.nodes]
         row = []
@@ -449,6 +452,16 @@ def _replicated_bytes(traced: TracedModel, split) -> list[float]:
     shared = split.shared_params
     return [float(sum(p.numel() * p.element_size() for name, p in gm.named_parameters()
                       if traced.param_aliases.get(name, name) in shared)) for gm in split.stages]
+
+
+def _expert_bytes(traced: TracedModel, split) -> list[float] | None:
+    """Per stage under ep > 1, the bytes of its share of the routed experts (measure/experts.py):
+    what no sharding level cuts further and only the expert replicas reduce; None without ep."""
+    experts = set(traced.graph.graph.get("expert_params", ()))
+    if not experts:
+        return None
+    return [float(sum(p.numel() * p.element_size() for name, p in gm.named_parameters()
+                      if traced.param_aliases.get(name, name) in experts)) for gm in split.stages]
 
 
 def _held_beyond_activations(traced: TracedModel, stages: list[StagePlan]) -> tuple[list[float], list[float]]:

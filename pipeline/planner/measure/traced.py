@@ -33,6 +33,7 @@ from pipelaunch.pipeline.graph.tensor_parallel import (
 from pipelaunch.pipeline.graph.trace import TracedModel
 from pipelaunch.pipeline.planner.measure.analytic_profile import price_graphs
 from pipelaunch.pipeline.planner.measure.autocast import cached_autocast_dtypes
+from pipelaunch.pipeline.planner.measure.experts import add_all_to_alls, ep_local
 from pipelaunch.pipeline.planner.measure.host_memory import check_host_memory
 from pipelaunch.pipeline.planner.measure.profile import (
     ProfileJob,
@@ -68,6 +69,8 @@ class TracedModels:
         #: the tp degree a size is asked at by default (the configured one), the modules it splits
         #: (set by make_plan) and the tp link priced (latency, bandwidth)
         self.tp, self.tp_modules, self.tp_link = cfg.tp, {}, (0.0, 1.0)
+        #: under ep > 1, the ep group's link its all-to-alls are priced on (set by make_plan)
+        self.ep_link = (0.0, 1.0)
         #: per (size, tp > 1): the model traced at one tp rank's shapes and what the rewrite placed
         self._local: dict[tuple[int, int], TracedModel] = {}
         self._rewrites: dict[tuple[int, int], Rewritten] = {}
@@ -83,7 +86,12 @@ class TracedModels:
         tp = tp or self.tp
         self.prepare([micro_batch_size], tp)
         if tp == 1:
-            return self._traced[micro_batch_size]
+            traced = self._traced[micro_batch_size]
+            if self.cfg.ep > 1 and (micro_batch_size, 1) not in self._priced:
+                dtype = PRECISIONS[str(self.cfg.precision)]
+                add_all_to_alls(traced, self.cfg.ep, self.ep_link, 1.0 if dtype is None else dtype.itemsize / 4)
+                self._priced.add((micro_batch_size, 1))
+            return traced
         key = (micro_batch_size, tp)
         local = self._local_trace(*key)
         if key not in self._priced:
@@ -162,8 +170,8 @@ class TracedModels:
 
     def _trace(self, micro_batch_size: int) -> TracedModel:
         try:
-            if self.model is None:
-                self.model = self.spec.build_meta()
+            if self.model is None:  # under ep > 1 one ep rank's experts (measure/experts.py)
+                self.model = ep_local(self.spec.build_meta(), self.cfg.ep)
             return self.spec.trace(micro_batch_size, self.model, repeat=True)
         except ConfigError:
             raise
@@ -205,6 +213,8 @@ def profile_traced(spec: ModelSpec, cfg: TrainConfig, traced: Sequence[TracedMod
         key = {"model": cfg.model, "threads": threads, "host_allocator": str(cfg.host_allocator)}
         configure_host_allocator(key["host_allocator"])
         timed_as_ranks = profiling_threads(threads)
+    if cfg.ep > 1:  # one ep rank's experts: other shapes than ep=1's
+        key = {**key, "ep": cfg.ep}
     jobs = []
     for i, (t, size) in enumerate(zip(traced, micro_batch_sizes, strict=True)):
         x, y = spec.example_batch(size, cfg.seed)
@@ -243,7 +253,7 @@ def _profile_child(cfg: TrainConfig, model: Plugin, micro_batch_size: int, devic
     """The child's side: rebuild and retrace the model (deterministic: the same node names; under
     tp at one tp rank's shapes), then profile it on its GPU."""
     spec = model.build()
-    meta = spec.build_meta()
+    meta = ep_local(spec.build_meta(), cfg.ep)
     if tp_modules and tp > 1:
         shard_meta(meta, tp_modules, tp)
     traced = spec.trace(micro_batch_size, meta, repeat=True)

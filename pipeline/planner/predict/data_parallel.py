@@ -59,8 +59,9 @@ class Collectives:
             return 0.0
         return rounds * ((d - 1) * self.latency_s + (d - 1) / d * nbytes / self.bandwidth)
 
-    def all_reduce(self, nbytes: float) -> float:
-        return self._ring(nbytes, 2)
+    def all_reduce(self, nbytes: float, d: int | None = None) -> float:
+        """Over all dp replicas, or over `d` of them (an ep rank's expert replicas)."""
+        return self._ring(nbytes, 2, d)
 
     def reduce_scatter(self, nbytes: float) -> float:
         """Into the shards; under hybrid sharding also the shard's all-reduce across the groups."""
@@ -103,10 +104,14 @@ def whole_stages(stage_bytes: Sequence[float]) -> list[list[UnitCost]]:
 
 def data_parallel_step(schedule: Schedule, spans: Sequence[Sequence[tuple[float, float]]], sharded: Sharded,
                        replicated_bytes: Sequence[float] | None, links: Collectives,
-                       flat: bool = False) -> DataParallelStep:
+                       flat: bool = False, expert_bytes: Sequence[float] | None = None,
+                       expert_replicas: int = 1) -> DataParallelStep:
     """Price the collectives of each rank's program. `spans[r][i]`: when rank r's i-th compute
     action starts and ends (`SimResult.compute_spans`); `replicated_bytes[s]`: stage s's tied
-    parameter bytes (all-reduced after the step)."""
+    parameter bytes (all-reduced after the step); `expert_bytes[s]`: under ep > 1 its share of
+    the routed experts, all-reduced over the `expert_replicas` ranks holding the same ones (dp /
+    ep; none at ep = dp) after the step (the runtime reduces them in the buckets they fall in, on
+    their own group: priced as the step's tail, a slight over-estimate)."""
     tails, gathers, events, moved = [], [], [], []
     tied = replicated_bytes or [0.0] * schedule.num_stages
     for rank, acts in enumerate(schedule.actions):
@@ -117,6 +122,10 @@ def data_parallel_step(schedule: Schedule, spans: Sequence[Sequence[tuple[float,
         if tied_bytes > 0:
             play.queue(play.last + play.shift, links.all_reduce(tied_bytes), Action(stages[0], Kind.REDUCE_GRAD, 0),
                        "tied")
+        experts = sum(float(expert_bytes[s]) for s in stages) if expert_bytes is not None else 0.0
+        if experts > 0 and expert_replicas > 1:
+            play.queue(play.last + play.shift, links.all_reduce(experts, expert_replicas),
+                       Action(stages[0], Kind.REDUCE_GRAD, 0), "experts")
         tails.append(max(0.0, play.channel - (play.last + play.shift)))
         gathers.append(play.shift)
         events += play.events

@@ -103,7 +103,7 @@ def predict(plan: Plan, latency_s: float, bandwidth: float, collectives: bool = 
                             plan.meta.stage_workspace_bytes, float(plan.meta.reserve_bytes or 0.0),
                             update=UpdateMemory(plan.meta.stage_largest_param_bytes,
                                                 tuple(machine.optimizer_temporaries), plan.dp),
-                            sharding=plan_sharding(plan), replicated_bytes=plan.meta.stage_replicated_param_bytes,
+                            sharding=plan_sharding(plan), replicated_bytes=_whole_bytes(plan),
                             units=stage_unit_bytes(plan))
     schedule_s = result.makespan_s
     slots = machine.rank_slots
@@ -111,6 +111,7 @@ def predict(plan: Plan, latency_s: float, bandwidth: float, collectives: bool = 
         schedule_s = shared_makespan(plan.schedule, cost, slots, plan.dp)
     per_byte = float(machine.optimizer_s_per_byte or 0.0)
     sharded, tied = _sharded_and_tied(plan)
+    tied = _whole_bytes(plan)  # a replica steps its experts whole too
     degree = (plan.meta.dp_shard or plan.dp) if plan.meta.zero else 1  # a replica steps its shard
     optimizer = [(s / degree + t) * per_byte for s, t in zip(rank_param_bytes(sharded, plan.schedule.placement),
                                                               rank_param_bytes(tied, plan.schedule.placement),
@@ -143,10 +144,23 @@ def stage_unit_bytes(plan: Plan) -> list[tuple[list[float], float]]:
 
 
 def _sharded_and_tied(plan: Plan) -> tuple[list[float], list[float]]:
-    """Per stage: parameter bytes the replicas shard or reduce as a stage, and tied bytes (kept whole)."""
+    """Per stage: parameter bytes the replicas shard or reduce as a stage, and tied bytes (kept
+    whole, all-reduced after the step); an ep rank's experts are in neither (`_experts`)."""
     whole = [float(b) for b in plan.meta.partition.stage_param_bytes]
     tied = [float(b) for b in (plan.meta.stage_replicated_param_bytes or [0.0] * len(whole))]
-    return [max(0.0, w - t) for w, t in zip(whole, tied, strict=True)], tied
+    experts = _experts(plan)
+    return [max(0.0, w - t - e) for w, t, e in zip(whole, tied, experts, strict=True)], tied
+
+
+def _experts(plan: Plan) -> list[float]:
+    """Per stage, its share of the routed experts' bytes under ep > 1 (0 without)."""
+    n = len(plan.meta.partition.stage_param_bytes)
+    return [float(b) for b in (plan.meta.stage_expert_param_bytes or [0.0] * n)]
+
+
+def _whole_bytes(plan: Plan) -> list[float]:
+    """Per stage, what no sharding level cuts: tied parameters and an ep rank's experts."""
+    return [t + e for t, e in zip(_sharded_and_tied(plan)[1], _experts(plan), strict=True)]
 
 
 def plan_units(plan: Plan) -> list[list[UnitCost]]:
@@ -168,7 +182,8 @@ def data_parallel_collectives(plan: Plan, cost: CostModel, spans: list[list[tupl
     own = plan.meta.machine.dp_link  # a hardware file's: the replicas' own link class
     links = Collectives(plan.dp, *(own if own else (cost.latency_s, cost.bandwidth_bytes_per_s)), plan.meta.dp_shard)
     sharded = Sharded(plan.meta.zero, plan_units(plan), plan.meta.reshard, plan_sharding(plan).compute_bytes)
-    return data_parallel_step(plan.schedule, spans, sharded, _sharded_and_tied(plan)[1], links, flat=flat)
+    return data_parallel_step(plan.schedule, spans, sharded, _sharded_and_tied(plan)[1], links, flat=flat,
+                              expert_bytes=_experts(plan), expert_replicas=plan.dp // max(1, plan.ep))
 
 
 def data_parallel_seconds(plan: Plan, cost: CostModel, makespan_s: float, flat: bool = False,
