@@ -116,12 +116,15 @@ class Experts(nn.Module):
     def compute(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Each row of x [N, H] through this rank's expert `index` [N] (local ids): [N, H]."""
         out = x.new_zeros(x.shape)
+        # unbound once: the backward stacks the experts' gradients into one tensor of the weight's
+        # size, where indexing `w[e]` would build a zero-filled tensor of its size per expert
+        gate_ups, downs = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
         for e in range(self.local):
             rows = (index == e).nonzero(as_tuple=True)[0]
             if rows.numel() == 0:
                 continue
-            gate, up = nn.functional.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            out = out.index_copy(0, rows, nn.functional.linear(nn.functional.silu(gate) * up, self.down_proj[e]))
+            gate, up = nn.functional.linear(x[rows], gate_ups[e]).chunk(2, dim=-1)
+            out = out.index_copy(0, rows, nn.functional.linear(nn.functional.silu(gate) * up, downs[e]))
         return out
 
     def balanced(self, x: torch.Tensor) -> torch.Tensor:

@@ -48,11 +48,12 @@ def group_options(group: str) -> list[str]:
 
 
 def run_jobs(cfgs: list[TrainConfig], log_dir: Path, plans: list | None = None,
-             split_check: bool = False) -> list[list[dict]]:
+             split_check: bool = False, capture: bool = True) -> list[list[dict]]:
     """Run configs of the same world size in one spawn, each starting from the weights the launcher
     gives it (`launcher_initial_weights`); returns per config the list of rank results. `plans`:
     the plans to run (one per config), instead of those the configs give; `split_check`: first
-    assert that the launcher's split check passes for each."""
+    assert that the launcher's split check passes for each; `capture=False`: no copy of the weights
+    and gradients is taken (a memory measurement counts what training holds)."""
     jobs = []
     with ExitStack() as files:
         for i, cfg in enumerate(cfgs):
@@ -65,7 +66,7 @@ def run_jobs(cfgs: list[TrainConfig], log_dir: Path, plans: list | None = None,
                 line = check_split(cfg, prepared.spec, prepared.plan, prepared.model, initial)
                 assert line.startswith(f"check_split: the {len(prepared.plan.stages)} stages match"), line
             plan = prepared.plan if plans is None else plans[i]
-            jobs.append(RankJob(prepared.run, plan, None, callbacks=(CaptureState(),), resume_from=prepared.resume_from,
+            jobs.append(RankJob(prepared.run, plan, None, callbacks=(CaptureState(),) if capture else (), resume_from=prepared.resume_from,
                                 initial_weights=str(initial.path) if initial.path is not None else None))
         world = jobs[0].plan.world_size
         env = rank_environment(cfgs[0].huge_pages)
@@ -102,11 +103,13 @@ def assert_state_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor
                                        msg=f"{what}: {name}")
 
 
-def check_like_one_process(cases: list[tuple[str, TrainConfig]], tmp_path: Path, inexact: tuple[str, ...] = ()) -> None:
+def check_like_one_process(cases: list[tuple[str, TrainConfig]], tmp_path: Path,
+                           inexact: tuple[str, ...] = ()) -> dict[str, list[dict]]:
     """Run (what, config) cases on real ranks, one spawn per world size, and check each against one
     process (`tests.reference`, the model as `torch.manual_seed(seed); factory()` builds it): losses,
     step 0's gradients and the final weights of every replica within 1e-5; element-wise too, but
-    for the cases whose `what` starts with one of `inexact` (see `assert_state_close`)."""
+    for the cases whose `what` starts with one of `inexact` (see `assert_state_close`). Returns
+    each case's rank results, by `what`."""
     from tests.reference import reference_run
 
     worlds = sorted({cfg.world_size for _, cfg in cases})
@@ -122,6 +125,7 @@ def check_like_one_process(cases: list[tuple[str, TrainConfig]], tmp_path: Path,
                                exact)
             assert_state_close(merge_state(ranks, "params_final", d), ref["params_final"],
                                f"{what} replica {d} weights", exact)
+    return {what: ranks for (what, _), ranks in done}
 
 
 #: the environment variable tests/conftest.py sets to a fresh value for each test

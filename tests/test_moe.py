@@ -218,3 +218,30 @@ def test_the_planner_prices_one_ep_ranks_experts_and_its_exchanges() -> None:
         assert node["backward_input_s"] == pytest.approx(0.5 + exchange)
     assert all(g.nodes[n]["forward_s"] == 1.0 for n in g.nodes if n not in moe)
     assert g.graph["ep"] == 2 and all(".experts." in p or "experts" in p for p in g.graph["expert_params"])
+
+
+#: experts dominate the parameters (3 MiB of the 3.3 in each block), AdamW's two states each
+HEAVY = [*FAST, "model.dim=128", "model.layers=4", "model.seq_len=16", "model.experts=8", "model.top_k=2",
+         "model.expert_dim=256", "model.dense_layers=0", "optimizer=adamw", "pp=2", "dp=2", "scheduler=1f1b",
+         "batch_size=16", "microbatches=4", "steps=2", "warmup_steps=0", "threads=1", "predict=true", "timeout_s=300"]
+
+
+@pytest.mark.timeout(900)
+def test_expert_parallel_ranks_hold_half_the_experts_as_planned(tmp_path) -> None:
+    """Measured tensor peaks (no copy of the state taken: `capture=False`): at ep=2 the fullest
+    rank holds its stage's experts' weights, gradients and both AdamW states at half, and the plan
+    predicts each fullest rank within 15%."""
+    cfgs = [compose_cfg([*HEAVY, f"ep={ep}"]) for ep in (1, 2)]
+    runs = run_jobs(cfgs, tmp_path / "logs", capture=False)
+    fullest, predicted = [], []
+    for cfg, ranks in zip(cfgs, runs, strict=True):
+        top = max(ranks, key=lambda r: r.rank_info.peak_tensor_bytes).rank_info
+        fullest.append(top.peak_tensor_bytes)
+        predicted.append(top.predicted_peak_bytes - float(cfg.memory.reserve_bytes))
+    for got, want in zip(fullest, predicted, strict=True):
+        assert abs(want / got - 1) <= 0.15, (fullest, predicted)
+    spec = build_plugins(cfgs[0]).model.build()
+    # a stage's two blocks' experts, at 4 bytes per value in each of weights, gradients, 2 states
+    stage_experts = sum(p.numel() * 4 for m in spec.build_meta().modules() if isinstance(m, Experts)
+                        for p in m.parameters()) / 2
+    assert fullest[0] - fullest[1] >= 0.9 * 4 * stage_experts / 2, (fullest, stage_experts)

@@ -86,6 +86,7 @@ def profile_key(model_config: Mapping[str, Any], inputs: Sequence[Any], device: 
         "cache": "evicted",
         "copies": "pooled",
         "fields": "selective",
+        "saved": "parameter-storages",
         "model": model_config,
         "inputs": _layout(list(inputs)),
         "device": device_label(device),
@@ -240,12 +241,13 @@ def _requiring_grad(out: Any) -> list[torch.Tensor]:
 
 def _warm_up(op: _Op, params: Sequence[torch.Tensor]) -> tuple[Any, int]:
     """The first, untimed run: its output and the bytes autograd saves for backward (parameters
-    excluded); the op's eviction is dropped when this run took under `CacheEvictor.min_s`."""
-    param_ptrs = {p.data_ptr() for p in params}
+    excluded, and views of them: a 3-D expert tensor's slice `w[e]` starts past its storage's
+    first byte); the op's eviction is dropped when this run took under `CacheEvictor.min_s`."""
+    param_storages = {p.untyped_storage().data_ptr() for p in params}
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.data_ptr() not in param_ptrs:
+        if t.untyped_storage().data_ptr() not in param_storages:
             saved[t.data_ptr()] = max(saved.get(t.data_ptr(), 0), _nbytes(t))
         return t
 
