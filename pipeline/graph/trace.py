@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import logging
 import sys
+import types
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass, field
@@ -243,6 +244,9 @@ def module_key(module: nn.Module) -> tuple | None:
                 if not isinstance(code, str):
                     return None
                 settings.append((key, code))
+                continue
+            if isinstance(value, types.FunctionType) and value.__closure__ is None:  # a module-level function
+                settings.append((key, f"{value.__module__}.{value.__qualname__}"))  # (ep_local's dispatch)
                 continue
             flat = value if isinstance(value, (tuple, list)) else (value,)
             if not all(isinstance(v, _SIMPLE) for v in flat):

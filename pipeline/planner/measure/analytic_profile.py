@@ -118,7 +118,11 @@ def price_op(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict, params: 
         grads = [torch.empty_like(t) for t in outs]
         backward = price(lambda: op.backward(outs, grads), hw, matmul_dtype)
         times["backward_s"] = backward.seconds + cast_s
-        outs = _requiring_grad(op())  # a fresh graph for the split backward
+        # a fresh graph for the split backward, built as the priced forward built its own (attention
+        # as the fused kernel: outside `price` it is the decomposition, whose backward reads the
+        # scores); what this forward costs is not counted again
+        price(lambda: held.__setitem__("again", op()), hw, matmul_dtype)
+        outs = _requiring_grad(held.pop("again"))
         split = price(lambda: held.__setitem__("stash", backward_input(outs, grads, op.leaves, op.grad_params)[1]),
                       hw, matmul_dtype)
         stash = held.pop("stash")

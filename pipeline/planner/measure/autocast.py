@@ -23,6 +23,7 @@ the rank's business, where autocast runs for real.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,6 +33,8 @@ import torch
 from torch import fx, nn
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
 
 from pipelaunch.pipeline.graph.trace import RepeatedOutputs, TracedModel, retarget
 
@@ -80,6 +83,33 @@ def _no_gpu_context() -> Iterator[None]:
         fake_tensor.init_gpu_context = saved
 
 
+class _GuardedOnMeta(TorchFunctionMode):
+    """Tensor methods whose Python binding takes a device guard on the tensor's device
+    (`x[rows]`, `x[1:3]`, `~mask`: a mixture of experts' routing) cannot run on a fake `cuda`
+    tensor where torch is built without CUDA: such a call is run again on meta copies of its
+    arguments and its outputs put back on `device`. Those methods do not change a dtype under
+    autocast, so the meta run gives the dtype the GPU would."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's signature
+        kwargs = kwargs or {}
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as err:
+            if "not linked with support for cuda" not in str(err):
+                raise
+
+        def meta(v: Any) -> Any:
+            return v.to("meta") if isinstance(v, torch.Tensor) and v.device.type == "cuda" else v
+
+        out = func(*tree_map(meta, args), **tree_map(meta, kwargs))
+        return tree_map(lambda v: v.to(self.device) if isinstance(v, torch.Tensor) and v.device.type == "meta" else v,
+                        out)
+
+
 @contextmanager
 def _autocast_policy(device_type: str, dtype: torch.dtype) -> Iterator[None]:
     """`torch.autocast(device_type, dtype)` for the ops of this thread, set through the same flags
@@ -121,7 +151,8 @@ def autocast_dtypes(traced: TracedModel, args: Any, device: torch.device, dtype:
         args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
         fake_args = tuple(_fake(a, mode, device) if isinstance(a, torch.Tensor) else a for a in args)
         recorder = _DtypeRecorder(gm)
-        with mode, torch.no_grad(), _autocast_policy(device.type, dtype):
+        guarded = _GuardedOnMeta(device) if device.type == "cuda" else contextlib.nullcontext()
+        with mode, guarded, torch.no_grad(), _autocast_policy(device.type, dtype):
             recorder.run(*fake_args)
     return recorder.dtypes
 
