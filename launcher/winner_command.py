@@ -17,7 +17,8 @@ from pipelaunch.pipeline.core.hardware import Hardware
 from pipelaunch.pipeline.planner.search.choose import Candidate
 
 #: keys the search sets (or that only planning reads): left out of the user's overrides
-DECIDED = ("mode", "plan", "pp", "dp", "tp", "microbatches", "scheduler", "partitioner", "remat", "zero", "reshard")
+DECIDED = ("mode", "plan", "pp", "dp", "tp", "ep", "microbatches", "scheduler", "partitioner", "remat", "zero",
+           "reshard")
 
 
 def _key(override: str) -> str:

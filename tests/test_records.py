@@ -20,7 +20,7 @@ META_KEYS = [
     "stage_units", "profiled", "optimizer_states", "memory_cap", "reserve_bytes",
     "remat_stages", "stage_tensors", "model_param_bytes", "rank_slots", "optimizer_s_per_byte",
     "optimizer_temporaries", "stage_largest_param_bytes", "link_latency_s", "action_overhead_s", "cost_source", "dp_link",
-    "stage_replicated_param_bytes", "stage_forward_s",
+    "stage_replicated_param_bytes", "stage_expert_param_bytes", "stage_exchange_s", "stage_forward_s",
     "stage_backward_s", "stage_backward_input_s", "stage_backward_weight_s", "stage_workspace_bytes",
     "stage_weight_stash_bytes", "stage_loss_activation_bytes", "recompute", "selective", "stage_recompute_s",
     "stage_recompute_region_bytes", "device_memory", "prediction", "search",

@@ -210,6 +210,10 @@ class PlanConfig:
     #: null: every divisor of plan.devices up to a node's 8 devices that divides what the model's
     #: plan splits (tp=1 alone for a model without a plan); without plan.devices, the configured tp
     tp: Optional[list[int]] = None  # noqa: UP045 - OmegaConf reads typing.Optional
+    #: under plan.devices on a model with routed experts, the expert-parallel degrees tried (each
+    #: dividing the layout's dp and the experts, at tp=1); null: every power of two up to
+    #: min(dp, experts) that does; without plan.devices, the configured ep
+    ep: Optional[list[int]] = None  # noqa: UP045 - OmegaConf reads typing.Optional
     #: how many candidates are planned and simulated in full, the most promising by a closed-form
     #: estimate (search/screen.py); null: with a hardware file every one up to 64 candidates, beyond
     #: that until 3 fit; on this machine (hardware=local) every one

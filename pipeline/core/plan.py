@@ -145,6 +145,9 @@ class PlanMeta:
     #: under ep > 1, per stage its share of the routed experts' parameter bytes: whole at every
     #: sharding level, reduced over the dp / ep replicas holding the same experts
     stage_expert_param_bytes: list[float] | None = None
+    #: under ep > 1, per stage the seconds of its MoE layers' all-to-alls in one micro-batch's
+    #: forward and backward (dispatch and combine each way, in its costs: measure/experts.py)
+    stage_exchange_s: list[float] | None = None
     #: profiled per-stage costs: forward, backward, its input and weight halves; a backward's
     #: transient gradients; what a split backward keeps from I to W; the loss's saved tensors
     stage_forward_s: list[float] = field(default_factory=list)

@@ -99,6 +99,16 @@ def _make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Gro
     models.ep_link = (facts["link_latency_s"], cfg.link_bandwidth) if ep_link is None else \
         (ep_link.latency_s, ep_link.bandwidth)
 
+    def experts(c: Candidate | None) -> dict:
+        """The expert-parallel degree a candidate's trace holds one rank's experts of, and the link
+        its all-to-alls cross (`Hardware.ep_link`: its ranks are pp x tp devices apart)."""
+        if c is None or c.ep is None:
+            return {}
+        if hw is None:
+            return {"ep": c.ep, "ep_link": models.ep_link}
+        link = hw.ep_link(c.pp, c.tp or 1, c.ep)
+        return {"ep": c.ep, "ep_link": (link.latency_s, link.bandwidth)}
+
     def links(c: Candidate | None) -> tuple[tuple[float, float], tuple[float, float] | None]:
         """The (latency, bandwidth) of the pipeline's link and, on a hardware file, the replicas'."""
         if hw is None:
@@ -125,18 +135,22 @@ def _make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Gro
         return Planned(_first_plannable(cfg, plugins, options, models, build, models.get(size)), model=models.model,
                        traces=models.made)
     if searching:
-        cands, given = search_space(cfg, plugins, options, models.structure(size).graph, tps)
-        screen = Screen(costs=lambda tp, mbs: _model_costs(models.get(mbs, tp), mbs),
-                        graph=lambda tp, mbs: models.get(mbs, tp).graph,
+        cands, given = search_space(cfg, plugins, options, models.structure(size).graph, tps,
+                                    int(spec.meta.get("experts") or 0) if cfg.plan.devices is not None else 0)
+        screen = Screen(costs=lambda tp, mbs, ep=None: _model_costs(models.get(mbs, tp, **dict(ep or ())), mbs),
+                        graph=lambda tp, mbs, ep=None: models.get(mbs, tp, **dict(ep or ())).graph,
+                        experts=lambda c: tuple(sorted(experts(c).items())) or None,
                         micro_batch_size=lambda c: micro_batch_size(cfg, c.microbatches, c.dp), links=links,
                         optimizer_s_per_byte=facts["optimizer_s_per_byte"],
                         optimizer_states=plugins.optimizer.states_per_param, configured_zero=cfg.zero,
                         reserve_bytes=cfg.memory.reserve_bytes, cap=cfg.memory.cap_bytes,
                         by_default=hw is not None, layout=(cfg.pp, cfg.dp, cfg.tp),
                         optimizer_temporaries=tuple(facts["optimizer_temporaries"]))
-        result = search(cfg, models, build, cands, given, link, screen)
+        result = search(cfg, models, build, cands, given, link, screen, experts)
         if hw is not None:
-            result.per_device = _per_device(cfg, spec, models, hw)
+            result.per_device = _per_device(cfg, spec, models, hw, experts)
+        if any(c.ep is not None for c in cands):
+            result.experts_of = lambda o: expert_facts(o.prediction)
         prediction = result.winner.prediction
         return Planned(_finished(prediction.plan, prediction, result), prediction, result, models.model, models.made)
     traced = models.get(size)
@@ -180,23 +194,63 @@ def hardware_facts(plugins: Plugins, hw: Hardware) -> dict:
             "link_latency_s": hw.inter_node.latency_s, "action_overhead_s": 0.0}
 
 
-def _per_device(cfg: TrainConfig, spec: ModelSpec, models: TracedModels,
-                hw: Hardware) -> Callable[[Outcome], tuple[float, float]]:
+def _per_device(cfg: TrainConfig, spec: ModelSpec, models: TracedModels, hw: Hardware,
+                experts: Callable[[Candidate | None], dict] = lambda c: {}) -> Callable[[Outcome], tuple[float, float]]:
     """An outcome's tokens per second per device and its model FLOPs utilisation: the model's
     FLOPs per step (forward and backward as priced, recomputation not counted) over the step and
-    every device's peak, in the dtype the run computes in."""
+    every device's peak, in the dtype the run computes in. A mixture of experts counts 6 FLOPs per
+    activated parameter and token instead (`activated_params`: a token's top_k routed experts, not
+    all of them), as MoE papers state their MFU."""
     dtype = "bf16" if str(cfg.precision) == "bf16" else "fp32"
+    peak = hw.peak_flops.get(dtype, hw.peak_flops["fp32"])
+    activated = activated_params(spec) if spec.meta.get("experts") else None
 
     def figures(o: Outcome) -> tuple[float, float]:
         c, p = o.candidate, o.prediction
         pp, dp, tp = (c.pp, c.dp, c.tp or 1) if c.pp is not None else (cfg.pp, cfg.dp, cfg.tp)
         devices = pp * dp * tp
         tokens = cfg.batch_size * spec.tokens_per_sample / p.step_s / devices
-        graph = models.get(micro_batch_size(cfg, c.microbatches, dp), tp).graph
+        if activated is not None:
+            return tokens, 6.0 * activated * tokens / peak
+        graph = models.get(micro_batch_size(cfg, c.microbatches, dp), tp, **experts(c)).graph
         flops = float(graph.graph.get("model_flops", 0.0)) * tp * c.microbatches * dp  # the whole job's
-        return tokens, flops / (p.step_s * devices * hw.peak_flops.get(dtype, hw.peak_flops["fp32"]))
+        return tokens, flops / (p.step_s * devices * peak)
 
     return figures
+
+
+def expert_facts(prediction: Prediction) -> tuple[float, float]:
+    """A prediction's (routed experts' parameter bytes on its fullest device, seconds its busiest
+    pipeline rank spends in all-to-alls per step: its stages' `stage_exchange_s`, once per
+    micro-batch); (0, 0) without ep."""
+    plan = prediction.plan
+    placement = plan.schedule.placement
+    held, exchange = [0.0] * (max(placement) + 1), [0.0] * (max(placement) + 1)
+    for stage, rank in enumerate(placement):
+        held[rank] += float((plan.meta.stage_expert_param_bytes or [0.0] * len(placement))[stage])
+        exchange[rank] += float((plan.meta.stage_exchange_s or [0.0] * len(placement))[stage]) * plan.microbatches
+    return max(held), max(exchange)
+
+
+def activated_params(spec: ModelSpec) -> float:
+    """The parameters one token computes with: every matmul weight, of the routed experts only a
+    token's top_k of them (the input embedding, a lookup, is not counted; the output head is)."""
+    model = spec.build_meta()
+    total = sum(p.numel() for n, p in model.named_parameters() if p.dim() > 1 and not _is_embedding(model, n))
+    routed = 0.0
+    for module in model.modules():
+        # a routed-experts module (models/moe.py `Experts`, or one like it): its experts stacked in
+        # its own parameters, `total` of them, of which a token computes top_k
+        if isinstance(getattr(module, "total", None), int) and hasattr(module, "local"):
+            top_k = getattr(module, "top_k", None) or spec.meta["top_k"]
+            share = 1.0 - top_k / module.total
+            routed += share * sum(p.numel() for p in module.parameters(recurse=False))
+    return total - routed
+
+
+def _is_embedding(model: torch.nn.Module, name: str) -> bool:
+    module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+    return isinstance(module, torch.nn.Embedding)
 
 
 def _measured_source(cuda: bool, profile: bool) -> str | None:
@@ -208,7 +262,8 @@ def _measured_source(cuda: bool, profile: bool) -> str | None:
 def tp_degrees(cfg: TrainConfig, spec: ModelSpec, hw: Hardware | None = None) -> list[int]:
     """The tensor-parallel degrees planned: the configured tp, or under `plan.devices` those of
     `plan.tp` (null: every divisor of the devices up to a node's (`hw.devices_per_node`, else
-    NODE_DEVICES) the model can be split over, `ModelSpec.tp_refusal`)."""
+    NODE_DEVICES) the model can be split over, `ModelSpec.tp_refusal`; tp=1 alone for a model with
+    routed experts, which ep splits instead: the tp rewrite cannot trace a MoE layer's routing)."""
     node = NODE_DEVICES if hw is None else hw.devices_per_node
     devices = cfg.plan.devices
     if devices is None:
@@ -228,6 +283,8 @@ def tp_degrees(cfg: TrainConfig, spec: ModelSpec, hw: Hardware | None = None) ->
                                          f"has ({node}): a tensor-parallel group stays inside a node (its collectives "
                                          f"run at every layer); list degrees up to {node}")
         return sorted(set(wanted))
+    if spec.meta.get("experts"):  # a MoE layer's routing is value-dependent: the tp rewrite cannot trace it
+        return [1]
     return [t for t in range(1, min(devices, node) + 1) if devices % t == 0 and spec.tp_refusal(t) is None]
 
 
@@ -324,7 +381,7 @@ def _request(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, traced: Traced
         zero=cfg.zero if c is None or c.zero is None else c.zero, dp_shard=cfg.dp_shard,
         reshard=str(cfg.reshard if c is None or c.reshard is None else c.reshard), device_type="cuda" if cuda else "cpu",
         bucket_bytes=cfg.dp_bucket_bytes,
-        evaluates=cfg.eval.every > 0, data_args=tuple(spec.data_args), ep=cfg.ep,
+        evaluates=cfg.eval.every > 0, data_args=tuple(spec.data_args), ep=cfg.ep if c is None or c.ep is None else c.ep,
         value_dtypes=_autocast_dtypes(cfg, spec, traced, micro_batch_size(cfg, microbatches, dp), cuda),
         **facts)
 
@@ -346,7 +403,8 @@ def _first_plannable(cfg: TrainConfig, plugins: Plugins, options: GroupOptions, 
     for c in cands:
         try:
             gen = build_generator(c.scheduler_plugin)
-            return _finished(build(gen, models.get(micro_batch_size(cfg, c.microbatches, c.dp), c.tp), c), None, None)
+            return _finished(build(gen, models.get(micro_batch_size(cfg, c.microbatches, c.dp), c.tp, ep=c.ep), c),
+                             None, None)
         except ConfigError as err:
             errors.append(err)
     raise errors[0] if errors else ConfigError("scheduler", "scheduler=auto has no candidate schedules")

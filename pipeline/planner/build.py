@@ -402,6 +402,7 @@ def _plan_meta(traced: TracedModel, split, part: Partition, stages: list[StagePl
                                               default=0.0) for gm in split.stages],
             "stage_replicated_param_bytes": _replicated_bytes(traced, split),
             "stage_expert_param_bytes": _expert_bytes(traced, split),
+            "stage_exchange_s": _exchange_s(traced, part),
             "model_param_bytes": sum(traced.graph.graph.get("param_sizes", {}).values()),
             "stage_tensors": [sorted({traced.param_aliases.get(n, n) for n, _ in [
                 *gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]})
@@ -462,6 +463,22 @@ def _expert_bytes(traced: TracedModel, split) -> list[float] | None:
         return None
     return [float(sum(p.numel() * p.element_size() for name, p in gm.named_parameters()
                       if traced.param_aliases.get(name, name) in experts)) for gm in split.stages]
+
+
+def _exchange_s(traced: TracedModel, part: Partition) -> list[float] | None:
+    """Per stage under ep > 1, its MoE layers' all-to-alls in one micro-batch's forward and
+    backward, on the link the trace priced them on (`stage_exchange_s`); None without ep."""
+    from pipelaunch.pipeline.planner.measure.experts import all_to_all_s
+
+    g = traced.graph
+    ep, link = int(g.graph.get("ep", 1) or 1), g.graph.get("ep_link")
+    if ep < 2 or link is None:
+        return None
+    out = [0.0] * part.num_stages
+    for name, stage in part.assignment.items():
+        if name in g.nodes:
+            out[stage] += 2 * sum(all_to_all_s(b, ep, *link) for _, b in g.nodes[name].get("ep_collectives", ()))
+    return out
 
 
 def _held_beyond_activations(traced: TracedModel, stages: list[StagePlan]) -> tuple[list[float], list[float]]:

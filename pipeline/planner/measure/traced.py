@@ -10,6 +10,7 @@ import contextlib
 import multiprocessing
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 
 import torch
 
@@ -65,7 +66,12 @@ class TracedModels:
         #: where to profile: this process's device (None: a child process on cuda:0)
         self.device = device if device is not None else (None if cuda else torch.device("cpu"))
         self.model = None
-        self._traced: dict[int, TracedModel] = {}
+        #: per expert-parallel degree, the model with one ep rank's experts (`ep_local`)
+        self._models: dict[int, torch.nn.Module] = {}
+        #: the whole model traced, per (micro-batch size, ep)
+        self._traced: dict[tuple[int, int], TracedModel] = {}
+        #: per (size, ep > 1, ep link): the trace with its all-to-alls priced on that link
+        self._exchanged: dict[tuple[int, int, tuple[float, float]], TracedModel] = {}
         #: the tp degree a size is asked at by default (the configured one), the modules it splits
         #: (set by make_plan) and the tp link priced (latency, bandwidth)
         self.tp, self.tp_modules, self.tp_link = cfg.tp, {}, (0.0, 1.0)
@@ -77,21 +83,33 @@ class TracedModels:
         self._sequence: dict[tuple[int, int], SequenceRewrite | None] = {}
         self._twins: dict[tuple[int, int], TracedModel] = {}
         self._priced: set[tuple[int, int]] = set()
-        #: the (size, tp) whose graphs carry their profile (or need none)
-        self._profiled: set[tuple[int, int]] = set()
+        #: the (size, tp, ep) whose graphs carry their profile (or need none)
+        self._profiled: set[tuple[int, int, int]] = set()
 
-    def get(self, micro_batch_size: int, tp: int | None = None) -> TracedModel:
+    def get(self, micro_batch_size: int, tp: int | None = None, ep: int | None = None,
+            ep_link: tuple[float, float] | None = None) -> TracedModel:
         """The model traced (and profiled, if asked) at this micro-batch size; under tp > 1 (the
-        configured tp unless given) one tp rank's share of it (`measure/tensor_parallel.py`)."""
-        tp = tp or self.tp
-        self.prepare([micro_batch_size], tp)
+        configured tp unless given) one tp rank's share of it (`measure/tensor_parallel.py`); under
+        ep > 1 (the configured ep unless given) with one ep rank's experts and each MoE layer's
+        all-to-alls priced on `ep_link` (latency, bandwidth; default `self.ep_link`): one trace and
+        profile per (size, ep), a copy of it per link."""
+        tp, ep = tp or self.tp, ep or self.cfg.ep
+        if tp > 1 and ep > 1:
+            raise ConfigError("ep", f"ep={ep} with tp={tp} is not supported yet; set tp=1 (or ep=1)")
+        self.prepare([micro_batch_size], tp, ep)
         if tp == 1:
-            traced = self._traced[micro_batch_size]
-            if self.cfg.ep > 1 and (micro_batch_size, 1) not in self._priced:
-                dtype = PRECISIONS[str(self.cfg.precision)]
-                add_all_to_alls(traced, self.cfg.ep, self.ep_link, 1.0 if dtype is None else dtype.itemsize / 4)
-                self._priced.add((micro_batch_size, 1))
-            return traced
+            traced = self._traced[(micro_batch_size, ep)]
+            if ep == 1:
+                return traced
+            link = tuple(self.ep_link if ep_link is None else ep_link)
+            key = (micro_batch_size, ep, link)
+            if key not in self._exchanged:
+                self._exchanged[key] = exchanged = replace(traced, graph=traced.graph.copy())
+                combine, dispatch = self._exchange_bytes()
+                add_all_to_alls(exchanged, ep, link, combine)
+                _dispatched_at(exchanged, ep, link, dispatch / combine)
+                exchanged.graph.graph["ep_link"] = link
+            return self._exchanged[key]
         key = (micro_batch_size, tp)
         local = self._local_trace(*key)
         if key not in self._priced:
@@ -101,26 +119,38 @@ class TracedModels:
             self._priced.add(key)
         return local
 
+    def _exchange_bytes(self) -> tuple[float, float]:
+        """(combine, dispatch) bytes an all-to-all moves per byte of a MoE node's traced output.
+        The traced output is fp32, or under a hardware file already in the dtype the run computes
+        in (`analytic_profile`). Under mixed precision a layer combines its experts' outputs in
+        that dtype and dispatches its norm's output, which autocast computes in fp32 (the runtime
+        sends the rows as the layer gets them: runtime/experts.py)."""
+        dtype = PRECISIONS[str(self.cfg.precision)]
+        if dtype is None:
+            return 1.0, 1.0
+        traced_size = dtype.itemsize if self.hardware is not None else 4
+        return dtype.itemsize / traced_size, 4 / traced_size
+
     def made(self, micro_batch_size: int, tp: int, tp_modules: Mapping[str, str] | None = None) -> TracedModel | None:
         """The trace already made at this size and tp (under tp > 1 with `tp_modules` split, the
         ones this plans), or None: never traces. For a later check of the plan that would trace
         the very same model again (the launcher's tp check: an 80-layer export is ~10 s)."""
         if tp == 1:
-            return self._traced.get(micro_batch_size)
+            return self._traced.get((micro_batch_size, self.cfg.ep))
         if tp_modules is not None and dict(tp_modules) != dict(self.tp_modules):
             return None
         return self._local.get((micro_batch_size, tp))
 
-    def structure(self, micro_batch_size: int, tp: int | None = None) -> TracedModel:
+    def structure(self, micro_batch_size: int, tp: int | None = None, ep: int | None = None) -> TracedModel:
         """The model traced at this size, profiled or not yet: for what reads only the graph's shape."""
         tp = tp or self.tp
-        return self._whole(micro_batch_size) if tp == 1 else self._local_trace(micro_batch_size, tp)
+        return self._whole(micro_batch_size, ep or self.cfg.ep) if tp == 1 else self._local_trace(micro_batch_size, tp)
 
-    def _whole(self, micro_batch_size: int) -> TracedModel:
-        """The whole model traced at this size (what the profile measures)."""
-        if micro_batch_size not in self._traced:
-            self._traced[micro_batch_size] = self._trace(micro_batch_size)
-        return self._traced[micro_batch_size]
+    def _whole(self, micro_batch_size: int, ep: int) -> TracedModel:
+        """The whole model (one ep rank's experts) traced at this size (what the profile measures)."""
+        if (micro_batch_size, ep) not in self._traced:
+            self._traced[(micro_batch_size, ep)] = self._trace(micro_batch_size, ep)
+        return self._traced[(micro_batch_size, ep)]
 
     def _local_trace(self, micro_batch_size: int, tp: int) -> TracedModel:
         """The model traced with its split parameters at one tp rank's shapes (the ranks' own trace)."""
@@ -143,41 +173,64 @@ class TracedModels:
             local.graph.graph["tp_layouts"] = {n: layouts[_follow(carried, n)] for n in layouts}
         return self._local[key]
 
-    def prepare(self, sizes: Iterable[int], tp: int | None = None) -> None:
-        """Trace, and profile if asked, every size of `sizes` (at `tp`, default the configured)
-        not done yet; on this process's device the sizes are measured in shared passes
+    def prepare(self, sizes: Iterable[int], tp: int | None = None, ep: int | None = None) -> None:
+        """Trace, and profile if asked, every size of `sizes` (at `tp` and `ep`, default the
+        configured) not done yet; on this process's device the sizes are measured in shared passes
         (`profile_graphs`: the machine's drift between profiles taken one after another made a size
         look cheaper than another)."""
-        tp = tp or self.tp
-        todo = {size: self.structure(size, tp) for size in dict.fromkeys(sizes) if (size, tp) not in self._profiled}
+        tp, ep = tp or self.tp, ep or self.cfg.ep
+        todo = {size: self.structure(size, tp, ep) for size in dict.fromkeys(sizes)
+                if (size, tp, ep) not in self._profiled}
         modules = self.tp_modules if tp > 1 else {}
         if self.profile and todo:
             if self.hardware is not None:  # priced, not measured: nothing runs on a device
                 twins = [(self._twins[(size, tp)], self._rewrites[(size, tp)]) for size in todo] if tp > 1 else None
                 profile_traced(self.spec, self.cfg, list(todo.values()), list(todo), torch.device("meta"), modules,
-                               tp, hardware=self.hardware, twins=twins)
+                               tp, hardware=self.hardware, twins=twins, ep=ep)
             elif self.device is None:  # a GPU run planned in the launcher: a child per size
                 for size, t in todo.items():
                     nodes, cached = profile_in_child(self.cfg, self.model_plugin, size, torch.device("cuda", 0),
-                                                     modules, tp)
+                                                     modules, tp, ep)
                     apply_profile(t.graph, nodes)
                     t.graph.graph["profile_cached"] = cached
             else:
                 if self.device.type == "cpu":  # what it would hold, refused before it is allocated
                     check_host_memory(list(todo.values()), list(todo), tp=tp)
-                profile_traced(self.spec, self.cfg, list(todo.values()), list(todo), self.device, modules, tp)
-        self._profiled.update((size, tp) for size in todo)
+                profile_traced(self.spec, self.cfg, list(todo.values()), list(todo), self.device, modules, tp, ep=ep)
+        self._profiled.update((size, tp, ep) for size in todo)
 
-    def _trace(self, micro_batch_size: int) -> TracedModel:
+    def _trace(self, micro_batch_size: int, ep: int) -> TracedModel:
         try:
-            if self.model is None:  # under ep > 1 one ep rank's experts (measure/experts.py)
-                self.model = ep_local(self.spec.build_meta(), self.cfg.ep)
-            return self.spec.trace(micro_batch_size, self.model, repeat=True)
+            if ep not in self._models:  # under ep > 1 one ep rank's experts (measure/experts.py)
+                self._models[ep] = ep_local(self.spec.build_meta(), ep)
+            if self.model is None or ep == self.cfg.ep:  # the configured ep's: what the launcher checks
+                self.model = self._models[ep]
+            return self.spec.trace(micro_batch_size, self._models[ep], repeat=True)
         except ConfigError:
             raise
         except Exception as err:  # noqa: BLE001 - a model that cannot be built from these values
             raise ConfigError("model", f"model={self.spec.name} could not be built and traced with these "
                                        f"options: {type(err).__name__}: {err}") from err
+
+
+def _dispatched_at(traced: TracedModel, ep: int, link: tuple[float, float], factor: float) -> None:
+    """Each MoE node's dispatch rows (`ep_collectives`, priced by `add_all_to_alls` at the combine's
+    bytes) at `factor` times those bytes, the difference added to the node's times as the
+    exchanges were (`all_to_all_s`: the same messages, more bytes each)."""
+    if factor == 1.0:
+        return
+    g = traced.graph
+    profiled = all("forward_s" in g.nodes[n] for n in g.nodes)
+    for name in g.nodes:
+        node = g.nodes[name]
+        if "ep_collectives" not in node:
+            continue
+        extra = sum(b * (factor - 1.0) for kind, b in node["ep_collectives"] if kind == "dispatch")
+        node["ep_collectives"] = [(kind, b * factor if kind == "dispatch" else b) for kind, b in node["ep_collectives"]]
+        seconds = (ep - 1) * extra / ep / link[1]
+        for key in ("forward_s", "backward_s", "backward_input_s"):
+            if profiled and key in node:
+                node[key] += seconds
 
 
 def _follow(carried: Mapping[str, str], name: str) -> str:
@@ -189,14 +242,15 @@ def _follow(carried: Mapping[str, str], name: str) -> str:
 def profile_traced(spec: ModelSpec, cfg: TrainConfig, traced: Sequence[TracedModel], micro_batch_sizes: Sequence[int],
                    device: torch.device, tp_modules: Mapping[str, str] | None = None, tp: int = 1,
                    hardware: Hardware | None = None,
-                   twins: Sequence[tuple[TracedModel, Rewritten]] | None = None) -> None:
+                   twins: Sequence[tuple[TracedModel, Rewritten]] | None = None, ep: int | None = None) -> None:
     """Measure each of `traced` (one per micro-batch size) on one real micro-batch on `device`
     (cached on disk), in shared passes. A model that computes its own loss has it among its nodes
     (and the targets among its inputs): nothing to add. Under tp > 1 (`tp_modules`), `traced` are
     the model at one tp rank's shapes, run with shape-only collectives and, where the head's
     logits are split, the vocabulary-parallel loss's local work (`measure/tensor_parallel.py`).
     With `hardware`, priced on its figures instead (`analytic_profile.py`), in the dtype the run
-    computes in. `twins`: under tp, each size's twin and rewrite when already built."""
+    computes in. `twins`: under tp, each size's twin and rewrite when already built. `ep`: the
+    expert-parallel degree `traced` hold one rank's experts of (default the configured)."""
     if hardware is not None:
         key: dict = {}
         timed_as_ranks: contextlib.AbstractContextManager = contextlib.nullcontext()
@@ -213,8 +267,9 @@ def profile_traced(spec: ModelSpec, cfg: TrainConfig, traced: Sequence[TracedMod
         key = {"model": cfg.model, "threads": threads, "host_allocator": str(cfg.host_allocator)}
         configure_host_allocator(key["host_allocator"])
         timed_as_ranks = profiling_threads(threads)
-    if cfg.ep > 1:  # one ep rank's experts: other shapes than ep=1's
-        key = {**key, "ep": cfg.ep}
+    ep = cfg.ep if ep is None else ep
+    if ep > 1:  # one ep rank's experts: other shapes than ep=1's
+        key = {**key, "ep": ep}
     jobs = []
     for i, (t, size) in enumerate(zip(traced, micro_batch_sizes, strict=True)):
         x, y = spec.example_batch(size, cfg.seed)
@@ -238,28 +293,29 @@ def profile_traced(spec: ModelSpec, cfg: TrainConfig, traced: Sequence[TracedMod
 
 
 def profile_in_child(cfg: TrainConfig, model: Plugin, micro_batch_size: int, device: torch.device,
-                     tp_modules: Mapping[str, str] | None = None, tp: int = 1) -> tuple[dict[str, dict], bool]:
+                     tp_modules: Mapping[str, str] | None = None, tp: int = 1,
+                     ep: int | None = None) -> tuple[dict[str, dict], bool]:
     """Profile the model of `cfg` on `device` in a fresh process that exits before this returns,
     taking its CUDA context with it; returns every node's profile fields and whether the on-disk
     cache had them."""
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
         return pool.submit(_profile_child, cfg, model, micro_batch_size, str(device), dict(tp_modules or {}),
-                           tp).result()
+                           tp, cfg.ep if ep is None else ep).result()
 
 
 def _profile_child(cfg: TrainConfig, model: Plugin, micro_batch_size: int, device: str,
-                   tp_modules: dict[str, str], tp: int) -> tuple[dict[str, dict], bool]:
+                   tp_modules: dict[str, str], tp: int, ep: int = 1) -> tuple[dict[str, dict], bool]:
     """The child's side: rebuild and retrace the model (deterministic: the same node names; under
     tp at one tp rank's shapes), then profile it on its GPU."""
     spec = model.build()
-    meta = ep_local(spec.build_meta(), cfg.ep)
+    meta = ep_local(spec.build_meta(), ep)
     if tp_modules and tp > 1:
         shard_meta(meta, tp_modules, tp)
     traced = spec.trace(micro_batch_size, meta, repeat=True)
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(torch.device(device))
-    profile_traced(spec, cfg, [traced], [micro_batch_size], torch.device(device), tp_modules, tp)
+    profile_traced(spec, cfg, [traced], [micro_batch_size], torch.device(device), tp_modules, tp, ep=ep)
     return profiled_nodes(traced.graph), bool(traced.graph.graph.get("profile_cached"))
 
 

@@ -51,7 +51,7 @@ byte `Sharding.stage_factor` times (`fit.budget.device_view`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pipelaunch.pipeline.core.errors import ConfigError
@@ -198,6 +198,8 @@ def device_memory(
     sharding: Sharding | None = None,
     replicated_bytes: Sequence[float] | None = None,
     units: Sequence[tuple[Sequence[float], float]] | None = None,
+    expert_bytes: Sequence[float] | None = None,
+    expert_replicas: int = 1,
 ) -> list[DeviceMemory]:
     """Per rank: the parameters of its stages (a parameter two of its stages share counts twice:
     a slight over-estimate), their gradients and `states_per_param` times their bytes in optimizer
@@ -205,13 +207,18 @@ def device_memory(
     sharded), what its stages hold unsharded while their units compute (`units`, per stage: its
     units' sharded bytes and its root unit's; by default the stage as one unit), the simulated
     activation peak, the largest region it recomputes, the largest backward workspace of its stages
-    (per stage: its largest node's activations), the reserve, and the update's temporaries."""
+    (per stage: its largest node's activations), the reserve, and the update's temporaries.
+    `expert_bytes` (per stage, under ep > 1: its share of one ep rank's routed experts) are held as
+    `sharding` holds the rest, over the `expert_replicas` (dp / ep) ranks holding the same experts
+    in place of all dp: whole at ep = dp, as the runtime holds them."""
     sharding = sharding or Sharding()
     n = len(placement)
     whole = rank_param_bytes(stage_param_bytes, placement)
     replicated = rank_param_bytes(replicated_bytes if replicated_bytes is not None else [0.0] * n, placement)
+    experts = rank_param_bytes(expert_bytes if expert_bytes is not None else [0.0] * n, placement)
+    by_replicas = replace(sharding, dp=max(1, expert_replicas))
     sharded = [float(stage_param_bytes[s]) - (float(replicated_bytes[s]) if replicated_bytes is not None else 0.0)
-               for s in range(n)]
+               - (float(expert_bytes[s]) if expert_bytes is not None else 0.0) for s in range(n)]
     stage_units = list(units) if units is not None else [([sharded[s]], 0.0) for s in range(n)]
     regions = list(recompute_bytes) if recompute_bytes is not None else [0.0] * n
     spaces = list(workspace_bytes) if workspace_bytes is not None else [0.0] * n
@@ -223,8 +230,12 @@ def device_memory(
     tensors = list(update.largest_param_bytes) if update.largest_param_bytes else [0.0] * n
     out = []
     for r in range(len(whole)):
-        params, grads, optimizer = sharding.held(whole[r] - replicated[r], replicated[r], states_per_param)
-        stepped = sharding.held(whole[r] - replicated[r], replicated[r], 1)[2]  # the bytes the optimizer steps
+        rest = whole[r] - replicated[r] - experts[r]
+        params, grads, optimizer = (a + b for a, b in zip(sharding.held(rest, replicated[r], states_per_param),
+                                                          by_replicas.held(experts[r], 0.0, states_per_param),
+                                                          strict=True))
+        # the bytes the optimizer steps
+        stepped = sharding.held(rest, replicated[r], 1)[2] + by_replicas.held(experts[r], 0.0, 1)[2]
         mine = [stage_units[s] for s, rr in enumerate(placement) if rr == r]
         out.append(DeviceMemory(r, params, grads, optimizer, float(activation_peak[r]), largest(regions, r),
                                 largest(spaces, r), float(reserve_bytes),

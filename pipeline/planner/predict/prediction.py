@@ -103,19 +103,22 @@ def predict(plan: Plan, latency_s: float, bandwidth: float, collectives: bool = 
                             plan.meta.stage_workspace_bytes, float(plan.meta.reserve_bytes or 0.0),
                             update=UpdateMemory(plan.meta.stage_largest_param_bytes,
                                                 tuple(machine.optimizer_temporaries), plan.dp),
-                            sharding=plan_sharding(plan), replicated_bytes=_whole_bytes(plan),
-                            units=stage_unit_bytes(plan))
+                            sharding=plan_sharding(plan), replicated_bytes=_sharded_and_tied(plan)[1],
+                            units=stage_unit_bytes(plan), expert_bytes=_experts(plan),
+                            expert_replicas=plan.dp // max(1, plan.ep))
     schedule_s = result.makespan_s
     slots = machine.rank_slots
     if slots:  # more local ranks than cores: busy ranks share them (pipeline/planner/predict/shared_cores.py)
         schedule_s = shared_makespan(plan.schedule, cost, slots, plan.dp)
     per_byte = float(machine.optimizer_s_per_byte or 0.0)
     sharded, tied = _sharded_and_tied(plan)
-    tied = _whole_bytes(plan)  # a replica steps its experts whole too
     degree = (plan.meta.dp_shard or plan.dp) if plan.meta.zero else 1  # a replica steps its shard
-    optimizer = [(s / degree + t) * per_byte for s, t in zip(rank_param_bytes(sharded, plan.schedule.placement),
-                                                              rank_param_bytes(tied, plan.schedule.placement),
-                                                              strict=True)]
+    # ... and of its experts the shard over their dp / ep expert replicas (whole at ep = dp)
+    expert_degree = plan.dp // max(1, plan.ep) if plan.meta.zero else 1
+    placement = plan.schedule.placement
+    optimizer = [(s / degree + t + e / expert_degree) * per_byte
+                 for s, t, e in zip(rank_param_bytes(sharded, placement), rank_param_bytes(tied, placement),
+                                    rank_param_bytes(_experts(plan), placement), strict=True)]
     prediction = Prediction(plan, cost, result, devices, schedule_s, optimizer)
     return with_collectives(prediction) if collectives else prediction
 
@@ -156,11 +159,6 @@ def _experts(plan: Plan) -> list[float]:
     """Per stage, its share of the routed experts' bytes under ep > 1 (0 without)."""
     n = len(plan.meta.partition.stage_param_bytes)
     return [float(b) for b in (plan.meta.stage_expert_param_bytes or [0.0] * n)]
-
-
-def _whole_bytes(plan: Plan) -> list[float]:
-    """Per stage, what no sharding level cuts: tied parameters and an ep rank's experts."""
-    return [t + e for t, e in zip(_sharded_and_tied(plan)[1], _experts(plan), strict=True)]
 
 
 def plan_units(plan: Plan) -> list[list[UnitCost]]:

@@ -43,6 +43,9 @@ class Candidate:
     reshard: str | None = None
     #: the tensor-parallel degree of the layout under plan.devices (None: the configured tp)
     tp: int | None = None
+    #: the expert-parallel degree of the layout under plan.devices on a model with routed experts
+    #: (None: the configured ep)
+    ep: int | None = None
 
     @property
     def label(self) -> str:
@@ -64,13 +67,17 @@ class Candidate:
                 **({} if self.reshard is None else {"reshard": self.reshard}), **self.layout()}
 
     def layout(self) -> dict:
-        """{"pp": .., "dp": .., "tp": ..} when the search tries layouts (`plan.devices`), else {}."""
-        return {} if self.pp is None else {"pp": self.pp, "dp": self.dp, "tp": self.tp or 1}
+        """{"pp": .., "dp": .., "tp": ..} when the search tries layouts (`plan.devices`), with "ep"
+        when it tries expert-parallel degrees, else {}."""
+        if self.pp is None:
+            return {}
+        return {"pp": self.pp, "dp": self.dp, "tp": self.tp or 1, **({} if self.ep is None else {"ep": self.ep})}
 
     @property
     def layout_text(self) -> str:
-        """`pp=2 dp=2`, `pp=2 dp=1 tp=2`: the layout as its overrides name it."""
-        return f"pp={self.pp} dp={self.dp}" + (f" tp={self.tp}" if self.tp and self.tp > 1 else "")
+        """`pp=2 dp=2`, `pp=2 dp=1 tp=2`, `pp=16 dp=128 ep=64`: the layout as its overrides name it."""
+        return f"pp={self.pp} dp={self.dp}" + (f" tp={self.tp}" if self.tp and self.tp > 1 else "") + \
+            (f" ep={self.ep}" if self.ep and self.ep > 1 else "")
 
 
 @dataclass
@@ -133,6 +140,9 @@ class SearchResult:
     #: what the simulated candidates' activations came to over their estimates' (>= 1): the
     #: estimates left out as over the memory are judged with it
     activation_scale: float = 1.0
+    #: under ep: an outcome's (routed experts' bytes on its fullest device, seconds its busiest
+    #: rank spends in the all-to-alls of a step), for the reasons `why` gives
+    experts_of: Callable[[Outcome], tuple[float, float]] | None = None
 
     @property
     def ranked(self) -> list[Outcome]:
@@ -197,9 +207,10 @@ class SearchResult:
         levels = any(o.candidate.zero is not None for o in self.outcomes)  # the search tries levels
         layouts = any(o.candidate.pp is not None for o in self.outcomes)  # ... and layouts (plan.devices)
         tps = any((o.candidate.tp or 1) > 1 for o in self.outcomes)  # ... and tensor-parallel degrees
+        eps = any((o.candidate.ep or 1) > 1 for o in self.outcomes)  # ... and expert-parallel degrees
         lines = [f"{'#':>3}  {'schedule':<{width}} {'partitioner':<11} {'mbs':>4} {'remat':<5} "
                  + (f"{'zero':>4} " if levels else "") + (f"{'pp':>3} {'dp':>3} " if layouts else "")
-                 + (f"{'tp':>3} " if tps else "")
+                 + (f"{'tp':>3} " if tps else "") + (f"{'ep':>3} " if eps else "")
                  + f"{'step ms':>9} {'bubble':>7} " + (f"{'tok/s/dev':>9} {'MFU':>6} " if self.per_device else "")
                  + f" peak MiB per device{cap}"]
         for i, o in enumerate(self.ranked[:top], 1):
@@ -207,7 +218,7 @@ class SearchResult:
             mark = "  <- runs" if o is self.winner else ""
             lines.append(f"{i:>3}  {c.scheduler:<{width}} {c.partitioner:<11} {c.microbatches:>4} {c.remat:<5} "
                          + (f"{c.level:>4} " if levels else "") + (f"{c.pp:>3} {c.dp:>3} " if layouts else "")
-                         + (f"{c.tp or 1:>3} " if tps else "")
+                         + (f"{c.tp or 1:>3} " if tps else "") + (f"{c.ep or 1:>3} " if eps else "")
                          + f"{p.step_s * 1e3:>9.1f} {p.result.mean_bubble:>7.1%} " + self._figures(o)
                          + f" {_devices(p.devices)}{mark}")
         hidden = len(self.ranked) - top
@@ -281,7 +292,8 @@ class SearchResult:
                          f"({op.step_s * 1e3:.1f} ms, bubble {op.result.mean_bubble:.1%})")
         same = next((o for o in rest if o.candidate.scheduler == win.candidate.scheduler
                      and o.candidate.partitioner != win.candidate.partitioner), None)
-        parts += _level_reasons(win, self.ranked, self.excluded) + _layout_reasons(win, self.outcomes)
+        parts += _level_reasons(win, self.ranked, self.excluded) + self._expert_reasons(win) + \
+            _layout_reasons(win, self.outcomes)
         if same is not None:
             parts.append(f"{_faster(same.prediction.step_s, wp.step_s)} the same schedule split by "
                          f"{same.candidate.partitioner} ({same.prediction.step_s * 1e3:.1f} ms)")
@@ -298,6 +310,57 @@ class SearchResult:
             parts.append(f"{len(faster_over)} faster candidate(s) did not fit the budget, the fastest "
                          f"{o.candidate.label} at {o.prediction.step_s * 1e3:.1f} ms: {budget_message(o.over, self.cap)}")
         return "; ".join(parts) + "."
+
+    def _expert_reasons(self, win: Outcome) -> list[str]:
+        """Under ep: why the winner's expert-parallel degree, against the other degrees of its
+        layout (pp, dp, tp): their best planned candidate (step, experts held, all-to-all time), or
+        what their estimates said when none was planned."""
+        c = win.candidate
+        if c.ep is None:
+            return []
+        same = [o for o in self.outcomes if (o.candidate.pp, o.candidate.dp, o.candidate.tp) == (c.pp, c.dp, c.tp)
+                and o.candidate.ep != c.ep]
+        layout = (c.pp, c.dp, c.tp)
+        screened = [(cand, e) for cand, e in self.screened
+                    if (cand.pp, cand.dp, cand.tp) == layout and cand.ep != c.ep and e.error is None]
+        if not same and not screened:
+            return []
+
+        def facts(o: Outcome) -> str:
+            if self.experts_of is None:
+                return ""
+            if (o.candidate.ep or 1) == 1:
+                return "every expert of its layers on each device, no all-to-alls"
+            held, exchange = self.experts_of(o)
+            return (f"{held / MIB:.1f} MiB of routed-expert parameters on the fullest device, all-to-alls "
+                    f"{exchange * 1e3:.1f} ms of its step")
+
+        text = f"ep={c.ep}" + (f" ({facts(win)})" if self.experts_of else "")
+        others = []
+        for ep in sorted({o.candidate.ep for o in same} | {cand.ep for cand, _ in screened}):
+            fits = [o for o in same if o.candidate.ep == ep and o.fits]
+            if fits:
+                best = min(fits, key=lambda o: o.prediction.step_s)
+                others.append(f"{_faster(best.prediction.step_s, win.prediction.step_s)} ep={ep} "
+                              f"({best.prediction.step_s * 1e3:.1f} ms" + (f", {facts(best)})" if self.experts_of
+                                                                           else ")"))
+                continue
+            over = [o for o in same if o.candidate.ep == ep and (o.over or o.split_over)]
+            estimates = [e for cand, e in screened if cand.ep == ep]
+            if over:
+                others.append(f"ep={ep} is over the device memory")
+            elif estimates:
+                fitting = [e for e in estimates if e.fits(self.cap, self.activation_scale)]
+                if fitting:
+                    others.append(f"ep={ep} is estimated at best at {min(e.step_s for e in fitting) * 1e3:.1f} ms "
+                                  "(not planned)")
+                else:
+                    least = min(estimates, key=lambda e: e.peak_bytes)
+                    others.append(f"ep={ep} is estimated over the device memory in every candidate (the least "
+                                  f"{least.peak_bytes / MIB:.1f} MiB)")
+        if not others:
+            return []
+        return [f"{text} against the same layout's other expert-parallel degrees: " + ", ".join(others)]
 
     def to_dict(self, top: int = 20) -> dict:
         return {"seconds": self.seconds, "candidates": len(self.outcomes), "screened": len(self.screened),
@@ -339,8 +402,8 @@ def _level_reasons(win: Outcome, ranked: Sequence[Outcome], excluded: Sequence[O
 
 
 def _same_but_level(a: Candidate, b: Candidate) -> bool:
-    return (a.scheduler, a.partitioner, a.microbatches, a.remat, a.pp, a.dp, a.tp, a.reshard) == (
-        b.scheduler, b.partitioner, b.microbatches, b.remat, b.pp, b.dp, b.tp, b.reshard)
+    return (a.scheduler, a.partitioner, a.microbatches, a.remat, a.pp, a.dp, a.tp, a.ep, a.reshard) == (
+        b.scheduler, b.partitioner, b.microbatches, b.remat, b.pp, b.dp, b.tp, b.ep, b.reshard)
 
 
 def _layout_reasons(win: Outcome, outcomes: Sequence[Outcome]) -> list[str]:
@@ -350,7 +413,7 @@ def _layout_reasons(win: Outcome, outcomes: Sequence[Outcome]) -> list[str]:
     if c.pp is None:
         return []
     by_layout: dict[str, list[Outcome]] = {}
-    for o in sorted(outcomes, key=lambda o: (o.candidate.tp or 1, o.candidate.pp, o.candidate.dp)):
+    for o in sorted(outcomes, key=lambda o: (o.candidate.tp or 1, o.candidate.pp, o.candidate.dp, o.candidate.ep or 1)):
         by_layout.setdefault(o.candidate.layout_text, []).append(o)
     devices = c.pp * c.dp * (c.tp or 1)
     out = [f"plan.devices={devices} compared the layouts {', '.join(by_layout)} "
@@ -458,11 +521,12 @@ def candidates(
     reshards: Sequence[str | None] = (None,),
     configured_zero: int = 0,
     tp: int | None = None,
+    ep: int | None = None,
 ) -> list[Candidate]:
     """Every combination, in a fixed order; `layout`: the (pp, dp) they all run at (None: the
     configured ones); `reshards`: zero=3's release points to try, for the candidates at zero=3
     (`configured_zero`: the level of those the search does not set)."""
-    return [Candidate(s, sched, p, part, m, r, z, *layout, reshard=h, tp=tp)
+    return [Candidate(s, sched, p, part, m, r, z, *layout, reshard=h, tp=tp, ep=ep)
             for (s, sched), (p, part), m, r, z in itertools.product(schedulers, partitioners.items(), counts, remats,
                                                                     zeros)
             for h in (reshards if (configured_zero if z is None else z) == 3 else (None,))]

@@ -27,12 +27,16 @@ class Layout:
     zeros: list[int | None]
     #: the tensor-parallel degree under plan.devices (None: the configured tp)
     tp: int | None = None
+    #: the expert-parallel degree under plan.devices on a model with routed experts (None: the
+    #: configured ep)
+    ep: int | None = None
 
 
-def layouts(cfg: TrainConfig, tps: Sequence[int] = (1,)) -> list[Layout]:
+def layouts(cfg: TrainConfig, tps: Sequence[int] = (1,), experts: int = 0) -> list[Layout]:
     """The layouts of the search: the configured pp and dp (errors raised as before), or every
     pp x dp x tp == plan.devices, tp among `tps`, whose dp the batch and the sharding settings
-    allow, pp from 1 up.
+    allow, pp from 1 up; on a model with `experts` routed experts each at every expert-parallel
+    degree it allows (`expert_degrees`).
     A pp larger than the model has blocks for stays in: its candidates fail to plan, as any do."""
     space = cfg.plan
     if space.devices is None:
@@ -46,10 +50,20 @@ def layouts(cfg: TrainConfig, tps: Sequence[int] = (1,)) -> list[Layout]:
             try:
                 if tp > 1 and cfg.dp_shard is not None:
                     raise ConfigError("dp_shard", "hybrid sharding of tensor-parallel slices is not supported yet")
-                found.append(replace(_layout(cfg, pp, dp), tp=tp))
+                lay = replace(_layout(cfg, pp, dp), tp=tp)
             except ConfigError as err:
                 skipped.append(f"pp={pp} dp={dp}{f' tp={tp}' if tp > 1 else ''}: "
                                f"{str(err).removeprefix('Invalid config ')}")
+                continue
+            if not experts:
+                found.append(lay)
+                continue
+            for ep in expert_degrees(cfg, experts, dp, tp):
+                try:
+                    found.append(replace(lay, ep=ep, zeros=_expert_levels(cfg, lay.zeros, dp, ep)))
+                except ConfigError as err:
+                    skipped.append(f"pp={pp} dp={dp}{f' tp={tp}' if tp > 1 else ''} ep={ep}: "
+                                   f"{str(err).removeprefix('Invalid config ')}")
     if not found:
         raise ConfigError("plan.devices", f"no layout pp x dp = {space.devices} can run this config: "
                                           + "; ".join(skipped))
@@ -80,3 +94,35 @@ def _levels(cfg: TrainConfig, dp: int) -> list[int | None]:
     if not levels:
         raise ConfigError("plan.zero", f"levels {sorted(set(wanted))} need dp >= 2")
     return zero_levels(levels, dp)
+
+
+def expert_degrees(cfg: TrainConfig, experts: int, dp: int, tp: int) -> list[int]:
+    """The expert-parallel degrees a layout of `dp` replicas at `tp` tries on a model with `experts`
+    routed experts: `plan.ep`'s (null: every power of two up to min(dp, experts)), those dividing
+    both dp (ep folds over the replicas) and the experts (each rank holds experts / ep of every
+    layer); at tp > 1 only ep=1 (ep beside tensor parallelism is not supported yet)."""
+    wanted = cfg.plan.ep
+    if wanted is not None:
+        bad = [e for e in wanted if isinstance(e, bool) or not isinstance(e, int) or e < 1 or experts % e]
+        if bad or not wanted:
+            raise ConfigError("plan.ep", f"got {list(wanted)!r}; valid: a list of expert-parallel degrees dividing "
+                                         f"the model's {experts} routed experts, e.g. [1, 8, 64], or null")
+        pool = sorted(set(wanted))
+    else:
+        pool = [1 << i for i in range(min(dp, experts).bit_length())]
+    return [e for e in pool if dp % e == 0 and experts % e == 0 and (tp == 1 or e == 1)]
+
+
+def _expert_levels(cfg: TrainConfig, zeros: list[int | None], dp: int, ep: int) -> list[int | None]:
+    """The sharding levels a layout keeps at `ep`: every one where ep = dp or ep = 1 (each rank's
+    experts have no other replica, or are sharded as every parameter is); for 1 < ep < dp, levels
+    above 0 shard the experts' state over their dp / ep expert replicas, which the planner prices
+    (Megatron's and DeepSeek-V3's distributed optimizer) but this runtime does not run yet: kept
+    under mode=plan, left out of a search that trains."""
+    if ep in (1, dp) or cfg.mode == "plan":
+        return zeros
+    kept = [z for z in zeros if not (cfg.zero if z is None else z)]
+    if not kept:
+        raise ConfigError("zero", f"zero >= 1 with 1 < ep < dp shards the experts over their {dp // ep} expert "
+                                  "replicas, which this runtime does not run yet (mode=plan prices it)")
+    return kept

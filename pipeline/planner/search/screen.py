@@ -98,6 +98,12 @@ class ModelCosts:
     #: per remat mode recomputing every block ("full", "selective"): what a micro-batch then holds,
     #: the seconds one rerun of every block takes, the largest block's rerun buffer
     recomputed: tuple[tuple[str, float, float, float], ...] = ()
+    #: under ep > 1, of `param_bytes` one ep rank's routed experts (reduced, and sharded, over the
+    #: dp / ep expert replicas only)
+    expert_bytes: float = 0.0
+    #: under ep > 1, the seconds of every MoE layer's all-to-alls in one micro-batch's forward and
+    #: backward (in the times above; for the reasons a search gives)
+    exchange_s: float = 0.0
 
     @classmethod
     def of(cls, graph: nx.DiGraph, size: int, largest_tensor: float = 0.0) -> ModelCosts:
@@ -114,7 +120,7 @@ class ModelCosts:
                    max((float(d.get("forward_s", 0) or 0) + float(d.get("backward_s", 0) or 0) for d in nodes),
                        default=0.0),
                    outputs[len(outputs) // 2] if outputs else 0.0, graph.number_of_nodes(), largest_tensor,
-                   _recomputed(graph, saved))
+                   _recomputed(graph, saved), *_experts(graph))
 
     def recompute(self, remat: str) -> tuple[float, float, float]:
         """(bytes a micro-batch holds, seconds of one rerun, rerun buffer) with every block
@@ -133,7 +139,8 @@ class ModelCosts:
             return ModelCosts(size, self.forward * k, self.input_grad * k, self.weight_grad * k, self.backward * k,
                               self.saved_bytes * k, self.param_bytes, self.largest_params, self.largest_work * k,
                               self.boundary_bytes * k, self.nodes, self.largest_tensor,
-                              tuple((mode, *(x * k for x in rest)) for mode, *rest in self.recomputed))
+                              tuple((mode, *(x * k for x in rest)) for mode, *rest in self.recomputed),
+                              self.expert_bytes, self.exchange_s * k)
         t = (size - self.size) / (other.size - self.size)
 
         def line(a: float, b: float) -> float:
@@ -146,7 +153,8 @@ class ModelCosts:
                           line(self.weight_grad, other.weight_grad), line(self.backward, other.backward),
                           line(self.saved_bytes, other.saved_bytes), self.param_bytes, self.largest_params,
                           line(self.largest_work, other.largest_work), line(self.boundary_bytes, other.boundary_bytes),
-                          self.nodes, self.largest_tensor, recomputed)
+                          self.nodes, self.largest_tensor, recomputed, self.expert_bytes,
+                          line(self.exchange_s, other.exchange_s))
 
 
 @dataclass(frozen=True)
@@ -193,6 +201,23 @@ class Split:
         if not part.stage_compute_s or sum(part.stage_compute_s) <= 0:
             return None
         return cls(share(part.stage_compute_s), share(part.stage_param_bytes), share(part.stage_activation_bytes))
+
+
+def _experts(graph: nx.DiGraph) -> tuple[float, float]:
+    """(`ModelCosts.expert_bytes`, `ModelCosts.exchange_s`) of a priced graph: the parameter bytes
+    of one ep rank's routed experts, and its MoE layers' all-to-alls in one micro-batch's forward
+    and backward on the link they were priced on (measure/experts.py; 0, 0 without ep)."""
+    from pipelaunch.pipeline.planner.measure.experts import all_to_all_s
+
+    ep = int(graph.graph.get("ep", 1) or 1)
+    if ep < 2:
+        return 0.0, 0.0
+    sizes = graph.graph.get("param_sizes", {})
+    expert_bytes = float(sum(sizes.get(n, 0) for n in graph.graph.get("expert_params", ())))
+    link = graph.graph.get("ep_link")
+    exchange = 0.0 if link is None else 2 * sum(all_to_all_s(b, ep, *link) for n in graph.nodes
+                                                for _, b in graph.nodes[n].get("ep_collectives", ()))
+    return expert_bytes, exchange
 
 
 def _recomputed(graph: nx.DiGraph, saved: float) -> tuple[tuple[str, float, float, float], ...]:
@@ -274,8 +299,9 @@ class Screen:
     priced once at one micro-batch size (`costs(tp)`: the traced graph of that tp, profiled), and
     the machine facts the full prediction reads."""
 
-    #: the model's costs at (tp degree, micro-batch size): the traced graph of that tp, profiled
-    costs: Callable[[int, int], ModelCosts]
+    #: the model's costs at (tp degree, micro-batch size, expert key): the traced graph of that tp,
+    #: profiled (the key: what `experts` gives a candidate, None without ep)
+    costs: Callable[..., ModelCosts]
     micro_batch_size: Callable[[Candidate], int]
     links: Callable[[Candidate], tuple[tuple[float, float], tuple[float, float] | None]]
     optimizer_s_per_byte: float
@@ -297,26 +323,33 @@ class Screen:
     #: per tp degree, the micro-batch sizes its costs are priced at (the search's smallest and
     #: largest; those between lie on the line through them)
     reference: dict[int, tuple[int, int]] = field(default_factory=dict)
-    #: the priced graph at (tp degree, micro-batch size), on which each candidate's split is run
-    #: (None: every split taken as even)
-    graph: Callable[[int, int], nx.DiGraph] | None = None
-    _priced: dict[tuple[int, int], ModelCosts] = field(default_factory=dict)
-    _at: dict[tuple[int, int, int, int], ModelCosts] = field(default_factory=dict)
+    #: the priced graph at (tp degree, micro-batch size, expert key), on which each candidate's
+    #: split is run (None: every split taken as even)
+    graph: Callable[..., nx.DiGraph] | None = None
+    #: a candidate's expert key: what its trace is priced at under ep (hashable: its degree and the
+    #: link its all-to-alls cross; None without ep)
+    experts: Callable[[Candidate], tuple | None] = lambda c: None
+    _priced: dict[tuple, ModelCosts] = field(default_factory=dict)
+    _at: dict[tuple, ModelCosts] = field(default_factory=dict)
     _splits: dict[tuple, Split | None] = field(default_factory=dict)
 
     def _layout(self, c: Candidate) -> tuple[int, int, int]:
         return (c.pp, c.dp, c.tp or 1) if c.pp is not None else self.layout
 
-    def model_costs(self, tp: int, size: int) -> ModelCosts:
-        """The model's costs at (tp, size), from those priced at the reference sizes of tp (once
-        per (tp, size): thousands of candidates share a few)."""
+    def _ep(self, c: Candidate) -> int:
+        """The candidate's expert-parallel degree (1 without ep)."""
+        return int(dict(self.experts(c) or ()).get("ep") or 1)
+
+    def model_costs(self, tp: int, size: int, key: tuple | None = None) -> ModelCosts:
+        """The model's costs at (tp, size) and expert key, from those priced at the reference
+        sizes of tp (once per (tp, size, key): thousands of candidates share a few)."""
         lo, hi = self.reference.get(tp, (size, size))
-        if (tp, size, lo, hi) in self._at:
-            return self._at[(tp, size, lo, hi)]
+        if (tp, size, lo, hi, key) in self._at:
+            return self._at[(tp, size, lo, hi, key)]
         for ref in (lo, hi):
-            if (tp, ref) not in self._priced:
-                self._priced[(tp, ref)] = self.costs(tp, ref)
-        self._at[(tp, size, lo, hi)] = costs = self._priced[(tp, lo)].at(size, self._priced[(tp, hi)])
+            if (tp, ref, key) not in self._priced:
+                self._priced[(tp, ref, key)] = self.costs(tp, ref, key) if key is not None else self.costs(tp, ref)
+        self._at[(tp, size, lo, hi, key)] = costs = self._priced[(tp, lo, key)].at(size, self._priced[(tp, hi, key)])
         return costs
 
     def split(self, c: Candidate, tp: int, placement: tuple[int, ...]) -> Split | None:
@@ -326,15 +359,17 @@ class Screen:
         None where it cannot cut this placement (the plan says why) or without a graph."""
         if self.graph is None:
             return None
-        key = (c.partitioner, placement)
+        experts = self.experts(c)
+        key = (c.partitioner, placement, experts)
         if key not in self._splits:
             plugin = c.partitioner_plugin
             stand_in = plugin.attribute("estimated_as", None)
             if stand_in is not None:
                 plugin = replace(plugin, fn=stand_in, kwargs={}, args=())
             try:
-                part = partition_graph(plugin, self.graph(tp, self.reference.get(tp, (1, 1))[0]), placement,
-                                       PartitionRequest(1.0, [1] * len(placement)))
+                size = self.reference.get(tp, (1, 1))[0]
+                graph = self.graph(tp, size, experts) if experts is not None else self.graph(tp, size)
+                part = partition_graph(plugin, graph, placement, PartitionRequest(1.0, [1] * len(placement)))
             except ConfigError:
                 self._splits[key] = None
             else:
@@ -354,7 +389,7 @@ class Screen:
             placement = placement_for(gen, pp)
             if len(placement) * c.microbatches <= CHECKED_ACTIONS:  # larger: checked when planned
                 gen.check(pp, c.microbatches, placement)
-            model = self.model_costs(tp, self.micro_batch_size(c))
+            model = self.model_costs(tp, self.micro_batch_size(c), self.experts(c))
             if len(placement) > model.nodes:
                 return Estimate(error=f"{len(placement)} pipeline stages need at least as many graph nodes, and the "
                                       f"traced model has {model.nodes}")
@@ -401,13 +436,18 @@ class Screen:
             work = max(work / pp, model.largest_work)
         (latency, bandwidth), dp_link = self.links(c)
         hops = 2 * (pp - 1) * (latency + model.boundary_bytes / bandwidth) if pp > 1 else 0.0
-        rank_params = model.param_bytes / pp
+        # an ep rank's experts are stepped (sharded) and reduced over their dp / ep expert replicas only
+        experts, replicas = model.expert_bytes / pp, dp // self._ep(c)
+        rank_params = model.param_bytes / pp - experts
         level = self.configured_zero if c.zero is None else c.zero
-        optimizer = self.optimizer_s_per_byte * rank_params / (dp if level >= 1 and dp > 1 else 1)
+        optimizer = self.optimizer_s_per_byte * (rank_params / (dp if level >= 1 and dp > 1 else 1)
+                                                 + experts / (replicas if level >= 1 and replicas > 1 else 1))
         reduce = 0.0
         if dp > 1:
             lat, bw = dp_link if dp_link is not None else (latency, bandwidth)
             ring = 2 * (dp - 1) / dp * rank_params / bw + 2 * (dp - 1) * lat
+            if replicas > 1 and experts > 0:
+                ring += 2 * (replicas - 1) / replicas * experts / bw + 2 * (replicas - 1) * lat
             reduce = max(0.0, ring - (whole - model.forward) / pp)  # hidden under the last backward
         return (c.microbatches + shape.bubble) * work + hops + optimizer + reduce
 
@@ -420,10 +460,16 @@ class Screen:
         level = self.configured_zero if c.zero is None else c.zero
         rank_params = model.param_bytes * split.params if split is not None else \
             model.param_bytes / pp + (model.largest_params if pp > 1 else 0.0)
-        shard = dp if dp > 1 else 1
-        weights = rank_params / (shard if level >= 3 else 1)
-        grads = rank_params / (shard if level >= 2 else 1)
-        states = self.optimizer_states * rank_params / (shard if level >= 1 else 1)
+        # of them an ep rank's experts (their share of the whole), sharded over the dp / ep expert
+        # replicas holding the same ones where the rest is over all dp
+        experts = rank_params * model.expert_bytes / model.param_bytes if model.param_bytes > 0 else 0.0
+        shard, expert_shard = max(1, dp), max(1, dp // self._ep(c))
+
+        def sharded_at(lowest: int) -> float:  # what is left of the rank's bytes once `lowest` shards them
+            return (rank_params - experts) / (shard if level >= lowest else 1) + \
+                experts / (expert_shard if level >= lowest else 1)
+
+        weights, grads, states = sharded_at(3), sharded_at(2), self.optimizer_states * sharded_at(1)
         per_stage = model.saved_bytes / stages  # one stage's activations for one micro-batch
         kept, _, buffer = model.recompute(remat)  # recomputed blocks: what a micro-batch keeps, one rerun's
         if remat == "stage":  # stage inputs held, one stage's activations rebuilt at a time
@@ -434,7 +480,7 @@ class Screen:
             held = shape.held * (stages / pp) * kept / stages + buffer
         stepped = shard if level >= 1 else 1  # the optimizer steps a shard of the parameters
         update = UpdateMemory(temporaries=self.optimizer_temporaries, dp=dp).bytes(
-            rank_params / stepped, min(model.largest_tensor, rank_params), stepped)
+            sharded_at(1), min(model.largest_tensor, rank_params), stepped)
         state = weights + grads + states + self.reserve_bytes
         return Estimate(peak_bytes=state + max(held, update), activation_bytes=held, update_bytes=update,
                         state_bytes=state)

@@ -62,9 +62,10 @@ def build_generator(option: Plugin) -> ScheduleGenerator:
 
 
 def search_space(cfg: TrainConfig, plugins: Plugins, options: GroupOptions, graph: nx.DiGraph,
-                 tps: Sequence[int] = (1,)) -> tuple[list[Candidate], Candidate | None]:
+                 tps: Sequence[int] = (1,), experts: int = 0) -> tuple[list[Candidate], Candidate | None]:
     """The candidates of `plan=auto` (or of `scheduler=auto`: only the schedule varies) and the
-    one the config names as given, when it names a concrete one."""
+    one the config names as given, when it names a concrete one; `experts`: the model's routed
+    experts per layer (under plan.devices each layout is also tried at its expert-parallel degrees)."""
     space = cfg.plan
     schedules = training_schedules(options)
     if not schedules:
@@ -81,15 +82,16 @@ def search_space(cfg: TrainConfig, plugins: Plugins, options: GroupOptions, grap
     rematting = [str(r) for r in space.remat] if space.remat else None
     remats = remat_values(rematting, cfg.memory.cap_bytes is not None)
     reshards = reshard_values(space.reshard)
-    cands = [c for lay in layouts(cfg, tps)
+    cands = [c for lay in layouts(cfg, tps, experts)
              for c in candidates(chosen, partitioners, lay.counts, remats, lay.zeros, (lay.pp, lay.dp), reshards,
-                                 cfg.zero, lay.tp if lay.pp is not None else None)]
+                                 cfg.zero, lay.tp if lay.pp is not None else None, lay.ep)]
     given, named = None, plugins.scheduler
     if named is not None:
         given = next((c for c in cands if c.scheduler_plugin.same_as(named)
                       and c.partitioner == plugins.partitioner.option and c.microbatches == cfg.microbatches
                       and c.remat == remat and c.zero in (None, cfg.zero) and c.reshard in (None, str(cfg.reshard))
-                      and (c.pp is None or (c.pp, c.dp, c.tp) == (cfg.pp, cfg.dp, cfg.tp))), None)
+                      and (c.pp is None or (c.pp, c.dp, c.tp) == (cfg.pp, cfg.dp, cfg.tp))
+                      and c.ep in (None, cfg.ep)), None)
     return cands, given
 
 
@@ -115,12 +117,15 @@ def _is_chain(graph: nx.DiGraph) -> bool:
 
 def search(cfg: TrainConfig, models: TracedModels, build: Callable[..., Plan], cands: list[Candidate],
            given: Candidate | None, link: Callable[[Candidate], tuple[float, float]],
-           screen: Screen | None = None) -> SearchResult:
+           screen: Screen | None = None,
+           expert_layout: Callable[[Candidate], dict] = lambda c: {}) -> SearchResult:
     """Plan, simulate and fit every candidate; `build(generator, traced, candidate)` makes its Plan
     (`build(generator, traced, candidate, whole)` with those stages recomputing whole, which
     remat=auto's fit asks for); `link(candidate)`: the pipeline link's (latency, bandwidth) the
-    predictions price for its layout. With a `screen` and more candidates than `plan.simulate`
-    allows, only the most promising by its closed-form estimates are planned (search/screen.py)."""
+    predictions price for its layout; `expert_layout(candidate)`: the expert-parallel degree and
+    link its trace is priced at (`TracedModels.get`'s `ep`, `ep_link`). With a `screen` and more
+    candidates than `plan.simulate` allows, only the most promising by its closed-form estimates
+    are planned (search/screen.py)."""
     cap = cfg.memory.cap_bytes
     generators: dict[str, ScheduleGenerator] = {}  # one frozen value per scheduler option (and variant)
 
@@ -131,7 +136,7 @@ def search(cfg: TrainConfig, models: TracedModels, build: Callable[..., Plan], c
 
     def evaluate(c: Candidate) -> Prediction:
         gen = generator(c)
-        traced = models.get(micro_batch_size(cfg, c.microbatches, c.dp), c.tp)
+        traced = models.get(micro_batch_size(cfg, c.microbatches, c.dp), c.tp, **expert_layout(c))
         plan = build(gen, traced, c)
         return fit_budget(plan, predict(plan, *link(c), collectives=False), traced.graph, cap, *link(c),
                           rebuild=lambda whole: build(gen, traced, c, whole))
@@ -154,10 +159,10 @@ def search(cfg: TrainConfig, models: TracedModels, build: Callable[..., Plan], c
 def _prepare(cfg: TrainConfig, models: TracedModels, cands: Sequence[Candidate]) -> None:
     """Every size the candidates run, measured in shared passes (the machine's drift between
     profiles taken one after another decided between micro-batch counts)."""
-    for tp in sorted({c.tp for c in cands}, key=lambda t: t or 0):
+    for tp, ep in sorted({(c.tp, c.ep) for c in cands}, key=lambda k: (k[0] or 0, k[1] or 0)):
         try:
-            models.prepare((s for s in {micro_batch_size(cfg, c.microbatches, c.dp) for c in cands if c.tp == tp}
-                            if s >= 1), tp)
+            models.prepare((s for s in {micro_batch_size(cfg, c.microbatches, c.dp) for c in cands
+                                        if (c.tp, c.ep) == (tp, ep)} if s >= 1), tp, ep)
         except ConfigError:
             pass  # a size (or tp) the model cannot be traced at fails its own candidates below
 
