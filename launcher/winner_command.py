@@ -16,9 +16,8 @@ from collections.abc import Sequence
 from pipelaunch.pipeline.core.hardware import Hardware
 from pipelaunch.pipeline.planner.search.choose import Candidate
 
-#: keys the search sets (or that only planning reads): left out of the user's overrides
-DECIDED = ("mode", "plan", "pp", "dp", "tp", "ep", "microbatches", "scheduler", "partitioner", "remat", "zero",
-           "reshard")
+#: keys only planning reads: left out of the user's overrides, as is every key the winner sets
+PLANNING = ("mode", "plan")
 
 
 def _key(override: str) -> str:
@@ -47,8 +46,11 @@ def _quoted(override: str) -> str:
 def winner_commands(overrides: Sequence[str], c: Candidate, devices: int, hw: Hardware | None) -> list[str]:
     """The command lines that run `c`: here (or under torchrun), and on a hardware file through
     SLURM (`devices` GPUs, `hw.devices_per_node` a node)."""
-    kept = [o for o in overrides if _key(o).split(".")[0] not in DECIDED]
-    args = " ".join(_quoted(o) for o in [*kept, *chosen_overrides(c)])
+    chosen = chosen_overrides(c)
+    # what the search did not vary (the configured zero, say) keeps the user's own value
+    decided = {*PLANNING, *(_key(o).split(".")[0] for o in chosen)}
+    kept = [o for o in overrides if _key(o).split(".")[0] not in decided]
+    args = " ".join(_quoted(o) for o in [*kept, *chosen])
     lines = [f"python train.py {args}"]
     if hw is not None:
         per_node = min(devices, hw.devices_per_node)
