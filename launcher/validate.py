@@ -100,13 +100,27 @@ def check_experts(cfg: TrainConfig) -> None:
 
 
 def check_expert_model(spec, ep: int) -> None:
-    """ep > 1 on a model with experts that ep divides (`ModelSpec.meta["experts"]`)."""
+    """ep > 1 on a model with experts that ep divides (`ModelSpec.meta["experts"]`: model=gpt's,
+    or a transformers MoE's whose experts models/hf_moe.py hooks), and transformers' auxiliary
+    loss only where it trains (`meta["output_router_logits"]`)."""
+    if spec.meta.get("output_router_logits") and not spec.own_loss:
+        raise ConfigError("model.config.output_router_logits",
+                          f"true makes model={spec.name} compute transformers' load-balancing loss from every layer's "
+                          "router logits, which transformers adds only to its own loss (given labels); model.loss="
+                          "causal_lm scores the logits alone, so that loss would be computed and dropped. Set "
+                          "model.loss=model (transformers' loss with its aux loss, exact under pp, dp and ep), or "
+                          "model.config.output_router_logits=false")
     if ep == 1:
         return
     experts = spec.meta.get("experts")
     if not experts:
+        unsplit = spec.meta.get("experts_unsplit")
+        if unsplit:
+            raise ConfigError("ep", f"ep={ep} splits a mixture of experts' routed experts, and model={spec.name}'s "
+                                    f"are not of a kind it splits: {unsplit}; set ep=1")
         raise ConfigError("ep", f"ep={ep} splits a mixture of experts' routed experts, and model={spec.name} has none "
-                                "(model=gpt: model.experts=8); set ep=1")
+                                "(model=gpt: model.experts=8; model=hf: a transformers MoE such as model=hf_mixtral_tiny)"
+                                "; set ep=1")
     if experts % ep:
         fits = [e for e in range(1, experts + 1) if experts % e == 0]
         raise ConfigError("ep", f"ep={ep} does not divide the model's {experts} routed experts (each rank holds "

@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipelaunch.models.hf_moe import HFExperts
+from pipelaunch.models.hf_moe import adopt as adopt_experts
 from pipelaunch.models.spec import ModelSpec, causal_lm_loss, count_shifted, count_tokens, model_loss
 from pipelaunch.pipeline.core import POSITION_IDS
 from pipelaunch.pipeline.core.errors import ConfigError
@@ -268,8 +270,6 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
     transformers, or `targets`, the data's targets as `shift_labels`, masks kept). `tp_plan`: how tp >
     1 splits it, patterns on the wrapped model's names (`model.model.layers.*.mlp.up_proj`); null:
     transformers' own (`tp_plan` below). `data_packing=documents`: position ids too (module docstring)."""
-    from transformers import AutoModelForCausalLM
-
     if loss not in ("causal_lm", "model"):
         raise ConfigError("model.loss", f"got {loss!r}; valid: causal_lm (next-token cross-entropy on the logits), "
                                         "model (transformers' own loss, model(ids, labels=ids).loss)")
@@ -299,10 +299,10 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
     packed = (data_packing or "none") != "none"  # documents or stream: the data's position ids
 
     def build() -> nn.Module:
-        return WRAPPERS[packed, on_targets](constructed(lambda: AutoModelForCausalLM.from_config(cfg)), own_loss)
+        return WRAPPERS[packed, on_targets](transformers_model(cfg), own_loss)
 
     with torch.device("meta"):
-        meta_model = constructed(lambda: AutoModelForCausalLM.from_config(cfg))
+        meta_model = transformers_model(cfg)
     if on_targets and not takes_loss_kwargs(meta_model):
         raise ConfigError("model.labels", f"{type(meta_model).__name__}.forward takes no keywords for its loss "
                                           "(shift_labels), so its own loss cannot be given the data's targets; use "
@@ -321,7 +321,8 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
               "attn_implementation": attention_implementation(cfg),
               "tp_divides": {f"model.config.{k}": getattr(text, k) for k in
                              ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
-                             if isinstance(getattr(text, k, None), int)}},
+                             if isinstance(getattr(text, k, None), int)},
+              **expert_meta(meta_model, text)},
         own_loss=own_loss, repeated=repeated_layers(meta_model, text),
         tp_plan=default_tp_plan(meta_model, own_loss) if tp_plan is None else dict(tp_plan),
         data_args=(("input", "target") if on_targets else ("input",)) + ((POSITION_IDS,) if packed else ()),
@@ -337,6 +338,40 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
     spec.save = partial(save_pretrained_dir, as_given)
     spec.trace = partial(checked_trace, spec, uncomputed, not dropout)  # type: ignore[method-assign]
     return spec
+
+
+#: config keys transformers' MoE families count their routed experts by
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def transformers_model(config: Any) -> nn.Module:
+    """`AutoModelForCausalLM.from_config(config)` (`constructed`), its routed experts modules made
+    one call each, which ep > 1 hooks (models/hf_moe.py)."""
+    from transformers import AutoModelForCausalLM
+
+    model = constructed(lambda: AutoModelForCausalLM.from_config(config))
+    adopt_experts(model)
+    return model
+
+
+def expert_meta(model: nn.Module, text: Any) -> dict[str, Any]:
+    """What the launcher checks of a mixture of experts (`ModelSpec.meta`): whether transformers
+    computes its auxiliary loss from every layer's router logits (`output_router_logits`); the
+    routed experts of each MoE layer models/hf_moe.py hooks (`experts`, the count ep must divide;
+    `moe_layers`, how many layers have them), or why a config counting experts has none it hooks
+    (`experts_unsplit`)."""
+    import math
+
+    experts = [m.total for m in model.modules() if isinstance(m, HFExperts)]
+    meta: dict[str, Any] = {"output_router_logits": bool(getattr(text, "output_router_logits", False))}
+    if experts:
+        return meta | {"experts": math.gcd(*experts), "moe_layers": len(experts), "expert_counts": sorted(set(experts))}
+    counted = {k: v for k in EXPERT_KEYS if isinstance(v := getattr(text, k, None), int) and v > 1}
+    if counted:
+        key, value = next(iter(counted.items()))
+        meta["experts_unsplit"] = (f"its {value} experts ({key}) are not a stacked experts module that transformers' "
+                                   f"expert-parallel plan (base_model_ep_plan) dispatches tokens to ({text.model_type})")
+    return meta
 
 
 def checked_trace(spec: ModelSpec, uncomputed: set[str], deterministic: bool, micro_batch_size: int,

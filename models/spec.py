@@ -203,11 +203,16 @@ class ModelSpec:
         leaf modules kept whole: the graph the planner cuts and every rank cuts again. `repeat`: an
         export made from a cut of the model to a few of its alike blocks (`repeated`), the same
         graph where the stamp's own check holds; the planner asks for it, ranks export whole."""
+        from pipelaunch.models.hf_moe import as_modules, opaque
         from pipelaunch.pipeline.graph.trace import trace_model
 
         model = self.build_meta() if model is None else model
-        return trace_model(model, self.meta_args(micro_batch_size), self.leaf_modules, name=self.name,
-                           repeated=self.repeated if repeat else None)
+        with opaque():  # transformers' experts modules one call each (models/hf_moe.py), which ep hooks
+            traced = trace_model(model, self.meta_args(micro_batch_size), self.leaf_modules, name=self.name,
+                                 repeated=self.repeated if repeat else None)
+        for node, path in as_modules(traced.gm, model).items():
+            traced.graph.nodes[node].update(op="call_module", target=path, module=path)
+        return traced
 
 
 def segments(position_ids: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipelaunch.models.hf_moe import HFExperts
 from pipelaunch.models.moe import Experts
 
 
@@ -72,13 +73,14 @@ class Dispatch:
         return back.index_copy(0, order, out)
 
 
-def expert_modules(modules: list[nn.Module]) -> Iterator[tuple[str, Experts]]:
-    """Every routed-experts module of the rank's stages, by its name in the full model."""
+def expert_modules(modules: list[nn.Module]) -> Iterator[tuple[str, Experts | HFExperts]]:
+    """Every routed-experts module of the rank's stages, by its name in the full model: model=gpt's
+    and transformers' (model=hf: models/hf_moe.py, the same `compute` / `dispatch` hooks)."""
     for module in modules:
         aliases = getattr(module, "aliases", {})
         seen = set()
         for name, sub in module.named_modules():
-            if isinstance(sub, Experts) and id(sub) not in seen:
+            if isinstance(sub, (Experts, HFExperts)) and id(sub) not in seen:
                 seen.add(id(sub))
                 yield aliases.get(name, name).removeprefix("gm."), sub
 
@@ -94,7 +96,7 @@ def split_experts(modules: list[nn.Module], group: dist.ProcessGroup, ep: int, e
             raise ValueError(f"{name}: {experts.total} experts do not split over ep={ep}")
         local = experts.total // ep
         first = ep_rank * local
-        for pname in ("gate_up_proj", "down_proj"):
+        for pname in [n for n, _ in experts.named_parameters(recurse=False)]:  # each stacked along the experts
             whole = getattr(experts, pname)
             setattr(experts, pname, nn.Parameter(whole.data[first:first + local].clone(),
                                                  requires_grad=whole.requires_grad))

@@ -18,27 +18,29 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipelaunch.models.hf_moe import HFExperts
 from pipelaunch.models.moe import MoE
 
 
-def moe_layers(modules: list[nn.Module]) -> list[tuple[str, MoE]]:
-    """This rank's MoE layers by their name in the full model, in one order on every replica."""
-    found: dict[str, MoE] = {}
+def moe_layers(modules: list[nn.Module]) -> list[tuple[str, MoE | HFExperts]]:
+    """This rank's MoE layers by their name in the full model, in one order on every replica
+    (model=hf: each transformers experts module, which counts its tokens as `MoE` does)."""
+    found: dict[str, MoE | HFExperts] = {}
     for module in modules:
         aliases = getattr(module, "aliases", {})
         for name, sub in module.named_modules():
-            if isinstance(sub, MoE):
+            if isinstance(sub, (MoE, HFExperts)):
                 found.setdefault(aliases.get(name, name).removeprefix("gm."), sub)
     return sorted(found.items())
 
 
-def reset_counts(layers: list[tuple[str, MoE]]) -> None:
+def reset_counts(layers: list[tuple[str, MoE | HFExperts]]) -> None:
     """Start a step's count (evaluation's forwards in between are not the step's)."""
     for _, layer in layers:
         layer.counts = None
 
 
-def expert_load(layers: list[tuple[str, MoE]], dp_group: dist.ProcessGroup | None, counted_here: bool,
+def expert_load(layers: list[tuple[str, MoE | HFExperts]], dp_group: dist.ProcessGroup | None, counted_here: bool,
                 device: torch.device) -> dict[str, dict[str, float]] | None:
     """Collective over every rank: {layer: {"min", "mean", "max"} tokens per expert} over the
     step's global batch on rank 0, None elsewhere. `counted_here`: this rank's layers are the
@@ -46,7 +48,8 @@ def expert_load(layers: list[tuple[str, MoE]], dp_group: dist.ProcessGroup | Non
     stats: dict[str, dict[str, float]] = {}
     if layers:
         counts = torch.stack([layer.counts if layer.counts is not None
-                              else torch.zeros(layer.router.experts, dtype=torch.long, device=device)
+                              else torch.zeros(layer.router.experts if isinstance(layer, MoE) else layer.total,
+                                               dtype=torch.long, device=device)
                               for _, layer in layers]).to(torch.float64)
         if dp_group is not None:
             dist.all_reduce(counts, group=dp_group)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pipelaunch.models.hf_moe import HFExperts
 from pipelaunch.models.moe import Experts, MoE
 from pipelaunch.pipeline.graph.trace import TracedModel
 
@@ -37,9 +38,9 @@ def ep_local(model: nn.Module, ep: int) -> nn.Module:
     if ep <= 1:
         return model
     for module in model.modules():
-        if isinstance(module, Experts) and module.local == module.total:
+        if isinstance(module, (Experts, HFExperts)) and module.local == module.total:
             local = module.total // ep
-            for name in ("gate_up_proj", "down_proj"):
+            for name in [n for n, _ in module.named_parameters(recurse=False)]:  # each stacked along the experts
                 whole = getattr(module, name)
                 setattr(module, name, nn.Parameter(whole.data[:local], requires_grad=whole.requires_grad))
             module.local, module.dispatch = local, _balanced
@@ -53,14 +54,15 @@ def all_to_all_s(nbytes: float, ep: int, latency_s: float, bandwidth: float) -> 
     return (ep - 1) * (latency_s + nbytes / ep / bandwidth)
 
 
-def moe_nodes(traced: TracedModel) -> dict[str, list[MoE]]:
+def moe_nodes(traced: TracedModel) -> dict[str, list[MoE | HFExperts]]:
     """The traced nodes that hold MoE layers (a leaf module of the trace that is one, or holds
-    some: a transformer block), by node name, with the layers each holds."""
+    some: a transformer block; model=hf: the call of a transformers experts module), by node
+    name, with the layers each holds."""
     found = {}
     for node in traced.gm.graph.nodes:
         if node.op == "call_module":
             module = traced.gm.get_submodule(str(node.target))
-            layers = [m for m in module.modules() if isinstance(m, MoE)]
+            layers = [m for m in module.modules() if isinstance(m, (MoE, HFExperts))]
             if layers:
                 found[node.name] = layers
     return found
@@ -70,7 +72,7 @@ def expert_param_names(traced: TracedModel) -> set[str]:
     """The traced graph's parameter names (as its stages name them) of routed experts."""
     names = set()
     for prefix, module in traced.gm.named_modules():
-        if isinstance(module, Experts):
+        if isinstance(module, (Experts, HFExperts)):
             names |= {f"{prefix}.{n}" for n, _ in module.named_parameters()}
     return names
 
@@ -83,10 +85,11 @@ def add_all_to_alls(traced: TracedModel, ep: int, link: tuple[float, float], com
     profiled = all("forward_s" in g.nodes[n] for n in g.nodes)
     for name, layers in moe_nodes(traced).items():
         node = g.nodes[name]
-        # each layer maps the hidden state the node outputs (a block's): its routed rows are
-        # top_k of the node's output rows
+        # each layer maps the hidden state the node outputs (a block's, an hf experts call's):
+        # its routed rows are top_k of the node's output rows
         nbytes = float(node["output_bytes"]) * compute_bytes
-        node["ep_collectives"] = [(kind, nbytes * m.router.top_k) for m in layers for kind in ("dispatch", "combine")]
+        node["ep_collectives"] = [(kind, nbytes * (m.router.top_k if isinstance(m, MoE) else m.top_k))
+                                  for m in layers for kind in ("dispatch", "combine")]
         if profiled:
             seconds = sum(all_to_all_s(b, ep, *link) for _, b in node["ep_collectives"])
             node["forward_s"] += seconds
@@ -102,7 +105,7 @@ def whole_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     at every expert's count."""
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     for prefix, module in model.named_modules():
-        if isinstance(module, Experts):
-            for n, p in module.named_parameters():
+        if isinstance(module, (Experts, HFExperts)):
+            for n, p in module.named_parameters(recurse=False):
                 shapes[f"{prefix}.{n}"] = (module.total, *p.shape[1:])
     return shapes
