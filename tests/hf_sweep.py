@@ -469,6 +469,33 @@ def summary(results: list[Result]) -> dict[str, int]:
             "wrong": len([r for r in results if r.status in ("wrong", "error")])}
 
 
+#: what docs/transformers.md says after the table (written by hand): mixtures of experts under ep
+DOCS_MOE = """\
+## Mixtures of experts: expert parallelism (`ep`)
+
+The MoE families above train at `ep=1` as any other. At `ep > 1` each rank of an ep group holds `experts / ep` whole, consecutive experts of every MoE layer, and the tokens reach them by the same dropless all-to-all as `model=gpt`'s (`pipeline/runtime/experts.py`). That works for the families whose experts transformers' own expert-parallel plan dispatches tokens to (`base_model_ep_plan`, style `ep_dispatch_experts`, e.g. `layers.*.mlp.experts`) and holds as one stacked module (`@use_experts_implementation`: every parameter `[num_experts, ...]`, called as `experts(hidden_states, top_k_index, top_k_weights)`). `tests/test_hf_moe.py` trains these on real gloo ranks exactly like transformers' model in one process (losses, step 0's gradients and the final weights of every replica within 1e-5):
+
+| family | preset | what it adds | layouts trained |
+|---|---|---|---|
+| Mixtral | `model=hf_mixtral_tiny` | softmax top-2, renormalised | pp=2 dp=2 ep=2 1f1b; the same with transformers' loss and its aux loss |
+| Qwen2-MoE | `model=hf_qwen2_moe_tiny` | a sigmoid-gated shared expert, top-k not renormalised | pp=2 dp=2 ep=2 zbv |
+| Qwen3-MoE | `model=hf_qwen3_moe_tiny` | QK norm, top-k renormalised | pp=1 dp=4 ep=4 zero=1 |
+| OLMoE | `model=hf_olmoe_tiny` | QK norm | pp=1 dp=4 ep=2 (two copies of each expert) |
+| DeepSeek-V3 | `model=hf_deepseek_v3_tiny` | multi-head latent attention, a dense first layer, a shared expert, sigmoid scores plus the correction bias, group-limited top-k, scaled | pp=2 dp=2 ep=2 dualpipev |
+
+    python train.py model=hf_mixtral_tiny pp=2 dp=2 ep=2
+    python train.py model=hf_deepseek_v3_tiny pp=2 dp=2 ep=2 scheduler=dualpipev microbatches=4
+
+In transformers 5.24, 52 causal LMs hold their experts that way (GLM-4-MoE, Qwen3.5-MoE, Ernie-4.5-MoE, GraniteMoE, MiniMax, DeepSeek-V2, gpt-oss, Jamba, ...). For each of the 50 that build from a tiny config, the same test checks that an experts module split in two computes what transformers' forward computes on the whole module, gradients included; beyond the five above, none is trained at `ep > 1` on real ranks here. A config that counts experts but holds them otherwise (JetMoE, Llama 4) trains at `ep=1` and is refused at `ep > 1` before any rank starts, as are `ep` not dividing the routed experts (the valid values listed) and `ep > 1` on a model without experts.
+
+How ep reaches transformers' experts (`models/hf_moe.py`). Each such module's class is swapped in place for a subclass of it: the same parameters, names and `isinstance` checks, and outside ep transformers' own forward. Under torch.export it is one opaque call, turned back into a call of the module itself once the graph is made (`ModelSpec.trace`), so a stage runs transformers' expert code eagerly where the runtime can hook it; the router stays in the exported graph, so each model routes as it does (softmax top-k, DeepSeek-V3's grouped sigmoid). Under ep the module keeps its rank's experts (transformers' `num_experts` set to the local count, so its code indexes them by local id), and each (token, expert) row travels with its routing weight as one more column; the receiving rank runs transformers' own forward on its rows, one expert per row at the row's own weight, so the activation and the weighting (inside the experts, as transformers does it) are the model's own, and the weighted rows come back to be summed per token in slot order, as transformers' `grouped_mm` sums them. The experts' gradients are summed over their replicas, checkpoints hold every expert whole (an ep=2 checkpoint resumes without ep), and `python -m pipelaunch.launcher.export` writes transformers' own layout. `mode=plan` prices it as for `model=gpt`: one ep rank's experts, a balanced routing, each layer's all-to-alls on the ep link. Router statistics (`expert_load`, the progress line) count each experts module's picks.
+
+The auxiliary loss. With `model.config.output_router_logits=true` (off by default in these families; DeepSeek-V3 has none) transformers computes its load-balancing loss at the top of the model from every layer's router logits and adds it to its own loss when given labels. Under `model.loss=model` that trains exactly under pp, dp and ep: the layers' router logits cross the stage boundaries to the last stage like any other value, and each micro-batch's loss is transformers' on that micro-batch, as one process accumulating the same micro-batches computes it (so it depends on the micro-batch size, as there). Under `model.loss=causal_lm` the pipeline scores the logits alone, and the aux loss would be computed and dropped: that is refused before spawn, naming `model.config.output_router_logits`.
+
+Not done: ep with tp > 1, and zero with ep < dp (refused, as for `model=gpt`); experts split by tensor parallelism (transformers' `packed_colwise` and `moe_tp_experts` styles are refused by the tp plan; a plan leaving the experts whole trains); fused dispatch kernels (`experts_implementation=deepgemm_megamoe`); an update of DeepSeek-V3's correction bias between steps (a buffer, left as transformers' own training leaves it). The exchanges read the token counts on the host (one stream sync per layer on a GPU), and the rows travel in the wider of the hidden states' and the routing weights' dtypes (fp32 routing weights: fp32 rows under `precision=bf16` too). Exactness is tested in fp32 on CPU.
+"""
+
+
 def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")[:400]
 
@@ -500,13 +527,15 @@ def docs_table(results: list[Result]) -> str:
         f"with the reason; {n['skipped']} are skipped (encoders, encoder-decoders); {n['unbuilt']} could not be "
         f"built, saved and reloaded by transformers itself from a tiny config; {n['wrong']} accepted and wrong.",
         "",
+        "Mixtures of experts under expert parallelism (`ep`): the section after the table.",
+        "",
         "| architecture | result | exact at pp | why (refused, skipped, not built) |",
         "|---|---|---|---|",
     ]
     for r in sorted(results, key=lambda r: r.model_type):
         pps = "/".join(map(str, r.exact_at)) if r.status == "exact" else ""
         lines.append(f"| `{r.model_type}` | {STATUS_WORDS[r.status]} | {pps} | {_cell(r.reason)} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n" + DOCS_MOE
 
 
 def load_results(path: Path) -> list[Result]:
