@@ -127,6 +127,16 @@ def check_expert_model(spec, ep: int) -> None:
                                 f"experts / ep of every layer); valid: {', '.join(map(str, fits))}")
 
 
+def check_capacity(spec, capacity_factor: float | None) -> None:
+    """moe.capacity_factor only where the model's experts drop by it (`meta["capacity_factor"]`:
+    model=gpt's, which read it); transformers' MoE modules are dropless."""
+    if capacity_factor is None or spec.meta.get("capacity_factor") == capacity_factor:
+        return
+    raise ConfigError("moe.capacity_factor", f"{capacity_factor} is set, but model={spec.name}'s experts do not "
+                                             "drop tokens by a capacity (transformers' MoE modules are dropless; "
+                                             "model=gpt with model.experts > 0 reads it); set moe.capacity_factor=null")
+
+
 def check_config(cfg: TrainConfig) -> None:
     """What the schema's types cannot say: ranges, and rules between keys. Types and enum values
     (`device`, `remat`, `mode`, `precision`, ...) Hydra checked at composition."""
@@ -351,6 +361,7 @@ def prepare(cfg: TrainConfig, profile: bool | None = None, device: torch.device 
     data = check_data(cfg, spec, plugins)
     check_tp_sizes(spec, cfg.tp)
     check_expert_model(spec, cfg.ep)
+    check_capacity(spec, cfg.moe.capacity_factor)
     planned = make_plan(cfg, spec, plugins, options if options is not None else group_options(cfg),
                         profile=profile, device=device, cuda=on_cuda(cfg))
     check_output(cfg, spec, planned.plan)

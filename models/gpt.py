@@ -192,6 +192,7 @@ def gpt(
     topk_groups: int = 1,
     route_scale: float = 1.0,
     aux_loss_coef: float = 0.01,
+    capacity_factor: float | None = None,
 ) -> ModelSpec:
     """Blocks, in order: `embed`, `layer0` .. `layer{layers-1}`, `head` (the leaf modules).
 
@@ -213,23 +214,11 @@ def gpt(
     (models/moe.py): `experts` routed SwiGLU experts of width `expert_dim` (default mlp_ratio x dim),
     each token to `top_k` of them by a `router` (softmax, or DeepSeek-V3's sigmoid with
     `expert_groups` / `topk_groups` and `route_scale`), `shared_experts` more every token passes
-    through, and the auxiliary load-balancing loss at `aux_loss_coef`."""
-    require_positive_ints(vocab_size=vocab_size, dim=dim, layers=layers, heads=heads, seq_len=seq_len,
-                          mlp_ratio=mlp_ratio)
-    if dim % heads:
-        raise ConfigError("model.heads", f"model.dim={dim} is not divisible by model.heads={heads}; each head gets "
-                                         f"dim / heads channels (e.g. heads={max(h for h in range(1, heads + 1) if dim % h == 0)})")
-    if not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
-        raise ConfigError("model.dropout", f"got {dropout!r}; valid: a probability in [0, 1)")
-    if granularity not in GRANULARITIES:
-        raise ConfigError("model.granularity", f"must be one of {', '.join(GRANULARITIES)}, got {granularity!r} "
-                                               "(block: cut between decoder blocks; sublayer: also between a block's "
-                                               "attention and MLP; op: cut between any operators)")
-    if attention not in ATTENTIONS:
-        raise ConfigError("model.attention", f"got {attention!r}; valid: sdpa (torch's fused attention), math (the "
-                                             "scores materialised, as Megatron-LM before fused attention)")
+    through, and the auxiliary load-balancing loss at `aux_loss_coef`; `capacity_factor` (set by
+    `moe.capacity_factor`) drops the slots past each expert's capacity, as GShard and Switch do."""
+    _check_shape(vocab_size, dim, layers, heads, seq_len, mlp_ratio, dropout, granularity, attention)
     moe = _moe_settings(dim, mlp_ratio, layers, experts, top_k, expert_dim, shared_experts, dense_layers, router,
-                        expert_groups, topk_groups, route_scale, aux_loss_coef)
+                        expert_groups, topk_groups, route_scale, aux_loss_coef, capacity_factor)
     blocks = [("embed", partial(Embedding, vocab_size, dim, seq_len))]
     blocks += [(f"layer{i}", partial(DecoderBlock, dim, heads, mlp_ratio, dropout, attention,
                                      moe if experts and i >= dense_layers else None)) for i in range(layers)]
@@ -248,10 +237,30 @@ def gpt(
                                    [f"layer{i}.mlp" for i in range(dense_layers, layers)] if experts else []),
         meta={"vocab_size": vocab_size, "seq_len": seq_len, "dim": dim,
               "tp_divides": {"model.heads": heads, "model.vocab_size": vocab_size},
-              **({"experts": experts, "top_k": top_k, "moe_layers": layers - dense_layers} if experts else {})},
+              **({"experts": experts, "top_k": top_k, "moe_layers": layers - dense_layers,
+                  "capacity_factor": capacity_factor} if experts else {})},
         tp_plan=dict(TP_PLAN if tp_plan is None else tp_plan),
         data_args=("input", POSITION_IDS) if packed else ("input",),
     )
+
+
+def _check_shape(vocab_size: int, dim: int, layers: int, heads: int, seq_len: int, mlp_ratio: int, dropout: float,
+                 granularity: str, attention: str) -> None:
+    """The dense settings, each checked, naming its `model.` key."""
+    require_positive_ints(vocab_size=vocab_size, dim=dim, layers=layers, heads=heads, seq_len=seq_len,
+                          mlp_ratio=mlp_ratio)
+    if dim % heads:
+        raise ConfigError("model.heads", f"model.dim={dim} is not divisible by model.heads={heads}; each head gets "
+                                         f"dim / heads channels (e.g. heads={max(h for h in range(1, heads + 1) if dim % h == 0)})")
+    if not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ConfigError("model.dropout", f"got {dropout!r}; valid: a probability in [0, 1)")
+    if granularity not in GRANULARITIES:
+        raise ConfigError("model.granularity", f"must be one of {', '.join(GRANULARITIES)}, got {granularity!r} "
+                                               "(block: cut between decoder blocks; sublayer: also between a block's "
+                                               "attention and MLP; op: cut between any operators)")
+    if attention not in ATTENTIONS:
+        raise ConfigError("model.attention", f"got {attention!r}; valid: sdpa (torch's fused attention), math (the "
+                                             "scores materialised, as Megatron-LM before fused attention)")
 
 
 def _leaf_modules(blocks: list[str], granularity: str, moe: list[str] = ()) -> list[str]:
@@ -267,10 +276,19 @@ def _leaf_modules(blocks: list[str], granularity: str, moe: list[str] = ()) -> l
 
 def _moe_settings(dim: int, mlp_ratio: int, layers: int, experts: int, top_k: int, expert_dim: int | None,
                   shared: int, dense_layers: int, router: str, groups: int, topk_groups: int, route_scale: float,
-                  aux_loss_coef: float) -> dict:
+                  aux_loss_coef: float, capacity_factor: float | None = None) -> dict:
     """The MoE layers' settings (models/moe.py `MoE`), each checked, naming its `model.` key."""
     if not experts:
+        if capacity_factor is not None:
+            raise ConfigError("moe.capacity_factor", f"{capacity_factor} is set, but the model has no experts "
+                                                     "(model.experts=0): set model.experts, or moe.capacity_factor=null")
         return {}
+    if capacity_factor is not None and (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float))
+                                        or capacity_factor <= 0):
+        raise ConfigError("moe.capacity_factor", f"got {capacity_factor!r}; valid: null (dropless: every routed slot "
+                                                 "is computed) or a number > 0, each expert taking at most "
+                                                 "ceil(capacity_factor x tokens x top_k / experts) slots of a "
+                                                 "micro-batch (1.0: an even share; Switch trains with 1.0-1.25)")
     require_positive_ints(experts=experts, top_k=top_k, expert_groups=groups, topk_groups=topk_groups)
     if top_k > experts:
         raise ConfigError("model.top_k", f"{top_k} is more than the model's {experts} experts (model.experts)")
@@ -284,7 +302,7 @@ def _moe_settings(dim: int, mlp_ratio: int, layers: int, experts: int, top_k: in
         raise ConfigError("model.dense_layers", f"{dense_layers}; valid: 0 to model.layers - 1 = {layers - 1}")
     return {"hidden": expert_dim or mlp_ratio * dim, "experts": experts, "top_k": top_k, "shared": shared,
             "router": router, "groups": groups, "topk_groups": topk_groups, "route_scale": route_scale,
-            "aux_loss_coef": aux_loss_coef}
+            "aux_loss_coef": aux_loss_coef, "capacity_factor": capacity_factor}
 
 
 class TiedGPT(nn.Sequential):

@@ -19,6 +19,13 @@ passes through unchanged, and the backward adds the aux loss's own gradient, wei
 `aux_loss_scale`), so it needs no output of its own to cross the pipeline's stages; the trainer
 sets the scale to 1 / (replicas x micro-batches), the weight of each micro-batch in the step.
 
+Token dropping (`capacity_factor`, GShard's and Switch's): each expert computes at most
+ceil(capacity_factor x tokens x top_k / experts) of a layer call's routed slots, every token's
+first choice before any second one, earlier tokens first (`within_capacity`); a dropped slot adds
+nothing (the token's other slots and the residual carry it). Decided per layer call on its own
+tokens, before any dispatch: the same under every layout as in one process on that micro-batch.
+The router's statistics and the aux loss count the routed slots, dropped or not, as Switch's do.
+
 Expert parallelism (`ep > 1`): the rank's layers hold `experts / ep` consecutive experts each
 (`Experts.first`, `Experts.local`); `dispatch` (set by the rank: `runtime/experts.py`) carries each
 token to the ranks holding its experts and back. Without it the layer computes every expert
@@ -27,6 +34,7 @@ itself, as one process does.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -137,18 +145,30 @@ class Experts(nn.Module):
         gate, up = torch.bmm(padded, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
         return torch.bmm(nn.functional.silu(gate) * up, self.down_proj.transpose(1, 2)).reshape(-1, h)[:n]
 
-    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                keep: torch.Tensor | None = None, slots: int | None = None) -> torch.Tensor:
         """Tokens x [T, H], each sent to its `top_k` experts `index` [T, k] and their outputs
-        summed with `weights` [T, k], over every expert (`dispatch` brings the other ranks' here)."""
+        summed with `weights` [T, k], over every expert (`dispatch` brings the other ranks' here).
+        `keep` [T, k]: the slots within their expert's capacity (None: all); a dropped slot adds
+        nothing, its token's other slots and the residual stream carry it. `slots`: in a shape-only
+        pass, how many slots a balanced load keeps (None: all)."""
         t, k = index.shape
         rows = torch.arange(t, device=x.device).repeat_interleave(k)
         flat = index.reshape(-1)
+        kept = None
+        if keep is not None and not shapes_only(x):
+            kept = keep.reshape(-1).nonzero(as_tuple=True)[0]
+            rows, flat = rows[kept], flat[kept]
         if shapes_only(x):
-            out = self.balanced(x[rows])
+            out = self.balanced(x[rows[:slots]] if slots is not None else x[rows])
+            if slots is not None and slots < t * k:  # a balanced load past every expert's capacity
+                out = torch.cat([out, out.new_zeros((t * k - slots, out.shape[-1]))])
         elif self.dispatch is not None:
             out = self.dispatch(self, x[rows], flat)
         else:
             out = self.compute(x[rows], flat - self.first)
+        if kept is not None:
+            out = out.new_zeros((t * k, out.shape[-1])).index_copy(0, kept, out)
         return (out.view(t, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
 
 
@@ -165,18 +185,40 @@ class SwiGLU(nn.Module):
         return self.down(nn.functional.silu(gate) * up)
 
 
+def within_capacity(index: torch.Tensor, experts: int, capacity: int) -> torch.Tensor:
+    """Which routed slots `index` [T, k] each expert takes when it takes at most `capacity`: every
+    token's first choice before any second one (GShard's priority), earlier tokens first (Switch).
+    Returns a bool mask [T, k]."""
+    t, k = index.shape
+    by_priority = index.t().reshape(-1)  # choice-major: all first choices, then all second ones
+    seen = torch.nn.functional.one_hot(by_priority, experts).cumsum(dim=0)
+    position = seen.gather(1, by_priority.unsqueeze(1)).squeeze(1) - 1  # the slot's place in its expert's queue
+    return (position < capacity).view(k, t).t()
+
+
 class MoE(nn.Module):
     """A mixture-of-experts MLP in place of a block's dense one: x [b, t, H] -> [b, t, H]."""
 
     def __init__(self, dim: int, hidden: int, experts: int, top_k: int, shared: int = 0, router: str = "softmax",
-                 groups: int = 1, topk_groups: int = 1, route_scale: float = 1.0, aux_loss_coef: float = 0.0) -> None:
+                 groups: int = 1, topk_groups: int = 1, route_scale: float = 1.0, aux_loss_coef: float = 0.0,
+                 capacity_factor: float | None = None) -> None:
         super().__init__()
+        #: token dropping (None: dropless): see `capacity`
+        self.capacity_factor = capacity_factor
         self.router = Router(dim, experts, top_k, router, groups, topk_groups, route_scale)
         self.experts = Experts(dim, hidden, experts)
         self.shared = SwiGLU(dim, shared * hidden) if shared else None
         self.aux_loss_coef = aux_loss_coef
         #: tokens each expert got in the forwards since the trainer last read them (router statistics)
         self.counts: torch.Tensor | None = None
+
+    def capacity(self, tokens: int) -> int:
+        """Slots each expert takes of a layer call's `tokens` (x top_k routed slots)."""
+        assert self.capacity_factor is not None
+        return math.ceil(self.capacity_factor * tokens * self.router.top_k / self.router.experts)
+
+    def within_capacity(self, index: torch.Tensor) -> torch.Tensor:
+        return within_capacity(index, self.router.experts, self.capacity(index.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -189,7 +231,13 @@ class MoE(nn.Module):
                 counts = torch.bincount(index.reshape(-1), minlength=self.router.experts)
                 if torch._C._current_graph_task_id() == -1:  # not a rerun inside the backward (remat)
                     self.counts = counts if self.counts is None else self.counts + counts
-        out = self.experts(tokens, index, weights)
+        keep = slots = None
+        if self.capacity_factor is not None:  # a shape-only pass prices a balanced load at capacity
+            if shapes_only(x):
+                slots = min(index.numel(), self.capacity(index.shape[0]) * self.router.experts)
+            else:
+                keep = self.within_capacity(index)
+        out = self.experts(tokens, index, weights, keep, slots)
         if self.shared is not None:
             out = out + self.shared(tokens)
         if self.aux_loss_coef and torch.is_grad_enabled():

@@ -12,7 +12,7 @@ import torch
 
 from pipelaunch.launcher.plugins import build_plugins
 from pipelaunch.launcher.validate import prepare
-from pipelaunch.models.moe import Experts, MoE, Router, set_aux_loss_scale
+from pipelaunch.models.moe import Experts, MoE, Router, set_aux_loss_scale, within_capacity
 from pipelaunch.pipeline.planner.measure.experts import add_all_to_alls, ep_local, moe_nodes
 from tests.harness import FAST, check_like_one_process, compose_cfg, run_jobs
 
@@ -54,6 +54,24 @@ def test_the_routers_pick_as_their_models_do() -> None:
     assert int(moe.counts.sum()) == 6 * 2
 
 
+def test_capacity_keeps_first_choices_first_and_earlier_tokens_first() -> None:
+    """GShard's priority: all first choices are queued before any second one; within a choice,
+    earlier tokens first; each expert keeps `capacity` slots. A layer at a capacity below the
+    load drops slots and computes less than dropless."""
+    index = torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0]])
+    keep = within_capacity(index, experts=3, capacity=2)
+    # expert 0: first choices of tokens 0, 1 (kept), 2 (dropped); token 3's second choice dropped
+    # expert 1: token 3's first choice, then token 0's second (kept), token 2's second (dropped)
+    assert keep.tolist() == [[True, True], [True, True], [False, False], [True, False]]
+    torch.manual_seed(0)
+    moe = MoE(8, 16, 4, 2, capacity_factor=0.5)
+    x = torch.randn(3, 5, 8)
+    dropped = moe(x)
+    assert moe.capacity(15) == 4  # ceil(0.5 x 15 tokens x 2 / 4 experts)
+    moe.capacity_factor = None
+    assert not torch.allclose(dropped, moe(x))
+
+
 def test_shape_only_passes_route_evenly() -> None:
     """On meta tensors (planning), which expert a token picks is unknown: every expert computes an
     even share, the output of the input's shape."""
@@ -84,7 +102,10 @@ def test_expert_parallel_trains_as_one_process(tmp_path) -> None:
              ("ep=2 zbv pp=2 dp=2", compose_cfg([*MOE, "pp=2", "dp=2", "ep=2", "scheduler=zbv"])),
              ("ep=2 dualpipev pp=2 dp=2", compose_cfg([*MOE, *SIGMOID, "pp=2", "dp=2", "ep=2", "scheduler=dualpipev"])),
              ("ep=2 pp=1 dp=4", compose_cfg([*MOE, "pp=1", "dp=4", "ep=2", "scheduler=gpipe", "microbatches=2"])),
-             ("ep=4 pp=1 dp=4 zero=1", compose_cfg([*MOE, "pp=1", "dp=4", "ep=4", "zero=1", "scheduler=gpipe", "microbatches=2"]))]
+             ("ep=4 pp=1 dp=4 zero=1", compose_cfg([*MOE, "pp=1", "dp=4", "ep=4", "zero=1", "scheduler=gpipe", "microbatches=2"])),
+             # token dropping: each replica's layer drops its own micro-batch's overflow, as one process does
+             ("ep=2 capacity 1f1b pp=2 dp=2", compose_cfg([*MOE, "pp=2", "dp=2", "ep=2", "scheduler=1f1b",
+                                                            "moe.capacity_factor=0.75"]))]
     check_like_one_process(cases, tmp_path)
 
 
@@ -131,6 +152,14 @@ def test_an_expert_parallel_checkpoint_resumes_under_other_layouts(tmp_path) -> 
     straight = metrics(tmp_path / "eprun")["losses"]
     ref = _weights(tmp_path / "ep")
     assert ref["layer1.mlp.experts.gate_up_proj"].shape[0] == 4  # every expert, whole
+    # exported as one safetensors file by parameter name, every expert whole
+    from safetensors.torch import load_file
+
+    from pipelaunch.launcher.export import export
+
+    exported = load_file(export(tmp_path / "ep" / "step_0000006", tmp_path / "exported") / "model.safetensors")
+    assert {k: v.shape for k, v in exported.items()} == {k: v.shape for k, v in ref.items()}
+    assert torch.equal(exported["layer1.mlp.experts.down_proj"], ref["layer1.mlp.experts.down_proj"])
     for name, layout in (("ep4", ["pp=1", "dp=4", "ep=4", "microbatches=2"]), ("pp4", ["pp=4", "microbatches=8"])):
         _run([*base, *layout, f"resume={tmp_path / 'ep' / 'step_0000003'}", f"checkpoint.dir={tmp_path / name}"],
              tmp_path / f"{name}run")
@@ -150,6 +179,8 @@ def test_an_expert_parallel_checkpoint_resumes_under_other_layouts(tmp_path) -> 
     ([*MOE, "model.experts=6", "model.top_k=2", "dp=4", "ep=4", "batch_size=16", "microbatches=1"], "ep", "valid: 1, 2, 3, 6"),
     ([*MOE, "model.top_k=5"], "model.top_k", "more than the model's 4 experts"),
     ([*MOE, *SIGMOID, "model.expert_groups=3"], "model.expert_groups", "must divide the experts"),
+    ([*MOE, "moe.capacity_factor=0"], "moe.capacity_factor", "a number > 0"),
+    ([*FAST, "moe.capacity_factor=1.25"], "moe.capacity_factor", "has no experts"),
 ])
 def test_refused_before_spawn(overrides: list[str], key: str, words: str) -> None:
     """Each layout or model ep cannot run is refused by prepare, naming the option and what fits."""
@@ -245,3 +276,35 @@ def test_expert_parallel_ranks_hold_half_the_experts_as_planned(tmp_path) -> Non
     stage_experts = sum(p.numel() * 4 for m in spec.build_meta().modules() if isinstance(m, Experts)
                         for p in m.parameters()) / 2
     assert fullest[0] - fullest[1] >= 0.9 * 4 * stage_experts / 2, (fullest, stage_experts)
+
+
+@pytest.mark.timeout(900)
+def test_dualpipev_overlaps_each_pairs_exchanges_with_its_partner(tmp_path) -> None:
+    """moe.overlap: every forward DualPipeV follows with another stage's backward runs beside it
+    (the two spans intersect, an all-to-all of the pair in flight inside them), the same losses to
+    the bit as one action at a time, where no two compute actions of a rank overlap."""
+    from pipelaunch.pipeline.core.ir import overlapped_pairs
+
+    base = [*MOE, *SIGMOID, "pp=2", "dp=2", "ep=2", "scheduler=dualpipev", "microbatches=8", "batch_size=32",
+            "steps=2"]
+    cfgs = [compose_cfg([*base, f"moe.overlap={o}"]) for o in ("true", "false")]
+    plan = prepare(cfgs[0]).plan
+    assert plan.moe_overlap and not prepare(cfgs[1]).plan.moe_overlap
+    pairs = {r: overlapped_pairs(plan.schedule.actions[r]) for r in range(2)}
+    assert all(len(p) >= 3 for p in pairs.values()), pairs
+    on, off = run_jobs(cfgs, tmp_path / "logs")
+    assert on[0].losses == off[0].losses
+    for ranks, overlapped in ((on, True), (off, False)):
+        events = ranks[0].events
+        for r in range(2):
+            mine = [e for e in events if e["rank"] == r and e["kind"] != "A2A"]
+            by_action = {e["action"]: e for e in mine}
+            for pos in pairs[r]:
+                f, b = (by_action[str(plan.schedule.actions[r][pos + i])] for i in (0, 1))
+                intersect = min(f["end_s"], b["end_s"]) - max(f["start_s"], b["start_s"])
+                assert (intersect > 0) == overlapped, (r, f, b)
+            if not overlapped:
+                spans = sorted((e["start_s"], e["end_s"]) for e in mine if e["kind"] in ("F", "B", "I", "W"))
+                assert all(a[1] <= b[0] + 1e-9 for a, b in zip(spans, spans[1:], strict=False)), r
+        exchanges = [e for e in events if e["kind"] == "A2A"]
+        assert exchanges and all(e["lane"] == "dp" for e in exchanges)

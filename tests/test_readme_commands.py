@@ -240,6 +240,20 @@ SCENARIOS = [
     # slow: tests/test_tensor_parallel.py trains it like one process and reads its collectives
     Scenario("tp-sequence", "README.md", (train("python train.py pp=2 tp=2 sequence_parallel=true"),), slow=True,
              timeout=300),
+    # slow: tests/test_moe.py and tests/test_hf_moe.py train these layouts like one process, and
+    # plan them, by default
+    Scenario("moe-readme", "README.md", (
+        train("python train.py model.experts=8 model.top_k=2 model.shared_experts=1 pp=2 dp=2 ep=2 scheduler=dualpipev"),
+        train("python train.py model=hf_mixtral_tiny pp=2 dp=2 ep=2"),
+        plan("python train.py mode=plan model.experts=8 pp=2 dp=2 ep=2")), slow=True, timeout=600),
+    Scenario("moe-doc", "docs/moe.md", (
+        train("python train.py model.experts=8 model.top_k=2 model.shared_experts=1 model.dense_layers=1 pp=2 dp=2"),
+        train("python train.py model.experts=8 model.top_k=2 pp=2 dp=2 ep=2 scheduler=dualpipev"),
+        train("python train.py model.experts=8 model.router=sigmoid model.expert_groups=4 model.topk_groups=2 "
+              "model.route_scale=2.5 pp=2 dp=2 ep=2"),
+        train("python train.py model=hf_mixtral_tiny pp=2 dp=2 ep=2"),
+        train("python train.py model.experts=8 pp=2 dp=2 ep=2 moe.capacity_factor=1.25"),
+        plan("python train.py mode=plan model.experts=8 pp=2 dp=2 ep=2 scheduler=dualpipev")), slow=True, timeout=900),
     Scenario("analytic-block", "docs/planner.md", (
         typed("python -m pipelaunch.pipeline.planner.measure.analytic --hardware h100_sxm --hidden 8192 --heads 64 "
               "--batch 2"), typed("python bench/analytic_layer.py"))),
@@ -345,6 +359,8 @@ SKIPPED = {
     "model.dim=25600 model.heads=160 model.vocab_size=51200 model.seq_len=2048 batch_size=3072":
         "plans the 1T GPT on 3072 A100s (about 2 minutes here, bench/RESULTS.md records it); "
         "tests/test_screen.py runs the same screened search on a small cluster",
+    "python bench/moe_overlap.py": "six real training runs at pp=2 dp=2 ep=2 (about 3 minutes), timed: run on an "
+                                   "idle machine (bench/RESULTS.md)",
     "python bench/remat_modes.py": "twelve real training runs of gpt_bench (about 4 minutes), timed: run on an "
                                    "idle machine, bench/RESULTS.md records them; tests/test_remat_modes.py measures "
                                    "each mode's memory",

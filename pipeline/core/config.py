@@ -172,6 +172,20 @@ class DebugConfig:
 
 
 @dataclass
+class MoEConfig:
+    """Mixtures of experts under expert parallelism (ep > 1; docs/moe.md)."""
+
+    #: DualPipeV's overlap: a forward and the backward of another stage beside it run as a pair,
+    #: each one's all-to-alls in flight while the other computes (runtime/overlap.py); false: one
+    #: action at a time, for comparison
+    overlap: bool = True
+    #: token dropping as GShard and Switch do (model=gpt): each expert takes at most
+    #: ceil(capacity_factor x tokens x top_k / experts) of a layer's routed slots per micro-batch,
+    #: first choices before second ones, earlier tokens first; null: dropless
+    capacity_factor: Optional[float] = None  # noqa: UP045 - OmegaConf reads typing.Optional
+
+
+@dataclass
 class MemoryConfig:
     """`memory=unlimited|budget`: the per-device budget the planner fits the plan under."""
 
@@ -231,6 +245,7 @@ class TrainConfig:
     lr_scheduler: dict[str, Any] = MISSING
     logger: dict[str, Any] = MISSING
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     #: the device the planner prices (`hardware=<name>`, conf/hardware): `local` measures this
     #: machine (the profile); a hardware file's figures price every layer and link analytically
     hardware: dict[str, Any] = field(default_factory=lambda: {"name": "local"})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
@@ -199,3 +200,20 @@ class Schedule:
     def to_csv(self) -> str:
         """torch.distributed.pipelining's CSV format: one row per rank, comma-separated actions."""
         return "\n".join(",".join(a.torch_name for a in acts) for acts in self.actions) + "\n"
+
+
+def overlapped_pairs(actions: Sequence[Action]) -> set[int]:
+    """The positions of the forwards that run as a pair with the action after them: a backward
+    (B, or I of a split one) of another stage and micro-batch, as DualPipeV places them in its
+    steady state. Another stage's: each stage's replicas reduce and gather on their own, so the
+    two sides never share a stage's collectives; another micro-batch's: neither reads the other."""
+    pairs: set[int] = set()
+    pos = 0
+    while pos + 1 < len(actions):
+        a, b = actions[pos], actions[pos + 1]
+        if a.kind is Kind.F and b.kind in (Kind.B, Kind.I) and a.stage != b.stage and a.mb != b.mb:
+            pairs.add(pos)
+            pos += 2
+        else:
+            pos += 1
+    return pairs

@@ -226,6 +226,9 @@ class Plan:
     sequence_parallel: bool = False
     #: expert-parallel degree: the replicas a layer's routed experts are split over
     ep: int = 1
+    #: under ep > 1 (moe.overlap): each forward the program follows with another stage's backward
+    #: runs beside it, their all-to-alls overlapped (runtime/overlap.py, `overlapped_pairs`)
+    moe_overlap: bool = False
 
     @property
     def world_size(self) -> int:

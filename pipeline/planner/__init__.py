@@ -93,11 +93,7 @@ def _make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Gro
     tps = tp_degrees(cfg, spec, hw)
     tp_modules = tensor_parallel_modules(max(tps), spec, models)
     models.tp_modules = tp_modules
-    models.tp_link = tp_link(cfg, cuda, profile, facts["link_latency_s"], max(tps)) if hw is None else \
-        (hw.intra_node.latency_s, hw.intra_node.bandwidth)
-    ep_link = None if hw is None else hw.ep_link(cfg.pp, cfg.tp, cfg.ep)
-    models.ep_link = (facts["link_latency_s"], cfg.link_bandwidth) if ep_link is None else \
-        (ep_link.latency_s, ep_link.bandwidth)
+    models.tp_link, models.ep_link = _group_links(cfg, cuda, profile, facts, max(tps), hw)
 
     def experts(c: Candidate | None) -> dict:
         """The expert-parallel degree a candidate's trace holds one rank's experts of, and the link
@@ -165,6 +161,16 @@ def _make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Gro
 #: the devices tensor parallelism may span by default: one node's (8 GPUs, NVLink); a hardware
 #: file gives its own (`devices_per_node`)
 NODE_DEVICES = 8
+
+
+def _group_links(cfg: TrainConfig, cuda: bool, profile: bool, facts: dict, tp: int,
+                 hw: Hardware | None) -> tuple[tuple[float, float], tuple[float, float]]:
+    """The (latency, bandwidth) the tp group's collectives and the ep group's all-to-alls are
+    priced on: a hardware file's links (ep: `Hardware.ep_link`), else this machine's."""
+    if hw is None:
+        return tp_link(cfg, cuda, profile, facts["link_latency_s"], tp), (facts["link_latency_s"], cfg.link_bandwidth)
+    ep = hw.ep_link(cfg.pp, cfg.tp, cfg.ep)
+    return (hw.intra_node.latency_s, hw.intra_node.bandwidth), (ep.latency_s, ep.bandwidth)
 
 
 def for_hardware(cfg: TrainConfig, hw: Hardware) -> TrainConfig:
@@ -382,6 +388,7 @@ def _request(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, traced: Traced
         reshard=str(cfg.reshard if c is None or c.reshard is None else c.reshard), device_type="cuda" if cuda else "cpu",
         bucket_bytes=cfg.dp_bucket_bytes,
         evaluates=cfg.eval.every > 0, data_args=tuple(spec.data_args), ep=cfg.ep if c is None or c.ep is None else c.ep,
+        moe_overlap=cfg.moe.overlap,
         value_dtypes=_autocast_dtypes(cfg, spec, traced, micro_batch_size(cfg, microbatches, dp), cuda),
         **facts)
 

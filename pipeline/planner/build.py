@@ -176,6 +176,8 @@ class PlanRequest:
     sequence_parallel: bool = False
     #: expert-parallel degree (TrainConfig.ep)
     ep: int = 1
+    #: moe.overlap: DualPipeV's forward-backward pairs overlap their all-to-alls (ep > 1)
+    moe_overlap: bool = False
     #: where the costs come from (MachineFacts.cost_source)
     cost_source: str | None = None
     #: the replicas' link (latency, bandwidth) when not the pipeline's (`Hardware.links`)
@@ -246,7 +248,8 @@ def build_plan(traced: TracedModel, generator: ScheduleGenerator, req: PlanReque
                 stages, schedule, assignment=dict(part.assignment),
                 shared_params={n: list(v) for n, v in split.shared_params.items()}, meta=PlanMeta(**meta),
                 eval_schedule=eval_schedule, model_inputs=inputs, tp=req.tp, tp_modules=dict(req.tp_modules),
-                sequence_parallel=req.sequence_parallel, ep=req.ep)
+                sequence_parallel=req.sequence_parallel, ep=req.ep,
+                moe_overlap=req.moe_overlap and req.ep > 1)
     return plan if blocks is None else apply_recompute(plan, traced.graph, blocks, plain_act)
 
 

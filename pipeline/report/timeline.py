@@ -55,8 +55,10 @@ LABEL_CHAR_IN = 0.085
 #: would wash the colours out), ranks are drawn as rows of pixels
 MIN_BAR_PX = 4
 #: the data-parallel collectives' colours and legend labels, on each rank's dp lane
-DP_COLORS = {"UNSHARD": "#17BECF", "REDUCE_GRAD": "#8C564B", "RESHARD": "#C7C7C7"}
-DP_LABELS = {"UNSHARD": "gather", "REDUCE_GRAD": "reduce", "RESHARD": "reshard"}
+DP_COLORS = {"UNSHARD": "#17BECF", "REDUCE_GRAD": "#8C564B", "RESHARD": "#C7C7C7", "A2A": "#E377C2"}
+#: A2A: an expert layer's all-to-all on the ep group, from its issue to its wait's end (ep > 1, CPU
+#: ranks' host clock): under moe.overlap, drawn beside the other action of its pair computing
+DP_LABELS = {"UNSHARD": "gather", "REDUCE_GRAD": "reduce", "RESHARD": "reshard", "A2A": "all-to-all"}
 #: a dp lane's height, in compute rows (a compute row is 1), and its bars' half height
 DP_ROW = 0.45
 DP_BAR = 0.15

@@ -26,9 +26,10 @@ import torch
 from torch import nn
 
 from pipelaunch.pipeline.compute.backward import WeightGradStash, backward_input, backward_weight
-from pipelaunch.pipeline.core.ir import DP_KINDS, Action, Kind, Schedule
+from pipelaunch.pipeline.core.ir import DP_KINDS, Action, Kind, Schedule, overlapped_pairs
 from pipelaunch.pipeline.runtime.comm import P2P
 from pipelaunch.pipeline.runtime.heartbeat import Heartbeat
+from pipelaunch.pipeline.runtime.overlap import Pair, record_exchanges
 
 if TYPE_CHECKING:
     from pipelaunch.pipeline.runtime.tensor_parallel import TensorParallel
@@ -127,8 +128,12 @@ class Executor:
         model_inputs: Mapping[str, str] | None = None,
         collectives: ReplicaCollectives | None = None,
         tp: TensorParallel | None = None,
+        overlap: bool = False,
     ) -> None:
         self.actions = schedule.actions[pp_rank]
+        # moe.overlap under ep > 1: a forward followed by another stage's backward run as a pair
+        self.overlap = overlap
+        self._pairs = overlapped_pairs(self.actions) if overlap else set()
         # model input -> what the data gives it: `input`, `target` (a model taking its targets) or
         # an extra per-token field of the batch (`position_ids`: packed documents)
         self.model_inputs = dict(model_inputs or {})
@@ -202,9 +207,19 @@ class Executor:
         beat = self.heartbeat.action if self.heartbeat is not None else None
         if self.collectives is not None and self.training:
             self.collectives.begin_step()
+        exchanges: list | None = [] if clock is not None and not clock.cuda else None
+        record_exchanges(exchanges)
+        paired = self._pairs if self.training else set()
+        self._idle: dict[tuple[str, int, int], float] = {}
         for pos, action in enumerate(self.actions):
             if beat is not None:
                 beat(pos)
+            if pos - 1 in paired:  # run beside the forward before it
+                continue
+            if pos in paired:
+                loss_sum += self._run_pair(pos, clock, marks)
+                self.p2p.release_completed()
+                continue
             if action.kind in DP_KINDS:
                 start = clock.mark() if clock is not None else None
                 self.collectives.run(action, pos)
@@ -229,8 +244,42 @@ class Executor:
         if self.p2p.log is not None:  # one step's order is every step's: log the first only
             self.posting_log, self.p2p.log = self.p2p.log, None
         self._state.clear()
+        record_exchanges(None)
+        return loss_sum, self._events(clock, marks, exchanges), self._outputs
+
+    def _events(self, clock: StepClock | None, marks: list, exchanges: list | None) -> list[dict]:
+        """The step's events: each compute action (a paired one with `busy_s`, its own work: its
+        span less the time its partner ran) and each expert all-to-all, on the collectives' lane."""
         events = clock.events(self.pp_rank, marks) if clock is not None else []
-        return loss_sum, events, self._outputs
+        for e in events:
+            idle = self._idle.pop((e["kind"], e["stage"], e["mb"]), None)
+            if idle is not None:
+                e["busy_s"] = max(0.0, e["end_s"] - e["start_s"] - idle)
+        return events + [{"rank": self.pp_rank, "action": label, "kind": "A2A", "lane": "dp", "stage": None,
+                          "mb": None, "start_s": start, "end_s": end} for label, start, end in exchanges or []]
+
+    def _run_pair(self, pos: int, clock: StepClock | None, marks: list) -> torch.Tensor:
+        """DualPipe's overlapped pair: the forward at `pos` and the backward after it, each side's
+        expert all-to-alls in flight while the other computes (runtime/overlap.py)."""
+        actions = (self.actions[pos], self.actions[pos + 1])
+        for action in actions:
+            self._receive_inputs(action)
+        losses: list[torch.Tensor | None] = [None, None]
+
+        def side(i: int) -> Callable[[], None]:
+            def run() -> None:
+                start = clock.mark() if clock is not None else None
+                with self._collectives(actions[i], pos + i):
+                    losses[i] = self._dispatch(actions[i])
+                if clock is not None:
+                    marks.append((actions[i], start, clock.mark()))
+            return run
+
+        pair = Pair()
+        pair.run(side(0), side(1), self.device)
+        for action, side_name in zip(actions, "FB", strict=True):
+            self._idle[(action.kind.value, action.stage, action.mb)] = pair.idle_s[side_name]
+        return losses[0] if losses[0] is not None else torch.zeros((), device=self.device)
 
     # ---- communication --------------------------------------------------------------------
     def _communicate(self, action: Action, pos: int) -> None:

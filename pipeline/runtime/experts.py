@@ -28,24 +28,27 @@ from torch import nn
 
 from pipelaunch.models.hf_moe import HFExperts
 from pipelaunch.models.moe import Experts
+from pipelaunch.pipeline.runtime.overlap import exchange
 
 
 class AllToAll(torch.autograd.Function):
     """`all_to_all_single` of rows, `send` rows to each rank out and `recv` rows from each in; its
-    backward sends the gradients back the same way reversed."""
+    backward sends the gradients back the same way reversed. Both go through `overlap.exchange`:
+    inside DualPipeV's overlapped pair the other action computes while they are in flight."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:  # noqa: ANN001
-        ctx.send, ctx.recv, ctx.group = send, recv, group
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup,  # noqa: ANN001
+                label: str) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group, ctx.label = send, recv, group, label
         out = x.new_empty((sum(recv), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        exchange(out, x.contiguous(), recv, send, group, label)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
-        return out, None, None, None
+        exchange(out, grad.contiguous(), ctx.send, ctx.recv, ctx.group, f"{ctx.label} backward")
+        return out, None, None, None, None
 
 
 class Dispatch:
@@ -61,11 +64,11 @@ class Dispatch:
         order = torch.argsort(index, stable=True)  # by expert, so by the rank holding it
         counts = torch.bincount(index, minlength=self.ep * self.local).view(self.ep, self.local)
         received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=self.group)
+        exchange(received, counts, None, None, self.group, f"{self.name} counts")
         send, recv = counts.sum(dim=1).tolist(), received.sum(dim=1).tolist()
-        tokens = AllToAll.apply(rows[order], send, recv, self.group)
+        tokens = AllToAll.apply(rows[order], send, recv, self.group, f"{self.name} dispatch")
         local_ids = torch.arange(self.local, device=rows.device).repeat(self.ep).repeat_interleave(received.reshape(-1))
-        out = AllToAll.apply(experts.compute(tokens, local_ids), recv, send, self.group)
+        out = AllToAll.apply(experts.compute(tokens, local_ids), recv, send, self.group, f"{self.name} combine")
         if self.log is not None:
             self.log.append(f"{self.name} dispatch {sum(send)}>{sum(recv)}")
             self.log.append(f"{self.name} combine {sum(recv)}>{sum(send)}")

@@ -194,17 +194,8 @@ class RankTrainer:
         self.moe = moe_layers(self.modules) if self.spec.meta.get("experts") else None
         named = {n: p for m in self.modules for n, p in m.named_model_parameters()}  # stages may share one
         self.params = list({id(p): p for p in named.values()}.values())
-        tied = plan.shared_param_ranks()
-        # the global gradient norm counts a tied parameter once: on the lowest pipeline rank holding it
-        # and a parameter every tp rank holds whole on tp rank 0 only (a split one on each: its slice)
-        split = {n for m in self.modules for n in m.split_dims}
-        self.norm_params = [p for n, p in named.items() if (n not in tied or tied[n][0] == ctx.pp_rank)
-                            and (n in split or ctx.tp_rank == 0)]
+        self.norm_params, self.expert_norm = self._norm_params(named)
         self.shared = SharedGrads(plan, ctx, self.slots)
-        # under ep > 1 the ranks of an ep group hold different experts: their squares sum over it
-        experts = [named[n] for n in sorted({n for m in self.modules for n in m.expert_params})]
-        self.expert_norm = (experts, ctx.ep_group) if experts else None
-        self.norm_params = [p for p in self.norm_params if not any(p is e for e in experts)]
         # a stage of parameter-free ops (masks, position ids of an op-level trace) has nothing to update
         self.optimizer, self.lr_scheduler = (
             build_optimizer(plugins.optimizer, plugins.lr_scheduler, self.params) if self.training and self.params
@@ -223,7 +214,7 @@ class RankTrainer:
             plan.schedule, ctx.pp_rank, self.slots, self.loss_fn, ctx.device,
             loss_scale=float(plan.microbatches * plan.dp), autocast=PRECISIONS[plan.meta.precision],
             heartbeat=self.heartbeat, record_p2p=self.record_p2p, model_inputs=plan.model_inputs,
-            collectives=self.data_parallel, tp=self.tp,
+            collectives=self.data_parallel, tp=self.tp, overlap=plan.moe_overlap,
         )
         # what this rank's stages read of the data: the model inputs they take (a first stage's
         # input; the targets a model computing its own loss reads, on whichever stage reads them)
@@ -244,6 +235,18 @@ class RankTrainer:
         self.state_bytes: int | None = None
         for m in self.modules:
             m.train(self.training)
+
+    def _norm_params(self, named: dict[str, nn.Parameter]) -> tuple[list[nn.Parameter], tuple | None]:
+        """What this rank adds to the global gradient norm: a tied parameter once, on the lowest
+        pipeline rank holding it, and a parameter every tp rank holds whole on tp rank 0 only (a
+        split one on each: its slice); under ep > 1 its experts apart, their squares summed over
+        the ep group whose ranks hold the others."""
+        tied, ctx = self.plan.shared_param_ranks(), self.ctx
+        split = {n for m in self.modules for n in m.split_dims}
+        experts = [named[n] for n in sorted({n for m in self.modules for n in m.expert_params})]
+        counted = [p for n, p in named.items() if (n not in tied or tied[n][0] == ctx.pp_rank)
+                   and (n in split or ctx.tp_rank == 0) and not any(p is e for e in experts)]
+        return counted, ((experts, ctx.ep_group) if experts else None)
 
     def _microbatch_lengths(self, index: int, held_out: bool) -> tuple[np.ndarray | None, list[int] | None]:
         """Under data.buckets, the order of batch `index`'s samples (data.group_by_length) and every
@@ -463,7 +466,7 @@ class RunRecord:
         self.positions.append(outcome.positions)
         if outcome.expert_load is not None:
             self.expert_load.append(outcome.expert_load)
-        self.busy.append(sum(e["end_s"] - e["start_s"] for e in outcome.events))
+        self.busy.append(sum(e.get("busy_s", e["end_s"] - e["start_s"]) for e in outcome.events if e["kind"] != "A2A"))
         self.last_events = outcome.events
         if step >= self.start_step + warmup_steps:
             self.window.append((step, outcome.events))

@@ -88,8 +88,7 @@ def add_all_to_alls(traced: TracedModel, ep: int, link: tuple[float, float], com
         # each layer maps the hidden state the node outputs (a block's, an hf experts call's):
         # its routed rows are top_k of the node's output rows
         nbytes = float(node["output_bytes"]) * compute_bytes
-        node["ep_collectives"] = [(kind, nbytes * (m.router.top_k if isinstance(m, MoE) else m.top_k))
-                                  for m in layers for kind in ("dispatch", "combine")]
+        node["ep_collectives"] = [(kind, nbytes * routed_share(m)) for m in layers for kind in ("dispatch", "combine")]
         if profiled:
             seconds = sum(all_to_all_s(b, ep, *link) for _, b in node["ep_collectives"])
             node["forward_s"] += seconds
@@ -98,6 +97,14 @@ def add_all_to_alls(traced: TracedModel, ep: int, link: tuple[float, float], com
                     node[key] += seconds
     g.graph["ep"] = ep
     g.graph["expert_params"] = sorted(expert_param_names(traced))
+
+
+def routed_share(layer) -> float:  # noqa: ANN001 - a MoE layer of model=gpt's or transformers'
+    """Slots a balanced load sends per token: top_k, or under a capacity below an even share
+    (model=gpt's moe.capacity_factor < 1) only those every expert keeps."""
+    if isinstance(layer, MoE):
+        return layer.router.top_k * min(1.0, layer.capacity_factor or 1.0)
+    return float(layer.top_k)
 
 
 def whole_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:

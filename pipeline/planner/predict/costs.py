@@ -33,8 +33,8 @@ def cost_model_from_events(
     """Median measured duration of each (stage, kind) in this run; B splits into I/W when only B ran,
     and where a fused B ran beside split ones (schedules/fuse.py) it keeps its own, lower cost."""
     durations: dict[tuple[int, str], list[float]] = defaultdict(list)
-    for e in events:
-        durations[(e["stage"], e["kind"])].append(e["end_s"] - e["start_s"])
+    for e in events:  # a paired action's (moe.overlap) own work, not the span its partner shared
+        durations[(e["stage"], e["kind"])].append(e.get("busy_s", e["end_s"] - e["start_s"]))
 
     def med(stage: int, kind: str) -> float | None:
         values = durations.get((stage, kind))
@@ -63,7 +63,7 @@ def cost_model_from_events(
                                           "weight_stash_bytes": fallback.weight_stash_bytes,
                                           "input_grad_freed_bytes": fallback.input_grad_freed_bytes}
     return CostModel(fwd, bwd_i, bwd_w, rec, act, inp, out, latency_s, bandwidth, backward_s=bwd,
-                     edge_bytes=edge_bytes(plan.stages), **memory)
+                     edge_bytes=edge_bytes(plan.stages), overlap_exchange_s=overlap_exchange_s(plan), **memory)
 
 
 def held_output_bytes(stage: StagePlan) -> float:
@@ -101,8 +101,17 @@ def cost_model_from_plan(plan: Plan, latency_s: float, bandwidth: float) -> Cost
         fwd, bwd_i, bwd_w, None, act,
         [float(s.recv_bytes) for s in plan.stages], [float(s.send_bytes) for s in plan.stages], latency_s, bandwidth,
         backward_s=bwd, weight_stash_bytes=[float(b) for b in stash] if stash is not None else None,
-        input_grad_freed_bytes=freed, edge_bytes=edge_bytes(plan.stages),
+        input_grad_freed_bytes=freed, edge_bytes=edge_bytes(plan.stages), overlap_exchange_s=overlap_exchange_s(plan),
     )
+
+
+def overlap_exchange_s(plan: Plan) -> list[float] | None:
+    """Under moe.overlap, per stage its all-to-alls' seconds in one micro-batch's forward (half of
+    `stage_exchange_s`, the backward's being the same); None when actions run one at a time."""
+    exchange = plan.meta.stage_exchange_s
+    if not plan.moe_overlap or exchange is None:
+        return None
+    return [float(x) / 2 for x in exchange]
 
 
 def edge_bytes(stages: Sequence[StagePlan]) -> dict[tuple[int, int], tuple[float, float]]:

@@ -38,7 +38,7 @@ from functools import cached_property, partial
 from operator import itemgetter
 from typing import NamedTuple
 
-from pipelaunch.pipeline.core.ir import Action, Kind, Schedule
+from pipelaunch.pipeline.core.ir import Action, Kind, Schedule, overlapped_pairs
 from pipelaunch.pipeline.planner.passes.dependencies import (
     COMPLETES,
     READS,
@@ -86,6 +86,11 @@ class CostModel:
     #: the gradient message back (only floating-point values carry one); None: each message of a
     #: stage priced at its stage's whole `output_bytes` / `input_bytes`
     edge_bytes: dict[tuple[int, int], tuple[float, float]] | None = None
+    #: under ep > 1 with moe.overlap: per stage, the seconds of its expert all-to-alls in one
+    #: micro-batch's forward (the same again in its backward), inside its compute times; with it,
+    #: each forward the program follows with another stage's backward (`overlapped_pairs`) runs
+    #: beside it, each side's exchanges hidden behind the other's compute. None: one at a time.
+    overlap_exchange_s: list[float] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.forward_s)
@@ -391,6 +396,32 @@ class _Play:
         self.mem_events: list[list[tuple[float, int, float, int]]] = [[] for _ in range(pp)]
         self.raw_events: list[tuple[int, int, float, float]] = []  # (rank, index in program, start, end)
         self.remaining = sum(len(p) for p in self.programs)
+        #: per rank, the program positions of forwards run as a pair with the action after them
+        self.pairs = [set() for _ in range(pp)]
+        if cost.overlap_exchange_s is not None and schedule.training:
+            for rank, acts in enumerate(schedule.actions):
+                index = {id(a): i for i, a in enumerate(self.programs[rank])}
+                self.pairs[rank] = {index[id(acts[p])] for p in overlapped_pairs(acts)}
+
+    def _pair_s(self, f_stage: int, f_s: float, b_stage: int, b_s: float) -> float:
+        """A pair's time: both computes, plus what of each side's exchanges the other side's
+        compute does not cover; never less than either side alone."""
+        ex = self.cost.overlap_exchange_s
+        assert ex is not None
+        a_f, a_b = min(ex[f_stage], f_s), min(ex[b_stage], b_s)
+        f_c, b_c = f_s - a_f, b_s - a_b
+        return max(f_c + b_c + max(0.0, a_f - b_c) + max(0.0, a_b - f_c), f_s, b_s)
+
+    def _start(self, waits, mb: int, free_at: float) -> float | None:
+        """When an action may start on a rank free at `free_at`; None while a wait is unmet."""
+        ended, m = self.progress.end, self.progress.m
+        start = free_at
+        for w_step, w_stage, delay in waits:
+            t = ended[w_step][w_stage * m + mb]
+            if t is None:
+                return None
+            start = max(start, t + delay)
+        return start
 
     def _effects(self) -> dict[tuple[Kind, bool], list[_Effect]]:
         """effects[(kind, rematerialised)][stage]: waits from the dependency rules, costs and memory."""
@@ -442,9 +473,37 @@ class _Play:
         scale = self.cost.microbatch_scale
         start0, free_at, busy = pos, self.free_at[rank], self.busy[rank]
         woken: list[int] = []
+        pairs = self.pairs[rank]
         while pos < len(prog):
             s, mb, e = prog[pos]
             waits, step, duration, memory = effects[e]
+            if pos in pairs:  # DualPipe's overlapped pair: both start once both may, end together
+                s2, mb2, e2 = prog[pos + 1]
+                waits2, step2, duration2, memory2 = effects[e2]
+                if scale is not None:
+                    duration, duration2 = duration * scale[mb], duration2 * scale[mb2]
+                start, start2 = self._start(waits, mb, free_at), self._start(waits2, mb2, free_at)
+                if start is None or start2 is None:
+                    blocked = (waits, mb) if start is None else (waits2, mb2)
+                    self.progress.earliest_start(blocked[0], blocked[1], free_at, rank)
+                    break
+                start = max(start, start2)
+                free_at = end = start + self._pair_s(s, duration, s2, duration2)
+                for (st, m_, w, stp, mem_ev) in ((s, mb, 0, step, memory), (s2, mb2, 1, step2, memory2)):
+                    if mem_ev is not None:
+                        at_end, order, nbytes, count = mem_ev
+                        mem.append((end if at_end else start, order, nbytes, count))
+                    events.append((rank, pos + w, start, end))
+                    idx = st * m + m_
+                    ended[stp][idx] = end
+                    if waiting[stp][idx] is not None:
+                        woken.extend(waiting[stp][idx])
+                        waiting[stp][idx] = None
+                busy += end - start
+                if pos == 0:
+                    self.first[rank] = start
+                pos += 2
+                continue
             if scale is not None:
                 duration *= scale[mb]
             start = free_at
