@@ -246,6 +246,12 @@ SCENARIOS = [
         train("python train.py model.experts=8 model.top_k=2 model.shared_experts=1 pp=2 dp=2 ep=2 scheduler=dualpipev"),
         train("python train.py model=hf_mixtral_tiny pp=2 dp=2 ep=2"),
         plan("python train.py mode=plan model.experts=8 pp=2 dp=2 ep=2")), slow=True, timeout=600),
+    # slow: tests/test_expert_search.py plans DeepSeek-V3's dimensions on the H800 by default
+    Scenario("deepseek-plan", "docs/planner.md", (
+        plan("python train.py mode=plan model=gpt_deepseek_v3 hardware=h800 batch_size=15360 precision=bf16 zero=1 "
+             "pp=16 dp=128 ep=64 scheduler=dualpipev microbatches=120 remat=auto partitioner=uniform"),
+        plan("python train.py mode=plan model=gpt_deepseek_v3 hardware=h800 batch_size=15360 precision=bf16 zero=1 "
+             "plan=auto plan.devices=2048")), slow=True, timeout=600),
     Scenario("moe-doc", "docs/moe.md", (
         train("python train.py model.experts=8 model.top_k=2 model.shared_experts=1 model.dense_layers=1 pp=2 dp=2"),
         train("python train.py model.experts=8 model.top_k=2 pp=2 dp=2 ep=2 scheduler=dualpipev"),
@@ -359,6 +365,8 @@ SKIPPED = {
     "model.dim=25600 model.heads=160 model.vocab_size=51200 model.seq_len=2048 batch_size=3072":
         "plans the 1T GPT on 3072 A100s (about 2 minutes here, bench/RESULTS.md records it); "
         "tests/test_screen.py runs the same screened search on a small cluster",
+    "python bench/deepseek_v3.py": "plans DeepSeek-V3's dimensions on 2048 H800s twice (about 40 s), the figures "
+                                   "in bench/RESULTS.md; its plans run in scenario deepseek-plan",
     "python bench/moe_overlap.py": "six real training runs at pp=2 dp=2 ep=2 (about 3 minutes), timed: run on an "
                                    "idle machine (bench/RESULTS.md)",
     "python bench/remat_modes.py": "twelve real training runs of gpt_bench (about 4 minutes), timed: run on an "

@@ -20,9 +20,9 @@ from __future__ import annotations
 import heapq
 import math
 
-from pipelaunch.pipeline.core.ir import Action, Kind, Schedule
+from pipelaunch.pipeline.core.ir import Action, Kind, Schedule, overlapped_pairs
 from pipelaunch.pipeline.planner.passes.dependencies import COMPLETES, Progress, remat_pairs, wait_table
-from pipelaunch.pipeline.planner.predict.simulate import CostModel, ScheduleError, transfer_delays
+from pipelaunch.pipeline.planner.predict.simulate import CostModel, ScheduleError, pair_s, transfer_delays
 
 
 def shared_makespan(schedule: Schedule, cost: CostModel, slots: float, replicas: int = 1) -> float:
@@ -44,7 +44,10 @@ class _SharedPlay:
                 Kind.W: cost.backward_weight_s, Kind.R: cost.recompute_s}
         #: per rank, its program as (waits, mb, seconds of work, step it completes, stage)
         self.jobs = [[(waits[(a.kind, (a.stage, a.mb) in remat)][a.stage], a.mb, work[a.kind][a.stage],  # type: ignore[index]
-                       COMPLETES[a.kind], a.stage) for a in acts] for acts in self.programs]
+                       COMPLETES[a.kind], a.stage, None) for a in acts] for acts in self.programs]
+        if cost.overlap_exchange_s is not None and schedule.training:
+            self.jobs = [_paired(jobs, acts, prog, cost.overlap_exchange_s)
+                         for jobs, acts, prog in zip(self.jobs, schedule.actions, self.programs, strict=True)]
         self.progress = Progress(schedule.num_stages, schedule.num_microbatches)
         self.pos = [0] * schedule.pp
         self.running: list[tuple[float, int]] = []  # (virtual work at which its action ends, rank)
@@ -65,8 +68,11 @@ class _SharedPlay:
                 i = pos[rank]
                 if i >= len(jobs[rank]):
                     continue
-                waits, mb, work, _, _ = jobs[rank][i]
+                waits, mb, work, _, _, partner = jobs[rank][i]
                 ready = earliest_start(waits, mb, now, rank)
+                if ready is not None and partner is not None:  # an overlapped pair: once both may
+                    other = earliest_start(partner[0], partner[1], now, rank)
+                    ready = None if other is None else max(ready, other)
                 if ready is not None and ready > now:
                     heapq.heappush(pending, (ready, rank))
                 elif ready is not None:
@@ -84,11 +90,32 @@ class _SharedPlay:
             woken = []
             while running and running[0][0] <= virtual + 1e-12 * max(1.0, virtual):  # work done: it ends
                 rank = heapq.heappop(running)[1]
-                _, mb, _, step, stage = jobs[rank][pos[rank]]
+                _, mb, _, step, stage, partner = jobs[rank][pos[rank]]
                 pos[rank] += 1
                 left -= 1
                 woken.append(rank)
                 ended[step][stage * m + mb] = now  # `Progress.finish`
                 woken.extend(woken_by(step, stage * m + mb))
+                if partner is not None:
+                    _, mb2, step2, stage2 = partner
+                    ended[step2][stage2 * m + mb2] = now
+                    woken.extend(woken_by(step2, stage2 * m + mb2))
             while pending and pending[0][0] <= now:
                 woken.append(heapq.heappop(pending)[1])
+
+
+def _paired(jobs: list[tuple], actions: list[Action], program: list[Action], exchange_s: list[float]) -> list[tuple]:
+    """A rank's jobs with each overlapped pair (`overlapped_pairs`) one job: started once both
+    actions may, costing `simulate.pair_s`, ending both."""
+    index = {id(a): i for i, a in enumerate(program)}
+    firsts = {index[id(actions[p])] for p in overlapped_pairs(actions)}
+    out, i = [], 0
+    while i < len(jobs):
+        if i in firsts:
+            (waits, mb, f_s, step, stage, _), (waits2, mb2, b_s, step2, stage2, _) = jobs[i], jobs[i + 1]
+            out.append((waits, mb, pair_s(exchange_s, stage, f_s, stage2, b_s), step, stage, (waits2, mb2, step2, stage2)))
+            i += 2
+        else:
+            out.append(jobs[i])
+            i += 1
+    return out

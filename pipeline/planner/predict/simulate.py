@@ -259,6 +259,14 @@ class SimResult:
         }
 
 
+def pair_s(exchange_s: Sequence[float], f_stage: int, f_s: float, b_stage: int, b_s: float) -> float:
+    """An overlapped pair's time (`CostModel.overlap_exchange_s`): both computes, plus what of
+    each side's exchanges the other side's compute does not cover; never less than either alone."""
+    a_f, a_b = min(exchange_s[f_stage], f_s), min(exchange_s[b_stage], b_s)
+    f_c, b_c = f_s - a_f, b_s - a_b
+    return max(f_c + b_c + max(0.0, a_f - b_c) + max(0.0, a_b - f_c), f_s, b_s)
+
+
 def validate(schedule: Schedule) -> None:
     """Check completeness and placement: one F and one backward (B, or I and W) per (stage, mb).
 
@@ -404,13 +412,8 @@ class _Play:
                 self.pairs[rank] = {index[id(acts[p])] for p in overlapped_pairs(acts)}
 
     def _pair_s(self, f_stage: int, f_s: float, b_stage: int, b_s: float) -> float:
-        """A pair's time: both computes, plus what of each side's exchanges the other side's
-        compute does not cover; never less than either side alone."""
-        ex = self.cost.overlap_exchange_s
-        assert ex is not None
-        a_f, a_b = min(ex[f_stage], f_s), min(ex[b_stage], b_s)
-        f_c, b_c = f_s - a_f, b_s - a_b
-        return max(f_c + b_c + max(0.0, a_f - b_c) + max(0.0, a_b - f_c), f_s, b_s)
+        assert self.cost.overlap_exchange_s is not None
+        return pair_s(self.cost.overlap_exchange_s, f_stage, f_s, b_stage, b_s)
 
     def _start(self, waits, mb: int, free_at: float) -> float | None:
         """When an action may start on a rank free at `free_at`; None while a wait is unmet."""
