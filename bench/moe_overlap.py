@@ -20,8 +20,9 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from _rounds import interleaved, round_options
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = ("true", "false")
@@ -60,20 +61,9 @@ def table(rounds: list[dict[str, dict]]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="2 rounds x 4 steps, 1 warm-up")
-    parser.add_argument("extra", nargs="*", help="more overrides for every run")
+    round_options(parser)
     args = parser.parse_args()
-    if args.quick:
-        args.rounds, args.steps, args.warmup = 2, 4, 1
-    rounds: list[dict[str, dict]] = []
-    with tempfile.TemporaryDirectory(prefix="moe_overlap_") as tmp:
-        for i in range(args.rounds):
-            rounds.append({s: run(s, args.steps, args.warmup, Path(tmp) / f"round{i}", args.extra) for s in SETTINGS})
-            print(f"round {i + 1}/{args.rounds}: " + ", ".join(f"overlap={s} {r['step_s'] * 1e3:.0f} ms"
-                                                               for s, r in rounds[-1].items()), flush=True)
+    rounds = interleaved(args, SETTINGS, run, lambda s: f"overlap={s}", "moe_overlap_")
     print(f"\n{' '.join(COMMON)} {' '.join(args.extra)}, {args.rounds} rounds x {args.steps} steps "
           f"({args.warmup} warm-up)\n")
     print("\n".join(table(rounds)))

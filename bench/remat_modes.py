@@ -21,8 +21,9 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from _rounds import interleaved, round_options
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -65,20 +66,9 @@ def table(rounds: list[dict[str, dict]]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="2 rounds x 4 steps, 1 warm-up")
-    parser.add_argument("extra", nargs="*", help="more overrides for every run")
+    round_options(parser)
     args = parser.parse_args()
-    if args.quick:
-        args.rounds, args.steps, args.warmup = 2, 4, 1
-    rounds: list[dict[str, dict]] = []
-    with tempfile.TemporaryDirectory(prefix="remat_modes_") as tmp:
-        for i in range(args.rounds):
-            rounds.append({m: run(m, args.steps, args.warmup, Path(tmp) / f"round{i}", args.extra) for m in args.modes})
-            print(f"round {i + 1}/{args.rounds}: " + ", ".join(f"{m} {r['step_s'] * 1e3:.0f} ms"
-                                                               for m, r in rounds[-1].items()), flush=True)
+    rounds = interleaved(args, args.modes, run, lambda m: m, "remat_modes_")
     print(f"\ngpt_bench {' '.join(COMMON[2:6])} {' '.join(args.extra)}, {args.rounds} rounds x {args.steps} steps "
           f"({args.warmup} warm-up)\n")
     print("\n".join(table(rounds)))
