@@ -196,7 +196,7 @@ def test_a_gpu_run_is_profiled_by_a_child_on_rank_0s_gpu_and_a_rank_on_its_own(f
     fake_gpus(2, accelerator=False)  # the stand-ins below profile on the CPU for real
     asked = []
 
-    def child(cfg, model, micro_batch_size, device, tp_modules=None, tp=1):  # the child process, on the CPU here
+    def child(cfg, model, micro_batch_size, device, tp_modules=None, tp=1, ep=None):  # the child process, on the CPU here
         asked.append(("child", device))
         spec = model.build()
         traced = spec.trace(micro_batch_size, spec.build_meta())

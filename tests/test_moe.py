@@ -81,6 +81,7 @@ def test_shape_only_passes_route_evenly() -> None:
     assert out.shape == (2, 5, 8) and out.is_meta
 
 
+@pytest.mark.slow  # the default suite trains MoE blocks under these schedules at ep=2 (below)
 @pytest.mark.timeout(900)
 def test_moe_blocks_train_as_one_process(tmp_path) -> None:
     """1f1b and zbv (the split backward through the routed experts and the aux loss) at pp=2, the
