@@ -132,7 +132,6 @@ class Executor:
     ) -> None:
         self.actions = schedule.actions[pp_rank]
         # moe.overlap under ep > 1: a forward followed by another stage's backward run as a pair
-        self.overlap = overlap
         self._pairs = overlapped_pairs(self.actions) if overlap else set()
         # model input -> what the data gives it: `input`, `target` (a model taking its targets) or
         # an extra per-token field of the batch (`position_ids`: packed documents)
@@ -209,7 +208,7 @@ class Executor:
             self.collectives.begin_step()
         exchanges: list | None = [] if clock is not None and not clock.cuda else None
         record_exchanges(exchanges)
-        paired = self._pairs if self.training else set()
+        paired = self._pairs  # none in a forward-only program: a pair's second action is a backward
         self._idle: dict[tuple[str, int, int], float] = {}
         for pos, action in enumerate(self.actions):
             if beat is not None:
@@ -217,7 +216,9 @@ class Executor:
             if pos - 1 in paired:  # run beside the forward before it
                 continue
             if pos in paired:
-                loss_sum += self._run_pair(pos, clock, marks)
+                loss = self._run_pair(pos, clock, marks)
+                if loss is not None:
+                    loss_sum += loss
                 self.p2p.release_completed()
                 continue
             if action.kind in DP_KINDS:
@@ -258,7 +259,7 @@ class Executor:
         return events + [{"rank": self.pp_rank, "action": label, "kind": "A2A", "lane": "dp", "stage": None,
                           "mb": None, "start_s": start, "end_s": end} for label, start, end in exchanges or []]
 
-    def _run_pair(self, pos: int, clock: StepClock | None, marks: list) -> torch.Tensor:
+    def _run_pair(self, pos: int, clock: StepClock | None, marks: list) -> torch.Tensor | None:
         """DualPipe's overlapped pair: the forward at `pos` and the backward after it, each side's
         expert all-to-alls in flight while the other computes (runtime/overlap.py)."""
         actions = (self.actions[pos], self.actions[pos + 1])
@@ -279,7 +280,7 @@ class Executor:
         pair.run(side(0), side(1), self.device)
         for action, side_name in zip(actions, "FB", strict=True):
             self._idle[(action.kind.value, action.stage, action.mb)] = pair.idle_s[side_name]
-        return losses[0] if losses[0] is not None else torch.zeros((), device=self.device)
+        return losses[0]  # the forward's loss on a last stage (a backward returns none)
 
     # ---- communication --------------------------------------------------------------------
     def _communicate(self, action: Action, pos: int) -> None:
