@@ -131,7 +131,8 @@ def test_costs_from_events_keep_fused_and_split_backwards_apart() -> None:
 
     from pipelaunch.pipeline.planner.predict.costs import cost_model_from_events
 
-    plan = SimpleNamespace(stages=[SimpleNamespace(recv_bytes=0, send_bytes=0, inputs={}, index=s) for s in range(2)])
+    plan = SimpleNamespace(stages=[SimpleNamespace(recv_bytes=0, send_bytes=0, inputs={}, index=s) for s in range(2)],
+                           moe_overlap=False)
     events = [{"stage": s, "kind": k, "start_s": 0.0, "end_s": d}
               for s, k, d in [(0, "F", 1.0), (0, "I", 0.6), (0, "W", 0.7), (0, "B", 1.1),
                               (1, "F", 2.0), (1, "B", 3.0)]]

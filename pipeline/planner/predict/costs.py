@@ -108,7 +108,7 @@ def cost_model_from_plan(plan: Plan, latency_s: float, bandwidth: float) -> Cost
 def overlap_exchange_s(plan: Plan) -> list[float] | None:
     """Under moe.overlap, per stage its all-to-alls' seconds in one micro-batch's forward (half of
     `stage_exchange_s`, the backward's being the same); None when actions run one at a time."""
-    if not getattr(plan, "moe_overlap", False) or plan.meta.stage_exchange_s is None:
+    if not plan.moe_overlap or plan.meta.stage_exchange_s is None:
         return None
     exchange = plan.meta.stage_exchange_s
     return [float(x) / 2 for x in exchange]
