@@ -40,7 +40,7 @@ def test_ours_and_torch_agree_step_by_step(schedule: str) -> None:
 def test_perfect_step_is_the_schedule_on_measured_costs_plus_time_outside_it() -> None:
     """1f1b, p=2, m=4, F=1 and B=2 on both stages: (m + p - 1)(F + B) = 15, plus the median of
     the critical rank's time outside the schedule."""
-    plan = SimpleNamespace(schedule=build_schedule(OneFOneB(), linear(2), 4),
+    plan = SimpleNamespace(schedule=build_schedule(OneFOneB(), linear(2), 4), moe_overlap=False,
                            stages=[SimpleNamespace(recv_bytes=0, send_bytes=0, inputs={}, index=s) for s in range(2)])
     events = [{"stage": s, "kind": k, "mb": mb, "start_s": 10.0, "end_s": 10.0 + d}
               for s in (0, 1) for mb in range(4) for k, d in (("F", 1.0), ("B", 2.0))]
