@@ -110,6 +110,26 @@ def test_expert_parallel_trains_as_one_process(tmp_path) -> None:
     check_like_one_process(cases, tmp_path)
 
 
+@pytest.mark.timeout(900)
+def test_expert_parallel_beside_tensor_parallel_trains_as_one_process(tmp_path) -> None:
+    """pp=2 dp=2 tp=2 ep=2: the experts fold over the replicas at each tp coordinate, every tp rank
+    routes and exchanges the same tokens (the MoE layer whole on it, attention split), with and
+    without sequence parallelism (the layer then gets the whole sequence), under 1f1b and DualPipeV;
+    the planner holds half the experts per device at tp=2 as at tp=1."""
+    cases = [("ep=2 tp=2 1f1b pp=2 dp=2", compose_cfg([*MOE, "pp=2", "dp=2", "tp=2", "ep=2", "scheduler=1f1b"])),
+             ("ep=2 tp=2 sp dualpipev pp=2 dp=2",
+              compose_cfg([*MOE, *SIGMOID, "pp=2", "dp=2", "tp=2", "ep=2", "sequence_parallel=true",
+                           "scheduler=dualpipev"]))]
+    check_like_one_process(cases, tmp_path)
+    held = {tp: prepare(compose_cfg([*MOE, "pp=2", "dp=2", f"tp={tp}", "ep=2", "scheduler=1f1b", "mode=plan"]))
+            .prediction for tp in (1, 2)}
+    whole = prepare(compose_cfg([*MOE, "pp=2", "dp=2", "tp=2", "scheduler=1f1b", "mode=plan"])).prediction
+    halves = held[2].plan.meta.stage_expert_param_bytes
+    assert halves == held[1].plan.meta.stage_expert_param_bytes
+    for rank in range(2):
+        assert whole.devices[rank].params - held[2].devices[rank].params == pytest.approx(halves[rank])
+
+
 def test_each_moe_layer_exchanges_once_per_micro_batch_each_way(tmp_path) -> None:
     """The ep group's log of the first step: per MoE layer and micro-batch one dispatch and one
     combine (their backward rides in the autograd of the same exchanges), the same sequence on both
@@ -174,7 +194,6 @@ def test_an_expert_parallel_checkpoint_resumes_under_other_layouts(tmp_path) -> 
 
 @pytest.mark.parametrize(("overrides", "key", "words"), [
     ([*MOE, "dp=2", "ep=4"], "ep", "a divisor of dp"),
-    ([*MOE, "dp=2", "ep=2", "tp=2"], "ep", "set tp=1"),
     ([*MOE, "dp=4", "ep=2", "zero=1"], "ep", "set ep=dp"),
     ([*FAST, "dp=2", "ep=2"], "ep", "has none"),
     ([*MOE, "model.experts=6", "model.top_k=2", "dp=4", "ep=4", "batch_size=16", "microbatches=1"], "ep", "valid: 1, 2, 3, 6"),

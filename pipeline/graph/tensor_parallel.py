@@ -178,20 +178,41 @@ class Rewritten:
 _TRACED: dict[tuple, fx.Graph] = {}
 
 
-def _symbolic_trace(module: nn.Module, passed: int = 1, named: frozenset[str] = frozenset()) -> fx.GraphModule:
+class _OpaqueTracer(fx.Tracer):
+    """Traces a block keeping whole each submodule `opaque` says the plan does not split: a
+    module whose forward reads values (a mixture of experts' routing: which expert a token picks)
+    cannot be traced through, and need not be when nothing inside it is split."""
+
+    def __init__(self, opaque: Callable[[str], bool]) -> None:
+        super().__init__()
+        self.opaque = opaque
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return super().is_leaf_module(m, module_qualified_name) or self.opaque(module_qualified_name)
+
+
+def _symbolic_trace(module: nn.Module, passed: int = 1, named: frozenset[str] = frozenset(),
+                    opaque: Callable[[str], bool] | None = None) -> fx.GraphModule:
     """`fx.symbolic_trace(module)` as it is called: with `passed` positional arguments and the
     keywords `named`, every other parameter of its forward at its default (a proxy would take an
     `if x is None:` branch for a call that never passes x); from a copy of the graph a module
-    configured alike, called alike, gave."""
+    configured alike, called alike, gave. `opaque`: the submodules (by name in `module`) kept as
+    calls (`_OpaqueTracer`); None: every one traced through, as fx does."""
     concrete = _defaults_not_passed(module, passed, named)
+
+    def trace() -> fx.Graph:
+        if opaque is None:
+            return fx.symbolic_trace(module, concrete_args=concrete or None).graph
+        return _OpaqueTracer(opaque).trace(module, concrete_args=concrete or None)
+
     mk = module_key(module)
     if mk is None:
-        return fx.symbolic_trace(module, concrete_args=concrete or None)
-    key = (mk, tuple(sorted(concrete)))
+        return fx.GraphModule(module, trace(), class_name=type(module).__name__)
+    key = (mk, tuple(sorted(concrete)), opaque is not None)
     if key not in _TRACED:
         if len(_TRACED) > 256:
             _TRACED.clear()
-        _TRACED[key] = fx.symbolic_trace(module, concrete_args=concrete or None).graph
+        _TRACED[key] = trace()
     return fx.GraphModule(module, copy.deepcopy(_TRACED[key]), class_name=type(module).__name__)
 
 
@@ -261,8 +282,15 @@ class _Rewriter:
                 node.args, node.kwargs = (node.args[0], weight, module.padding_idx), {}
 
     def _trace_inside(self, node: fx.Node, module: nn.Module, full: str) -> None:
+        def unsplit(name: str) -> bool:  # nothing the plan splits is inside `name`
+            inside = f"{full}.{name}"
+            return not any(m == inside or m.startswith(inside + ".") for m, s in self.modules.items() if s not in WHOLE)
+
         try:
-            inner = _symbolic_trace(module, len(node.args), frozenset(node.kwargs))
+            try:
+                inner = _symbolic_trace(module, len(node.args), frozenset(node.kwargs))
+            except Exception:  # noqa: BLE001 - traced again, what the plan leaves whole kept as calls
+                inner = _symbolic_trace(module, len(node.args), frozenset(node.kwargs), opaque=unsplit)
         except Exception as err:  # noqa: BLE001 - any tracing failure is the same refusal
             raise ConfigError("model.tp_plan", f"{full} holds modules the plan splits, and torch.fx cannot trace "
                                                f"it to place the collectives: {type(err).__name__}: {err}") from err

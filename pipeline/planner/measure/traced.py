@@ -71,18 +71,19 @@ class TracedModels:
         #: the whole model traced, per (micro-batch size, ep)
         self._traced: dict[tuple[int, int], TracedModel] = {}
         #: per (size, ep > 1, ep link): the trace with its all-to-alls priced on that link
-        self._exchanged: dict[tuple[int, int, tuple[float, float]], TracedModel] = {}
+        self._exchanged: dict[tuple[int, int, int, tuple[float, float]], TracedModel] = {}
         #: the tp degree a size is asked at by default (the configured one), the modules it splits
         #: (set by make_plan) and the tp link priced (latency, bandwidth)
         self.tp, self.tp_modules, self.tp_link = cfg.tp, {}, (0.0, 1.0)
         #: under ep > 1, the ep group's link its all-to-alls are priced on (set by make_plan)
         self.ep_link = (0.0, 1.0)
-        #: per (size, tp > 1): the model traced at one tp rank's shapes and what the rewrite placed
-        self._local: dict[tuple[int, int], TracedModel] = {}
-        self._rewrites: dict[tuple[int, int], Rewritten] = {}
-        self._sequence: dict[tuple[int, int], SequenceRewrite | None] = {}
-        self._twins: dict[tuple[int, int], TracedModel] = {}
-        self._priced: set[tuple[int, int]] = set()
+        #: per (size, tp > 1, ep): the model (one ep rank's experts) traced at one tp rank's shapes
+        #: and what the rewrite placed
+        self._local: dict[tuple[int, int, int], TracedModel] = {}
+        self._rewrites: dict[tuple[int, int, int], Rewritten] = {}
+        self._sequence: dict[tuple[int, int, int], SequenceRewrite | None] = {}
+        self._twins: dict[tuple[int, int, int], TracedModel] = {}
+        self._priced: set[tuple[int, int, int]] = set()
         #: the (size, tp, ep) whose graphs carry their profile (or need none)
         self._profiled: set[tuple[int, int, int]] = set()
 
@@ -94,30 +95,29 @@ class TracedModels:
         all-to-alls priced on `ep_link` (latency, bandwidth; default `self.ep_link`): one trace and
         profile per (size, ep), a copy of it per link."""
         tp, ep = tp or self.tp, ep or self.cfg.ep
-        if tp > 1 and ep > 1:
-            raise ConfigError("ep", f"ep={ep} with tp={tp} is not supported yet; set tp=1 (or ep=1)")
         self.prepare([micro_batch_size], tp, ep)
         if tp == 1:
             traced = self._traced[(micro_batch_size, ep)]
-            if ep == 1:
-                return traced
-            link = tuple(self.ep_link if ep_link is None else ep_link)
-            key = (micro_batch_size, ep, link)
-            if key not in self._exchanged:
-                self._exchanged[key] = exchanged = replace(traced, graph=traced.graph.copy())
-                combine, dispatch = self._exchange_bytes()
-                add_all_to_alls(exchanged, ep, link, combine)
-                _dispatched_at(exchanged, ep, link, dispatch / combine)
-                exchanged.graph.graph["ep_link"] = link
-            return self._exchanged[key]
-        key = (micro_batch_size, tp)
-        local = self._local_trace(*key)
-        if key not in self._priced:
-            dtypes = cached_autocast_dtypes(local, self.spec.meta_args(micro_batch_size), self.cuda,
-                                            PRECISIONS[str(self.cfg.precision)], micro_batch_size)
-            add_collectives(local, self._rewrites[key], tp, self.tp_link, self._sequence[key], dtypes)
-            self._priced.add(key)
-        return local
+        else:
+            key = (micro_batch_size, tp, ep)
+            traced = self._local_trace(*key)
+            if key not in self._priced:
+                dtypes = cached_autocast_dtypes(traced, self.spec.meta_args(micro_batch_size), self.cuda,
+                                                PRECISIONS[str(self.cfg.precision)], micro_batch_size)
+                add_collectives(traced, self._rewrites[key], tp, self.tp_link, self._sequence[key], dtypes)
+                self._priced.add(key)
+        if ep == 1:
+            return traced
+        # the experts' layers are whole on every tp rank (runtime/experts.py): the same all-to-alls
+        link = tuple(self.ep_link if ep_link is None else ep_link)
+        key = (micro_batch_size, tp, ep, link)
+        if key not in self._exchanged:
+            self._exchanged[key] = exchanged = replace(traced, graph=traced.graph.copy())
+            combine, dispatch = self._exchange_bytes()
+            add_all_to_alls(exchanged, ep, link, combine)
+            _dispatched_at(exchanged, ep, link, dispatch / combine)
+            exchanged.graph.graph["ep_link"] = link
+        return self._exchanged[key]
 
     def _exchange_bytes(self) -> tuple[float, float]:
         """(combine, dispatch) bytes an all-to-all moves per byte of a MoE node's traced output.
@@ -139,12 +139,12 @@ class TracedModels:
             return self._traced.get((micro_batch_size, self.cfg.ep))
         if tp_modules is not None and dict(tp_modules) != dict(self.tp_modules):
             return None
-        return self._local.get((micro_batch_size, tp))
+        return self._local.get((micro_batch_size, tp, self.cfg.ep))
 
     def structure(self, micro_batch_size: int, tp: int | None = None, ep: int | None = None) -> TracedModel:
         """The model traced at this size, profiled or not yet: for what reads only the graph's shape."""
-        tp = tp or self.tp
-        return self._whole(micro_batch_size, ep or self.cfg.ep) if tp == 1 else self._local_trace(micro_batch_size, tp)
+        tp, ep = tp or self.tp, ep or self.cfg.ep
+        return self._whole(micro_batch_size, ep) if tp == 1 else self._local_trace(micro_batch_size, tp, ep)
 
     def _whole(self, micro_batch_size: int, ep: int) -> TracedModel:
         """The whole model (one ep rank's experts) traced at this size (what the profile measures)."""
@@ -152,11 +152,12 @@ class TracedModels:
             self._traced[(micro_batch_size, ep)] = self._trace(micro_batch_size, ep)
         return self._traced[(micro_batch_size, ep)]
 
-    def _local_trace(self, micro_batch_size: int, tp: int) -> TracedModel:
-        """The model traced with its split parameters at one tp rank's shapes (the ranks' own trace)."""
-        key = (micro_batch_size, tp)
+    def _local_trace(self, micro_batch_size: int, tp: int, ep: int = 1) -> TracedModel:
+        """The model (one ep rank's experts) traced with its split parameters at one tp rank's
+        shapes (the ranks' own trace)."""
+        key = (micro_batch_size, tp, ep)
         if key not in self._local:
-            local, sharded = trace_local(self.spec.build_meta(),
+            local, sharded = trace_local(ep_local(self.spec.build_meta(), ep),
                                          lambda m: self.spec.trace(micro_batch_size, m, repeat=True), self.tp_modules, tp)
             self._local[key] = local
             setup = sequence_setup(self.cfg.sequence_parallel, self.spec, micro_batch_size, tp)
@@ -184,7 +185,8 @@ class TracedModels:
         modules = self.tp_modules if tp > 1 else {}
         if self.profile and todo:
             if self.hardware is not None:  # priced, not measured: nothing runs on a device
-                twins = [(self._twins[(size, tp)], self._rewrites[(size, tp)]) for size in todo] if tp > 1 else None
+                twins = [(self._twins[(size, tp, ep)], self._rewrites[(size, tp, ep)]) for size in todo] if tp > 1 \
+                    else None
                 profile_traced(self.spec, self.cfg, list(todo.values()), list(todo), torch.device("meta"), modules,
                                tp, hardware=self.hardware, twins=twins, ep=ep)
             elif self.device is None:  # a GPU run planned in the launcher: a child per size

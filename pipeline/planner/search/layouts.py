@@ -58,7 +58,7 @@ def layouts(cfg: TrainConfig, tps: Sequence[int] = (1,), experts: int = 0) -> li
             if not experts:
                 found.append(lay)
                 continue
-            for ep in expert_degrees(cfg, experts, dp, tp):
+            for ep in expert_degrees(cfg, experts, dp):
                 try:
                     found.append(replace(lay, ep=ep, zeros=_expert_levels(cfg, lay.zeros, dp, ep)))
                 except ConfigError as err:
@@ -96,11 +96,11 @@ def _levels(cfg: TrainConfig, dp: int) -> list[int | None]:
     return zero_levels(levels, dp)
 
 
-def expert_degrees(cfg: TrainConfig, experts: int, dp: int, tp: int) -> list[int]:
-    """The expert-parallel degrees a layout of `dp` replicas at `tp` tries on a model with `experts`
+def expert_degrees(cfg: TrainConfig, experts: int, dp: int) -> list[int]:
+    """The expert-parallel degrees a layout of `dp` replicas tries (at any tp) on a model with `experts`
     routed experts: `plan.ep`'s (null: every power of two up to min(dp, experts)), those dividing
     both dp (ep folds over the replicas) and the experts (each rank holds experts / ep of every
-    layer); at tp > 1 only ep=1 (ep beside tensor parallelism is not supported yet)."""
+    layer), at every tp (the experts' layers are whole on each tp rank: runtime/experts.py)."""
     wanted = cfg.plan.ep
     if wanted is not None:
         bad = [e for e in wanted if isinstance(e, bool) or not isinstance(e, int) or e < 1 or experts % e]
@@ -110,7 +110,7 @@ def expert_degrees(cfg: TrainConfig, experts: int, dp: int, tp: int) -> list[int
         pool = sorted(set(wanted))
     else:
         pool = [1 << i for i in range(min(dp, experts).bit_length())]
-    return [e for e in pool if dp % e == 0 and experts % e == 0 and (tp == 1 or e == 1)]
+    return [e for e in pool if dp % e == 0 and experts % e == 0]
 
 
 def _expert_levels(cfg: TrainConfig, zeros: list[int | None], dp: int, ep: int) -> list[int | None]:
