@@ -137,6 +137,35 @@ def check_capacity(spec, capacity_factor: float | None) -> None:
                                              "model=gpt with model.experts > 0 reads it); set moe.capacity_factor=null")
 
 
+def check_bias_update(spec, rate: float | None) -> None:
+    """moe.bias_update_rate (DeepSeek-V3's auxiliary-loss-free balancing): off (null or 0), or a
+    number > 0 where the runtime moves the routers' correction bias by it (`meta["bias_update_rate"]`:
+    model=gpt's sigmoid router, which reads the key)."""
+    if rate is None or (rate == 0 and not isinstance(rate, bool)):
+        return
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not np.isfinite(rate) or rate < 0:
+        raise ConfigError("moe.bias_update_rate", f"got {rate!r}; valid: null or 0 (off: the routers' bias stays as it "
+                                                  "is), or a number > 0, what each expert's correction bias moves by "
+                                                  "after every optimizer step (down for an expert above the mean load "
+                                                  "over the step's global batch, up below it; DeepSeek-V3 trains with "
+                                                  "0.001)")
+    meta = spec.meta
+    if meta.get("bias_update_rate") == rate:
+        return
+    if meta.get("router") is not None:  # model=gpt with experts
+        why = (f"model.router={meta['router']} picks its experts without a correction bias" if meta["router"] != "sigmoid"
+               else "the model does not pass moe.bias_update_rate to its layers (its config's bias_update_rate)")
+    elif meta.get("hf_model_type") is not None and meta.get("experts"):
+        why = (f"model={spec.name}'s routers are transformers' own, and the runtime does not move their correction bias "
+               "(DeepSeek-V3's gate.e_score_correction_bias) yet")
+    else:
+        why = f"model={spec.name} has no routers with a correction bias"
+    raise ConfigError("moe.bias_update_rate", f"{rate} is set, but {why}. The rate moves the bias a router picks its "
+                                              "experts by, as DeepSeek-V3's does: valid with model=gpt, "
+                                              "model.experts > 0 and model.router=sigmoid; set "
+                                              "moe.bias_update_rate=null (off) for this model")
+
+
 def check_config(cfg: TrainConfig) -> None:
     """What the schema's types cannot say: ranges, and rules between keys. Types and enum values
     (`device`, `remat`, `mode`, `precision`, ...) Hydra checked at composition."""
@@ -362,6 +391,7 @@ def prepare(cfg: TrainConfig, profile: bool | None = None, device: torch.device 
     check_tp_sizes(spec, cfg.tp)
     check_expert_model(spec, cfg.ep)
     check_capacity(spec, cfg.moe.capacity_factor)
+    check_bias_update(spec, cfg.moe.bias_update_rate)
     planned = make_plan(cfg, spec, plugins, options if options is not None else group_options(cfg),
                         profile=profile, device=device, cuda=on_cuda(cfg))
     check_output(cfg, spec, planned.plan)

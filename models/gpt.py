@@ -193,6 +193,7 @@ def gpt(
     route_scale: float = 1.0,
     aux_loss_coef: float = 0.01,
     capacity_factor: float | None = None,
+    bias_update_rate: float | None = None,
 ) -> ModelSpec:
     """Blocks, in order: `embed`, `layer0` .. `layer{layers-1}`, `head` (the leaf modules).
 
@@ -215,10 +216,12 @@ def gpt(
     each token to `top_k` of them by a `router` (softmax, or DeepSeek-V3's sigmoid with
     `expert_groups` / `topk_groups` and `route_scale`), `shared_experts` more every token passes
     through, and the auxiliary load-balancing loss at `aux_loss_coef`; `capacity_factor` (set by
-    `moe.capacity_factor`) drops the slots past each expert's capacity, as GShard and Switch do."""
+    `moe.capacity_factor`) drops the slots past each expert's capacity, as GShard and Switch do;
+    `bias_update_rate` (set by `moe.bias_update_rate`) moves the sigmoid router's correction bias
+    after each optimizer step, DeepSeek-V3's auxiliary-loss-free balancing (`moe.update_bias`)."""
     _check_shape(vocab_size, dim, layers, heads, seq_len, mlp_ratio, dropout, granularity, attention)
     moe = _moe_settings(dim, mlp_ratio, layers, experts, top_k, expert_dim, shared_experts, dense_layers, router,
-                        expert_groups, topk_groups, route_scale, aux_loss_coef, capacity_factor)
+                        expert_groups, topk_groups, route_scale, aux_loss_coef, capacity_factor, bias_update_rate)
     blocks = [("embed", partial(Embedding, vocab_size, dim, seq_len))]
     blocks += [(f"layer{i}", partial(DecoderBlock, dim, heads, mlp_ratio, dropout, attention,
                                      moe if experts and i >= dense_layers else None)) for i in range(layers)]
@@ -238,7 +241,9 @@ def gpt(
         meta={"vocab_size": vocab_size, "seq_len": seq_len, "dim": dim,
               "tp_divides": {"model.heads": heads, "model.vocab_size": vocab_size},
               **({"experts": experts, "top_k": top_k, "moe_layers": layers - dense_layers,
-                  "capacity_factor": capacity_factor} if experts else {})},
+                  "capacity_factor": capacity_factor, "router": router,
+                  # what the runtime moves the routers' correction bias by (launcher/validate.py checks it)
+                  "bias_update_rate": moe["bias_update_rate"]} if experts else {})},
         tp_plan=dict(TP_PLAN if tp_plan is None else tp_plan),
         data_args=("input", POSITION_IDS) if packed else ("input",),
     )
@@ -276,7 +281,8 @@ def _leaf_modules(blocks: list[str], granularity: str, moe: list[str] = ()) -> l
 
 def _moe_settings(dim: int, mlp_ratio: int, layers: int, experts: int, top_k: int, expert_dim: int | None,
                   shared: int, dense_layers: int, router: str, groups: int, topk_groups: int, route_scale: float,
-                  aux_loss_coef: float, capacity_factor: float | None = None) -> dict:
+                  aux_loss_coef: float, capacity_factor: float | None = None,
+                  bias_update_rate: float | None = None) -> dict:
     """The MoE layers' settings (models/moe.py `MoE`), each checked, naming its `model.` key."""
     if not experts:
         if capacity_factor is not None:
@@ -302,7 +308,9 @@ def _moe_settings(dim: int, mlp_ratio: int, layers: int, experts: int, top_k: in
         raise ConfigError("model.dense_layers", f"{dense_layers}; valid: 0 to model.layers - 1 = {layers - 1}")
     return {"hidden": expert_dim or mlp_ratio * dim, "experts": experts, "top_k": top_k, "shared": shared,
             "router": router, "groups": groups, "topk_groups": topk_groups, "route_scale": route_scale,
-            "aux_loss_coef": aux_loss_coef, "capacity_factor": capacity_factor}
+            "aux_loss_coef": aux_loss_coef, "capacity_factor": capacity_factor,
+            # only the sigmoid router has a correction bias (launcher/validate.py refuses the others)
+            "bias_update_rate": (bias_update_rate or None) if router == "sigmoid" else None}
 
 
 class TiedGPT(nn.Sequential):

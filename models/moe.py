@@ -7,10 +7,17 @@ Routing as the models people train route:
 - `softmax` (Mixtral, Qwen-MoE): top-k of the softmax over the experts, the k weights renormalised
   to sum to one;
 - `sigmoid` (DeepSeek-V3): each expert's sigmoid score; the top-k picked on the score plus a
-  per-expert correction bias (a buffer, `expert_bias`, 0 unless set: DeepSeek-V3 moves it between
-  steps to balance the load, outside back-propagation), within the `topk_groups` best of
-  `groups` groups of experts (a group ranked by its two best scores); the weights are the picked
-  scores, renormalised, times `route_scale`.
+  per-expert correction bias (a persistent buffer, `expert_bias`, starting at 0), within the
+  `topk_groups` best of `groups` groups of experts (a group ranked by its two best scores); the
+  weights are the picked scores, renormalised, times `route_scale`.
+
+DeepSeek-V3's auxiliary-loss-free balancing (its report, arXiv 2412.19437, section 2.1.2) moves the
+correction bias between steps, outside back-propagation: after each optimizer step every expert's
+bias goes down by `bias_update_rate` if the expert got more than the mean tokens per expert over the
+step's whole global batch, up by it if fewer (`update_bias`; DeepSeek-V3 trains with 0.001). The
+bias only picks the experts, never weighs them. One process calls `update_bias` with the layer's
+own `counts` after its optimizer step; the runtime with the counts summed over the replicas
+(`runtime/router_stats.py`), the same update on every rank holding the layer.
 
 The auxiliary loss is Switch's (Fedus et al. 2021): E x sum_i f_i P_i over the layer's tokens, f_i
 the share of routed slots expert i gets and P_i its mean routing probability, times
@@ -107,6 +114,16 @@ class Router(nn.Module):
         return weights.to(x.dtype), index, scores / scores.sum(dim=-1, keepdim=True)
 
 
+@torch.no_grad()
+def update_bias(router: Router, counts: torch.Tensor, rate: float) -> None:
+    """DeepSeek-V3's bias update (module docstring), in place: each expert's `expert_bias` moves by
+    `rate` toward an even load, -rate for an expert whose tokens in `counts` [E] (a step's, over its
+    whole global batch) are above their mean, +rate below it, unchanged at it."""
+    counts = counts.to(torch.float64)
+    bias = router.expert_bias
+    bias.add_(torch.sign(counts.mean() - counts).to(device=bias.device, dtype=bias.dtype), alpha=rate)
+
+
 class Experts(nn.Module):
     """The routed experts: SwiGLU MLPs held as 3-D tensors, `local` of the `total` (all of them
     without expert parallelism; a rank's consecutive share from `first` with it)."""
@@ -201,10 +218,12 @@ class MoE(nn.Module):
 
     def __init__(self, dim: int, hidden: int, experts: int, top_k: int, shared: int = 0, router: str = "softmax",
                  groups: int = 1, topk_groups: int = 1, route_scale: float = 1.0, aux_loss_coef: float = 0.0,
-                 capacity_factor: float | None = None) -> None:
+                 capacity_factor: float | None = None, bias_update_rate: float | None = None) -> None:
         super().__init__()
         #: token dropping (None: dropless): see `capacity`
         self.capacity_factor = capacity_factor
+        #: the sigmoid router's bias update after each optimizer step (`update_bias`; None: none)
+        self.bias_update_rate = bias_update_rate or None
         self.router = Router(dim, experts, top_k, router, groups, topk_groups, route_scale)
         self.experts = Experts(dim, hidden, experts)
         self.shared = SwiGLU(dim, shared * hidden) if shared else None

@@ -3,7 +3,9 @@
 Gradient accumulation over exactly the micro-batches the pipeline sees (dp replicas x
 micro-batches each), each loss divided by their count, then torch's own `clip_grad_norm_` when
 clipping is on, one optimizer step and one LR-schedule step; under precision=bf16 the forward and
-the loss run under autocast, as each pipeline stage does.
+the loss run under autocast, as each pipeline stage does. A mixture of experts whose layers move
+their router's bias (`moe.bias_update_rate`) moves it after each optimizer step by the step's own
+counts (`update_bias`), as the model's author would.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 from hydra.utils import instantiate
 
 from pipelaunch.launcher.plugins import build_plugins
-from pipelaunch.models.moe import set_aux_loss_scale
+from pipelaunch.models.moe import MoE, set_aux_loss_scale, update_bias
 from pipelaunch.models.spec import ModelSpec
 from pipelaunch.pipeline.core.precision import PRECISIONS
 from pipelaunch.pipeline.runtime.optim import build_optimizer
@@ -28,11 +30,14 @@ def reference_run(cfg: dict, capture_state: bool = True) -> dict:
     clip = cfg.clip_grad_norm
     dp, m, batch = cfg.dp, cfg.microbatches, cfg.batch_size
     set_aux_loss_scale(1.0 / (dp * m))  # a mixture of experts' auxiliary loss: each micro-batch's share
+    balanced = [layer for layer in model.modules() if isinstance(layer, MoE) and layer.bias_update_rate]
     losses: list[float] = []
     out: dict = {}
     for step in range(cfg.steps):
         inputs, targets = data.batch(step, batch)
         total = 0.0
+        for layer in balanced:  # count the step's tokens per expert alone (not evaluation's)
+            layer.counts = None
         for x_share, y_share in zip(inputs.chunk(dp), targets.chunk(dp), strict=True):
             for x, y in zip(x_share.chunk(m), y_share.chunk(m), strict=True):
                 with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
@@ -47,6 +52,8 @@ def reference_run(cfg: dict, capture_state: bool = True) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         lr_scheduler.step()
+        for layer in balanced:  # DeepSeek-V3's bias update on the step's whole batch
+            update_bias(layer.router, layer.counts, layer.bias_update_rate)
         every = cfg.eval.every
         if every and ((step + 1) % every == 0 or step + 1 == cfg.steps):
             out.setdefault("eval_losses", []).append(
@@ -54,6 +61,7 @@ def reference_run(cfg: dict, capture_state: bool = True) -> dict:
     out["losses"] = losses
     if capture_state:
         out["params_final"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out["buffers_final"] = {n: b.detach().clone() for n, b in model.named_buffers()}
     return out
 
 

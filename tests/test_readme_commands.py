@@ -259,6 +259,7 @@ SCENARIOS = [
               "model.route_scale=2.5 pp=2 dp=2 ep=2"),
         train("python train.py model=hf_mixtral_tiny pp=2 dp=2 ep=2"),
         train("python train.py model.experts=8 pp=2 dp=2 ep=2 moe.capacity_factor=1.25"),
+        train("python train.py model.experts=8 model.router=sigmoid pp=2 dp=2 ep=2 moe.bias_update_rate=0.001"),
         plan("python train.py mode=plan model.experts=8 pp=2 dp=2 ep=2 scheduler=dualpipev")), slow=True, timeout=900),
     Scenario("analytic-block", "docs/planner.md", (
         typed("python -m pipelaunch.pipeline.planner.measure.analytic --hardware h100_sxm --hidden 8192 --heads 64 "

@@ -173,7 +173,8 @@ class DebugConfig:
 
 @dataclass
 class MoEConfig:
-    """Mixtures of experts under expert parallelism (ep > 1; docs/moe.md)."""
+    """Mixtures of experts: expert parallelism (ep > 1), token dropping, the routers' bias update
+    (docs/moe.md)."""
 
     #: DualPipeV's overlap: a forward and the backward of another stage beside it run as a pair,
     #: each one's all-to-alls in flight while the other computes (runtime/overlap.py); false: one
@@ -183,6 +184,11 @@ class MoEConfig:
     #: ceil(capacity_factor x tokens x top_k / experts) of a layer's routed slots per micro-batch,
     #: first choices before second ones, earlier tokens first; null: dropless
     capacity_factor: Optional[float] = None  # noqa: UP045 - OmegaConf reads typing.Optional
+    #: DeepSeek-V3's auxiliary-loss-free balancing (model=gpt with model.router=sigmoid): after each
+    #: optimizer step every expert's routing correction bias moves by this much, down if the expert
+    #: got more than the mean tokens per expert over the step's global batch, up if fewer
+    #: (DeepSeek-V3 trains with 0.001); null or 0: the bias is never moved
+    bias_update_rate: Optional[float] = None  # noqa: UP045 - OmegaConf reads typing.Optional
 
 
 @dataclass

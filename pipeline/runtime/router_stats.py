@@ -8,6 +8,12 @@ over the replicas of each pipeline rank (its dp group: every token of the batch 
 on one of them), and rank 0 gathers every layer's min / mean / max tokens per expert: one
 all-reduce on the dp group and one gather per step, after the optimizer step's own collectives,
 in the same order on every rank.
+
+The same summed counts move the routers' correction bias after a step that trained (DeepSeek-V3's
+auxiliary-loss-free balancing, `moe.bias_update_rate`: `models.moe.update_bias`): every rank
+holding a layer (its replicas, ep ranks and tp ranks, each with the router whole) applies the same
+update to the same counts, so the bias stays one value everywhere, as in one process. No
+collective of its own.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipelaunch.models.hf_moe import HFExperts
-from pipelaunch.models.moe import MoE
+from pipelaunch.models.moe import MoE, update_bias
 
 
 def moe_layers(modules: list[nn.Module]) -> list[tuple[str, MoE | HFExperts]]:
@@ -41,10 +47,12 @@ def reset_counts(layers: list[tuple[str, MoE | HFExperts]]) -> None:
 
 
 def expert_load(layers: list[tuple[str, MoE | HFExperts]], dp_group: dist.ProcessGroup | None, counted_here: bool,
-                device: torch.device) -> dict[str, dict[str, float]] | None:
+                device: torch.device, balance: bool = False) -> dict[str, dict[str, float]] | None:
     """Collective over every rank: {layer: {"min", "mean", "max"} tokens per expert} over the
     step's global batch on rank 0, None elsewhere. `counted_here`: this rank's layers are the
-    ones reported (tp rank 0: the tp ranks of a layer route the same tokens)."""
+    ones reported (tp rank 0: the tp ranks of a layer route the same tokens). `balance`: the step
+    trained (its optimizer step is done): each layer with a `bias_update_rate` moves its router's
+    correction bias by the global counts (module docstring)."""
     stats: dict[str, dict[str, float]] = {}
     if layers:
         counts = torch.stack([layer.counts if layer.counts is not None
@@ -53,6 +61,10 @@ def expert_load(layers: list[tuple[str, MoE | HFExperts]], dp_group: dist.Proces
                               for _, layer in layers]).to(torch.float64)
         if dp_group is not None:
             dist.all_reduce(counts, group=dp_group)
+        if balance:
+            for (_, layer), row in zip(layers, counts, strict=True):
+                if isinstance(layer, MoE) and layer.bias_update_rate:
+                    update_bias(layer.router, row, layer.bias_update_rate)
         if counted_here:
             for (name, _), row in zip(layers, counts.cpu().tolist(), strict=True):
                 stats[name] = {"min": min(row), "mean": sum(row) / len(row), "max": max(row)}

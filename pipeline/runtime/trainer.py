@@ -344,7 +344,8 @@ class RankTrainer:
         dist.all_reduce(loss_sum)  # only last-stage ranks hold a non-zero share
         lr = grad_norm = None
         # a NaN or inf loss leaves the weights as they were, for the report to look at
-        if self.training and bool(torch.isfinite(loss_sum)):
+        trained = self.training and bool(torch.isfinite(loss_sum))
+        if trained:
             self.shared.sum_across_stages()
             if self.plan.sequence_parallel:
                 sum_partial_gradients(self.modules, self.tp)
@@ -363,8 +364,9 @@ class RankTrainer:
                 self.state_bytes = max(self.state_bytes or 0, _tensor_bytes_held(self))
                 self.optimizer.zero_grad(set_to_none=True)
                 self.lr_scheduler.step()
-        load = expert_load(self.moe, ctx.dp_group if ctx.dp > 1 else None, ctx.tp_rank == 0, ctx.device) \
-            if self.moe is not None else None
+        # the step's tokens per expert, and after a trained step the routers' bias update (moe.bias_update_rate)
+        load = expert_load(self.moe, ctx.dp_group if ctx.dp > 1 else None, ctx.tp_rank == 0, ctx.device,
+                           balance=trained) if self.moe is not None else None
         if ctx.device.type == "cuda":  # the step is over: its time includes the device's work
             torch.cuda.current_stream(ctx.device).synchronize()
         return StepOutcome(float(loss_sum), time.perf_counter() - start, schedule_s, events, outputs, lr, grad_norm,
