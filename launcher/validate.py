@@ -86,8 +86,6 @@ def check_experts(cfg: TrainConfig) -> None:
         fits = [e for e in range(1, cfg.dp + 1) if cfg.dp % e == 0]
         raise ConfigError("ep", f"ep={ep} splits each layer's experts over {ep} replicas, and dp={cfg.dp} does not "
                                 f"divide into groups of {ep}; valid: a divisor of dp ({', '.join(map(str, fits))})")
-    if cfg.tp > 1:
-        raise ConfigError("ep", f"ep={ep} with tp={cfg.tp} is not supported yet; set tp=1 (or ep=1)")
     if cfg.zero and ep != cfg.dp:
         if cfg.mode == "plan":  # priced as Megatron's and DeepSeek-V3's distributed optimizers shard them
             warnings.warn(f"mode=plan prices ep={ep} with zero={cfg.zero} over dp={cfg.dp} with the experts' state "
