@@ -117,6 +117,7 @@ def _split_matches(experts: HFExperts, tokens: int = 24) -> None:
         torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # every family (38 s); the default suite splits Mixtral's, Qwen2-MoE's and DeepSeek-V3's (above)
 @pytest.mark.timeout(600)
 def test_every_family_of_the_kind_computes_its_split_experts_as_transformers_does() -> None:
     """Every transformers causal LM whose experts models/hf_moe.py hooks (tests/hf_sweep's tiny
@@ -181,6 +182,8 @@ def test_transformers_moe_trains_as_one_process_under_expert_parallelism(tmp_pat
     _exchanged(ranks["deepseek_v3 ep=2 dualpipev"], 3, 4)
 
 
+@pytest.mark.slow  # the default suite trains Mixtral and DeepSeek-V3 under ep (above), and model=gpt's experts
+# at ep < dp and at ep = dp with zero=1 (tests/test_moe.py)
 @pytest.mark.timeout(900)
 def test_more_families_and_layouts_train_as_one_process(tmp_path) -> None:
     """Qwen2-MoE (a gated shared expert, top-k not renormalised) under ZBV's split backward;

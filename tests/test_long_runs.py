@@ -100,6 +100,8 @@ def test_a_checkpoint_resumes_under_op_granularity(tmp_path) -> None:
     assert metrics(tmp_path / "oprun")["losses"][3:] == pytest.approx(straight[3:], rel=1e-5)
 
 
+@pytest.mark.slow  # three CLI runs (100 s); the default suite stops a job on a failed rank (test_cli) or a hung
+# one (test_faults) and resumes with resume=auto bit for bit after SIGTERM (test_preemption)
 @pytest.mark.timeout(400)
 def test_a_killed_rank_ends_the_job_and_resume_auto_finishes_it(tmp_path) -> None:
     """The job ends promptly with the killed rank's error; `resume=auto` goes on from the last
@@ -123,7 +125,8 @@ def test_a_killed_rank_ends_the_job_and_resume_auto_finishes_it(tmp_path) -> Non
 @pytest.mark.timeout(600)
 def test_clipping_lr_schedule_eval_and_bf16_match_one_process(tmp_path) -> None:
     """Global-norm clipping (active), a cosine schedule with warm-up and momentum at pp=2 and at
-    pp=4 dp=2; eval_loss at pp=2; bf16 at pp=2 within 1e-2 of one process's bf16."""
+    pp=2 dp=2 (the norm over the stages and the replicas); eval_loss at pp=2; bf16 at pp=2 within
+    1e-2 of one process's bf16."""
     from tests.reference import reference_run
 
     common = [*SMALL, "steps=4", "optimizer=sgd", "optimizer.momentum=0.9", "lr_scheduler=cosine",
@@ -131,11 +134,11 @@ def test_clipping_lr_schedule_eval_and_bf16_match_one_process(tmp_path) -> None:
     cases = {
         "pp=2": compose_cfg([*common, "pp=2"]),
         "pp=2 bf16": compose_cfg([*common, "pp=2", "precision=bf16"]),
-        "pp=4 dp=2": compose_cfg([*common, "pp=4", "dp=2", "scheduler=zbv", "partitioner=milp"]),
+        "pp=2 dp=2": compose_cfg([*common, "pp=2", "dp=2", "scheduler=zbv", "partitioner=milp"]),
     }
     two = run_jobs([cases["pp=2"], cases["pp=2 bf16"]], tmp_path / "two")
-    eight = run_jobs([cases["pp=4 dp=2"]], tmp_path / "eight")
-    for what, ranks in (("pp=2", two[0]), ("pp=4 dp=2", eight[0])):
+    four = run_jobs([cases["pp=2 dp=2"]], tmp_path / "four")
+    for what, ranks in (("pp=2", two[0]), ("pp=2 dp=2", four[0])):
         cfg = cases[what]
         ref = reference_run(cfg)
         assert ranks[0].losses == pytest.approx(ref["losses"], rel=1e-5), what

@@ -96,18 +96,25 @@ def test_moe_blocks_train_as_one_process(tmp_path) -> None:
 @pytest.mark.timeout(900)
 def test_expert_parallel_trains_as_one_process(tmp_path) -> None:
     """ep splits each layer's experts over the replicas, carrying tokens by all-to-all: the same
-    loss, gradients and updated weights as one process, under 1f1b, zbv (the split backward
-    through the exchanges), DualPipeV, ep below dp (two copies of each expert share), and ep == dp
-    with the other parameters' optimizer state sharded."""
+    loss, gradients and updated weights as one process, under 1f1b, DualPipeV (its split backward
+    through the exchanges; ZBV in the slow suite), ep below dp (two copies of each expert share),
+    ep == dp with the other parameters' optimizer state sharded, and token dropping."""
     cases = [("ep=2 1f1b pp=2 dp=2", compose_cfg([*MOE, "pp=2", "dp=2", "ep=2", "scheduler=1f1b"])),
-             ("ep=2 zbv pp=2 dp=2", compose_cfg([*MOE, "pp=2", "dp=2", "ep=2", "scheduler=zbv"])),
              ("ep=2 dualpipev pp=2 dp=2", compose_cfg([*MOE, *SIGMOID, "pp=2", "dp=2", "ep=2", "scheduler=dualpipev"])),
              ("ep=2 pp=1 dp=4", compose_cfg([*MOE, "pp=1", "dp=4", "ep=2", "scheduler=gpipe", "microbatches=2"])),
              ("ep=4 pp=1 dp=4 zero=1", compose_cfg([*MOE, "pp=1", "dp=4", "ep=4", "zero=1", "scheduler=gpipe", "microbatches=2"])),
              # token dropping: each replica's layer drops its own micro-batch's overflow, as one process does
-             ("ep=2 capacity 1f1b pp=2 dp=2", compose_cfg([*MOE, "pp=2", "dp=2", "ep=2", "scheduler=1f1b",
-                                                            "moe.capacity_factor=0.75"]))]
+             ("ep=2 capacity dualpipev pp=2 dp=2", compose_cfg([*MOE, "pp=2", "dp=2", "ep=2", "scheduler=dualpipev",
+                                                                 "moe.capacity_factor=0.75"]))]
     check_like_one_process(cases, tmp_path)
+
+
+@pytest.mark.slow  # DualPipeV's split backward runs through the exchanges in the default test above
+@pytest.mark.timeout(900)
+def test_expert_parallel_trains_as_one_process_under_zbv(tmp_path) -> None:
+    """ZBV's split backward (input and weight halves apart) through the all-to-alls."""
+    check_like_one_process([("ep=2 zbv pp=2 dp=2", compose_cfg([*MOE, "pp=2", "dp=2", "ep=2", "scheduler=zbv"]))],
+                           tmp_path)
 
 
 @pytest.mark.timeout(900)
@@ -158,10 +165,13 @@ def test_each_moe_layer_exchanges_once_per_micro_batch_each_way(tmp_path) -> Non
 
 
 @pytest.mark.timeout(600)
-def test_an_expert_parallel_checkpoint_resumes_under_other_layouts(tmp_path) -> None:
+@pytest.mark.parametrize("resumed", [("ep4", ["pp=1", "dp=4", "ep=4", "microbatches=2"]),
+                                     pytest.param(("pp4", ["pp=4", "microbatches=8"]), marks=pytest.mark.slow)],
+                         ids=["ep4", "pp4"])
+def test_an_expert_parallel_checkpoint_resumes_under_other_layouts(resumed, tmp_path) -> None:
     """pp=2 dp=2 ep=2 (AdamW, cosine, clipping that bites) checkpointed at step 3 holds every
-    expert whole: it resumes at pp=1 dp=4 ep=4 and at pp=4 without ep on the uninterrupted run's
-    losses, and their final weights match its own. The aux loss is a product of means over a
+    expert whole: it resumes at pp=1 dp=4 ep=4 (and, in the slow suite, at pp=4 without ep) on the
+    uninterrupted run's losses, and its final weights match its own. The aux loss is a product of means over a
     micro-batch's tokens (as Megatron and transformers compute it), so each layout draws the same
     eight micro-batches (dp x microbatches = 8) to train the same objective."""
     from tests.test_cli import metrics
@@ -181,7 +191,7 @@ def test_an_expert_parallel_checkpoint_resumes_under_other_layouts(tmp_path) -> 
     exported = load_file(export(tmp_path / "ep" / "step_0000006", tmp_path / "exported") / "model.safetensors")
     assert {k: v.shape for k, v in exported.items()} == {k: v.shape for k, v in ref.items()}
     assert torch.equal(exported["layer1.mlp.experts.down_proj"], ref["layer1.mlp.experts.down_proj"])
-    for name, layout in (("ep4", ["pp=1", "dp=4", "ep=4", "microbatches=2"]), ("pp4", ["pp=4", "microbatches=8"])):
+    for name, layout in (resumed,):
         _run([*base, *layout, f"resume={tmp_path / 'ep' / 'step_0000003'}", f"checkpoint.dir={tmp_path / name}"],
              tmp_path / f"{name}run")
         resumed = metrics(tmp_path / f"{name}run")

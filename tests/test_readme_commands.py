@@ -295,9 +295,10 @@ SCENARIOS = [
     Scenario("optuna-loss", "README.md", (
         sweep("python train.py -m hydra/sweeper=optuna hydra.sweeper.n_trials=8 objective=loss "
               "'optimizer.lr=tag(log,interval(1e-4,1e-2))'"),), slow=True, timeout=600),
+    # slow: tests/test_cli.py's torchrun ranks join the same way by default
     Scenario("torchrun-one-machine", "README.md", (
         Step("torchrun --standalone --nproc-per-node 2 train.py pp=2 hydra.run.dir=out/tr", "steps=2",
-             produces="out/tr/metrics.json"),)),
+             produces="out/tr/metrics.json"),), slow=True),
     Scenario("submitit-local", "README.md", (
         sweep("python train.py -m hydra/launcher=submitit_local hydra.launcher.tasks_per_node=2 pp=2"),), slow=True,
              timeout=400),
