@@ -138,7 +138,7 @@ def check_capacity(spec, capacity_factor: float | None) -> None:
 def check_bias_update(spec, rate: float | None) -> None:
     """moe.bias_update_rate (DeepSeek-V3's auxiliary-loss-free balancing): off (null or 0), or a
     number > 0 where the runtime moves the routers' correction bias by it (`meta["bias_update_rate"]`:
-    model=gpt's sigmoid router, which reads the key)."""
+    model=gpt's sigmoid router, or transformers' DeepSeek-V3 gates, which read the key)."""
     if rate is None or (rate == 0 and not isinstance(rate, bool)):
         return
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not np.isfinite(rate) or rate < 0:
@@ -154,13 +154,14 @@ def check_bias_update(spec, rate: float | None) -> None:
         why = (f"model.router={meta['router']} picks its experts without a correction bias" if meta["router"] != "sigmoid"
                else "the model does not pass moe.bias_update_rate to its layers (its config's bias_update_rate)")
     elif meta.get("hf_model_type") is not None and meta.get("experts"):
-        why = (f"model={spec.name}'s routers are transformers' own, and the runtime does not move their correction bias "
-               "(DeepSeek-V3's gate.e_score_correction_bias) yet")
+        why = (f"model={spec.name}'s gates ({meta['hf_model_type']}) pick their experts without a correction bias "
+               "(DeepSeek-V3's gate.e_score_correction_bias)")
     else:
         why = f"model={spec.name} has no routers with a correction bias"
     raise ConfigError("moe.bias_update_rate", f"{rate} is set, but {why}. The rate moves the bias a router picks its "
                                               "experts by, as DeepSeek-V3's does: valid with model=gpt, "
-                                              "model.experts > 0 and model.router=sigmoid; set "
+                                              "model.experts > 0 and model.router=sigmoid, or with transformers' "
+                                              "DeepSeek-V3 (model=hf_deepseek_v3_tiny); set "
                                               "moe.bias_update_rate=null (off) for this model")
 
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipelaunch.models.hf_moe import HFExperts
+from pipelaunch.models.hf_moe import HFExperts, balance_by_bias
 from pipelaunch.models.hf_moe import adopt as adopt_experts
 from pipelaunch.models.spec import ModelSpec, causal_lm_loss, count_shifted, count_tokens, model_loss
 from pipelaunch.pipeline.core import POSITION_IDS
@@ -262,14 +262,16 @@ def default_tp_plan(model: nn.Module, own_loss: bool) -> dict[str, str]:
 def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, name: str | None = None,
        leaf_modules: list[str] | None = None, dropout: bool = False, vocab_size: int | None = None,
        loss: str = "causal_lm", tp_plan: dict[str, str] | None = None, labels: str = "inputs",
-       data_packing: str | None = None) -> ModelSpec:
+       data_packing: str | None = None, bias_update_rate: float | None = None) -> ModelSpec:
     """A transformers causal LM as a ModelSpec (see the module docstring). `dropout=False` sets the
     config's dropout probabilities to 0, so a pipeline and one process compute the same thing.
     `loss`: `causal_lm` (next-token cross-entropy on the logits, every position scored against the
     data's targets) or `model` (transformers' own loss; `labels`: `inputs`, the input ids shifted by
     transformers, or `targets`, the data's targets as `shift_labels`, masks kept). `tp_plan`: how tp >
     1 splits it, patterns on the wrapped model's names (`model.model.layers.*.mlp.up_proj`); null:
-    transformers' own (`tp_plan` below). `data_packing=documents`: position ids too (module docstring)."""
+    transformers' own (`tp_plan` below). `data_packing=documents`: position ids too (module docstring).
+    `bias_update_rate` (set by `moe.bias_update_rate`): what a DeepSeek-V3 gate's correction bias
+    moves by after each step (models/hf_moe.py `balance_by_bias`)."""
     if loss not in ("causal_lm", "model"):
         raise ConfigError("model.loss", f"got {loss!r}; valid: causal_lm (next-token cross-entropy on the logits), "
                                         "model (transformers' own loss, model(ids, labels=ids).loss)")
@@ -299,10 +301,10 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
     packed = (data_packing or "none") != "none"  # documents or stream: the data's position ids
 
     def build() -> nn.Module:
-        return WRAPPERS[packed, on_targets](transformers_model(cfg), own_loss)
+        return WRAPPERS[packed, on_targets](transformers_model(cfg, bias_update_rate), own_loss)
 
     with torch.device("meta"):
-        meta_model = transformers_model(cfg)
+        meta_model = transformers_model(cfg, bias_update_rate)
     if on_targets and not takes_loss_kwargs(meta_model):
         raise ConfigError("model.labels", f"{type(meta_model).__name__}.forward takes no keywords for its loss "
                                           "(shift_labels), so its own loss cannot be given the data's targets; use "
@@ -344,13 +346,15 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
-def transformers_model(config: Any) -> nn.Module:
+def transformers_model(config: Any, bias_update_rate: float | None = None) -> nn.Module:
     """`AutoModelForCausalLM.from_config(config)` (`constructed`), its routed experts modules made
-    one call each, which ep > 1 hooks (models/hf_moe.py)."""
+    one call each, which ep > 1 hooks, and those beside a correction bias given `bias_update_rate`
+    (models/hf_moe.py)."""
     from transformers import AutoModelForCausalLM
 
     model = constructed(lambda: AutoModelForCausalLM.from_config(config))
     adopt_experts(model)
+    balance_by_bias(model, bias_update_rate)
     return model
 
 
@@ -362,10 +366,14 @@ def expert_meta(model: nn.Module, text: Any) -> dict[str, Any]:
     (`experts_unsplit`)."""
     import math
 
-    experts = [m.total for m in model.modules() if isinstance(m, HFExperts)]
+    layers = [m for m in model.modules() if isinstance(m, HFExperts)]
+    experts = [m.total for m in layers]
     meta: dict[str, Any] = {"output_router_logits": bool(getattr(text, "output_router_logits", False))}
     if experts:
-        return meta | {"experts": math.gcd(*experts), "moe_layers": len(experts), "expert_counts": sorted(set(experts))}
+        # what the runtime moves the gates' correction bias by (launcher/validate.py checks it)
+        rates = {m.bias_update_rate for m in layers if m.bias_update_rate}
+        return meta | {"experts": math.gcd(*experts), "moe_layers": len(experts), "expert_counts": sorted(set(experts)),
+                       "bias_update_rate": rates.pop() if rates else None}
     counted = {k: v for k in EXPERT_KEYS if isinstance(v := getattr(text, k, None), int) and v > 1}
     if counted:
         key, value = next(iter(counted.items()))

@@ -71,13 +71,15 @@ class HFExperts:
     under ep, how rows reach the ranks holding their experts (the runtime's `Dispatch`, called as
     `dispatch(self, rows, global expert ids)` and calling back `compute`); `top_k`: the experts
     a token picks (read from the traced call); `counts`: tokens per expert since the trainer last
-    read them (router statistics)."""
+    read them (router statistics); `bias_update_rate`: what the gate's correction bias moves by
+    after each step (`balance_by_bias`; None: it stays)."""
 
     total: int
     first: int
     dispatch: Callable | None
     top_k: int | None
     counts: torch.Tensor | None
+    bias_update_rate: float | None
 
     @property
     def local(self) -> int:
@@ -178,6 +180,29 @@ def experts_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
+#: where transformers' DeepSeek-V3 family keeps the correction bias its gate picks experts by,
+#: beside the experts module (`mlp.gate.e_score_correction_bias` next to `mlp.experts`)
+CORRECTION_BIAS = "gate.e_score_correction_bias"
+
+
+def correction_bias_name(experts_name: str) -> str:
+    """The name of the correction bias the gate beside the experts module `experts_name` picks by."""
+    return f"{experts_name.rsplit('.', 1)[0]}.{CORRECTION_BIAS}" if "." in experts_name else CORRECTION_BIAS
+
+
+def balance_by_bias(model: nn.Module, rate: float | None) -> int:
+    """Each experts module of `model` whose gate has a correction bias gets `bias_update_rate`
+    (DeepSeek-V3's auxiliary-loss-free balancing: models/moe.py `move_bias`, applied after each
+    step by the runtime); returns how many have one."""
+    buffers = {n for n, _ in model.named_buffers()}
+    held = 0
+    for name, module in model.named_modules():
+        if isinstance(module, HFExperts):
+            module.bias_update_rate = (rate or None) if correction_bias_name(name) in buffers else None
+            held += correction_bias_name(name) in buffers
+    return held
+
+
 def adopt(model: nn.Module) -> list[int]:
     """Each experts module of `model` (`experts_modules`) made an `HFExperts` in place; returns
     their expert counts, in model order."""
@@ -187,6 +212,7 @@ def adopt(model: nn.Module) -> list[int]:
             module.__class__ = _subclass(type(module))
             module.total, module.first, module.dispatch, module.top_k, module.counts = \
                 module.num_experts, 0, None, None, None
+            module.bias_update_rate = None
         totals.append(module.total)
     return totals
 

@@ -114,13 +114,18 @@ class Router(nn.Module):
         return weights.to(x.dtype), index, scores / scores.sum(dim=-1, keepdim=True)
 
 
-@torch.no_grad()
 def update_bias(router: Router, counts: torch.Tensor, rate: float) -> None:
     """DeepSeek-V3's bias update (module docstring), in place: each expert's `expert_bias` moves by
     `rate` toward an even load, -rate for an expert whose tokens in `counts` [E] (a step's, over its
     whole global batch) are above their mean, +rate below it, unchanged at it."""
+    move_bias(router.expert_bias, counts, rate)
+
+
+@torch.no_grad()
+def move_bias(bias: torch.Tensor, counts: torch.Tensor, rate: float) -> None:
+    """`update_bias` on a correction bias [E] held anywhere (transformers' DeepSeek-V3 keeps its
+    own as `gate.e_score_correction_bias`: models/hf_moe.py)."""
     counts = counts.to(torch.float64)
-    bias = router.expert_bias
     bias.add_(torch.sign(counts.mean() - counts).to(device=bias.device, dtype=bias.dtype), alpha=rate)
 
 

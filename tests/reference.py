@@ -14,7 +14,8 @@ import torch
 from hydra.utils import instantiate
 
 from pipelaunch.launcher.plugins import build_plugins
-from pipelaunch.models.moe import MoE, set_aux_loss_scale, update_bias
+from pipelaunch.models.hf_moe import HFExperts, correction_bias_name
+from pipelaunch.models.moe import MoE, move_bias, set_aux_loss_scale
 from pipelaunch.models.spec import ModelSpec
 from pipelaunch.pipeline.core.precision import PRECISIONS
 from pipelaunch.pipeline.runtime.optim import build_optimizer
@@ -30,13 +31,16 @@ def reference_run(cfg: dict, capture_state: bool = True) -> dict:
     clip = cfg.clip_grad_norm
     dp, m, batch = cfg.dp, cfg.microbatches, cfg.batch_size
     set_aux_loss_scale(1.0 / (dp * m))  # a mixture of experts' auxiliary loss: each micro-batch's share
-    balanced = [layer for layer in model.modules() if isinstance(layer, MoE) and layer.bias_update_rate]
+    # (layer, its correction bias): model=gpt's sigmoid routers, transformers' DeepSeek-V3 gates
+    balanced = [(layer, layer.router.expert_bias if isinstance(layer, MoE) else model.get_buffer(correction_bias_name(name)))
+                for name, layer in model.named_modules()
+                if isinstance(layer, (MoE, HFExperts)) and layer.bias_update_rate]
     losses: list[float] = []
     out: dict = {}
     for step in range(cfg.steps):
         inputs, targets = data.batch(step, batch)
         total = 0.0
-        for layer in balanced:  # count the step's tokens per expert alone (not evaluation's)
+        for layer, _ in balanced:  # count the step's tokens per expert alone (not evaluation's)
             layer.counts = None
         for x_share, y_share in zip(inputs.chunk(dp), targets.chunk(dp), strict=True):
             for x, y in zip(x_share.chunk(m), y_share.chunk(m), strict=True):
@@ -52,8 +56,8 @@ def reference_run(cfg: dict, capture_state: bool = True) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         lr_scheduler.step()
-        for layer in balanced:  # DeepSeek-V3's bias update on the step's whole batch
-            update_bias(layer.router, layer.counts, layer.bias_update_rate)
+        for layer, bias in balanced:  # DeepSeek-V3's bias update on the step's whole batch
+            move_bias(bias, layer.counts, layer.bias_update_rate)
         every = cfg.eval.every
         if every and ((step + 1) % every == 0 or step + 1 == cfg.steps):
             out.setdefault("eval_losses", []).append(

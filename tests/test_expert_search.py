@@ -73,7 +73,8 @@ def test_each_layout_is_tried_at_its_expert_parallel_degrees():
 def test_a_device_holds_one_ep_ranks_experts_and_prices_their_all_to_alls():
     """Per device the routed experts' bytes are the whole model's / ep; the exchanges are each MoE
     block's rows (tokens x top_k x hidden), dispatched as the norm's fp32 output and combined in
-    bf16, forward and backward, pairwise over the ep link."""
+    bf16, forward and backward, pairwise over the ep link, after the forward's token counts (an
+    int64 per expert)."""
     result = searched().search
     total = _expert_bytes(MOE)
     by_ep = {o.candidate.ep: o for o in result.ranked if o.candidate.pp == 2}
@@ -85,6 +86,7 @@ def test_a_device_holds_one_ep_ranks_experts_and_prices_their_all_to_alls():
         assert link == hw.inter_node and hw.devices_per_node == 2  # pp x ep over 2 devices a node
         rows = plan.micro_batch_size * 128 * 2 * 256  # tokens x top_k x hidden
         block = 2 * (all_to_all_s(4 * rows, ep, link.latency_s, 50e9) + all_to_all_s(2 * rows, ep, link.latency_s, 50e9))
+        block += all_to_all_s(8 * 8, ep, link.latency_s, 50e9)  # model.experts=8
         assert sum(plan.meta.stage_exchange_s) == pytest.approx(3 * block)  # 3 MoE blocks
         held, exchange = expert_facts(by_ep[ep].prediction)
         assert held == pytest.approx(max(plan.meta.stage_expert_param_bytes))

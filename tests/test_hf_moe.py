@@ -249,7 +249,8 @@ def test_the_planner_prices_one_ep_ranks_experts_and_its_exchanges() -> None:
         assert node["op"] == "call_module" and layers[0].local == 2 and layers[0].total == 4
         rows = node["output_bytes"] * 2  # top-2 of the tokens' hidden states
         assert node["ep_collectives"] == [("dispatch", rows), ("combine", rows)]
-        assert node["forward_s"] == pytest.approx(1.0 + 2 * (1e-5 + rows / 2 / 1e9))
+        counts = 1e-5 + 8 * 4 / 2 / 1e9  # the token counts first, an int64 per expert
+        assert node["forward_s"] == pytest.approx(1.0 + 2 * (1e-5 + rows / 2 / 1e9) + counts)
     assert all(".experts." in p for p in g.graph["expert_params"]) and len(g.graph["expert_params"]) == 8
 
 

@@ -274,7 +274,9 @@ def test_the_planner_prices_one_ep_ranks_experts_and_its_exchanges() -> None:
         rows = node["output_bytes"] * layers[0].router.top_k
         assert node["ep_collectives"] == [("dispatch", rows), ("combine", rows)]
         exchange = 2 * (1e-5 + rows / 2 / 1e9)  # dispatch + combine, each one send of half the rows
-        assert node["forward_s"] == pytest.approx(1.0 + exchange)
+        counts = 1e-5 + 8 * 4 / 2 / 1e9  # the forward's token counts first: an int64 per expert
+        assert node["ep_counts"] == [8 * 4]
+        assert node["forward_s"] == pytest.approx(1.0 + exchange + counts)
         assert node["backward_s"] == pytest.approx(1.0 + exchange)
         assert node["backward_input_s"] == pytest.approx(0.5 + exchange)
     assert all(g.nodes[n]["forward_s"] == 1.0 for n in g.nodes if n not in moe)

@@ -90,13 +90,35 @@ def test_the_bias_moves_as_in_one_process_and_resumes_exactly(tmp_path) -> None:
         assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.timeout(600)
+def test_transformers_deepseek_v3_moves_its_gates_bias_as_in_one_process(tmp_path) -> None:
+    """transformers' DeepSeek-V3 at pp=2 dp=2 ep=2 (DualPipeV): each gate's e_score_correction_bias,
+    which its top-k reads, moves after every step by the global counts, as one process moving it by
+    the same rule: losses, gradients and weights match, and the checkpoint's biases are the
+    reference's, off zero."""
+    from tests.reference import reference_run
+    from tests.test_hf_moe import COMMON, PP2
+
+    cfg = compose_cfg([*COMMON, "model=hf_deepseek_v3_tiny", *PP2, "scheduler=dualpipev", "microbatches=4",
+                       "batch_size=16", RATE, "steps=3",
+                       "checkpoint.every=3", f"checkpoint.dir={tmp_path / 'ck'}"])
+    check_like_one_process([("deepseek_v3 bias update", cfg)], tmp_path / "logs")
+    saved = {n: t for n, t in model_tensors(tmp_path / "ck" / "step_0000003").items()
+             if n.endswith("gate.e_score_correction_bias")}
+    ref = reference_run(cfg)["buffers_final"]
+    assert len(saved) == 3 and set(saved) == {n for n in ref if n.endswith("gate.e_score_correction_bias")}
+    for name, bias in saved.items():
+        torch.testing.assert_close(bias, ref[name], rtol=0, atol=1e-7, msg=name)
+        assert bias.abs().max() > 0, name
+
+
 @pytest.mark.parametrize(("overrides", "words"), [
     ([*MOE, RATE], "model.router=softmax picks its experts without a correction bias"),
     ([*FAST, RATE], "has no routers with a correction bias"),
     ([*MOE, *SIGMOID, "moe.bias_update_rate=-0.001"], "got -0.001"),
     ([*MOE, *SIGMOID, "moe.bias_update_rate=nan"], "got nan"),
-    (["data=synthetic", "batch_size=8", "microbatches=2", "model=hf_deepseek_v3_tiny", "model.seq_len=16", RATE],
-     "transformers' own"),
+    (["data=synthetic", "batch_size=8", "microbatches=2", "model=hf_mixtral_tiny", "model.seq_len=16", RATE],
+     "gates (mixtral) pick their experts without a correction bias"),
 ])
 def test_refused_before_spawn(overrides: list[str], words: str) -> None:
     """A bad rate, a router without a correction bias, a model without routers, transformers'

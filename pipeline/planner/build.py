@@ -471,7 +471,7 @@ def _expert_bytes(traced: TracedModel, split) -> list[float] | None:
 def _exchange_s(traced: TracedModel, part: Partition) -> list[float] | None:
     """Per stage under ep > 1, its MoE layers' all-to-alls in one micro-batch's forward and
     backward, on the link the trace priced them on (`stage_exchange_s`); None without ep."""
-    from pipelaunch.pipeline.planner.measure.experts import all_to_all_s
+    from pipelaunch.pipeline.planner.measure.experts import exchange_s
 
     g = traced.graph
     ep, link = int(g.graph.get("ep", 1) or 1), g.graph.get("ep_link")
@@ -480,7 +480,7 @@ def _exchange_s(traced: TracedModel, part: Partition) -> list[float] | None:
     out = [0.0] * part.num_stages
     for name, stage in part.assignment.items():
         if name in g.nodes:
-            out[stage] += 2 * sum(all_to_all_s(b, ep, *link) for _, b in g.nodes[name].get("ep_collectives", ()))
+            out[stage] += exchange_s(g.nodes[name], ep, link)
     return out
 
 

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipelaunch.models.hf_moe import HFExperts
-from pipelaunch.models.moe import MoE, update_bias
+from pipelaunch.models.hf_moe import HFExperts, correction_bias_name
+from pipelaunch.models.moe import MoE, move_bias, update_bias
 
 
 def moe_layers(modules: list[nn.Module]) -> list[tuple[str, MoE | HFExperts]]:
@@ -47,12 +47,13 @@ def reset_counts(layers: list[tuple[str, MoE | HFExperts]]) -> None:
 
 
 def expert_load(layers: list[tuple[str, MoE | HFExperts]], dp_group: dist.ProcessGroup | None, counted_here: bool,
-                device: torch.device, balance: bool = False) -> dict[str, dict[str, float]] | None:
+                device: torch.device, balance: list[nn.Module] | None = None) -> dict[str, dict[str, float]] | None:
     """Collective over every rank: {layer: {"min", "mean", "max"} tokens per expert} over the
     step's global batch on rank 0, None elsewhere. `counted_here`: this rank's layers are the
-    ones reported (tp rank 0: the tp ranks of a layer route the same tokens). `balance`: the step
-    trained (its optimizer step is done): each layer with a `bias_update_rate` moves its router's
-    correction bias by the global counts (module docstring)."""
+    ones reported (tp rank 0: the tp ranks of a layer route the same tokens). `balance`: after a
+    step that trained (its optimizer step done), the rank's stage modules: each layer with a
+    `bias_update_rate` moves its router's correction bias by the global counts (module docstring;
+    transformers' DeepSeek-V3 keeps it beside the experts, `hf_moe.correction_bias_name`)."""
     stats: dict[str, dict[str, float]] = {}
     if layers:
         counts = torch.stack([layer.counts if layer.counts is not None
@@ -61,10 +62,13 @@ def expert_load(layers: list[tuple[str, MoE | HFExperts]], dp_group: dist.Proces
                               for _, layer in layers]).to(torch.float64)
         if dp_group is not None:
             dist.all_reduce(counts, group=dp_group)
-        if balance:
-            for (_, layer), row in zip(layers, counts, strict=True):
+        if balance is not None:
+            biases = _buffers(balance)
+            for (name, layer), row in zip(layers, counts, strict=True):
                 if isinstance(layer, MoE) and layer.bias_update_rate:
                     update_bias(layer.router, row, layer.bias_update_rate)
+                elif isinstance(layer, HFExperts) and layer.bias_update_rate:
+                    move_bias(biases[correction_bias_name(name)], row, layer.bias_update_rate)
         if counted_here:
             for (name, _), row in zip(layers, counts.cpu().tolist(), strict=True):
                 stats[name] = {"min": min(row), "mean": sum(row) / len(row), "max": max(row)}
@@ -74,6 +78,16 @@ def expert_load(layers: list[tuple[str, MoE | HFExperts]], dp_group: dist.Proces
         return None
     merged = {name: s for part in gathered for name, s in part.items()}
     return dict(sorted(merged.items(), key=lambda kv: _layer_order(kv[0])))
+
+
+def _buffers(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """The stages' buffers by their name in the full model (what a checkpoint keys them by)."""
+    found = {}
+    for module in modules:
+        aliases = getattr(module, "aliases", {})
+        for name, buffer in module.named_buffers():
+            found.setdefault(aliases.get(name, name).removeprefix("gm."), buffer)
+    return found
 
 
 def _layer_order(name: str) -> tuple:

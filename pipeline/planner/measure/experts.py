@@ -79,8 +79,10 @@ def expert_param_names(traced: TracedModel) -> set[str]:
 
 def add_all_to_alls(traced: TracedModel, ep: int, link: tuple[float, float], compute_bytes: float = 1.0) -> None:
     """Each MoE node's exchanges priced on `link` (latency, bandwidth) and added to its times (when
-    profiled) and to its list `ep_collectives` (kind, bytes a rank holds). `compute_bytes`: the
-    bytes of the dtype the layer computes in per fp32 byte (0.5 under bf16)."""
+    profiled) and to its list `ep_collectives` (kind, bytes a rank holds); the token counts each
+    layer's forward exchanges first (`ep_counts`, bytes; latency-bound: what sizes the dispatch)
+    to its forward time alone. `compute_bytes`: the bytes of the dtype the layer computes in per
+    fp32 byte (0.5 under bf16)."""
     g = traced.graph
     profiled = all("forward_s" in g.nodes[n] for n in g.nodes)
     for name, layers in moe_nodes(traced).items():
@@ -89,14 +91,28 @@ def add_all_to_alls(traced: TracedModel, ep: int, link: tuple[float, float], com
         # its routed rows are top_k of the node's output rows
         nbytes = float(node["output_bytes"]) * compute_bytes
         node["ep_collectives"] = [(kind, nbytes * routed_share(m)) for m in layers for kind in ("dispatch", "combine")]
+        node["ep_counts"] = [counts_bytes(m) for m in layers]
         if profiled:
             seconds = sum(all_to_all_s(b, ep, *link) for _, b in node["ep_collectives"])
-            node["forward_s"] += seconds
+            node["forward_s"] += seconds + sum(all_to_all_s(b, ep, *link) for b in node["ep_counts"])
             for key in ("backward_s", "backward_input_s"):
                 if key in node:
                     node[key] += seconds
     g.graph["ep"] = ep
     g.graph["expert_params"] = sorted(expert_param_names(traced))
+
+
+def counts_bytes(layer) -> float:  # noqa: ANN001 - a MoE layer of model=gpt's or transformers'
+    """The bytes of the token counts a rank holds for one layer call's exchange: an int64 per
+    (destination rank, its expert), every expert of the layer (runtime/experts.py `Dispatch`)."""
+    return 8.0 * (layer.router.experts if isinstance(layer, MoE) else layer.total)
+
+
+def exchange_s(node: dict, ep: int, link: tuple[float, float]) -> float:
+    """A priced MoE node's all-to-alls in one micro-batch's forward and backward: dispatch and
+    combine each way, the counts once (the backward reuses the forward's split sizes)."""
+    return (2 * sum(all_to_all_s(b, ep, *link) for _, b in node.get("ep_collectives", ()))
+            + sum(all_to_all_s(b, ep, *link) for b in node.get("ep_counts", ())))
 
 
 def routed_share(layer) -> float:  # noqa: ANN001 - a MoE layer of model=gpt's or transformers'

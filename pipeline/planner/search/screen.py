@@ -207,7 +207,7 @@ def _experts(graph: nx.DiGraph) -> tuple[float, float]:
     """(`ModelCosts.expert_bytes`, `ModelCosts.exchange_s`) of a priced graph: the parameter bytes
     of one ep rank's routed experts, and its MoE layers' all-to-alls in one micro-batch's forward
     and backward on the link they were priced on (measure/experts.py; 0, 0 without ep)."""
-    from pipelaunch.pipeline.planner.measure.experts import all_to_all_s
+    from pipelaunch.pipeline.planner.measure.experts import exchange_s
 
     ep = int(graph.graph.get("ep", 1) or 1)
     if ep < 2:
@@ -215,8 +215,7 @@ def _experts(graph: nx.DiGraph) -> tuple[float, float]:
     sizes = graph.graph.get("param_sizes", {})
     expert_bytes = float(sum(sizes.get(n, 0) for n in graph.graph.get("expert_params", ())))
     link = graph.graph.get("ep_link")
-    exchange = 0.0 if link is None else 2 * sum(all_to_all_s(b, ep, *link) for n in graph.nodes
-                                                for _, b in graph.nodes[n].get("ep_collectives", ()))
+    exchange = 0.0 if link is None else sum(exchange_s(graph.nodes[n], ep, link) for n in graph.nodes)
     return expert_bytes, exchange
 
 
