@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -70,7 +71,11 @@ def run_jobs(cfgs: list[TrainConfig], log_dir: Path, plans: list | None = None,
                                 initial_weights=str(initial.path) if initial.path is not None else None))
         world = jobs[0].plan.world_size
         env = rank_environment(cfgs[0].huge_pages)
-        per_rank = spawn_ranks(jobs, world, log_dir, echo_rank0=False, entry=rank_main_many, env=env)
+        # without the test's own marker: the ranks fork from one server for every test of this worker
+        # (launcher/spawn.py keeps it while the environment is unchanged); job_processes looks for
+        # the processes of command-line runs, which start a server of their own
+        with unmarked():
+            per_rank = spawn_ranks(jobs, world, log_dir, echo_rank0=False, entry=rank_main_many, env=env)
     return [[per_rank[r][i] for r in range(world)] for i in range(len(jobs))]
 
 
@@ -130,6 +135,17 @@ def check_like_one_process(cases: list[tuple[str, TrainConfig]], tmp_path: Path,
 
 #: the environment variable tests/conftest.py sets to a fresh value for each test
 JOB_MARK = "TEST_JOB_MARK"
+
+
+@contextmanager
+def unmarked() -> Iterator[None]:
+    """This process's environment without the test's `JOB_MARK` for a while."""
+    mark = os.environ.pop(JOB_MARK, None)
+    try:
+        yield
+    finally:
+        if mark is not None:
+            os.environ[JOB_MARK] = mark
 
 
 def job_processes() -> set[int]:
