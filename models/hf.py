@@ -270,8 +270,7 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
     transformers, or `targets`, the data's targets as `shift_labels`, masks kept). `tp_plan`: how tp >
     1 splits it, patterns on the wrapped model's names (`model.model.layers.*.mlp.up_proj`); null:
     transformers' own (`tp_plan` below). `data_packing=documents`: position ids too (module docstring).
-    `bias_update_rate` (set by `moe.bias_update_rate`): what a DeepSeek-V3 gate's correction bias
-    moves by after each step (models/hf_moe.py `balance_by_bias`)."""
+    `bias_update_rate`: `moe.bias_update_rate`, a DeepSeek-V3 gate's (models/hf_moe.py)."""
     if loss not in ("causal_lm", "model"):
         raise ConfigError("model.loss", f"got {loss!r}; valid: causal_lm (next-token cross-entropy on the logits), "
                                         "model (transformers' own loss, model(ids, labels=ids).loss)")

@@ -108,7 +108,7 @@ def _check(overrides: list[str]) -> None:
     CASES["n"] += 1
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
+@settings(max_examples=40, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(command_lines())
 def test_any_command_line_plans_or_is_refused_with_a_named_key(overrides: list[str]) -> None:

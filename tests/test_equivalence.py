@@ -133,7 +133,8 @@ def test_remat_auto_recomputes_blocks_only_on_the_devices_over_budget_and_matche
 
 def test_every_training_schedule_is_covered() -> None:
     """By the default suite's worlds without recomputation, and with it by tests/test_zero.py's
-    pp=2 dp=2 cases (the data-parallel levels in turn)."""
+    pp=2 dp=2 cases (the data-parallel levels in turn; four zero-bubble variants among them in the
+    slow suite, `SLOW_SCHEDULES`)."""
     from tests.test_zero import pp2_dp2_cases
 
     default = [what for world, remats, half in DEFAULT_WORLDS for _, what in _cases(world, remats, half)]

@@ -36,8 +36,8 @@ REPRESENTATIVE = {
 
 #: in the slow suite: each shares its mechanism with one the default suite keeps (partial rotary
 #: and attention beside the MLP: gpt_neox's parallel residual; QK norm: olmo2; a shared expert:
-#: deepseek_v3; grouped KV heads: llama)
-SLOW_REPRESENTATIVE = ("qwen2_moe", "phi", "qwen3", "falcon")
+#: deepseek_v3; grouped KV heads: llama; mixtral: trained on real ranks below)
+SLOW_REPRESENTATIVE = ("qwen2_moe", "phi", "qwen3", "falcon", "mixtral")
 
 
 def _train_exactly_at_pp_2(names: list[str]) -> None:
