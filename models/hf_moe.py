@@ -190,17 +190,14 @@ def correction_bias_name(experts_name: str) -> str:
     return f"{experts_name.rsplit('.', 1)[0]}.{CORRECTION_BIAS}" if "." in experts_name else CORRECTION_BIAS
 
 
-def balance_by_bias(model: nn.Module, rate: float | None) -> int:
+def balance_by_bias(model: nn.Module, rate: float | None) -> None:
     """Each experts module of `model` whose gate has a correction bias gets `bias_update_rate`
     (DeepSeek-V3's auxiliary-loss-free balancing: models/moe.py `move_bias`, applied after each
-    step by the runtime); returns how many have one."""
+    step by the runtime)."""
     buffers = {n for n, _ in model.named_buffers()}
-    held = 0
     for name, module in model.named_modules():
         if isinstance(module, HFExperts):
             module.bias_update_rate = (rate or None) if correction_bias_name(name) in buffers else None
-            held += correction_bias_name(name) in buffers
-    return held
 
 
 def adopt(model: nn.Module) -> list[int]:

@@ -184,7 +184,8 @@ class MoEConfig:
     #: ceil(capacity_factor x tokens x top_k / experts) of a layer's routed slots per micro-batch,
     #: first choices before second ones, earlier tokens first; null: dropless
     capacity_factor: Optional[float] = None  # noqa: UP045 - OmegaConf reads typing.Optional
-    #: DeepSeek-V3's auxiliary-loss-free balancing (model=gpt with model.router=sigmoid): after each
+    #: DeepSeek-V3's auxiliary-loss-free balancing (model=gpt with model.router=sigmoid, transformers'
+    #: DeepSeek-V3's gates): after each
     #: optimizer step every expert's routing correction bias moves by this much, down if the expert
     #: got more than the mean tokens per expert over the step's global batch, up if fewer
     #: (DeepSeek-V3 trains with 0.001); null or 0: the bias is never moved

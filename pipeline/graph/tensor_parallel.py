@@ -183,16 +183,16 @@ class _OpaqueTracer(fx.Tracer):
     module whose forward reads values (a mixture of experts' routing: which expert a token picks)
     cannot be traced through, and need not be when nothing inside it is split."""
 
-    def __init__(self, opaque: Callable[[str], bool]) -> None:
+    def __init__(self, opaque: frozenset[str]) -> None:
         super().__init__()
         self.opaque = opaque
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return super().is_leaf_module(m, module_qualified_name) or self.opaque(module_qualified_name)
+        return super().is_leaf_module(m, module_qualified_name) or module_qualified_name in self.opaque
 
 
 def _symbolic_trace(module: nn.Module, passed: int = 1, named: frozenset[str] = frozenset(),
-                    opaque: Callable[[str], bool] | None = None) -> fx.GraphModule:
+                    opaque: frozenset[str] | None = None) -> fx.GraphModule:
     """`fx.symbolic_trace(module)` as it is called: with `passed` positional arguments and the
     keywords `named`, every other parameter of its forward at its default (a proxy would take an
     `if x is None:` branch for a call that never passes x); from a copy of the graph a module
@@ -208,7 +208,7 @@ def _symbolic_trace(module: nn.Module, passed: int = 1, named: frozenset[str] = 
     mk = module_key(module)
     if mk is None:
         return fx.GraphModule(module, trace(), class_name=type(module).__name__)
-    key = (mk, tuple(sorted(concrete)), opaque is not None)
+    key = (mk, tuple(sorted(concrete)), opaque)  # which submodules stay calls is the block's plan's
     if key not in _TRACED:
         if len(_TRACED) > 256:
             _TRACED.clear()
@@ -282,10 +282,10 @@ class _Rewriter:
                 node.args, node.kwargs = (node.args[0], weight, module.padding_idx), {}
 
     def _trace_inside(self, node: fx.Node, module: nn.Module, full: str) -> None:
-        def unsplit(name: str) -> bool:  # nothing the plan splits is inside `name`
-            inside = f"{full}.{name}"
-            return not any(m == inside or m.startswith(inside + ".") for m, s in self.modules.items() if s not in WHOLE)
-
+        split = [m for m, s in self.modules.items() if s not in WHOLE]
+        # the submodules nothing the plan splits is inside of (names within `module`)
+        unsplit = frozenset(n for n, _ in module.named_modules() if n and not any(
+            m == f"{full}.{n}" or m.startswith(f"{full}.{n}.") for m in split))
         try:
             try:
                 inner = _symbolic_trace(module, len(node.args), frozenset(node.kwargs))

@@ -47,10 +47,10 @@ def reset_counts(layers: list[tuple[str, MoE | HFExperts]]) -> None:
 
 
 def expert_load(layers: list[tuple[str, MoE | HFExperts]], dp_group: dist.ProcessGroup | None, counted_here: bool,
-                device: torch.device, balance: list[nn.Module] | None = None) -> dict[str, dict[str, float]] | None:
+                device: torch.device, trained: list[nn.Module] | None = None) -> dict[str, dict[str, float]] | None:
     """Collective over every rank: {layer: {"min", "mean", "max"} tokens per expert} over the
     step's global batch on rank 0, None elsewhere. `counted_here`: this rank's layers are the
-    ones reported (tp rank 0: the tp ranks of a layer route the same tokens). `balance`: after a
+    ones reported (tp rank 0: the tp ranks of a layer route the same tokens). `trained`: after a
     step that trained (its optimizer step done), the rank's stage modules: each layer with a
     `bias_update_rate` moves its router's correction bias by the global counts (module docstring;
     transformers' DeepSeek-V3 keeps it beside the experts, `hf_moe.correction_bias_name`)."""
@@ -62,13 +62,14 @@ def expert_load(layers: list[tuple[str, MoE | HFExperts]], dp_group: dist.Proces
                               for _, layer in layers]).to(torch.float64)
         if dp_group is not None:
             dist.all_reduce(counts, group=dp_group)
-        if balance is not None:
-            biases = _buffers(balance)
-            for (name, layer), row in zip(layers, counts, strict=True):
-                if isinstance(layer, MoE) and layer.bias_update_rate:
-                    update_bias(layer.router, row, layer.bias_update_rate)
-                elif isinstance(layer, HFExperts) and layer.bias_update_rate:
-                    move_bias(biases[correction_bias_name(name)], row, layer.bias_update_rate)
+        moving = [(name, layer, row) for (name, layer), row in zip(layers, counts, strict=True)
+                  if layer.bias_update_rate] if trained is not None else []
+        biases = _buffers(trained) if any(isinstance(layer, HFExperts) for _, layer, _ in moving) else {}
+        for name, layer, row in moving:
+            if isinstance(layer, MoE):
+                update_bias(layer.router, row, layer.bias_update_rate)
+            else:  # transformers' DeepSeek-V3: the gate's own buffer beside the experts
+                move_bias(biases[correction_bias_name(name)], row, layer.bias_update_rate)
         if counted_here:
             for (name, _), row in zip(layers, counts.cpu().tolist(), strict=True):
                 stats[name] = {"min": min(row), "mean": sum(row) / len(row), "max": max(row)}

@@ -366,7 +366,7 @@ class RankTrainer:
                 self.lr_scheduler.step()
         # the step's tokens per expert, and after a trained step the routers' bias update (moe.bias_update_rate)
         load = expert_load(self.moe, ctx.dp_group if ctx.dp > 1 else None, ctx.tp_rank == 0, ctx.device,
-                           balance=self.modules if trained else None) if self.moe is not None else None
+                           trained=self.modules if trained else None) if self.moe is not None else None
         if ctx.device.type == "cuda":  # the step is over: its time includes the device's work
             torch.cuda.current_stream(ctx.device).synchronize()
         return StepOutcome(float(loss_sum), time.perf_counter() - start, schedule_s, events, outputs, lr, grad_norm,
