@@ -254,6 +254,17 @@ def test_the_planner_prices_one_ep_ranks_experts_and_its_exchanges() -> None:
     assert all(".experts." in p for p in g.graph["expert_params"]) and len(g.graph["expert_params"]) == 8
 
 
+def test_a_named_gpu_prices_mixtral_whose_router_renormalises_in_place() -> None:
+    """hardware=h100_sxm prices every node on meta; Mixtral's router divides its top-k weights in
+    place (`/=`), which autograd refuses on the leaf inputs pricing gives a node: that node is
+    priced on its inputs as given (it failed the whole plan before), and the experts still cost."""
+    cfg = compose_cfg([*COMMON, "model=hf_mixtral_tiny", "pp=2", "ep=2", "dp=2", "scheduler=1f1b",
+                       "mode=plan", "hardware=h100_sxm"])
+    prediction = prepare(cfg).prediction
+    assert prediction.plan.meta.stage_expert_param_bytes is not None
+    assert len(prediction.plan.meta.stage_forward_s) == 2 and all(f > 0 for f in prediction.plan.meta.stage_forward_s)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_an_expert_parallel_checkpoint_resumes_without_ep_and_exports_whole_experts(tmp_path) -> None:

@@ -64,17 +64,18 @@ def _lowered(value: Any, dtype: torch.dtype | None) -> Any:
     return value
 
 
-def _inputs(value: Any) -> Any:
+def _inputs(value: Any, input_grads: bool = True) -> Any:
     """`profile._leafify`, but a parameter passed as an argument stays itself: meta tensors have no
-    addresses, so what autograd saves of it is known as a weight by its identity."""
+    addresses, so what autograd saves of it is known as a weight by its identity. Without
+    `input_grads`, the other tensors are passed as they are (an in-place op on its input)."""
     if isinstance(value, nn.Parameter):
         return value
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields") and not isinstance(value, torch.Size) \
             and any(isinstance(v, nn.Parameter) for v in _tensors(value)):
-        return type(value)(_inputs(v) for v in value)
+        return type(value)(_inputs(v, input_grads) for v in value)
     if isinstance(value, dict):
-        return {k: _inputs(v) for k, v in value.items()}
-    return _leafify(value)
+        return {k: _inputs(v, input_grads) for k, v in value.items()}
+    return _leafify(value) if input_grads else value
 
 
 def _kept_bytes(stash: WeightGradStash) -> int:
@@ -88,8 +89,18 @@ def price_op(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict, params: 
     """One node's profile fields, priced: forward, fused backward, the runtime's split backward
     (I, then W), the bytes autograd saves (parameters excluded), its outputs' bytes and what W
     keeps. `cast_weights`: autocast casts each matmul weight every forward (fp32 master weights
-    under bf16) and its gradient back every backward: one memory-bound kernel each way."""
-    op = _Op(fn, _inputs(list(args)), _inputs(dict(kwargs)), params, META, None)
+    under bf16) and its gradient back every backward: one memory-bound kernel each way. An op
+    autograd refuses on leaf inputs (in place: Mixtral's router renormalising its top-k weights
+    with `/=`) is priced on its inputs as given, as the measured profile does (`measure_op`)."""
+    try:
+        return _price_op(fn, args, kwargs, params, hw, matmul_dtype, cast_weights, True)
+    except RuntimeError:
+        return _price_op(fn, args, kwargs, params, hw, matmul_dtype, cast_weights, False)
+
+
+def _price_op(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict, params: Sequence[torch.Tensor],
+              hw: Hardware, matmul_dtype: str | None, cast_weights: bool, input_grads: bool) -> dict[str, Any]:
+    op = _Op(fn, _inputs(list(args), input_grads), _inputs(dict(kwargs), input_grads), params, META, None)
     param_ids = {id(p) for p in params}
     saved: dict[int, int] = {}
 
