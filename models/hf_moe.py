@@ -92,9 +92,9 @@ class HFExperts:
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         if _EXPORTING[0]:
-            return torch.ops.pipelaunch.hf_experts(hidden_states, top_k_index, top_k_weights,
-                                                   list(self._parameters.values()))
+            return torch.ops.pipelaunch.hf_experts(hidden_states, top_k_index, top_k_weights, self.opaque_params())
         t, k = top_k_index.shape
+        self.top_k = k
         if shapes_only(hidden_states):  # a balanced load, its FLOPs and bytes
             rows = self.balanced(hidden_states.repeat_interleave(k, dim=0))
             return (rows.view(t, k, -1) * top_k_weights.reshape(t, k, 1)).sum(dim=1).to(hidden_states.dtype)
@@ -110,6 +110,25 @@ class HFExperts:
                           top_k_weights.reshape(-1, 1).to(packed)], dim=1)
         out = self.dispatch(self, rows, top_k_index.reshape(-1))
         return out.view(t, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+    def opaque_params(self) -> list[torch.Tensor]:
+        """What an exported call reads (`as_modules` finds the module by them)."""
+        return list(self._parameters.values())
+
+    def expert_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The routed experts' parameters (relative names): transformers' stacked ones."""
+        return self.named_parameters(recurse=False)
+
+    def keep(self, first: int, local: int) -> None:
+        """Hold only experts `first` .. `first + local - 1` (a rank's share): every stacked
+        parameter cut along the experts."""
+        for name, whole in list(self.named_parameters(recurse=False)):
+            setattr(self, name, nn.Parameter(whole.data[first:first + local].clone(), requires_grad=whole.requires_grad))
+        self.first, self.local = first, local
+
+    def whole_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        """Each expert parameter's shape in the whole model, by full-model name."""
+        return {f"{prefix}.{n}": (self.total, *p.shape[1:]) for n, p in self.named_parameters(recurse=False)}
 
     def compute(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The rows `forward` packed (a token, its routing weight last), each through this rank's
@@ -225,6 +244,20 @@ def opaque() -> Iterator[None]:
         _EXPORTING[0] = before
 
 
+def _owner(model: nn.Module, target: str) -> str | None:
+    """The path of the deepest `HFExperts` module of `model` holding the parameter `target` (its
+    own, or an expert's of a list: models/list_experts.py)."""
+    parts = target.split(".")[:-1]
+    for end in range(len(parts), 0, -1):
+        path = ".".join(parts[:end])
+        try:
+            if isinstance(model.get_submodule(path), HFExperts):
+                return path
+        except AttributeError:
+            continue
+    return None
+
+
 def as_modules(gm: fx.GraphModule, model: nn.Module) -> dict[str, str]:
     """Each `pipelaunch::hf_experts` call of `gm` (a trace of `model`) turned into a `call_module`
     of the experts module whose parameters it reads (the module of `model` itself, put in `gm` at
@@ -234,7 +267,7 @@ def as_modules(gm: fx.GraphModule, model: nn.Module) -> dict[str, str]:
         if node.op != "call_function" or node.target is not torch.ops.pipelaunch.hf_experts.default:
             continue
         params = list(node.args[3])
-        paths = {str(p.target).rsplit(".", 1)[0] if p.op == "get_attr" else None for p in params}
+        paths = {_owner(model, str(p.target)) if p.op == "get_attr" else None for p in params}
         if len(paths) != 1 or None in paths:
             raise RuntimeError(f"{node.name}: an experts call reads other values than one module's parameters")
         path = paths.pop()

@@ -34,6 +34,7 @@ cannot take them is refused before any rank starts.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -41,6 +42,8 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from pipelaunch.models.list_experts import ListExperts
+from pipelaunch.models.list_experts import adopt as adopt_experts
 from pipelaunch.models.spec import ModelSpec, causal_lm_loss, model_loss
 from pipelaunch.pipeline.core import POSITION_IDS
 from pipelaunch.pipeline.core.errors import ConfigError
@@ -357,6 +360,37 @@ def _tp_plan(plan: Mapping[str, str] | None) -> dict[str, str]:
     return {f"inner.{k}": str(v) for k, v in (plan or {}).items()}
 
 
+def _maker(factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """`factory()`, refused with its error named when it fails or builds no nn.Module."""
+    def make() -> nn.Module:
+        try:
+            inner = factory()
+        except Exception as err:  # noqa: BLE001
+            raise ConfigError("model.module", f"could not build {_callable_name(factory)}: {err}") from None
+        if not isinstance(inner, nn.Module):
+            raise ConfigError("model.module", f"{_callable_name(factory)} returned {type(inner).__name__}, not an nn.Module")
+        return inner
+
+    return make
+
+
+def _ep_plan(plan: Mapping[str, str] | None) -> dict[str, str]:
+    """A user's expert-parallel plan ({module-name pattern: ep_dispatch_experts})."""
+    plan = OmegaConf.to_container(plan) if OmegaConf.is_config(plan) else plan
+    if plan is not None and not isinstance(plan, Mapping):
+        raise ConfigError("model.ep_plan", f"got {plan!r}; valid: null, or {{module-name pattern: ep_dispatch_experts}} "
+                                           "(layers.*.moe.experts: ep_dispatch_experts)")
+    return {str(k): str(v) for k, v in (plan or {}).items()}
+
+
+def _expert_meta(inner: nn.Module) -> dict:
+    """What the launcher checks of a user's mixture of experts (`ModelSpec.meta`, as model=hf's)."""
+    totals = [m.total for m in inner.modules() if isinstance(m, ListExperts)]
+    if not totals:
+        return {}
+    return {"experts": math.gcd(*totals), "moe_layers": len(totals), "expert_counts": sorted(set(totals))}
+
+
 def module(
     module: Callable[[], nn.Module],
     input: dict | None = None,  # noqa: A002 - the config key users write
@@ -375,6 +409,7 @@ def module(
     tp_plan: Mapping[str, str] | None = None,
     position_ids_arg: str | None = None,
     data_packing: str | None = None,
+    ep_plan: Mapping[str, str] | None = None,
 ) -> ModelSpec:
     """A ModelSpec around `module()`, the factory the launcher built with its arguments bound (see
     the module docstring). `input`/`target`:
@@ -385,7 +420,9 @@ def module(
     targets passed as `targets_arg` (`labels`: the data's `targets` or the `inputs`), `output`
     picking the loss. `data_kind`: the data's kind (`tokens`, `images`). `tp_plan`: how tp > 1
     splits it, {its module-name pattern (`*` one component): colwise | rowwise | vocab | replicate}.
-    `data_packing=documents`: the data's position ids go to the forward's `position_ids_arg`."""
+    `data_packing=documents`: the data's position ids go to the forward's `position_ids_arg`.
+    `ep_plan`: {module-name pattern: ep_dispatch_experts}, the modules holding its routed experts,
+    which ep > 1 splits (models/list_experts.py)."""
     module, input, target, loss, extra_inputs = (
         OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
         for v in (module, input, target, loss, extra_inputs))
@@ -398,17 +435,7 @@ def module(
         loss = "cross_entropy" if in_dtype.is_floating_point else "causal_lm"
     if target is None:
         target = _target(loss, in_shape, in_dtype)
-    factory = module
-
-    def make() -> nn.Module:
-        try:
-            inner = factory()
-        except Exception as err:  # noqa: BLE001
-            raise ConfigError("model.module", f"could not build {_callable_name(factory)}: {err}") from None
-        if not isinstance(inner, nn.Module):
-            raise ConfigError("model.module", f"{_callable_name(factory)} returned {type(inner).__name__}, not an nn.Module")
-        return inner
-
+    make, experts_plan = _maker(module), _ep_plan(ep_plan)
     wrapper, data_args = Adapted, ("input",)
     with torch.device("meta"):
         inner = make()
@@ -419,18 +446,23 @@ def module(
             targets_arg = None
         wrapper, data_args, positions_arg = _packed(wrapper, data_args, inner, position_ids_arg, data_packing)
         probe = wrapper(inner, output, extra_inputs, targets_arg, positions_arg)
+        expert_names = adopt_experts(inner, experts_plan)
 
     def build() -> nn.Module:
-        return wrapper(make(), output, extra_inputs, targets_arg, positions_arg)
+        inner = make()
+        adopt_experts(inner, experts_plan)
+        return wrapper(inner, output, extra_inputs, targets_arg, positions_arg)
 
     family, whole = initialisers(probe.inner)
     meta: dict = {k: int(v) for k, v in (("vocab_size", vocab_size), ("num_classes", num_classes),
                                           ("seq_len", seq_len)) if v is not None}
+    meta |= _expert_meta(probe.inner)
     return ModelSpec(
         name=name, build=build, loss_fn=model_loss if loss == OWN_LOSS else _loss(loss), input_shape=in_shape,
         input_dtype=in_dtype, target_shape=tuple(int(d) for d in target.get("shape") or ()),
         target_dtype=_dtype(str(target.get("dtype", "long")), "model.target.dtype"),
-        leaf_modules=[f"inner.{n}" for n in leaf_modules], init=family, init_weights=whole, meta=meta,
+        leaf_modules=[f"inner.{n}" for n in dict.fromkeys([*leaf_modules, *expert_names])], init=family,
+        init_weights=whole, meta=meta,
         load=ConstructorBuffers(build) if any(True for _ in probe.buffers()) else None,
         data_args=data_args, own_loss=loss == OWN_LOSS,
         tp_plan=_tp_plan(tp_plan),

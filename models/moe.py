@@ -42,7 +42,7 @@ itself, as one process does.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -142,6 +142,20 @@ class Experts(nn.Module):
         self.total, self.first, self.local = experts, 0, experts
         #: under expert parallelism, how tokens reach the ranks holding their experts (runtime)
         self.dispatch: Callable | None = None
+
+    def expert_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The routed experts' parameters (relative names), each stacked along the experts."""
+        return self.named_parameters(recurse=False)
+
+    def keep(self, first: int, local: int) -> None:
+        """Hold only experts `first` .. `first + local - 1` (a rank's share), every parameter cut."""
+        for name, whole in list(self.named_parameters(recurse=False)):
+            setattr(self, name, nn.Parameter(whole.data[first:first + local].clone(), requires_grad=whole.requires_grad))
+        self.first, self.local = first, local
+
+    def whole_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        """Each parameter's shape in the whole model (every expert), by full-model name."""
+        return {f"{prefix}.{n}": (self.total, *p.shape[1:]) for n, p in self.named_parameters(recurse=False)}
 
     def compute(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Each row of x [N, H] through this rank's expert `index` [N] (local ids): [N, H]."""

@@ -203,7 +203,7 @@ class ModelSpec:
         leaf modules kept whole: the graph the planner cuts and every rank cuts again. `repeat`: an
         export made from a cut of the model to a few of its alike blocks (`repeated`), the same
         graph where the stamp's own check holds; the planner asks for it, ranks export whole."""
-        from pipelaunch.models.hf_moe import as_modules, opaque
+        from pipelaunch.models.hf_moe import HFExperts, as_modules, opaque
         from pipelaunch.pipeline.graph.trace import trace_model
 
         model = self.build_meta() if model is None else model
@@ -212,7 +212,24 @@ class ModelSpec:
                                  repeated=self.repeated if repeat else None)
         for node, path in as_modules(traced.gm, model).items():
             traced.graph.nodes[node].update(op="call_module", target=path, module=path)
+        picks = {_picks(traced.gm, n) for n in traced.gm.graph.nodes
+                 if n.op == "call_module" and isinstance(traced.gm.get_submodule(str(n.target)), HFExperts)}
+        picks.discard(None)
+        if len(picks) == 1:  # what a token computes with (the planner's MFU on activated parameters)
+            self.meta.setdefault("top_k", picks.pop())
         return traced
+
+
+def _picks(gm: nn.Module, node) -> int | None:  # noqa: ANN001 - an fx node
+    """The experts a token picks in the experts call `node` (its top_k_index's last dimension, as
+    the trace's shapes give it), noted on the module (`top_k`, which pricing reads)."""
+    index = node.args[1] if len(node.args) > 1 else None
+    meta = getattr(index, "meta", {})
+    value = meta.get("val", meta.get("tensor_meta"))
+    module = gm.get_submodule(str(node.target))
+    if value is not None:
+        module.top_k = int(value.shape[-1])
+    return module.top_k
 
 
 def segments(position_ids: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,8 @@ def stage_state(slots: dict[int, StageSlot], what: str, tp=None, ep_group=None) 
     """Parameters or gradients of this rank's stages, keyed by their name in the full model (a
     sharded one gathered whole: collective over the replicas, every one calls it in one order; a
     tensor-parallel slice gathered over the tp ranks, likewise; a share of the experts over the
-    ep group)."""
-    out = {}
+    ep group, a list's experts from their owners)."""
+    out, whole = {}, {}
     for slot in slots.values():
         dims = slot.module.split_dims
         for name, p in slot.module.named_model_parameters():
@@ -31,6 +31,9 @@ def stage_state(slots: dict[int, StageSlot], what: str, tp=None, ep_group=None) 
                 parts = [torch.empty_like(t) for _ in range(tp.size)]
                 dist.all_gather(parts, t.detach().contiguous(), group=tp.group)
                 t = torch.cat(parts, dim=dims[name])
+            if name in slot.module.whole_experts and ep_group is not None:
+                whole[name] = (t if t is not None else torch.zeros_like(p)).detach().cpu().clone()
+                continue
             if name in slot.module.expert_params and ep_group is not None:
                 t = t if t is not None else torch.zeros_like(p)
                 parts = [torch.empty_like(t) for _ in range(dist.get_world_size(ep_group))]
@@ -38,6 +41,12 @@ def stage_state(slots: dict[int, StageSlot], what: str, tp=None, ep_group=None) 
                 t = torch.cat(parts)
             if t is not None:
                 out[name] = t.detach().cpu().clone()
+    if any(slot.module.whole_experts for slot in slots.values()) and ep_group is not None:
+        # a list's experts, each whole on its owner under its own name: every owner's
+        held = [None] * dist.get_world_size(ep_group)
+        dist.all_gather_object(held, whole, group=ep_group)
+        for part in held:
+            out.update(part)
     return out
 
 

@@ -240,8 +240,8 @@ SCENARIOS = [
     # slow: tests/test_tensor_parallel.py trains it like one process and reads its collectives
     Scenario("tp-sequence", "README.md", (train("python train.py pp=2 tp=2 sequence_parallel=true"),), slow=True,
              timeout=300),
-    # slow: tests/test_moe.py and tests/test_hf_moe.py train these layouts like one process, and
-    # plan them, by default
+    # slow: tests/test_moe.py, tests/test_hf_moe.py and tests/test_user_moe.py train these layouts
+    # like one process, and plan them, by default
     Scenario("moe-readme", "README.md", (
         train("python train.py model.experts=8 model.top_k=2 model.shared_experts=1 pp=2 dp=2 ep=2 scheduler=dualpipev"),
         train("python train.py model=hf_mixtral_tiny pp=2 dp=2 ep=2"),
@@ -258,6 +258,8 @@ SCENARIOS = [
         train("python train.py model.experts=8 model.router=sigmoid model.expert_groups=4 model.topk_groups=2 "
               "model.route_scale=2.5 pp=2 dp=2 ep=2"),
         train("python train.py model=hf_mixtral_tiny pp=2 dp=2 ep=2"),
+        train("python train.py model=module model.module._target_=tests.user_moe.TinyMoELM model.vocab_size=64 "
+              "model.seq_len=16 'model.ep_plan={blocks.*.bank: ep_dispatch_experts}' pp=2 dp=2 ep=2"),
         train("python train.py model.experts=8 pp=2 dp=2 ep=2 moe.capacity_factor=1.25"),
         train("python train.py model.experts=8 model.router=sigmoid pp=2 dp=2 ep=2 moe.bias_update_rate=0.001"),
         plan("python train.py mode=plan model.experts=8 pp=2 dp=2 ep=2 scheduler=dualpipev")), slow=True, timeout=900),

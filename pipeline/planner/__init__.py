@@ -245,12 +245,12 @@ def activated_params(spec: ModelSpec) -> float:
     total = sum(p.numel() for n, p in model.named_parameters() if p.dim() > 1 and not _is_embedding(model, n))
     routed = 0.0
     for module in model.modules():
-        # a routed-experts module (models/moe.py `Experts`, or one like it): its experts stacked in
-        # its own parameters, `total` of them, of which a token computes top_k
-        if isinstance(getattr(module, "total", None), int) and hasattr(module, "local"):
+        # a routed-experts module (models/moe.py `Experts`, or one like it): `total` experts in
+        # its expert parameters, of which a token computes top_k
+        if isinstance(getattr(module, "total", None), int) and hasattr(module, "expert_parameters"):
             top_k = getattr(module, "top_k", None) or spec.meta["top_k"]
             share = 1.0 - top_k / module.total
-            routed += share * sum(p.numel() for p in module.parameters(recurse=False))
+            routed += share * sum(p.numel() for _, p in module.expert_parameters())
     return total - routed
 
 

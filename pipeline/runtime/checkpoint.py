@@ -110,8 +110,10 @@ def split_dims(modules: list[nn.Module]) -> dict[str, int]:
 
 
 def expert_params(modules: list[nn.Module]) -> set[str]:
-    """Under ep > 1, the parameters this rank holds its experts' share of (runtime/experts.py)."""
-    return {n for m in modules for n in getattr(m, "expert_params", ())}
+    """Under ep > 1, the parameters this rank holds its experts' share of, stacked along the
+    experts (runtime/experts.py): what `expert_view` puts back whole. A list's experts are each
+    held whole by their owner, under their own names: written and read as they are."""
+    return {n for m in modules for n in getattr(m, "expert_params", ()) if n not in getattr(m, "whole_experts", ())}
 
 
 def expert_view(tensor: torch.Tensor, ctx) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipelaunch.models.hf_moe import HFExperts
+from pipelaunch.models.list_experts import ListExperts
 from pipelaunch.models.moe import Experts
 from pipelaunch.pipeline.runtime.overlap import exchange
 
@@ -89,24 +90,23 @@ def expert_modules(modules: list[nn.Module]) -> Iterator[tuple[str, Experts | HF
 
 
 def split_experts(modules: list[nn.Module], group: dist.ProcessGroup, ep: int, ep_rank: int,
-                  log: list | None = None) -> set[str]:
-    """Keep this rank's `experts / ep` consecutive experts of every MoE layer (its parameters cut
-    along the expert dimension, the rest dropped) and give each layer its dispatch. Returns the
-    full-model names of the parameters cut so (a checkpoint's view puts them back whole)."""
-    cut = set()
+                  log: list | None = None) -> tuple[set[str], set[str]]:
+    """Keep this rank's `experts / ep` consecutive experts of every MoE layer (`keep`: stacked
+    parameters cut along the expert dimension, a list of experts cut to its share) and give each
+    layer its dispatch. Returns the full-model names of the rank's expert parameters, and of those
+    the ones it holds whole (a list's experts; the stacked ones a checkpoint's view puts back whole)."""
+    held, whole = set(), set()
     for name, experts in expert_modules(modules):
         if experts.total % ep:
             raise ValueError(f"{name}: {experts.total} experts do not split over ep={ep}")
         local = experts.total // ep
-        first = ep_rank * local
-        for pname in [n for n, _ in experts.named_parameters(recurse=False)]:  # each stacked along the experts
-            whole = getattr(experts, pname)
-            setattr(experts, pname, nn.Parameter(whole.data[first:first + local].clone(),
-                                                 requires_grad=whole.requires_grad))
-            cut.add(f"{name}.{pname}")
-        experts.first, experts.local = first, local
+        experts.keep(ep_rank * local, local)
+        names = {f"{name}.{n}" for n, _ in experts.expert_parameters()}
+        held |= names
+        if isinstance(experts, ListExperts):
+            whole |= names
         experts.dispatch = Dispatch(group, ep, local, name, log)
-    return cut
+    return held, whole
 
 
 def stop_expert_log(modules: list[nn.Module]) -> None:

@@ -42,6 +42,8 @@ class StageModule(nn.Module):
         self.sequence_partial = sequence_partial or []
         #: under ep > 1, the parameters (full-model names) this rank holds its share of the experts of
         self.expert_params: set[str] = set()
+        #: of those, the ones it holds whole (a list of experts' own: models/list_experts.py)
+        self.whole_experts: set[str] = set()
 
     def forward(self, **values: torch.Tensor) -> dict[str, torch.Tensor]:
         return self.gm(**values)

@@ -176,8 +176,8 @@ class RankTrainer:
         self.expert_log: list[str] | None = [] if run.debug.record_p2p and plan.ep > 1 else None
         if plan.ep > 1:  # each MoE layer keeps this rank's experts and exchanges the tokens
             for slot in self.slots.values():
-                slot.module.expert_params = split_experts([slot.module], ctx.ep_group, ctx.ep, ctx.ep_rank,
-                                                          self.expert_log)
+                slot.module.expert_params, slot.module.whole_experts = split_experts(
+                    [slot.module], ctx.ep_group, ctx.ep, ctx.ep_rank, self.expert_log)
         self.loss_fn = _loss_fn(self.spec, self.slots, self.tp)
         self.training = plan.schedule.training
         # a mixture of experts' auxiliary loss weighs in each micro-batch as the step's mean does

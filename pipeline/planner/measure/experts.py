@@ -39,11 +39,8 @@ def ep_local(model: nn.Module, ep: int) -> nn.Module:
         return model
     for module in model.modules():
         if isinstance(module, (Experts, HFExperts)) and module.local == module.total:
-            local = module.total // ep
-            for name in [n for n, _ in module.named_parameters(recurse=False)]:  # each stacked along the experts
-                whole = getattr(module, name)
-                setattr(module, name, nn.Parameter(whole.data[:local], requires_grad=whole.requires_grad))
-            module.local, module.dispatch = local, _balanced
+            module.keep(0, module.total // ep)
+            module.dispatch = _balanced
     return model
 
 
@@ -129,6 +126,5 @@ def whole_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     for prefix, module in model.named_modules():
         if isinstance(module, (Experts, HFExperts)):
-            for n, p in module.named_parameters(recurse=False):
-                shapes[f"{prefix}.{n}"] = (module.total, *p.shape[1:])
+            shapes |= module.whole_shapes(prefix)
     return shapes
