@@ -1,0 +1,72 @@
+"""Ring attention over a cp group (pipeline/compute/ring_attention.py), on real gloo ranks: each
+rank's output and the gradients of its queries, keys and values are those of
+`scaled_dot_product_attention` over the whole sequence, causal, with packed documents, and
+without a mask; the head-tail positions balance the causal work."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipelaunch.pipeline.compute.ring_attention import balanced_positions
+from tests.harness import ROOT
+
+PROBE = """
+import sys, torch, torch.distributed as dist
+from pipelaunch.pipeline.compute.ring_attention import balanced_positions, ring_attention
+rank, cp, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=cp)
+group = dist.new_group(list(range(cp)))
+B, H, T, D = 2, 3, 24, 8
+worst = 0.0
+for case in ("causal", "documents", "full"):
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(B, H, T, D, generator=g) for _ in range(4))
+    doc = torch.tensor([[0] * 5 + [1] * 11 + [2] * 8, [0] * 13 + [1] * 11])
+    causal = case != "full"
+    mask = torch.ones(T, T, dtype=torch.bool).tril() if causal else torch.ones(T, T, dtype=torch.bool)
+    if case == "documents":
+        mask = mask & (doc[:, :, None] == doc[:, None, :])
+    mask = mask if mask.dim() == 3 else mask.expand(B, T, T)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*full, attn_mask=mask[:, None])
+    ref.backward(dout)
+    pos = balanced_positions(T, cp, rank)
+    mine = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*mine, pos, group, causal=causal, doc=doc[:, pos] if case == "documents" else None)
+    out.backward(dout[:, :, pos])
+    pairs = [(out, ref[:, :, pos])] + [(m.grad, f.grad[:, :, pos]) for m, f in zip(mine, full)]
+    for got, want in pairs:
+        worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+print(worst)
+dist.destroy_process_group()
+"""
+
+
+def test_the_head_tail_balance_gives_each_rank_two_chunks_and_equal_causal_work() -> None:
+    parts = [balanced_positions(16, 4, r) for r in range(4)]
+    assert torch.equal(torch.sort(torch.cat(parts)).values, torch.arange(16))
+    assert parts[1].tolist() == [2, 3, 12, 13]
+    assert len({int((p[:, None] >= torch.arange(16)[None]).sum()) for p in parts}) == 1  # keys each scores
+    with pytest.raises(ValueError, match="2 x cp"):
+        balanced_positions(12, 4, 0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cp", [2, 3])
+def test_ring_attention_is_scaled_dot_product_attention_over_the_whole_sequence(cp: int, tmp_path: Path) -> None:
+    store = str(tmp_path / "store")
+    procs = [subprocess.Popen([sys.executable, "-c", PROBE, str(r), str(cp), store], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(cp)]
+    try:
+        outs = [p.communicate(timeout=100) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    worst = max(float(out.split()[-1]) for out, _ in outs)
+    assert worst < 1e-5, worst
