@@ -170,19 +170,17 @@ def test_the_traced_graph_calls_each_experts_module_once() -> None:
 
 @pytest.mark.timeout(900)
 def test_transformers_moe_trains_as_one_process_under_expert_parallelism(tmp_path) -> None:
-    """Mixtral and DeepSeek-V3 (multi-head latent attention, a dense first layer, a shared expert,
-    the sigmoid grouped router) at pp=2 dp=2 ep=2, under 1f1b and DualPipeV: losses, step 0's
-    gradients and the final weights of both replicas within 1e-5 of transformers' model in one
-    process, every MoE layer's tokens carried by its all-to-alls."""
-    cases = [("mixtral ep=2 1f1b", compose_cfg([*COMMON, "model=hf_mixtral_tiny", *PP2, "scheduler=1f1b"])),
-             ("deepseek_v3 ep=2 dualpipev", compose_cfg([*COMMON, "model=hf_deepseek_v3_tiny", *PP2,
-                                                         "scheduler=dualpipev", "microbatches=4"]))]
+    """Mixtral at pp=2 dp=2 ep=2 under 1f1b: losses, step 0's gradients and the final weights of
+    both replicas within 1e-5 of transformers' model in one process, every MoE layer's tokens
+    carried by its all-to-alls. DeepSeek-V3 (multi-head latent attention, a dense first layer, a
+    shared expert, the sigmoid grouped router) trains so under DualPipeV, its gates' bias moving,
+    in tests/test_moe_bias.py."""
+    cases = [("mixtral ep=2 1f1b", compose_cfg([*COMMON, "model=hf_mixtral_tiny", *PP2, "scheduler=1f1b"]))]
     ranks = check_like_one_process(cases, tmp_path)
     _exchanged(ranks["mixtral ep=2 1f1b"], 4, 2)
-    _exchanged(ranks["deepseek_v3 ep=2 dualpipev"], 3, 4)
 
 
-@pytest.mark.slow  # the default suite trains Mixtral and DeepSeek-V3 under ep (above), and model=gpt's experts
+@pytest.mark.slow  # the default suite trains Mixtral (above) and DeepSeek-V3 (test_moe_bias.py) under ep, and model=gpt's experts
 # at ep < dp and at ep = dp with zero=1 (tests/test_moe.py)
 @pytest.mark.timeout(900)
 def test_more_families_and_layouts_train_as_one_process(tmp_path) -> None:

@@ -35,12 +35,12 @@ COMMON = ["model.dim=32", "model.layers=6", *RUN]
 #: (what, overrides): the default suite runs the first two, -m slow every one
 LAYOUTS = [
     ("pp=2 1f1b", ["pp=2", "scheduler=1f1b"]),
-    ("pp=2 dp=2 zero=1 zbv", ["pp=2", "dp=2", "zero=1", "scheduler=zbv"]),
+    ("pp=2 zbv", ["pp=2", "scheduler=zbv"]),
 ]
 MORE_LAYOUTS = [
+    ("pp=2 dp=2 zero=1 zbv", ["pp=2", "dp=2", "zero=1", "scheduler=zbv"]),
     ("pp=4 dp=2 zero=1 zbv", ["pp=4", "dp=2", "zero=1", "scheduler=zbv"]),
     ("pp=4 1f1b", ["pp=4", "scheduler=1f1b"]),
-    ("pp=2 zbv", ["pp=2", "scheduler=zbv"]),
     ("pp=2 interleaved_1f1b", ["pp=2", "scheduler=interleaved_1f1b"]),
     ("pp=4 interleaved_1f1b", ["pp=4", "scheduler=interleaved_1f1b"]),
     ("pp=2 v_half", ["pp=2", "scheduler=v_half"]),
