@@ -1,4 +1,5 @@
-"""Ring attention over a cp group (pipeline/compute/ring_attention.py), on real gloo ranks: each
+"""Attention over a cp group, by the ring (pipeline/compute/ring_attention.py) and by all-to-all
+over heads (ulysses_attention.py), on real gloo ranks: each
 rank's output and the gradients of its queries, keys and values are those of
 `scaled_dot_product_attention` over the whole sequence, causal, with packed documents, and
 without a mask; the head-tail positions balance the causal work."""
@@ -18,10 +19,12 @@ from tests.harness import ROOT
 PROBE = """
 import sys, torch, torch.distributed as dist
 from pipelaunch.pipeline.compute.ring_attention import balanced_positions, ring_attention
-rank, cp, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+from pipelaunch.pipeline.compute.ulysses_attention import ulysses_attention
+rank, cp, store, method = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+attend = ring_attention if method == "ring" else ulysses_attention
 dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=cp)
 group = dist.new_group(list(range(cp)))
-B, H, T, D = 2, 3, 24, 8
+B, H, T, D = 2, 6, 24, 8
 worst = 0.0
 for case in ("causal", "documents", "full"):
     g = torch.Generator().manual_seed(0)
@@ -37,7 +40,7 @@ for case in ("causal", "documents", "full"):
     ref.backward(dout)
     pos = balanced_positions(T, cp, rank)
     mine = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*mine, pos, group, causal=causal, doc=doc[:, pos] if case == "documents" else None)
+    out = attend(*mine, pos, group, causal=causal, doc=doc[:, pos] if case == "documents" else None)
     out.backward(dout[:, :, pos])
     pairs = [(out, ref[:, :, pos])] + [(m.grad, f.grad[:, :, pos]) for m, f in zip(mine, full)]
     for got, want in pairs:
@@ -57,10 +60,12 @@ def test_the_head_tail_balance_gives_each_rank_two_chunks_and_equal_causal_work(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("cp", [2, 3])
-def test_ring_attention_is_scaled_dot_product_attention_over_the_whole_sequence(cp: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("method", "cp"), [("ring", 2), ("ring", 3), ("alltoall", 2), ("alltoall", 3)])
+def test_cp_attention_is_scaled_dot_product_attention_over_the_whole_sequence(method: str, cp: int,
+                                                                             tmp_path: Path) -> None:
+    """Both methods, on 2 and 3 ranks (6 heads: the all-to-all splits them)."""
     store = str(tmp_path / "store")
-    procs = [subprocess.Popen([sys.executable, "-c", PROBE, str(r), str(cp), store], cwd=ROOT, text=True,
+    procs = [subprocess.Popen([sys.executable, "-c", PROBE, str(r), str(cp), store, method], cwd=ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(cp)]
     try:
         outs = [p.communicate(timeout=100) for p in procs]
