@@ -16,6 +16,8 @@ from torch import nn
 
 from pipelaunch.models.moe import ROUTERS, MoE
 from pipelaunch.models.spec import ModelSpec, causal_lm_loss, require_positive_ints, segments
+from pipelaunch.pipeline.compute.context_parallel import attention as context_attention
+from pipelaunch.pipeline.compute.context_parallel import positions as context_positions
 from pipelaunch.pipeline.core import POSITION_IDS
 from pipelaunch.pipeline.core.errors import ConfigError
 
@@ -33,20 +35,26 @@ SUBLAYER_PARTS = ("ln1", "attn", "ln2", "mlp")
 #: memory-efficient kernels where the device has them), or `math`, the scores materialised and
 #: masked, softmaxed, dropped out and applied by separate operators, as Megatron-LM computed them
 #: before fused attention (its SC21 runs) and nanoGPT does without flash: same result, more memory
-#: traffic (each of the b x heads x t x t scores written and read by every step)
-ATTENTIONS = ("sdpa", "math")
+#: traffic (each of the b x heads x t x t scores written and read by every step); or `context`,
+#: context parallelism's (pipeline/compute/context_parallel.py): over the rank's cp group when it
+#: runs one, the tokens at the rank's global positions; else the same arithmetic as sdpa
+ATTENTIONS = ("sdpa", "math", "context")
 
 
 class Embedding(nn.Module):
     """Token embedding plus a learned positional embedding."""
 
-    def __init__(self, vocab_size: int, dim: int, seq_len: int) -> None:
+    def __init__(self, vocab_size: int, dim: int, seq_len: int, context: bool = False) -> None:
         super().__init__()
         self.tokens = nn.Embedding(vocab_size, dim)
         self.positions = nn.Embedding(seq_len, dim)
+        self.context = context  # the tokens' positions are a cp rank's share (attention=context)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        pos = torch.arange(tokens.shape[1], device=tokens.device) if position_ids is None else position_ids
+        if position_ids is not None:
+            pos = position_ids
+        else:
+            pos = context_positions(tokens) if self.context else torch.arange(tokens.shape[1], device=tokens.device)
         return self.tokens(tokens) + self.positions(pos)
 
 
@@ -106,6 +114,8 @@ def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
 
 
 torch.fx.wrap("document_attention")
+torch.fx.wrap("context_attention")
+torch.fx.wrap("context_positions")
 
 
 class CausalSelfAttention(nn.Module):
@@ -123,13 +133,15 @@ class CausalSelfAttention(nn.Module):
         self.v = nn.Linear(dim, dim)
         self.proj = nn.Linear(dim, dim)
         self.dropout = dropout
-        self.math = attention == "math"
+        self.math, self.context = attention == "math", attention == "context"
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = (f(x).view(b, t, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
         dropout = self.dropout if self.training else 0.0
-        if self.math:
+        if self.context:
+            y = context_attention(q, k, v, position_ids, dropout)
+        elif self.math:
             y = math_attention(q, k, v, dropout, position_ids)
         elif position_ids is None:
             y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
@@ -209,7 +221,7 @@ def gpt(
 
     `tp_plan`: how tp > 1 splits it (null: `TP_PLAN`, Megatron's split). `data_packing`: the data's
     packing (`documents`: the model takes the data's position ids too, see the module docstring).
-    `attention`: `ATTENTIONS` (the same arithmetic either way).
+    `attention`: `ATTENTIONS` (the same arithmetic each way).
 
     `experts` > 0: the blocks after the first `dense_layers` have a mixture-of-experts MLP
     (models/moe.py): `experts` routed SwiGLU experts of width `expert_dim` (default mlp_ratio x dim),
@@ -222,7 +234,7 @@ def gpt(
     _check_shape(vocab_size, dim, layers, heads, seq_len, mlp_ratio, dropout, granularity, attention)
     moe = _moe_settings(dim, mlp_ratio, layers, experts, top_k, expert_dim, shared_experts, dense_layers, router,
                         expert_groups, topk_groups, route_scale, aux_loss_coef, capacity_factor, bias_update_rate)
-    blocks = [("embed", partial(Embedding, vocab_size, dim, seq_len))]
+    blocks = [("embed", partial(Embedding, vocab_size, dim, seq_len, attention == "context"))]
     blocks += [(f"layer{i}", partial(DecoderBlock, dim, heads, mlp_ratio, dropout, attention,
                                      moe if experts and i >= dense_layers else None)) for i in range(layers)]
     blocks.append(("head", partial(LMHead, dim, vocab_size)))
@@ -265,7 +277,8 @@ def _check_shape(vocab_size: int, dim: int, layers: int, heads: int, seq_len: in
                                                "attention and MLP; op: cut between any operators)")
     if attention not in ATTENTIONS:
         raise ConfigError("model.attention", f"got {attention!r}; valid: sdpa (torch's fused attention), math (the "
-                                             "scores materialised, as Megatron-LM before fused attention)")
+                                             "scores materialised, as Megatron-LM before fused attention), context "
+                                             "(over a context-parallel group where the rank runs one)")
 
 
 def _leaf_modules(blocks: list[str], granularity: str, moe: list[str] = ()) -> list[str]:

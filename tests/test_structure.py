@@ -49,7 +49,8 @@ LAYERS = {
     "pipelaunch.pipeline.core": set(),
     "pipelaunch.pipeline.graph": {"pipelaunch.pipeline.core", "pipelaunch.pipeline.compute"},
     "pipelaunch.pipeline.compute": {"pipelaunch.pipeline.core"},
-    "pipelaunch.models": {"pipelaunch.pipeline.core", "pipelaunch.pipeline.graph"},
+    # (models read pipeline.compute's attention under context parallelism: compute is below graph)
+    "pipelaunch.models": {"pipelaunch.pipeline.core", "pipelaunch.pipeline.graph", "pipelaunch.pipeline.compute"},
     "pipelaunch.pipeline.data": {"pipelaunch.pipeline.core", "pipelaunch.pipeline.graph"},
     "pipelaunch.pipeline.runtime": {"pipelaunch.pipeline.core", "pipelaunch.pipeline.graph", "pipelaunch.pipeline.compute", "pipelaunch.models",
                                     "pipelaunch.pipeline.data"},
