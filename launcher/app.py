@@ -75,8 +75,8 @@ def spawn(cfg: TrainConfig, prepared: Prepared, initial: Initial, run_dir: Path)
     job = RankJob(prepared.run, plan, str(run_dir), resume_from=prepared.resume_from,
                   initial_weights=str(initial.path) if initial.path is not None else None)
     print(check_split(cfg, prepared.spec, plan, prepared.model, initial), flush=True)
-    tp = f" tp={plan.tp}" if plan.tp > 1 else ""
-    print(f"schedule {plan.schedule.name}: pp={plan.pp} dp={plan.dp}{tp} microbatches={plan.microbatches}", flush=True)
+    more = (f" cp={plan.cp} ({plan.cp_method})" if plan.cp > 1 else "") + (f" tp={plan.tp}" if plan.tp > 1 else "")
+    print(f"schedule {plan.schedule.name}: pp={plan.pp} dp={plan.dp}{more} microbatches={plan.microbatches}", flush=True)
     beats = run_dir / "heartbeat"
     env = {**rank_environment(cfg.huge_pages), **launcher_terminal(), HEARTBEAT_DIR: str(beats)}
     flight = None
@@ -237,8 +237,8 @@ def ranks_needed(cfg: TrainConfig) -> str:
     """Why the run needs `cfg.world_size` ranks, for the error when another number joined."""
     if cfg.plan.devices is not None:
         return "plan.devices"
-    if cfg.tp > 1:
-        return f"pp x dp x tp = {cfg.pp} x {cfg.dp} x {cfg.tp}"
+    if cfg.tp > 1 or cfg.cp > 1:
+        return f"pp x dp x cp x tp = {cfg.pp} x {cfg.dp} x {cfg.cp} x {cfg.tp}"
     return f"pp x dp = {cfg.pp} x {cfg.dp}"
 
 

@@ -21,18 +21,20 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipelaunch.pipeline.core.ir import Action, Kind
+from pipelaunch.pipeline.core.layout import Coordinates
 from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.runtime import flight_recorder, heartbeat
 
 WINDOW = 3  # actions shown on each side of the current one
 
 
-def _peers(plan: Plan, action: Action, pp_rank: int, dp_rank: int) -> str:
-    """` from rank 3` / ` to rank 3`: the global rank at the other end of a message action."""
+def _peers(plan: Plan, action: Action, at: Coordinates) -> str:
+    """` from rank 3` / ` to rank 3`: the global rank at the other end of a message action (the
+    pipeline rank holding the peer stage, at this rank's dp, cp and tp coordinates)."""
     if action.kind not in (Kind.RECV_F, Kind.SEND_B, Kind.RECV_B, Kind.SEND_F) or action.peer is None:
         return ""
     word = "from" if action.kind in (Kind.RECV_F, Kind.RECV_B) else "to"
-    return f" {word} rank {dp_rank * plan.pp + plan.stages[action.peer].rank}"
+    return f" {word} rank {plan.layout.rank(at.dp, plan.stages[action.peer].rank, at.cp, at.tp)}"
 
 
 def short(action: Action) -> str:
@@ -44,9 +46,9 @@ def short(action: Action) -> str:
     return str(action)
 
 
-def describe(plan: Plan, schedule_actions: list[Action], index: int, pp_rank: int, dp_rank: int) -> str:
+def describe(plan: Plan, schedule_actions: list[Action], index: int, at: Coordinates) -> str:
     action = schedule_actions[index]
-    return f"{action.kind.name} stage {action.stage} mb {action.mb}{_peers(plan, action, pp_rank, dp_rank)}"
+    return f"{action.kind.name} stage {action.stage} mb {action.mb}{_peers(plan, action, at)}"
 
 
 def where_ranks_were(directory: Path, plan: Plan, flight: str | Path | None = None,
@@ -61,16 +63,17 @@ def where_ranks_were(directory: Path, plan: Plan, flight: str | Path | None = No
         return ""
     lines, around = ["where each rank was:"], []
     for rank, beat in beats.items():
-        pp_rank, dp_rank = rank % plan.pp, rank // plan.pp
-        head = f"rank {rank} (pp {pp_rank}, dp {dp_rank})"
+        at = plan.layout.coordinates(rank)
+        more = "".join(f", {axis} {getattr(at, axis)}" for axis in ("cp", "tp") if getattr(plan, axis) > 1)
+        head = f"rank {rank} (pp {at.pp}, dp {at.dp}{more})"
         on_nccl = [f"    on NCCL: {nccl[rank]}"] if rank in nccl else []
         if beat is None:
             lines += [f"  {head}: no heartbeat (it never started)" if not on_nccl else f"  {head}: no heartbeat",
                       *on_nccl]
             continue
-        acts = plan.schedule.actions[pp_rank]
+        acts = plan.schedule.actions[at.pp]
         if beat["action"] is not None and 0 <= beat["action"] < len(acts):
-            what = describe(plan, acts, beat["action"], pp_rank, dp_rank)
+            what = describe(plan, acts, beat["action"], at)
             lo, hi = max(0, beat["action"] - WINDOW), min(len(acts), beat["action"] + WINDOW + 1)
             shown = [f"[{short(a)}]" if i == beat["action"] else short(a) for i, a in enumerate(acts[lo:hi], start=lo)]
             around.append(f"  rank {rank}: {'... ' if lo else ''}{' '.join(shown)}{' ...' if hi < len(acts) else ''}")

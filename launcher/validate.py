@@ -125,6 +125,46 @@ def check_expert_model(spec, ep: int) -> None:
                                 f"experts / ep of every layer); valid: {', '.join(map(str, fits))}")
 
 
+#: what context parallelism composes with so far (docs/long_sequences.md): the rest is refused
+CP_METHODS = ("ring", "alltoall")
+
+
+def check_context_parallel(cfg: TrainConfig, spec, data) -> None:  # noqa: ANN001 - the data plug-in
+    """cp > 1 on a model that splits its positions (`meta["context_parallel"]`: model=gpt reads
+    `cp`), with the method its heads allow, and only beside what it composes with yet."""
+    if cfg.cp_method not in CP_METHODS:
+        raise ConfigError("cp_method", f"got {cfg.cp_method!r}; valid: ring (keys and values round the cp ranks), "
+                                       "alltoall (DeepSpeed-Ulysses: an all-to-all over heads)")
+    cp = cfg.cp
+    if cp == 1:
+        return
+    if spec.meta.get("context_parallel") != cp:
+        raise ConfigError("cp", f"cp={cp} splits every sequence over {cp} ranks along its positions, and model="
+                                f"{spec.name} does not run attention over a cp group; valid: model=gpt (and its "
+                                "presets), or cp=1")
+    heads = spec.meta.get("heads")
+    if cfg.cp_method == "alltoall" and heads and heads % cp:
+        raise ConfigError("cp_method", f"alltoall splits the {heads} heads (model.heads) over cp={cp} ranks, which "
+                                       "does not divide them; valid: ring, or a cp dividing the heads")
+    others = [(key, value, valid) for key, value, valid in (
+        ("tp", cfg.tp, "tp=1"), ("ep", cfg.ep, "ep=1"), ("dp_shard", cfg.dp_shard or cfg.dp, f"dp_shard={cfg.dp}"))
+        if value != int(valid.split("=")[1])]
+    if spec.meta.get("experts"):
+        others.append(("model.experts", spec.meta["experts"], "model.experts=0"))
+    if getattr(data, "length_buckets", None) is not None:
+        others.append(("data.buckets", "set", "data.buckets=null"))
+    packing = str(getattr(cfg.data, "packing", None) or "none") if hasattr(cfg.data, "get") else "none"
+    if packing not in ("none", "documents"):
+        others.append(("data.packing", packing, "data.packing=none or documents"))
+    dropout = spec.meta.get("dropout")
+    if dropout:
+        others.append(("model.dropout", dropout, "model.dropout=0"))
+    if others:
+        key, value, valid = others[0]
+        raise ConfigError(key, f"{key}={value} with cp={cp} is not supported yet (context parallelism runs beside pp "
+                               f"and dp, on one sequence or packed documents); set {valid}, or cp=1")
+
+
 def check_capacity(spec, capacity_factor: float | None) -> None:
     """moe.capacity_factor only where the model's experts drop by it (`meta["capacity_factor"]`:
     model=gpt's, which read it); transformers' MoE modules are dropless."""
@@ -169,7 +209,7 @@ def check_config(cfg: TrainConfig) -> None:
     """What the schema's types cannot say: ranges, and rules between keys. Types and enum values
     (`device`, `remat`, `mode`, `precision`, ...) Hydra checked at composition."""
     for key, low in (("threads", 0), ("timeout_s", 1), ("log_every", 1), ("seed", 0), ("pp", 1), ("dp", 1), ("tp", 1),
-                     ("ep", 1),
+                     ("ep", 1), ("cp", 1),
                      ("microbatches", 1), ("batch_size", 1), ("steps", 1), ("warmup_steps", 0)):
         _integer(getattr(cfg, key), key, low)
     _number(cfg.link_bandwidth, "link_bandwidth", 0.0, strict=True, what=" (the simulator's link model)")
@@ -389,6 +429,7 @@ def prepare(cfg: TrainConfig, profile: bool | None = None, device: torch.device 
     data = check_data(cfg, spec, plugins)
     check_tp_sizes(spec, cfg.tp)
     check_expert_model(spec, cfg.ep)
+    check_context_parallel(cfg, spec, data)
     check_capacity(spec, cfg.moe.capacity_factor)
     check_bias_update(spec, cfg.moe.bias_update_rate)
     planned = make_plan(cfg, spec, plugins, options if options is not None else group_options(cfg),
@@ -546,7 +587,8 @@ def _check_token_windows(cfg: TrainConfig, spec: ModelSpec, adapter: bool) -> No
     """Token data gives (seq_len,) ids in and the next (seq_len,) ids as targets: the window must
     be set and equal the model's input, and the loss must score a token per position."""
     data_len, model_len = cfg.data.get("seq_len"), cfg.model.get("seq_len")
-    sample = spec.input_shape[0] if len(spec.input_shape) == 1 else None
+    # (under cp a rank's model input is 1/cp of the window: the window is the whole sequence)
+    sample = spec.input_shape[0] * int(spec.meta.get("context_parallel", 1)) if len(spec.input_shape) == 1 else None
     if "seq_len" in cfg.data and data_len is None:
         raise ConfigError("model.seq_len", f"is unset, and the data cuts windows of model.seq_len tokens; set "
                                            f"model.seq_len={sample if sample is not None else '<tokens per sample>'}")

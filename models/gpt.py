@@ -206,6 +206,7 @@ def gpt(
     aux_loss_coef: float = 0.01,
     capacity_factor: float | None = None,
     bias_update_rate: float | None = None,
+    context_parallel: int = 1,
 ) -> ModelSpec:
     """Blocks, in order: `embed`, `layer0` .. `layer{layers-1}`, `head` (the leaf modules).
 
@@ -230,8 +231,12 @@ def gpt(
     through, and the auxiliary load-balancing loss at `aux_loss_coef`; `capacity_factor` (set by
     `moe.capacity_factor`) drops the slots past each expert's capacity, as GShard and Switch do;
     `bias_update_rate` (set by `moe.bias_update_rate`) moves the sigmoid router's correction bias
-    after each optimizer step, DeepSeek-V3's auxiliary-loss-free balancing (`moe.update_bias`)."""
+    after each optimizer step, DeepSeek-V3's auxiliary-loss-free balancing (`moe.update_bias`).
+
+    `context_parallel` (set by `cp`) > 1: attention over the cp group (`attention=context`), and
+    each rank traces and runs its 1/cp of the positions (`input_shape`)."""
     _check_shape(vocab_size, dim, layers, heads, seq_len, mlp_ratio, dropout, granularity, attention)
+    attention, local = _context(attention, seq_len, context_parallel)
     moe = _moe_settings(dim, mlp_ratio, layers, experts, top_k, expert_dim, shared_experts, dense_layers, router,
                         expert_groups, topk_groups, route_scale, aux_loss_coef, capacity_factor, bias_update_rate)
     blocks = [("embed", partial(Embedding, vocab_size, dim, seq_len, attention == "context"))]
@@ -244,13 +249,14 @@ def gpt(
         name=name,
         build=partial(_built, model_class, blocks),
         loss_fn=causal_lm_loss,
-        input_shape=(seq_len,),
+        input_shape=(local,),
         input_dtype=torch.long,
-        target_shape=(seq_len,),
+        target_shape=(local,),
         target_dtype=torch.long,
         leaf_modules=_leaf_modules([n for n, _ in blocks], granularity,
                                    [f"layer{i}.mlp" for i in range(dense_layers, layers)] if experts else []),
-        meta={"vocab_size": vocab_size, "seq_len": seq_len, "dim": dim,
+        meta={"vocab_size": vocab_size, "seq_len": seq_len, "dim": dim, "context_parallel": context_parallel,
+              "heads": heads, "dropout": dropout,
               "tp_divides": {"model.heads": heads, "model.vocab_size": vocab_size},
               **({"experts": experts, "top_k": top_k, "moe_layers": layers - dense_layers,
                   "capacity_factor": capacity_factor, "router": router,
@@ -279,6 +285,22 @@ def _check_shape(vocab_size: int, dim: int, layers: int, heads: int, seq_len: in
         raise ConfigError("model.attention", f"got {attention!r}; valid: sdpa (torch's fused attention), math (the "
                                              "scores materialised, as Megatron-LM before fused attention), context "
                                              "(over a context-parallel group where the rank runs one)")
+
+
+def _context(attention: str, seq_len: int, cp: int) -> tuple[str, int]:
+    """Under cp > 1: the attention that crosses the cp group, and the positions a rank holds."""
+    if cp == 1:
+        return attention, seq_len
+    if attention == "math":
+        raise ConfigError("model.attention", f"math materialises the scores of the whole sequence, which cp={cp} "
+                                             "splits over its ranks; valid with cp > 1: sdpa or context (the same: "
+                                             "attention over the cp group)")
+    if seq_len % (2 * cp):
+        fits = [c for c in range(1, seq_len // 2 + 1) if seq_len % (2 * c) == 0]
+        raise ConfigError("cp", f"cp={cp} cuts each sequence into 2 x cp = {2 * cp} chunks (a head and a tail per "
+                                f"rank, so causal attention costs each the same), and model.seq_len={seq_len} does not "
+                                f"divide; valid: {', '.join(map(str, fits[:12]))}")
+    return "context", seq_len // cp
 
 
 def _leaf_modules(blocks: list[str], granularity: str, moe: list[str] = ()) -> list[str]:

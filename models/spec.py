@@ -124,8 +124,9 @@ class ModelSpec:
     @property
     def tokens_per_sample(self) -> int:
         """What one sample counts for in `tokens_per_s`: its sequence length for a model reading
-        token ids, else 1 (an image: the throughput counts samples, `throughput_unit`)."""
-        return int(self.input_shape[0]) if self.takes_tokens else 1
+        token ids, else 1 (an image: the throughput counts samples, `throughput_unit`). Under
+        context parallelism the whole sequence, of which a rank holds 1/cp (`input_shape`)."""
+        return int(self.input_shape[0]) * int(self.meta.get("context_parallel", 1)) if self.takes_tokens else 1
 
     @property
     def throughput_unit(self) -> str:

@@ -75,6 +75,8 @@ class CaptureState(Callback):
                "tp_log": list(trainer.tp_log or []),
                # the ep group's exchanges it made in its first step (debug.record_p2p, ep > 1)
                "expert_log": list(trainer.expert_log or []),
+               # the cp group's exchanges it made in its first step (debug.record_p2p, cp > 1)
+               "cp_log": list(trainer.cp_log or []),
                # what it posted to each peer in its first step: (op, label, shape, dtype) (debug.record_p2p)
                "posting_log": dict(getattr(trainer.executor, "posting_log", None) or {}),
                "program": [str(a) for a in trainer.executor.actions]}

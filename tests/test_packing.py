@@ -407,3 +407,13 @@ def test_math_attention_computes_what_fused_attention_does(documents) -> None:
 
     with pytest.raises(ConfigError, match="model.attention"):
         gpt(attention="flash")
+
+
+@pytest.mark.timeout(600)
+def test_packed_gpt_trains_as_each_document_alone_under_context_parallelism(documents, tmp_path) -> None:
+    """cp=2 (#57): each rank holds a head and a tail chunk of every window, a document crossing
+    the chunks is attended across the ranks (its tokens known by their start), by the ring and by
+    the all-to-all; the same losses, gradients and weights as each document alone."""
+    check_layouts(documents, [("pp=2 cp=2 ring", ["pp=2", "cp=2", "scheduler=1f1b"]),
+                              ("pp=1 dp=2 cp=2 alltoall", ["pp=1", "dp=2", "cp=2", "cp_method=alltoall",
+                                                           "scheduler=gpipe"])], tmp_path)

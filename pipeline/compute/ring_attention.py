@@ -30,6 +30,15 @@ import math
 import torch
 import torch.distributed as dist
 
+#: where the cp group's exchanges are recorded while set (debug.record_p2p: the runtime's first
+#: step), one line each: what it moves and which way
+EXCHANGES: list[list[str] | None] = [None]
+
+
+def record(what: str) -> None:
+    if EXCHANGES[0] is not None:
+        EXCHANGES[0].append(what)
+
 
 def balanced_positions(seq: int, cp: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
     """The global positions rank `rank` of `cp` holds of a sequence of `seq`: chunks r and
@@ -66,7 +75,8 @@ class _Ring:
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
-    def rotate(self, tensors: list[torch.Tensor]) -> tuple[list, list[torch.Tensor]]:
+    def rotate(self, tensors: list[torch.Tensor], what: str) -> tuple[list, list[torch.Tensor]]:
+        record(f"ring {what} to {self.next} from {self.prev}")
         recv = [torch.empty_like(t) for t in tensors]
         ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in recv]
@@ -92,7 +102,7 @@ class RingAttention(torch.autograd.Function):
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         kv, where = torch.stack([k, v]), pos[None] if doc is None else torch.cat([pos[None], doc])
         for step in range(ring.size):
-            pending = ring.rotate([kv, where]) if step < ring.size - 1 else None
+            pending = ring.rotate([kv, where], "kv") if step < ring.size - 1 else None
             k_doc = None if doc is None else where[1:]
             s = _scores(q.float(), kv[0].float(), scale, _allowed(pos, where[0], doc, k_doc, causal))
             block = torch.logsumexp(s, dim=-1)
@@ -121,7 +131,7 @@ class RingAttention(torch.autograd.Function):
         dkv = torch.zeros_like(kv, dtype=torch.float32)  # the gradients of the block held now, so far
         moving = None
         for step in range(ring.size):
-            pending = ring.rotate([kv, where]) if step < ring.size - 1 else None
+            pending = ring.rotate([kv, where], "kv backward") if step < ring.size - 1 else None
             k_doc = None if doc is None else where[1:]
             s = _scores(q.float(), kv[0].float(), scale, _allowed(pos, where[0], doc, k_doc, ctx.causal))
             p = torch.exp(s - finite)  # a masked score is -inf: 0
@@ -132,7 +142,7 @@ class RingAttention(torch.autograd.Function):
                                 torch.matmul(p.transpose(-1, -2), g)])
             if moving is not None:  # what the ranks before added to this block
                 dkv = ring.wait(*moving)[0]
-            moving = ring.rotate([dkv + here])
+            moving = ring.rotate([dkv + here], "dkv backward")
             if pending is not None:
                 kv, where = ring.wait(*pending)
         dkv = ring.wait(*moving)[0]  # this rank's own block, home after cp steps

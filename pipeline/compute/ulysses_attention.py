@@ -19,6 +19,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from pipelaunch.pipeline.compute.ring_attention import record
+
 
 class _HeadsToPositions(torch.autograd.Function):
     """[B, H, T/cp, D] (every head, this rank's positions) -> [B, H/cp, T, D] (this rank's heads,
@@ -48,6 +50,7 @@ class _PositionsToHeads(torch.autograd.Function):
 
 
 def _to_positions(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    record("alltoall to positions")
     cp = dist.get_world_size(group)
     b, h, t, d = x.shape
     send = x.reshape(b, cp, h // cp, t, d).transpose(0, 1).contiguous()  # [cp, B, H/cp, T/cp, D] by head group
@@ -57,6 +60,7 @@ def _to_positions(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 def _to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    record("alltoall to heads")
     cp = dist.get_world_size(group)
     b, hl, t, d = x.shape
     send = x.reshape(b, hl, cp, t // cp, d).permute(2, 0, 1, 3, 4).contiguous()  # [cp, B, H/cp, T/cp, D] by rank
@@ -75,6 +79,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: to
         raise ValueError(f"all-to-all attention splits the heads over cp={cp}: {q.shape[1]} query and {k.shape[1]} "
                          "key/value heads do not divide")
     where = pos[None] if doc is None else torch.cat([pos[None], doc])
+    record("allgather positions")
     gathered = torch.empty((cp * where.shape[0], where.shape[1]), dtype=where.dtype, device=where.device)
     dist.all_gather_into_tensor(gathered, where.contiguous(), group=group)
     # in rank order, as the exchange concatenates the positions

@@ -283,6 +283,13 @@ class TrainConfig:
     #: expert-parallel degree: each mixture-of-experts layer's routed experts split over this many
     #: replicas (ep divides dp; the ranks holding the same experts reduce their gradients together)
     ep: int = 1
+    #: context-parallel degree: every sequence split over this many ranks along its positions (each
+    #: a head and a tail chunk: the causal balance), attention over the group (`cp_method`);
+    #: pipeline/compute/context_parallel.py. Gradients reduce over dp x cp
+    cp: int = 1
+    #: how attention crosses the cp ranks: `ring` (keys and values round the ring) or `alltoall`
+    #: (DeepSpeed-Ulysses: an all-to-all over heads, which must divide by cp)
+    cp_method: str = "ring"
     #: under tp > 1, Megatron's sequence parallelism: between the split regions (norms, dropout,
     #: residual adds, stage boundaries) each tp rank keeps 1/tp of the positions; all-gathers and
     #: reduce-scatters take the place of the all-reduces (pipeline/graph/sequence_parallel.py)
@@ -352,10 +359,10 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        """The ranks this run starts: pp x dp, or `plan.devices` when plan=auto chooses the layout
+        """The ranks this run starts: pp x dp x cp x tp, or `plan.devices` when plan=auto chooses the layout
         (every layout it tries has that many: the threads per rank and the cores they share
         follow from it before the search has chosen pp and dp)."""
-        return self.plan.devices if self.plan.devices is not None else self.pp * self.dp * self.tp
+        return self.plan.devices if self.plan.devices is not None else self.pp * self.dp * self.cp * self.tp
 
     def to_dict(self) -> dict:
         """Plain data (enums as their values): metrics.json's `config`, wandb's run config."""

@@ -229,16 +229,20 @@ class Plan:
     #: under ep > 1 (moe.overlap): each forward the program follows with another stage's backward
     #: runs beside it, their all-to-alls overlapped (runtime/overlap.py, `overlapped_pairs`)
     moe_overlap: bool = False
+    #: context-parallel degree: the ranks each sequence's positions are split over, and how
+    #: attention crosses them (TrainConfig.cp, cp_method)
+    cp: int = 1
+    cp_method: str = "ring"
 
     @property
     def world_size(self) -> int:
-        """The ranks the plan runs on: pp x dp x tp."""
-        return self.pp * self.dp * self.tp
+        """The ranks the plan runs on: pp x dp x cp x tp."""
+        return self.pp * self.dp * self.cp * self.tp
 
     @property
     def layout(self) -> Layout:
         """The parallel layout as one record (`pipeline/core/layout.py`)."""
-        return Layout(pp=self.pp, dp=self.dp, tp=self.tp, ep=self.ep, dp_shard=self.meta.dp_shard)
+        return Layout(pp=self.pp, dp=self.dp, tp=self.tp, cp=self.cp, ep=self.ep, dp_shard=self.meta.dp_shard)
 
     def data_of(self, value: str) -> str:
         """What the data gives the model input `value`: `input`, `target` or an extra per-token

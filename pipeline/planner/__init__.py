@@ -388,7 +388,7 @@ def _request(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, traced: Traced
         reshard=str(cfg.reshard if c is None or c.reshard is None else c.reshard), device_type="cuda" if cuda else "cpu",
         bucket_bytes=cfg.dp_bucket_bytes,
         evaluates=cfg.eval.every > 0, data_args=tuple(spec.data_args), ep=cfg.ep if c is None or c.ep is None else c.ep,
-        moe_overlap=cfg.moe.overlap,
+        moe_overlap=cfg.moe.overlap, cp=cfg.cp, cp_method=cfg.cp_method,
         value_dtypes=_autocast_dtypes(cfg, spec, traced, micro_batch_size(cfg, microbatches, dp), cuda),
         **facts)
 

@@ -178,6 +178,9 @@ class PlanRequest:
     ep: int = 1
     #: moe.overlap: DualPipeV's forward-backward pairs overlap their all-to-alls (ep > 1)
     moe_overlap: bool = False
+    #: context-parallel degree and method (TrainConfig.cp, cp_method)
+    cp: int = 1
+    cp_method: str = "ring"
     #: where the costs come from (MachineFacts.cost_source)
     cost_source: str | None = None
     #: the replicas' link (latency, bandwidth) when not the pipeline's (`Hardware.links`)
@@ -234,7 +237,7 @@ def build_plan(traced: TracedModel, generator: ScheduleGenerator, req: PlanReque
     # gradients flow back only along edges carrying a floating-point value
     schedule = lower(schedule, messages, grad_edges=[e for e, (_, grads) in messages.items() if grads])
     # the replicas' collectives: gathers, releases and gradient reductions where the program allows
-    schedule = place_data_parallel(schedule, req.zero, req.dp)
+    schedule = place_data_parallel(schedule, req.zero, req.dp * req.cp)  # cp ranks sum their gradients too
     # evaluation runs the same stages on the same ranks, forward only (a pp=64 plan of 256
     # micro-batches spends about 0.3 s lowering and checking it: not for a run that never evaluates)
     eval_schedule = lower(build_schedule(Inference(), placement, req.microbatches), messages) \
@@ -249,7 +252,7 @@ def build_plan(traced: TracedModel, generator: ScheduleGenerator, req: PlanReque
                 shared_params={n: list(v) for n, v in split.shared_params.items()}, meta=PlanMeta(**meta),
                 eval_schedule=eval_schedule, model_inputs=inputs, tp=req.tp, tp_modules=dict(req.tp_modules),
                 sequence_parallel=req.sequence_parallel, ep=req.ep,
-                moe_overlap=req.moe_overlap and req.ep > 1)
+                moe_overlap=req.moe_overlap and req.ep > 1, cp=req.cp, cp_method=req.cp_method)
     return plan if blocks is None else apply_recompute(plan, traced.graph, blocks, plain_act)
 
 

@@ -53,6 +53,14 @@ class RankContext:
         return self.layout.ep
 
     @property
+    def cp(self) -> int:
+        return self.layout.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.at.cp
+
+    @property
     def tp_rank(self) -> int:
         return self.at.tp
 
@@ -68,10 +76,13 @@ class RankContext:
     def ep_rank(self) -> int:
         return self.at.ep
 
-    def global_rank(self, pp_rank: int, dp_rank: int | None = None, tp_rank: int | None = None) -> int:
+    def global_rank(self, pp_rank: int, dp_rank: int | None = None, tp_rank: int | None = None,
+                    cp_rank: int | None = None) -> int:
         """Global rank of a pipeline rank in this (or another) replica, at this (or another) tp
-        rank: a stage's counterpart in a neighbouring stage is the one at the same tp rank."""
-        return self.layout.rank(self.dp_rank if dp_rank is None else dp_rank, pp_rank, self.at.cp,
+        and cp rank: a stage's counterpart in a neighbouring stage is the one at the same tp and
+        cp rank."""
+        return self.layout.rank(self.dp_rank if dp_rank is None else dp_rank, pp_rank,
+                                self.at.cp if cp_rank is None else cp_rank,
                                 self.tp_rank if tp_rank is None else tp_rank)
 
     def tp_dp_mesh(self) -> DeviceMesh:
@@ -96,6 +107,16 @@ class RankContext:
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
         return self._group("dp")
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding the other positions of this rank's sequences (None when cp = 1)."""
+        return self._group("cp")
+
+    @property
+    def grad_group(self) -> dist.ProcessGroup | None:
+        """Where gradients are summed: the replicas, and their cp ranks (`RankMesh.grad_mesh`)."""
+        return self._group("grad") if self.cp > 1 else self.dp_group
 
     @property
     def ep_group(self) -> dist.ProcessGroup | None:

@@ -173,10 +173,11 @@ class SharedGrads:
                 local.setdefault(name, p)
         for ranks, names in by_ranks.items():
             for d in range(ctx.dp):
-                for t in range(ctx.tp):  # under tp, the copies at one tp rank hold the same slice
-                    group = dist.new_group([ctx.global_rank(r, d, t) for r in ranks])
-                    if d == ctx.dp_rank and t == ctx.tp_rank and ctx.pp_rank in ranks:
-                        self.work.append((group, [local[n] for n in names]))
+                for c in range(ctx.cp):  # each cp rank's copies hold its positions' share
+                    for t in range(ctx.tp):  # under tp, the copies at one tp rank hold the same slice
+                        group = dist.new_group([ctx.global_rank(r, d, t, c) for r in ranks])
+                        if d == ctx.dp_rank and c == ctx.cp_rank and t == ctx.tp_rank and ctx.pp_rank in ranks:
+                            self.work.append((group, [local[n] for n in names]))
 
     def sum_across_stages(self) -> None:
         for group, params in self.work:

@@ -45,10 +45,12 @@ class RankMesh:
         return ("dp_replicate", layout.dp // shard), ("dp_shard", shard)
 
     def __getitem__(self, axis: str) -> DeviceMesh:
-        """The 1-D mesh along `axis`: pp, cp, tp, dp (all the replicas), and ep / expert_dp under
-        expert parallelism, dp_replicate / dp_shard otherwise."""
+        """The 1-D mesh along `axis`: pp, cp, tp, dp (all the replicas), grad (the replicas x cp),
+        and ep / expert_dp under expert parallelism, dp_replicate / dp_shard otherwise."""
         if axis == "dp":
             return self.dp_mesh
+        if axis == "grad":
+            return self.grad_mesh
         return self.mesh[axis]
 
     @cached_property
@@ -60,6 +62,16 @@ class RankMesh:
         if self.mesh[inner].size() == 1:
             return self.mesh[outer]
         return self.mesh[outer, inner]._flatten("dp")
+
+    @cached_property
+    def grad_mesh(self) -> DeviceMesh:
+        """What the gradients are summed over: the replicas, and under cp their cp ranks too (each
+        computed its share of the same sequences' gradients)."""
+        if self.layout.cp == 1:
+            return self.dp_mesh
+        outer, inner = self.dp_names
+        axes = [a for a in (outer, inner) if self.mesh[a].size() > 1] + ["cp"]
+        return self.mesh["cp"] if axes == ["cp"] else self.mesh[tuple(axes)]._flatten("dp_cp")
 
     @cached_property
     def shard_mesh(self) -> DeviceMesh:

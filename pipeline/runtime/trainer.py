@@ -21,6 +21,8 @@ from torch import nn
 
 from pipelaunch.models.moe import set_aux_loss_scale
 from pipelaunch.models.spec import ModelSpec
+from pipelaunch.pipeline.compute import ring_attention as cp_exchanges
+from pipelaunch.pipeline.compute.context_parallel import ContextParallel, activate, active
 from pipelaunch.pipeline.compute.host_allocator import huge_pages_active, release_free_memory
 from pipelaunch.pipeline.compute.memory import TensorPeak, current_memory_bytes, peak_memory_bytes, reset_peak
 from pipelaunch.pipeline.core.plan import Plan, dtype_of
@@ -97,9 +99,9 @@ def _data_parallel(plan: Plan, ctx: RankContext, slots: dict[int, StageSlot]) ->
     modules = {s: slot.module for s, slot in slots.items()}
     actions = plan.schedule.actions[ctx.pp_rank]
     if plan.meta.zero:
-        assert ctx.mesh is not None
-        return ShardedStages(plan, modules, actions, ctx.mesh.shard_mesh)
-    return ReplicatedGrads(plan, modules, actions, ctx.dp_group, ctx.expert_dp_group if ctx.ep > 1 else None)
+        assert ctx.mesh is not None  # under cp, sharded over the replicas and their cp ranks (torchtitan's dp x cp)
+        return ShardedStages(plan, modules, actions, ctx.mesh.grad_mesh if ctx.cp > 1 else ctx.mesh.shard_mesh)
+    return ReplicatedGrads(plan, modules, actions, ctx.grad_group, ctx.expert_dp_group if ctx.ep > 1 else None)
 
 
 def _loss_fn(spec: ModelSpec, slots: dict[int, StageSlot], tp: TensorParallel | None) -> Callable:
@@ -182,7 +184,15 @@ class RankTrainer:
         self.training = plan.schedule.training
         # a mixture of experts' auxiliary loss weighs in each micro-batch as the step's mean does
         set_aux_loss_scale(1.0 / (plan.dp * plan.microbatches))
-        self.data_parallel = _data_parallel(plan, ctx, self.slots) if self.training and ctx.dp > 1 else None
+        self.data_parallel = _data_parallel(plan, ctx, self.slots) if self.training and ctx.dp * ctx.cp > 1 else None
+        #: under cp > 1, the global positions of this rank's share of every sequence (its columns of the data)
+        self.cp_positions = None
+        activate(ContextParallel(ctx.cp_group, plan.cp_method) if ctx.cp > 1 else None)  # (a job before may have)
+        if ctx.cp > 1:
+            self.cp_positions = active().positions(self.spec.input_shape[-1], torch.device("cpu"))
+        #: under cp > 1 (debug.record_p2p), the cp group's exchanges this rank made in its first step
+        self.cp_log: list[str] | None = None
+        cp_exchanges.EXCHANGES[0] = [] if run.debug.record_p2p and ctx.cp > 1 else None
         self.initial_weights = "constructor" if initial_weights is not None else "by_name"
         # the stream dropout draws from: set by (seed, rank), so a run repeats itself and DP
         # replicas draw different masks (a resume then restores the stream it saved); the tp ranks
@@ -280,6 +290,9 @@ class RankTrainer:
             rows = torch.from_numpy(order)
             inputs, targets, fields = inputs[rows], targets[rows], {f: t[rows] for f, t in fields.items()}
         self.scored = self.spec.count_scored(targets)
+        if self.cp_positions is not None:  # this rank's columns of every sequence (head-tail chunks)
+            inputs, targets = inputs[:, self.cp_positions], targets[:, self.cp_positions]
+            fields = {f: t[:, self.cp_positions] for f, t in fields.items()}
         counts = [self.spec.count_scored(t) for t in targets.chunk(ctx.dp)[ctx.dp_rank].chunk(m)]
         divisors = [self.scored / c if c else math.inf for c in counts]
 
@@ -337,6 +350,8 @@ class RankTrainer:
             self.tp_log, self.tp.log = self.tp.log, None
         if self.expert_log is not None:  # likewise the ep group's exchanges
             stop_expert_log(self.modules)
+        if cp_exchanges.EXCHANGES[0] is not None:  # and the cp group's
+            self.cp_log, cp_exchanges.EXCHANGES[0] = cp_exchanges.EXCHANGES[0], None
         schedule_s = time.perf_counter() - start
         self.heartbeat.phase(hb.UPDATE)
         if ctx.tp_rank:  # the tp ranks of the last stage hold the same loss: counted once
@@ -350,7 +365,7 @@ class RankTrainer:
             if self.plan.sequence_parallel:
                 sum_partial_gradients(self.modules, self.tp)
             if self.data_parallel is not None:
-                allreduce_gradients(self.data_parallel.replicated, ctx.dp_group)
+                allreduce_gradients(self.data_parallel.replicated, ctx.grad_group)
             for callback in self.callbacks:
                 callback.before_optimizer_step(self, step)
             if self.clip is not None:

@@ -1,0 +1,81 @@
+"""Context parallelism (`cp`, #57) on real gloo ranks: every sequence split over cp ranks along its
+positions (the head-tail balance), attention over the cp group, the data cut by columns on each
+rank, gradients summed over dp x cp. model=gpt (tied and untied) trains like one process running
+the same micro-batches whole (losses, step 0's gradients, the final weights within 1e-5)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from pipelaunch.launcher.validate import prepare
+from pipelaunch.pipeline.core.errors import ConfigError
+from tests.harness import FAST, check_like_one_process, compose_cfg
+
+CP = [*FAST, "model.seq_len=8"]
+
+
+@pytest.mark.timeout(600)
+def test_gpt_trains_as_one_process_under_context_parallelism(tmp_path) -> None:
+    """pp=2 cp=2 under 1f1b (the ring; tied embeddings, clipping) and ZBV (all-to-all over heads,
+    the backward split); pp=1 dp=2 cp=2 (gradients summed over the replicas and their cp ranks),
+    and the same at zero=3 (sharded over dp x cp) with every block recomputed (its ring replayed)."""
+    cases = [("gpt pp=2 cp=2 1f1b ring", compose_cfg([*CP, "pp=2", "cp=2", "scheduler=1f1b", "+model.tie_embeddings=true",
+                                                       "clip_grad_norm=0.05"])),
+             ("gpt pp=2 cp=2 zbv alltoall", compose_cfg([*CP, "pp=2", "cp=2", "scheduler=zbv",
+                                                          "cp_method=alltoall"])),
+             ("gpt pp=1 dp=2 cp=2", compose_cfg([*CP, "pp=1", "dp=2", "cp=2", "scheduler=gpipe"])),
+             ("gpt pp=1 dp=2 cp=2 zero=3 remat=full", compose_cfg([*CP, "pp=1", "dp=2", "cp=2", "zero=3", "remat=full",
+                                                                   "scheduler=1f1b"]))]
+    ranks = check_like_one_process(cases, tmp_path)
+    # the collective log: per attention block and micro-batch, cp - 1 = 1 rotation of the keys and
+    # values forward, one backward and cp = 2 of their gradients; by all-to-all, q, k, v to
+    # positions and the output back (and their reverse backward), the positions gathered once;
+    # nothing else on the cp group
+    m, blocks = 4, 3  # 6 blocks over 2 stages
+    for rank in ranks["gpt pp=2 cp=2 1f1b ring"]:
+        log = Counter(e.split(" to ")[0] for e in rank.extras["cp_log"])
+        assert log == {"ring kv": m * blocks, "ring kv backward": m * blocks, "ring dkv backward": 2 * m * blocks}, log
+    for rank in ranks["gpt pp=2 cp=2 zbv alltoall"]:
+        log = Counter(rank.extras["cp_log"])
+        assert log == {"allgather positions": m * blocks, "alltoall to positions": 3 * m * blocks + m * blocks,
+                       "alltoall to heads": m * blocks + 3 * m * blocks}, log
+
+
+@pytest.mark.parametrize(("overrides", "key", "words"), [
+    (["model.seq_len=6", "cp=2"], "cp", "2 x cp = 4 chunks"),
+    (["model=mlp", "cp=2"], "cp", "valid: model=gpt"),
+    (["cp=2", "cp_method=alltoall", "model.heads=3", "model.dim=48"], "cp_method", "does not divide"),
+    (["cp=2", "cp_method=zigzag"], "cp_method", "valid: ring"),
+    (["cp=2", "tp=2"], "tp", "not supported yet"),
+    (["cp=2", "dp=4", "zero=1", "dp_shard=2"], "dp_shard", "not supported yet"),
+    (["cp=2", "model.attention=math"], "model.attention", "valid with cp > 1"),
+])
+def test_refused_before_spawn(overrides: list[str], key: str, words: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        prepare(compose_cfg([*CP, "pp=1", *overrides]), profile=False)
+    assert err.value.key == key and words in str(err.value), str(err.value)
+
+
+@pytest.mark.timeout(600)
+def test_a_cp_checkpoint_resumes_without_cp(tmp_path) -> None:
+    """cp changes nothing a checkpoint holds: written at pp=2 cp=2 (SGD with momentum, whose state
+    the checkpoint keeps; clipping), it resumes at pp=2 without cp on the uninterrupted run's losses
+    and final weights. (Not AdamW here: a key bias's gradient is rounding noise, zero in exact
+    arithmetic, which Adam's normalisation turns into steps of the learning rate's size.)"""
+    from tests.test_cli import metrics
+    from tests.test_long_runs import _run, _weights
+
+    base = [*CP, "optimizer.momentum=0.9", "clip_grad_norm=0.05", "checkpoint.every=2", "steps=4"]
+    _run([*base, "pp=2", "cp=2", f"checkpoint.dir={tmp_path / 'cp'}"], tmp_path / "cprun")
+    straight = metrics(tmp_path / "cprun")["losses"]
+    ref = _weights(tmp_path / "cp", 4)
+    _run([*base, "pp=2", f"resume={tmp_path / 'cp' / 'step_0000002'}", f"checkpoint.dir={tmp_path / 'one'}"],
+         tmp_path / "onerun")
+    resumed = metrics(tmp_path / "onerun")
+    assert resumed["start_step"] == 2 and resumed["losses"][2:] == pytest.approx(straight[2:], rel=1e-5)
+    got = _weights(tmp_path / "one", 4)
+    assert set(ref) == set(got)
+    for key, r in ref.items():
+        assert float((got[key] - r).norm()) <= 1e-5 * float(r.norm()) + 1e-7, key
