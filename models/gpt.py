@@ -231,10 +231,8 @@ def gpt(
     through, and the auxiliary load-balancing loss at `aux_loss_coef`; `capacity_factor` (set by
     `moe.capacity_factor`) drops the slots past each expert's capacity, as GShard and Switch do;
     `bias_update_rate` (set by `moe.bias_update_rate`) moves the sigmoid router's correction bias
-    after each optimizer step, DeepSeek-V3's auxiliary-loss-free balancing (`moe.update_bias`).
-
-    `context_parallel` (set by `cp`) > 1: attention over the cp group (`attention=context`), and
-    each rank traces and runs its 1/cp of the positions (`input_shape`)."""
+    after each optimizer step, DeepSeek-V3's auxiliary-loss-free balancing (`moe.update_bias`);
+    `context_parallel` (set by `cp`): the ranks a sequence is split over (`_context`)."""
     _check_shape(vocab_size, dim, layers, heads, seq_len, mlp_ratio, dropout, granularity, attention)
     attention, local = _context(attention, seq_len, context_parallel)
     moe = _moe_settings(dim, mlp_ratio, layers, experts, top_k, expert_dim, shared_experts, dense_layers, router,
@@ -256,12 +254,9 @@ def gpt(
         leaf_modules=_leaf_modules([n for n, _ in blocks], granularity,
                                    [f"layer{i}.mlp" for i in range(dense_layers, layers)] if experts else []),
         meta={"vocab_size": vocab_size, "seq_len": seq_len, "dim": dim, "context_parallel": context_parallel,
-              "heads": heads, "dropout": dropout,
-              "tp_divides": {"model.heads": heads, "model.vocab_size": vocab_size},
-              **({"experts": experts, "top_k": top_k, "moe_layers": layers - dense_layers,
-                  "capacity_factor": capacity_factor, "router": router,
-                  # what the runtime moves the routers' correction bias by (launcher/validate.py checks it)
-                  "bias_update_rate": moe["bias_update_rate"]} if experts else {})},
+              "heads": heads, "dropout": dropout, "tp_divides": {"model.heads": heads, "model.vocab_size": vocab_size},
+              **({"experts": experts, "top_k": top_k, "moe_layers": layers - dense_layers, "router": router,
+                  "capacity_factor": capacity_factor, "bias_update_rate": moe["bias_update_rate"]} if experts else {})},
         tp_plan=dict(TP_PLAN if tp_plan is None else tp_plan),
         data_args=("input", POSITION_IDS) if packed else ("input",),
     )
@@ -288,7 +283,8 @@ def _check_shape(vocab_size: int, dim: int, layers: int, heads: int, seq_len: in
 
 
 def _context(attention: str, seq_len: int, cp: int) -> tuple[str, int]:
-    """Under cp > 1: the attention that crosses the cp group, and the positions a rank holds."""
+    """Under cp > 1: the attention that crosses the cp group (`attention=context`), and the
+    positions a rank traces and runs (1/cp of them: `input_shape`)."""
     if cp == 1:
         return attention, seq_len
     if attention == "math":

@@ -246,6 +246,14 @@ SCENARIOS = [
         train("python train.py model.experts=8 model.top_k=2 model.shared_experts=1 pp=2 dp=2 ep=2 scheduler=dualpipev"),
         train("python train.py model=hf_mixtral_tiny pp=2 dp=2 ep=2"),
         plan("python train.py mode=plan model.experts=8 pp=2 dp=2 ep=2")), slow=True, timeout=600),
+    # slow: tests/test_context_parallel.py trains these layouts like one process by default
+    Scenario("cp-readme", "README.md", (
+        train("python train.py cp=2 pp=2 model.seq_len=64"),
+        train("python train.py cp=2 cp_method=alltoall pp=2 model.seq_len=64")), slow=True, timeout=600),
+    Scenario("cp-doc", "docs/long_sequences.md", (
+        train("python train.py cp=2 pp=2 model.seq_len=64"),
+        train("python train.py cp=2 cp_method=alltoall pp=2 model.seq_len=64"),
+        train("python train.py cp=2 dp=2 pp=1 zero=3 model.seq_len=64")), slow=True, timeout=600),
     # slow: tests/test_expert_search.py plans DeepSeek-V3's dimensions on the H800 by default
     Scenario("deepseek-plan", "docs/planner.md", (
         plan("python train.py mode=plan model=gpt_deepseek_v3 hardware=h800 batch_size=15360 precision=bf16 zero=1 "

@@ -104,6 +104,14 @@ def _data_parallel(plan: Plan, ctx: RankContext, slots: dict[int, StageSlot]) ->
     return ReplicatedGrads(plan, modules, actions, ctx.grad_group, ctx.expert_dp_group if ctx.ep > 1 else None)
 
 
+def _context_parallel(run: RunSpec, plan: Plan, ctx: RankContext, spec: ModelSpec) -> torch.Tensor | None:
+    """Set (or clear: a job before may have set it) the rank's context parallelism, which the
+    model's attention reads; returns the global positions of its columns of the data (cp > 1)."""
+    activate(ContextParallel(ctx.cp_group, plan.cp_method) if ctx.cp > 1 else None)
+    cp_exchanges.EXCHANGES[0] = [] if run.debug.record_p2p and ctx.cp > 1 else None
+    return active().positions(spec.input_shape[-1], torch.device("cpu")) if ctx.cp > 1 else None
+
+
 def _loss_fn(spec: ModelSpec, slots: dict[int, StageSlot], tp: TensorParallel | None) -> Callable:
     """The model's loss, or under tp the vocabulary-parallel cross-entropy where the last stage's
     output is logits split by vocabulary (the launcher allowed that only for `causal_lm_loss`)."""
@@ -185,14 +193,9 @@ class RankTrainer:
         # a mixture of experts' auxiliary loss weighs in each micro-batch as the step's mean does
         set_aux_loss_scale(1.0 / (plan.dp * plan.microbatches))
         self.data_parallel = _data_parallel(plan, ctx, self.slots) if self.training and ctx.dp * ctx.cp > 1 else None
-        #: under cp > 1, the global positions of this rank's share of every sequence (its columns of the data)
-        self.cp_positions = None
-        activate(ContextParallel(ctx.cp_group, plan.cp_method) if ctx.cp > 1 else None)  # (a job before may have)
-        if ctx.cp > 1:
-            self.cp_positions = active().positions(self.spec.input_shape[-1], torch.device("cpu"))
-        #: under cp > 1 (debug.record_p2p), the cp group's exchanges this rank made in its first step
-        self.cp_log: list[str] | None = None
-        cp_exchanges.EXCHANGES[0] = [] if run.debug.record_p2p and ctx.cp > 1 else None
+        #: under cp > 1, the global positions of this rank's share of every sequence (its columns of
+        #: the data), and (debug.record_p2p) the cp group's exchanges this rank made in its first step
+        self.cp_positions, self.cp_log = _context_parallel(run, plan, ctx, self.spec), None
         self.initial_weights = "constructor" if initial_weights is not None else "by_name"
         # the stream dropout draws from: set by (seed, rank), so a run repeats itself and DP
         # replicas draw different masks (a resume then restores the stream it saved); the tp ranks
