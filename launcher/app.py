@@ -257,6 +257,10 @@ def dry_run(prepared: Prepared, run_dir: Path) -> dict:
     source = plan.meta.machine.cost_source
     if source:
         print(f"costs from {source}", flush=True)
+    if plan.cp > 1:
+        print(f"cp={plan.cp}: priced on one rank's 1/{plan.cp} of the positions (its activations, its per-position "
+              "compute); attention across the cp ranks and its exchanges are not priced yet "
+              "(docs/long_sequences.md)", flush=True)
     # the compute, and the replicas' collectives on each rank's own dp lane (none without dp)
     draw_timeline(run_dir / "timeline.png", pred.timeline_events(),
                   title=f"simulated {plan.schedule.name} pp={plan.pp}")

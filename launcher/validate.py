@@ -146,6 +146,9 @@ def check_context_parallel(cfg: TrainConfig, spec, data) -> None:  # noqa: ANN00
     if cfg.cp_method == "alltoall" and heads and heads % cp:
         raise ConfigError("cp_method", f"alltoall splits the {heads} heads (model.heads) over cp={cp} ranks, which "
                                        "does not divide them; valid: ring, or a cp dividing the heads")
+    if cfg.plan.devices is not None:
+        raise ConfigError("cp", f"cp={cp} with plan.devices={cfg.plan.devices}: the layout search does not search or "
+                                "keep cp yet; set pp and dp yourself beside cp (mode=plan plans that layout), or cp=1")
     others = [(key, value, valid) for key, value, valid in (
         ("tp", cfg.tp, "tp=1"), ("ep", cfg.ep, "ep=1"), ("dp_shard", cfg.dp_shard or cfg.dp, f"dp_shard={cfg.dp}"))
         if value != int(valid.split("=")[1])]
