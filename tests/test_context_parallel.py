@@ -80,3 +80,42 @@ def test_a_cp_checkpoint_resumes_without_cp(tmp_path) -> None:
     assert set(ref) == set(got)
     for key, r in ref.items():
         assert float((got[key] - r).norm()) <= 1e-5 * float(r.norm()) + 1e-7, key
+
+
+@pytest.mark.parametrize("granularity", ["block", "op"])
+def test_the_planner_prices_a_ranks_attention_over_the_whole_sequence(granularity: str) -> None:
+    """The trace holds one rank's positions; each attention adds cp - 1 times its share of the
+    node (all of an attention call; a block's by FLOPs) and its exchanges on the cp link: the ring's
+    cp - 1 rotations of keys and values forward, as many and cp fp32 gradient rotations backward."""
+    from pipelaunch.models.gpt import gpt
+    from pipelaunch.pipeline.planner.measure.context import add_context_costs, attention_share
+
+    spec = gpt(vocab_size=64, dim=32, layers=2, heads=4, seq_len=16, granularity=granularity, context_parallel=2)
+    traced = spec.trace(2)
+    g = traced.graph
+    for n in g.nodes:
+        g.nodes[n].update(forward_s=1.0, backward_s=2.0)
+    add_context_costs(traced, 2, "ring", (1e-5, 1e9), 4.0)
+    priced = {n: g.nodes[n] for n in g.nodes if "cp_exchange_s" in g.nodes[n]}
+    assert len(priced) == 2  # one attention per block
+    block = 2 * 4 * 8 * 8  # b x heads x local t x head dim
+    forward = 1e-5 + 2 * block * 4 / 1e9
+    backward = forward + 2 * (1e-5 + 2 * block * 4 / 1e9)
+    for name, node in priced.items():
+        share = attention_share(traced, name)[0]
+        assert (share == 1.0) == (granularity == "op") and 0 < share <= 1
+        # a block's: 2 b h t^2 d of attention against 2 b t x its matmul weights (12 d^2), per sample
+        assert granularity == "op" or share == pytest.approx(2 * 8 * 8 * 32 / (2 * 8 * 8 * 32 + 2 * 8 * 12 * 32 * 32))
+        assert node["cp_exchange_s"] == pytest.approx((forward, backward))
+        assert node["forward_s"] == pytest.approx(1.0 + share + forward)
+        assert node["backward_s"] == pytest.approx(2.0 + 2 * share + backward)
+
+
+def test_mode_plan_holds_half_the_activations_at_cp_2() -> None:
+    """mode=plan at cp=2: each rank's activations about half of cp=1's (its positions), and the
+    plan carries cp."""
+    plans = {cp: prepare(compose_cfg([*CP, "model.seq_len=64", "pp=2", f"cp={cp}", "mode=plan"])) for cp in (1, 2)}
+    assert plans[2].plan.cp == 2 and plans[2].plan.world_size == 4
+    for rank in range(2):
+        half = plans[2].prediction.devices[rank].activations / plans[1].prediction.devices[rank].activations
+        assert 0.4 < half < 0.6, half

@@ -94,6 +94,7 @@ def _make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Gro
     tp_modules = tensor_parallel_modules(max(tps), spec, models)
     models.tp_modules = tp_modules
     models.tp_link, models.ep_link = _group_links(cfg, cuda, profile, facts, max(tps), hw)
+    models.cp_link = _cp_link(cfg, facts, hw)
 
     def experts(c: Candidate | None) -> dict:
         """The expert-parallel degree a candidate's trace holds one rank's experts of, and the link
@@ -171,6 +172,16 @@ def _group_links(cfg: TrainConfig, cuda: bool, profile: bool, facts: dict, tp: i
         return tp_link(cfg, cuda, profile, facts["link_latency_s"], tp), (facts["link_latency_s"], cfg.link_bandwidth)
     ep = hw.ep_link(cfg.pp, cfg.tp, cfg.ep)
     return (hw.intra_node.latency_s, hw.intra_node.bandwidth), (ep.latency_s, ep.bandwidth)
+
+
+def _cp_link(cfg: TrainConfig, facts: dict, hw: Hardware | None) -> tuple[float, float]:
+    """The (latency, bandwidth) the cp group's exchanges are priced on: inside a node while its cp x
+    tp ranks fit one (they are consecutive ranks), else across; this machine's link without a
+    hardware file."""
+    if hw is None:
+        return facts["link_latency_s"], cfg.link_bandwidth
+    link = hw.intra_node if cfg.cp * cfg.tp <= hw.devices_per_node else hw.inter_node
+    return link.latency_s, link.bandwidth
 
 
 def for_hardware(cfg: TrainConfig, hw: Hardware) -> TrainConfig:

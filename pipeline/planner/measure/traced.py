@@ -34,6 +34,7 @@ from pipelaunch.pipeline.graph.tensor_parallel import (
 from pipelaunch.pipeline.graph.trace import TracedModel
 from pipelaunch.pipeline.planner.measure.analytic_profile import price_graphs
 from pipelaunch.pipeline.planner.measure.autocast import cached_autocast_dtypes
+from pipelaunch.pipeline.planner.measure.context import add_context_costs
 from pipelaunch.pipeline.planner.measure.experts import add_all_to_alls, ep_local
 from pipelaunch.pipeline.planner.measure.host_memory import check_host_memory
 from pipelaunch.pipeline.planner.measure.profile import (
@@ -77,6 +78,10 @@ class TracedModels:
         self.tp, self.tp_modules, self.tp_link = cfg.tp, {}, (0.0, 1.0)
         #: under ep > 1, the ep group's link its all-to-alls are priced on (set by make_plan)
         self.ep_link = (0.0, 1.0)
+        #: under cp > 1, the cp group's link (set by make_plan), and per size the trace with each
+        #: attention's cost beyond the rank's positions added (`measure/context.py`)
+        self.cp_link = (0.0, 1.0)
+        self._attended: dict[tuple, TracedModel] = {}
         #: per (size, tp > 1, ep): the model (one ep rank's experts) traced at one tp rank's shapes
         #: and what the rewrite placed
         self._local: dict[tuple[int, int, int], TracedModel] = {}
@@ -94,6 +99,19 @@ class TracedModels:
         ep > 1 (the configured ep unless given) with one ep rank's experts and each MoE layer's
         all-to-alls priced on `ep_link` (latency, bandwidth; default `self.ep_link`): one trace and
         profile per (size, ep), a copy of it per link."""
+        traced = self._get(micro_batch_size, tp, ep, ep_link)
+        if self.cfg.cp == 1:
+            return traced
+        key = (id(traced), self.cp_link)
+        if key not in self._attended:
+            self._attended[key] = attended = replace(traced, graph=traced.graph.copy())
+            dtype = PRECISIONS[str(self.cfg.precision)]
+            add_context_costs(attended, self.cfg.cp, self.cfg.cp_method, self.cp_link,
+                              dtype.itemsize if dtype is not None else 4.0)
+        return self._attended[key]
+
+    def _get(self, micro_batch_size: int, tp: int | None, ep: int | None,
+             ep_link: tuple[float, float] | None) -> TracedModel:
         tp, ep = tp or self.tp, ep or self.cfg.ep
         self.prepare([micro_batch_size], tp, ep)
         if tp == 1:

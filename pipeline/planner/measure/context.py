@@ -1,0 +1,106 @@
+"""One cp rank's attention priced beyond the trace: what the planner adds under cp > 1.
+
+The model is traced and measured on one rank's 1/cp of the positions (`model=gpt`'s input shape
+under cp), so every per-position cost, the activations and the messages are the rank's own. What
+the trace cannot see is that the rank's queries meet every rank's keys: its attention computes cp
+times what the traced, local causal attention computes (the head-tail balance gives each rank
+1/cp of the whole causal score matrix, cp times its local share), and the keys and values cross
+the cp group.
+
+Attention's share of a node: an attention node (op granularity) is all attention; a block holding
+`CausalSelfAttention`s is split by FLOPs, 2·b·heads·t²·d for its causal attention against
+2·b·t·(its matmul weights) for the rest, and that share of the node's measured (or priced) time
+is added cp − 1 times over, forward and backward (in the input-gradient half under a split
+backward: attention has no weights).
+
+The exchanges, per attention and micro-batch (pipeline/compute/ring_attention.py,
+ulysses_attention.py), added to the node's time as issued in line (a bound: the ring posts each
+step before its block, so on a device that computes and communicates at once some of it hides):
+- ring: forward cp − 1 rotations of the keys and values (2·b·heads·t·d in the compute dtype),
+  backward as many and cp of their fp32 gradients;
+- alltoall: forward q, k, v to positions and the output back, each a rank's (cp − 1)/cp of
+  b·heads·t·d; the backward the same four reversed.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from pipelaunch.pipeline.compute.context_parallel import attention as context_attention
+from pipelaunch.pipeline.graph.trace import TracedModel
+
+
+def _attentions(module: nn.Module) -> list[nn.Module]:
+    """The attention modules that attend over the cp group (`model.attention=context`)."""
+    return [m for m in module.modules() if getattr(m, "context", None) is True and hasattr(m, "head_dim")]
+
+
+def _out_shape(node_meta: dict) -> list[int] | None:
+    """A node's output shape (a block's: the hidden states [b, t, dim]; an attention call's
+    [b, heads, t, d]), None for other outputs."""
+    shape = node_meta.get("shape")
+    return [int(x) for x in shape[0]] if isinstance(shape, (list, tuple)) and shape and \
+        isinstance(shape[0], (list, tuple)) and all(isinstance(x, int) for x in shape[0]) else None
+
+
+def attention_share(traced: TracedModel, name: str, calls: set[str] | None = None
+                    ) -> tuple[float, list[tuple[int, int, int, int]]]:
+    """Node `name`'s share of its time that is attention, and its attentions' (b, heads, t, d).
+    `calls`: the graph's calls of the cp attention by node name (`attention_calls`)."""
+    gm, node = traced.gm, traced.graph.nodes[name]
+    target = node.get("target")
+    shape = _out_shape(node)
+    if node.get("op") == "call_function" and name in (attention_calls(traced) if calls is None else calls):
+        return (1.0, [tuple(shape)]) if shape is not None and len(shape) == 4 else (0.0, [])
+    if node.get("op") != "call_module":
+        return 0.0, []
+    found = _attentions(gm.get_submodule(str(target)))
+    if not found or shape is None or len(shape) != 3:
+        return 0.0, []
+    module = gm.get_submodule(str(target))
+    b, t = shape[0], shape[1]
+    shapes = [(b, m.q.out_features // m.head_dim, t, m.head_dim) for m in found]
+    attention = sum(2.0 * b * h * t * t * d for b, h, t, d in shapes)
+    weights = sum(p.numel() for n, p in module.named_parameters() if p.dim() == 2)
+    return attention / (attention + 2.0 * b * t * weights), shapes
+
+
+def attention_calls(traced: TracedModel) -> set[str]:
+    """The nodes calling the cp attention itself (op granularity)."""
+    return {n.name for n in traced.gm.graph.nodes if n.op == "call_function" and n.target is context_attention}
+
+
+def exchange_s(shape: tuple[int, int, int, int], cp: int, method: str, link: tuple[float, float],
+               compute_bytes: float) -> tuple[float, float]:
+    """(forward, backward) seconds of one attention's cp exchanges on `link` (latency, bandwidth)."""
+    latency, bandwidth = link
+    b, h, t, d = shape
+    block = b * h * t * d
+    if method == "ring":
+        kv = 2 * block * compute_bytes
+        forward = (cp - 1) * (latency + kv / bandwidth)
+        return forward, forward + cp * (latency + 2 * block * 4 / bandwidth)
+    each = latency + block * compute_bytes * (cp - 1) / cp / bandwidth
+    return 4 * each, 4 * each
+
+
+def add_context_costs(traced: TracedModel, cp: int, method: str, link: tuple[float, float],
+                      compute_bytes: float = 4.0) -> None:
+    """Each attention node's cost under cp (module docstring), in place: its times (where
+    profiled) and `cp_exchange_s` (forward, backward seconds of its exchanges). `compute_bytes`:
+    the bytes of an element in the dtype attention computes in."""
+    g, calls = traced.graph, attention_calls(traced)
+    for name in g.nodes:
+        share, shapes = attention_share(traced, name, calls)
+        if not shapes:
+            continue
+        node = g.nodes[name]
+        fwd_x, bwd_x = (sum(x) for x in zip(*(exchange_s(s, cp, method, link, compute_bytes) for s in shapes),
+                                           strict=True))
+        node["cp_exchange_s"] = (fwd_x, bwd_x)
+        if "forward_s" in node:
+            node["forward_s"] += (cp - 1) * share * node["forward_s"] + fwd_x
+        for key in ("backward_s", "backward_input_s"):
+            if key in node:
+                node[key] += (cp - 1) * share * node[key] + bwd_x
+    g.graph["cp"] = cp
