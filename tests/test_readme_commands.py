@@ -381,6 +381,9 @@ SKIPPED = {
                                    "in bench/RESULTS.md; its plans run in scenario deepseek-plan",
     "python bench/moe_overlap.py": "six real training runs at pp=2 dp=2 ep=2 (about 3 minutes), timed: run on an "
                                    "idle machine (bench/RESULTS.md)",
+    "python bench/cp_memory.py": "two real training runs of gpt_bench at 1024 positions (4 ranks at cp=2): bench/"
+                                 "RESULTS.md records them; tests/test_context_parallel.py checks cp's activations "
+                                 "in the plan by default",
     "python bench/remat_modes.py": "twelve real training runs of gpt_bench (about 4 minutes), timed: run on an "
                                    "idle machine, bench/RESULTS.md records them; tests/test_remat_modes.py measures "
                                    "each mode's memory",

@@ -62,8 +62,10 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | Non
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+    """q kᵀ · scale, a masked pair -inf: one [.., Tq, Tk] tensor, scaled and masked in place (the
+    block's scores are the ring's largest transient)."""
+    s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    return s if mask is None else s.masked_fill_(~mask, float("-inf"))
 
 
 class _Ring:
@@ -109,8 +111,11 @@ class RingAttention(torch.autograd.Function):
             merged = torch.logaddexp(lse, block)
             seen = torch.isfinite(merged)
             keep = torch.where(seen, torch.exp(lse - merged), 0.0)
-            take = torch.where(seen[..., None], torch.exp(s - torch.where(seen, merged, 0.0)[..., None]), 0.0)
+            # the block's probabilities in place of its scores (a row nothing has scored yet is all
+            # -inf: exp gives 0)
+            take = s.sub_(torch.where(seen, merged, 0.0)[..., None]).exp_()
             out = out * keep[..., None] + torch.matmul(take, kv[1].float())
+            del s, take
             lse = merged
             if pending is not None:
                 kv, where = ring.wait(*pending)
@@ -134,12 +139,12 @@ class RingAttention(torch.autograd.Function):
             pending = ring.rotate([kv, where], "kv backward") if step < ring.size - 1 else None
             k_doc = None if doc is None else where[1:]
             s = _scores(q.float(), kv[0].float(), scale, _allowed(pos, where[0], doc, k_doc, ctx.causal))
-            p = torch.exp(s - finite)  # a masked score is -inf: 0
-            dp = torch.matmul(g, kv[1].float().transpose(-1, -2))
-            ds = p * (dp - delta)
+            p = s.sub_(finite).exp_()  # in place of the scores; a masked score is -inf: 0
+            ds = torch.matmul(g, kv[1].float().transpose(-1, -2)).sub_(delta).mul_(p)  # dp, then ds, in place
             dq = dq + torch.matmul(ds, kv[0].float()) * scale
             here = torch.stack([torch.matmul(ds.transpose(-1, -2), q.float()) * scale,
                                 torch.matmul(p.transpose(-1, -2), g)])
+            del s, p, ds
             if moving is not None:  # what the ranks before added to this block
                 dkv = ring.wait(*moving)[0]
             moving = ring.rotate([dkv + here], "dkv backward")
