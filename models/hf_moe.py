@@ -159,14 +159,16 @@ class HFExperts:
         return out + getattr(self, f"{name}_bias").unsqueeze(1) if self.has_bias else out
 
 
-_SUBCLASSES: dict[type, type] = {}
+_SUBCLASSES: dict[tuple[type, type], type] = {}
 
 
-def _subclass(cls: type) -> type:
-    if cls not in _SUBCLASSES:
-        _SUBCLASSES[cls] = type(cls.__name__, (HFExperts, cls), {"__module__": cls.__module__,
-                                                                   "__doc__": cls.__doc__})
-    return _SUBCLASSES[cls]
+def mixed(cls: type, mixin: type = HFExperts) -> type:
+    """`cls` with `mixin` before it (one class per pair, named as `cls`): what `adopt` swaps an
+    experts module's class for, in place."""
+    if (cls, mixin) not in _SUBCLASSES:
+        _SUBCLASSES[cls, mixin] = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__,
+                                                                     "__doc__": cls.__doc__})
+    return _SUBCLASSES[cls, mixin]
 
 
 def _patterns(model: nn.Module) -> list[re.Pattern]:
@@ -225,7 +227,7 @@ def adopt(model: nn.Module) -> list[int]:
     totals = []
     for _, module in experts_modules(model):
         if not isinstance(module, HFExperts):
-            module.__class__ = _subclass(type(module))
+            module.__class__ = mixed(type(module))
             module.total, module.first, module.dispatch, module.top_k, module.counts = \
                 module.num_experts, 0, None, None, None
             module.bias_update_rate = None

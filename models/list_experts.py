@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import nn
 
-from pipelaunch.models.hf_moe import HFExperts
+from pipelaunch.models.hf_moe import HFExperts, mixed
 from pipelaunch.pipeline.core.errors import ConfigError
 
 #: the style an ep_plan entry names (transformers' own, for a module reached by token dispatch)
@@ -96,16 +96,6 @@ class ListExperts(HFExperts):
         return iter(getattr(self, self.list_name))
 
 
-_SUBCLASSES: dict[type, type] = {}
-
-
-def _subclass(cls: type) -> type:
-    if cls not in _SUBCLASSES:
-        _SUBCLASSES[cls] = type(cls.__name__, (ListExperts, cls), {"__module__": cls.__module__,
-                                                                     "__doc__": cls.__doc__})
-    return _SUBCLASSES[cls]
-
-
 def _pattern(key: str) -> re.Pattern:
     return re.compile(re.escape(key).replace(r"\*", r"[^.]+") + "$")
 
@@ -144,7 +134,7 @@ def adopt(model: nn.Module, plan: Mapping[str, str], prefix: str = "") -> list[s
         for name, module in matched:
             if not isinstance(module, ListExperts):
                 list_name = _expert_list(name.removeprefix(prefix), module)
-                module.__class__ = _subclass(type(module))
+                module.__class__ = mixed(type(module), ListExperts)
                 module.list_name = list_name
                 module.total = len(getattr(module, list_name))
                 module.first, module.dispatch, module.top_k, module.counts = 0, None, None, None

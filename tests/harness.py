@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
@@ -210,3 +212,18 @@ def use_stored_profile(mp, cache: Path, profile_file: Path, temporaries_file: Pa
     mp.setattr(profile, "save_cached", no_save)
     mp.setattr(optimizer_costs, "load_cached", stored_load)  # it imported both by name
     mp.setattr(optimizer_costs, "save_cached", no_save)
+
+
+def run_probe(script: str, world: int, tmp_path: Path, *args: str, timeout: float = 100) -> list[str]:
+    """`python -c script <rank> <world> <file store> *args` on `world` processes (gloo ranks the
+    script joins itself); every one must exit 0. Returns each rank's stdout."""
+    store = str(tmp_path / "store")
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), str(world), store, *args], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(world)]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    return [out for out, _ in outs]

@@ -65,21 +65,10 @@ def test_a_cp_checkpoint_resumes_without_cp(tmp_path) -> None:
     the checkpoint keeps; clipping), it resumes at pp=2 without cp on the uninterrupted run's losses
     and final weights. (Not AdamW here: a key bias's gradient is rounding noise, zero in exact
     arithmetic, which Adam's normalisation turns into steps of the learning rate's size.)"""
-    from tests.test_cli import metrics
-    from tests.test_long_runs import _run, _weights
+    from tests.test_long_runs import check_resumed
 
     base = [*CP, "optimizer.momentum=0.9", "clip_grad_norm=0.05", "checkpoint.every=2", "steps=4"]
-    _run([*base, "pp=2", "cp=2", f"checkpoint.dir={tmp_path / 'cp'}"], tmp_path / "cprun")
-    straight = metrics(tmp_path / "cprun")["losses"]
-    ref = _weights(tmp_path / "cp", 4)
-    _run([*base, "pp=2", f"resume={tmp_path / 'cp' / 'step_0000002'}", f"checkpoint.dir={tmp_path / 'one'}"],
-         tmp_path / "onerun")
-    resumed = metrics(tmp_path / "onerun")
-    assert resumed["start_step"] == 2 and resumed["losses"][2:] == pytest.approx(straight[2:], rel=1e-5)
-    got = _weights(tmp_path / "one", 4)
-    assert set(ref) == set(got)
-    for key, r in ref.items():
-        assert float((got[key] - r).norm()) <= 1e-5 * float(r.norm()) + 1e-7, key
+    check_resumed([*base, "pp=2", "cp=2"], [*base, "pp=2"], tmp_path, 2, 4)
 
 
 @pytest.mark.parametrize("granularity", ["block", "op"])

@@ -6,15 +6,13 @@ what model.attention=sdpa computes."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from pipelaunch.models.gpt import gpt
-from tests.harness import ROOT
+from tests.harness import run_probe
 
 PROBE = """
 import sys, torch, torch.distributed as dist
@@ -71,14 +69,5 @@ def test_outside_cp_the_context_attention_is_sdpas() -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("method", "cp"), [("ring", 2), ("alltoall", 2), ("ring", 3)])
 def test_a_cp_ranks_share_of_the_sequence_trains_as_the_whole_model(method: str, cp: int, tmp_path: Path) -> None:
-    store = str(tmp_path / "store")
-    procs = [subprocess.Popen([sys.executable, "-c", PROBE, str(r), str(cp), store, method], cwd=ROOT, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(cp)]
-    try:
-        outs = [p.communicate(timeout=100) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
-    worst = max(float(out.split()[-1]) for out, _ in outs)
+    worst = max(float(out.split()[-1]) for out in run_probe(PROBE, cp, tmp_path, method))
     assert worst < 1e-5, worst

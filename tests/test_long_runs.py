@@ -38,6 +38,24 @@ def _weights(run_dir, step: int = 6) -> dict[str, torch.Tensor]:
     return model_tensors(run_dir / f"step_{step:07d}")
 
 
+def check_resumed(first: list[str], then: list[str], tmp_path, at: int, steps: int) -> dict[str, torch.Tensor]:
+    """`first` run uninterrupted with checkpoints (its `checkpoint.dir` under tmp_path/first);
+    `then` resumed from its step `at`: the losses after `at` and the final weights within 1e-5 of
+    the uninterrupted run's. Returns that run's final weights."""
+    _run([*first, f"checkpoint.dir={tmp_path / 'first'}"], tmp_path / "firstrun")
+    straight = metrics(tmp_path / "firstrun")["losses"]
+    ref = _weights(tmp_path / "first", steps)
+    _run([*then, f"resume={tmp_path / 'first' / f'step_{at:07d}'}", f"checkpoint.dir={tmp_path / 'then'}"],
+         tmp_path / "thenrun")
+    resumed = metrics(tmp_path / "thenrun")
+    assert resumed["start_step"] == at and resumed["losses"][at:] == pytest.approx(straight[at:], rel=1e-5)
+    got = _weights(tmp_path / "then", steps)
+    assert set(ref) == set(got)
+    for key, r in ref.items():
+        assert float((got[key] - r).norm()) <= 1e-5 * float(r.norm()) + 1e-7, key
+    return ref
+
+
 def _assert_resumed_bitwise(straight_run, straight_ck, resumed_run, resumed_ck, start: int) -> None:
     """The resumed run follows the uninterrupted one bit for bit (same layout, same state, same
     data): losses, learning rates (warm-up included), the final weights; clipping bit every step."""

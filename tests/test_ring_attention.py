@@ -6,15 +6,13 @@ without a mask; the head-tail positions balance the causal work."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from pipelaunch.pipeline.compute.ring_attention import balanced_positions
-from tests.harness import ROOT
+from tests.harness import run_probe
 
 PROBE = """
 import sys, torch, torch.distributed as dist
@@ -64,14 +62,5 @@ def test_the_head_tail_balance_gives_each_rank_two_chunks_and_equal_causal_work(
 def test_cp_attention_is_scaled_dot_product_attention_over_the_whole_sequence(method: str, cp: int,
                                                                              tmp_path: Path) -> None:
     """Both methods, on 2 and 3 ranks (6 heads: the all-to-all splits them)."""
-    store = str(tmp_path / "store")
-    procs = [subprocess.Popen([sys.executable, "-c", PROBE, str(r), str(cp), store, method], cwd=ROOT, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(cp)]
-    try:
-        outs = [p.communicate(timeout=100) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
-    worst = max(float(out.split()[-1]) for out, _ in outs)
+    worst = max(float(out.split()[-1]) for out in run_probe(PROBE, cp, tmp_path, method))
     assert worst < 1e-5, worst

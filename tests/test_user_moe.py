@@ -129,20 +129,10 @@ def test_a_users_moe_trains_as_one_process_under_expert_parallelism(tmp_path) ->
 def test_a_users_expert_parallel_checkpoint_resumes_without_ep(tmp_path) -> None:
     """Checkpointed at pp=2 dp=2 ep=2 (AdamW), the checkpoint holds each expert whole under its
     name; it resumes at pp=2 dp=1 on the uninterrupted run's losses and final weights."""
-    from tests.test_cli import metrics
-    from tests.test_long_runs import _run, _weights
+    from tests.test_long_runs import check_resumed
 
     base = [*MODEL, "data=synthetic", "batch_size=8", "model.seq_len=16", "threads=1", "timeout_s=120",
             "optimizer=adamw", "checkpoint.every=2", "steps=4"]
-    _run([*base, "pp=2", "dp=2", "ep=2", "microbatches=2", f"checkpoint.dir={tmp_path / 'ep'}"], tmp_path / "eprun")
-    straight = metrics(tmp_path / "eprun")["losses"]
-    ref = _weights(tmp_path / "ep", 4)
+    ref = check_resumed([*base, "pp=2", "dp=2", "ep=2", "microbatches=2"], [*base, "pp=2", "microbatches=4"],
+                        tmp_path, 2, 4)
     assert {f"inner.blocks.1.bank.mlps.{e}.down.bias" for e in range(4)} <= set(ref)
-    _run([*base, "pp=2", "microbatches=4", f"resume={tmp_path / 'ep' / 'step_0000002'}",
-          f"checkpoint.dir={tmp_path / 'one'}"], tmp_path / "onerun")
-    resumed = metrics(tmp_path / "onerun")
-    assert resumed["start_step"] == 2 and resumed["losses"][2:] == pytest.approx(straight[2:], rel=1e-5)
-    got = _weights(tmp_path / "one", 4)
-    assert set(ref) == set(got)
-    for key, r in ref.items():
-        assert float((got[key] - r).norm()) <= 1e-5 * float(r.norm()) + 1e-7, key

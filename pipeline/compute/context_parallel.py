@@ -16,6 +16,7 @@ process computes), and the planner's passes on meta tensors never see a group.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,13 @@ class ContextParallel:
         return dist.get_world_size(self.group)
 
     def positions(self, local: int, device: torch.device) -> torch.Tensor:
-        return balanced_positions(local * self.size, self.size, dist.get_rank(self.group), device)
+        """The same for every micro-batch and attention of a run: made once per (length, device)."""
+        return _positions(local * self.size, self.size, dist.get_rank(self.group), device)
+
+
+@lru_cache(maxsize=64)
+def _positions(seq: int, cp: int, rank: int, device: torch.device) -> torch.Tensor:
+    return balanced_positions(seq, cp, rank, device)
 
 
 _ACTIVE: list[ContextParallel | None] = [None]

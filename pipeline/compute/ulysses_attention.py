@@ -22,31 +22,19 @@ import torch.distributed as dist
 from pipelaunch.pipeline.compute.ring_attention import record
 
 
-class _HeadsToPositions(torch.autograd.Function):
-    """[B, H, T/cp, D] (every head, this rank's positions) -> [B, H/cp, T, D] (this rank's heads,
-    every rank's positions in rank order); the backward is the inverse exchange."""
+class _Exchange(torch.autograd.Function):
+    """`to_positions`: [B, H, T/cp, D] (every head, this rank's positions) -> [B, H/cp, T, D] (this
+    rank's heads, every rank's positions in rank order); else the inverse. The backward is the
+    inverse exchange."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: ANN001
-        ctx.group = group
-        return _to_positions(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        return _to_heads(grad, ctx.group), None
-
-
-class _PositionsToHeads(torch.autograd.Function):
-    """The inverse of `_HeadsToPositions`."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: ANN001
-        ctx.group = group
-        return _to_heads(x, group)
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, to_positions: bool) -> torch.Tensor:  # noqa: ANN001
+        ctx.group, ctx.to_positions = group, to_positions
+        return (_to_positions if to_positions else _to_heads)(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        return _to_positions(grad, ctx.group), None
+        return (_to_heads if ctx.to_positions else _to_positions)(grad, ctx.group), None, None
 
 
 def _to_positions(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -85,7 +73,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: to
     # in rank order, as the exchange concatenates the positions
     every = gathered.view(cp, *where.shape).permute(1, 0, 2).reshape(where.shape[0], -1)
     order = torch.argsort(every[0])
-    qs, ks, vs = (_HeadsToPositions.apply(t, group)[:, :, order] for t in (q, k, v))
+    qs, ks, vs = (_Exchange.apply(t, group, True)[:, :, order] for t in (q, k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if doc is None:
         out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale)
@@ -97,4 +85,4 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: to
         out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask[:, None], scale=scale)
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=order.device)
-    return _PositionsToHeads.apply(out[:, :, back].contiguous(), group)
+    return _Exchange.apply(out[:, :, back].contiguous(), group, False)
