@@ -78,7 +78,8 @@ def _number(value, key: str, low: float, high: float | None = None, strict: bool
 
 def check_experts(cfg: TrainConfig) -> None:
     """What expert parallelism needs of the layout (the model's experts are checked with the model:
-    `check_expert_model`): ep folds over the replicas, and what this runtime shards beside it."""
+    `check_expert_model`): ep folds over the replicas. Under zero >= 1 with 1 < ep < dp the experts
+    are sharded over their dp / ep expert replicas (docs/sharding.md "Experts")."""
     ep = cfg.ep
     if ep == 1:
         return
@@ -86,15 +87,6 @@ def check_experts(cfg: TrainConfig) -> None:
         fits = [e for e in range(1, cfg.dp + 1) if cfg.dp % e == 0]
         raise ConfigError("ep", f"ep={ep} splits each layer's experts over {ep} replicas, and dp={cfg.dp} does not "
                                 f"divide into groups of {ep}; valid: a divisor of dp ({', '.join(map(str, fits))})")
-    if cfg.zero and ep != cfg.dp:
-        if cfg.mode == "plan":  # priced as Megatron's and DeepSeek-V3's distributed optimizers shard them
-            warnings.warn(f"mode=plan prices ep={ep} with zero={cfg.zero} over dp={cfg.dp} with the experts' state "
-                          f"sharded over their {cfg.dp // ep} expert replicas; a run refuses it (this runtime does "
-                          "not shard experts over expert replicas yet)", stacklevel=2)
-            return
-        raise ConfigError("ep", f"ep={ep} with zero={cfg.zero} over dp={cfg.dp}: sharding the experts over their "
-                                f"{cfg.dp // ep} expert replicas is not supported yet; set ep=dp ({cfg.dp}: each rank "
-                                "holds its own experts whole), or zero=0 (mode=plan prices it)")
 
 
 def check_expert_model(spec, ep: int) -> None:

@@ -208,7 +208,6 @@ def test_an_expert_parallel_checkpoint_resumes_under_other_layouts(resumed, tmp_
 
 @pytest.mark.parametrize(("overrides", "key", "words"), [
     ([*MOE, "dp=2", "ep=4"], "ep", "a divisor of dp"),
-    ([*MOE, "dp=4", "ep=2", "zero=1"], "ep", "set ep=dp"),
     ([*FAST, "dp=2", "ep=2"], "ep", "has none"),
     ([*MOE, "model.experts=6", "model.top_k=2", "dp=4", "ep=4", "batch_size=16", "microbatches=1"], "ep", "valid: 1, 2, 3, 6"),
     ([*MOE, "model.top_k=5"], "model.top_k", "more than the model's 4 experts"),

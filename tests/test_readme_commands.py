@@ -263,6 +263,7 @@ SCENARIOS = [
     Scenario("moe-doc", "docs/moe.md", (
         train("python train.py model.experts=8 model.top_k=2 model.shared_experts=1 model.dense_layers=1 pp=2 dp=2"),
         train("python train.py model.experts=8 model.top_k=2 pp=2 dp=2 ep=2 scheduler=dualpipev"),
+        train("python train.py model.experts=8 model.top_k=2 pp=1 dp=4 ep=2 zero=1"),
         train("python train.py model.experts=8 model.router=sigmoid model.expert_groups=4 model.topk_groups=2 "
               "model.route_scale=2.5 pp=2 dp=2 ep=2"),
         train("python train.py model=hf_mixtral_tiny pp=2 dp=2 ep=2"),

@@ -119,12 +119,18 @@ def expert_params(modules: list[nn.Module]) -> set[str]:
 def expert_view(tensor: torch.Tensor, ctx) -> torch.Tensor:
     """This rank's experts of a parameter (or its optimizer state) as a DTensor over the ep group,
     Shard(0) along the expert dimension: the checkpoint holds every expert, keyed by the
-    parameter's name, whatever ep wrote it."""
+    parameter's name, whatever ep wrote it. Sharded over the expert replicas too (zero >= 1 with
+    1 < ep < dp: FSDP2's Shard(0) on the expert_dp mesh), 2-D: Shard(0) over ep, then Shard(0) over
+    expert_dp within each rank's experts, as `global_view` nests tp and dp."""
     if tensor.dim() == 0:
         return tensor
-    shape = [tensor.shape[0] * ctx.ep, *tensor.shape[1:]]
+    shape = [tensor.shape[0] * ctx.ep, *tensor.shape[1:]]  # a DTensor's: its shard group's experts
+    stride = torch.empty(shape, device="meta").stride()
+    if isinstance(tensor, DTensor):
+        return DTensor.from_local(tensor.to_local(), ctx.mesh.ep_expert_dp, [Shard(0), Shard(0)], run_check=False,
+                                  shape=torch.Size(shape), stride=stride)
     return DTensor.from_local(tensor, ctx.mesh["ep"], [Shard(0)], run_check=False, shape=torch.Size(shape),
-                              stride=torch.empty(shape, device="meta").stride())
+                              stride=stride)
 
 
 def global_view(tensor: torch.Tensor, dim: int | None, ctx) -> torch.Tensor:

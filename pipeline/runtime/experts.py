@@ -114,3 +114,21 @@ def stop_expert_log(modules: list[nn.Module]) -> None:
     for _, experts in expert_modules(modules):
         if experts.dispatch is not None:
             experts.dispatch.log = None
+
+
+def expert_holders(gm: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The submodules holding exactly the routed experts' parameters of a stage's graph module, by
+    their path in it: an experts module (model=gpt's, transformers' stacked ones) or a list's
+    `LocalExperts` (model=module). Under zero >= 1 with 1 < ep < dp each is an FSDP2 unit of its
+    own on the expert replicas' mesh (runtime/sharding.py), so it must hold nothing else."""
+    out = []
+    for path, experts in ((p, m) for p, m in gm.named_modules() if isinstance(m, (Experts, HFExperts))):
+        holder, where = experts, path
+        if isinstance(experts, ListExperts):
+            holder, where = getattr(experts, experts.list_name), f"{path}.{experts.list_name}".lstrip(".")
+        mine = {id(p) for _, p in experts.expert_parameters()}
+        if {id(p) for p in holder.parameters()} != mine:
+            raise ValueError(f"{path}: the experts module holds parameters beside its experts'; zero >= 1 with "
+                             "1 < ep < dp shards the experts on a mesh of their own and needs them alone")
+        out.append((where, holder))
+    return out

@@ -91,6 +91,19 @@ class RankMesh:
         mesh = DeviceMesh(self.mesh.device_type, grid, mesh_dim_names=("pp", "cp", "tp", "dp"))
         return mesh["tp", "dp"]
 
+    @cached_property
+    def ep_expert_dp(self) -> DeviceMesh:
+        """This rank's ep ranks x expert replicas, ep first: a checkpoint's view of an experts
+        parameter sharded over its expert replicas (zero >= 1, 1 < ep < dp: Shard(0) over ep, each
+        rank's experts, then Shard(0) over expert_dp, FSDP2's shard of them). Made from the two
+        axes' existing groups, so no collective: only the ranks whose stages hold experts ask."""
+        layout = self.layout
+        grid = torch.arange(layout.world).view(layout.dp // layout.ep, layout.ep, layout.pp, layout.cp, layout.tp)
+        at = layout.coordinates(dist.get_rank())
+        ranks = grid[:, :, at.pp, at.cp, at.tp].T.contiguous()  # [ep, expert_dp]
+        return DeviceMesh.from_group([self.mesh["ep"].get_group(), self.mesh["expert_dp"].get_group()],
+                                     self.mesh.device_type, ranks, mesh_dim_names=("ep", "expert_dp"))
+
     def group(self, axis: str) -> dist.ProcessGroup | None:
         """The process group along `axis`, None where the axis has one rank."""
         mesh = self[axis]

@@ -93,7 +93,13 @@ def clip_gradients(params: list[torch.nn.Parameter], counted: list[torch.nn.Para
     if tp_group is not None:  # `counted` holds this tp rank's slices and, on tp rank 0, the whole ones
         dist.all_reduce(total, group=tp_group)
     if experts is not None:
-        mine = square_norm(p.grad for p in experts[0] if p.grad is not None).to(device)
+        held = [p.grad for p in experts[0] if p.grad is not None]
+        mine = square_norm(g for g in held if not isinstance(g, DTensor)).to(device)
+        shards = [g for g in held if isinstance(g, DTensor)]
+        if shards:  # sharded over their expert replicas (zero >= 1, 1 < ep < dp): summed there first
+            part = square_norm(shards).to(device)
+            dist.all_reduce(part, group=shards[0].device_mesh.get_group())
+            mine = mine + part
         dist.all_reduce(mine, group=experts[1])
         total = total + mine
     if group is not None:

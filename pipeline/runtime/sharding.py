@@ -18,6 +18,11 @@ UNSHARD, RESHARD and REDUCE_GRAD actions (planner/passes/data_parallel.py):
   released as it ends, in the forward and again in the backward; with `reshard=run` it stays
   gathered until the RESHARD that ends the stage's run of consecutive actions.
 
+Under expert parallelism a rank's experts are held by its `dp / ep` expert replicas only: at ep = dp
+by no other (they stay out of FSDP2, whole), and for 1 < ep < dp each experts module is wrapped first
+on the mesh of those replicas (`expert_dp`), a second group driven with the unit holding it, right
+after the unit's own (docs/sharding.md "Experts").
+
 A parameter that several stages hold (tied weights, `Plan.shared_params`) stays whole on every
 replica and is all-reduced after the step as at zero=0: FSDP2 manages a parameter within one
 module only. The executor's loss is already divided by dp x micro-batches, so FSDP2's own division
@@ -43,6 +48,7 @@ from pipelaunch.pipeline.core.precision import PRECISIONS
 from pipelaunch.pipeline.graph.units import StageUnits, Unit
 from pipelaunch.pipeline.runtime import unit_hooks
 from pipelaunch.pipeline.runtime.dp import require_reductions, tied_params
+from pipelaunch.pipeline.runtime.experts import expert_holders
 from pipelaunch.pipeline.runtime.gloo_comm import InPlaceAllGather, InPlaceReduceScatter
 from pipelaunch.pipeline.runtime.stage import module_units
 from pipelaunch.pipeline.runtime.stage_driver import RankStages, StageDriver
@@ -133,14 +139,29 @@ def _group(module: nn.Module) -> FSDPParamGroup | None:
     return groups[0] if groups else None
 
 
-class ShardedStage(StageDriver):
-    """One stage under FSDP2, one parameter group per unit (and the root's), driven explicitly."""
+def _unit_of_holder(units: StageUnits, path: str, holder: nn.Module) -> int:
+    """The unit (forward order; len(units.units): the root) whose parameters hold an experts module's."""
+    first = f"{path}.{next(iter(holder.named_parameters()))[0]}"
+    return next((i for i, u in enumerate(units.units) if first in u.params), len(units.units))
 
-    def __init__(self, plan: Plan, stage: int, module: nn.Module, actions: list[Action], mesh: DeviceMesh) -> None:
-        # tied parameters, and under ep == dp this rank's experts (no other replica holds them),
-        # stay out of FSDP2: whole, reduced elsewhere or not at all
+
+#: per unit, its FSDP2 groups with their names in the collective log
+UnitGroups = list[list[tuple[str, FSDPParamGroup]]]
+
+
+class ShardedStage(StageDriver):
+    """One stage under FSDP2, one parameter group per unit (and the root's), driven explicitly. With
+    the experts sharded over their expert replicas (zero >= 1, 1 < ep < dp: `expert_mesh`), each
+    experts module is a group of its own on that mesh, gathered, released and reduced with the unit
+    whose parameters hold it, right after that unit's own group."""
+
+    def __init__(self, plan: Plan, stage: int, module: nn.Module, actions: list[Action], mesh: DeviceMesh,
+                 expert_mesh: DeviceMesh | None = None) -> None:
+        experts = getattr(module, "expert_params", ())
+        # tied parameters, and under ep == dp (no `expert_mesh`) this rank's experts (no other
+        # replica holds them), stay out of FSDP2: whole, reduced elsewhere or not at all
         kept_params = [p for n, p in module.named_model_parameters()
-                       if n in plan.shared_params or n in getattr(module, "expert_params", ())]
+                       if n in plan.shared_params or (expert_mesh is None and n in experts)]
         kept = {id(p) for p in kept_params}
         units = module_units(module, plan)
         covered = [(u, unit_modules(module.gm, u, kept)) for u in units.units]
@@ -149,14 +170,10 @@ class ShardedStage(StageDriver):
                            units.root + tuple(p for u, mods in covered if mods is None for p in u.params))
         super().__init__(stage, units, actions, plan.meta.zero, plan.meta.reshard)
         policy = mixed_precision(plan.meta.precision)
-        ignored = set(kept_params)
-        for _, mods in covered:
-            if mods is not None:
-                fully_shard(mods if len(mods) > 1 else mods[0], mesh=mesh, reshard_after_forward=False,
-                            ignored_params=ignored, mp_policy=policy)
-        fully_shard(module, mesh=mesh, reshard_after_forward=False, ignored_params=ignored, mp_policy=policy)
-        self.groups: list[FSDPParamGroup | None] = [_group(mods[0]) for _, mods in covered if mods is not None]
-        self.groups.append(_group(module))  # the root unit (index n), None when it holds nothing
+        holders = expert_holders(module.gm) if expert_mesh is not None and experts else []
+        #: per unit (index n: the root), its groups: its own on the replicas' mesh, then its experts'
+        self.groups: UnitGroups = self._shard(module, [mods for _, mods in covered if mods is not None], holders,
+                                              (mesh, expert_mesh), set(kept_params), policy)
         root = fully_shard.state(module)
         root._lazy_init()
         for state in root._state_ctx.all_states:  # driven from the program, not from module calls
@@ -185,7 +202,6 @@ class ShardedStage(StageDriver):
         #: shard's values, so the shard's memory is returned and refilled from them at its release
         self.drops_shards = plan.meta.zero in (1, 2) and policy.param_dtype is None
         self.dropped: set[int] = set()
-        self.names = [self.units.units[u].name for u in range(self.n)] + ["root"]
         #: unsharded parameter (what autograd saw) -> its unit; FSDP2 makes them at a unit's first gather
         self._index: dict[int, int] = {}
         self._params = sum(len(g.fsdp_params) for g in self._groups())
@@ -194,16 +210,36 @@ class ShardedStage(StageDriver):
         self.mixed = policy.param_dtype is not None
         unit_hooks.install(module.gm, self.units, self)
 
+    def _shard(self, module: nn.Module, unit_mods: list[list[nn.Module]], holders: list[tuple[str, nn.Module]],
+               meshes: tuple[DeviceMesh, DeviceMesh | None], ignored: set[nn.Parameter],
+               policy: MixedPrecisionPolicy) -> UnitGroups:
+        """fully_shard the experts modules on the expert replicas' mesh first (a unit's fully_shard
+        then leaves their parameters to them), then each unit's modules and the stage itself on the
+        replicas'; returns each unit's groups (n: the root's) named for the log: the unit's own, then
+        its experts' (`layer1/layer1.mlp.experts`)."""
+        mesh, expert_mesh = meshes
+        for _, holder in holders:
+            fully_shard(holder, mesh=expert_mesh, reshard_after_forward=False, ignored_params=ignored, mp_policy=policy)
+        for mods in unit_mods:
+            fully_shard(mods if len(mods) > 1 else mods[0], mesh=mesh, reshard_after_forward=False,
+                        ignored_params=ignored, mp_policy=policy)
+        fully_shard(module, mesh=mesh, reshard_after_forward=False, ignored_params=ignored, mp_policy=policy)
+        names = [u.name for u in self.units.units] + ["root"]
+        out: UnitGroups = [[(names[u], g)] if (g := _group(m)) is not None else []
+                           for u, m in enumerate([*(mods[0] for mods in unit_mods), module])]
+        for path, holder in holders:
+            u = _unit_of_holder(self.units, path, holder)
+            if (g := _group(holder)) is not None:
+                out[u].append((f"{names[u]}/{path}", g))
+        return out
+
     def _groups(self) -> Iterator[FSDPParamGroup]:
-        return (g for g in self.groups if g is not None)
+        return (g for groups in self.groups for _, g in groups)
 
-    def numel(self, unit: int) -> int:
-        group = self.groups[unit]
-        return 0 if group is None else sum(fp._orig_size.numel() for fp in group.fsdp_params)
-
-    def _log(self, what: str, unit: int) -> None:
+    def _log(self, what: str, label: str, group: FSDPParamGroup) -> None:
         if self.issued is not None:
-            self.issued.append(f"{self.stage}:{self.names[unit]} {what} {self.numel(unit)} elements")
+            numel = sum(fp._orig_size.numel() for fp in group.fsdp_params)
+            self.issued.append(f"{self.stage}:{label} {what} {numel} elements")
 
     # ---- the parameters the stage computes with ------------------------------------------------
     def graph_params(self) -> list[nn.Parameter]:
@@ -214,55 +250,50 @@ class ShardedStage(StageDriver):
 
     def units_of(self, params: list[nn.Parameter]) -> list[int]:
         if len(self._index) < self._params:
-            self._index = {id(fp._unsharded_param): u for u, g in enumerate(self.groups) if g is not None
+            self._index = {id(fp._unsharded_param): u for u, groups in enumerate(self.groups) for _, g in groups
                            for fp in g.fsdp_params if hasattr(fp, "_unsharded_param")}
         return sorted({self._index[id(p)] for p in params if id(p) in self._index and self._index[id(p)] < self.n})
 
-    # ---- gather, release, reduce ---------------------------------------------------------------
+    # ---- gather, release, reduce (each of the unit's groups, in one order) ---------------------
     def gather(self, unit: int, wait: bool) -> None:
-        group = self.groups[unit]
-        if group is None:
-            return
-        if not group.is_unsharded and group._all_gather_result is None:
-            self._log("all_gather", unit)
-            group.unshard(async_op=True)
+        for label, group in self.groups[unit]:
+            if not group.is_unsharded and group._all_gather_result is None:
+                self._log("all_gather", label, group)
+                group.unshard(async_op=True)
         if wait:
-            group.wait_for_unshard()
+            for _, group in self.groups[unit]:
+                group.wait_for_unshard()
 
     def release(self, unit: int) -> None:
-        group = self.groups[unit]
-        if group is None:
-            return
-        if group._all_gather_result is not None:  # a prefetch nothing used: finish it first
-            group.wait_for_unshard()
-        if unit in self.dropped:
-            _refill_shards(group)
-            self.dropped.discard(unit)
-        group.reshard()
+        for _, group in self.groups[unit]:
+            if group._all_gather_result is not None:  # a prefetch nothing used: finish it first
+                group.wait_for_unshard()
+            if unit in self.dropped:
+                _refill_shards(group)
+            group.reshard()
+        self.dropped.discard(unit)
 
     def reduce(self, unit: int) -> None:
-        group = self.groups[unit]
-        if group is None:
-            return
-        self._log("reduce_scatter", unit)
-        group.reduce_grads = True
-        try:
-            group.post_backward()
-        finally:
-            group.reduce_grads = False
-            group._training_state = TrainingState.IDLE
-        if group.device.type == "cpu":
+        for label, group in self.groups[unit]:
+            self._log("reduce_scatter", label, group)
+            group.reduce_grads = True
+            try:
+                group.post_backward()
+            finally:
+                group.reduce_grads = False
+                group._training_state = TrainingState.IDLE
+        if any(g.device.type == "cpu" for _, g in self.groups[unit]):
             # gloo's reduce-scatter has returned: its input buffer, which FSDP2 keeps until the next
             # one so that a GPU's allocator does not reuse it while the reduce stream reads it, is
             # free now (on a GPU it stays, and the memory model prices one unit's)
             self.comm_ctx.reduce_scatter_states.clear()
 
     def accumulate(self, unit: int) -> None:
-        group = self.groups[unit]
-        if group is None or not self.mixed:
+        if not self.mixed:
             return
-        group.post_backward()  # reduce_grads off: a bf16 micro-batch joins the fp32 whole gradients
-        group._training_state = TrainingState.IDLE
+        for _, group in self.groups[unit]:
+            group.post_backward()  # reduce_grads off: a bf16 micro-batch joins the fp32 whole gradients
+            group._training_state = TrainingState.IDLE
 
     def begin_action(self) -> None:
         if self.zero == 3:
@@ -289,9 +320,9 @@ class ShardedStage(StageDriver):
             self.gather(u, wait=False)
         for u in range(self.n + 1):
             self.gather(u, wait=True)
-            group = self.groups[u]
-            if self.drops_shards and group is not None and u not in self.dropped:
-                _drop_shards(group)
+            if self.drops_shards and self.groups[u] and u not in self.dropped:
+                for _, group in self.groups[u]:
+                    _drop_shards(group)
                 self.dropped.add(u)
 
     def prefetch(self, kind: Kind) -> None:
@@ -315,7 +346,11 @@ class ShardedStage(StageDriver):
 class ShardedStages(RankStages):
     """This rank's stages under FSDP2, carrying out the program's data-parallel actions."""
 
-    def __init__(self, plan: Plan, modules: dict[int, nn.Module], actions: list[Action], mesh: DeviceMesh) -> None:
+    def __init__(self, plan: Plan, modules: dict[int, nn.Module], actions: list[Action], mesh: DeviceMesh,
+                 expert_mesh: DeviceMesh | None = None) -> None:
+        """`expert_mesh`: under 1 < ep < dp, the replicas holding this rank's experts (`expert_dp`),
+        over which they are sharded; None: they are sharded as every parameter (ep = 1) or held
+        whole (ep = dp)."""
         #: the replicas a shard spans: a clipping norm sums the shards' squares over them
         self.shard_group = (mesh if mesh.ndim == 1 else mesh["dp_shard"]).get_group()
         #: tied parameters, which FSDP2 leaves alone (runtime/dp.py all-reduces them after the step)
@@ -323,7 +358,7 @@ class ShardedStages(RankStages):
         # per UNSHARD at zero=3: the kind of its stage's next compute action (which block to prefetch)
         self.next_kind = _next_compute_kinds(actions)
         # a stage holding only tied parameters has nothing to shard
-        super().__init__({s: ShardedStage(plan, s, module, actions, mesh) for s, module in modules.items()
+        super().__init__({s: ShardedStage(plan, s, module, actions, mesh, expert_mesh) for s, module in modules.items()
                           if not all(n in plan.shared_params for n, _ in module.named_model_parameters())})
         require_reductions(actions, list(self.stages))
         #: per stage, the position of its last reduction of the step

@@ -100,7 +100,9 @@ def _data_parallel(plan: Plan, ctx: RankContext, slots: dict[int, StageSlot]) ->
     actions = plan.schedule.actions[ctx.pp_rank]
     if plan.meta.zero:
         assert ctx.mesh is not None  # under cp, sharded over the replicas and their cp ranks (torchtitan's dp x cp)
-        return ShardedStages(plan, modules, actions, ctx.mesh.grad_mesh if ctx.cp > 1 else ctx.mesh.shard_mesh)
+        # under 1 < ep < dp the experts are sharded over their expert replicas (docs/sharding.md)
+        return ShardedStages(plan, modules, actions, ctx.mesh.grad_mesh if ctx.cp > 1 else ctx.mesh.shard_mesh,
+                             ctx.mesh["expert_dp"] if 1 < ctx.ep < ctx.dp else None)
     return ReplicatedGrads(plan, modules, actions, ctx.grad_group, ctx.expert_dp_group if ctx.ep > 1 else None)
 
 

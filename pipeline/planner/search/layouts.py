@@ -114,15 +114,9 @@ def expert_degrees(cfg: TrainConfig, experts: int, dp: int) -> list[int]:
 
 
 def _expert_levels(cfg: TrainConfig, zeros: list[int | None], dp: int, ep: int) -> list[int | None]:
-    """The sharding levels a layout keeps at `ep`: every one where ep = dp or ep = 1 (each rank's
-    experts have no other replica, or are sharded as every parameter is); for 1 < ep < dp, levels
-    above 0 shard the experts' state over their dp / ep expert replicas, which the planner prices
-    (Megatron's and DeepSeek-V3's distributed optimizer) but this runtime does not run yet: kept
-    under mode=plan, left out of a search that trains."""
-    if ep in (1, dp) or cfg.mode == "plan":
-        return zeros
-    kept = [z for z in zeros if not (cfg.zero if z is None else z)]
-    if not kept:
-        raise ConfigError("zero", f"zero >= 1 with 1 < ep < dp shards the experts over their {dp // ep} expert "
-                                  "replicas, which this runtime does not run yet (mode=plan prices it)")
-    return kept
+    """The sharding levels a layout keeps at `ep`: every one. At ep = dp each rank's experts have no
+    other replica (held whole), at ep = 1 they are sharded as every parameter is, and for
+    1 < ep < dp levels above 0 shard them over their dp / ep expert replicas (Megatron's and
+    DeepSeek-V3's distributed optimizer), which the planner prices and the runtime runs
+    (docs/sharding.md "Experts")."""
+    return zeros
