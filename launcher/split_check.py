@@ -23,6 +23,7 @@ from pipelaunch.pipeline.compute.threads import cpu_threads
 from pipelaunch.pipeline.core.config import CheckSplit, TrainConfig
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.core.plan import Plan
+from pipelaunch.pipeline.data.packing import split_batch
 from pipelaunch.pipeline.graph.initial_weights import model_bytes
 
 #: check_split=auto checks a model whose parameters and buffers take at most this many bytes (the
@@ -77,6 +78,14 @@ def refusal(outcome: Outcome) -> ConfigError:
         "off with check_split=never, and the run trains what the stages compute."))
 
 
+def _first_columns(batch, length: int):  # noqa: ANN001, ANN202 - a data plug-in's Batch
+    """The batch's first `length` positions: under cp the stages are traced at one rank's length,
+    and with no cp group active they compute what the unsplit module computes on those (causal)."""
+    inputs, targets, fields = split_batch(batch)
+    cut = [inputs[:, :length].contiguous(), targets[:, :length].contiguous()]
+    return (*cut, {f: t[:, :length].contiguous() for f, t in fields.items()}) if fields else tuple(cut)
+
+
 def check_split(cfg: TrainConfig, spec: ModelSpec, plan: Plan, model: nn.Module | None, initial=None) -> str:
     """The check as `cfg.check_split` asks, on the first micro-batch of the run's own data; returns
     the line for the log; raises ConfigError naming the first tensor that differs, or when the
@@ -87,6 +96,8 @@ def check_split(cfg: TrainConfig, spec: ModelSpec, plan: Plan, model: nn.Module 
     if reason is not None:
         return f"check_split: skipped: {reason}"
     batch = build_plugin("data", cfg.data).build().batch(0, plan.micro_batch_size)
+    if cfg.cp > 1:  # one cp rank's trace: its length of positions (the first, as cp=1 holds them)
+        batch = _first_columns(batch, spec.input_shape[-1])
     threads = torch.get_num_threads()
     # a rank's share of the cores: on a tiny model more threads only wait for each other
     torch.set_num_threads(cpu_threads(cfg.threads, cfg.world_size))

@@ -133,7 +133,8 @@ def check_context_parallel(cfg: TrainConfig, spec, data) -> None:  # noqa: ANN00
     if spec.meta.get("context_parallel") != cp:
         raise ConfigError("cp", f"cp={cp} splits every sequence over {cp} ranks along its positions, and model="
                                 f"{spec.name} does not run attention over a cp group; valid: model=gpt (and its "
-                                "presets), or cp=1")
+                                "presets), model=hf (sdpa attention), model=module (a token model calling torch's "
+                                "scaled_dot_product_attention), or cp=1")
     heads = spec.meta.get("heads")
     if cfg.cp_method == "alltoall" and heads and heads % cp:
         raise ConfigError("cp_method", f"alltoall splits the {heads} heads (model.heads) over cp={cp} ranks, which "

@@ -20,6 +20,7 @@ from pipelaunch.pipeline.compute.context_parallel import attention as context_at
 from pipelaunch.pipeline.compute.context_parallel import positions as context_positions
 from pipelaunch.pipeline.core import POSITION_IDS
 from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.graph.context_parallel import local_length
 
 #: where a planner may cut the model: between blocks, also between a block's attention and MLP
 #: halves, or between any two traced operators
@@ -291,12 +292,7 @@ def _context(attention: str, seq_len: int, cp: int) -> tuple[str, int]:
         raise ConfigError("model.attention", f"math materialises the scores of the whole sequence, which cp={cp} "
                                              "splits over its ranks; valid with cp > 1: sdpa or context (the same: "
                                              "attention over the cp group)")
-    if seq_len % (2 * cp):
-        fits = [c for c in range(1, seq_len // 2 + 1) if seq_len % (2 * c) == 0]
-        raise ConfigError("cp", f"cp={cp} cuts each sequence into 2 x cp = {2 * cp} chunks (a head and a tail per "
-                                f"rank, so causal attention costs each the same), and model.seq_len={seq_len} does not "
-                                f"divide; valid: {', '.join(map(str, fits[:12]))}")
-    return "context", seq_len // cp
+    return "context", local_length(seq_len, cp)
 
 
 def _leaf_modules(blocks: list[str], granularity: str, moe: list[str] = ()) -> list[str]:

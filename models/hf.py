@@ -41,6 +41,7 @@ from pipelaunch.models.hf_moe import adopt as adopt_experts
 from pipelaunch.models.spec import ModelSpec, causal_lm_loss, count_shifted, count_tokens, model_loss
 from pipelaunch.pipeline.core import POSITION_IDS
 from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.graph.context_parallel import local_length
 from pipelaunch.pipeline.graph.materialize import to_meta_parameters
 from pipelaunch.pipeline.graph.stamp import Repeated
 
@@ -262,7 +263,8 @@ def default_tp_plan(model: nn.Module, own_loss: bool) -> dict[str, str]:
 def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, name: str | None = None,
        leaf_modules: list[str] | None = None, dropout: bool = False, vocab_size: int | None = None,
        loss: str = "causal_lm", tp_plan: dict[str, str] | None = None, labels: str = "inputs",
-       data_packing: str | None = None, bias_update_rate: float | None = None) -> ModelSpec:
+       data_packing: str | None = None, bias_update_rate: float | None = None,
+       context_parallel: int = 1) -> ModelSpec:
     """A transformers causal LM as a ModelSpec (see the module docstring). `dropout=False` sets the
     config's dropout probabilities to 0, so a pipeline and one process compute the same thing.
     `loss`: `causal_lm` (next-token cross-entropy on the logits, every position scored against the
@@ -270,16 +272,10 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
     transformers, or `targets`, the data's targets as `shift_labels`, masks kept). `tp_plan`: how tp >
     1 splits it, patterns on the wrapped model's names (`model.model.layers.*.mlp.up_proj`); null:
     transformers' own (`tp_plan` below). `data_packing=documents`: position ids too (module docstring).
-    `bias_update_rate`: `moe.bias_update_rate`, a DeepSeek-V3 gate's (models/hf_moe.py)."""
-    if loss not in ("causal_lm", "model"):
-        raise ConfigError("model.loss", f"got {loss!r}; valid: causal_lm (next-token cross-entropy on the logits), "
-                                        "model (transformers' own loss, model(ids, labels=ids).loss)")
-    own_loss = loss == "model"
-    if labels not in ("inputs", "targets"):
-        raise ConfigError("model.labels", f"got {labels!r}; valid: inputs (model(ids, labels=ids): transformers "
-                                          "shifts the ids itself), targets (the data's next-token targets as "
-                                          "shift_labels, -100 unscored: fine-tuning masks)")
-    on_targets = own_loss and labels == "targets"
+    `bias_update_rate`: `moe.bias_update_rate`, a DeepSeek-V3 gate's (models/hf_moe.py).
+    `context_parallel` (set by `cp`): the ranks a sequence is split over; the model is traced at
+    1/cp of it and its attention made to cross them (`_context_parallel`)."""
+    own_loss, on_targets = _loss_mode(loss, labels)
 
     cfg = _config(dict(config) if config else None, path)
     as_given = copy.deepcopy(cfg)  # what an export writes back: dropout as the user's config has it
@@ -298,6 +294,7 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
         raise ConfigError("model.seq_len", f"{seq_len} exceeds the model's {positions} positions")
 
     packed = (data_packing or "none") != "none"  # documents or stream: the data's position ids
+    local = _context_parallel(cfg, context_parallel, seq_len, packed, own_loss and not on_targets)
 
     def build() -> nn.Module:
         return WRAPPERS[packed, on_targets](transformers_model(cfg, bias_update_rate), own_loss)
@@ -314,11 +311,13 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
         name=name or f"hf_{cfg.model_type}",
         build=build,
         loss_fn=model_loss if own_loss else causal_lm_loss,
-        input_shape=(seq_len,),
-        target_shape=(seq_len,),
+        input_shape=(local,),
+        target_shape=(local,),
         leaf_modules=leaf_modules,
         init=transformers_init,
         meta={"vocab_size": text.vocab_size, "seq_len": seq_len, "hf_model_type": cfg.model_type,
+              "context_parallel": context_parallel, "cp_graph": context_parallel,
+              "heads": getattr(text, "num_attention_heads", None),
               "attn_implementation": attention_implementation(cfg),
               "tp_divides": {f"model.config.{k}": getattr(text, k) for k in
                              ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
@@ -339,6 +338,43 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
     spec.save = partial(save_pretrained_dir, as_given)
     spec.trace = partial(checked_trace, spec, uncomputed, not dropout)  # type: ignore[method-assign]
     return spec
+
+
+def _loss_mode(loss: str, labels: str) -> tuple[bool, bool]:
+    """(transformers' own loss, given the data's targets) as `model.loss` and `model.labels` ask."""
+    if loss not in ("causal_lm", "model"):
+        raise ConfigError("model.loss", f"got {loss!r}; valid: causal_lm (next-token cross-entropy on the logits), "
+                                        "model (transformers' own loss, model(ids, labels=ids).loss)")
+    if labels not in ("inputs", "targets"):
+        raise ConfigError("model.labels", f"got {labels!r}; valid: inputs (model(ids, labels=ids): transformers "
+                                          "shifts the ids itself), targets (the data's next-token targets as "
+                                          "shift_labels, -100 unscored: fine-tuning masks)")
+    return loss == "model", loss == "model" and labels == "targets"
+
+
+def _context_parallel(config: Any, cp: int, seq_len: int, packed: bool, shifts_inputs: bool) -> int:
+    """The positions a rank traces and runs under `cp` (1/cp of `seq_len`), refusing what a split
+    sequence cannot run here: attention other than torch's sdpa (eager materialises the scores,
+    flash attention's CUDA kernels take no cp group), packed documents (transformers' document mask
+    is built over the rank's positions only) and transformers' loss on the input ids (it shifts
+    them by one position, across the rank's chunks)."""
+    if cp == 1:
+        return seq_len
+    implementation = attention_implementation(config)
+    if implementation != "sdpa":
+        raise ConfigError("model.config.attn_implementation", f"{implementation} with cp={cp}: only sdpa attention "
+                                                              "(transformers' default) is split over the cp ranks; "
+                                                              "set +model.config.attn_implementation=sdpa, or cp=1")
+    if packed:
+        raise ConfigError("data.packing", f"packed documents with cp={cp} on model=hf are not supported yet "
+                                          "(transformers builds the document mask over one rank's positions); set "
+                                          "data.packing=none, or cp=1 (model=gpt packs documents under cp)")
+    if shifts_inputs:
+        raise ConfigError("model.labels", f"model.loss=model with model.labels=inputs and cp={cp}: transformers "
+                                          "shifts the input ids by one position inside its loss, across the chunks "
+                                          "each cp rank holds; set model.labels=targets (the data's targets), or "
+                                          "model.loss=causal_lm")
+    return local_length(seq_len, cp)
 
 
 #: config keys transformers' MoE families count their routed experts by

@@ -44,10 +44,11 @@ from torch import nn
 
 from pipelaunch.models.list_experts import ListExperts
 from pipelaunch.models.list_experts import adopt as adopt_experts
-from pipelaunch.models.spec import ModelSpec, causal_lm_loss, model_loss
+from pipelaunch.models.spec import ModelSpec, causal_lm_loss, count_tokens, model_loss
 from pipelaunch.pipeline.core import POSITION_IDS
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.graph.buffers import ConstructorBuffers
+from pipelaunch.pipeline.graph.context_parallel import local_length
 
 LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "cross_entropy": nn.functional.cross_entropy,
@@ -303,6 +304,22 @@ def _input(input: dict | None, seq_len: int | None, tokens: bool) -> tuple[tuple
     return tuple(int(d) for d in shape), dtype
 
 
+def _context_input(shape: tuple[int, ...], dtype: torch.dtype, cp: int, packing: str | None
+                   ) -> tuple[tuple[int, ...], torch.dtype]:
+    """One sample's shape on a cp rank: 1/cp of a token sequence's positions."""
+    if cp == 1:
+        return shape, dtype
+    if len(shape) != 1 or dtype.is_floating_point:
+        raise ConfigError("cp", f"cp={cp} splits token sequences along their positions, and this module's input is "
+                                f"{list(shape)} {str(dtype).removeprefix('torch.')}; valid: token data (one sequence "
+                                "of ids per sample), or cp=1")
+    if (packing or "none") != "none":
+        raise ConfigError("data.packing", f"packed documents with cp={cp} on model=module are not supported yet (the "
+                                          "module's own document mask would span one rank's positions only); set "
+                                          "data.packing=none, or cp=1")
+    return (local_length(shape[0], cp),), dtype
+
+
 def _target(loss: str | dict, in_shape: tuple[int, ...], in_dtype: torch.dtype) -> dict:
     """What the loss scores, by default: mse the input's shape, causal_lm (or any loss on token
     input but cross_entropy, the model's own among them) a token per input position, cross_entropy
@@ -352,6 +369,14 @@ def _own_loss_args(inner: nn.Module, targets_arg: str | None, labels: str | None
                                           "position: nanoGPT), inputs (the input ids, which the model shifts itself: "
                                           "transformers)")
     return targets_arg, labels
+
+
+def _check_shift(labels: str, cp: int) -> None:
+    """A loss that shifts the input ids itself reads each next token across a cp rank's chunks."""
+    if labels == "inputs" and cp > 1:
+        raise ConfigError("model.labels", f"model.labels=inputs with cp={cp}: the module's loss shifts the input ids by "
+                                          "one position, across the chunks each cp rank holds; set "
+                                          "model.labels=targets, or cp=1")
 
 
 def _tp_plan(plan: Mapping[str, str] | None) -> dict[str, str]:
@@ -410,6 +435,7 @@ def module(
     position_ids_arg: str | None = None,
     data_packing: str | None = None,
     ep_plan: Mapping[str, str] | None = None,
+    context_parallel: int = 1,
 ) -> ModelSpec:
     """A ModelSpec around `module()`, the factory the launcher built with its arguments bound (see
     the module docstring). `input`/`target`:
@@ -422,7 +448,8 @@ def module(
     splits it, {its module-name pattern (`*` one component): colwise | rowwise | vocab | replicate}.
     `data_packing=documents`: the data's position ids go to the forward's `position_ids_arg`.
     `ep_plan`: {module-name pattern: ep_dispatch_experts}, the modules holding its routed experts,
-    which ep > 1 splits (models/list_experts.py)."""
+    which ep > 1 splits (models/list_experts.py). `context_parallel` (`cp`): traced at 1/cp of the
+    positions, its sdpa calls over the cp ranks (pipeline/graph/context_parallel.py)."""
     module, input, target, loss, extra_inputs = (
         OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
         for v in (module, input, target, loss, extra_inputs))
@@ -430,11 +457,9 @@ def module(
     if not callable(module):
         raise ConfigError("model.module", f"needs to name a callable that returns an nn.Module (its import path, "
                                           f"diffusers.UNet2DModel), got {module!r}")
-    in_shape, in_dtype = _input(input, seq_len, data_kind == "tokens")
-    if loss is None:
-        loss = "cross_entropy" if in_dtype.is_floating_point else "causal_lm"
-    if target is None:
-        target = _target(loss, in_shape, in_dtype)
+    in_shape, in_dtype = _context_input(*_input(input, seq_len, data_kind == "tokens"), context_parallel, data_packing)
+    loss = loss if loss is not None else "cross_entropy" if in_dtype.is_floating_point else "causal_lm"
+    target = target if target is not None else _target(loss, in_shape, in_dtype)
     make, experts_plan = _maker(module), _ep_plan(ep_plan)
     wrapper, data_args = Adapted, ("input",)
     with torch.device("meta"):
@@ -442,6 +467,7 @@ def module(
         if loss == OWN_LOSS:
             targets_arg, labels = _own_loss_args(inner, targets_arg, labels)
             wrapper, data_args = (TakesTargets, ("input", "target")) if labels == "targets" else (ShiftsInputs, ("input",))
+            _check_shift(labels, context_parallel)
         else:
             targets_arg = None
         wrapper, data_args, positions_arg = _packed(wrapper, data_args, inner, position_ids_arg, data_packing)
@@ -454,9 +480,9 @@ def module(
         return wrapper(inner, output, extra_inputs, targets_arg, positions_arg)
 
     family, whole = initialisers(probe.inner)
-    meta: dict = {k: int(v) for k, v in (("vocab_size", vocab_size), ("num_classes", num_classes),
-                                          ("seq_len", seq_len)) if v is not None}
-    meta |= _expert_meta(probe.inner)
+    meta: dict = {k: int(v) for k, v in (("vocab_size", vocab_size), ("num_classes", num_classes), ("seq_len", seq_len),
+                                          ("context_parallel", context_parallel), ("cp_graph", context_parallel))
+                  if v is not None} | _expert_meta(probe.inner)
     return ModelSpec(
         name=name, build=build, loss_fn=model_loss if loss == OWN_LOSS else _loss(loss), input_shape=in_shape,
         input_dtype=in_dtype, target_shape=tuple(int(d) for d in target.get("shape") or ()),
@@ -465,5 +491,7 @@ def module(
         init_weights=whole, meta=meta,
         load=ConstructorBuffers(build) if any(True for _ in probe.buffers()) else None,
         data_args=data_args, own_loss=loss == OWN_LOSS,
+        # under cp a rank scores its share of each sample: its own loss a mean over its tokens
+        scored=count_tokens if loss == OWN_LOSS and context_parallel > 1 else None,
         tp_plan=_tp_plan(tp_plan),
     )

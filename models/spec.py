@@ -216,6 +216,10 @@ class ModelSpec:
         picks = {_picks(traced.gm, n) for n in traced.gm.graph.nodes
                  if n.op == "call_module" and isinstance(traced.gm.get_submodule(str(n.target)), HFExperts)}
         picks.discard(None)
+        if self.meta.get("cp_graph", 1) > 1:  # a model written without cp: its attention made to cross it
+            from pipelaunch.pipeline.graph.context_parallel import split_attention
+
+            split_attention(traced, self.input_shape[-1], self.meta["cp_graph"])
         if len(picks) == 1:  # what a token computes with (the planner's MFU on activated parameters)
             self.meta.setdefault("top_k", picks.pop())
         return traced

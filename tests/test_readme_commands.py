@@ -254,6 +254,13 @@ SCENARIOS = [
         train("python train.py cp=2 pp=2 model.seq_len=64"),
         train("python train.py cp=2 cp_method=alltoall pp=2 model.seq_len=64"),
         train("python train.py cp=2 dp=2 pp=1 zero=3 model.seq_len=64")), slow=True, timeout=600),
+    # slow: tests/test_context_parallel_models.py trains Llama and nanoGPT under cp like one process
+    Scenario("cp-models-readme", "README.md", (
+        train("python train.py model=hf_llama_tiny cp=2 pp=2 model.seq_len=64"),), slow=True, timeout=300),
+    Scenario("cp-models-doc", "docs/long_sequences.md", (
+        train("python train.py model=hf_llama_tiny cp=2 pp=2 model.seq_len=64"),
+        train("python train.py model=module model.module._target_=tests.zoo.nanogpt +model.module.block_size=64 "
+              "model.vocab_size=64 model.seq_len=64 model.loss=model cp=2 pp=2")), slow=True, timeout=300),
     # slow: tests/test_expert_search.py plans DeepSeek-V3's dimensions on the H800 by default
     Scenario("deepseek-plan", "docs/planner.md", (
         plan("python train.py mode=plan model=gpt_deepseek_v3 hardware=h800 batch_size=15360 precision=bf16 zero=1 "

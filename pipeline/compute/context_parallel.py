@@ -88,3 +88,36 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: t
     doc = None if position_ids is None else pos[None] - position_ids
     fn = ring_attention if cp.method == "ring" else ulysses_attention
     return fn(q, k, v, pos, cp.group, causal=True, doc=doc)
+
+
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+         dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+         enable_gqa: bool = False) -> torch.Tensor:
+    """`scaled_dot_product_attention` as a model calls it, over the cp group when it is active:
+    what a traced model's own attention calls become under cp (pipeline/graph/context_parallel.py).
+    Outside cp (and on meta tensors) torch's own, so one process and the planner compute as the
+    model does. Grouped-query keys and values (`enable_gqa`) are repeated to the query's heads
+    before they travel: the kernels pair head i with head i."""
+    cp = _ACTIVE[0]
+    if cp is None or query.is_meta:
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa)
+    if attn_mask is not None or dropout_p:
+        raise ValueError("attention with a mask or dropout cannot be split over a cp group (graph rewrite refuses it)")
+    heads, kv_heads = query.shape[-3], key.shape[-3]
+    if enable_gqa and kv_heads != heads:
+        key, value = (t.repeat_interleave(heads // kv_heads, dim=-3) for t in (key, value))
+    fn = ring_attention if cp.method == "ring" else ulysses_attention
+    return fn(query, key, value, cp.positions(query.shape[-2], query.device), cp.group, causal=is_causal, scale=scale)
+
+
+def arange(*args, **kwargs) -> torch.Tensor:  # noqa: ANN002, ANN003 - torch.arange's own
+    """`torch.arange` where a traced model makes the positions of its tokens (0..t-1 at the rank's
+    length t): this rank's global positions under cp, so rotary tables and position embeddings
+    are those of the tokens it holds."""
+    out = torch.arange(*args, **kwargs)
+    cp = _ACTIVE[0]
+    if cp is None or out.is_meta:
+        return out
+    return cp.positions(out.shape[0], out.device).to(out.dtype)

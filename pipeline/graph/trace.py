@@ -383,7 +383,7 @@ def random_ops(gm: fx.GraphModule) -> list[tuple[str, str]]:
             p = node.kwargs.get(p_name, node.args[i] if i < len(node.args) else op._schema.arguments[i].default_value)
             if p == 0:
                 continue
-        found.append((str(op.overloadpacket.__name__), _innermost_module(node) or ""))
+        found.append((str(op.overloadpacket.__name__), innermost_module(node) or ""))
     return found
 
 
@@ -502,7 +502,7 @@ def _node_target(node: fx.Node) -> str:
     return getattr(t, "__qualname__", None) or getattr(t, "__name__", None) or str(t)
 
 
-def _innermost_module(node: fx.Node) -> str | None:
+def innermost_module(node: fx.Node) -> str | None:
     """The module an op runs inside (the last entry of its recorded module stack), if any."""
     stack = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values() if path]
     return stack[-1] if stack else None
@@ -539,7 +539,7 @@ def build_cost_graph(gm: fx.GraphModule, leaves: Iterable[str] = ()) -> nx.DiGra
             node.name,
             op=node.op,
             target=_node_target(node),
-            module=node.target if node.op == "call_module" else _innermost_module(node),
+            module=node.target if node.op == "call_module" else innermost_module(node),
             params=params,
             param_bytes=sum(param_sizes.get(p, 0) for p in params),
             shape=_meta_shape(meta),

@@ -27,6 +27,7 @@ from __future__ import annotations
 from torch import nn
 
 from pipelaunch.pipeline.compute.context_parallel import attention as context_attention
+from pipelaunch.pipeline.compute.context_parallel import sdpa as context_sdpa
 from pipelaunch.pipeline.graph.trace import TracedModel
 
 
@@ -66,8 +67,10 @@ def attention_share(traced: TracedModel, name: str, calls: set[str] | None = Non
 
 
 def attention_calls(traced: TracedModel) -> set[str]:
-    """The nodes calling the cp attention itself (op granularity)."""
-    return {n.name for n in traced.gm.graph.nodes if n.op == "call_function" and n.target is context_attention}
+    """The nodes calling the cp attention itself (op granularity): model=gpt's, or a traced model's
+    own attention calls retargeted (pipeline/graph/context_parallel.py)."""
+    return {n.name for n in traced.gm.graph.nodes
+            if n.op == "call_function" and n.target in (context_attention, context_sdpa)}
 
 
 def exchange_s(shape: tuple[int, int, int, int], cp: int, method: str, link: tuple[float, float],
