@@ -139,12 +139,11 @@ def check_context_parallel(cfg: TrainConfig, spec, data) -> None:  # noqa: ANN00
     if cfg.cp_method == "alltoall" and heads and heads % cp:
         raise ConfigError("cp_method", f"alltoall splits the {heads} heads (model.heads) over cp={cp} ranks, which "
                                        "does not divide them; valid: ring, or a cp dividing the heads")
-    if cfg.plan.devices is not None:
-        raise ConfigError("cp", f"cp={cp} with plan.devices={cfg.plan.devices}: the layout search does not search or "
-                                "keep cp yet; set pp and dp yourself beside cp (mode=plan plans that layout), or cp=1")
+    # tp beside cp: mode=plan prices it (each tp rank's heads over the cp group); the runtime does not run it yet
+    tp = [] if cfg.mode == "plan" else [("tp", cfg.tp, "tp=1 (mode=plan prices tp beside cp)")]
     others = [(key, value, valid) for key, value, valid in (
-        ("tp", cfg.tp, "tp=1"), ("ep", cfg.ep, "ep=1"), ("dp_shard", cfg.dp_shard or cfg.dp, f"dp_shard={cfg.dp}"))
-        if value != int(valid.split("=")[1])]
+        *tp, ("ep", cfg.ep, "ep=1"), ("dp_shard", cfg.dp_shard or cfg.dp, f"dp_shard={cfg.dp}"))
+        if value != int(valid.split("=")[1].split(" ")[0])]
     if spec.meta.get("experts"):
         others.append(("model.experts", spec.meta["experts"], "model.experts=0"))
     if getattr(data, "length_buckets", None) is not None:
@@ -430,6 +429,8 @@ def prepare(cfg: TrainConfig, profile: bool | None = None, device: torch.device 
     check_bias_update(spec, cfg.moe.bias_update_rate)
     planned = make_plan(cfg, spec, plugins, options if options is not None else group_options(cfg),
                         profile=profile, device=device, cuda=on_cuda(cfg))
+    if planned.plan.cp != cfg.cp:  # a search over cp (plan.cp) chose another: the model at its cp
+        spec = plugins.model.with_settings(plugins.model.option, context_parallel=planned.plan.cp).build()
     check_output(cfg, spec, planned.plan)
     check_scored_microbatches(cfg, spec, data, planned.plan)
     planned = _variable_lengths(cfg, spec, data, planned)

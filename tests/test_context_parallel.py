@@ -51,7 +51,7 @@ def test_gpt_trains_as_one_process_under_context_parallelism(tmp_path) -> None:
     (["cp=2", "tp=2"], "tp", "not supported yet"),
     (["cp=2", "dp=4", "zero=1", "dp_shard=2"], "dp_shard", "not supported yet"),
     (["cp=2", "model.attention=math"], "model.attention", "valid with cp > 1"),
-    (["cp=2", "plan=auto", "plan.devices=4"], "cp", "does not search"),
+    (["cp=2", "plan=auto", "plan.devices=4", "plan.cp=[1,2]"], "plan.cp", "a search that trains keeps the configured cp=2"),
 ])
 def test_refused_before_spawn(overrides: list[str], key: str, words: str) -> None:
     with pytest.raises(ConfigError) as err:

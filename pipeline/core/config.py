@@ -235,6 +235,11 @@ class PlanConfig:
     #: dividing the layout's dp and the experts, at tp=1); null: every power of two up to
     #: min(dp, experts) that does; without plan.devices, the configured ep
     ep: Optional[list[int]] = None  # noqa: UP045 - OmegaConf reads typing.Optional
+    #: under plan.devices on a model that splits its positions (model=gpt), the context-parallel
+    #: degrees tried (each layout pp x dp x tp x cp == devices); null: under mode=plan every power
+    #: of two whose 2 x cp chunks divide the sequence, each chunk at least 512 positions (cp=1
+    #: alone at 1024 or fewer), in a search that trains the configured cp
+    cp: Optional[list[int]] = None  # noqa: UP045 - OmegaConf reads typing.Optional
     #: how many candidates are planned and simulated in full, the most promising by a closed-form
     #: estimate (search/screen.py); null: with a hardware file every one up to 64 candidates, beyond
     #: that until 3 fit; on this machine (hardware=local) every one

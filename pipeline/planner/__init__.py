@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
@@ -39,6 +40,7 @@ from pipelaunch.pipeline.planner.passes.p2p_check import check_plan
 from pipelaunch.pipeline.planner.predict.prediction import Prediction, predict
 from pipelaunch.pipeline.planner.schedules.base import ScheduleGenerator
 from pipelaunch.pipeline.planner.search.choose import Candidate, Outcome, SearchResult
+from pipelaunch.pipeline.planner.search.layouts import cp_degrees
 from pipelaunch.pipeline.planner.search.screen import ModelCosts, Screen
 from pipelaunch.pipeline.planner.search.space import build_generator, search, search_space
 
@@ -94,24 +96,18 @@ def _make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Gro
     tp_modules = tensor_parallel_modules(max(tps), spec, models)
     models.tp_modules = tp_modules
     models.tp_link, models.ep_link = _group_links(cfg, cuda, profile, facts, max(tps), hw)
-    models.cp_link = _cp_link(cfg, facts, hw)
+    models.cp_link = _cp_link(cfg, facts, hw, cfg.cp, cfg.tp)
+    cps = context_degrees(cfg, spec)
 
-    def experts(c: Candidate | None) -> dict:
-        """The expert-parallel degree a candidate's trace holds one rank's experts of, and the link
-        its all-to-alls cross (`Hardware.ep_link`: its ranks are pp x tp devices apart)."""
-        if c is None or c.ep is None:
-            return {}
-        if hw is None:
-            return {"ep": c.ep, "ep_link": models.ep_link}
-        link = hw.ep_link(c.pp, c.tp or 1, c.ep)
-        return {"ep": c.ep, "ep_link": (link.latency_s, link.bandwidth)}
+    experts = partial(_trace_layout, cfg, facts, hw, models.ep_link)
 
     def links(c: Candidate | None) -> tuple[tuple[float, float], tuple[float, float] | None]:
-        """The (latency, bandwidth) of the pipeline's link and, on a hardware file, the replicas'."""
+        """The (latency, bandwidth) of the pipeline's link and, on a hardware file, the replicas'
+        (the group the gradients are reduced over: dp x cp, `grad_link`)."""
         if hw is None:
             return (facts["link_latency_s"], cfg.link_bandwidth), None
         pp, dp, tp = (cfg.pp, cfg.dp, cfg.tp) if c is None or c.pp is None else (c.pp, c.dp, c.tp or 1)
-        pp_link, dp_link = hw.links(pp, dp, tp)
+        pp_link, dp_link = grad_link(hw, pp, dp, tp, cfg.cp if c is None or c.cp is None else c.cp)
         return (pp_link.latency_s, pp_link.bandwidth), (dp_link.latency_s, dp_link.bandwidth)
 
     def link(c: Candidate | None = None) -> tuple[float, float]:
@@ -133,7 +129,7 @@ def _make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Gro
                        traces=models.made)
     if searching:
         cands, given = search_space(cfg, plugins, options, models.structure(size).graph, tps,
-                                    int(spec.meta.get("experts") or 0) if cfg.plan.devices is not None else 0)
+                                    int(spec.meta.get("experts") or 0) if cfg.plan.devices is not None else 0, cps)
         screen = Screen(costs=lambda tp, mbs, ep=None: _model_costs(models.get(mbs, tp, **dict(ep or ())), mbs),
                         graph=lambda tp, mbs, ep=None: models.get(mbs, tp, **dict(ep or ())).graph,
                         experts=lambda c: tuple(sorted(experts(c).items())) or None,
@@ -141,7 +137,7 @@ def _make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Gro
                         optimizer_s_per_byte=facts["optimizer_s_per_byte"],
                         optimizer_states=plugins.optimizer.states_per_param, configured_zero=cfg.zero,
                         reserve_bytes=cfg.memory.reserve_bytes, cap=cfg.memory.cap_bytes,
-                        by_default=hw is not None, layout=(cfg.pp, cfg.dp, cfg.tp),
+                        by_default=hw is not None, layout=(cfg.pp, cfg.dp, cfg.tp), cp=cfg.cp,
                         optimizer_temporaries=tuple(facts["optimizer_temporaries"]))
         result = search(cfg, models, build, cands, given, link, screen, experts)
         if hw is not None:
@@ -149,7 +145,9 @@ def _make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Gro
         if any(c.ep is not None for c in cands):
             result.experts_of = lambda o: expert_facts(o.prediction)
         prediction = result.winner.prediction
-        return Planned(_finished(prediction.plan, prediction, result), prediction, result, models.model, models.made)
+        chosen = models.at_cp(result.winner.candidate.cp)  # the models of the winner's cp (a search over cp)
+        return Planned(_finished(prediction.plan, prediction, result), prediction, result,
+                       chosen.model or models.model, chosen.made)
     traced = models.get(size)
     plan = build(generator, traced)
     if not profile:
@@ -157,6 +155,24 @@ def _make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Gro
     prediction = fit_budget(plan, predict(plan, *link(), collectives=False), traced.graph, cfg.memory.cap_bytes, *link(),
                             rebuild=lambda whole: build(generator, traced, whole=whole))
     return Planned(_finished(prediction.plan, prediction, None), prediction, model=models.model, traces=models.made)
+
+
+def _trace_layout(cfg: TrainConfig, facts: dict, hw: Hardware | None, ep_link: tuple[float, float],
+                  c: Candidate | None) -> dict:
+    """What a candidate's trace is priced at beyond its tp (`TracedModels.get`'s keywords): the
+    expert-parallel degree it holds one rank's experts of and the link its all-to-alls cross
+    (`Hardware.ep_link`: its ranks are pp x cp x tp devices apart; this machine's `ep_link`
+    without a hardware file); under a search over cp its context-parallel degree and the cp
+    group's link."""
+    out: dict = {}
+    if c is not None and c.cp is not None:
+        out.update(cp=c.cp, cp_link=_cp_link(cfg, facts, hw, c.cp, c.tp or 1))
+    if c is None or c.ep is None:
+        return out
+    if hw is None:
+        return {**out, "ep": c.ep, "ep_link": ep_link}
+    link = hw.ep_link(c.pp, (c.tp or 1) * (c.cp or cfg.cp), c.ep)
+    return {**out, "ep": c.ep, "ep_link": (link.latency_s, link.bandwidth)}
 
 
 #: the devices tensor parallelism may span by default: one node's (8 GPUs, NVLink); a hardware
@@ -174,14 +190,50 @@ def _group_links(cfg: TrainConfig, cuda: bool, profile: bool, facts: dict, tp: i
     return (hw.intra_node.latency_s, hw.intra_node.bandwidth), (ep.latency_s, ep.bandwidth)
 
 
-def _cp_link(cfg: TrainConfig, facts: dict, hw: Hardware | None) -> tuple[float, float]:
+def _cp_link(cfg: TrainConfig, facts: dict, hw: Hardware | None, cp: int, tp: int) -> tuple[float, float]:
     """The (latency, bandwidth) the cp group's exchanges are priced on: inside a node while its cp x
     tp ranks fit one (they are consecutive ranks), else across; this machine's link without a
     hardware file."""
     if hw is None:
         return facts["link_latency_s"], cfg.link_bandwidth
-    link = hw.intra_node if cfg.cp * cfg.tp <= hw.devices_per_node else hw.inter_node
+    link = hw.intra_node if cp * tp <= hw.devices_per_node else hw.inter_node
     return link.latency_s, link.bandwidth
+
+
+def grad_link(hw: Hardware, pp: int, dp: int, tp: int, cp: int):  # noqa: ANN201 - (Link, Link)
+    """(pipeline link, the link the gradients are reduced on) of a layout: the ranks are numbered
+    tp fastest, then cp, then pp, then dp (pipeline/core/layout.py), so a pipeline spans pp x cp x tp
+    devices and the reduction's group, dp x cp, strides over the pipelines (`Hardware.links` with
+    cp x tp devices a pipeline rank), or at dp=1 is the cp group alone, cp x tp consecutive devices."""
+    pp_link, dp_link = hw.links(pp, dp, tp * cp)
+    if dp == 1 and cp > 1:
+        dp_link = hw.intra_node if cp * tp <= hw.devices_per_node else hw.inter_node
+    return pp_link, dp_link
+
+
+def context_degrees(cfg: TrainConfig, spec: ModelSpec) -> list[int] | None:
+    """The context-parallel degrees a `plan.devices` search tries (`search/layouts.py` `cp_degrees`),
+    None without one; a model that cannot split its positions, or a config that cp does not run
+    beside, tries cp=1 alone (and a `plan.cp` asking more is refused naming why). Under
+    cp_method=alltoall only degrees dividing the heads."""
+    if cfg.plan.devices is None:
+        return None
+    meta, packing = spec.meta, str(cfg.data.get("packing") or "none") if hasattr(cfg.data, "get") else "none"
+    refusal = None
+    if "context_parallel" not in meta:
+        refusal = f"model={spec.name} does not run attention over a cp group (model=gpt and its presets do)"
+    elif meta.get("experts"):
+        refusal = "its mixture-of-experts layers do not run beside cp yet"
+    elif meta.get("dropout"):
+        refusal = f"model.dropout={meta['dropout']} does not run beside cp yet"
+    elif packing not in ("none", "documents") or (hasattr(cfg.data, "get") and cfg.data.get("buckets")):
+        refusal = "the data's packing or buckets do not run beside cp yet"
+    seq = meta.get("seq_len")
+    found = cp_degrees(cfg, int(seq) if seq else None, refusal)
+    heads = int(meta.get("heads") or 0)
+    if cfg.cp_method == "alltoall" and heads:
+        found = [c for c in found if heads % c == 0]
+    return found
 
 
 def for_hardware(cfg: TrainConfig, hw: Hardware) -> TrainConfig:
@@ -225,12 +277,14 @@ def _per_device(cfg: TrainConfig, spec: ModelSpec, models: TracedModels, hw: Har
     def figures(o: Outcome) -> tuple[float, float]:
         c, p = o.candidate, o.prediction
         pp, dp, tp = (c.pp, c.dp, c.tp or 1) if c.pp is not None else (cfg.pp, cfg.dp, cfg.tp)
-        devices = pp * dp * tp
+        cp = cfg.cp if c.cp is None else c.cp
+        devices = pp * dp * tp * cp
         tokens = cfg.batch_size * spec.tokens_per_sample / p.step_s / devices
         if activated is not None:
             return tokens, 6.0 * activated * tokens / peak
         graph = models.get(micro_batch_size(cfg, c.microbatches, dp), tp, **experts(c)).graph
-        flops = float(graph.graph.get("model_flops", 0.0)) * tp * c.microbatches * dp  # the whole job's
+        # one rank's FLOPs (its attention over every cp rank's keys: measure/context.py), the whole job's
+        flops = float(graph.graph.get("model_flops", 0.0)) * tp * cp * c.microbatches * dp
         return tokens, flops / (p.step_s * devices * peak)
 
     return figures
@@ -399,7 +453,7 @@ def _request(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, traced: Traced
         reshard=str(cfg.reshard if c is None or c.reshard is None else c.reshard), device_type="cuda" if cuda else "cpu",
         bucket_bytes=cfg.dp_bucket_bytes,
         evaluates=cfg.eval.every > 0, data_args=tuple(spec.data_args), ep=cfg.ep if c is None or c.ep is None else c.ep,
-        moe_overlap=cfg.moe.overlap, cp=cfg.cp, cp_method=cfg.cp_method,
+        moe_overlap=cfg.moe.overlap, cp=cfg.cp if c is None or c.cp is None else c.cp, cp_method=cfg.cp_method,
         value_dtypes=_autocast_dtypes(cfg, spec, traced, micro_batch_size(cfg, microbatches, dp), cuda),
         **facts)
 
@@ -421,7 +475,8 @@ def _first_plannable(cfg: TrainConfig, plugins: Plugins, options: GroupOptions, 
     for c in cands:
         try:
             gen = build_generator(c.scheduler_plugin)
-            return _finished(build(gen, models.get(micro_batch_size(cfg, c.microbatches, c.dp), c.tp, ep=c.ep), c),
+            return _finished(build(gen, models.get(micro_batch_size(cfg, c.microbatches, c.dp), c.tp, ep=c.ep,
+                                                   cp=c.cp), c),
                              None, None)
         except ConfigError as err:
             errors.append(err)

@@ -286,7 +286,7 @@ def _partition(traced: TracedModel, generator: ScheduleGenerator, placement: lis
     stage_cap = None if req.memory_cap is None else req.memory_cap - req.reserve_bytes
     request = partition_request(generator, placement, req.microbatches, req.remat, stage_cap, req.bandwidth)
     try:
-        factors = stage_param_factors(req.optimizer_states, Sharding(req.zero, req.dp_shard or req.dp, req.precision,
+        factors = stage_param_factors(req.optimizer_states, Sharding(req.zero, req.dp_shard or req.dp * req.cp, req.precision,
                                                                      req.reshard))
         cut_view = recomputed_view(traced.graph, req.remat == "selective") \
             if req.remat in ("full", "selective") and generator.training else None

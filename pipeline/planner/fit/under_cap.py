@@ -39,7 +39,12 @@ from pipelaunch.pipeline.planner.passes.remat import (
     recompute_options,
 )
 from pipelaunch.pipeline.planner.predict.memory import MIB, BudgetExceeded, over_budget
-from pipelaunch.pipeline.planner.predict.prediction import Prediction, predict, with_collectives
+from pipelaunch.pipeline.planner.predict.prediction import (
+    Prediction,
+    grad_replicas,
+    predict,
+    with_collectives,
+)
 
 #: what helps besides recomputation
 OTHER_REMEDIES = ("pick a schedule that holds fewer micro-batches (1f1b rather than gpipe), use more stages or a "
@@ -94,7 +99,7 @@ def sharding_hint(plan: Plan, cap: float, latency_s: float, bandwidth: float) ->
     """With replicas, what the sharding levels above this one (and at zero=3 `reshard=use` for
     `run`) hold on the fullest device, the first that fits named: `zero=3 would hold 41.2 MiB on
     its fullest device, within the cap. `"""
-    if plan.dp < 2 or not plan.schedule.training:
+    if grad_replicas(plan) < 2 or not plan.schedule.training:
         return ""
     meta = plan.meta
     options = ([(3, "use")] if (meta.zero, meta.reshard) == (3, "run") else []) + \

@@ -60,7 +60,9 @@ def attention_share(traced: TracedModel, name: str, calls: set[str] | None = Non
         return 0.0, []
     module = gm.get_submodule(str(target))
     b, t = shape[0], shape[1]
-    shapes = [(b, m.q.out_features // m.head_dim, t, m.head_dim) for m in found]
+    # the heads this rank computes: under tp its slice of q's rows (the rewrite shards the weight,
+    # not the Linear's `out_features`)
+    shapes = [(b, m.q.weight.shape[0] // m.head_dim, t, m.head_dim) for m in found]
     attention = sum(2.0 * b * h * t * t * d for b, h, t, d in shapes)
     weights = sum(p.numel() for n, p in module.named_parameters() if p.dim() == 2)
     return attention / (attention + 2.0 * b * t * weights), shapes
@@ -101,6 +103,8 @@ def add_context_costs(traced: TracedModel, cp: int, method: str, link: tuple[flo
         fwd_x, bwd_x = (sum(x) for x in zip(*(exchange_s(s, cp, method, link, compute_bytes) for s in shapes),
                                            strict=True))
         node["cp_exchange_s"] = (fwd_x, bwd_x)
+        if "model_flops" in g.graph:  # the rank's queries meet cp times the traced keys (torch's sdpa count)
+            g.graph["model_flops"] += (cp - 1) * sum(12.0 * b * h * t * t * d for b, h, t, d in shapes)
         if "forward_s" in node:
             node["forward_s"] += (cp - 1) * share * node["forward_s"] + fwd_x
         for key in ("backward_s", "backward_input_s"):

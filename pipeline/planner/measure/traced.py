@@ -82,6 +82,8 @@ class TracedModels:
         #: attention's cost beyond the rank's positions added (`measure/context.py`)
         self.cp_link = (0.0, 1.0)
         self._attended: dict[tuple, TracedModel] = {}
+        #: under a search over cp (`plan.cp`), the models of each other cp degree (`at_cp`)
+        self._by_cp: dict[int, TracedModels] = {}
         #: per (size, tp > 1, ep): the model (one ep rank's experts) traced at one tp rank's shapes
         #: and what the rewrite placed
         self._local: dict[tuple[int, int, int], TracedModel] = {}
@@ -93,22 +95,43 @@ class TracedModels:
         self._profiled: set[tuple[int, int, int]] = set()
 
     def get(self, micro_batch_size: int, tp: int | None = None, ep: int | None = None,
-            ep_link: tuple[float, float] | None = None) -> TracedModel:
+            ep_link: tuple[float, float] | None = None, cp: int | None = None,
+            cp_link: tuple[float, float] | None = None) -> TracedModel:
         """The model traced (and profiled, if asked) at this micro-batch size; under tp > 1 (the
         configured tp unless given) one tp rank's share of it (`measure/tensor_parallel.py`); under
         ep > 1 (the configured ep unless given) with one ep rank's experts and each MoE layer's
         all-to-alls priced on `ep_link` (latency, bandwidth; default `self.ep_link`): one trace and
-        profile per (size, ep), a copy of it per link."""
+        profile per (size, ep), a copy of it per link. Under cp > 1 (the configured cp unless
+        given) one cp rank's positions (the model built at that cp: `at_cp`) with each attention's
+        cost beyond them added, its exchanges on `cp_link` (default `self.cp_link`)."""
+        if cp is not None and cp != self.cfg.cp:
+            return self.at_cp(cp).get(micro_batch_size, tp, ep, ep_link, cp_link=cp_link)
         traced = self._get(micro_batch_size, tp, ep, ep_link)
         if self.cfg.cp == 1:
             return traced
-        key = (id(traced), self.cp_link)
+        link = tuple(self.cp_link if cp_link is None else cp_link)
+        key = (id(traced), link)
         if key not in self._attended:
             self._attended[key] = attended = replace(traced, graph=traced.graph.copy())
             dtype = PRECISIONS[str(self.cfg.precision)]
-            add_context_costs(attended, self.cfg.cp, self.cfg.cp_method, self.cp_link,
+            add_context_costs(attended, self.cfg.cp, self.cfg.cp_method, link,
                               dtype.itemsize if dtype is not None else 4.0)
         return self._attended[key]
+
+    def at_cp(self, cp: int | None) -> TracedModels:
+        """The models of a cp degree the search tries (`plan.cp`): this one at the configured cp,
+        else the model option built again at `context_parallel=cp` (model=gpt traces 1/cp of the
+        positions) with the same links and tp plan, made once."""
+        if cp is None or cp == self.cfg.cp:
+            return self
+        if cp not in self._by_cp:
+            plugin = self.model_plugin.with_settings(self.model_plugin.option, context_parallel=cp)
+            cfg = replace(self.cfg, cp=cp, model={**dict(self.cfg.model), "context_parallel": cp})
+            other = TracedModels(plugin.build(), plugin, cfg, self.profile, self.cuda, self.device, self.hardware)
+            other.tp_modules, other.tp_link, other.ep_link, other.cp_link = (self.tp_modules, self.tp_link,
+                                                                             self.ep_link, self.cp_link)
+            self._by_cp[cp] = other
+        return self._by_cp[cp]
 
     def _get(self, micro_batch_size: int, tp: int | None, ep: int | None,
              ep_link: tuple[float, float] | None) -> TracedModel:
@@ -159,8 +182,11 @@ class TracedModels:
             return None
         return self._local.get((micro_batch_size, tp, self.cfg.ep))
 
-    def structure(self, micro_batch_size: int, tp: int | None = None, ep: int | None = None) -> TracedModel:
+    def structure(self, micro_batch_size: int, tp: int | None = None, ep: int | None = None,
+                  cp: int | None = None) -> TracedModel:
         """The model traced at this size, profiled or not yet: for what reads only the graph's shape."""
+        if cp is not None and cp != self.cfg.cp:
+            return self.at_cp(cp).structure(micro_batch_size, tp, ep)
         tp, ep = tp or self.tp, ep or self.cfg.ep
         return self._whole(micro_batch_size, ep) if tp == 1 else self._local_trace(micro_batch_size, tp, ep)
 
@@ -192,11 +218,15 @@ class TracedModels:
             local.graph.graph["tp_layouts"] = {n: layouts[_follow(carried, n)] for n in layouts}
         return self._local[key]
 
-    def prepare(self, sizes: Iterable[int], tp: int | None = None, ep: int | None = None) -> None:
-        """Trace, and profile if asked, every size of `sizes` (at `tp` and `ep`, default the
+    def prepare(self, sizes: Iterable[int], tp: int | None = None, ep: int | None = None,
+                cp: int | None = None) -> None:
+        """Trace, and profile if asked, every size of `sizes` (at `tp`, `ep` and `cp`, default the
         configured) not done yet; on this process's device the sizes are measured in shared passes
         (`profile_graphs`: the machine's drift between profiles taken one after another made a size
         look cheaper than another)."""
+        if cp is not None and cp != self.cfg.cp:
+            self.at_cp(cp).prepare(sizes, tp, ep)
+            return
         tp, ep = tp or self.tp, ep or self.cfg.ep
         todo = {size: self.structure(size, tp, ep) for size in dict.fromkeys(sizes)
                 if (size, tp, ep) not in self._profiled}

@@ -102,19 +102,19 @@ def predict(plan: Plan, latency_s: float, bandwidth: float, collectives: bool = 
                             int(plan.meta.optimizer_states), plan.meta.stage_recompute_region_bytes,
                             plan.meta.stage_workspace_bytes, float(plan.meta.reserve_bytes or 0.0),
                             update=UpdateMemory(plan.meta.stage_largest_param_bytes,
-                                                tuple(machine.optimizer_temporaries), plan.dp),
+                                                tuple(machine.optimizer_temporaries), grad_replicas(plan)),
                             sharding=plan_sharding(plan), replicated_bytes=_sharded_and_tied(plan)[1],
                             units=stage_unit_bytes(plan), expert_bytes=_experts(plan),
-                            expert_replicas=plan.dp // max(1, plan.ep))
+                            expert_replicas=grad_replicas(plan) // max(1, plan.ep))
     schedule_s = result.makespan_s
     slots = machine.rank_slots
     if slots:  # more local ranks than cores: busy ranks share them (pipeline/planner/predict/shared_cores.py)
-        schedule_s = shared_makespan(plan.schedule, cost, slots, plan.dp)
+        schedule_s = shared_makespan(plan.schedule, cost, slots, grad_replicas(plan))
     per_byte = float(machine.optimizer_s_per_byte or 0.0)
     sharded, tied = _sharded_and_tied(plan)
-    degree = (plan.meta.dp_shard or plan.dp) if plan.meta.zero else 1  # a replica steps its shard
+    degree = (plan.meta.dp_shard or grad_replicas(plan)) if plan.meta.zero else 1  # a replica steps its shard
     # ... and of its experts the shard over their dp / ep expert replicas (whole at ep = dp)
-    expert_degree = plan.dp // max(1, plan.ep) if plan.meta.zero else 1
+    expert_degree = grad_replicas(plan) // max(1, plan.ep) if plan.meta.zero else 1
     placement = plan.schedule.placement
     optimizer = [(s / degree + t + e / expert_degree) * per_byte
                  for s, t, e in zip(rank_param_bytes(sharded, placement), rank_param_bytes(tied, placement),
@@ -133,10 +133,16 @@ def with_collectives(prediction: Prediction) -> Prediction:
                    collective_spans=step.spans if step is not None else [])
 
 
+def grad_replicas(plan: Plan) -> int:
+    """The ranks a parameter's gradient is summed (and, under zero, sharded) over: the dp replicas
+    and their cp ranks, each of which computed its positions' share (`RankMesh.grad_mesh`)."""
+    return plan.dp * max(1, plan.cp)
+
+
 def plan_sharding(plan: Plan) -> Sharding:
     """The plan's sharding as the memory model prices it."""
     meta = plan.meta
-    return Sharding(meta.zero, meta.dp_shard or plan.dp, meta.precision, meta.reshard,
+    return Sharding(meta.zero, meta.dp_shard or grad_replicas(plan), meta.precision, meta.reshard,
                     keeps_reduce_input=meta.device_type != "cpu")
 
 
@@ -174,14 +180,14 @@ def data_parallel_collectives(plan: Plan, cost: CostModel, spans: list[list[tupl
     """The replicas' collectives of the plan priced on its simulated compute (predict/data_parallel.py),
     None without replicas; `spans`: the compute's start and end times when a simulation of this
     plan already has them; `flat`: as if every reduction started after the rank's last compute."""
-    if plan.dp < 2 or not plan.schedule.training:
+    if grad_replicas(plan) < 2 or not plan.schedule.training:
         return None
     spans = compute_spans(plan.schedule, cost) if spans is None else spans
     own = plan.meta.machine.dp_link  # a hardware file's: the replicas' own link class
-    links = Collectives(plan.dp, *(own if own else (cost.latency_s, cost.bandwidth_bytes_per_s)), plan.meta.dp_shard)
+    links = Collectives(grad_replicas(plan), *(own if own else (cost.latency_s, cost.bandwidth_bytes_per_s)), plan.meta.dp_shard)
     sharded = Sharded(plan.meta.zero, plan_units(plan), plan.meta.reshard, plan_sharding(plan).compute_bytes)
     return data_parallel_step(plan.schedule, spans, sharded, _sharded_and_tied(plan)[1], links, flat=flat,
-                              expert_bytes=_experts(plan), expert_replicas=plan.dp // max(1, plan.ep))
+                              expert_bytes=_experts(plan), expert_replicas=grad_replicas(plan) // max(1, plan.ep))
 
 
 def data_parallel_seconds(plan: Plan, cost: CostModel, makespan_s: float, flat: bool = False,

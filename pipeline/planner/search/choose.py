@@ -46,6 +46,9 @@ class Candidate:
     #: the expert-parallel degree of the layout under plan.devices on a model with routed experts
     #: (None: the configured ep)
     ep: int | None = None
+    #: the context-parallel degree of the layout under a plan.devices search over cp (None: the
+    #: configured cp)
+    cp: int | None = None
 
     @property
     def label(self) -> str:
@@ -68,16 +71,23 @@ class Candidate:
 
     def layout(self) -> dict:
         """{"pp": .., "dp": .., "tp": ..} when the search tries layouts (`plan.devices`), with "ep"
-        when it tries expert-parallel degrees, else {}."""
+        when it tries expert-parallel degrees and "cp" context-parallel ones, else {}."""
         if self.pp is None:
             return {}
-        return {"pp": self.pp, "dp": self.dp, "tp": self.tp or 1, **({} if self.ep is None else {"ep": self.ep})}
+        return {"pp": self.pp, "dp": self.dp, "tp": self.tp or 1, **({} if self.ep is None else {"ep": self.ep}),
+                **({} if self.cp is None else {"cp": self.cp})}
 
     @property
     def layout_text(self) -> str:
-        """`pp=2 dp=2`, `pp=2 dp=1 tp=2`, `pp=16 dp=128 ep=64`: the layout as its overrides name it."""
+        """`pp=2 dp=2`, `pp=2 dp=1 tp=2`, `pp=16 dp=128 ep=64`, `pp=16 dp=8 tp=8 cp=16`: the layout
+        as its overrides name it."""
         return f"pp={self.pp} dp={self.dp}" + (f" tp={self.tp}" if self.tp and self.tp > 1 else "") + \
-            (f" ep={self.ep}" if self.ep and self.ep > 1 else "")
+            (f" ep={self.ep}" if self.ep and self.ep > 1 else "") + (f" cp={self.cp}" if self.cp and self.cp > 1 else "")
+
+    @property
+    def devices(self) -> int:
+        """The ranks of its layout: pp x dp x tp x cp (its configured axes counting 1)."""
+        return (self.pp or 1) * (self.dp or 1) * (self.tp or 1) * (self.cp or 1)
 
 
 @dataclass
@@ -208,9 +218,10 @@ class SearchResult:
         layouts = any(o.candidate.pp is not None for o in self.outcomes)  # ... and layouts (plan.devices)
         tps = any((o.candidate.tp or 1) > 1 for o in self.outcomes)  # ... and tensor-parallel degrees
         eps = any((o.candidate.ep or 1) > 1 for o in self.outcomes)  # ... and expert-parallel degrees
+        cps = any((o.candidate.cp or 1) > 1 for o in self.outcomes)  # ... and context-parallel degrees
         lines = [f"{'#':>3}  {'schedule':<{width}} {'partitioner':<11} {'mbs':>4} {'remat':<5} "
                  + (f"{'zero':>4} " if levels else "") + (f"{'pp':>3} {'dp':>3} " if layouts else "")
-                 + (f"{'tp':>3} " if tps else "") + (f"{'ep':>3} " if eps else "")
+                 + (f"{'tp':>3} " if tps else "") + (f"{'ep':>3} " if eps else "") + (f"{'cp':>3} " if cps else "")
                  + f"{'step ms':>9} {'bubble':>7} " + (f"{'tok/s/dev':>9} {'MFU':>6} " if self.per_device else "")
                  + f" peak MiB per device{cap}"]
         for i, o in enumerate(self.ranked[:top], 1):
@@ -219,6 +230,7 @@ class SearchResult:
             lines.append(f"{i:>3}  {c.scheduler:<{width}} {c.partitioner:<11} {c.microbatches:>4} {c.remat:<5} "
                          + (f"{c.level:>4} " if levels else "") + (f"{c.pp:>3} {c.dp:>3} " if layouts else "")
                          + (f"{c.tp or 1:>3} " if tps else "") + (f"{c.ep or 1:>3} " if eps else "")
+                         + (f"{c.cp or 1:>3} " if cps else "")
                          + f"{p.step_s * 1e3:>9.1f} {p.result.mean_bubble:>7.1%} " + self._figures(o)
                          + f" {_devices(p.devices)}{mark}")
         hidden = len(self.ranked) - top
@@ -293,7 +305,7 @@ class SearchResult:
         same = next((o for o in rest if o.candidate.scheduler == win.candidate.scheduler
                      and o.candidate.partitioner != win.candidate.partitioner), None)
         parts += _level_reasons(win, self.ranked, self.excluded) + self._expert_reasons(win) + \
-            _layout_reasons(win, self.outcomes)
+            _layout_reasons(win, self.outcomes) + self._context_reasons(win)
         if same is not None:
             parts.append(f"{_faster(same.prediction.step_s, wp.step_s)} the same schedule split by "
                          f"{same.candidate.partitioner} ({same.prediction.step_s * 1e3:.1f} ms)")
@@ -362,6 +374,42 @@ class SearchResult:
             return []
         return [f"{text} against the same layout's other expert-parallel degrees: " + ", ".join(others)]
 
+    def _context_reasons(self, win: Outcome) -> list[str]:
+        """Under a search over cp (`plan.cp`): why the winner's context-parallel degree, against
+        each other degree at its best (any layout of it): planned (its step and fullest device),
+        over the device memory, or what its estimates said when none was planned."""
+        c = win.candidate
+        degrees = {o.candidate.cp for o in self.outcomes} | {cand.cp for cand, _ in self.screened}
+        if c.cp is None or len(degrees - {None}) < 2:
+            return []
+        mine = (f"cp={c.cp} (each sequence over {c.cp} ranks, a rank holding 1/{c.cp} of its positions' activations"
+                f"; fullest device {win.prediction.peak_bytes / MIB:.1f} MiB)" if c.cp > 1 else
+                "cp=1 (each sequence whole on a rank: no attention exchanges)")
+        others = []
+        for cp in sorted(degrees - {None, c.cp}):
+            own = [o for o in self.outcomes if o.candidate.cp == cp]
+            fits = [o for o in own if o.fits]
+            if fits:
+                best = min(fits, key=lambda o: o.prediction.step_s)
+                others.append(f"{_faster(best.prediction.step_s, win.prediction.step_s)} cp={cp} at its best "
+                              f"({best.candidate.layout_text}, {best.prediction.step_s * 1e3:.1f} ms, fullest device "
+                              f"{best.prediction.peak_bytes / MIB:.1f} MiB)")
+                continue
+            estimates = [e for cand, e in self.screened if cand.cp == cp and e.error is None]
+            fitting = [e for e in estimates if e.fits(self.cap, self.activation_scale)]
+            if any(o.over or o.split_over for o in own) and not fitting:
+                others.append(f"cp={cp} is over the device memory")
+            elif fitting:
+                others.append(f"cp={cp} is estimated at best at {min(e.step_s for e in fitting) * 1e3:.1f} ms "
+                              "(not planned)")
+            elif estimates:
+                least = min(estimates, key=lambda e: e.peak_bytes)
+                others.append(f"cp={cp} is estimated over the device memory in every candidate (the least "
+                              f"{least.peak_bytes / MIB:.1f} MiB)")
+            else:
+                others.append(f"cp={cp}: none of its candidates can run")
+        return [f"{mine} against the other context-parallel degrees: " + ", ".join(others)] if others else []
+
     def to_dict(self, top: int = 20) -> dict:
         return {"seconds": self.seconds, "candidates": len(self.outcomes), "screened": len(self.screened),
                 "activation_scale": self.activation_scale,
@@ -402,8 +450,8 @@ def _level_reasons(win: Outcome, ranked: Sequence[Outcome], excluded: Sequence[O
 
 
 def _same_but_level(a: Candidate, b: Candidate) -> bool:
-    return (a.scheduler, a.partitioner, a.microbatches, a.remat, a.pp, a.dp, a.tp, a.ep, a.reshard) == (
-        b.scheduler, b.partitioner, b.microbatches, b.remat, b.pp, b.dp, b.tp, b.ep, b.reshard)
+    return (a.scheduler, a.partitioner, a.microbatches, a.remat, a.pp, a.dp, a.tp, a.ep, a.cp, a.reshard) == (
+        b.scheduler, b.partitioner, b.microbatches, b.remat, b.pp, b.dp, b.tp, b.ep, b.cp, b.reshard)
 
 
 def _layout_reasons(win: Outcome, outcomes: Sequence[Outcome]) -> list[str]:
@@ -413,9 +461,10 @@ def _layout_reasons(win: Outcome, outcomes: Sequence[Outcome]) -> list[str]:
     if c.pp is None:
         return []
     by_layout: dict[str, list[Outcome]] = {}
-    for o in sorted(outcomes, key=lambda o: (o.candidate.tp or 1, o.candidate.pp, o.candidate.dp, o.candidate.ep or 1)):
+    for o in sorted(outcomes, key=lambda o: (o.candidate.cp or 1, o.candidate.tp or 1, o.candidate.pp, o.candidate.dp,
+                                             o.candidate.ep or 1)):
         by_layout.setdefault(o.candidate.layout_text, []).append(o)
-    devices = c.pp * c.dp * (c.tp or 1)
+    devices = c.devices
     out = [f"plan.devices={devices} compared the layouts {', '.join(by_layout)} "
            f"(the configured pp and dp are not used) and runs {c.layout_text}"]
     for text, own in by_layout.items():
@@ -522,11 +571,12 @@ def candidates(
     configured_zero: int = 0,
     tp: int | None = None,
     ep: int | None = None,
+    cp: int | None = None,
 ) -> list[Candidate]:
     """Every combination, in a fixed order; `layout`: the (pp, dp) they all run at (None: the
     configured ones); `reshards`: zero=3's release points to try, for the candidates at zero=3
     (`configured_zero`: the level of those the search does not set)."""
-    return [Candidate(s, sched, p, part, m, r, z, *layout, reshard=h, tp=tp, ep=ep)
+    return [Candidate(s, sched, p, part, m, r, z, *layout, reshard=h, tp=tp, ep=ep, cp=cp)
             for (s, sched), (p, part), m, r, z in itertools.product(schedulers, partitioners.items(), counts, remats,
                                                                     zeros)
             for h in (reshards if (configured_zero if z is None else z) == 3 else (None,))]

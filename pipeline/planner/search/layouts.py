@@ -30,44 +30,59 @@ class Layout:
     #: the expert-parallel degree under plan.devices on a model with routed experts (None: the
     #: configured ep)
     ep: int | None = None
+    #: the context-parallel degree under plan.devices on a model that splits its positions (None:
+    #: the configured cp)
+    cp: int | None = None
 
 
-def layouts(cfg: TrainConfig, tps: Sequence[int] = (1,), experts: int = 0) -> list[Layout]:
+def layouts(cfg: TrainConfig, tps: Sequence[int] = (1,), experts: int = 0,
+            cps: Sequence[int] | None = None) -> list[Layout]:
     """The layouts of the search: the configured pp and dp (errors raised as before), or every
-    pp x dp x tp == plan.devices, tp among `tps`, whose dp the batch and the sharding settings
-    allow, pp from 1 up; on a model with `experts` routed experts each at every expert-parallel
-    degree it allows (`expert_degrees`).
-    A pp larger than the model has blocks for stays in: its candidates fail to plan, as any do."""
+    pp x dp x tp x cp == plan.devices, tp among `tps`, cp among `cps` (None: the configured cp,
+    not a layout axis), whose dp the batch and the sharding settings allow, pp from 1 up; on a
+    model with `experts` routed experts each at every expert-parallel degree it allows
+    (`expert_degrees`). A pp larger than the model has blocks for stays in: its candidates fail
+    to plan, as any do."""
     space = cfg.plan
     if space.devices is None:
         return [Layout(None, None, microbatch_counts(cfg.pp, cfg.dp, cfg.batch_size, cfg.microbatches,
                                                      space.microbatches), zero_levels(space.zero, cfg.dp))]
     found, skipped = [], []
-    for tp in tps:
-        pipelines = space.devices // tp  # each pipeline rank takes tp devices
-        for pp in (d for d in range(1, pipelines + 1) if pipelines % d == 0):
-            dp = pipelines // pp
-            try:
-                if tp > 1 and cfg.dp_shard is not None:
-                    raise ConfigError("dp_shard", "hybrid sharding of tensor-parallel slices is not supported yet")
-                lay = replace(_layout(cfg, pp, dp), tp=tp)
-            except ConfigError as err:
-                skipped.append(f"pp={pp} dp={dp}{f' tp={tp}' if tp > 1 else ''}: "
-                               f"{str(err).removeprefix('Invalid config ')}")
+    for cp in (cps or [cfg.cp]):
+        for tp in tps:
+            if space.devices % (tp * cp):
                 continue
-            if not experts:
-                found.append(lay)
-                continue
-            for ep in expert_degrees(cfg, experts, dp):
-                try:
-                    found.append(replace(lay, ep=ep, zeros=_expert_levels(cfg, lay.zeros, dp, ep)))
-                except ConfigError as err:
-                    skipped.append(f"pp={pp} dp={dp}{f' tp={tp}' if tp > 1 else ''} ep={ep}: "
-                                   f"{str(err).removeprefix('Invalid config ')}")
+            pipelines = space.devices // (tp * cp)  # each pipeline rank takes tp x cp devices
+            for pp in (d for d in range(1, pipelines + 1) if pipelines % d == 0):
+                _one_layout(cfg, pp, pipelines // pp, tp, cp if cps else None, experts, found, skipped)
     if not found:
         raise ConfigError("plan.devices", f"no layout pp x dp = {space.devices} can run this config: "
                                           + "; ".join(skipped))
     return found
+
+
+def _one_layout(cfg: TrainConfig, pp: int, dp: int, tp: int, cp: int | None, experts: int,
+                found: list[Layout], skipped: list[str]) -> None:
+    """The layout (pp, dp, tp, cp) appended to `found` (at each expert-parallel degree on a model
+    with routed experts), or why it cannot run to `skipped`."""
+    text = f"pp={pp} dp={dp}{f' tp={tp}' if tp > 1 else ''}{f' cp={cp}' if cp and cp > 1 else ''}"
+    try:
+        if tp > 1 and cfg.dp_shard is not None:
+            raise ConfigError("dp_shard", "hybrid sharding of tensor-parallel slices is not supported yet")
+        if cp and cp > 1 and tp > 1 and cfg.mode != "plan":
+            raise ConfigError("tp", "tp > 1 beside cp > 1 is not run yet (mode=plan prices it)")
+        lay = replace(_layout(cfg, pp, dp), tp=tp, cp=cp)
+    except ConfigError as err:
+        skipped.append(f"{text}: {str(err).removeprefix('Invalid config ')}")
+        return
+    if not experts:
+        found.append(lay)
+        return
+    for ep in expert_degrees(cfg, experts, dp):
+        try:
+            found.append(replace(lay, ep=ep, zeros=_expert_levels(cfg, lay.zeros, dp, ep)))
+        except ConfigError as err:
+            skipped.append(f"{text} ep={ep}: {str(err).removeprefix('Invalid config ')}")
 
 
 def _layout(cfg: TrainConfig, pp: int, dp: int) -> Layout:
@@ -120,3 +135,44 @@ def _expert_levels(cfg: TrainConfig, zeros: list[int | None], dp: int, ep: int) 
     DeepSeek-V3's distributed optimizer), which the planner prices and the runtime runs
     (docs/sharding.md "Experts")."""
     return zeros
+
+
+#: a cp rank's chunks (2 x cp of them) keep at least this many positions each under the default
+#: degrees: below it attention's blocks are too small to hide the ring's exchanges
+MIN_CHUNK = 512
+#: the largest cp the default degrees try (Llama 3 405B trained at 128k tokens with cp=16)
+MAX_CP = 32
+
+
+def cp_degrees(cfg: TrainConfig, seq_len: int | None, refusal: str | None) -> list[int] | None:
+    """The context-parallel degrees of a `plan.devices` search (None: no such search, the
+    configured cp): `plan.cp`'s, or by default under mode=plan every power of two up to MAX_CP whose
+    2 x cp chunks of `seq_len` positions divide it with MIN_CHUNK or more each and that divides the
+    devices (cp=1 alone for a model that cannot split its positions: `refusal` says why). A search
+    that trains keeps the configured cp: the ranks build the model at it."""
+    devices, wanted = cfg.plan.devices, cfg.plan.cp
+    if devices is None:
+        return None
+    if wanted is not None:
+        bad = [c for c in wanted if isinstance(c, bool) or not isinstance(c, int) or c < 1 or devices % c]
+        if bad or not wanted:
+            raise ConfigError("plan.cp", f"got {list(wanted)!r}; valid: a list of context-parallel degrees dividing "
+                                         f"plan.devices={devices}, e.g. [1, 2, 4], or null")
+        split = sorted({c for c in wanted if c > 1})
+        if split and refusal:
+            raise ConfigError("plan.cp", f"cp={split[0]} splits every sequence along its positions, and {refusal}; "
+                                         "set plan.cp=[1] or null")
+        uneven = [c for c in split if seq_len is None or seq_len % (2 * c)]
+        if uneven:
+            raise ConfigError("plan.cp", f"cp={uneven[0]} cuts each sequence into {2 * uneven[0]} chunks (a head and "
+                                         f"a tail per rank), and model.seq_len={seq_len} does not divide; list "
+                                         "degrees whose 2 x cp divides the sequence")
+        if cfg.mode != "plan" and sorted(set(wanted)) != [cfg.cp]:
+            raise ConfigError("plan.cp", f"a search that trains keeps the configured cp={cfg.cp} (the ranks build the "
+                                         "model at it); search plan.cp under mode=plan and run the winner's command, "
+                                         f"or set plan.cp=[{cfg.cp}]")
+        return sorted(set(wanted))
+    if cfg.mode != "plan" or refusal or not seq_len:
+        return [cfg.cp]
+    return [c for c in (1 << i for i in range(MAX_CP.bit_length()))
+            if c == 1 or (seq_len % (2 * c) == 0 and seq_len // (2 * c) >= MIN_CHUNK and devices % c == 0)]

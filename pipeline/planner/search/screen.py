@@ -316,6 +316,8 @@ class Screen:
     by_default: bool = False
     #: (pp, dp, tp) of a candidate that does not set its layout (the configured ones)
     layout: tuple[int, int, int] = (1, 1, 1)
+    #: the configured cp (a candidate of a search over cp carries its own)
+    cp: int = 1
     #: the optimizer step's temporaries per byte (of the largest tensor, of all the rank's
     #: parameters: `optimizer_costs.optimizer_temporaries`)
     optimizer_temporaries: tuple[float, float] = (0.0, 0.0)
@@ -334,6 +336,10 @@ class Screen:
 
     def _layout(self, c: Candidate) -> tuple[int, int, int]:
         return (c.pp, c.dp, c.tp or 1) if c.pp is not None else self.layout
+
+    def _replicas(self, c: Candidate) -> int:
+        """The ranks the gradients are reduced (and under zero sharded) over: dp x cp."""
+        return self._layout(c)[1] * (self.cp if c.cp is None else c.cp)
 
     def _ep(self, c: Candidate) -> int:
         """The candidate's expert-parallel degree (1 without ep)."""
@@ -425,7 +431,7 @@ class Screen:
 
     def _step(self, c: Candidate, model: ModelCosts, shape: Shape, remat: str, whole: float,
               split: Split | None = None, split_backward: bool = False) -> float:
-        pp, dp, _ = self._layout(c)
+        pp, dp = self._layout(c)[0], self._replicas(c)  # dp x cp ranks reduce the gradients
         # a whole stage reruns once (R); a recomputed block once in a fused backward, in each half of a split one
         rerun = model.forward if remat == "stage" else model.recompute(remat)[1] * (2 if split_backward else 1)
         work = whole + rerun
@@ -455,7 +461,7 @@ class Screen:
         """The fullest device's bytes (no step yet): its parameters, gradients and optimizer
         state, then the larger of the activations it holds in the step and the update's
         temporaries after it, priced as the prediction prices them (UpdateMemory)."""
-        pp, dp, _ = self._layout(c)
+        pp, dp = self._layout(c)[0], self._replicas(c)  # dp x cp ranks shard the states
         level = self.configured_zero if c.zero is None else c.zero
         rank_params = model.param_bytes * split.params if split is not None else \
             model.param_bytes / pp + (model.largest_params if pp > 1 else 0.0)
@@ -525,7 +531,8 @@ def ranked(cands: list[Candidate], screen: Screen, given: Candidate | None
     seen: set[tuple] = set()
     for i in order:
         c, e = estimates[i]
-        twin = (c.scheduler, c.partitioner, c.microbatches, c.zero, c.reshard, c.pp, c.dp, c.tp, e.step_s, e.peak_bytes)
+        twin = (c.scheduler, c.partitioner, c.microbatches, c.zero, c.reshard, c.pp, c.dp, c.tp, c.cp, e.step_s,
+                e.peak_bytes)
         if twin not in seen and c is not given:
             seen.add(twin)
             out.append(c)

@@ -62,10 +62,12 @@ def build_generator(option: Plugin) -> ScheduleGenerator:
 
 
 def search_space(cfg: TrainConfig, plugins: Plugins, options: GroupOptions, graph: nx.DiGraph,
-                 tps: Sequence[int] = (1,), experts: int = 0) -> tuple[list[Candidate], Candidate | None]:
+                 tps: Sequence[int] = (1,), experts: int = 0,
+                 cps: Sequence[int] | None = None) -> tuple[list[Candidate], Candidate | None]:
     """The candidates of `plan=auto` (or of `scheduler=auto`: only the schedule varies) and the
     one the config names as given, when it names a concrete one; `experts`: the model's routed
-    experts per layer (under plan.devices each layout is also tried at its expert-parallel degrees)."""
+    experts per layer (under plan.devices each layout is also tried at its expert-parallel degrees);
+    `cps`: the context-parallel degrees each layout is tried at (None: the configured cp)."""
     space = cfg.plan
     schedules = training_schedules(options)
     if not schedules:
@@ -82,16 +84,16 @@ def search_space(cfg: TrainConfig, plugins: Plugins, options: GroupOptions, grap
     rematting = [str(r) for r in space.remat] if space.remat else None
     remats = remat_values(rematting, cfg.memory.cap_bytes is not None)
     reshards = reshard_values(space.reshard)
-    cands = [c for lay in layouts(cfg, tps, experts)
+    cands = [c for lay in layouts(cfg, tps, experts, cps)
              for c in candidates(chosen, partitioners, lay.counts, remats, lay.zeros, (lay.pp, lay.dp), reshards,
-                                 cfg.zero, lay.tp if lay.pp is not None else None, lay.ep)]
+                                 cfg.zero, lay.tp if lay.pp is not None else None, lay.ep, lay.cp)]
     given, named = None, plugins.scheduler
     if named is not None:
         given = next((c for c in cands if c.scheduler_plugin.same_as(named)
                       and c.partitioner == plugins.partitioner.option and c.microbatches == cfg.microbatches
                       and c.remat == remat and c.zero in (None, cfg.zero) and c.reshard in (None, str(cfg.reshard))
                       and (c.pp is None or (c.pp, c.dp, c.tp) == (cfg.pp, cfg.dp, cfg.tp))
-                      and c.ep in (None, cfg.ep)), None)
+                      and c.ep in (None, cfg.ep) and c.cp in (None, cfg.cp)), None)
     return cands, given
 
 
@@ -122,8 +124,8 @@ def search(cfg: TrainConfig, models: TracedModels, build: Callable[..., Plan], c
     """Plan, simulate and fit every candidate; `build(generator, traced, candidate)` makes its Plan
     (`build(generator, traced, candidate, whole)` with those stages recomputing whole, which
     remat=auto's fit asks for); `link(candidate)`: the pipeline link's (latency, bandwidth) the
-    predictions price for its layout; `expert_layout(candidate)`: the expert-parallel degree and
-    link its trace is priced at (`TracedModels.get`'s `ep`, `ep_link`). With a `screen` and more
+    predictions price for its layout; `expert_layout(candidate)`: the expert- and context-parallel
+    degrees and links its trace is priced at (`TracedModels.get`'s `ep`, `ep_link`, `cp`, `cp_link`). With a `screen` and more
     candidates than `plan.simulate` allows, only the most promising by its closed-form estimates
     are planned (search/screen.py)."""
     cap = cfg.memory.cap_bytes
@@ -159,10 +161,10 @@ def search(cfg: TrainConfig, models: TracedModels, build: Callable[..., Plan], c
 def _prepare(cfg: TrainConfig, models: TracedModels, cands: Sequence[Candidate]) -> None:
     """Every size the candidates run, measured in shared passes (the machine's drift between
     profiles taken one after another decided between micro-batch counts)."""
-    for tp, ep in sorted({(c.tp, c.ep) for c in cands}, key=lambda k: (k[0] or 0, k[1] or 0)):
+    for tp, ep, cp in sorted({(c.tp, c.ep, c.cp) for c in cands}, key=lambda k: tuple(x or 0 for x in k)):
         try:
             models.prepare((s for s in {micro_batch_size(cfg, c.microbatches, c.dp) for c in cands
-                                        if (c.tp, c.ep) == (tp, ep)} if s >= 1), tp, ep)
+                                        if (c.tp, c.ep, c.cp) == (tp, ep, cp)} if s >= 1), tp, ep, cp)
         except ConfigError:
             pass  # a size (or tp) the model cannot be traced at fails its own candidates below
 
