@@ -261,6 +261,21 @@ SCENARIOS = [
         train("python train.py model=hf_llama_tiny cp=2 pp=2 model.seq_len=64"),
         train("python train.py model=module model.module._target_=tests.zoo.nanogpt +model.module.block_size=64 "
               "model.vocab_size=64 model.seq_len=64 model.loss=model cp=2 pp=2")), slow=True, timeout=300),
+    # slow: Llama-3-405B-sized searches on 16,384 H100s (about a minute or more each here);
+    # tests/test_context_parallel_plan.py searches cp on a small model by default
+    Scenario("cp-plan-doc", "docs/long_sequences.md", (
+        plan("python train.py mode=plan plan=auto plan.devices=16384 hardware=h100_sxm precision=bf16 zero=1 model=gpt model.layers=126 model.dim=16384 model.heads=128 model.vocab_size=128256 model.mlp_ratio=4 model.seq_len=131072 "
+             "batch_size=128 'plan.schedulers=[1f1b,interleaved_1f1b]' 'plan.partitioners=[uniform]'"),
+        plan("python train.py mode=plan hardware=h100_sxm precision=bf16 zero=1 model=gpt model.layers=126 "
+             "model.dim=16384 model.heads=128 model.vocab_size=128256 model.mlp_ratio=4 model.seq_len=131072 "
+             "batch_size=128 tp=8 cp=16 pp=16 dp=8 scheduler=interleaved_1f1b scheduler.stages_per_rank=4 "
+             "microbatches=16 remat=auto")), slow=True, timeout=900),
+    Scenario("cp-plan", "docs/planner.md", (
+        plan("python train.py mode=plan plan=auto plan.devices=16384 hardware=h100_sxm precision=bf16 zero=1 model=gpt model.layers=126 model.dim=16384 model.heads=128 model.vocab_size=128256 model.mlp_ratio=4 model.seq_len=131072 "
+             "batch_size=128 'plan.schedulers=[1f1b,interleaved_1f1b]' 'plan.partitioners=[uniform]'"),
+        plan("python train.py mode=plan plan=auto plan.devices=16384 hardware=h100_sxm precision=bf16 zero=1 model=gpt model.layers=126 model.dim=16384 model.heads=128 model.vocab_size=128256 model.mlp_ratio=4 model.seq_len=8192 "
+             "batch_size=2048 'plan.schedulers=[1f1b,interleaved_1f1b]' 'plan.partitioners=[uniform]'")),
+             slow=True, timeout=900),
     # slow: tests/test_expert_search.py plans DeepSeek-V3's dimensions on the H800 by default
     Scenario("deepseek-plan", "docs/planner.md", (
         plan("python train.py mode=plan model=gpt_deepseek_v3 hardware=h800 batch_size=15360 precision=bf16 zero=1 "
@@ -385,6 +400,9 @@ SKIPPED = {
     "model.dim=25600 model.heads=160 model.vocab_size=51200 model.seq_len=2048 batch_size=3072":
         "plans the 1T GPT on 3072 A100s (about 2 minutes here, bench/RESULTS.md records it); "
         "tests/test_screen.py runs the same screened search on a small cluster",
+    "python bench/llama3_405b.py --search": "plans Llama 3 405B's layouts and searches 16,384 H100s at two lengths "
+                                            "(several minutes here), the figures in bench/RESULTS.md; its commands "
+                                            "run in scenarios cp-plan and cp-plan-doc",
     "python bench/deepseek_v3.py": "plans DeepSeek-V3's dimensions on 2048 H800s twice (about 40 s), the figures "
                                    "in bench/RESULTS.md; its plans run in scenario deepseek-plan",
     "python bench/moe_overlap.py": "six real training runs at pp=2 dp=2 ep=2 (about 3 minutes), timed: run on an "
