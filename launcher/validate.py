@@ -136,14 +136,13 @@ def check_context_parallel(cfg: TrainConfig, spec, data) -> None:  # noqa: ANN00
                                 "presets), model=hf (sdpa attention), model=module (a token model calling torch's "
                                 "scaled_dot_product_attention), or cp=1")
     heads = spec.meta.get("heads")
-    if cfg.cp_method == "alltoall" and heads and heads % cp:
-        raise ConfigError("cp_method", f"alltoall splits the {heads} heads (model.heads) over cp={cp} ranks, which "
-                                       "does not divide them; valid: ring, or a cp dividing the heads")
-    # tp beside cp: mode=plan prices it (each tp rank's heads over the cp group); the runtime does not run it yet
-    tp = [] if cfg.mode == "plan" else [("tp", cfg.tp, "tp=1 (mode=plan prices tp beside cp)")]
+    if cfg.cp_method == "alltoall" and heads and (heads // cfg.tp) % cp:
+        raise ConfigError("cp_method", f"alltoall splits each tp rank's {heads // cfg.tp} of the {heads} heads "
+                                       f"(model.heads over tp={cfg.tp}) over cp={cp} ranks, which does not divide "
+                                       "them; valid: ring, or a cp dividing the heads a tp rank holds")
     others = [(key, value, valid) for key, value, valid in (
-        *tp, ("ep", cfg.ep, "ep=1"), ("dp_shard", cfg.dp_shard or cfg.dp, f"dp_shard={cfg.dp}"))
-        if value != int(valid.split("=")[1].split(" ")[0])]
+        ("ep", cfg.ep, "ep=1"), ("dp_shard", cfg.dp_shard or cfg.dp, f"dp_shard={cfg.dp}"))
+        if value != int(valid.split("=")[1])]
     if spec.meta.get("experts"):
         others.append(("model.experts", spec.meta["experts"], "model.experts=0"))
     if getattr(data, "length_buckets", None) is not None:
@@ -156,8 +155,8 @@ def check_context_parallel(cfg: TrainConfig, spec, data) -> None:  # noqa: ANN00
         others.append(("model.dropout", dropout, "model.dropout=0"))
     if others:
         key, value, valid = others[0]
-        raise ConfigError(key, f"{key}={value} with cp={cp} is not supported yet (context parallelism runs beside pp "
-                               f"and dp, on one sequence or packed documents); set {valid}, or cp=1")
+        raise ConfigError(key, f"{key}={value} with cp={cp} is not supported yet (context parallelism runs beside pp, "
+                               f"dp and tp, on one sequence or packed documents); set {valid}, or cp=1")
 
 
 def check_capacity(spec, capacity_factor: float | None) -> None:

@@ -43,12 +43,35 @@ def test_gpt_trains_as_one_process_under_context_parallelism(tmp_path) -> None:
                        "alltoall to heads": m * blocks + 3 * m * blocks}, log
 
 
+@pytest.mark.timeout(600)
+def test_cp_beside_tensor_parallelism_trains_as_one_process(tmp_path) -> None:
+    """pp=1 tp=2 cp=2 with sequence parallelism and the all-to-all: each tp rank's 2 heads over the
+    cp group, the tp collectives on the rank's 1/cp of the positions (SP cutting them further)."""
+    check_like_one_process([("gpt pp=1 tp=2 cp=2 sp alltoall", compose_cfg(
+        [*CP, "pp=1", "tp=2", "cp=2", "sequence_parallel=true", "cp_method=alltoall", "model.heads=4",
+         "scheduler=1f1b"]))], tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_cp_beside_tp_and_pp_trains_as_one_process(tmp_path) -> None:
+    """The issue's slow layout: pp=2 tp=2 cp=2 with sequence parallelism (8 ranks, the ring), and
+    transformers' Llama at pp=1 tp=2 cp=2 (its plan splitting heads, the retargeted sdpa)."""
+    from tests.test_context_parallel_models import LLAMA
+
+    check_like_one_process([
+        ("gpt pp=2 tp=2 cp=2 sp", compose_cfg([*CP, "pp=2", "tp=2", "cp=2", "sequence_parallel=true",
+                                                "scheduler=1f1b"])),
+        ("llama pp=1 tp=2 cp=2", compose_cfg([*LLAMA, "pp=1", "tp=2", "cp=2", "scheduler=1f1b"]))], tmp_path)
+
+
 @pytest.mark.parametrize(("overrides", "key", "words"), [
     (["model.seq_len=6", "cp=2"], "cp", "2 x cp = 4 chunks"),
     (["model=mlp", "cp=2"], "cp", "valid: model=gpt"),
     (["cp=2", "cp_method=alltoall", "model.heads=3", "model.dim=48"], "cp_method", "does not divide"),
     (["cp=2", "cp_method=zigzag"], "cp_method", "valid: ring"),
-    (["cp=2", "tp=2"], "tp", "not supported yet"),
+    (["cp=2", "tp=2", "cp_method=alltoall", "model.heads=2"], "cp_method", "a tp rank holds"),
+    (["cp=2", "dp=2", "ep=2", "model.experts=4"], "ep", "not supported yet"),
     (["cp=2", "dp=4", "zero=1", "dp_shard=2"], "dp_shard", "not supported yet"),
     (["cp=2", "model.attention=math"], "model.attention", "valid with cp > 1"),
     (["cp=2", "plan=auto", "plan.devices=4", "plan.cp=[1,2]"], "plan.cp", "a search that trains keeps the configured cp=2"),

@@ -256,7 +256,10 @@ SCENARIOS = [
         train("python train.py cp=2 dp=2 pp=1 zero=3 model.seq_len=64")), slow=True, timeout=600),
     # slow: tests/test_context_parallel_models.py trains Llama and nanoGPT under cp like one process
     Scenario("cp-models-readme", "README.md", (
-        train("python train.py model=hf_llama_tiny cp=2 pp=2 model.seq_len=64"),), slow=True, timeout=300),
+        train("python train.py model=hf_llama_tiny cp=2 pp=2 model.seq_len=64"),
+        train("python train.py cp=2 tp=2 pp=2 sequence_parallel=true model.seq_len=64")), slow=True, timeout=300),
+    Scenario("cp-tp-doc", "docs/long_sequences.md", (
+        train("python train.py cp=2 tp=2 pp=2 sequence_parallel=true model.seq_len=64"),), slow=True, timeout=300),
     Scenario("cp-models-doc", "docs/long_sequences.md", (
         train("python train.py model=hf_llama_tiny cp=2 pp=2 model.seq_len=64"),
         train("python train.py model=module model.module._target_=tests.zoo.nanogpt +model.module.block_size=64 "
