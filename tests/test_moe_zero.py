@@ -53,10 +53,26 @@ def test_experts_sharded_over_their_expert_replicas_train_as_one_process(tmp_pat
 def test_experts_sharded_over_expert_replicas_at_pp2_zero2_train_as_one_process(tmp_path) -> None:
     """pp=2 dp=4 ep=2 zero=2 under 1f1b and DualPipeV (its split backward: the experts' gradients
     reduce-scattered in the W that completes them)."""
-    base = [*MOE, "pp=2", "dp=4", "ep=2", "zero=2", "microbatches=2"]
+    base = [*MOE, "pp=2", "dp=4", "ep=2", "zero=2", "microbatches=4"]
     check_like_one_process([("ep=2 pp=2 dp=4 zero=2 1f1b", compose_cfg([*base, "scheduler=1f1b"])),
                             ("ep=2 pp=2 dp=4 zero=2 dualpipev", compose_cfg([*base, "scheduler=dualpipev"]))],
                            tmp_path)
+
+
+@pytest.mark.slow  # model=gpt's experts run this path by default (above)
+@pytest.mark.timeout(900)
+def test_transformers_and_user_experts_sharded_over_expert_replicas_train_as_one_process(tmp_path) -> None:
+    """The other experts modules `expert_holders` wraps: transformers' stacked ones (Mixtral) and a
+    user's list (model=module, its `LocalExperts`), at pp=1 dp=4 ep=2 zero=1 and zero=3."""
+    from tests.test_hf_moe import COMMON as HF
+    from tests.test_user_moe import COMMON as USER
+
+    pp1 = ["pp=1", "dp=4", "ep=2", "scheduler=gpipe"]
+    cases = [(f"{what} ep=2 dp=4 zero={z}", compose_cfg([*common, *pp1, f"zero={z}"]))
+             for what, common in (("mixtral", [*HF, "model=hf_mixtral_tiny"]), ("user", USER)) for z in (1, 3)]
+    ranks = check_like_one_process(cases, tmp_path)
+    for what, results in ranks.items():
+        assert _expert_lines(results[0].extras["collective_log"]), what
 
 
 @pytest.mark.timeout(600)
