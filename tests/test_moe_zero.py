@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness import FAST, check_like_one_process, compose_cfg
+from tests.harness import FAST, assert_no_process_left, check_like_one_process, compose_cfg, job_processes
 from tests.test_moe import MOE
 
 #: pp=1 dp=4 ep=2: two ep groups of two, each expert on two expert replicas (sharded over them)
@@ -87,7 +87,9 @@ def test_a_checkpoint_of_sharded_experts_resumes_under_other_layouts(resumed, tm
     ep, on the uninterrupted run's losses and weights within 1e-5."""
     from tests.test_long_runs import RESUME, check_resumed
 
+    before = job_processes()
     moe = [o for o in MOE[len(FAST):] if o.startswith("model.")]
     base = [*RESUME, *moe, "checkpoint.every=3", "steps=6", "microbatches=2", "scheduler=gpipe"]
     ref = check_resumed([*base, "pp=1", "dp=4", "ep=2", "zero=1"], [*base, *resumed[1]], tmp_path, 3, 6)
     assert ref["layer1.mlp.experts.gate_up_proj"].shape[0] == 4  # every expert, whole
+    assert_no_process_left(before)  # both runs' launchers and ranks are gone
