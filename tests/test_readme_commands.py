@@ -268,16 +268,16 @@ SCENARIOS = [
     # tests/test_context_parallel_plan.py searches cp on a small model by default
     Scenario("cp-plan-doc", "docs/long_sequences.md", (
         plan("python train.py mode=plan plan=auto plan.devices=16384 hardware=h100_sxm precision=bf16 zero=1 model=gpt model.layers=126 model.dim=16384 model.heads=128 model.vocab_size=128256 model.mlp_ratio=4 model.seq_len=131072 "
-             "batch_size=128 'plan.schedulers=[1f1b,interleaved_1f1b]' 'plan.partitioners=[uniform]'"),
+             "batch_size=128 'plan.schedulers=[1f1b,interleaved_1f1b]' 'plan.partitioners=[uniform]' 'plan.tp=[8]'"),
         plan("python train.py mode=plan hardware=h100_sxm precision=bf16 zero=1 model=gpt model.layers=126 "
              "model.dim=16384 model.heads=128 model.vocab_size=128256 model.mlp_ratio=4 model.seq_len=131072 "
              "batch_size=128 tp=8 cp=16 pp=16 dp=8 scheduler=interleaved_1f1b scheduler.stages_per_rank=4 "
              "microbatches=16 remat=auto")), slow=True, timeout=900),
     Scenario("cp-plan", "docs/planner.md", (
         plan("python train.py mode=plan plan=auto plan.devices=16384 hardware=h100_sxm precision=bf16 zero=1 model=gpt model.layers=126 model.dim=16384 model.heads=128 model.vocab_size=128256 model.mlp_ratio=4 model.seq_len=131072 "
-             "batch_size=128 'plan.schedulers=[1f1b,interleaved_1f1b]' 'plan.partitioners=[uniform]'"),
+             "batch_size=128 'plan.schedulers=[1f1b,interleaved_1f1b]' 'plan.partitioners=[uniform]' 'plan.tp=[8]'"),
         plan("python train.py mode=plan plan=auto plan.devices=16384 hardware=h100_sxm precision=bf16 zero=1 model=gpt model.layers=126 model.dim=16384 model.heads=128 model.vocab_size=128256 model.mlp_ratio=4 model.seq_len=8192 "
-             "batch_size=2048 'plan.schedulers=[1f1b,interleaved_1f1b]' 'plan.partitioners=[uniform]'")),
+             "batch_size=2048 'plan.schedulers=[1f1b,interleaved_1f1b]' 'plan.partitioners=[uniform]' 'plan.tp=[8]'")),
              slow=True, timeout=900),
     # slow: tests/test_expert_search.py plans DeepSeek-V3's dimensions on the H800 by default
     Scenario("deepseek-plan", "docs/planner.md", (
