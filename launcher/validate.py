@@ -141,10 +141,14 @@ def check_context_parallel(cfg: TrainConfig, spec, data) -> None:  # noqa: ANN00
                                        f"(model.heads over tp={cfg.tp}) over cp={cp} ranks, which does not divide "
                                        "them; valid: ring, or a cp dividing the heads a tp rank holds")
     others = [(key, value, valid) for key, value, valid in (
-        ("ep", cfg.ep, "ep=1"), ("dp_shard", cfg.dp_shard or cfg.dp, f"dp_shard={cfg.dp}"))
-        if value != int(valid.split("=")[1])]
-    if spec.meta.get("experts"):
-        others.append(("model.experts", spec.meta["experts"], "model.experts=0"))
+        ("dp_shard", cfg.dp_shard or cfg.dp, f"dp_shard={cfg.dp}"),) if value != int(valid.split("=")[1])]
+    if cfg.ep > 1 and cfg.zero:  # the experts' own FSDP2 units span their expert replicas, not their cp ranks
+        others.append(("zero", cfg.zero, "zero=0 (ep > 1 beside cp reduces the experts over expert_dp x cp)"))
+    if spec.meta.get("experts") and spec.meta.get("cp_graph", 1) > 1:  # model=gpt's experts route under cp
+        others.append(("model.config", f"{spec.meta['experts']} routed experts", "a dense model (or model=gpt's "
+                                                                                 "model.experts)"))
+    if spec.meta.get("experts") and cfg.moe.capacity_factor is not None:  # capacity counts a rank's tokens
+        others.append(("moe.capacity_factor", cfg.moe.capacity_factor, "moe.capacity_factor=null"))
     if getattr(data, "length_buckets", None) is not None:
         others.append(("data.buckets", "set", "data.buckets=null"))
     packing = str(getattr(cfg.data, "packing", None) or "none") if hasattr(cfg.data, "get") else "none"

@@ -45,7 +45,11 @@ import math
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from pipelaunch.pipeline.compute import context_parallel
+from pipelaunch.pipeline.compute.ring_attention import record
 
 #: what each micro-batch's auxiliary loss weighs in the step (the trainer sets it; one process: 1)
 _AUX_SCALE = [1.0]
@@ -58,6 +62,20 @@ def shapes_only(x: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake
 
     return x.is_meta or is_fake(x)
+
+
+def over_context(share: torch.Tensor, shapes: bool) -> tuple[torch.Tensor, int]:
+    """The routed share per expert of the whole micro-batch, and the cp ranks holding its tokens:
+    under cp each rank routes 1/cp of them, so the aux loss's f_i is the mean over the cp ranks
+    (one all-reduce, no gradient) and each rank's term is divided by cp, whose gradients summed
+    over the cp ranks are the one-process aux loss's (its P_i is the mean of theirs)."""
+    cp = context_parallel.active()
+    if cp is None or shapes:
+        return share, 1
+    share = share.clone()
+    dist.all_reduce(share, group=cp.group)
+    record("allreduce expert shares")
+    return share / cp.size, cp.size
 
 
 def set_aux_loss_scale(scale: float) -> None:
@@ -279,7 +297,7 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(tokens)
         if self.aux_loss_coef and torch.is_grad_enabled():
-            share = counts.to(probs.dtype) / index.numel()
-            aux = self.aux_loss_coef * self.router.experts * (share * probs.mean(dim=0)).sum()
+            share, ranks = over_context(counts.to(probs.dtype) / index.numel(), shapes_only(x))
+            aux = self.aux_loss_coef * self.router.experts * (share * probs.mean(dim=0)).sum() / ranks
             out = AuxLoss.apply(out, aux)
         return out.reshape(shape)

@@ -65,13 +65,31 @@ def test_cp_beside_tp_and_pp_trains_as_one_process(tmp_path) -> None:
         ("llama pp=1 tp=2 cp=2", compose_cfg([*LLAMA, "pp=1", "tp=2", "cp=2", "scheduler=1f1b"]))], tmp_path)
 
 
+@pytest.mark.timeout(600)
+def test_a_mixture_of_experts_trains_as_one_process_under_context_parallelism(tmp_path) -> None:
+    """model=gpt's experts beside cp: pp=2 cp=2 with the auxiliary loss (each rank routes 1/cp of a
+    micro-batch's tokens: the experts' routed shares are averaged over the cp ranks, and each rank's
+    term divided by cp), and pp=1 dp=2 ep=2 cp=2 (the experts' gradients summed over their expert
+    replicas and the cp ranks: expert_grad), with DeepSeek-V3's router and bias update on the
+    tokens per expert counted over dp x cp."""
+    from tests.test_moe import MOE, SIGMOID
+
+    moe = [*MOE, "model.seq_len=8", "scheduler=1f1b"]
+    check_like_one_process([
+        ("moe pp=2 cp=2 aux loss", compose_cfg([*moe, "pp=2", "cp=2"])),
+        ("moe pp=1 dp=2 ep=2 cp=2 sigmoid bias", compose_cfg([*moe, *SIGMOID, "pp=1", "dp=2", "ep=2", "cp=2",
+                                                               "moe.bias_update_rate=0.01"]))], tmp_path)
+
+
 @pytest.mark.parametrize(("overrides", "key", "words"), [
     (["model.seq_len=6", "cp=2"], "cp", "2 x cp = 4 chunks"),
     (["model=mlp", "cp=2"], "cp", "valid: model=gpt"),
     (["cp=2", "cp_method=alltoall", "model.heads=3", "model.dim=48"], "cp_method", "does not divide"),
     (["cp=2", "cp_method=zigzag"], "cp_method", "valid: ring"),
     (["cp=2", "tp=2", "cp_method=alltoall", "model.heads=2"], "cp_method", "a tp rank holds"),
-    (["cp=2", "dp=2", "ep=2", "model.experts=4"], "ep", "not supported yet"),
+    (["cp=2", "dp=2", "ep=2", "zero=1", "model.experts=4", "model.top_k=2"], "zero", "not supported yet"),
+    (["cp=2", "model.experts=4", "model.top_k=2", "moe.capacity_factor=1.25"], "moe.capacity_factor",
+     "not supported yet"),
     (["cp=2", "dp=4", "zero=1", "dp_shard=2"], "dp_shard", "not supported yet"),
     (["cp=2", "model.attention=math"], "model.attention", "valid with cp > 1"),
     (["cp=2", "plan=auto", "plan.devices=4", "plan.cp=[1,2]"], "plan.cp", "a search that trains keeps the configured cp=2"),

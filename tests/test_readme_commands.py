@@ -259,7 +259,9 @@ SCENARIOS = [
         train("python train.py model=hf_llama_tiny cp=2 pp=2 model.seq_len=64"),
         train("python train.py cp=2 tp=2 pp=2 sequence_parallel=true model.seq_len=64")), slow=True, timeout=300),
     Scenario("cp-tp-doc", "docs/long_sequences.md", (
-        train("python train.py cp=2 tp=2 pp=2 sequence_parallel=true model.seq_len=64"),), slow=True, timeout=300),
+        train("python train.py cp=2 tp=2 pp=2 sequence_parallel=true model.seq_len=64"),
+        train("python train.py cp=2 dp=2 ep=2 pp=1 model.experts=4 model.top_k=2 model.seq_len=64")), slow=True,
+             timeout=300),
     Scenario("cp-models-doc", "docs/long_sequences.md", (
         train("python train.py model=hf_llama_tiny cp=2 pp=2 model.seq_len=64"),
         train("python train.py model=module model.module._target_=tests.zoo.nanogpt +model.module.block_size=64 "

@@ -128,6 +128,12 @@ class RankContext:
         """The replicas holding the same experts as this rank: its experts' gradients reduce here."""
         return self._group("expert_dp") if self.ep > 1 else self.dp_group
 
+    @property
+    def expert_grad_group(self) -> dist.ProcessGroup | None:
+        """Where this rank's experts' gradients are summed: the replicas holding the same experts,
+        and under cp their cp ranks (each routed its own positions to them)."""
+        return self._group("expert_grad") if self.ep > 1 and self.cp > 1 else self.expert_dp_group
+
 
 def select_device(requested: str, local_rank: int) -> torch.device:
     """`auto` takes this rank's GPU when CUDA is available, else the CPU. Local rank r takes GPU r

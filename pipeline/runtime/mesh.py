@@ -46,11 +46,14 @@ class RankMesh:
 
     def __getitem__(self, axis: str) -> DeviceMesh:
         """The 1-D mesh along `axis`: pp, cp, tp, dp (all the replicas), grad (the replicas x cp),
-        and ep / expert_dp under expert parallelism, dp_replicate / dp_shard otherwise."""
+        and ep / expert_dp / expert_grad (expert_dp x cp) under expert parallelism, dp_replicate /
+        dp_shard otherwise."""
         if axis == "dp":
             return self.dp_mesh
         if axis == "grad":
             return self.grad_mesh
+        if axis == "expert_grad":
+            return self.expert_grad_mesh
         return self.mesh[axis]
 
     @cached_property
@@ -72,6 +75,16 @@ class RankMesh:
         outer, inner = self.dp_names
         axes = [a for a in (outer, inner) if self.mesh[a].size() > 1] + ["cp"]
         return self.mesh["cp"] if axes == ["cp"] else self.mesh[tuple(axes)]._flatten("dp_cp")
+
+    @cached_property
+    def expert_grad_mesh(self) -> DeviceMesh:
+        """What an experts parameter's gradients are summed over under ep > 1: its expert
+        replicas, and under cp their cp ranks too."""
+        if self.layout.cp == 1:
+            return self.mesh["expert_dp"]
+        if self.mesh["expert_dp"].size() == 1:
+            return self.mesh["cp"]
+        return self.mesh["expert_dp", "cp"]._flatten("expert_dp_cp")
 
     @cached_property
     def shard_mesh(self) -> DeviceMesh:

@@ -103,7 +103,7 @@ def _data_parallel(plan: Plan, ctx: RankContext, slots: dict[int, StageSlot]) ->
         # under 1 < ep < dp the experts are sharded over their expert replicas (docs/sharding.md)
         return ShardedStages(plan, modules, actions, ctx.mesh.grad_mesh if ctx.cp > 1 else ctx.mesh.shard_mesh,
                              ctx.mesh["expert_dp"] if 1 < ctx.ep < ctx.dp else None)
-    return ReplicatedGrads(plan, modules, actions, ctx.grad_group, ctx.expert_dp_group if ctx.ep > 1 else None)
+    return ReplicatedGrads(plan, modules, actions, ctx.grad_group, ctx.expert_grad_group if ctx.ep > 1 else None)
 
 
 def _context_parallel(run: RunSpec, plan: Plan, ctx: RankContext, spec: ModelSpec) -> torch.Tensor | None:
@@ -385,7 +385,7 @@ class RankTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.lr_scheduler.step()
         # the step's tokens per expert, and after a trained step the routers' bias update (moe.bias_update_rate)
-        load = expert_load(self.moe, ctx.dp_group if ctx.dp > 1 else None, ctx.tp_rank == 0, ctx.device,
+        load = expert_load(self.moe, ctx.grad_group, ctx.tp_rank == 0, ctx.device,  # over dp x cp
                            trained=self.modules if trained else None) if self.moe is not None else None
         if ctx.device.type == "cuda":  # the step is over: its time includes the device's work
             torch.cuda.current_stream(ctx.device).synchronize()
