@@ -37,7 +37,7 @@ PUBLISHED = {131072: ["tp=8", "cp=16", "pp=16", "dp=8"], 8192: ["tp=8", "cp=1", 
 SCHEDULE = ["scheduler=interleaved_1f1b", "scheduler.stages_per_rank=4", "partitioner=uniform", "remat=auto"]
 #: what the searches compare (the rest as plan=auto's defaults)
 SEARCH = ["plan=auto", f"plan.devices={DEVICES}", "'plan.schedulers=[1f1b,interleaved_1f1b]'",
-          "'plan.partitioners=[uniform]'"]
+          "'plan.partitioners=[uniform]'", "'plan.tp=[8]'"]
 
 
 def flops_per_token(seq: int) -> float:

@@ -237,8 +237,8 @@ class PlanConfig:
     ep: Optional[list[int]] = None  # noqa: UP045 - OmegaConf reads typing.Optional
     #: under plan.devices on a model that splits its positions (model=gpt), the context-parallel
     #: degrees tried (each layout pp x dp x tp x cp == devices); null: under mode=plan every power
-    #: of two whose 2 x cp chunks divide the sequence, each chunk at least 512 positions (cp=1
-    #: alone at 1024 or fewer), in a search that trains the configured cp
+    #: of two up to 32 whose 2 x cp chunks divide the sequence, each rank keeping 8192 positions or
+    #: more (cp=1 alone at 8192 or fewer), in a search that trains the configured cp
     cp: Optional[list[int]] = None  # noqa: UP045 - OmegaConf reads typing.Optional
     #: how many candidates are planned and simulated in full, the most promising by a closed-form
     #: estimate (search/screen.py); null: with a hardware file every one up to 64 candidates, beyond

@@ -380,8 +380,11 @@ class SearchResult:
         over the device memory, or what its estimates said when none was planned."""
         c = win.candidate
         degrees = {o.candidate.cp for o in self.outcomes} | {cand.cp for cand, _ in self.screened}
-        if c.cp is None or len(degrees - {None}) < 2:
+        if c.cp is None:
             return []
+        if degrees == {1}:
+            return ["cp=1 is the only context-parallel degree searched (plan.cp's default splits a sequence only "
+                    "while each rank keeps 8192 positions or more; list degrees in plan.cp to compare them)"]
         mine = (f"cp={c.cp} (each sequence over {c.cp} ranks, a rank holding 1/{c.cp} of its positions' activations"
                 f"; fullest device {win.prediction.peak_bytes / MIB:.1f} MiB)" if c.cp > 1 else
                 "cp=1 (each sequence whole on a rank: no attention exchanges)")

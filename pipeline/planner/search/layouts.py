@@ -69,8 +69,6 @@ def _one_layout(cfg: TrainConfig, pp: int, dp: int, tp: int, cp: int | None, exp
     try:
         if tp > 1 and cfg.dp_shard is not None:
             raise ConfigError("dp_shard", "hybrid sharding of tensor-parallel slices is not supported yet")
-        if cp and cp > 1 and tp > 1 and cfg.mode != "plan":
-            raise ConfigError("tp", "tp > 1 beside cp > 1 is not run yet (mode=plan prices it)")
         lay = replace(_layout(cfg, pp, dp), tp=tp, cp=cp)
     except ConfigError as err:
         skipped.append(f"{text}: {str(err).removeprefix('Invalid config ')}")
@@ -137,18 +135,21 @@ def _expert_levels(cfg: TrainConfig, zeros: list[int | None], dp: int, ep: int) 
     return zeros
 
 
-#: a cp rank's chunks (2 x cp of them) keep at least this many positions each under the default
-#: degrees: below it attention's blocks are too small to hide the ring's exchanges
-MIN_CHUNK = 512
-#: the largest cp the default degrees try (Llama 3 405B trained at 128k tokens with cp=16)
+#: under the default degrees a cp rank keeps at least this many positions of a sequence: Llama 3
+#: 405B ran cp=16 at 131,072 tokens (8,192 a rank) and none at 8,192; below it attention is a small
+#: share of a block and the ring's rotations, which the planner prices in line (not hidden), are
+#: short transfers of small blocks (at 8,192 tokens plan.cp=[1,2,4,8] prices tp=4 cp=2 4% ahead
+#: of tp=8 cp=1: bench/RESULTS.md)
+MIN_POSITIONS = 8192
+#: the largest cp the default degrees try
 MAX_CP = 32
 
 
 def cp_degrees(cfg: TrainConfig, seq_len: int | None, refusal: str | None) -> list[int] | None:
     """The context-parallel degrees of a `plan.devices` search (None: no such search, the
     configured cp): `plan.cp`'s, or by default under mode=plan every power of two up to MAX_CP whose
-    2 x cp chunks of `seq_len` positions divide it with MIN_CHUNK or more each and that divides the
-    devices (cp=1 alone for a model that cannot split its positions: `refusal` says why). A search
+    2 x cp chunks divide the `seq_len` positions, leaving each rank MIN_POSITIONS or more, and that
+    divides the devices (cp=1 alone for a model that cannot split its positions: `refusal` says why). A search
     that trains keeps the configured cp: the ranks build the model at it."""
     devices, wanted = cfg.plan.devices, cfg.plan.cp
     if devices is None:
@@ -175,4 +176,4 @@ def cp_degrees(cfg: TrainConfig, seq_len: int | None, refusal: str | None) -> li
     if cfg.mode != "plan" or refusal or not seq_len:
         return [cfg.cp]
     return [c for c in (1 << i for i in range(MAX_CP.bit_length()))
-            if c == 1 or (seq_len % (2 * c) == 0 and seq_len // (2 * c) >= MIN_CHUNK and devices % c == 0)]
+            if c == 1 or (seq_len % (2 * c) == 0 and seq_len // c >= MIN_POSITIONS and devices % c == 0)]
