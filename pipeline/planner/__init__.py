@@ -213,9 +213,9 @@ def grad_link(hw: Hardware, pp: int, dp: int, tp: int, cp: int):  # noqa: ANN201
 
 def context_degrees(cfg: TrainConfig, spec: ModelSpec) -> list[int] | None:
     """The context-parallel degrees a `plan.devices` search tries (`search/layouts.py` `cp_degrees`),
-    None without one; a model that cannot split its positions, or a config that cp does not run
-    beside, tries cp=1 alone (and a `plan.cp` asking more is refused naming why). Under
-    cp_method=alltoall only degrees dividing the heads."""
+    None without one or where cp is no axis of it (plan.cp null on a model or config cp does not
+    run beside, or in a search that trains: the configured cp); a `plan.cp` such a model cannot run
+    is refused naming why. Under cp_method=alltoall only degrees dividing the heads."""
     if cfg.plan.devices is None:
         return None
     meta, packing = spec.meta, str(cfg.data.get("packing") or "none") if hasattr(cfg.data, "get") else "none"
@@ -230,6 +230,8 @@ def context_degrees(cfg: TrainConfig, spec: ModelSpec) -> list[int] | None:
         refusal = "the data's packing or buckets do not run beside cp yet"
     seq = meta.get("seq_len")
     found = cp_degrees(cfg, int(seq) if seq else None, refusal)
+    if cfg.plan.cp is None and (refusal is not None or cfg.mode != "plan"):
+        return None  # cp is no axis of this search: the configured one, nothing said of it
     heads = int(meta.get("heads") or 0)
     if cfg.cp_method == "alltoall" and heads:
         found = [c for c in found if heads % c == 0]
