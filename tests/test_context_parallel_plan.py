@@ -117,3 +117,13 @@ def prepared_trace(prepared, tp: int):  # noqa: ANN001, ANN201 - a Prepared, its
     models = TracedModels(prepared.spec, plugins.model, cfg, profile=False)
     models.tp_modules = tensor_parallel_modules(tp, prepared.spec, models)
     return models.structure(prepared.plan.micro_batch_size, tp)
+
+
+def test_a_transformers_llama_is_searched_at_cp_too() -> None:
+    """model=hf: each cp's model is built again at its context_parallel (its trace, and what the
+    plan's autocast dtypes are found on, at the rank's 1/cp of the positions)."""
+    found = prepare(compose_cfg(["mode=plan", "plan=auto", "plan.devices=4", "model=hf_llama_tiny", "model.seq_len=128",
+                                 "hardware=h100_sxm", "precision=bf16", "plan.cp=[1,2]", "plan.tp=[1]", "batch_size=4",
+                                 "plan.schedulers=[1f1b]", "plan.partitioners=[uniform]", "plan.remat=[none]"])).search
+    assert {o.candidate.cp for o in found.ranked} == {1, 2}
+    assert "against the other context-parallel degrees" in found.why()

@@ -116,7 +116,8 @@ def _make_plan(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins, options: Gro
     def build(gen: ScheduleGenerator, traced: TracedModel, c: Candidate | None = None,
               whole: list[int] | None = None) -> Plan:
         tp = c.tp if c is not None and c.tp is not None else cfg.tp
-        req = _request(cfg, spec, plugins, traced, c, facts, profile, cuda)
+        own = models.at_cp(None if c is None else c.cp).spec  # the model at the candidate's cp
+        req = _request(cfg, own, plugins, traced, c, facts, profile, cuda)
         slots = None if req.rank_slots is None else req.rank_slots / tp  # a simulated rank is tp processes
         (latency, bandwidth), dp_link = links(c)
         req = replace(req, tp=tp, tp_modules=tp_modules if tp > 1 else {}, rank_slots=slots,
