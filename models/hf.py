@@ -294,7 +294,7 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
         raise ConfigError("model.seq_len", f"{seq_len} exceeds the model's {positions} positions")
 
     packed = (data_packing or "none") != "none"  # documents or stream: the data's position ids
-    local = _context_parallel(cfg, context_parallel, seq_len, packed, own_loss and not on_targets)
+    local = _context_parallel(cfg, context_parallel, seq_len, own_loss and not on_targets)
 
     def build() -> nn.Module:
         return WRAPPERS[packed, on_targets](transformers_model(cfg, bias_update_rate), own_loss)
@@ -352,12 +352,12 @@ def _loss_mode(loss: str, labels: str) -> tuple[bool, bool]:
     return loss == "model", loss == "model" and labels == "targets"
 
 
-def _context_parallel(config: Any, cp: int, seq_len: int, packed: bool, shifts_inputs: bool) -> int:
+def _context_parallel(config: Any, cp: int, seq_len: int, shifts_inputs: bool) -> int:
     """The positions a rank traces and runs under `cp` (1/cp of `seq_len`), refusing what a split
     sequence cannot run here: attention other than torch's sdpa (eager materialises the scores,
-    flash attention's CUDA kernels take no cp group), packed documents (transformers' document mask
-    is built over the rank's positions only) and transformers' loss on the input ids (it shifts
-    them by one position, across the rank's chunks)."""
+    flash attention's CUDA kernels take no cp group) and transformers' loss on the input ids (it
+    shifts them by one position, across the rank's chunks). Packed documents are kept apart by the
+    data's position ids, which replace transformers' document mask in the graph."""
     if cp == 1:
         return seq_len
     implementation = attention_implementation(config)
@@ -365,10 +365,6 @@ def _context_parallel(config: Any, cp: int, seq_len: int, packed: bool, shifts_i
         raise ConfigError("model.config.attn_implementation", f"{implementation} with cp={cp}: only sdpa attention "
                                                               "(transformers' default) is split over the cp ranks; "
                                                               "set +model.config.attn_implementation=sdpa, or cp=1")
-    if packed:
-        raise ConfigError("data.packing", f"packed documents with cp={cp} on model=hf are not supported yet "
-                                          "(transformers builds the document mask over one rank's positions); set "
-                                          "data.packing=none, or cp=1 (model=gpt packs documents under cp)")
     if shifts_inputs:
         raise ConfigError("model.labels", f"model.loss=model with model.labels=inputs and cp={cp}: transformers "
                                           "shifts the input ids by one position inside its loss, across the chunks "

@@ -211,15 +211,17 @@ class ModelSpec:
         with opaque():  # transformers' experts modules one call each (models/hf_moe.py), which ep hooks
             traced = trace_model(model, self.meta_args(micro_batch_size), self.leaf_modules, name=self.name,
                                  repeated=self.repeated if repeat else None)
+        if self.meta.get("cp_graph", 1) > 1:  # a model written without cp: its attention made to cross it
+            from pipelaunch.pipeline.core import POSITION_IDS
+            from pipelaunch.pipeline.graph.context_parallel import split_attention
+
+            split_attention(traced, self.input_shape[-1], self.meta["cp_graph"],
+                            POSITION_IDS if POSITION_IDS in self.data_args else None, self.leaf_modules)
         for node, path in as_modules(traced.gm, model).items():
             traced.graph.nodes[node].update(op="call_module", target=path, module=path)
         picks = {_picks(traced.gm, n) for n in traced.gm.graph.nodes
                  if n.op == "call_module" and isinstance(traced.gm.get_submodule(str(n.target)), HFExperts)}
         picks.discard(None)
-        if self.meta.get("cp_graph", 1) > 1:  # a model written without cp: its attention made to cross it
-            from pipelaunch.pipeline.graph.context_parallel import split_attention
-
-            split_attention(traced, self.input_shape[-1], self.meta["cp_graph"])
         if len(picks) == 1:  # what a token computes with (the planner's MFU on activated parameters)
             self.meta.setdefault("top_k", picks.pop())
         return traced

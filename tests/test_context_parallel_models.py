@@ -89,16 +89,20 @@ def test_refused_before_spawn(overrides: list[str], key: str, words: str) -> Non
     assert err.value.key == key and words in str(err.value), str(err.value)
 
 
-def test_packed_documents_are_refused_on_transformers_models() -> None:
-    """transformers builds its document mask over the positions one rank holds: refused, naming
-    the key (model=gpt packs documents under cp: tests/test_packing.py)."""
+def test_packed_documents_replace_the_models_mask_in_its_graph() -> None:
+    """Under packing, transformers builds a document mask from the position ids and hands it to
+    sdpa: in the cp graph each attention takes the position ids instead (the mask's nodes gone)."""
     from pipelaunch.models.hf import hf
+    from pipelaunch.pipeline.compute import context_parallel as cp
 
-    with pytest.raises(ConfigError) as err:
-        hf(config={"model_type": "llama", "hidden_size": 32, "num_attention_heads": 2, "num_hidden_layers": 2,
-                   "intermediate_size": 64, "vocab_size": 64}, seq_len=16, data_packing="documents",
-           context_parallel=2)
-    assert err.value.key == "data.packing" and "not supported yet" in str(err.value)
+    spec = hf(config={"model_type": "llama", "hidden_size": 32, "num_attention_heads": 2, "num_hidden_layers": 2,
+                      "intermediate_size": 64, "vocab_size": 64}, seq_len=16, data_packing="documents",
+              context_parallel=2)
+    traced = spec.trace(2)
+    calls = [n for n in traced.gm.graph.nodes if n.target is cp.sdpa]
+    assert len(calls) == 2 and all(n.kwargs["position_ids"].op == "placeholder" and len(n.args) == 3 for n in calls)
+    assert set(traced.graph.nodes) == {n.name for n in traced.gm.graph.nodes if n.op in ("call_function",
+                                                                                          "call_module", "call_method")}
 
 
 def _layers(vocab_size: int, dim: int = 16):  # noqa: ANN202 - the embedding and projections

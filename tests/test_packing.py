@@ -216,6 +216,15 @@ def test_packed_llama_under_tensor_parallelism_trains_as_each_document_alone(doc
                   lambda m, ids: m(ids).logits, "model.")
 
 
+@pytest.mark.timeout(600)
+def test_packed_llama_trains_as_each_document_alone_under_context_parallelism(documents, tmp_path) -> None:
+    """transformers' Llama on packed documents at pp=2 cp=2 (#57): the document mask it builds from
+    the position ids is replaced in its graph by the ids themselves, so the ring finds each
+    token's document on every rank; its rotary positions are the data's, per document."""
+    check_layouts(documents, [("pp=2 cp=2 ring", ["pp=2", "cp=2", "scheduler=1f1b"])], tmp_path, LLAMA, plain_llama,
+                  lambda m, ids: m(ids).logits, "model.")
+
+
 # ---- the GPT's document mask ----------------------------------------------------------------------
 def test_flex_document_mask_equals_the_boolean_mask() -> None:
     """The CUDA path's FlexAttention document BlockMask (run here in its eager form) computes what

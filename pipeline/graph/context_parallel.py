@@ -21,6 +21,7 @@ over a [.., t, t] tensor (scores materialised: `attn_implementation=eager`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from torch import fx
 
 from pipelaunch.pipeline.compute import context_parallel as cp_compute
 from pipelaunch.pipeline.core.errors import ConfigError
-from pipelaunch.pipeline.graph.trace import TracedModel, innermost_module
+from pipelaunch.pipeline.graph.trace import TracedModel, build_cost_graph, innermost_module
 
 aten = torch.ops.aten
 SDPA = {aten.scaled_dot_product_attention.default, torch.nn.functional.scaled_dot_product_attention}
@@ -75,6 +76,16 @@ def _attention_arg(node: fx.Node, index: int, name: str, default: Any) -> Any:
     return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
 
 
+def _as_documents(node: fx.Node, documents: fx.Node) -> None:
+    """An attention given the model's packed-document mask, made to take the data's position ids
+    instead (causal within each document: what the mask built from them says), so the cp
+    kernels can find each token's document on every rank."""
+    dropout = _attention_arg(node, 4, "dropout_p", 0.0)
+    kept = {k: v for k, v in node.kwargs.items() if k in ("scale", "enable_gqa")}
+    node.args = tuple(node.args[:3])
+    node.kwargs = {"dropout_p": dropout, "is_causal": True, **kept, "position_ids": documents}
+
+
 def _check_attention(node: fx.Node, cp: int) -> None:
     """Refuse an attention call the cp kernels cannot compute exactly."""
     if _attention_arg(node, 3, "attn_mask", None) is not None:
@@ -100,10 +111,14 @@ def _check_scores(gm: fx.GraphModule, length: int, cp: int) -> None:
                                     "splits (a transformers model with attn_implementation=sdpa), or set cp=1")
 
 
-def split_attention(traced: TracedModel, length: int, cp: int) -> dict[str, int]:
+def split_attention(traced: TracedModel, length: int, cp: int, documents: str | None = None,
+                    leaves: Sequence[str] = ()) -> dict[str, int]:
     """Retarget `traced`'s attention and position calls for cp (module docstring), in place, on a
-    graph traced at the rank's `length` (1/cp of the sequence). Returns how many of each it
-    rewrote; raises ConfigError for what cannot be split."""
+    graph traced at the rank's `length` (1/cp of the sequence). `documents`: the placeholder of
+    the data's per-document position ids (packed documents), which then replaces the masks the
+    model built from them (their now unused nodes removed, and the cost graph made again;
+    `leaves`: its leaf modules). Returns how many of each it rewrote; raises ConfigError for what
+    cannot be split."""
     gm = traced.gm
     _check_scores(gm, length, cp)
     attentions = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SDPA]
@@ -111,12 +126,19 @@ def split_attention(traced: TracedModel, length: int, cp: int) -> dict[str, int]
         raise ConfigError("cp", f"cp={cp} splits attention over the cp ranks, and this model's traced graph calls no "
                                 "scaled_dot_product_attention (it computes attention its own way, or inside a module "
                                 "named in model.leaf_modules, which the trace keeps whole); set cp=1")
+    ids = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.target == documents), None)
+    masked = [n for n in attentions if _attention_arg(n, 3, "attn_mask", None) is not None] if ids is not None else []
     for node in attentions:
+        if node in masked:
+            _as_documents(node, ids)
         _check_attention(node, cp)
         node.target = cp_compute.sdpa
     positions = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ARANGE
                  and _is_positions(n, length)]
     for node in positions:
         node.target = cp_compute.arange
+    if masked:  # the mask's nodes have no user left: gone, and the planner's graph without them
+        gm.graph.eliminate_dead_code()
+        traced.graph = build_cost_graph(gm, leaves)
     gm.recompile()
-    return {"attention": len(attentions), "positions": len(positions)}
+    return {"attention": len(attentions), "positions": len(positions), "documents": len(masked)}

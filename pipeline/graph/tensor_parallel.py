@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from pipelaunch.pipeline.core.errors import ConfigError
 from pipelaunch.pipeline.graph.split import SplitModel, split_model
+from pipelaunch.pipeline.graph.tp_refusals import local_failure
 from pipelaunch.pipeline.graph.trace import TracedModel, module_key, repeated_modules_once, retarget
 
 #: colwise: a Linear's outputs split (its input gathered by `f` in the backward); rowwise: its
@@ -424,19 +425,15 @@ def replicated_values(gm: fx.GraphModule, sharded: Mapping[str, Sharded], inputs
 def trace_local(model: nn.Module, trace: Callable[[nn.Module], TracedModel], modules: Mapping[str, str],
                 tp: int) -> tuple[TracedModel, dict[str, Sharded]]:
     """The meta `model` at one tp rank's shapes (`shard_meta`), traced by `trace`: the model's own
-    code runs at the local shapes, so a reshape that bakes a full head count in fails here, refused
-    as a ConfigError naming `tp`."""
+    code runs at the local shapes, so a split or reshape by a size of the whole model fails here,
+    refused in the model's terms (`tp_refusals.local_failure`)."""
     sharded = shard_meta(model, modules, tp)
     try:
         traced = trace(model)
     except ConfigError:
         raise
     except Exception as err:  # noqa: BLE001 - whatever the model's code raised on the local shapes
-        raise ConfigError("tp", f"the model cannot run with its planned modules split over tp={tp} ranks: traced "
-                                f"at its local shapes it fails with {type(err).__name__}: {str(err)[:400]}. A "
-                                "forward that reshapes with a head count or width of its own (view(b, t, "
-                                "self.heads, ...)) instead of reading it from the tensor (-1) cannot be split; "
-                                "plan that module as replicate, or tp=1") from err
+        raise local_failure(err, model, trace, modules, tp) from None
     return traced, sharded
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import logging
 import sys
+import textwrap
 import types
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, redirect_stderr
@@ -80,8 +81,9 @@ def _quiet_export() -> Iterator[None]:
 
 
 def _first_line(exc: BaseException) -> str:
+    """An error's first line, cut at a word to about 300 characters (never mid-word)."""
     text = str(exc).strip().splitlines()
-    return text[0][:300] if text else ""
+    return textwrap.shorten(text[0], width=300, placeholder=" ...") if text else ""
 
 
 def failure_site(model: nn.Module, exc: BaseException) -> tuple[str, str] | None:
@@ -340,13 +342,34 @@ def _looked_up(memo: RepeatedOutputs, module: nn.Module, forward: Callable[..., 
     return lambda *args, **kwargs: memo.call(module, forward, args, kwargs, key)
 
 
+class ShapeFailure(RuntimeError):
+    """A node of a traced graph failed while its shapes were propagated: the node and the model's
+    own error (torch's ShapeProp prints a traceback and raises a message holding the whole node)."""
+
+    def __init__(self, node: fx.Node, cause: BaseException) -> None:
+        where = innermost_module(node)
+        super().__init__(f"{type(cause).__name__}: {_first_line(cause)} (at {node.name}"
+                         f"{f' in {where}' if where else ''})")
+        self.node, self.cause = node, cause
+
+
 class RepeatAwareShapeProp(ShapeProp):
     """ShapeProp that runs a leaf module once per distinct (module configuration, input shapes)
-    (`RepeatedOutputs`; shape propagation runs without autograd)."""
+    (`RepeatedOutputs`; shape propagation runs without autograd). A failing node raises
+    `ShapeFailure`, torch's own traceback print silenced."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm)
         self._repeats = RepeatedOutputs(shapes_only=True)
+
+    def run_node(self, n: fx.Node) -> Any:
+        try:
+            with redirect_stderr(io.StringIO()):
+                return super().run_node(n)
+        except RuntimeError as err:
+            if isinstance(err.__cause__, ShapeFailure):
+                raise err.__cause__ from None
+            raise ShapeFailure(n, err.__cause__ or err) from err.__cause__
 
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
         module = self.fetch_attr(target)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from pipelaunch.pipeline.core.errors import ranges
 from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.core.results import RankFacts
 from pipelaunch.pipeline.planner.partition.uniform import layer_container
@@ -17,17 +18,6 @@ def block_summary(blocks: list[str], keep: int = 8) -> str:
     if len(blocks) <= keep:
         return ", ".join(blocks)
     return f"{', '.join(blocks[:3])} ... {', '.join(blocks[-3:])} ({len(blocks)} nodes)"
-
-
-def _ranges(indices: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2, 5'."""
-    runs: list[list[int]] = []
-    for i in sorted(indices):
-        if runs and i == runs[-1][-1] + 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
 
 
 def layer_summaries(plan: Plan, keep: int = 8) -> list[str] | None:
@@ -56,9 +46,9 @@ def layer_summaries(plan: Plan, keep: int = 8) -> list[str] | None:
         others = list(dict.fromkeys(t.rsplit(".", 1)[0].rsplit(".", 1)[-1] for t in ts if t not in layer_of))
         held = []
         if whole:
-            held.append(f"layer{'s' if len(whole) > 1 else ''} {_ranges(whole)}")
+            held.append(f"layer{'s' if len(whole) > 1 else ''} {ranges(whole)}")
         if part:
-            held.append(f"part of layer{'s' if len(part) > 1 else ''} {_ranges(part)}")
+            held.append(f"part of layer{'s' if len(part) > 1 else ''} {ranges(part)}")
         text = ", ".join(held)
         if others:
             text = (f"{', '.join(others)} + {text}" if first_layer in mine else f"{text} + {', '.join(others)}") \
@@ -67,7 +57,7 @@ def layer_summaries(plan: Plan, keep: int = 8) -> list[str] | None:
     return out
 
 
-def _block_ranges(blocks: list[str]) -> str:
+def _blockranges(blocks: list[str]) -> str:
     """Block names with their numbers as ranges: `model.model.layers.0-3, 5`, `layer0-7`."""
     by_stem: dict[str, list[int]] = {}
     other = []
@@ -77,7 +67,7 @@ def _block_ranges(blocks: list[str]) -> str:
             by_stem.setdefault(found.group(1), []).append(int(found.group(2)))
         else:
             other.append(b)
-    return ", ".join([f"{stem}{_ranges(nums)}" for stem, nums in by_stem.items()] + other)
+    return ", ".join([f"{stem}{ranges(nums)}" for stem, nums in by_stem.items()] + other)
 
 
 def stage_rows(plan: Plan) -> list[dict]:
@@ -132,8 +122,8 @@ def stage_table(plan: Plan) -> str:
         lines.append(f"blocks recomputed in the backward (remat={plan.meta.remat}; full: inputs kept, selective: "
                      "the matmuls' outputs kept too): "
                      + "; ".join(f"stage {s.index}: " + ", ".join(
-                         ([f"full {_block_ranges(s.recompute)}"] if s.recompute else [])
-                         + ([f"selective {_block_ranges(s.selective)}"] if s.selective else [])) for s in layers))
+                         ([f"full {_blockranges(s.recompute)}"] if s.recompute else [])
+                         + ([f"selective {_blockranges(s.selective)}"] if s.selective else [])) for s in layers))
     if plan.meta.device_memory:
         lines.append(device_memory_table(plan))
     lines.append(

@@ -27,7 +27,7 @@ from dataclasses import replace
 
 import networkx as nx
 
-from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.core.errors import ConfigError, ranges
 from pipelaunch.pipeline.core.plan import Plan
 from pipelaunch.pipeline.planner.passes.remat import (
     RecomputeInfeasible,
@@ -185,7 +185,7 @@ def _floor_message(plan: Plan, floor: Prediction, graph: nx.DiGraph) -> str:
     modules = "every other candidate block recomputed" if whole else "every candidate block recomputed"
     if not candidates <= recomputed:
         modules += " but those whose rerun holds more than they free"
-    what = f"stages {', '.join(map(str, whole))} recomputed whole and {modules}" if whole else modules
+    what = f"stages {ranges(whole)} recomputed whole and {modules}" if whole else modules
     least = floor.peak_bytes
     return (f"remat=auto cannot close it: those are the peaks with {what}, so the smallest cap this split and "
             f"schedule meet is {least / MIB:.1f} MiB (memory.cap_bytes={math.ceil(least / 1e6)}e6). ")
