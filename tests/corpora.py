@@ -37,3 +37,35 @@ def write_docs(path: Path, docs: list[str] = DOCS) -> Path:
     else:
         path.write_text("\n".join(docs) + "\n")
     return path
+
+
+def token_documents(count: int = 400, vocab: int = 64, eod: int = 0, seed: int = 0) -> list[list[int]]:
+    """`count` documents of 1 to 30 ids in 1..vocab-1, each ended by `eod` (as Megatron's
+    preprocess_data.py --append-eod ends them): a 16-token window holds one to many."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [[*rng.integers(1, vocab, int(rng.choice([1, 2, 4, 7, 12, 30]))).tolist(), eod] for _ in range(count)]
+
+
+def write_token_file(path: Path, documents: list[list[int]], dtype: str = "uint16") -> Path:
+    """The documents back to back in a flat token file (data=tokens)."""
+    import numpy as np
+
+    np.array([i for d in documents for i in d], dtype=dtype).tofile(path)
+    return path
+
+
+def write_megatron_corpus(prefix: Path, documents: list[list[int]], dtype: str = "uint16") -> Path:
+    """The documents as Megatron's indexed corpus, written by megatron-core's own
+    IndexedDatasetBuilder (one sequence per document); returns the prefix."""
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=getattr(np, dtype))
+    for doc in documents:
+        builder.add_item(torch.tensor(doc))
+        builder.end_document()
+    builder.finalize(f"{prefix}.idx")
+    return prefix

@@ -193,6 +193,25 @@ SCENARIOS = [
               produces="docs.bin"),
         train("python train.py data=tokens data.path=docs.bin model.vocab_size=50304 pp=2"),
     ), slow=True, timeout=300, user_files=user_documents),
+    # docs/corpora.md: indexed corpora, blends, a token file's cached document index (slow: about 70 s;
+    # tests/test_indexed.py and tests/test_blend.py check the properties by default)
+    Scenario("corpora", "docs/corpora.md", (
+        typed("python -m pipelaunch.pipeline.data.prepare docs.jsonl --tokenizer my_tokenizer --out web "
+              "--out-format indexed", produces="web.idx"),
+        train("python train.py data=indexed data.path=web data.packing=documents data.eod_id=1 model.vocab_size=320 "
+              "pp=2"),
+        typed("python -m pipelaunch.pipeline.data.prepare docs.jsonl --tokenizer my_tokenizer --out code "
+              "--out-format indexed", produces="code.idx"),
+        train("python train.py data=indexed 'data.blend=[{path: web, weight: 0.3}, {path: code, weight: 0.7}]' "
+              "model.vocab_size=320 pp=2"),
+        train("python train.py data=indexed 'data.blend=[0.3,web,0.7,code]' data.packing=documents data.eod_id=1 "
+              "model.vocab_size=320 pp=2"),
+        typed("python -m pipelaunch.pipeline.data.prepare docs.jsonl --tokenizer my_tokenizer --out docs.bin",
+              produces="docs.bin"),
+        train("python train.py data=tokens data.path=docs.bin data.packing=documents data.eod_id=1 "
+              "model.vocab_size=320 pp=2"),
+        typed("ls docs.bin.docs-eod1-*.npy"),
+    ), slow=True, timeout=300, user_files=user_documents),
     Scenario("text-files", "README.md", (train("python train.py data=text 'data.paths=[README.md,launcher]'"),),
              slow=True),
     # the block's own steps=2000 with checkpoints at 200 and 400 is minutes of training: 2 steps, then
@@ -386,6 +405,14 @@ GPU = "needs CUDA GPUs; this machine has none (tests/test_gpu_launch.py checks t
 NETWORK = "installs packages from the network into the environment the tests run in"
 SUITE = "runs the test suite, or part of it, which includes this test"
 SKIPPED = {
+    "python tools/preprocess_data.py --input docs.jsonl --output-prefix web --tokenizer-type HuggingFaceTokenizer "
+    "--tokenizer-model my_tokenizer --append-eod --workers 8":
+        "Megatron-LM's own script, in its repository (the megatron-core wheel has no tools/); tests/test_indexed.py "
+        "trains on corpora megatron-core's IndexedDatasetBuilder writes",
+    "python train.py data=indexed data.path=web_text_document data.packing=documents data.eod_id=1 "
+    "model.vocab_size=320 pp=2":
+        "reads what Megatron-LM's script above writes; the same run on prepare's web runs in scenario corpora",
+    "python bench/indexed_start.py --train": "writes a 10 GB corpus and times its starts (bench/RESULTS.md)",
     "python -m pipelaunch.pipeline.planner.measure.calibrate --base auto --out $OUT/hardware_calibrated.yaml":
         "needs a GPU (make gpu-check runs it there; tests/test_hardware_files.py runs the command on the CPU)",
     "python -m pipelaunch.pipeline.planner.measure.calibrate --base auto --out f.yaml":

@@ -85,6 +85,9 @@ class TrainingHistory:
     #: a mixture of experts' router statistics: per step, {layer: {"min", "mean", "max"} tokens
     #: per expert over the global batch} (runtime/router_stats.py); None without MoE layers
     expert_load: list[dict] | None = None
+    #: data.blend: per corpus its weight, the samples it gave this run and their realised share
+    #: (pipeline/data/blend.py); None without a blend
+    data_blend: dict | None = None
 
 
 @dataclass

@@ -74,11 +74,24 @@ def pack_rows(rows: np.ndarray, eod_id: int) -> tuple[torch.Tensor, torch.Tensor
 def document_chunks(tokens: np.ndarray, eod_id: int, window: int) -> np.ndarray:
     """Where a packed window may start: every document's first id, and inside a document longer
     than `window` ids every `window`-th id after it (its pieces), in stream order."""
+    return chunks_of(document_starts(tokens, eod_id), len(tokens), window)
+
+
+def document_starts(tokens: np.ndarray, eod_id: int) -> np.ndarray:
+    """Every document's first id in the stream (0 and after each `eod_id`): a scan of the whole
+    stream, a block at a time (a memmap is never read whole). A token file caches it beside the
+    file (tokens.py); an indexed corpus reads it from its index instead (indexed.py)."""
     ends = np.concatenate([np.flatnonzero(np.asarray(tokens[i:i + SCAN]) == eod_id) + i
-                           for i in range(0, len(tokens), SCAN)])  # a memmap read a block at a time
-    starts = np.concatenate([[0], ends + 1])
-    starts = starts[starts < len(tokens)]
-    lengths = np.append(starts[1:], len(tokens)) - starts
+                           for i in range(0, len(tokens), SCAN)] or [np.zeros(0, dtype=np.int64)])
+    starts = np.concatenate([[0], ends + 1]).astype(np.int64)
+    return starts[starts < len(tokens)]
+
+
+def chunks_of(starts: np.ndarray, length: int, window: int) -> np.ndarray:
+    """`document_chunks` from the documents' first ids `starts` (ascending, from 0) in a stream of
+    `length` ids: each document's start and, in one longer than `window`, every `window`-th id after."""
+    starts = np.asarray(starts, dtype=np.int64)
+    lengths = np.append(starts[1:], length) - starts
     pieces = 1 + (lengths - 1) // window
     first = np.repeat(np.cumsum(pieces) - pieces, pieces)
     return np.repeat(starts, pieces) + (np.arange(int(pieces.sum())) - first) * window

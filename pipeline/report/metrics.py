@@ -47,11 +47,11 @@ class RunMetrics:
     def to_json(self) -> dict:
         """metrics.json's object, in its documented key order; keys without a value are left out
         (grad_norm without clip_grad_norm, stopped_by unless a signal stopped the run, scored_tokens_per_s
-        and padding_share unless the data ignores targets, expert_load without MoE layers, the planned step without a profile, plan_search
+        and padding_share unless the data ignores targets, expert_load without MoE layers, data_blend without data.blend, the planned step without a profile, plan_search
         without a search, the simulated step without events)."""
         history = {f.name: getattr(self.history, f.name) for f in fields(self.history)}
         grad_norm, stopped_by = history.pop("grad_norm"), history.pop("stopped_by")
-        counts = {k: history.pop(k) for k in ("scored_tokens_per_s", "padding_share", "expert_load")}
+        counts = {k: history.pop(k) for k in ("scored_tokens_per_s", "padding_share", "expert_load", "data_blend")}
         data = {"config": self.config, **history, "ranks": [r.to_json() for r in self.history.ranks],
                 "schedule": self.schedule, "partition": asdict(self.partition) if self.partition else {}}
         if grad_norm is not None:

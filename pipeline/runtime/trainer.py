@@ -701,6 +701,8 @@ def _finish(trainer: RankTrainer, record: RunRecord, at_start: float, tokens_per
         throughput_unit=trainer.spec.throughput_unit, ranks=[f for f, _, _ in gathered],
         grad_norm=record.grad_norms if trainer.clip is not None else None, stopped_by=record.stopped_by,
         expert_load=record.expert_load or None)
+    if hasattr(trainer.data, "blend_metrics"):  # data.blend: the realised shares, over every step trained
+        result.history.data_blend = trainer.data.blend_metrics(0, len(record.losses) * trainer.run.batch_size)
     if getattr(trainer.data, "masks_targets", False) and trainer.spec.takes_tokens and median_step:
         scored = [n for n in record.scored if n is not None]
         padded = [n for n in record.padded if n is not None]
