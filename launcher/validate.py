@@ -144,9 +144,9 @@ def check_context_parallel(cfg: TrainConfig, spec, data) -> None:  # noqa: ANN00
         ("dp_shard", cfg.dp_shard or cfg.dp, f"dp_shard={cfg.dp}"),) if value != int(valid.split("=")[1])]
     if cfg.ep > 1 and cfg.zero:  # the experts' own FSDP2 units span their expert replicas, not their cp ranks
         others.append(("zero", cfg.zero, "zero=0 (ep > 1 beside cp reduces the experts over expert_dp x cp)"))
-    if spec.meta.get("experts") and spec.meta.get("cp_graph", 1) > 1:  # model=gpt's experts route under cp
-        others.append(("model.config", f"{spec.meta['experts']} routed experts", "a dense model (or model=gpt's "
-                                                                                 "model.experts)"))
+    if spec.meta.get("experts") and spec.own_loss and spec.meta.get("router_aux_loss"):  # over one rank's tokens
+        others.append(("model.loss", "model", "model.loss=causal_lm (the model's own loss would add its routers' "
+                                              "auxiliary loss over one cp rank's tokens)"))
     if spec.meta.get("experts") and cfg.moe.capacity_factor is not None:  # capacity counts a rank's tokens
         others.append(("moe.capacity_factor", cfg.moe.capacity_factor, "moe.capacity_factor=null"))
     if getattr(data, "length_buckets", None) is not None:

@@ -318,6 +318,8 @@ def hf(config: dict | None = None, path: str | None = None, seq_len: int = 128, 
         meta={"vocab_size": text.vocab_size, "seq_len": seq_len, "hf_model_type": cfg.model_type,
               "context_parallel": context_parallel, "cp_graph": context_parallel,
               "heads": getattr(text, "num_attention_heads", None),
+              # transformers adds its routers' auxiliary loss to its own loss when the config says so
+              "router_aux_loss": bool(getattr(text, "output_router_logits", False)),
               "attn_implementation": attention_implementation(cfg),
               "tp_divides": {f"model.config.{k}": getattr(text, k) for k in
                              ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")

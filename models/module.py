@@ -413,7 +413,9 @@ def _expert_meta(inner: nn.Module) -> dict:
     totals = [m.total for m in inner.modules() if isinstance(m, ListExperts)]
     if not totals:
         return {}
-    return {"experts": math.gcd(*totals), "moe_layers": len(totals), "expert_counts": sorted(set(totals))}
+    # its own loss may add an auxiliary loss over its routers' statistics (a cp rank's tokens only)
+    return {"experts": math.gcd(*totals), "moe_layers": len(totals), "expert_counts": sorted(set(totals)),
+            "router_aux_loss": True}
 
 
 def module(

@@ -30,13 +30,17 @@ def test_transformers_llama_and_nanogpt_train_as_one_process_under_context_paral
     key/value heads repeated to them; the backward split), and at pp=1 dp=2 cp=2 zero=3 (sharded
     over dp x cp); nanoGPT at pp=2 cp=2 (its position table read at the rank's global positions,
     its tied embedding on both stages, its own token-mean loss weighted by the tokens each rank
-    scores)."""
+    scores); transformers' DeepSeek-V3 at pp=2 cp=2 (values of another head size than the keys,
+    padded as they travel the ring; its experts routing each rank's positions)."""
     cases = [("llama pp=2 cp=2 1f1b ring", compose_cfg([*LLAMA, "pp=2", "cp=2", "scheduler=1f1b"])),
              ("llama pp=2 cp=2 zbv alltoall", compose_cfg([*LLAMA, "pp=2", "cp=2", "scheduler=zbv",
                                                            "cp_method=alltoall"])),
              ("llama pp=1 dp=2 cp=2 zero=3", compose_cfg([*LLAMA, "pp=1", "dp=2", "cp=2", "zero=3",
                                                           "scheduler=1f1b"])),
-             ("nanogpt pp=2 cp=2 1f1b ring", compose_cfg([*NANOGPT, "pp=2", "cp=2", "scheduler=1f1b"]))]
+             ("nanogpt pp=2 cp=2 1f1b ring", compose_cfg([*NANOGPT, "pp=2", "cp=2", "scheduler=1f1b"])),
+             # DeepSeek-V3's attention (MLA: keys of 24, values of 16 per head) and its routed experts
+             ("deepseek-v3 pp=2 cp=2 1f1b ring", compose_cfg([*COMMON, "model=hf_deepseek_v3_tiny", "pp=2", "cp=2",
+                                                             "scheduler=1f1b"]))]
     runs = dict(zip([what for what, _ in cases], run_jobs([cfg for _, cfg in cases], tmp_path / "logs"), strict=True))
     for what, cfg in cases:
         ranks = runs[what]
@@ -61,6 +65,19 @@ def test_transformers_llama_and_nanogpt_train_as_one_process_under_context_paral
                            "ring dkv backward": 2 * m * layers}, (what, log)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_transformers_mixtures_of_experts_train_as_one_process_under_context_parallelism(tmp_path) -> None:
+    """Mixtral at pp=2 cp=2 and Qwen3-MoE at pp=1 dp=2 ep=2 cp=2 (its experts' gradients summed
+    over their expert replicas and the cp ranks)."""
+    from tests.harness import check_like_one_process
+
+    check_like_one_process([
+        ("mixtral pp=2 cp=2", compose_cfg([*COMMON, "model=hf_mixtral_tiny", "pp=2", "cp=2", "scheduler=1f1b"])),
+        ("qwen3-moe dp=2 ep=2 cp=2", compose_cfg([*COMMON, "model=hf_qwen3_moe_tiny", "pp=1", "dp=2", "ep=2", "cp=2",
+                                                  "scheduler=1f1b"]))], tmp_path)
+
+
 def test_the_trace_is_retargeted_at_one_ranks_length() -> None:
     """The graph is traced at 1/cp of the positions; its two attention calls and the one arange
     making transformers' cache positions are retargeted, nothing else."""
@@ -76,6 +93,8 @@ def test_the_trace_is_retargeted_at_one_ranks_length() -> None:
 @pytest.mark.parametrize(("overrides", "key", "words"), [
     ([*LLAMA, "+model.config.attn_implementation=eager"], "model.config.attn_implementation", "only sdpa"),
     ([*LLAMA, "model.loss=model"], "model.labels", "set model.labels=targets"),
+    ([*COMMON, "model=hf_mixtral_tiny", "+model.config.output_router_logits=true", "model.loss=model",
+      "model.labels=targets"], "model.loss", "auxiliary loss over one cp rank's tokens"),
     ([*COMMON, "model=module", "model.module._target_=tests.zoo.sequential", "model.vocab_size=64"], "cp",
      "calls no scaled_dot_product_attention"),
     ([*COMMON, "model=module", "model.module._target_=tests.test_context_parallel_models.MaskedAttention",

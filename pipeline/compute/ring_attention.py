@@ -156,6 +156,12 @@ class RingAttention(torch.autograd.Function):
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, group: dist.ProcessGroup,
                    causal: bool = True, doc: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-    """`RingAttention` (see there); `scale` None: 1 / sqrt(D), as scaled_dot_product_attention."""
+    """`RingAttention` (see there); `scale` None: 1 / sqrt(D), as scaled_dot_product_attention.
+    Values of another head size than the keys' (DeepSeek-V3's attention: 192 against 128) travel
+    zero-padded to the larger, which changes no score and no output: the keys and values move as
+    one tensor, and the output is cut back to the values' size."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return RingAttention.apply(q, k, v, pos, doc, group, causal, scale)
+    width, dv = max(q.shape[-1], v.shape[-1]), v.shape[-1]
+    if q.shape[-1] != dv:
+        q, k, v = (torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+    return RingAttention.apply(q, k, v, pos, doc, group, causal, scale)[..., :dv]
