@@ -127,3 +127,21 @@ def test_a_transformers_llama_is_searched_at_cp_too() -> None:
                                  "plan.schedulers=[1f1b]", "plan.partitioners=[uniform]", "plan.remat=[none]"])).search
     assert {o.candidate.cp for o in found.ranked} == {1, 2}
     assert "against the other context-parallel degrees" in found.why()
+
+
+def test_the_ring_moves_a_grouped_query_models_key_heads() -> None:
+    """hf_llama_tiny: 4 query heads, 2 key/value heads; the ring's bytes are priced at the 2."""
+    from pipelaunch.launcher.plugins import build_plugins
+    from pipelaunch.pipeline.planner.measure.context import attention_calls, exchange_s, kv_heads
+    from pipelaunch.pipeline.planner.measure.traced import TracedModels
+
+    cfg = compose_cfg(["mode=plan", "model=hf_llama_tiny", "model.seq_len=128", "cp=2", "pp=1", "batch_size=4"])
+    plugins = build_plugins(cfg)
+    spec = plugins.model.build()
+    traced = TracedModels(spec, plugins.model, cfg, profile=False).structure(1)
+    calls = attention_calls(traced)
+    assert calls
+    found = {(attention_share(traced, n, calls)[1][0][1], kv_heads(traced, n, calls)[0]) for n in calls}
+    assert found == {(4, 2)}
+    shape, link = (1, 4, 64, 16), (0.0, 1e9)
+    assert exchange_s(shape, 2, "ring", link, 2.0, 2)[0] == pytest.approx(exchange_s(shape, 2, "ring", link, 2.0)[0] / 2)

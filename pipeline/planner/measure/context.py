@@ -16,10 +16,11 @@ backward: attention has no weights).
 The exchanges, per attention and micro-batch (pipeline/compute/ring_attention.py,
 ulysses_attention.py), added to the node's time as issued in line (a bound: the ring posts each
 step before its block, so on a device that computes and communicates at once some of it hides):
-- ring: forward cp − 1 rotations of the keys and values (2·b·heads·t·d in the compute dtype),
-  backward as many and cp of their fp32 gradients;
+- ring: forward cp − 1 rotations of the keys and values (2·b·kv_heads·t·d in the compute dtype:
+  under grouped-query attention the keys' heads, `kv_heads`), backward as many and cp of their
+  fp32 gradients;
 - alltoall: forward q, k, v to positions and the output back, each a rank's (cp − 1)/cp of
-  b·heads·t·d; the backward the same four reversed.
+  b·heads·t·d (k and v at their own heads); the backward the same four reversed.
 """
 
 from __future__ import annotations
@@ -76,17 +77,38 @@ def attention_calls(traced: TracedModel) -> set[str]:
 
 
 def exchange_s(shape: tuple[int, int, int, int], cp: int, method: str, link: tuple[float, float],
-               compute_bytes: float) -> tuple[float, float]:
-    """(forward, backward) seconds of one attention's cp exchanges on `link` (latency, bandwidth)."""
+               compute_bytes: float, kv_heads: int | None = None) -> tuple[float, float]:
+    """(forward, backward) seconds of one attention's cp exchanges on `link` (latency, bandwidth);
+    `kv_heads`: the heads of its keys and values where fewer than the queries' (grouped-query
+    attention: the ring moves those), default the queries'."""
     latency, bandwidth = link
     b, h, t, d = shape
-    block = b * h * t * d
+    block, kv_block = b * h * t * d, b * (kv_heads or h) * t * d
     if method == "ring":
-        kv = 2 * block * compute_bytes
+        kv = 2 * kv_block * compute_bytes
         forward = (cp - 1) * (latency + kv / bandwidth)
-        return forward, forward + cp * (latency + 2 * block * 4 / bandwidth)
-    each = latency + block * compute_bytes * (cp - 1) / cp / bandwidth
-    return 4 * each, 4 * each
+        return forward, forward + cp * (latency + 2 * kv_block * 4 / bandwidth)
+    # q and the output at the queries' heads, k and v at theirs: each a rank's (cp - 1) / cp
+    moved = (2 * block + 2 * kv_block) * compute_bytes * (cp - 1) / cp / bandwidth
+    return 4 * latency + moved, 4 * latency + moved
+
+
+def kv_heads(traced: TracedModel, name: str, calls: set[str]) -> list[int | None]:
+    """Per attention of node `name` (as `attention_share` lists them), its keys' heads: a call's
+    key argument's (transformers' sdpa passes grouped-query keys unrepeated), a module's k rows
+    over its head width (model=gpt: the queries'); None where unknown."""
+    node = traced.graph.nodes[name]
+    if node.get("op") == "call_function" and name in calls:
+        call = next((n for n in traced.gm.graph.nodes if n.name == name), None)
+        key = call.args[1] if call is not None and len(call.args) > 1 else None
+        meta = getattr(key, "meta", {}) if key is not None else {}
+        value = meta.get("val", meta.get("tensor_meta"))
+        shape = getattr(value, "shape", None)
+        return [int(shape[1])] if shape is not None and len(shape) == 4 else [None]
+    if node.get("op") != "call_module":
+        return []
+    found = _attentions(traced.gm.get_submodule(str(node.get("target"))))
+    return [m.k.weight.shape[0] // m.head_dim if hasattr(m, "k") else None for m in found]
 
 
 def add_context_costs(traced: TracedModel, cp: int, method: str, link: tuple[float, float],
@@ -100,8 +122,10 @@ def add_context_costs(traced: TracedModel, cp: int, method: str, link: tuple[flo
         if not shapes:
             continue
         node = g.nodes[name]
-        fwd_x, bwd_x = (sum(x) for x in zip(*(exchange_s(s, cp, method, link, compute_bytes) for s in shapes),
-                                           strict=True))
+        heads = kv_heads(traced, name, calls)
+        heads = heads if len(heads) == len(shapes) else [None] * len(shapes)
+        fwd_x, bwd_x = (sum(x) for x in zip(*(exchange_s(s, cp, method, link, compute_bytes, kv)
+                                               for s, kv in zip(shapes, heads, strict=True)), strict=True))
         node["cp_exchange_s"] = (fwd_x, bwd_x)
         if "model_flops" in g.graph:  # the rank's queries meet cp times the traced keys (torch's sdpa count)
             g.graph["model_flops"] += (cp - 1) * sum(12.0 * b * h * t * t * d for b, h, t, d in shapes)
