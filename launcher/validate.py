@@ -404,6 +404,31 @@ def check_training_keys(cfg: TrainConfig) -> None:
             _integer(getattr(cfg.debug, key), f"debug.{key}", 0, high, " or null")
 
 
+def check_trains_here(cfg: TrainConfig, spec: ModelSpec, plugins: Plugins) -> None:
+    """Refuse (on `model`) training on this machine's CPU a model whose weights, gradients and
+    optimizer states alone exceed the host memory available, before any rank is spawned. Why: the
+    ranks would build it and be killed by the kernel mid-build with no message (a preset such as
+    model=llama3_70b holds 70B parameters). What every layout holds at the least: the whole model
+    once, however pp, tp and zero split it, against the memory planning a profile is checked on."""
+    from pipelaunch.pipeline.planner.measure.host_memory import GIB, available_bytes
+
+    available = available_bytes()
+    if cfg.mode != "train" or on_cuda(cfg) or available is None:
+        return
+    params = list(spec.build_meta().parameters())
+    states = plugins.optimizer.states_per_param
+    need = (2 + states) * float(sum(p.numel() * p.element_size() for p in params))
+    if need > available:
+        count = sum(p.numel() for p in params)
+        raise ConfigError("model", f"model={spec.name} holds {count / 1e9:.2f}B parameters: training it here takes at "
+                                   f"least {need / GIB:.1f} GiB for its weights, gradients and {states} optimizer "
+                                   f"state(s) per parameter, more than the {available / GIB:.1f} GiB this machine has "
+                                   "available; plan it for the GPUs it will train on with mode=plan hardware=<gpu> "
+                                   "(h100_sxm, a100_80gb, h200, b200 or your own conf/hardware file: priced on meta, "
+                                   f"nothing allocated), e.g. python train.py mode=plan model={spec.name} "
+                                   "hardware=h100_sxm plan=auto plan.devices=64")
+
+
 def group_options(cfg: TrainConfig) -> GroupOptions:
     """The scheduler and partitioner options a search compares (on this run's search path), built."""
     return search_options(cfg, group_configs)
@@ -423,6 +448,7 @@ def prepare(cfg: TrainConfig, profile: bool | None = None, device: torch.device 
     check_config(cfg)
     plugins = build_plugins(cfg)  # every callable imported now: a config error here, not in a rank
     spec = plugins.model.build()
+    check_trains_here(cfg, spec, plugins)
     check_optimizer(cfg, plugins)
     data = check_data(cfg, spec, plugins)
     check_tp_sizes(spec, cfg.tp)

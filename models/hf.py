@@ -159,7 +159,10 @@ def _config(config: dict | None, path: str | None):
         directory = Path(path)
         if not (directory / "config.json").is_file():
             raise ConfigError("model.path", f"{path!r} is not a directory written by save_pretrained (no config.json)")
-        return AutoConfig.from_pretrained(directory, local_files_only=True)
+        loaded = AutoConfig.from_pretrained(directory, local_files_only=True)
+        if config:  # a preset's sizes with its weights: the directory must hold that model
+            check_path_agrees(config, loaded, path)
+        return loaded
     if not config or "model_type" not in config:
         raise ConfigError("model.config", "needs at least `model_type` (e.g. +model.config.model_type=llama), or "
                                           "model.path=<a save_pretrained directory>; presets: model=hf_llama_tiny, "
@@ -168,6 +171,28 @@ def _config(config: dict | None, path: str | None):
         return AutoConfig.for_model(**config)
     except (ValueError, KeyError, TypeError) as err:
         raise ConfigError("model.config", f"transformers cannot build a config from {config}: {err}") from None
+
+
+def check_path_agrees(config: dict, loaded: Any, path: str) -> None:
+    """Refuse (on `model.path`) a directory whose config.json differs from the `model.config` a
+    preset gives (`model=llama3_8b model.path=<dir>`). Why: the directory's config builds the model,
+    so a directory of another model would otherwise train silently in the preset's place. Both are
+    compared as transformers normalises them (`rope_theta` read into `rope_parameters`)."""
+    from transformers import AutoConfig
+
+    try:
+        given = AutoConfig.for_model(**config).to_dict()
+    except (ValueError, KeyError, TypeError) as err:
+        raise ConfigError("model.config", f"transformers cannot build a config from {config}: {err}") from None
+    stored = loaded.to_dict()
+    keys = [k for k in config if k in given] + ["rope_parameters"] * ("rope_parameters" in given)
+    differ = [f"{k}={stored.get(k)!r} where model.config.{k}={given[k]!r}" for k in dict.fromkeys(keys)
+              if stored.get(k) != given[k]]
+    if differ:
+        raise ConfigError("model.path", f"{path}'s config.json is another model than model.config describes: "
+                                        f"{'; '.join(differ[:4])}{' ...' if len(differ) > 4 else ''}; use the preset "
+                                        "that matches the directory, or model=hf model.path=<dir> to take its config "
+                                        "as it is")
 
 
 def constructed(make) -> nn.Module:

@@ -334,11 +334,8 @@ SCENARIOS = [
     # slow: about 90 s (a transformers Llama traced to its operators); tests/test_hardware_plans.py prices
     # models on every hardware file by default
     Scenario("cluster-plan-70b", "README.md", (
-        plan("python train.py mode=plan model=hf +model.config.model_type=llama +model.config.hidden_size=8192 "
-             "+model.config.intermediate_size=28672 +model.config.num_hidden_layers=80 "
-             "+model.config.num_attention_heads=64 +model.config.num_key_value_heads=8 "
-             "+model.config.vocab_size=128256 +model.config.max_position_embeddings=4096 model.seq_len=4096 pp=8 "
-             "tp=8 microbatches=16 batch_size=16 hardware=h100_sxm precision=bf16 remat=full"),),
+        plan("python train.py mode=plan model=llama3_70b pp=8 tp=8 microbatches=16 batch_size=16 hardware=h100_sxm "
+             "precision=bf16 remat=full"),),
              slow=True, timeout=600),
     Scenario("scheduler-auto", "README.md", (train("python train.py scheduler=auto pp=2 microbatches=8"),),
              slow=True, timeout=300),
@@ -387,6 +384,15 @@ SCENARIOS = [
         train("PYTHONPATH=. python train.py hydra.searchpath=[file://$PWD/myconf] scheduler=auto"),
     ), slow=True, timeout=300,
              files=("myplugins/__init__.py", "myconf/scheduler/lifo.yaml", "myconf/partitioner/head_first.yaml")),
+    # docs/presets.md: the preset too big to train here, refused before any rank (about 10 s)
+    Scenario("preset-refused", "docs/presets.md", (refused("python train.py model=llama3_70b"),)),
+    # slow: Llama 3.1 70B's search of 64 H100s and Mixtral's priced experts (tests/test_presets.py
+    # checks the preset's plan against the README's long command)
+    Scenario("preset-plans", "docs/presets.md", (
+        plan("python train.py mode=plan model=llama3_70b hardware=h100_sxm precision=bf16 plan=auto plan.devices=64"),
+        plan("python train.py mode=plan model=mixtral_8x7b hardware=h100_sxm precision=bf16 pp=8 dp=8 ep=8 "
+             "microbatches=8 batch_size=64 remat=full"),
+    ), slow=True, timeout=600),
     # docs/planner.md
     Scenario("plan-unet", "docs/planner.md", (plan("python train.py mode=plan model=unet data=images pp=2"),)),
     Scenario("plan-llama-boundaries", "docs/planner.md", (
