@@ -259,7 +259,7 @@ def dry_run(prepared: Prepared, run_dir: Path) -> dict:
         print(f"costs from {source}", flush=True)
     if plan.cp > 1:
         print(f"cp={plan.cp} ({plan.cp_method}): priced on one rank's 1/{plan.cp} of the positions, its attention "
-              f"over all of them and its exchanges in line; the gradients' sum over dp x cp as over dp "
+              f"over all of them and its exchanges in line; the gradients' sum over dp x cp "
               "(docs/long_sequences.md)", flush=True)
     # the compute, and the replicas' collectives on each rank's own dp lane (none without dp)
     draw_timeline(run_dir / "timeline.png", pred.timeline_events(),

@@ -70,7 +70,7 @@ def positions(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None,
-              dropout_p: float, scale: float | None = None) -> torch.Tensor:
+              dropout_p: float, scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
     """Causal attention of q [b, heads, t, d] over the whole sequence (within each document
     where `position_ids` [b, t] are given): over the cp group when it is active, else on the
     tokens at hand as one process computes it (a pass on meta tensors: its shapes and costs)."""
@@ -78,27 +78,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: t
     if cp is None or q.is_meta:
         if position_ids is None or q.is_meta:
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
-                                                                    scale=scale)
+                                                                    scale=scale, enable_gqa=enable_gqa)
         start = torch.arange(q.shape[-2], device=q.device)[None] - position_ids  # each token's document
         t = q.shape[-2]
         mask = (start[:, :, None] == start[:, None, :]) & torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], dropout_p=dropout_p,
-                                                                scale=scale)
+                                                                scale=scale, enable_gqa=enable_gqa)
     if dropout_p:
         raise ValueError("attention dropout under context parallelism is not supported; set model.dropout=0")
     pos = cp.positions(q.shape[-2], q.device)
     doc = None if position_ids is None else pos[None] - position_ids
     fn = ring_attention if cp.method == "ring" else ulysses_attention
-    return fn(q, k, v, pos, cp.group, causal=True, doc=doc, scale=scale)
+    return fn(q, *_for_kernel(cp, q, k, v), pos, cp.group, causal=True, doc=doc, scale=scale)
 
 
-def _to_query_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Grouped-query keys and values repeated to the query's heads (what `enable_gqa` means)."""
+def _for_kernel(cp: ContextParallel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query keys and values as the cp kernel takes them: as they are for the ring (it
+    moves the key heads and repeats them per block), and for the all-to-all where their heads
+    divide by cp; else repeated to the query's heads (what `enable_gqa` means)."""
     heads, kv_heads = query.shape[-3], key.shape[-3]
-    if enable_gqa and kv_heads != heads:
-        return key.repeat_interleave(heads // kv_heads, dim=-3), value.repeat_interleave(heads // kv_heads, dim=-3)
-    return key, value
+    if kv_heads == heads or cp.method == "ring" or kv_heads % cp.size == 0:
+        return key, value
+    return key.repeat_interleave(heads // kv_heads, dim=-3), value.repeat_interleave(heads // kv_heads, dim=-3)
 
 
 def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
@@ -109,10 +111,10 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
     Outside cp (and on meta tensors) torch's own, so one process and the planner compute as the
     model does. `position_ids` (packed documents: the data's, each token's position in its
     document) stands for the model's document mask: causal attention within each document
-    (`attention`). Grouped-query keys and values (`enable_gqa`) are repeated to the query's heads
-    before they travel: the kernels pair head i with head i."""
+    (`attention`). Grouped-query keys and values (`enable_gqa`) travel at their own heads
+    (`_for_kernel`)."""
     if position_ids is not None:
-        return attention(query, *_to_query_heads(query, key, value, enable_gqa), position_ids, dropout_p, scale)
+        return attention(query, key, value, position_ids, dropout_p, scale, enable_gqa)
     cp = _ACTIVE[0]
     if cp is None or query.is_meta:
         return torch.nn.functional.scaled_dot_product_attention(
@@ -120,7 +122,7 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
             enable_gqa=enable_gqa)
     if attn_mask is not None or dropout_p:
         raise ValueError("attention with a mask or dropout cannot be split over a cp group (graph rewrite refuses it)")
-    key, value = _to_query_heads(query, key, value, enable_gqa)
+    key, value = _for_kernel(cp, query, key, value)
     fn = ring_attention if cp.method == "ring" else ulysses_attention
     return fn(query, key, value, cp.positions(query.shape[-2], query.device), cp.group, causal=is_causal, scale=scale)
 

@@ -91,22 +91,34 @@ class _Ring:
         return recv
 
 
+def _heads(x: torch.Tensor, rep: int) -> torch.Tensor:
+    """Grouped-query keys or values [.., Hkv, T, D] at the queries' heads (each `rep` times): made
+    per block, so the ring carries the Hkv heads only."""
+    return x if rep == 1 else x.repeat_interleave(rep, dim=-3)
+
+
+def _fold(x: torch.Tensor, rep: int) -> torch.Tensor:
+    """Gradients at the queries' heads [.., H, T, D] summed back onto their key/value heads."""
+    return x if rep == 1 else x.unflatten(-3, (x.shape[-3] // rep, rep)).sum(-3)
+
+
 class RingAttention(torch.autograd.Function):
     """softmax(q kᵀ · scale, masked) v over the cp group's whole sequence, for this rank's
-    queries: q, k, v [B, H, T/cp, D] at `pos` [T/cp] (global positions), `doc` [B, T/cp] the
-    document of each position (None: one sequence)."""
+    queries: q [B, H, T/cp, D], k and v [B, Hkv, T/cp, D] (grouped-query attention when Hkv < H:
+    query head i reads key head i // (H / Hkv), as torch's `enable_gqa`), at `pos` [T/cp] (global
+    positions), `doc` [B, T/cp] the document of each position (None: one sequence)."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,  # noqa: ANN001
                 doc: torch.Tensor | None, group: dist.ProcessGroup, causal: bool, scale: float) -> torch.Tensor:
-        ring = _Ring(group)
+        ring, rep = _Ring(group), q.shape[-3] // k.shape[-3]
         out = torch.zeros_like(q, dtype=torch.float32)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         kv, where = torch.stack([k, v]), pos[None] if doc is None else torch.cat([pos[None], doc])
         for step in range(ring.size):
             pending = ring.rotate([kv, where], "kv") if step < ring.size - 1 else None
             k_doc = None if doc is None else where[1:]
-            s = _scores(q.float(), kv[0].float(), scale, _allowed(pos, where[0], doc, k_doc, causal))
+            s = _scores(q.float(), _heads(kv[0].float(), rep), scale, _allowed(pos, where[0], doc, k_doc, causal))
             block = torch.logsumexp(s, dim=-1)
             merged = torch.logaddexp(lse, block)
             seen = torch.isfinite(merged)
@@ -114,7 +126,7 @@ class RingAttention(torch.autograd.Function):
             # the block's probabilities in place of its scores (a row nothing has scored yet is all
             # -inf: exp gives 0)
             take = s.sub_(torch.where(seen, merged, 0.0)[..., None]).exp_()
-            out = out * keep[..., None] + torch.matmul(take, kv[1].float())
+            out = out * keep[..., None] + torch.matmul(take, _heads(kv[1].float(), rep))
             del s, take
             lse = merged
             if pending is not None:
@@ -127,7 +139,7 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         q, k, v, pos, doc, out, lse = ctx.saved_tensors
         doc = doc if ctx.has_doc else None
-        ring, scale = _Ring(ctx.group), ctx.scale
+        ring, scale, rep = _Ring(ctx.group), ctx.scale, q.shape[-3] // k.shape[-3]
         g = grad.float()
         delta = (g * out).sum(dim=-1, keepdim=True)
         finite = torch.where(torch.isfinite(lse), lse, 0.0)[..., None]
@@ -138,12 +150,14 @@ class RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             pending = ring.rotate([kv, where], "kv backward") if step < ring.size - 1 else None
             k_doc = None if doc is None else where[1:]
-            s = _scores(q.float(), kv[0].float(), scale, _allowed(pos, where[0], doc, k_doc, ctx.causal))
+            keys, values = _heads(kv[0].float(), rep), _heads(kv[1].float(), rep)
+            s = _scores(q.float(), keys, scale, _allowed(pos, where[0], doc, k_doc, ctx.causal))
             p = s.sub_(finite).exp_()  # in place of the scores; a masked score is -inf: 0
-            ds = torch.matmul(g, kv[1].float().transpose(-1, -2)).sub_(delta).mul_(p)  # dp, then ds, in place
-            dq = dq + torch.matmul(ds, kv[0].float()) * scale
-            here = torch.stack([torch.matmul(ds.transpose(-1, -2), q.float()) * scale,
-                                torch.matmul(p.transpose(-1, -2), g)])
+            ds = torch.matmul(g, values.transpose(-1, -2)).sub_(delta).mul_(p)  # dp, then ds, in place
+            dq = dq + torch.matmul(ds, keys) * scale
+            here = _fold(torch.stack([torch.matmul(ds.transpose(-1, -2), q.float()) * scale,
+                                      torch.matmul(p.transpose(-1, -2), g)]), rep)
+            del keys, values
             del s, p, ds
             if moving is not None:  # what the ranks before added to this block
                 dkv = ring.wait(*moving)[0]

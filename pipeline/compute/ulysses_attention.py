@@ -61,7 +61,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: to
                       causal: bool = True, doc: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """softmax(q kᵀ · scale, masked) v over the cp group's whole sequence for this rank's
     positions: q, k, v [B, H, T/cp, D] at global positions `pos` [T/cp]; `doc` [B, T/cp] each
-    position's document (None: one sequence). H must divide by the group's size."""
+    position's document (None: one sequence). H must divide by the group's size, and so must k's
+    and v's heads (grouped-query attention: fewer, each read by H / Hkv query heads)."""
     cp = dist.get_world_size(group)
     if q.shape[1] % cp or k.shape[1] % cp:
         raise ValueError(f"all-to-all attention splits the heads over cp={cp}: {q.shape[1]} query and {k.shape[1]} "
@@ -76,13 +77,15 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: to
     qs, ks, vs = (_Exchange.apply(t, group, True)[:, :, order] for t in (q, k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if doc is None:
-        out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale)
+        out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale,
+                                                               enable_gqa=ks.shape[1] != qs.shape[1])
     else:
         docs = every[1:, order]
         mask = docs[:, :, None] == docs[:, None, :]
         if causal:
             mask = mask & torch.ones(mask.shape[-1], mask.shape[-1], dtype=torch.bool, device=mask.device).tril()
-        out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask[:, None], scale=scale)
+        out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask[:, None], scale=scale,
+                                                               enable_gqa=ks.shape[1] != qs.shape[1])
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=order.device)
     return _Exchange.apply(out[:, :, back].contiguous(), group, False)

@@ -222,9 +222,9 @@ def context_degrees(cfg: TrainConfig, spec: ModelSpec) -> list[int] | None:
     meta, packing = spec.meta, str(cfg.data.get("packing") or "none") if hasattr(cfg.data, "get") else "none"
     refusal = None
     if "context_parallel" not in meta:
-        refusal = f"model={spec.name} does not run attention over a cp group (model=gpt and its presets do)"
-    elif meta.get("experts"):
-        refusal = "its mixture-of-experts layers do not run beside cp yet"
+        refusal = f"model={spec.name} does not run attention over a cp group (model=gpt, model=hf and model=module do)"
+    elif meta.get("experts") and (cfg.moe.capacity_factor is not None or (spec.own_loss and meta.get("router_aux_loss"))):
+        refusal = "its experts' capacity, or the auxiliary loss inside its own loss, counts one cp rank's tokens"
     elif meta.get("dropout"):
         refusal = f"model.dropout={meta['dropout']} does not run beside cp yet"
     elif packing not in ("none", "documents") or (hasattr(cfg.data, "get") and cfg.data.get("buckets")):

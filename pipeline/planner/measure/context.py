@@ -88,7 +88,9 @@ def exchange_s(shape: tuple[int, int, int, int], cp: int, method: str, link: tup
         kv = 2 * kv_block * compute_bytes
         forward = (cp - 1) * (latency + kv / bandwidth)
         return forward, forward + cp * (latency + 2 * kv_block * 4 / bandwidth)
-    # q and the output at the queries' heads, k and v at theirs: each a rank's (cp - 1) / cp
+    # q and the output at the queries' heads, k and v at theirs where those divide by cp (else
+    # repeated to the queries': compute.context_parallel._for_kernel): each a rank's (cp - 1) / cp
+    kv_block = kv_block if (kv_heads or h) % cp == 0 else block
     moved = (2 * block + 2 * kv_block) * compute_bytes * (cp - 1) / cp / bandwidth
     return 4 * latency + moved, 4 * latency + moved
 
