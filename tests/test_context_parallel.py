@@ -81,6 +81,28 @@ def test_a_mixture_of_experts_trains_as_one_process_under_context_parallelism(tm
                                                                "moe.bias_update_rate=0.01"]))], tmp_path)
 
 
+@pytest.mark.timeout(600)
+def test_bf16_under_context_parallelism_trains_like_one_process_under_bf16(tmp_path) -> None:
+    """precision=bf16 beside cp (the ring's blocks in fp32, its exchanges in bf16): model=gpt at
+    pp=2 cp=2 and transformers' Llama at pp=1 dp=2 cp=2 zero=1 against one process's bf16, as
+    tests/test_zero_bf16.py holds sharding (losses within 1e-2, step 0's gradients and the final
+    weights within 3e-2 of each tensor's norm)."""
+    from tests.harness import merge_state, run_jobs
+    from tests.reference import reference_run
+    from tests.test_context_parallel_models import LLAMA
+    from tests.test_zero_bf16 import _relative
+
+    cfgs = {"gpt pp=2 cp=2 bf16": compose_cfg([*CP, "pp=2", "cp=2", "precision=bf16", "steps=2", "scheduler=1f1b"]),
+            "llama dp=2 cp=2 zero=1 bf16": compose_cfg([*LLAMA, "pp=1", "dp=2", "cp=2", "zero=1", "precision=bf16",
+                                                        "scheduler=1f1b"])}
+    for (what, cfg), ranks in zip(cfgs.items(), run_jobs(list(cfgs.values()), tmp_path / "logs"), strict=True):
+        ref = reference_run(cfg)
+        assert ranks[0].losses == pytest.approx(ref["losses"], rel=1e-2), what
+        for d in range(cfg.dp):
+            for key in ("grads_step0", "params_final"):
+                assert _relative(merge_state(ranks, key, d), ref[key]) < 3e-2, (what, key, d)
+
+
 @pytest.mark.parametrize(("overrides", "key", "words"), [
     (["model.seq_len=6", "cp=2"], "cp", "2 x cp = 4 chunks"),
     (["model=mlp", "cp=2"], "cp", "valid: model=gpt"),
