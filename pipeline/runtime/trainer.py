@@ -403,22 +403,26 @@ class RankTrainer:
         """debug.record_p2p (collective): every pair of ranks posted complementary messages in the
         same order, in the training and the evaluation program, and the replicas of each pipeline
         rank issued the same data-parallel collectives in the same order (the tp ranks theirs, an
-        ep group its all-to-alls); rank 0 raises if not."""
+        ep group its all-to-alls, a cp group its ring or all-to-all exchanges); rank 0 raises if not."""
         logs = [getattr(e, "posting_log", None) for e in (self.executor, self._eval)]
         everyone: list = [None] * self.ctx.world_size
         ctx = self.ctx
         ep_group = tuple(dist.get_process_group_ranks(ctx.ep_group)) if ctx.ep > 1 else None
+        cp_group = tuple(dist.get_process_group_ranks(ctx.cp_group)) if ctx.cp > 1 else None
         dist.all_gather_object(everyone, (logs, ctx.pp_rank, self.collective_log, (ctx.dp_rank, ctx.pp_rank),
-                                          self.tp_log, ep_group, self.expert_log))
+                                          self.tp_log, ep_group, self.expert_log, cp_group, self.cp_log))
         if ctx.rank == 0:
             for which in range(2):
                 verify_posting_order([part[0][which] for part in everyone])
             verify_collective_order([(pp_rank, log) for _, pp_rank, log, *_ in everyone])
-            verify_collective_order([(group, log) for *_, group, log, _, _ in everyone], "tensor-parallel",
+            verify_collective_order([(group, log) for *_, group, log, _, _, _, _ in everyone], "tensor-parallel",
                                     "the tp ranks of (replica, pipeline rank)")
             # what each exchange carries differs by rank (the rows routed): its order may not
-            verify_collective_order([(group, [e.rsplit(" ", 1)[0] for e in log]) for *_, group, log in everyone
+            verify_collective_order([(group, [e.rsplit(" ", 1)[0] for e in log]) for *_, group, log, _, _ in everyone
                                      if group is not None], "expert", "the ep group")
+            # the cp group's exchanges (each names its own ring neighbours: the order is what NCCL matches)
+            verify_collective_order([(group, [e.split(" to ")[0] for e in log or []]) for *_, group, log in everyone
+                                     if group is not None], "context-parallel", "the cp group")
 
     def nonfinite_report(self, step: int, loss: float) -> str:
         """Where a NaN or inf first showed (collective): the first stage, in pipeline order, whose
