@@ -26,17 +26,14 @@ NANOGPT = [*COMMON, "model=module", "model.module._target_=tests.zoo.nanogpt", "
 
 @pytest.mark.timeout(600)
 def test_transformers_llama_and_nanogpt_train_as_one_process_under_context_parallelism(tmp_path) -> None:
-    """Llama at pp=2 cp=2 under 1f1b (the ring) and ZBV (all-to-all over its 4 query heads, the 2
-    key/value heads repeated to them; the backward split), and at pp=1 dp=2 cp=2 zero=3 (sharded
-    over dp x cp); nanoGPT at pp=2 cp=2 (its position table read at the rank's global positions,
+    """Llama at pp=2 cp=2 under 1f1b (the ring moving its 2 key/value heads) and ZBV (all-to-all
+    over its 4 query and 2 key/value heads; the backward split); nanoGPT at pp=2 cp=2 (its position table read at the rank's global positions,
     its tied embedding on both stages, its own token-mean loss weighted by the tokens each rank
     scores); transformers' DeepSeek-V3 at pp=2 cp=2 (values of another head size than the keys,
     padded as they travel the ring; its experts routing each rank's positions)."""
     cases = [("llama pp=2 cp=2 1f1b ring", compose_cfg([*LLAMA, "pp=2", "cp=2", "scheduler=1f1b"])),
              ("llama pp=2 cp=2 zbv alltoall", compose_cfg([*LLAMA, "pp=2", "cp=2", "scheduler=zbv",
                                                            "cp_method=alltoall"])),
-             ("llama pp=1 dp=2 cp=2 zero=3", compose_cfg([*LLAMA, "pp=1", "dp=2", "cp=2", "zero=3",
-                                                          "scheduler=1f1b"])),
              ("nanogpt pp=2 cp=2 1f1b ring", compose_cfg([*NANOGPT, "pp=2", "cp=2", "scheduler=1f1b"])),
              # DeepSeek-V3's attention (MLA: keys of 24, values of 16 per head) and its routed experts
              ("deepseek-v3 pp=2 cp=2 1f1b ring", compose_cfg([*COMMON, "model=hf_deepseek_v3_tiny", "pp=2", "cp=2",
@@ -69,10 +66,12 @@ def test_transformers_llama_and_nanogpt_train_as_one_process_under_context_paral
 @pytest.mark.timeout(900)
 def test_transformers_mixtures_of_experts_train_as_one_process_under_context_parallelism(tmp_path) -> None:
     """Mixtral at pp=2 cp=2 and Qwen3-MoE at pp=1 dp=2 ep=2 cp=2 (its experts' gradients summed
-    over their expert replicas and the cp ranks)."""
+    over their expert replicas and the cp ranks), and Llama at pp=1 dp=2 cp=2 zero=3 (sharded over
+    dp x cp; model=gpt's is in the default suite: tests/test_context_parallel.py)."""
     from tests.harness import check_like_one_process
 
     check_like_one_process([
+        ("llama pp=1 dp=2 cp=2 zero=3", compose_cfg([*LLAMA, "pp=1", "dp=2", "cp=2", "zero=3", "scheduler=1f1b"])),
         ("mixtral pp=2 cp=2", compose_cfg([*COMMON, "model=hf_mixtral_tiny", "pp=2", "cp=2", "scheduler=1f1b"])),
         ("qwen3-moe dp=2 ep=2 cp=2", compose_cfg([*COMMON, "model=hf_qwen3_moe_tiny", "pp=1", "dp=2", "ep=2", "cp=2",
                                                   "scheduler=1f1b"]))], tmp_path)

@@ -216,6 +216,7 @@ def test_packed_llama_under_tensor_parallelism_trains_as_each_document_alone(doc
                   lambda m, ids: m(ids).logits, "model.")
 
 
+@pytest.mark.slow  # the default suite checks the rewrite (tests/test_context_parallel_models.py) and the kernels
 @pytest.mark.timeout(600)
 def test_packed_llama_trains_as_each_document_alone_under_context_parallelism(documents, tmp_path) -> None:
     """transformers' Llama on packed documents at pp=2 cp=2 (#57): the document mask it builds from
