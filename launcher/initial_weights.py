@@ -1,6 +1,6 @@
 """Which initial weights a run starts from, and the file that carries them to the ranks (#33).
 
-The contract (README, "Your model, exactly as you wrote it"):
+The contract (docs/your_model.md):
 - **constructor** (`init.weights=auto` up to `init.max_bytes`, or asked for): the model is built
   once per node, for real, on the CPU, as `torch.manual_seed(seed); factory()` builds it in the
   user's own script; its tensors go to one safetensors file under $TMPDIR, and each rank reads

@@ -110,7 +110,7 @@ SCENARIOS = [
     Scenario("quick-start-sweep", "README.md", (ACTIVATE, sweep("python train.py -m scheduler=gpipe,1f1b")),
              slow=True, timeout=300),
     # the user's own project directory: its models/ package, its token file, its conf/model/tiny.yaml
-    Scenario("your-project", "README.md", (
+    Scenario("your-project", "docs/your_model.md", (
         prelude("mkdir -p myproject/models && cd myproject"),
         typed("touch models/__init__.py", produces="myproject/models/__init__.py"),
         typed("cat > models/tiny.py <<'EOF'", produces="myproject/models/tiny.py"),
@@ -124,7 +124,7 @@ SCENARIOS = [
     # slow: tests/test_bring_your_own.py trains this module on a token file as typed, and
     # tests/test_project_dir.py a project's own model by its own config name
     ), slow=True, timeout=180),
-    Scenario("transformers", "README.md", (
+    Scenario("transformers", "docs/your_model.md", (
         train("python train.py model=hf_llama_tiny scheduler=zbv pp=2 partitioner=balanced"),
         typed("python -c \"from transformers import LlamaConfig, LlamaForCausalLM; LlamaForCausalLM(LlamaConfig("
               "hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, vocab_size=256))"
@@ -133,7 +133,7 @@ SCENARIOS = [
     ), slow=True, timeout=300),
     # fine-tuning on prompt/response pairs (slow: tests/test_fine_tuning.py trains both kinds like one
     # process at 1, 4 and 8 micro-batches and dp 1 and 2)
-    Scenario("fine-tuning", "README.md", (
+    Scenario("fine-tuning", "docs/your_data.md", (
         typed("python -c \"from pathlib import Path; from tests.corpora import make_tokenizer; "
               "make_tokenizer(Path('chat_tok'))\"", produces="chat_tok/tokenizer.json"),
         typed("python -c \"import json; open('chat.jsonl', 'w').writelines(json.dumps({'prompt': f'Q{i}: what "
@@ -152,7 +152,7 @@ SCENARIOS = [
              "pp=2 microbatches=8 scheduler=zbv"),
     ), slow=True, timeout=400),
     # packed documents (slow: tests/test_packing.py checks the property by default)
-    Scenario("packing", "README.md", (
+    Scenario("packing", "docs/your_data.md", (
         typed("python -c \"import numpy as np; rng = np.random.default_rng(0); np.concatenate([np.append("
               "rng.integers(1, 256, n), 0) for n in rng.integers(1, 40, 2000)]).astype(np.uint16).tofile('docs.bin')\"",
               produces="docs.bin"),
@@ -162,15 +162,15 @@ SCENARIOS = [
               "data.packing=documents data.eod_id=0 pp=2"),
     ), slow=True, timeout=300),
     # a model computing its own loss (nanoGPT's stand-in, transformers'); the last-position refusal
-    Scenario("own-loss", "README.md", (
+    Scenario("own-loss", "docs/your_model.md", (
         train("python train.py model=module model.module._target_=tests.zoo.nanogpt model.seq_len=16 "
               "model.vocab_size=64 model.loss=model pp=2"),
         train("python train.py model=hf_gpt2_tiny model.loss=model pp=2"),
     ), slow=True, timeout=300),
-    Scenario("refused-last-position", "README.md", (
+    Scenario("refused-last-position", "docs/your_model.md", (
         refused("python train.py model=module model.module._target_=tests.zoo.nanogpt model.seq_len=16 "
                 "model.vocab_size=64 model.output=0"),)),
-    Scenario("diffusers", "README.md", (
+    Scenario("diffusers", "docs/your_model.md", (
         train("python train.py model=module model.module._target_=diffusers.UNet2DModel +model.module.sample_size=8 "
               "'+model.module.block_out_channels=[8,16]' +model.module.layers_per_block=1 "
               "+model.module.norm_num_groups=4 '+model.module.down_block_types=[DownBlock2D,DownBlock2D]' "
@@ -186,7 +186,7 @@ SCENARIOS = [
               "'model.extra_inputs=[{shape:[4,16]},{shape:[8]},{shape:[],fill:10}]' model.loss=mse data=images "
               "data.channels=4 data.image_size=8 data.task=regression data.out_channels=4"),
     ), slow=True, timeout=300),
-    Scenario("documents-and-tokenizer", "README.md", (
+    Scenario("documents-and-tokenizer", "docs/your_data.md", (
         train("python train.py data=hf 'data.files=[docs.jsonl]' data.tokenizer=my_tokenizer "
               "model.vocab_size=50304 pp=2"),
         typed("python -m pipelaunch.pipeline.data.prepare docs.jsonl --tokenizer my_tokenizer --out docs.bin",
@@ -212,20 +212,20 @@ SCENARIOS = [
               "model.vocab_size=320 pp=2"),
         typed("ls docs.bin.docs-eod1-*.npy"),
     ), slow=True, timeout=300, user_files=user_documents),
-    Scenario("text-files", "README.md", (train("python train.py data=text 'data.paths=[README.md,launcher]'"),),
+    Scenario("text-files", "docs/your_data.md", (train("python train.py data=text 'data.paths=[README.md,launcher]'"),),
              slow=True),
     # the block's own steps=2000 with checkpoints at 200 and 400 is minutes of training: 2 steps, then
     # 2 more resumed from the checkpoint the first run wrote at its end
-    Scenario("long-runs", "README.md", (
+    Scenario("long-runs", "docs/long_runs.md", (
         prelude(RUN),
         train("python train.py $RUN"),
         train("python train.py $RUN resume=auto", steps=4),
     ), slow=True, timeout=300),
-    Scenario("plan-auto", "README.md", (train("python train.py plan=auto model=gpt_bench pp=2"),), slow=True,
+    Scenario("plan-auto", "docs/planner.md", (train("python train.py plan=auto model=gpt_bench pp=2"),), slow=True,
              timeout=300),
-    Scenario("plan-auto-devices", "README.md", (plan("python train.py plan=auto plan.devices=4 mode=plan model=gpt_bench "
+    Scenario("plan-auto-devices", "docs/planning.md", (plan("python train.py plan=auto plan.devices=4 mode=plan model=gpt_bench "
                                                      "'plan.schedulers=[1f1b,zbv]'"),), slow=True, timeout=300),
-    Scenario("plan-auto-budget", "README.md",
+    Scenario("plan-auto-budget", "docs/planner.md",
              (train("python train.py plan=auto model=gpt_bench pp=4 memory=budget memory.cap_bytes=150e6"),),
              slow=True, timeout=300),
     Scenario("remat-auto", "docs/planner.md",
@@ -326,38 +326,38 @@ SCENARIOS = [
         plan("python train.py plan=auto plan.devices=8 mode=plan model.heads=8 'plan.schedulers=[1f1b]' "
              "'plan.partitioners=[uniform]' 'plan.remat=[none]' 'plan.microbatches=[8]'"),), slow=True, timeout=300),
     # slow: tests/test_hardware_plans.py plans a cluster on every hardware file by default
-    Scenario("cluster-plan", "README.md", (
+    Scenario("cluster-plan", "docs/planning.md", (
         plan("python train.py mode=plan plan=auto hardware=h100_sxm plan.devices=16 model.layers=24 model.dim=2048 "
              "model.heads=16 model.vocab_size=51200 model.seq_len=2048 batch_size=64 precision=bf16 "
              "'plan.schedulers=[1f1b,interleaved_1f1b]' 'plan.partitioners=[uniform]' 'plan.remat=[none]'"),),
              slow=True, timeout=600),
     # slow: about 90 s (a transformers Llama traced to its operators); tests/test_hardware_plans.py prices
     # models on every hardware file by default
-    Scenario("cluster-plan-70b", "README.md", (
+    Scenario("cluster-plan-70b", "docs/planning.md", (
         plan("python train.py mode=plan model=llama3_70b pp=8 tp=8 microbatches=16 batch_size=16 hardware=h100_sxm "
              "precision=bf16 remat=full"),),
              slow=True, timeout=600),
-    Scenario("scheduler-auto", "README.md", (train("python train.py scheduler=auto pp=2 microbatches=8"),),
+    Scenario("scheduler-auto", "docs/planning.md", (train("python train.py scheduler=auto pp=2 microbatches=8"),),
              slow=True, timeout=300),
-    Scenario("sweep-4-jobs", "README.md",
+    Scenario("sweep-4-jobs", "docs/sweeps.md",
              (sweep("python train.py -m scheduler=gpipe,1f1b partitioner=uniform,balanced"),), slow=True,
              timeout=400),
-    Scenario("sweep-matrix", "README.md", (sweep("python train.py -m +sweep=schedules"),), slow=True, timeout=600),
-    Scenario("optuna-throughput", "README.md", (
+    Scenario("sweep-matrix", "docs/sweeps.md", (sweep("python train.py -m +sweep=schedules"),), slow=True, timeout=600),
+    Scenario("optuna-throughput", "docs/sweeps.md", (
         sweep("python train.py -m hydra/sweeper=optuna hydra.sweeper.n_trials=8 'microbatches=choice(2,4,8)' "
               "'scheduler=choice(1f1b,zbv)'"),), slow=True, timeout=600),
-    Scenario("optuna-loss", "README.md", (
+    Scenario("optuna-loss", "docs/sweeps.md", (
         sweep("python train.py -m hydra/sweeper=optuna hydra.sweeper.n_trials=8 objective=loss "
               "'optimizer.lr=tag(log,interval(1e-4,1e-2))'"),), slow=True, timeout=600),
     # slow: tests/test_cli.py's torchrun ranks join the same way by default
-    Scenario("torchrun-one-machine", "README.md", (
+    Scenario("torchrun-one-machine", "docs/gpu.md", (
         Step("torchrun --standalone --nproc-per-node 2 train.py pp=2 hydra.run.dir=out/tr", "steps=2",
              produces="out/tr/metrics.json"),), slow=True),
-    Scenario("submitit-local", "README.md", (
+    Scenario("submitit-local", "docs/gpu.md", (
         sweep("python train.py -m hydra/launcher=submitit_local hydra.launcher.tasks_per_node=2 pp=2"),), slow=True,
              timeout=400),
-    Scenario("refused-model-unet", "README.md", (refused("python train.py model=unet"),)),
-    Scenario("hung-rank-report", "README.md", (
+    Scenario("refused-model-unet", "docs/failures.md", (refused("python train.py model=unet"),)),
+    Scenario("hung-rank-report", "docs/failures.md", (
         Step("python train.py pp=2 timeout_s=8 debug.hang_rank=1 debug.hang_step=2", "hydra.run.dir={run}",
              expect="failed"),),
         # slow: tests/test_faults.py hangs a rank with the same keys and checks the report line by line
