@@ -115,6 +115,8 @@ def test_bad_blends_are_refused_before_any_rank_starts_naming_the_key(corpora, t
         ([f"data.blend=[{{path:{web},weight:0}},{{path:{code},weight:1}}]"], "data.blend", "not a positive number"),
         ([f"data.blend=[{{path:{web},weight:-0.3}},{{path:{code},weight:1.3}}]"], "data.blend", "not a positive"),
         ([f"data.blend=[0.3,{web},0.7]"], "data.blend", "even number"),
+        ([f"data.blend=[1e308,{web},1e308,{code}]"], "data.blend", "the weights sum to inf"),
+        ([f"data.blend=[inf,{web},1,{code}]"], "data.blend", "not a positive number"),
         ([f"data.blend=[{web},0.3,{code},0.7]"], "data.blend", "not a path"),
         ([f"data.blend=[{{path:{web},weight:1,share:2}}]"], "data.blend", "unknown share"),
         ([f"data.blend=[{{path:{web}}}]"], "data.blend", "{path: <corpus>, weight: <w>}"),

@@ -160,11 +160,16 @@ def test_bad_corpora_are_refused_before_any_rank_starts_naming_the_key(corpora, 
     (tmp_path / "bad.idx").write_bytes(b"NOTANIDX" * 8)
     (tmp_path / "short.bin").write_bytes(b"\0" * 62)  # another corpus's index: it describes more
     (tmp_path / "short.idx").write_bytes(Path(f"{prefix}.idx").read_bytes())
+    floats = bytearray(Path(f"{prefix}.idx").read_bytes())
+    floats[17] = 6  # the dtype code: float64 (megatron-core's DType), no token ids
+    (tmp_path / "floats.idx").write_bytes(bytes(floats))
+    (tmp_path / "floats.bin").write_bytes(Path(f"{prefix}.bin").read_bytes())
     cases = [
         (["data=indexed", f"data.path={tmp_path / 'lone'}"], "data.path", "lone.idx' does not exist"),
         (["data=indexed", f"data.path={prefix}.bin"], "data.path", f"data.path={prefix}"),
         (["data=indexed", f"data.path={tmp_path / 'bad'}"], "data.path", "not a Megatron index"),
         (["data=indexed", f"data.path={tmp_path / 'short'}"], "data.path", "its index describes"),
+        (["data=indexed", f"data.path={tmp_path / 'floats'}"], "data.path", "float64 values, not token ids"),
         (["data=indexed", f"data.path={prefix}", "data.packing=documents", "data.eod_id=5"], "data.eod_id",
          "--append-eod"),
         (["data=indexed", f"data.path={prefix}", "data.dtype=int32"], "data.dtype", "uint16"),
@@ -173,3 +178,15 @@ def test_bad_corpora_are_refused_before_any_rank_starts_naming_the_key(corpora, 
     for overrides, key, words in cases:
         err = _refusal(overrides)
         assert err.key == key and words in str(err), (overrides, str(err))
+
+
+def test_the_window_starts_index_is_the_array_it_replaces() -> None:
+    """`Pieces` (O(documents)) gives every entry `chunks_of` (O(tokens / window)) would hold."""
+    from pipelaunch.pipeline.data.packing import Pieces, chunks_of
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 60, 500)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    for window in (1, 7, 17, 200):
+        array, index = chunks_of(starts, int(lengths.sum()), window), Pieces.of(starts, int(lengths.sum()), window)
+        assert len(index) == len(array) and [index[k] for k in range(len(array))] == array.tolist()

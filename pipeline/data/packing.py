@@ -23,6 +23,8 @@ at its edges and nothing is padded; within it, the same segments, positions and 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -95,6 +97,33 @@ def chunks_of(starts: np.ndarray, length: int, window: int) -> np.ndarray:
     pieces = 1 + (lengths - 1) // window
     first = np.repeat(np.cumsum(pieces) - pieces, pieces)
     return np.repeat(starts, pieces) + (np.arange(int(pieces.sum())) - first) * window
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """`chunks_of(starts, length, window)` without materialising it: entry k is the k-th window
+    start in stream order, found by a binary search over the documents' first piece numbers. A
+    corpus of n documents costs O(n) to index, whatever its tokens per window (the array would
+    hold tokens / window entries: 38 million for 5 billion ids in windows of 129)."""
+
+    starts: np.ndarray
+    #: per document, the number of its first piece (pieces of the documents before it)
+    first: np.ndarray
+    total: int
+    window: int
+
+    @classmethod
+    def of(cls, starts: np.ndarray, length: int, window: int) -> Pieces:
+        starts = np.asarray(starts, dtype=np.int64)
+        pieces = 1 + (np.append(starts[1:], length) - starts - 1) // window
+        return cls(starts, np.cumsum(pieces) - pieces, int(pieces.sum()), window)
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __getitem__(self, k: int) -> int:
+        d = int(np.searchsorted(self.first, k, side="right")) - 1
+        return int(self.starts[d] + (k - self.first[d]) * self.window)
 
 
 def whole_documents(tokens: np.ndarray, start: int, window: int, eod_id: int) -> tuple[np.ndarray, int]:

@@ -25,11 +25,12 @@ import numpy as np
 import torch
 
 from pipelaunch.pipeline.core.errors import ConfigError
+from pipelaunch.pipeline.data.blend import Mixture
 from pipelaunch.pipeline.data.packing import (
     Batch,
+    Pieces,
     Windows,
     check_packing,
-    chunks_of,
     document_starts,
     whole_documents,
 )
@@ -114,10 +115,8 @@ class TokenFile(Windows):
                                                "ids; set model.seq_len=<tokens per sample>, e.g. model.seq_len=64")
         #: the last training batch drawn, (step, batch size), and its windows' counts of the file's ids
         self._drawn: tuple[tuple[int, int] | None, np.ndarray | None] = (None, None)
-        self.mixture = None
+        self.mixture: Mixture | None = None
         if self.blend is not None:
-            from pipelaunch.pipeline.data.blend import Mixture
-
             self.mixture = Mixture.of(self)
             return
         if self.path is None:
@@ -129,7 +128,7 @@ class TokenFile(Windows):
         self._train = self._open(self.path, "data.path")
         self._val = self._open(self.val_path, "data.val_path") if self.val_path else None
         #: packed: where a window may start in each file (documents' starts, long ones' pieces)
-        self._chunks = {id(t): chunks_of(self._document_starts(t, p), len(t), self.seq_len + 1)
+        self._chunks = {id(t): Pieces.of(self._document_starts(t, p), len(t), self.seq_len + 1)
                         for t, p in ((self._train, self.path), (self._val, self.val_path))
                         if t is not None and self.whole}
 
