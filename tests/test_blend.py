@@ -131,3 +131,29 @@ def test_bad_blends_are_refused_before_any_rank_starts_naming_the_key(corpora, t
             prepare(compose_cfg([*RUN, "pp=2", *group, *overrides]))
         assert err.value.key == key and words in str(err.value), (overrides, str(err.value))
         assert "\n" not in str(err.value)
+
+
+@pytest.mark.timeout(300)
+def test_a_resumed_blend_run_continues_the_same_sequence(corpora, tmp_path) -> None:
+    """4 steps straight against 2 then 2 resumed from the checkpoint: the same losses after the
+    resume, the same final weights (check_resumed), and the same shares in metrics.json."""
+    from tests.test_cli import metrics
+    from tests.test_long_runs import check_resumed
+
+    web, code = corpora
+    args = [*RUN, "data=tokens", f"data.blend=[0.3,{web},0.7,{code}]", "data.packing=documents", f"data.eod_id={EOD}",
+            "pp=2", "steps=4", "checkpoint.every=2"]
+    check_resumed(args, args, tmp_path, at=2, steps=4)
+    straight, resumed = metrics(tmp_path / "firstrun"), metrics(tmp_path / "thenrun")
+    assert resumed["data_blend"] == straight["data_blend"]
+    assert straight["data_blend"]["samples"] == shares(0, [0.3, 0.7], 0, 4 * 16)
+
+
+def test_each_corpus_of_a_blend_draws_its_held_out_windows_from_its_own_val_path(corpora) -> None:
+    web, code = corpora
+    blend = TokenFile(path=None, seq_len=16, blend=[{"path": str(web), "weight": 0.3, "val_path": str(code)},
+                                                    {"path": str(code), "weight": 0.7}])
+    alone = [TokenFile(path=str(web), seq_len=16, val_path=str(code)), TokenFile(path=str(code), seq_len=16)]
+    rows = blend.val_batch(2, 16)[0]
+    for row, k, i in zip(rows, choose(0, [0.3, 0.7], np.arange(32, 48)), range(32, 48), strict=True):
+        assert torch.equal(row, alone[k].val_batch(i, 1)[0][0])
