@@ -290,11 +290,11 @@ def test_bad_hf_data_is_refused_before_any_rank(change, key, fragment, tmp_path)
 
 
 def _readme_example(tmp_path: Path) -> list[str]:
-    """README's "Your own project" as typed: its models/tiny.py and its token file written into the
+    """docs/your_model.md's "Your own project" as typed: its models/tiny.py and its token file written into the
     project directory tmp_path, and its first `pipelaunch` command's arguments (the token file's
     path made absolute)."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("### Your own project"):text.index("### A transformers model")]
+    text = (ROOT / "docs" / "your_model.md").read_text()
+    section = text[text.index("## Your own project"):text.index("## A transformers model")]
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "__init__.py").write_text("")
     (tmp_path / "models" / "tiny.py").write_text(
@@ -314,7 +314,7 @@ def _pipelaunch(args: list[str], project: Path, run: Path) -> subprocess.Complet
 
 @pytest.fixture
 def readme_example(tmp_path, monkeypatch):
-    """The README's project on this process's import path, as the command puts it there."""
+    """docs/your_model.md's project on this process's import path, as the command puts it there."""
     args = _readme_example(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in ("models", "models.tiny"):

@@ -9,12 +9,25 @@ import numpy as np
 import pytest
 
 from pipelaunch.launcher.validate import prepare
+from pipelaunch.pipeline.core.errors import ConfigError
 from tests.harness import FAST, compose_cfg, group_options
 
 TOKENS = Path(tempfile.mkdtemp(prefix="tokens_")) / "train.bin"
 np.random.default_rng(0).integers(0, 64, 4096).astype(np.uint16).tofile(TOKENS)
 
 GROUPS = ["model", "data", "scheduler", "partitioner", "placement", "optimizer", "logger", "memory", "lr_scheduler"]
+
+
+def _indexed() -> Path:
+    """TOKENS as a Megatron indexed corpus of 8 documents (our writer; tests/test_indexed.py checks
+    it against megatron-core's)."""
+    from pipelaunch.pipeline.data.indexed import IndexedWriter
+
+    prefix = TOKENS.parent / "indexed"
+    writer = IndexedWriter(prefix, "uint16")
+    writer.add(np.fromfile(TOKENS, dtype=np.uint16), np.full(8, 512))
+    writer.close()
+    return prefix
 
 
 def _documents() -> list[str]:
@@ -49,6 +62,7 @@ NEEDS = {
     ("data", "images"): ["model=unet"],
     ("data", "text"): ["model.vocab_size=256"],
     ("data", "tokens"): [f"data.path={TOKENS}"],
+    ("data", "indexed"): lambda: [f"data.path={_indexed()}"],
     ("data", "hf"): _documents,
     ("data", "chat"): _examples,
     ("model", "hf"): ["+model.config.model_type=gpt2", "+model.config.n_layer=4", "+model.config.n_embd=32",
@@ -69,7 +83,11 @@ def test_every_group_option_composes_and_plans(group: str) -> None:
         needs = NEEDS.get((group, option), [])
         overrides += needs() if callable(needs) else needs
         cfg = compose_cfg(overrides)
-        prepared = prepare(cfg, profile=False if option not in ("auto", "balanced", "milp") else None)
+        try:
+            prepared = prepare(cfg, profile=False if option not in ("auto", "balanced", "milp") else None)
+        except ConfigError as err:  # a preset at its published size: planned on meta in tests/test_presets.py
+            assert group == "model" and err.key == "model" and "mode=plan hardware=" in str(err), (option, err)
+            continue
         assert prepared.plan.pp == 2, f"{group}={option}"
 
 
