@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import torch
 
 from pipelaunch.launcher.validate import prepare
 from pipelaunch.pipeline.core.errors import ConfigError
@@ -123,42 +124,31 @@ def test_packed_documents_replace_the_models_mask_in_its_graph() -> None:
                                                                                           "call_module", "call_method")}
 
 
-def _layers(vocab_size: int, dim: int = 16):  # noqa: ANN202 - the embedding and projections
-    import torch
+class _TinyAttention(torch.nn.Module):
+    """A token model of one attention, computed by `attend(q, k, v)` (its subclasses: what cp
+    cannot split)."""
 
-    return torch.nn.Embedding(vocab_size, dim), torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, vocab_size)
+    def __init__(self, vocab_size: int = 64, dim: int = 16) -> None:
+        super().__init__()
+        self.embed, self.qkv = torch.nn.Embedding(vocab_size, dim), torch.nn.Linear(dim, 3 * dim)
+        self.head = torch.nn.Linear(dim, vocab_size)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.embed(ids)).chunk(3, dim=-1)
+        return self.head(self.attend(q, k, v))
 
 
-def MaskedAttention(vocab_size: int = 64):  # noqa: ANN201, N802 - a factory named as its model
+class MaskedAttention(_TinyAttention):
     """Attention given a causal mask it builds at the rank's length (cp cannot split it)."""
-    import torch
 
-    class Masked(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed, self.qkv, self.head = _layers(vocab_size)
-
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            q, k, v = self.qkv(self.embed(ids))[:, None].chunk(3, dim=-1)
-            t = ids.shape[1]
-            mask = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
-            return self.head(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)[:, 0])
-
-    return Masked()
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        t = q.shape[1]
+        mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        return torch.nn.functional.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], attn_mask=mask)[:, 0]
 
 
-def EagerAttention(vocab_size: int = 64):  # noqa: ANN201, N802 - a factory named as its model
+class EagerAttention(_TinyAttention):
     """Attention scores materialised by the model itself (cp cannot split them)."""
-    import torch
 
-    class Eager(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed, self.qkv, self.head = _layers(vocab_size)
-
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            q, k, v = self.qkv(self.embed(ids)).chunk(3, dim=-1)
-            scores = torch.softmax(q @ k.transpose(-1, -2) / 4.0, dim=-1)
-            return self.head(scores @ v)
-
-    return Eager()
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(q @ k.transpose(-1, -2) / 4.0, dim=-1) @ v
