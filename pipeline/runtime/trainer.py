@@ -409,20 +409,22 @@ class RankTrainer:
         ctx = self.ctx
         ep_group = tuple(dist.get_process_group_ranks(ctx.ep_group)) if ctx.ep > 1 else None
         cp_group = tuple(dist.get_process_group_ranks(ctx.cp_group)) if ctx.cp > 1 else None
-        dist.all_gather_object(everyone, (logs, ctx.pp_rank, self.collective_log, (ctx.dp_rank, ctx.pp_rank),
-                                          self.tp_log, ep_group, self.expert_log, cp_group, self.cp_log))
+        dist.all_gather_object(everyone, {"posted": logs, "dp": (ctx.pp_rank, self.collective_log),
+                                          "tp": ((ctx.dp_rank, ctx.pp_rank), self.tp_log),
+                                          "ep": (ep_group, self.expert_log), "cp": (cp_group, self.cp_log)})
         if ctx.rank == 0:
             for which in range(2):
-                verify_posting_order([part[0][which] for part in everyone])
-            verify_collective_order([(pp_rank, log) for _, pp_rank, log, *_ in everyone])
-            verify_collective_order([(group, log) for *_, group, log, _, _, _, _ in everyone], "tensor-parallel",
+                verify_posting_order([part["posted"][which] for part in everyone])
+            verify_collective_order([part["dp"] for part in everyone])
+            verify_collective_order([part["tp"] for part in everyone], "tensor-parallel",
                                     "the tp ranks of (replica, pipeline rank)")
             # what each exchange carries differs by rank (the rows routed): its order may not
-            verify_collective_order([(group, [e.rsplit(" ", 1)[0] for e in log]) for *_, group, log, _, _ in everyone
-                                     if group is not None], "expert", "the ep group")
+            verify_collective_order([(group, [e.rsplit(" ", 1)[0] for e in log]) for group, log in
+                                     (part["ep"] for part in everyone) if group is not None], "expert", "the ep group")
             # the cp group's exchanges (each names its own ring neighbours: the order is what NCCL matches)
-            verify_collective_order([(group, [e.split(" to ")[0] for e in log or []]) for *_, group, log in everyone
-                                     if group is not None], "context-parallel", "the cp group")
+            verify_collective_order([(group, [e.split(" to ")[0] for e in log or []]) for group, log in
+                                     (part["cp"] for part in everyone) if group is not None], "context-parallel",
+                                    "the cp group")
 
     def nonfinite_report(self, step: int, loss: float) -> str:
         """Where a NaN or inf first showed (collective): the first stage, in pipeline order, whose
